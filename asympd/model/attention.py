@@ -1,0 +1,257 @@
+"""Latent sparse attention of one layer: a sliding window of raw KV plus, on compressed layers,
+the top-k entries of the shared compressed KV, chosen by the lightning indexer.
+
+Rows arrive flattened across sequences (ragged q_len); each sequence's rows are one ``SegmentView``
+that carries its cache view and the bounds of what it may see:
+- the window floor: rows replayed from a boundary b see window keys only at positions >= b
+  (bounded replay), by design not bit-identical to full windows;
+- ``write_global``: False when the compressed KV and index keys of these rows already exist (a
+  replay on D in the symmetric and encoder-only modes), so nothing global is rewritten.
+
+The compressed entry j of a ratio-r source pools positions [j*r, (j+1)*r) and is rotated at
+position j*r; a query at position i sees entries 0 .. (i+1)//r - 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from asympd.config import ModelConfig
+from asympd.model.ops import QLinear, apply_rope, rms_norm, rope_frequencies, stable_topk
+from asympd.model.quant import fp4_qdq, fp8_qdq
+
+
+class SequenceKV(Protocol):
+    """What a layer reads and writes of one sequence's caches (kv/ implements it, paged)."""
+
+    def read_compressed(self, layer: int, n: int) -> torch.Tensor: ...
+    def write_compressed(self, layer: int, start: int, entries: torch.Tensor) -> None: ...
+    def read_index_keys(self, layer: int, n: int) -> torch.Tensor: ...
+    def write_index_keys(self, layer: int, start: int, keys: torch.Tensor) -> None: ...
+    def window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def append_window(self, layer: int, positions: torch.Tensor, kv: torch.Tensor) -> None: ...
+    def pending(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    def append_pending(self, layer: int, positions: torch.Tensor, kv: torch.Tensor, score: torch.Tensor) -> None: ...
+
+
+@dataclass
+class SegmentView:
+    """One sequence's rows inside a layer's flattened batch."""
+
+    kv: SequenceKV
+    lo: int  # first row in the layer's batch
+    hi: int  # one past the last row
+    start: int  # absolute position of row `lo`
+    floor: int = 0  # window keys below this position are invisible
+    write_global: bool = True
+    shared: dict[str, Any] = field(default_factory=dict)  # selections/candidates handed down the stack
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return torch.arange(self.start, self.start + self.hi - self.lo)
+
+
+def rotations(freqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rows of the rotation table for these positions, computed exactly as the table would be."""
+    angles = positions.float().unsqueeze(-1) * freqs.unsqueeze(0)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    key_mask: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    round_probs: bool,
+) -> torch.Tensor:
+    """Single-latent attention (K = V) with an attention sink. q [m, h, d]; keys [m, n, d] gathered
+    per query; key_mask [m, n] (False = not visible). The sink joins the softmax denominator only.
+    A row with nothing visible returns zeros. ``round_probs`` rounds probabilities to bf16 before
+    the value product, as the reference kernel does in a bf16 run."""
+    logits = torch.einsum("mhd,mnd->mhn", q.float(), keys.float()) * scale
+    logits = logits.masked_fill(~key_mask.unsqueeze(1), float("-inf"))
+    top = logits.amax(dim=-1).clamp_min(-1e30)
+    p = torch.exp(logits - top.unsqueeze(-1))
+    denom = p.sum(-1) + torch.exp(sink.float() - top)
+    if round_probs:
+        p = p.to(torch.bfloat16).float()
+    out = torch.einsum("mhn,mnd->mhd", p, keys.float()) / denom.unsqueeze(-1)
+    return out.to(q.dtype)
+
+
+def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
+    """Level one of the two-level top-k: per query keep the ``topk_blocks`` blocks of ``block``
+    positions with the best entry. The block holding the query's newest visible entry is always
+    kept. Returns a bool mask shaped like scores [m, n]."""
+    n = scores.size(-1)
+    padded = F.pad(scores, (0, -n % block), value=float("-inf"))
+    block_scores = padded.unflatten(-1, (-1, block)).amax(dim=-1)
+    nb = block_scores.size(-1)
+    newest = (visible - 1).div(block, rounding_mode="floor")
+    block_scores = block_scores.masked_fill(torch.arange(nb) == newest.unsqueeze(-1), float("inf"))
+    top = stable_topk(block_scores, min(topk_blocks, nb))
+    keep = torch.zeros_like(block_scores, dtype=torch.bool)
+    keep.scatter_(-1, top, block_scores.gather(-1, top) > float("-inf"))
+    return keep.repeat_interleave(block, dim=-1)[..., :n]
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, w: dict[str, Any], round_probs: bool):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.ratio = cfg.ratio(layer)
+        self.source = cfg.kv_source_of(layer)
+        self.is_source = self.source == layer
+        self.is_index_source = layer < cfg.n_layers and layer in cfg.index_source_layers
+        self.is_candidate_source = cfg.has_candidates and layer == cfg.candidate_source_layer
+        self.uses_candidates = cfg.has_candidates and self.is_index_source and cfg.candidate_source_layer < layer
+        self.round_probs = round_probs
+        self.scale = cfg.head_dim**-0.5
+        # window-only layers keep plain RoPE; compressed layers use their own theta with YaRN
+        if self.ratio:
+            theta, orig = cfg.compress_rope_theta, cfg.original_seq_len
+        else:
+            theta, orig = cfg.rope_theta, 0
+        self.freqs = rope_frequencies(cfg.rope_head_dim, theta, orig, cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
+        self.attn_sink = w.get("attn_sink")
+        self.wq_a, self.wq_b, self.wkv = w.get("wq_a"), w.get("wq_b"), w.get("wkv")
+        self.q_norm, self.kv_norm = w.get("q_norm"), w.get("kv_norm")
+        self.wo_a, self.wo_b = w.get("wo_a"), w.get("wo_b")
+        self.comp_wkv, self.comp_wgate, self.comp_norm = w.get("compressor.wkv"), w.get("compressor.wgate"), w.get("compressor.norm")
+        self.idx_wq_b, self.idx_weights = w.get("indexer.wq_b"), w.get("indexer.weights_proj")
+        self.idx_wk, self.idx_k_norm = w.get("indexer.wk"), w.get("indexer.k_norm")
+
+    # ---- the KV path: all the prefill worker runs of the last KV source ------------------------
+
+    def kv_path(self, x: torch.Tensor, segs: list[SegmentView]) -> None:
+        """Compress these rows into the shared KV and index keys (x: the normed layer input)."""
+        for seg in segs:
+            if seg.write_global:
+                self._write_compressed(seg, x[seg.lo : seg.hi])
+
+    def _write_compressed(self, seg: SegmentView, x: torch.Tensor) -> None:
+        cfg, r, positions = self.cfg, self.ratio, seg.positions
+        if r == 1:
+            latent = rms_norm(self.comp_wkv(x), self.comp_norm, cfg.norm_eps)
+            first = seg.start
+        else:
+            xf = x.float()
+            kv, score = self.comp_wkv(xf), self.comp_wgate(xf)
+            hist_kv, hist_score, hist_pos = seg.kv.pending(self.layer)
+            group_start = (seg.start // r) * r
+            open_rows = (hist_pos >= group_start) & (hist_pos < seg.start)
+            if int(open_rows.sum()) != seg.start - group_start:
+                raise RuntimeError(
+                    f"layer {self.layer}: compressor needs the open group's {seg.start - group_start} rows "
+                    f"before position {seg.start}, cache holds {int(open_rows.sum())}"
+                )
+            all_kv = torch.cat([hist_kv[open_rows].float(), kv])
+            all_score = torch.cat([hist_score[open_rows].float(), score])
+            seg.kv.append_pending(self.layer, positions, kv, score)
+            n_groups = (seg.start + len(positions)) // r - seg.start // r
+            if n_groups == 0:
+                return
+            kv_g = all_kv[: n_groups * r].unflatten(0, (n_groups, r))
+            score_g = all_score[: n_groups * r].unflatten(0, (n_groups, r))
+            pooled = (kv_g * score_g.softmax(dim=1)).sum(dim=1)
+            latent = rms_norm(pooled.to(x.dtype), self.comp_norm, cfg.norm_eps)
+            first = seg.start // r
+        if latent.size(0) == 0:
+            return
+        rot = rotations(self.freqs, torch.arange(first, first + latent.size(0)) * r)
+        # index keys come from the latent before RoPE, then get their own rotation and FP4
+        k = rms_norm(self.idx_wk(latent), self.idx_k_norm, cfg.norm_eps)
+        k = fp4_qdq(apply_rope(k, rot, cfg.rope_head_dim), 32)
+        seg.kv.write_index_keys(self.layer, first, k)
+        entries = fp4_qdq(apply_rope(latent, rot, cfg.rope_head_dim), 16, e4m3_scale=True)
+        seg.kv.write_compressed(self.layer, first, entries)
+
+    # ---- the indexer -------------------------------------------------------------------------
+
+    def _select(self, seg: SegmentView, x: torch.Tensor, qr: torch.Tensor, visible: torch.Tensor, n: int) -> torch.Tensor:
+        """Top-k compressed entries per query ([m, k] int64, -1 = unused slot)."""
+        cfg = self.cfg
+        m = x.size(0)
+        if n == 0:
+            return torch.empty(m, 0, dtype=torch.long)
+        rot = rotations(self.freqs, seg.positions)
+        q = self.idx_wq_b(qr).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
+        q = fp4_qdq(apply_rope(q, rot, cfg.rope_head_dim), 32)
+        keys = seg.kv.read_index_keys(self.source, n).to(q.dtype)
+        weights = self.idx_weights(x) * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
+        scores = torch.einsum("mhd,nd->mhn", q, keys).relu()
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=1).float()
+        scores = scores.masked_fill(torch.arange(n) >= visible.unsqueeze(-1), float("-inf"))
+        if self.is_candidate_source:
+            seg.shared["candidates"] = select_candidate_blocks(
+                scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size
+            )
+        elif self.uses_candidates:
+            scores = scores.masked_fill(~seg.shared["candidates"], float("-inf"))
+        idx = stable_topk(scores, min(cfg.index_topk, n)).sort(dim=-1).values
+        return torch.where(idx < visible.unsqueeze(-1), idx, -1)
+
+    # ---- the full layer ----------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, segs: list[SegmentView]) -> torch.Tensor:
+        cfg = self.cfg
+        positions = torch.cat([s.positions for s in segs])
+        rot = rotations(self.freqs, positions)
+        qr = rms_norm(self.wq_a(x), self.q_norm, cfg.norm_eps)
+        q = apply_rope(self.wq_b(qr).unflatten(-1, (cfg.n_heads, cfg.head_dim)), rot, cfg.rope_head_dim)
+        kv = rms_norm(self.wkv(x), self.kv_norm, cfg.norm_eps)
+        kv = fp8_qdq(apply_rope(kv, rot, cfg.rope_head_dim), 32)
+
+        outs = []
+        for seg in segs:
+            sl = slice(seg.lo, seg.hi)
+            pos = seg.positions
+            prev_kv, prev_pos = seg.kv.window(self.layer)
+            keys = torch.cat([prev_kv.to(kv.dtype), kv[sl]])
+            key_pos = torch.cat([prev_pos, pos])
+            seg.kv.append_window(self.layer, pos, kv[sl])
+            mask = (
+                (key_pos <= pos.unsqueeze(-1))
+                & (key_pos > pos.unsqueeze(-1) - cfg.window_size)
+                & (key_pos >= seg.floor)
+            )
+            gathered = keys.unsqueeze(0).expand(len(pos), -1, -1)
+            if self.ratio:
+                if self.is_source and seg.write_global:
+                    self._write_compressed(seg, x[sl])
+                n = (seg.start + len(pos)) // self.ratio
+                visible = (pos + 1) // self.ratio
+                if self.is_index_source:
+                    sel = self._select(seg, x[sl], qr[sl], visible, n)
+                    seg.shared[f"selection.{self.ratio}"] = sel
+                else:
+                    sel = seg.shared[f"selection.{self.ratio}"]
+                if sel.size(1):
+                    entries = seg.kv.read_compressed(self.source, n).to(kv.dtype)
+                    gathered = torch.cat([gathered, entries[sel.clamp_min(0)]], dim=1)
+                    mask = torch.cat([mask, sel >= 0], dim=1)
+            outs.append(sparse_attention(q[sl], gathered, mask, self.attn_sink, self.scale, self.round_probs))
+        o = apply_rope(torch.cat(outs), rot, cfg.rope_head_dim, inverse=True)
+        # wo_a is block-diagonal over output groups: each group projects only its own heads
+        o = o.reshape(o.size(0), cfg.o_groups, -1)
+        wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
+        o = torch.einsum("mgd,grd->mgr", o, wo_a)
+        return self.wo_b(o.flatten(1))
+
+
+def make_attention_weights(w: dict[str, torch.Tensor], quantized: set[str]) -> dict[str, Any]:
+    """Wrap a layer's attention tensors: matrices in QLinear (FP8 ones quantize their input),
+    norms and the sink as plain tensors. ``wo_a`` is applied as a grouped einsum on its dequantized
+    bf16 weight without activation quantization, as the reference does."""
+    out: dict[str, Any] = {}
+    for name, t in w.items():
+        if t.dim() == 2 and not name.endswith("norm"):
+            out[name] = QLinear(t, quantized=name in quantized and name != "wo_a")
+        else:
+            out[name] = t
+    return out

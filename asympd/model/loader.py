@@ -1,0 +1,150 @@
+"""Build a role's model from checkpoint tensors in their storage formats.
+
+FP8 and FP4 weights are dequantized once here (exactly: they fit bf16) and their GEMM inputs keep
+the reference's FP8 activation quantization at run time. Engram tables stay FP8. The LM head is
+held in fp32, as the reference holds it, so logits come out in fp32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asympd.config import ModelConfig
+from asympd.model.attention import Attention
+from asympd.model.engram import Engram
+from asympd.model.moe import MoE
+from asympd.model.ops import QLinear
+from asympd.model.quant import dequant_fp4, dequant_fp8_tiles
+from asympd.model.schema import ROLES
+from asympd.model.transformer import Block, Transformer
+
+ATTN_MATRICES = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "compressor.wkv", "compressor.wgate",
+                 "indexer.wq_b", "indexer.weights_proj", "indexer.wk")
+ATTN_VECTORS = ("q_norm.weight", "kv_norm.weight", "attn_sink", "compressor.norm.weight", "indexer.k_norm.weight")
+
+
+class _Reader:
+    """Takes tensors out of the loaded dict by name, dequantizing by storage dtype."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+        self.t, self.dtype, self.device = tensors, dtype, device
+
+    def has(self, name: str) -> bool:
+        return f"{name}.weight" in self.t or name in self.t
+
+    def matrix(self, name: str, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, bool]:
+        """(dequantized weight, whether it was stored quantized)."""
+        w = self.t[f"{name}.weight"]
+        scale = self.t.get(f"{name}.scale")
+        if w.dtype == torch.float8_e4m3fn:
+            out, quantized = dequant_fp8_tiles(w, scale), True
+        elif w.dtype == torch.int8:
+            out, quantized = dequant_fp4(w, scale), True
+        else:
+            out, quantized = w, False
+        return out.to(device=self.device, dtype=dtype or self.dtype), quantized
+
+    def linear(self, name: str, dtype: torch.dtype | None = None) -> QLinear:
+        w, quantized = self.matrix(name, dtype)
+        return QLinear(w, quantized)
+
+    def vector(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        t = self.t[name]
+        return t.to(device=self.device, dtype=dtype or (torch.float32 if t.dtype == torch.float32 else self.dtype))
+
+    def raw(self, name: str) -> torch.Tensor:
+        return self.t[name].to(self.device)
+
+
+def _attention(cfg: ModelConfig, layer: int, r: _Reader, prefix: str, round_probs: bool) -> Attention:
+    w: dict[str, Any] = {}
+    for name in ATTN_MATRICES:
+        if not r.has(prefix + name):
+            continue
+        # the ratio>1 compressor pools in fp32, so its weights are promoted like the reference's
+        fp32 = name.startswith("compressor.") and cfg.ratio(layer) > 1
+        lin = r.linear(prefix + name, torch.float32 if fp32 else None)
+        if name == "wo_a":
+            lin.quantized = False  # applied as a grouped einsum on the bf16 weight, no act quant
+        w[name] = lin
+    for name in ATTN_VECTORS:
+        if prefix + name in r.t:
+            w[name.removesuffix(".weight")] = r.vector(prefix + name)
+    return Attention(cfg, layer, w, round_probs)
+
+
+def _moe(cfg: ModelConfig, layer: int, r: _Reader, prefix: str) -> MoE:
+    n_exp, _ = cfg.moe_shape(layer)
+    w: dict[str, torch.Tensor] = {
+        "gate.weight": r.vector(prefix + "gate.weight", torch.float32),
+        "gate.bias": r.vector(prefix + "gate.bias", torch.float32),
+    }
+    for proj in ("w1", "w2", "w3"):
+        w[f"experts.{proj}"] = torch.stack([r.matrix(f"{prefix}experts.{e}.{proj}")[0] for e in range(n_exp)])
+        w[f"shared_experts.{proj}"] = r.matrix(f"{prefix}shared_experts.{proj}")[0]
+    return MoE(cfg, layer, w)
+
+
+def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], role: str, *, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu", hasher: Any | None = None) -> Transformer:
+    """The model of ``role`` from storage-format tensors (as ``load_tensors`` returns them)."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
+    device = torch.device(device)
+    r = _Reader(tensors, dtype, device)
+    round_probs = dtype == torch.bfloat16
+    k = cfg.last_kv_source
+    n_full = k if role == "prefill" else cfg.n_layers
+    blocks: list[Block | None] = []
+    for layer in range(cfg.n_layers):
+        p = f"layers.{layer}."
+        if layer > n_full:
+            blocks.append(None)
+            continue
+        w: dict[str, Any] = {"attn_norm": r.vector(p + "attn_norm.weight"), "attn": _attention(cfg, layer, r, p + "attn.", round_probs)}
+        if layer < n_full:
+            w["ffn_norm"] = r.vector(p + "ffn_norm.weight")
+            for sub in ("attn", "ffn"):
+                for part in ("fn", "base", "scale"):
+                    w[f"hc_{sub}_{part}"] = r.vector(f"{p}hc_{sub}_{part}", torch.float32)
+            w["ffn"] = _moe(cfg, layer, r, p + "ffn.")
+        if layer in cfg.engram_layer_ids:
+            e = p + "engram."
+            w["engram"] = Engram(cfg, {n: r.raw(e + n) for n in ("embed.weight", "embed.scale", "q_weight", "k_weight")},
+                                 r.linear(e + "wkv"))
+        blocks.append(Block(cfg, layer, w))
+    embed = r.vector("embed.weight")
+    norm = head = None
+    if role != "prefill":
+        norm = r.vector("norm.weight")
+        head = r.vector("head.weight", torch.float32)
+    return Transformer(cfg, role, embed, blocks, norm, head, hasher, dtype)
+
+
+def load_model(checkpoint: str | Path, role: str = "full", device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32) -> Transformer:
+    """Load a role from a checkpoint directory; ``.load_report`` says what was read."""
+    from asympd.model.checkpoint import load_config, load_tensors
+
+    cfg = load_config(checkpoint)
+    tensors, report = load_tensors(checkpoint, cfg, role)
+    hasher = None
+    if cfg.engram_layer_ids:
+        from asympd.model.engram_hash import NgramHasher, compressed_token_map
+
+        token_map, size = compressed_token_map(Path(checkpoint) / "tokenizer.json")
+        if size != cfg.engram_compressed_vocab_size:
+            from asympd.model.checkpoint import CheckpointError
+
+            raise CheckpointError(
+                f"tokenizer.json compresses to {size} ids but config.json says engram_compressed_vocab_size="
+                f"{cfg.engram_compressed_vocab_size}: every Engram hash would change"
+            )
+        hasher = NgramHasher(cfg, token_map)
+    model = build_model(cfg, tensors, role, dtype=dtype, device=device, hasher=hasher)
+    model.load_report = report
+    model.checkpoint = str(checkpoint)
+    return model

@@ -1,0 +1,63 @@
+"""Mixture of experts: sqrt-softplus routing (the bias picks experts, the unbiased scores weight
+them), FP4 routed experts with clamped SwiGLU, and one FP8 shared expert every token takes."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from asympd.config import ModelConfig
+from asympd.model.ops import stable_topk
+from asympd.model.quant import fp8_qdq
+
+
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float,
+           weights: torch.Tensor | None = None) -> torch.Tensor:
+    """One expert: the up branch clamped both sides, the gate branch from above only (from training,
+    where the clamps keep FP8/FP4 activations in range). Every GEMM input is FP8-quantized."""
+    xq = fp8_qdq(x, 32)
+    gate = F.linear(xq, w1).float()
+    up = F.linear(xq, w3).float()
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    h = F.silu(gate) * up
+    if weights is not None:
+        h = weights * h
+    return F.linear(fp8_qdq(h.to(x.dtype), 32), w2)
+
+
+class MoE(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, w: dict[str, torch.Tensor]):
+        super().__init__()
+        self.n_experts, self.topk = cfg.moe_shape(layer)
+        self.score_func, self.route_scale, self.limit = cfg.score_func, cfg.route_scale, cfg.swiglu_limit
+        self.gate = w["gate.weight"].float()
+        self.bias = w["gate.bias"].float()
+        # routed experts stacked [E, out, in] so a step touches only the experts it routes to
+        self.w1, self.w2, self.w3 = w["experts.w1"], w["experts.w2"], w["experts.w3"]
+        self.s1, self.s2, self.s3 = w["shared_experts.w1"], w["shared_experts.w2"], w["shared_experts.w3"]
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k]); ties in the biased score go to the lowest id."""
+        scores = F.linear(x.float(), self.gate)
+        if self.score_func == "softmax":
+            scores = scores.softmax(dim=-1)
+        elif self.score_func == "sigmoid":
+            scores = scores.sigmoid()
+        else:
+            scores = F.softplus(scores).sqrt()
+        ids = stable_topk(scores + self.bias, self.topk)
+        weights = scores.gather(1, ids)
+        if self.topk > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.route_scale, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in torch.unique(ids).tolist():  # ascending: the reference's accumulation order
+            rows, slot = torch.where(ids == e)
+            y[rows] += swiglu(x[rows], self.w1[e], self.w3[e], self.w2[e], self.limit, weights[rows, slot, None]).float()
+        y += swiglu(x, self.s1, self.s3, self.s2, self.limit).float()
+        return y.to(x.dtype)

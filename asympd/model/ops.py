@@ -1,0 +1,117 @@
+"""Small numerical building blocks shared by the layers: RMSNorm, RoPE with YaRN, the quantized
+linear, and mHC (hyper-connection) mixing. Casts follow the reference so that a bf16 run rounds
+where it rounds; an fp32 run does the same operations without the intermediate bf16 roundings.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from asympd.model.quant import fp8_qdq
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (weight.float() * xf).to(x.dtype)
+
+
+class QLinear(torch.nn.Module):
+    """y = x W^T. A weight stored quantized (FP8 tiles or FP4) is held dequantized -- exactly, the
+    formats fit bf16 -- and its input goes through the per-32 FP8 activation quantization the
+    reference kernels apply, so the product equals the block-scaled GEMM up to summation order."""
+
+    def __init__(self, weight: torch.Tensor, quantized: bool):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.quantized = quantized
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized:
+            x = fp8_qdq(x.to(self.weight.dtype), 32)
+        return F.linear(x.to(self.weight.dtype), self.weight)
+
+
+# ---- RoPE -------------------------------------------------------------------------------------
+
+
+def rope_frequencies(
+    rope_dim: int, base: float, original_seq_len: int, factor: float, beta_fast: int, beta_slow: int
+) -> torch.Tensor:
+    """Per-pair angular frequencies [rope_dim/2]. With original_seq_len > 0 this is YaRN: dimensions
+    whose wavelength fits the training context keep their frequency, long ones are divided by
+    ``factor``, with a linear ramp between the beta_fast and beta_slow corrections."""
+    freqs = 1.0 / (base ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    if original_seq_len > 0:
+
+        def correction_dim(rotations: float) -> float:
+            return rope_dim * math.log(original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), rope_dim - 1)
+        ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        keep = 1 - ramp
+        freqs = freqs / factor * (1 - keep) + freqs * keep
+    return freqs
+
+
+def apply_rope(x: torch.Tensor, rot: torch.Tensor, rope_dim: int, inverse: bool = False) -> torch.Tensor:
+    """Rotate the last ``rope_dim`` dims of x (adjacent pairs as complex numbers). x: [T, ..., D],
+    rot: [T, rope_dim/2] (one rotation per row). Returns a new tensor in x's dtype."""
+    head, tail = x[..., :-rope_dim], x[..., -rope_dim:]
+    c = torch.view_as_complex(tail.float().unflatten(-1, (-1, 2)).contiguous())
+    r = rot.conj() if inverse else rot
+    r = r.view(r.size(0), *([1] * (c.dim() - 2)), r.size(-1))
+    tail = torch.view_as_real(c * r).flatten(-2).to(x.dtype)
+    return torch.cat([head, tail], dim=-1)
+
+
+# ---- mHC --------------------------------------------------------------------------------------
+
+
+def sinkhorn_split(
+    mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split one projection into the pre (collapse), post (expand) and comb (residual mixing)
+    coefficients; comb is made doubly stochastic by Sinkhorn. All fp32, reference op order."""
+    m = mixes.float()
+    pre = torch.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    comb = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
+    comb = torch.exp(comb - comb.amax(dim=-1, keepdim=True))
+    comb = comb / comb.sum(dim=-1, keepdim=True) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+def hc_mixes(
+    h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float, norm_eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h: [T, hc, D] -> coefficients from one fp32 projection of the flattened, RMS-normalised stream."""
+    x = h.flatten(-2).float()
+    rsqrt = torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
+    return sinkhorn_split(F.linear(x, fn) * rsqrt, scale, base, hc, iters, eps)
+
+
+def hc_pre(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Collapse the hc copies into one sublayer input: [T, hc, D] x [T, hc] -> [T, D]."""
+    return (pre.unsqueeze(-1) * h.float()).sum(dim=-2).to(h.dtype)
+
+
+def hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """Expand a sublayer output back to hc copies, mixing the residual through comb:
+    out[j] = post[j] * x + sum_i comb[i, j] * residual[i]."""
+    y = post.unsqueeze(-1) * x.unsqueeze(-2) + (comb.unsqueeze(-1) * residual.unsqueeze(-2)).sum(dim=-3)
+    return y.to(x.dtype)
+
+
+def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores along the last dim; ties go to the lowest index, so every
+    batch shape and device selects the same entries (torch.topk leaves tie order unspecified)."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]

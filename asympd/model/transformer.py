@@ -1,0 +1,223 @@
+"""DeepSeek-V4.1: embed -> hc copies -> blocks (mHC around attention and MoE) -> collapse -> head.
+
+A forward takes a ragged batch of ``Chunk``s, one per sequence, each a run of consecutive rows at
+known positions. How deep a chunk goes and what its windows may see is how the three prefill
+semantics are expressed (K = the last KV source layer):
+
+- ``full``: every chunk at ``Depth.ALL``, floors 0.
+- ``decoder-replay``: rows [0, N-W) at ``Depth.THROUGH_SOURCE`` (layers <= K); rows [N-W, N) at
+  ``Depth.ALL`` with ``floor = N-W`` for the layers above K.
+- ``split`` (what asymmetric P/D computes): rows [0, s) at ``Depth.ENCODER_KV`` (layers < K plus
+  K's KV path); rows [s, N) at ``Depth.ALL`` with every layer's floor at s
+  (``encoder_floor = floor = s``).
+
+The rows of a chunk deeper in the stack are kept first, so the rows active at any layer are a
+prefix of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from asympd.config import ModelConfig
+from asympd.model.attention import Attention, SegmentView, SequenceKV
+from asympd.model.engram import Engram
+from asympd.model.moe import MoE
+from asympd.model.ops import hc_mixes, hc_post, hc_pre, rms_norm
+
+
+class Depth(IntEnum):
+    ENCODER_KV = 0  # layers below K, then K's KV path only
+    THROUGH_SOURCE = 1  # layers up to and including K
+    ALL = 2  # every layer and the head
+
+
+@dataclass
+class Chunk:
+    kv: SequenceKV
+    token_ids: torch.Tensor  # [q] the rows' tokens
+    start: int  # position of the first row
+    history: torch.Tensor  # the sequence's token ids, at least start + q of them (Engram looks back)
+    depth: Depth = Depth.ALL
+    floor: int = 0  # window floor for layers above K
+    encoder_floor: int = 0  # window floor for layers up to K
+    write_global: bool = True  # False: compressed KV/index keys for these rows already exist
+    logits: str = "last"  # "last" | "all" | "none"
+
+    def __post_init__(self) -> None:
+        if self.logits not in ("last", "all", "none"):
+            raise ValueError(f"logits must be last/all/none, got {self.logits!r}")
+
+
+@dataclass
+class ForwardOutput:
+    logits: list[torch.Tensor | None]  # per chunk, fp32 [rows, vocab]
+    draft_hidden: list[torch.Tensor | None]  # per chunk, [rows, n_targets * dim] (DSpark input)
+
+
+class Block(torch.nn.Module):
+    """One layer. Each sublayer's mHC mixes produce the collapse coefficients of the *next*
+    sublayer: attention collapses with what the previous FFN computed, the FFN with what this
+    attention computed, and the FFN's own pre-mix goes to the next layer."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, w: dict[str, Any]):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.attn_norm, self.ffn_norm = w.get("attn_norm"), w.get("ffn_norm")
+        self.hc = {k: w.get(k) for k in ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale")}
+        self.attn: Attention = w["attn"]
+        self.ffn: MoE | None = w.get("ffn")
+        self.engram: Engram | None = w.get("engram")
+
+    def _mixes(self, h: torch.Tensor, sub: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        return hc_mixes(h, self.hc[f"hc_{sub}_fn"], self.hc[f"hc_{sub}_scale"], self.hc[f"hc_{sub}_base"],
+                        c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+
+    def attn_input(self, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hc_pre(h, pre), self.attn_norm, self.cfg.norm_eps)
+
+    def forward(self, h: torch.Tensor, pre: torch.Tensor, segs: list[SegmentView]) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = h
+        attn_pre, attn_post, attn_comb = self._mixes(h, "attn")
+        x = self.attn(self.attn_input(h, pre), segs)
+        h = hc_post(x, residual, attn_post, attn_comb)
+        residual = h
+        ffn_pre, ffn_post, ffn_comb = self._mixes(h, "ffn")
+        x = rms_norm(hc_pre(h, attn_pre), self.ffn_norm, self.cfg.norm_eps)
+        h = hc_post(self.ffn(x), residual, ffn_post, ffn_comb)
+        return h, ffn_pre
+
+
+class Transformer(torch.nn.Module):
+    """The backbone of one role. The prefill role holds layers below K as blocks and layer K as a
+    KV path only; it cannot run ``Depth.THROUGH_SOURCE`` or ``Depth.ALL`` rows."""
+
+    def __init__(self, cfg: ModelConfig, role: str, embed: torch.Tensor, blocks: list[Block | None],
+                 norm: torch.Tensor | None, head: torch.Tensor | None, hasher: Any | None, dtype: torch.dtype):
+        super().__init__()
+        self.cfg, self.role, self.dtype = cfg, role, dtype
+        self.embed = embed
+        self.blocks = blocks
+        self.norm, self.head = norm, head
+        self.hasher = hasher
+        self.max_depth = Depth.ENCODER_KV if role == "prefill" else Depth.ALL
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def _layers_run(self, depth: Depth) -> tuple[int, bool]:
+        """(number of full layers this depth runs, whether it runs K's KV path alone after them)."""
+        k = self.cfg.last_kv_source
+        if depth is Depth.ENCODER_KV:
+            return k, True
+        if depth is Depth.THROUGH_SOURCE:
+            return k + 1, False
+        return self.cfg.n_layers, False
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[Chunk]) -> ForwardOutput:
+        cfg = self.cfg
+        if not chunks:
+            return ForwardOutput([], [])
+        for c in chunks:
+            if c.depth > self.max_depth:
+                raise ValueError(f"the {self.role} role cannot run rows at depth {c.depth.name}")
+            if len(c.token_ids) == 0:
+                raise ValueError("a chunk needs at least one row")
+        order = sorted(range(len(chunks)), key=lambda i: -chunks[i].depth)  # stable: deepest first
+        ordered = [chunks[i] for i in order]
+        offsets = [0]
+        for c in ordered:
+            offsets.append(offsets[-1] + len(c.token_ids))
+        tokens = torch.cat([c.token_ids for c in ordered]).to(self.device)
+        h = F.embedding(tokens, self.embed).to(self.dtype)
+        h = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)
+        pre = torch.zeros(h.size(0), cfg.hc_mult, dtype=torch.float32, device=self.device)
+        pre[:, 0] = 1.0  # the first collapse just takes copy 0
+        hashes = None
+        if cfg.engram_layer_ids and self.hasher is not None:
+            hashes = torch.cat([self.hasher.hash_ids(c.history, c.start, len(c.token_ids)) for c in ordered]).to(self.device)
+        shared: list[dict[str, Any]] = [{} for _ in ordered]
+        targets = {lid: i for i, lid in enumerate(cfg.dspark_target_layer_ids)} if cfg.dspark_block_size else {}
+        hidden: list[list[torch.Tensor]] = [[] for _ in ordered]
+        k = cfg.last_kv_source
+
+        for layer in range(cfg.n_layers):
+            full = [i for i, c in enumerate(ordered) if self._layers_run(c.depth)[0] > layer]
+            path = [i for i, c in enumerate(ordered) if layer == k and self._layers_run(c.depth) == (k, True)]
+            if not full and not path:
+                break
+            block = self.blocks[layer]
+            n_full = offsets[full[-1] + 1] if full else 0
+            n_rows = offsets[(path or full)[-1] + 1]
+            if block.engram is not None and hashes is not None:
+                e = cfg.engram_layer_ids.index(layer)
+                h[:n_rows] = block.engram(h[:n_rows], hashes[:n_rows, e])
+            if layer in targets:
+                for i in full:
+                    if ordered[i].depth is Depth.ALL:
+                        hidden[i].append(h[offsets[i] : offsets[i + 1]].float().mean(dim=1).to(self.dtype))
+
+            def view(i: int) -> SegmentView:
+                c = ordered[i]
+                return SegmentView(c.kv, offsets[i], offsets[i + 1], c.start,
+                                   c.encoder_floor if layer <= k else c.floor, c.write_global, shared[i])
+
+            if full:
+                h[:n_full], pre[:n_full] = block(h[:n_full], pre[:n_full], [view(i) for i in full])
+            if path:
+                lo = offsets[path[0]]
+                x = block.attn_input(h[lo:n_rows], pre[lo:n_rows])
+                segs = [view(i) for i in path]
+                for s in segs:
+                    s.lo, s.hi = s.lo - lo, s.hi - lo
+                block.attn.kv_path(x, segs)
+
+        logits: list[torch.Tensor | None] = [None] * len(chunks)
+        draft_hidden: list[torch.Tensor | None] = [None] * len(chunks)
+        for i, c in enumerate(ordered):
+            if c.depth is not Depth.ALL or c.logits == "none":
+                continue
+            rows = slice(offsets[i + 1] - 1, offsets[i + 1]) if c.logits == "last" else slice(offsets[i], offsets[i + 1])
+            x = rms_norm(hc_pre(h[rows], pre[rows]), self.norm, cfg.norm_eps)
+            logits[order[i]] = F.linear(x.float(), self.head)
+            if hidden[i]:
+                draft_hidden[order[i]] = torch.cat(hidden[i], dim=-1)
+        return ForwardOutput(logits, draft_hidden)
+
+    def resident_bytes(self) -> int:
+        """Bytes of every weight this role holds on its device (the Engram tables included)."""
+        seen: set[int] = set()
+        total = 0
+
+        def visit(obj: Any) -> None:
+            nonlocal total
+            if isinstance(obj, torch.Tensor):
+                if id(obj) not in seen and obj.device.type != "meta":
+                    seen.add(id(obj))
+                    total += obj.numel() * obj.element_size()
+            elif isinstance(obj, torch.nn.Module):
+                for v in vars(obj).values():
+                    visit(v)
+                for v in obj._parameters.values():
+                    visit(v)
+                for v in obj._buffers.values():
+                    visit(v)
+                for v in obj._modules.values():
+                    visit(v)
+            elif isinstance(obj, dict):
+                for v in obj.values():
+                    visit(v)
+            elif isinstance(obj, (list, tuple)):
+                for v in obj:
+                    visit(v)
+
+        visit(self)
+        return total
