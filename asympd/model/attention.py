@@ -212,6 +212,9 @@ class Attention(torch.nn.Module):
             sl = slice(seg.lo, seg.hi)
             pos = seg.positions
             prev_kv, prev_pos = seg.kv.window(self.layer)
+            if prev_pos.numel() and int(prev_pos[-1]) >= seg.start:  # rows being recomputed replace old ones
+                keep = prev_pos < seg.start
+                prev_kv, prev_pos = prev_kv[keep], prev_pos[keep]
             keys = torch.cat([prev_kv.to(kv.dtype), kv[sl]])
             key_pos = torch.cat([prev_pos, pos])
             seg.kv.append_window(self.layer, pos, kv[sl])

@@ -1,0 +1,298 @@
+"""One engine: a role (colocated, prefill worker, decode worker) running a mode.
+
+The loop is vLLM's: ``add_request`` / ``abort_request`` / ``step`` -> incremental outputs. The
+scheduler decides, the runner executes, this file applies the results to requests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asympd.engine import modes
+from asympd.engine.request import CompletionOutput, Request, RequestOutput, Status
+from asympd.engine.runner import ModelRunner
+from asympd.engine.sampling import SamplingParams, sample, top_logprobs
+from asympd.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from asympd.kv.block_manager import BlockManager
+from asympd.kv.paged_cache import PagedKVCache
+from asympd.kv.spec import KVCacheSpec
+from asympd.model.transformer import Transformer
+from asympd.transfer.prefix_state import PrefixState, PrefixStateError, model_fingerprint
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (bad input): maps to HTTP 400."""
+
+
+@dataclass
+class EngineConfig:
+    role: str = "colocated"  # colocated | prefill | decode
+    mode: str = "colocated"  # colocated | symmetric | encoder-only | asymmetric
+    prefill_semantics: str = "full"  # for the colocated role
+    boundary_policy: str = "carry"
+    block_size: int = 16
+    kv_cache_bytes: int = 64 << 20  # paged groups; windows and open groups are per slot
+    num_blocks: int | None = None  # overrides kv_cache_bytes
+    enable_prefix_caching: bool = True
+    eos_token_id: int | None = None
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def validate(self) -> None:
+        if self.role not in modes.ROLES:
+            raise ValueError(f"unknown role {self.role!r}; expected one of {', '.join(modes.ROLES)}")
+        if self.mode not in modes.MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; expected one of {', '.join(modes.MODES)}")
+        if (self.role == "colocated") != (self.mode == "colocated"):
+            raise ValueError(f"role {self.role!r} does not run mode {self.mode!r}")
+        if self.prefill_semantics not in modes.SEMANTICS:
+            raise ValueError(f"unknown prefill semantics {self.prefill_semantics!r}")
+        if self.boundary_policy not in modes.BOUNDARY_POLICIES:
+            raise ValueError(f"unknown boundary policy {self.boundary_policy!r}")
+
+
+def checkpoint_id(path: str | Path | None) -> str:
+    """A content id for the fingerprint: two processes loading the same files agree."""
+    if path is None:
+        return "in-memory"
+    p = Path(path)
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors.index.json"):
+        if (p / name).exists():
+            h.update((p / name).read_bytes())
+    for f in sorted(p.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+class LLMEngine:
+    def __init__(self, model: Transformer, config: EngineConfig | None = None,
+                 detokenize: Callable[[list[int]], str] | None = None):
+        self.config = config or EngineConfig()
+        self.config.validate()
+        if self.config.role == "prefill" and model.role != "prefill" and self.config.mode != "symmetric":
+            pass  # a full model can serve as an asymmetric P too (it just holds more than it needs)
+        if self.config.role != "prefill" and model.role == "prefill":
+            raise ValueError("a prefill-role model can only run a prefill worker")
+        if self.config.mode == "symmetric" and model.role == "prefill":
+            raise ValueError("the symmetric mode's prefill worker needs the full model")
+        self.model, self.cfg = model, model.cfg
+        self.detokenize = detokenize
+        sc = self.config.scheduler
+        self.spec = KVCacheSpec.from_config(self.cfg, block_size=self.config.block_size,
+                                            spec_slack=sc.num_spec_tokens + 1, dtype=model.dtype)
+        num_blocks = self.config.num_blocks or max(1, self.config.kv_cache_bytes // self.spec.bytes_per_block)
+        self.blocks = BlockManager(self.spec, num_blocks, sc.max_num_seqs, self.config.enable_prefix_caching)
+        self.cache = PagedKVCache(self.spec, num_blocks, sc.max_num_seqs, device=model.device)
+        self.fingerprint = model_fingerprint(self.cfg, checkpoint_id(getattr(model, "checkpoint", None)), model.dtype)
+        self.scheduler = Scheduler(sc, self.blocks, prefix_cache_key=self.fingerprint)
+        self.runner = ModelRunner(model, self.cache, self.blocks)
+        self.requests: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}  # prefill worker: exported, blocks kept until released
+        self.counters = {"preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
+                    prefix_state: PrefixState | None = None, first_token: int | None = None) -> None:
+        """Queue a request. Bad input raises RequestError (or PrefixStateError for a bad prefix
+        state) before anything is allocated."""
+        params = params or SamplingParams()
+        if request_id in self.requests or request_id in self.held:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token ids out of range [0, {self.cfg.vocab_size}): {bad[:8]}")
+        try:
+            params.validate(self.cfg.vocab_size)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+        if len(ids) + params.max_tokens > self.cfg.max_seq_len:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len {self.cfg.max_seq_len}"
+            )
+        req = self._plan_request(request_id, ids, params, prefix_state, first_token)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def _plan_request(self, rid: str, ids: list[int], params: SamplingParams, ps: PrefixState | None,
+                      first_token: int | None) -> Request:
+        c, n = self.config, len(ids)
+        if c.role == "colocated":
+            return Request(rid, ids, params, modes.colocated_phases(self.cfg, n, c.prefill_semantics, c.boundary_policy))
+        if c.role == "prefill":
+            plan = modes.prefill_plan(self.cfg, n, c.mode, c.boundary_policy)
+            return Request(rid, ids, params, plan.phases, sample_after_prompt=plan.samples_first_token,
+                           export_upto=plan.export_upto)
+        plan = modes.decode_plan(self.cfg, n, c.mode, c.boundary_policy)
+        if ps is None and plan.import_upto > 0:
+            # no prefix from a prefill worker (it failed, or the router skipped it): compute it here
+            return Request(rid, ids, params, modes.decode_fallback_plan(self.cfg, n, c.mode, c.boundary_policy))
+        if ps is not None:
+            ps.validate(self.cfg, self.fingerprint)
+            if ps.split != plan.import_upto or list(ps.token_ids.tolist()) != ids:
+                raise PrefixStateError(
+                    f"prefix state covers [0, {ps.split}) of a {ps.token_ids.numel()}-token prompt; this "
+                    f"{n}-token request in mode {c.mode}/{c.boundary_policy} needs [0, {plan.import_upto}) of the same prompt"
+                )
+        req = Request(rid, ids, params, plan.phases, imported=ps)
+        if plan.first_token_from_prefill:
+            if first_token is None:
+                raise RequestError(f"mode {c.mode}: the decode worker needs the first token sampled by the prefill worker")
+            req.output_token_ids.append(int(first_token))
+            req.first_token_time = time.monotonic()
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request wherever it is and free its blocks (a no-op for an unknown id)."""
+        req = self.requests.pop(request_id, None) or self.held.pop(request_id, None)
+        if req is None:
+            return
+        self.scheduler.remove(req)
+        if request_id in self.blocks:
+            self.blocks.free(request_id)
+        req.status = Status.FINISHED_ABORTED
+
+    def release_transfer(self, request_id: str) -> None:
+        """Prefill worker: D has the prefix (or the lease expired); free the blocks behind it."""
+        req = self.held.pop(request_id, None)
+        if req is not None and request_id in self.blocks:
+            self.blocks.free(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self.counters["steps"] += 1
+        self.counters["preemptions"] += len(sched.preempted)
+        outputs: list[RequestOutput] = []
+        for req, msg in sched.failed:
+            req.error = msg
+            outputs.append(self._finish(req, Status.FINISHED_ERROR))
+        for req in sched.admitted:
+            self.runner.prepare(req)
+            if not req.phases:  # nothing to compute here (asymmetric P with N <= W)
+                outputs.extend(self._prompt_done(req, None))
+        chunks = [c for c in sched.chunks if c.request.status is Status.RUNNING]
+        wants = [self._wants_logits(c) for c in chunks]
+        logits = self.runner.execute(chunks, wants) if chunks else []
+        for sc, lg in zip(chunks, logits, strict=True):
+            outputs.extend(self._apply(sc, lg))
+        return outputs
+
+    def _wants_logits(self, sc: ScheduledChunk) -> str:
+        if sc.phase is None:
+            return "last"
+        req = sc.request
+        last_phase = req.phase_index == len(req.phases) - 1
+        if last_phase and sc.hi == sc.phase.hi and sc.phase.sample and req.sample_after_prompt and not req.output_token_ids:
+            return "last"
+        return "none"
+
+    def _apply(self, sc: ScheduledChunk, logits: torch.Tensor | None) -> list[RequestOutput]:
+        req = sc.request
+        if sc.phase is not None:
+            self.counters["prompt_tokens"] += sc.num_rows
+            req.cursor = sc.hi
+            if req.cursor == sc.phase.hi:
+                req.phase_index += 1
+                if req.in_prompt:
+                    req.cursor = req.phases[req.phase_index].lo
+                else:
+                    return self._prompt_done(req, logits)
+            return []
+        return self._append_token(req, logits[-1])
+
+    def _prompt_done(self, req: Request, logits: torch.Tensor | None) -> list[RequestOutput]:
+        if req.imported is not None and self.config.enable_prefix_caching:
+            self.blocks.commit_cached(req.request_id, req.prompt_token_ids, req.import_len, self.fingerprint)
+        if self.config.role == "prefill":
+            if logits is not None:
+                tok = self._sample(req, logits[-1])
+                req.output_token_ids.append(tok)
+                req.first_token_time = time.monotonic()
+            req.exported = self.runner.export_prefix(req, fingerprint=self.fingerprint, mode=self.config.mode,
+                                                     policy=self.config.boundary_policy)
+            self.scheduler.running.remove(req)
+            self.held[req.request_id] = req
+            return [self._finish(req, Status.FINISHED_EXPORTED, free=False)]
+        if logits is not None:
+            return self._append_token(req, logits[-1])
+        if req.output_token_ids and self._stop_reason(req):  # symmetric D: P's first token may end it
+            return [self._finish(req, self._stop_reason(req))]
+        return []
+
+    def _sample(self, req: Request, logits: torch.Tensor) -> int:
+        tok = sample(logits, req.params, req.generator)
+        if req.params.logprobs is not None:
+            req.logprobs.append(top_logprobs(logits, tok, req.params.logprobs))
+        return tok
+
+    def _stop_reason(self, req: Request) -> Status | None:
+        tok, p = req.output_token_ids[-1], req.params
+        if tok in p.stop_token_ids or (tok == self.config.eos_token_id and not p.ignore_eos):
+            return Status.FINISHED_STOPPED
+        if len(req.output_token_ids) >= p.max_tokens or len(req.all_token_ids) >= self.cfg.max_seq_len:
+            return Status.FINISHED_LENGTH
+        return None
+
+    def _append_token(self, req: Request, logits: torch.Tensor) -> list[RequestOutput]:
+        tok = self._sample(req, logits)
+        req.output_token_ids.append(tok)
+        self.counters["generation_tokens"] += 1
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        reason = self._stop_reason(req)
+        if reason is not None:
+            return [self._finish(req, reason, new=[tok])]
+        return [self._output(req, [tok], finished=False)]
+
+    def _finish(self, req: Request, status: Status, new: list[int] | None = None, free: bool = True) -> RequestOutput:
+        req.status = status
+        req.finish_time = time.monotonic()
+        self.requests.pop(req.request_id, None)
+        if free:
+            self.scheduler.remove(req)
+        return self._output(req, new or [], finished=True)
+
+    def _output(self, req: Request, new: list[int], finished: bool) -> RequestOutput:
+        text = self.detokenize(req.output_token_ids) if self.detokenize else ""
+        reason = req.status.value if req.status.finished else None
+        metrics = {"arrival_time": req.arrival_time, "num_preemptions": req.num_preemptions,
+                   "spec_proposed": req.spec_proposed, "spec_accepted": req.spec_accepted}
+        if req.first_token_time is not None:
+            metrics["ttft"] = req.first_token_time - req.arrival_time
+        if req.finish_time is not None:
+            metrics["e2e"] = req.finish_time - req.arrival_time
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            outputs=[CompletionOutput(0, list(req.output_token_ids), text,
+                                      list(req.logprobs) if req.params.logprobs is not None else None, reason)],
+            finished=finished, new_token_ids=new, prefix_state=req.exported if finished else None,
+            metrics=metrics, error=req.error,
+        )
+
+    # ---- visibility --------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "running": sum(1 for r in self.scheduler.running if r.status is Status.RUNNING),
+            "waiting": len(self.scheduler.waiting),
+            "held_for_transfer": len(self.held),
+            "kv_blocks_used": self.blocks.num_used_blocks,
+            "kv_blocks_total": self.blocks.num_blocks,
+            "kv_usage_bytes": self.blocks.usage(),
+            **self.counters,
+        }

@@ -1,0 +1,118 @@
+"""The offline API: ``LLM(checkpoint, mode=...).generate(...)``.
+
+In the P/D modes one process holds a prefill engine (the prefill role for asymmetric and
+encoder-only, the full model for symmetric) and a decode engine, and moves every PrefixState
+through the same serialization the network path uses, so what is tested offline is what crosses
+the wire.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from asympd.engine.engine import EngineConfig, LLMEngine
+from asympd.engine.request import RequestOutput
+from asympd.engine.sampling import SamplingParams
+from asympd.engine.scheduler import SchedulerConfig
+from asympd.model.loader import load_model
+from asympd.transfer.prefix_state import PrefixState
+
+
+def load_tokenizer(checkpoint: str | Path):
+    """The checkpoint's tokenizer.json through `tokenizers` (None if either is missing)."""
+    path = Path(checkpoint) / "tokenizer.json"
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    return Tokenizer.from_file(str(path)) if path.exists() else None
+
+
+def eos_id(tokenizer) -> int | None:
+    if tokenizer is None:
+        return None
+    for name in ("<｜end▁of▁sentence｜>", "</s>", "<|endoftext|>"):
+        tid = tokenizer.token_to_id(name)
+        if tid is not None:
+            return tid
+    return None
+
+
+class LLM:
+    def __init__(self, checkpoint: str | Path, mode: str = "colocated", prefill_semantics: str = "full", *,
+                 boundary_policy: str = "carry", device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 scheduler: SchedulerConfig | None = None, block_size: int = 16, kv_cache_bytes: int = 64 << 20,
+                 enable_prefix_caching: bool = True):
+        self.mode = mode
+        self.tokenizer = load_tokenizer(checkpoint)
+        detok = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer else None
+
+        def config(role: str) -> EngineConfig:
+            return EngineConfig(role=role, mode=mode, prefill_semantics=prefill_semantics,
+                                boundary_policy=boundary_policy, block_size=block_size,
+                                kv_cache_bytes=kv_cache_bytes, enable_prefix_caching=enable_prefix_caching,
+                                eos_token_id=eos_id(self.tokenizer), scheduler=scheduler or SchedulerConfig())
+
+        self.prefill: LLMEngine | None = None
+        if mode == "colocated":
+            self.engine = LLMEngine(load_model(checkpoint, "full", device, dtype), config("colocated"), detok)
+        else:
+            p_role = "full" if mode == "symmetric" else "prefill"
+            self.prefill = LLMEngine(load_model(checkpoint, p_role, device, dtype), config("prefill"), detok)
+            self.engine = LLMEngine(load_model(checkpoint, "decode", device, dtype), config("decode"), detok)
+        self.cfg = self.engine.cfg
+        self._next_id = 0
+
+    def generate(self, prompts: str | list[str] | None = None, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 prompt_token_ids: list[int] | list[list[int]] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if prompt_token_ids is None:
+            if prompts is None:
+                raise ValueError("give prompts or prompt_token_ids")
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer.json: pass prompt_token_ids")
+            prompts = [prompts] if isinstance(prompts, str) else prompts
+            prompt_token_ids = [self.tokenizer.encode(p).ids for p in prompts]
+        elif prompt_token_ids and isinstance(prompt_token_ids[0], int):
+            prompt_token_ids = [prompt_token_ids]
+        params = sampling_params or SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompt_token_ids)
+        ids = []
+        for toks, p in zip(prompt_token_ids, params_list, strict=True):
+            rid = str(self._next_id)
+            self._next_id += 1
+            ids.append(rid)
+            self.add(rid, toks, p)
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished and out.request_id in ids:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def add(self, rid: str, token_ids: list[int], params: SamplingParams) -> None:
+        if self.prefill is None or (self.mode == "asymmetric" and len(token_ids) <= self.cfg.window_size):
+            self.engine.add_request(rid, token_ids, params)  # N <= W: P has nothing to do
+        else:
+            self.prefill.add_request(rid, token_ids, params)
+            self._params = getattr(self, "_params", {})
+            self._params[rid] = params
+
+    def step(self) -> list[RequestOutput]:
+        """One step of each engine; finished prefills move to the decode engine, serialized."""
+        outs: list[RequestOutput] = []
+        if self.prefill is not None:
+            for out in self.prefill.step():
+                if out.error:
+                    outs.append(out)
+                    continue
+                blob = out.prefix_state.serialize()
+                state = PrefixState.deserialize(blob)
+                first = out.outputs[0].token_ids[0] if out.outputs[0].token_ids else None
+                params = self._params.pop(out.request_id)
+                self.engine.add_request(out.request_id, out.prompt_token_ids, params, prefix_state=state, first_token=first)
+                self.prefill.release_transfer(out.request_id)
+        outs.extend(self.engine.step())
+        return outs

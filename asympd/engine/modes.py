@@ -1,0 +1,136 @@
+"""Who computes which prompt rows, through which layers, seeing which windows (facts §2-§3).
+
+K is the last KV source layer, W the window, N the prompt length.
+
+    mode          prefill worker (P)                         decode worker (D) first step            first token
+    colocated     -- one engine runs its semantics --                                                  same engine
+    symmetric     decoder-replay on [0,N) (full model)       replays [N-W,N) through all layers,       P
+                                                             global KV not rewritten
+    encoder-only  layers < K + K's KV path on [0,N)          replays [N-W,N) through all layers,       D
+                                                             global KV not rewritten
+    asymmetric    layers < K + K's KV path on [0,s), s=N-W   bounded prefill of [s,N) through all      D
+                                                             layers, writing its global KV
+
+Boundary policy for a split s that falls inside a compressor group (s odd for ratio 2): ``carry``
+hands over the open group's raw rows; ``align`` moves s down to a group boundary and D takes the
+extra rows. With N <= W the asymmetric P does nothing and D prefills the whole prompt.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from asympd.config import ModelConfig
+from asympd.model.transformer import Depth
+
+MODES = ("colocated", "symmetric", "encoder-only", "asymmetric")
+SEMANTICS = ("full", "decoder-replay", "split")
+BOUNDARY_POLICIES = ("carry", "align")
+ROLES = ("colocated", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Prompt rows [lo, hi) run at one depth with fixed window floors."""
+
+    lo: int
+    hi: int
+    depth: Depth
+    floor: int = 0  # window floor above K
+    encoder_floor: int = 0  # window floor up to K
+    write_global: bool = True
+    sample: bool = True  # the last row's logits give the first token
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.lo < self.hi:
+            raise ValueError(f"empty or negative phase [{self.lo}, {self.hi})")
+
+
+def group_size(cfg: ModelConfig) -> int:
+    """The compressor group length every split must respect under ``align``."""
+    ratios = [cfg.ratio(s) for s in cfg.kv_source_layers]
+    return math.lcm(*ratios) if ratios else 1
+
+
+def split_point(cfg: ModelConfig, n: int, policy: str) -> int:
+    """s = N - W, moved down to a compressor group boundary under ``align``."""
+    if policy not in BOUNDARY_POLICIES:
+        raise ValueError(f"unknown boundary policy {policy!r}; expected one of {', '.join(BOUNDARY_POLICIES)}")
+    s = max(n - cfg.window_size, 0)
+    if policy == "align":
+        s -= s % group_size(cfg)
+    return s
+
+
+def _phases(*phases: Phase | None) -> list[Phase]:
+    return [p for p in phases if p is not None]
+
+
+def colocated_phases(cfg: ModelConfig, n: int, semantics: str, policy: str = "carry") -> list[Phase]:
+    if semantics == "full":
+        return [Phase(0, n, Depth.ALL)]
+    if semantics == "decoder-replay":
+        b = max(n - cfg.window_size, 0)
+        return _phases(Phase(0, b, Depth.THROUGH_SOURCE, sample=False) if b else None, Phase(b, n, Depth.ALL, floor=b))
+    if semantics == "split":
+        s = split_point(cfg, n, policy)
+        return _phases(Phase(0, s, Depth.ENCODER_KV, sample=False) if s else None,
+                       Phase(s, n, Depth.ALL, floor=s, encoder_floor=s))
+    raise ValueError(f"unknown prefill semantics {semantics!r}; expected one of {', '.join(SEMANTICS)}")
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """What the prefill worker runs and hands over, and whether it samples the first token."""
+
+    phases: list[Phase]
+    export_upto: int
+    samples_first_token: bool
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What the decode worker imports, then runs, and where its first token comes from."""
+
+    import_upto: int
+    phases: list[Phase]
+    first_token_from_prefill: bool
+
+
+def prefill_plan(cfg: ModelConfig, n: int, mode: str, policy: str = "carry") -> PrefillPlan:
+    if mode == "asymmetric":
+        s = split_point(cfg, n, policy)
+        return PrefillPlan(_phases(Phase(0, s, Depth.ENCODER_KV, sample=False) if s else None), s, False)
+    if mode == "encoder-only":
+        return PrefillPlan([Phase(0, n, Depth.ENCODER_KV, sample=False)], n, False)
+    if mode == "symmetric":
+        return PrefillPlan(colocated_phases(cfg, n, "decoder-replay"), n, True)
+    raise ValueError(f"mode {mode!r} has no prefill worker; expected one of symmetric, encoder-only, asymmetric")
+
+
+def decode_plan(cfg: ModelConfig, n: int, mode: str, policy: str = "carry") -> DecodePlan:
+    if mode == "asymmetric":
+        s = split_point(cfg, n, policy)
+        return DecodePlan(s, [Phase(s, n, Depth.ALL, floor=s, encoder_floor=s)], False)
+    b = max(n - cfg.window_size, 0)
+    if mode == "encoder-only":
+        return DecodePlan(n, [Phase(b, n, Depth.ALL, floor=b, encoder_floor=b, write_global=False)], False)
+    if mode == "symmetric":
+        return DecodePlan(n, [Phase(b, n, Depth.ALL, floor=b, encoder_floor=b, write_global=False, sample=False)], True)
+    raise ValueError(f"mode {mode!r} has no decode worker; expected one of symmetric, encoder-only, asymmetric")
+
+
+def decode_fallback_plan(cfg: ModelConfig, n: int, mode: str, policy: str = "carry") -> list[Phase]:
+    """D computing the prefix itself because P failed (policy ``recompute``): the same numbers the
+    P/D pair would have produced, from one engine holding the full model."""
+    if mode == "asymmetric":
+        return colocated_phases(cfg, n, "split", policy)
+    if mode == "symmetric":
+        return colocated_phases(cfg, n, "decoder-replay")
+    if mode == "encoder-only":
+        # P's rows with full windows, then D's replay over the existing global KV
+        b = max(n - cfg.window_size, 0)
+        return [Phase(0, n, Depth.ENCODER_KV, sample=False),
+                Phase(b, n, Depth.ALL, floor=b, encoder_floor=b, write_global=False)]
+    raise ValueError(f"unknown mode {mode!r}")

@@ -1,0 +1,115 @@
+"""A request's state inside one engine, and what the engine reports about it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from asympd.engine.modes import Phase
+from asympd.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"  # a stop token
+    FINISHED_LENGTH = "length"  # max_tokens or max_seq_len
+    FINISHED_ABORTED = "abort"
+    FINISHED_EXPORTED = "exported"  # a prefill worker handed the prefix over
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (Status.WAITING, Status.RUNNING)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    phases: list[Phase]  # prompt rows this engine computes, in order
+    imported: Any = None  # a PrefixState to write into this engine's cache first (decode worker)
+    first_token: int | None = None  # sampled by the prefill worker (symmetric mode)
+    sample_after_prompt: bool = True  # False on a prefill worker that only exports
+    export_upto: int = 0  # prefill worker: positions whose global KV it hands over
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    phase_index: int = 0
+    cursor: int = 0  # next row of the current phase
+    num_cached_import: int = 0  # leading imported positions already present (prefix cache hit)
+    spec_enabled: bool = False
+    generator: torch.Generator | None = None
+    error: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_steps: int = 0
+    exported: Any = None  # the PrefixState a prefill worker produced
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.prompt_phases = list(self.phases)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def in_prompt(self) -> bool:
+        return self.phase_index < len(self.phases)
+
+    @property
+    def import_len(self) -> int:
+        return 0 if self.imported is None else self.imported.split
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: every cached row is dropped and will be computed (or imported) again. Tokens
+        already generated (all but the newest, which the next decode step feeds) are replayed as
+        one chunk after the prompt phases."""
+        from asympd.model.transformer import Depth
+
+        n, out = self.num_prompt_tokens, len(self.output_token_ids)
+        self.phases = list(self.prompt_phases)
+        if out > 1:
+            self.phases.append(Phase(n, n + out - 1, Depth.ALL, sample=False))
+        self.phase_index = 0
+        self.cursor = self.phases[0].lo if self.phases else 0
+        self.num_preemptions += 1
+        self.status = Status.WAITING
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    new_token_ids: list[int] = field(default_factory=list)
+    prefix_state: Any = None  # set by a prefill worker when the prefix is ready to hand over
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None

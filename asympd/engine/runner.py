@@ -1,0 +1,91 @@
+"""The model runner executes what the scheduler decided: it builds the ragged chunks, runs one
+forward, and moves prefix state between the paged cache and contiguous ``PrefixState`` buffers."""
+
+from __future__ import annotations
+
+import torch
+
+from asympd.engine.request import Request
+from asympd.engine.scheduler import ScheduledChunk
+from asympd.kv.block_manager import BlockManager
+from asympd.kv.paged_cache import PagedKVCache
+from asympd.model.transformer import Chunk, Depth, Transformer
+from asympd.transfer.prefix_state import PrefixState
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, cache: PagedKVCache, blocks: BlockManager):
+        self.model, self.cache, self.blocks = model, cache, blocks
+        self.cfg = model.cfg
+
+    def _view(self, req: Request):
+        rid = req.request_id
+        return self.cache.view(rid, self.blocks.block_table(rid), self.blocks.slot(rid))
+
+    def prepare(self, req: Request) -> None:
+        """A newly admitted request: clear its slot (windows, open groups), then import its prefix."""
+        self.cache.reset_slot(self.blocks.slot(req.request_id))
+        if req.imported is not None:
+            self.import_prefix(req)
+
+    def execute(self, chunks: list[ScheduledChunk], wants_logits: list[str]) -> list[torch.Tensor | None]:
+        """One forward over every scheduled chunk; logits per chunk as ``wants_logits`` asks."""
+        batch = []
+        for sc, want in zip(chunks, wants_logits, strict=True):
+            req = sc.request
+            history = torch.tensor(req.all_token_ids, dtype=torch.long)
+            ph = sc.phase
+            batch.append(Chunk(
+                kv=self._view(req), token_ids=history[sc.lo : sc.hi], start=sc.lo, history=history,
+                depth=ph.depth if ph else Depth.ALL, floor=ph.floor if ph else 0,
+                encoder_floor=ph.encoder_floor if ph else 0, write_global=ph.write_global if ph else True,
+                logits=want,
+            ))
+        out = self.model(batch)
+        self.last_draft_hidden = out.draft_hidden
+        return out.logits
+
+    # ---- prefix state ------------------------------------------------------------------------
+
+    def export_prefix(self, req: Request, *, fingerprint: str, mode: str, policy: str) -> PrefixState:
+        """Copy the global KV of positions [0, s) and the open compressor groups at s into
+        contiguous buffers (the one copy P makes; transports move them as they are)."""
+        s = req.export_upto
+        bt = self.blocks.block_table(req.request_id)
+        view = self._view(req)
+        ckv, idx, pair_kv, pair_score = {}, {}, {}, {}
+        for layer in self.cfg.kv_source_layers:
+            r = self.cfg.ratio(layer)
+            n = s // r
+            ckv[layer] = self.cache.export_compressed(bt, layer, n).clone().cpu()
+            idx[layer] = self.cache.export_index_keys(bt, layer, n).clone().cpu()
+            if r > 1 and s % r:
+                kv, score, pos = view.pending(layer)
+                keep = (pos >= n * r) & (pos < s)
+                pair_kv[layer] = kv[keep].float().clone().cpu()
+                pair_score[layer] = score[keep].float().clone().cpu()
+        return PrefixState(
+            split=s, token_ids=torch.tensor(req.prompt_token_ids, dtype=torch.long), ckv=ckv, idx=idx,
+            pair_kv=pair_kv, pair_score=pair_score, fingerprint=fingerprint,
+            dtype=str(self.cache.spec.dtype).removeprefix("torch."), boundary_policy=policy, mode=mode,
+            num_prompt_tokens=req.num_prompt_tokens,
+        )
+
+    def import_prefix(self, req: Request) -> None:
+        """Write a validated PrefixState into this request's blocks. Blocks already holding the
+        same prefix (a prefix-cache hit) are shared, not rewritten."""
+        ps: PrefixState = req.imported
+        s = ps.split
+        bt = self.blocks.block_table(req.request_id)
+        view = self._view(req)
+        device = self.cache.device
+        for layer in self.cfg.kv_source_layers:
+            r = self.cfg.ratio(layer)
+            first = req.num_cached_import // r
+            if s // r > first:
+                self.cache.import_compressed(bt, layer, ps.ckv[layer][first:].to(device), first)
+                self.cache.import_index_keys(bt, layer, ps.idx[layer][first:].to(device), first)
+            if layer in ps.pair_kv:
+                rows = ps.pair_kv[layer].size(0)
+                view.append_pending(layer, torch.arange(s - rows, s), ps.pair_kv[layer].to(device),
+                                    ps.pair_score[layer].to(device))

@@ -1,0 +1,185 @@
+"""The scheduler decides; it never touches tensors.
+
+Each step mixes, under one token budget: decode rows of running requests first (their inter-token
+latency is what admission must protect), then the next chunk of prompts already in progress, then
+new admissions, FCFS, at most ``max_new_admissions`` per step and at most
+``admission_token_budget`` new prompt rows per step (Sarathi-style). Blocks for a request's whole
+prompt are reserved at admission, so a prefill in progress never stalls on memory; a decode that
+cannot grow preempts the most recently admitted request, which is recomputed later. A request that
+could never fit, even alone, fails with a clear error instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from asympd.engine.modes import Phase
+from asympd.engine.request import Request, Status
+from asympd.kv.block_manager import BlockManager, CacheFullError, RequestTooLargeError
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # rows per step, all kinds together
+    max_new_admissions: int | None = None  # new requests admitted per step; None = no cap
+    admission_token_budget: int | None = None  # prompt rows per step for prefills; None = the step budget
+    num_spec_tokens: int = 0
+
+    def validate(self) -> None:
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.max_num_batched_tokens < self.max_num_seqs * (1 + self.num_spec_tokens):
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} cannot hold one decode step of "
+                f"max_num_seqs={self.max_num_seqs} requests x {1 + self.num_spec_tokens} rows"
+            )
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    lo: int  # first row (position)
+    hi: int  # one past the last row
+    phase: Phase | None  # None: decode rows
+
+    @property
+    def num_rows(self) -> int:
+        return self.hi - self.lo
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)  # newly allocated: import their prefix first
+    preempted: list[Request] = field(default_factory=list)
+    failed: list[tuple[Request, str]] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(c.num_rows for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, prefix_cache_key: str = ""):
+        config.validate()
+        self.config = config
+        self.blocks = blocks
+        self.prefix_cache_key = prefix_cache_key
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Forget a finished or aborted request and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if request.request_id in self.blocks:
+            self.blocks.free(request.request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(r.status is Status.RUNNING for r in self.running)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        prompt_budget = self.config.admission_token_budget or budget
+
+        # 1. decode rows, preempting the newest admissions when blocks run out
+        for req in list(self.running):
+            if req not in self.running or req.in_prompt or req.status is not Status.RUNNING:
+                continue
+            rows = 1 + self.config.num_spec_tokens if req.spec_enabled else 1
+            pos = len(req.all_token_ids) - 1
+            if not self._grow(req, pos + rows, out):
+                continue
+            out.chunks.append(ScheduledChunk(req, pos, pos + rows, None))
+            budget -= rows
+
+        # 2. prompts in progress, then 3. new admissions
+        for req in self.running:
+            if budget <= 0 or prompt_budget <= 0:
+                break
+            if req.in_prompt and req.status is Status.RUNNING:
+                n = self._prompt_chunk(req, min(budget, prompt_budget), out)
+                budget -= n
+                prompt_budget -= n
+        admitted = 0
+        while self.waiting and budget > 0 and prompt_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if self.config.max_new_admissions is not None and admitted >= self.config.max_new_admissions:
+                break
+            req = self.waiting[0]
+            verdict = self._admit(req, out)
+            if verdict == "wait":
+                break
+            self.waiting.popleft()
+            if verdict == "failed":
+                continue
+            admitted += 1
+            if req.in_prompt:
+                n = self._prompt_chunk(req, min(budget, prompt_budget), out)
+                budget -= n
+                prompt_budget -= n
+        return out
+
+    def _prompt_chunk(self, req: Request, limit: int, out: SchedulerOutput) -> int:
+        phase = req.phases[req.phase_index]
+        hi = min(phase.hi, req.cursor + limit)
+        out.chunks.append(ScheduledChunk(req, req.cursor, hi, phase))
+        return hi - req.cursor
+
+    def _admit(self, req: Request, out: SchedulerOutput) -> str:
+        """Reserve blocks for the whole prompt (and what was already generated, after a
+        preemption) plus the first decode step: "admitted", "wait" or "failed"."""
+        need = len(req.all_token_ids) + 1 + self.config.num_spec_tokens
+        cacheable = req.import_len if req.imported is not None else 0
+        try:
+            alloc = self.blocks.allocate(req.request_id, need, token_ids=req.prompt_token_ids,
+                                         cacheable_tokens=cacheable, extra_key=self.prefix_cache_key)
+        except RequestTooLargeError as e:
+            req.status = Status.FINISHED_ERROR
+            out.failed.append((req, str(e)))
+            return "failed"
+        except CacheFullError:
+            return "wait"
+        req.num_cached_import = alloc.num_cached_tokens
+        req.status = Status.RUNNING
+        req.phase_index = 0
+        req.cursor = req.phases[0].lo if req.phases else 0
+        self.running.append(req)
+        out.admitted.append(req)
+        return "admitted"
+
+    def _grow(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Make room for ``num_tokens`` positions of ``req``, preempting newer requests if needed.
+        Returns False if ``req`` itself was preempted or failed."""
+        if num_tokens <= self.blocks.num_tokens(req.request_id):
+            return True
+        while True:
+            try:
+                self.blocks.grow(req.request_id, num_tokens)
+                return True
+            except RequestTooLargeError as e:
+                self.running.remove(req)
+                self.blocks.free(req.request_id)
+                req.status = Status.FINISHED_ERROR
+                out.failed.append((req, str(e)))
+                return False
+            except CacheFullError:
+                victim = self.running[-1]
+                self.running.remove(victim)
+                self.blocks.free(victim.request_id)
+                victim.reset_for_recompute()
+                self.waiting.appendleft(victim)
+                out.preempted.append(victim)
+                out.chunks = [c for c in out.chunks if c.request is not victim]
+                if victim is req:
+                    return False
