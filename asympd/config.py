@@ -166,7 +166,10 @@ class ModelConfig:
             fail(f"compress_ratios must be 0 (window only) or a small ratio, got {self.compress_ratios}")
         if not self.kv_source_layers:
             fail("kv_source_layers is empty: the model has no compressed KV")
-        for name, layers in (("kv_source_layers", self.kv_source_layers), ("index_source_layers", self.index_source_layers)):
+        for name, layers in (
+            ("kv_source_layers", self.kv_source_layers),
+            ("index_source_layers", self.index_source_layers),
+        ):
             for layer in layers:
                 if not 0 <= layer < self.n_layers or self.compress_ratios[layer] == 0:
                     fail(f"{name} lists layer {layer}, which is not a compressed backbone layer")
@@ -285,10 +288,14 @@ def tiny() -> ModelConfig:
         rope_factor=4.0,
         engram_layer_ids=(0, 1),
         engram_vocab_size=97,
-        engram_num_embeddings=(0, 0),  # filled in below from the prime layout
+        # sum of each layer's bucket primes (engram_hash.engram_num_embeddings): 97+101+103+107+109+113
+        # and 127+131+137+139+149+151; tests/model/test_engram_hash.py recomputes both
+        engram_num_embeddings=(630, 834),
         engram_n_heads=2,
         engram_head_dim=32,
-        engram_compressed_vocab_size=0,  # set from the tokenizer the checkpoint ships
+        # distinct ids of engram_hash.compressed_token_map over tiny_tokenizer.write_tiny_tokenizer(path, 512),
+        # the tokenizer make-checkpoint ships; tests/model/test_engram_hash.py recomputes it
+        engram_compressed_vocab_size=294,
         dspark_block_size=3,
         dspark_noise_token_id=511,
         dspark_target_layer_ids=(4, 5, 6),

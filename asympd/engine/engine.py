@@ -72,8 +72,12 @@ def checkpoint_id(path: str | Path | None) -> str:
 
 
 class LLMEngine:
-    def __init__(self, model: Transformer, config: EngineConfig | None = None,
-                 detokenize: Callable[[list[int]], str] | None = None):
+    def __init__(
+        self,
+        model: Transformer,
+        config: EngineConfig | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
+    ):
         self.config = config or EngineConfig()
         self.config.validate()
         if self.config.role == "prefill" and model.role != "prefill" and self.config.mode != "symmetric":
@@ -85,8 +89,9 @@ class LLMEngine:
         self.model, self.cfg = model, model.cfg
         self.detokenize = detokenize
         sc = self.config.scheduler
-        self.spec = KVCacheSpec.from_config(self.cfg, block_size=self.config.block_size,
-                                            spec_slack=sc.num_spec_tokens + 1, dtype=model.dtype)
+        self.spec = KVCacheSpec.from_config(
+            self.cfg, block_size=self.config.block_size, spec_slack=sc.num_spec_tokens + 1, dtype=model.dtype
+        )
         num_blocks = self.config.num_blocks or max(1, self.config.kv_cache_bytes // self.spec.bytes_per_block)
         self.blocks = BlockManager(self.spec, num_blocks, sc.max_num_seqs, self.config.enable_prefix_caching)
         self.cache = PagedKVCache(self.spec, num_blocks, sc.max_num_seqs, device=model.device)
@@ -99,8 +104,16 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
-                    prefix_state: PrefixState | None = None, first_token: int | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        prefix_state: PrefixState | None = None,
+        first_token: int | None = None,
+        first_token_logprobs: dict[int, float] | None = None,
+    ) -> None:
         """Queue a request. Bad input raises RequestError (or PrefixStateError for a bad prefix
         state) before anything is allocated."""
         params = params or SamplingParams()
@@ -118,21 +131,33 @@ class LLMEngine:
             raise RequestError(str(e)) from e
         if len(ids) + params.max_tokens > self.cfg.max_seq_len:
             raise RequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len {self.cfg.max_seq_len}"
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_seq_len {self.cfg.max_seq_len}"
             )
         req = self._plan_request(request_id, ids, params, prefix_state, first_token)
+        if first_token_logprobs is not None and req.output_token_ids and params.logprobs is not None:
+            req.logprobs.append(dict(first_token_logprobs))
         self.requests[request_id] = req
         self.scheduler.add(req)
 
-    def _plan_request(self, rid: str, ids: list[int], params: SamplingParams, ps: PrefixState | None,
-                      first_token: int | None) -> Request:
+    def _plan_request(
+        self, rid: str, ids: list[int], params: SamplingParams, ps: PrefixState | None, first_token: int | None
+    ) -> Request:
         c, n = self.config, len(ids)
         if c.role == "colocated":
-            return Request(rid, ids, params, modes.colocated_phases(self.cfg, n, c.prefill_semantics, c.boundary_policy))
+            return Request(
+                rid, ids, params, modes.colocated_phases(self.cfg, n, c.prefill_semantics, c.boundary_policy)
+            )
         if c.role == "prefill":
             plan = modes.prefill_plan(self.cfg, n, c.mode, c.boundary_policy)
-            return Request(rid, ids, params, plan.phases, sample_after_prompt=plan.samples_first_token,
-                           export_upto=plan.export_upto)
+            return Request(
+                rid,
+                ids,
+                params,
+                plan.phases,
+                sample_after_prompt=plan.samples_first_token,
+                export_upto=plan.export_upto,
+            )
         plan = modes.decode_plan(self.cfg, n, c.mode, c.boundary_policy)
         if ps is None and plan.import_upto > 0:
             # no prefix from a prefill worker (it failed, or the router skipped it): compute it here
@@ -142,12 +167,15 @@ class LLMEngine:
             if ps.split != plan.import_upto or list(ps.token_ids.tolist()) != ids:
                 raise PrefixStateError(
                     f"prefix state covers [0, {ps.split}) of a {ps.token_ids.numel()}-token prompt; this "
-                    f"{n}-token request in mode {c.mode}/{c.boundary_policy} needs [0, {plan.import_upto}) of the same prompt"
+                    f"{n}-token request in mode {c.mode}/{c.boundary_policy} needs [0, {plan.import_upto}) "
+                    "of the same prompt"
                 )
         req = Request(rid, ids, params, plan.phases, imported=ps)
         if plan.first_token_from_prefill:
             if first_token is None:
-                raise RequestError(f"mode {c.mode}: the decode worker needs the first token sampled by the prefill worker")
+                raise RequestError(
+                    f"mode {c.mode}: the decode worker needs the first token sampled by the prefill worker"
+                )
             req.output_token_ids.append(int(first_token))
             req.first_token_time = time.monotonic()
         return req
@@ -197,7 +225,13 @@ class LLMEngine:
             return "last"
         req = sc.request
         last_phase = req.phase_index == len(req.phases) - 1
-        if last_phase and sc.hi == sc.phase.hi and sc.phase.sample and req.sample_after_prompt and not req.output_token_ids:
+        if (
+            last_phase
+            and sc.hi == sc.phase.hi
+            and sc.phase.sample
+            and req.sample_after_prompt
+            and not req.output_token_ids
+        ):
             return "last"
         return "none"
 
@@ -223,8 +257,9 @@ class LLMEngine:
                 tok = self._sample(req, logits[-1])
                 req.output_token_ids.append(tok)
                 req.first_token_time = time.monotonic()
-            req.exported = self.runner.export_prefix(req, fingerprint=self.fingerprint, mode=self.config.mode,
-                                                     policy=self.config.boundary_policy)
+            req.exported = self.runner.export_prefix(
+                req, fingerprint=self.fingerprint, mode=self.config.mode, policy=self.config.boundary_policy
+            )
             self.scheduler.running.remove(req)
             self.held[req.request_id] = req
             return [self._finish(req, Status.FINISHED_EXPORTED, free=False)]
@@ -270,18 +305,33 @@ class LLMEngine:
     def _output(self, req: Request, new: list[int], finished: bool) -> RequestOutput:
         text = self.detokenize(req.output_token_ids) if self.detokenize else ""
         reason = req.status.value if req.status.finished else None
-        metrics = {"arrival_time": req.arrival_time, "num_preemptions": req.num_preemptions,
-                   "spec_proposed": req.spec_proposed, "spec_accepted": req.spec_accepted}
+        metrics = {
+            "arrival_time": req.arrival_time,
+            "num_preemptions": req.num_preemptions,
+            "spec_proposed": req.spec_proposed,
+            "spec_accepted": req.spec_accepted,
+        }
         if req.first_token_time is not None:
             metrics["ttft"] = req.first_token_time - req.arrival_time
         if req.finish_time is not None:
             metrics["e2e"] = req.finish_time - req.arrival_time
         return RequestOutput(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            outputs=[CompletionOutput(0, list(req.output_token_ids), text,
-                                      list(req.logprobs) if req.params.logprobs is not None else None, reason)],
-            finished=finished, new_token_ids=new, prefix_state=req.exported if finished else None,
-            metrics=metrics, error=req.error,
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    0,
+                    list(req.output_token_ids),
+                    text,
+                    list(req.logprobs) if req.params.logprobs is not None else None,
+                    reason,
+                )
+            ],
+            finished=finished,
+            new_token_ids=new,
+            prefix_state=req.exported if finished else None,
+            metrics=metrics,
+            error=req.error,
         )
 
     # ---- visibility --------------------------------------------------------------------------

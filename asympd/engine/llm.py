@@ -41,19 +41,36 @@ def eos_id(tokenizer) -> int | None:
 
 
 class LLM:
-    def __init__(self, checkpoint: str | Path, mode: str = "colocated", prefill_semantics: str = "full", *,
-                 boundary_policy: str = "carry", device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 scheduler: SchedulerConfig | None = None, block_size: int = 16, kv_cache_bytes: int = 64 << 20,
-                 enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        checkpoint: str | Path,
+        mode: str = "colocated",
+        prefill_semantics: str = "full",
+        *,
+        boundary_policy: str = "carry",
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        scheduler: SchedulerConfig | None = None,
+        block_size: int = 16,
+        kv_cache_bytes: int = 64 << 20,
+        enable_prefix_caching: bool = True,
+    ):
         self.mode = mode
         self.tokenizer = load_tokenizer(checkpoint)
         detok = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer else None
 
         def config(role: str) -> EngineConfig:
-            return EngineConfig(role=role, mode=mode, prefill_semantics=prefill_semantics,
-                                boundary_policy=boundary_policy, block_size=block_size,
-                                kv_cache_bytes=kv_cache_bytes, enable_prefix_caching=enable_prefix_caching,
-                                eos_token_id=eos_id(self.tokenizer), scheduler=scheduler or SchedulerConfig())
+            return EngineConfig(
+                role=role,
+                mode=mode,
+                prefill_semantics=prefill_semantics,
+                boundary_policy=boundary_policy,
+                block_size=block_size,
+                kv_cache_bytes=kv_cache_bytes,
+                enable_prefix_caching=enable_prefix_caching,
+                eos_token_id=eos_id(self.tokenizer),
+                scheduler=scheduler or SchedulerConfig(),
+            )
 
         self.prefill: LLMEngine | None = None
         if mode == "colocated":
@@ -64,9 +81,14 @@ class LLM:
             self.engine = LLMEngine(load_model(checkpoint, "decode", device, dtype), config("decode"), detok)
         self.cfg = self.engine.cfg
         self._next_id = 0
+        self._params: dict[str, SamplingParams] = {}  # requests at the prefill engine
 
-    def generate(self, prompts: str | list[str] | None = None, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 prompt_token_ids: list[int] | list[list[int]] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | list[str] | None = None,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        prompt_token_ids: list[int] | list[list[int]] | None = None,
+    ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order."""
         if prompt_token_ids is None:
             if prompts is None:
@@ -97,7 +119,6 @@ class LLM:
             self.engine.add_request(rid, token_ids, params)  # N <= W: P has nothing to do
         else:
             self.prefill.add_request(rid, token_ids, params)
-            self._params = getattr(self, "_params", {})
             self._params[rid] = params
 
     def step(self) -> list[RequestOutput]:
@@ -111,8 +132,16 @@ class LLM:
                 blob = out.prefix_state.serialize()
                 state = PrefixState.deserialize(blob)
                 first = out.outputs[0].token_ids[0] if out.outputs[0].token_ids else None
+                first_lp = out.outputs[0].logprobs[0] if first is not None and out.outputs[0].logprobs else None
                 params = self._params.pop(out.request_id)
-                self.engine.add_request(out.request_id, out.prompt_token_ids, params, prefix_state=state, first_token=first)
+                self.engine.add_request(
+                    out.request_id,
+                    out.prompt_token_ids,
+                    params,
+                    prefix_state=state,
+                    first_token=first,
+                    first_token_logprobs=first_lp,
+                )
                 self.prefill.release_transfer(out.request_id)
         outs.extend(self.engine.step())
         return outs

@@ -75,8 +75,9 @@ def colocated_phases(cfg: ModelConfig, n: int, semantics: str, policy: str = "ca
         return _phases(Phase(0, b, Depth.THROUGH_SOURCE, sample=False) if b else None, Phase(b, n, Depth.ALL, floor=b))
     if semantics == "split":
         s = split_point(cfg, n, policy)
-        return _phases(Phase(0, s, Depth.ENCODER_KV, sample=False) if s else None,
-                       Phase(s, n, Depth.ALL, floor=s, encoder_floor=s))
+        return _phases(
+            Phase(0, s, Depth.ENCODER_KV, sample=False) if s else None, Phase(s, n, Depth.ALL, floor=s, encoder_floor=s)
+        )
     raise ValueError(f"unknown prefill semantics {semantics!r}; expected one of {', '.join(SEMANTICS)}")
 
 
@@ -131,6 +132,8 @@ def decode_fallback_plan(cfg: ModelConfig, n: int, mode: str, policy: str = "car
     if mode == "encoder-only":
         # P's rows with full windows, then D's replay over the existing global KV
         b = max(n - cfg.window_size, 0)
-        return [Phase(0, n, Depth.ENCODER_KV, sample=False),
-                Phase(b, n, Depth.ALL, floor=b, encoder_floor=b, write_global=False)]
+        return [
+            Phase(0, n, Depth.ENCODER_KV, sample=False),
+            Phase(b, n, Depth.ALL, floor=b, encoder_floor=b, write_global=False),
+        ]
     raise ValueError(f"unknown mode {mode!r}")

@@ -35,12 +35,19 @@ class ModelRunner:
             req = sc.request
             history = torch.tensor(req.all_token_ids, dtype=torch.long)
             ph = sc.phase
-            batch.append(Chunk(
-                kv=self._view(req), token_ids=history[sc.lo : sc.hi], start=sc.lo, history=history,
-                depth=ph.depth if ph else Depth.ALL, floor=ph.floor if ph else 0,
-                encoder_floor=ph.encoder_floor if ph else 0, write_global=ph.write_global if ph else True,
-                logits=want,
-            ))
+            batch.append(
+                Chunk(
+                    kv=self._view(req),
+                    token_ids=history[sc.lo : sc.hi],
+                    start=sc.lo,
+                    history=history,
+                    depth=ph.depth if ph else Depth.ALL,
+                    floor=ph.floor if ph else 0,
+                    encoder_floor=ph.encoder_floor if ph else 0,
+                    write_global=ph.write_global if ph else True,
+                    logits=want,
+                )
+            )
         out = self.model(batch)
         self.last_draft_hidden = out.draft_hidden
         return out.logits
@@ -65,9 +72,16 @@ class ModelRunner:
                 pair_kv[layer] = kv[keep].float().clone().cpu()
                 pair_score[layer] = score[keep].float().clone().cpu()
         return PrefixState(
-            split=s, token_ids=torch.tensor(req.prompt_token_ids, dtype=torch.long), ckv=ckv, idx=idx,
-            pair_kv=pair_kv, pair_score=pair_score, fingerprint=fingerprint,
-            dtype=str(self.cache.spec.dtype).removeprefix("torch."), boundary_policy=policy, mode=mode,
+            split=s,
+            token_ids=torch.tensor(req.prompt_token_ids, dtype=torch.long),
+            ckv=ckv,
+            idx=idx,
+            pair_kv=pair_kv,
+            pair_score=pair_score,
+            fingerprint=fingerprint,
+            dtype=str(self.cache.spec.dtype).removeprefix("torch."),
+            boundary_policy=policy,
+            mode=mode,
             num_prompt_tokens=req.num_prompt_tokens,
         )
 
@@ -87,5 +101,6 @@ class ModelRunner:
                 self.cache.import_index_keys(bt, layer, ps.idx[layer][first:].to(device), first)
             if layer in ps.pair_kv:
                 rows = ps.pair_kv[layer].size(0)
-                view.append_pending(layer, torch.arange(s - rows, s), ps.pair_kv[layer].to(device),
-                                    ps.pair_score[layer].to(device))
+                view.append_pending(
+                    layer, torch.arange(s - rows, s), ps.pair_kv[layer].to(device), ps.pair_score[layer].to(device)
+                )

@@ -142,8 +142,13 @@ class Scheduler:
         need = len(req.all_token_ids) + 1 + self.config.num_spec_tokens
         cacheable = req.import_len if req.imported is not None else 0
         try:
-            alloc = self.blocks.allocate(req.request_id, need, token_ids=req.prompt_token_ids,
-                                         cacheable_tokens=cacheable, extra_key=self.prefix_cache_key)
+            alloc = self.blocks.allocate(
+                req.request_id,
+                need,
+                token_ids=req.prompt_token_ids,
+                cacheable_tokens=cacheable,
+                extra_key=self.prefix_cache_key,
+            )
         except RequestTooLargeError as e:
             req.status = Status.FINISHED_ERROR
             out.failed.append((req, str(e)))

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from asympd.config import ModelConfig
-from asympd.model.ops import QLinear, apply_rope, rms_norm, rope_frequencies, stable_topk
+from asympd.model.ops import QLinear, apply_rope, linear, ordered_sum, rms_norm, rope_frequencies, stable_topk
 from asympd.model.quant import fp4_qdq, fp8_qdq
 
 
@@ -122,7 +122,11 @@ class Attention(torch.nn.Module):
         self.wq_a, self.wq_b, self.wkv = w.get("wq_a"), w.get("wq_b"), w.get("wkv")
         self.q_norm, self.kv_norm = w.get("q_norm"), w.get("kv_norm")
         self.wo_a, self.wo_b = w.get("wo_a"), w.get("wo_b")
-        self.comp_wkv, self.comp_wgate, self.comp_norm = w.get("compressor.wkv"), w.get("compressor.wgate"), w.get("compressor.norm")
+        self.comp_wkv, self.comp_wgate, self.comp_norm = (
+            w.get("compressor.wkv"),
+            w.get("compressor.wgate"),
+            w.get("compressor.norm"),
+        )
         self.idx_wq_b, self.idx_weights = w.get("indexer.wq_b"), w.get("indexer.weights_proj")
         self.idx_wk, self.idx_k_norm = w.get("indexer.wk"), w.get("indexer.k_norm")
 
@@ -158,7 +162,8 @@ class Attention(torch.nn.Module):
                 return
             kv_g = all_kv[: n_groups * r].unflatten(0, (n_groups, r))
             score_g = all_score[: n_groups * r].unflatten(0, (n_groups, r))
-            pooled = (kv_g * score_g.softmax(dim=1)).sum(dim=1)
+            weights = torch.exp(score_g - score_g.amax(dim=1, keepdim=True))  # softmax over the group
+            pooled = ordered_sum(kv_g * (weights / ordered_sum(weights, 1, keepdim=True)), 1)
             latent = rms_norm(pooled.to(x.dtype), self.comp_norm, cfg.norm_eps)
             first = seg.start // r
         if latent.size(0) == 0:
@@ -173,7 +178,9 @@ class Attention(torch.nn.Module):
 
     # ---- the indexer -------------------------------------------------------------------------
 
-    def _select(self, seg: SegmentView, x: torch.Tensor, qr: torch.Tensor, visible: torch.Tensor, n: int) -> torch.Tensor:
+    def _select(
+        self, seg: SegmentView, x: torch.Tensor, qr: torch.Tensor, visible: torch.Tensor, n: int
+    ) -> torch.Tensor:
         """Top-k compressed entries per query ([m, k] int64, -1 = unused slot)."""
         cfg = self.cfg
         m = x.size(0)
@@ -210,41 +217,56 @@ class Attention(torch.nn.Module):
         outs = []
         for seg in segs:
             sl = slice(seg.lo, seg.hi)
-            pos = seg.positions
-            prev_kv, prev_pos = seg.kv.window(self.layer)
-            if prev_pos.numel() and int(prev_pos[-1]) >= seg.start:  # rows being recomputed replace old ones
-                keep = prev_pos < seg.start
-                prev_kv, prev_pos = prev_kv[keep], prev_pos[keep]
-            keys = torch.cat([prev_kv.to(kv.dtype), kv[sl]])
-            key_pos = torch.cat([prev_pos, pos])
-            seg.kv.append_window(self.layer, pos, kv[sl])
-            mask = (
-                (key_pos <= pos.unsqueeze(-1))
-                & (key_pos > pos.unsqueeze(-1) - cfg.window_size)
-                & (key_pos >= seg.floor)
-            )
-            gathered = keys.unsqueeze(0).expand(len(pos), -1, -1)
+            keys, mask = self._window_keys(seg, kv[sl])
             if self.ratio:
                 if self.is_source and seg.write_global:
                     self._write_compressed(seg, x[sl])
-                n = (seg.start + len(pos)) // self.ratio
-                visible = (pos + 1) // self.ratio
-                if self.is_index_source:
-                    sel = self._select(seg, x[sl], qr[sl], visible, n)
-                    seg.shared[f"selection.{self.ratio}"] = sel
-                else:
-                    sel = seg.shared[f"selection.{self.ratio}"]
-                if sel.size(1):
-                    entries = seg.kv.read_compressed(self.source, n).to(kv.dtype)
-                    gathered = torch.cat([gathered, entries[sel.clamp_min(0)]], dim=1)
-                    mask = torch.cat([mask, sel >= 0], dim=1)
-            outs.append(sparse_attention(q[sl], gathered, mask, self.attn_sink, self.scale, self.round_probs))
+                entries, valid = self._compressed_keys(seg, x[sl], qr[sl])
+                keys, mask = torch.cat([keys, entries.to(keys.dtype)], dim=1), torch.cat([mask, valid], dim=1)
+            outs.append(sparse_attention(q[sl], keys, mask, self.attn_sink, self.scale, self.round_probs))
         o = apply_rope(torch.cat(outs), rot, cfg.rope_head_dim, inverse=True)
         # wo_a is block-diagonal over output groups: each group projects only its own heads
         o = o.reshape(o.size(0), cfg.o_groups, -1)
         wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
-        o = torch.einsum("mgd,grd->mgr", o, wo_a)
+        o = torch.stack([linear(o[:, g], wo_a[g]) for g in range(cfg.o_groups)], dim=1)
         return self.wo_b(o.flatten(1))
+
+    def _window_keys(self, seg: SegmentView, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each query's window as W fixed slots (slot j holds position i-W+1+j), so a query's
+        reductions run over the same layout however its rows were chunked or batched. Appends
+        these rows to the window cache."""
+        w = self.cfg.window_size
+        pos = seg.positions.to(kv.device)
+        prev_kv, prev_pos = seg.kv.window(self.layer)
+        keep = prev_pos < seg.start  # rows being recomputed replace the old ones
+        all_kv = torch.cat([prev_kv[keep].to(kv.dtype), kv])
+        all_pos = torch.cat([prev_pos[keep].to(pos.device), pos])
+        seg.kv.append_window(self.layer, seg.positions, kv)
+        want = pos.unsqueeze(-1) - w + 1 + torch.arange(w, device=kv.device)
+        idx = torch.searchsorted(all_pos, want).clamp_max(all_pos.numel() - 1)
+        valid = (all_pos[idx] == want) & (want >= seg.floor) & (want >= 0)
+        return all_kv[idx], valid
+
+    def _compressed_keys(
+        self, seg: SegmentView, x: torch.Tensor, qr: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selected compressed entries per query, ``index_topk`` fixed slots (unused ones masked)."""
+        pos = seg.positions.to(x.device)
+        n = (seg.start + len(pos)) // self.ratio
+        visible = (pos + 1) // self.ratio
+        if self.is_index_source:
+            sel = self._select(seg, x, qr, visible, n)
+            seg.shared[f"selection.{self.ratio}"] = sel
+        else:
+            sel = seg.shared[f"selection.{self.ratio}"]
+        k = self.cfg.index_topk
+        sel = F.pad(sel, (0, k - sel.size(1)), value=-1)
+        if n == 0:
+            return x.new_zeros(len(pos), k, self.cfg.head_dim), torch.zeros(
+                len(pos), k, dtype=torch.bool, device=x.device
+            )
+        entries = seg.kv.read_compressed(self.source, n)
+        return entries[sel.clamp_min(0)], sel >= 0
 
 
 def make_attention_weights(w: dict[str, torch.Tensor], quantized: set[str]) -> dict[str, Any]:

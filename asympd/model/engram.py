@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from asympd.config import ModelConfig
-from asympd.model.ops import QLinear
+from asympd.model.ops import QLinear, sigmoid
 from asympd.model.quant import dequant_fp8_rows
 
 
@@ -34,5 +34,5 @@ class Engram(torch.nn.Module):
         # normalised per (token, copy) over dim, not jointly over the copies
         rstd = torch.rsqrt(hf.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
         dot = (hf * self.qk * key).sum(-1) * rstd * self.dim**-0.5
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))  # signed sqrt
+        gate = sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))  # signed sqrt
         return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)

@@ -21,8 +21,18 @@ from asympd.model.quant import dequant_fp4, dequant_fp8_tiles
 from asympd.model.schema import ROLES
 from asympd.model.transformer import Block, Transformer
 
-ATTN_MATRICES = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "compressor.wkv", "compressor.wgate",
-                 "indexer.wq_b", "indexer.weights_proj", "indexer.wk")
+ATTN_MATRICES = (
+    "wq_a",
+    "wq_b",
+    "wkv",
+    "wo_a",
+    "wo_b",
+    "compressor.wkv",
+    "compressor.wgate",
+    "indexer.wq_b",
+    "indexer.weights_proj",
+    "indexer.wk",
+)
 ATTN_VECTORS = ("q_norm.weight", "kv_norm.weight", "attn_sink", "compressor.norm.weight", "indexer.k_norm.weight")
 
 
@@ -88,8 +98,15 @@ def _moe(cfg: ModelConfig, layer: int, r: _Reader, prefix: str) -> MoE:
     return MoE(cfg, layer, w)
 
 
-def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], role: str, *, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu", hasher: Any | None = None) -> Transformer:
+def build_model(
+    cfg: ModelConfig,
+    tensors: dict[str, torch.Tensor],
+    role: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    hasher: Any | None = None,
+) -> Transformer:
     """The model of ``role`` from storage-format tensors (as ``load_tensors`` returns them)."""
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
@@ -104,7 +121,10 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], role: str, *
         if layer > n_full:
             blocks.append(None)
             continue
-        w: dict[str, Any] = {"attn_norm": r.vector(p + "attn_norm.weight"), "attn": _attention(cfg, layer, r, p + "attn.", round_probs)}
+        w: dict[str, Any] = {
+            "attn_norm": r.vector(p + "attn_norm.weight"),
+            "attn": _attention(cfg, layer, r, p + "attn.", round_probs),
+        }
         if layer < n_full:
             w["ffn_norm"] = r.vector(p + "ffn_norm.weight")
             for sub in ("attn", "ffn"):
@@ -113,8 +133,11 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], role: str, *
             w["ffn"] = _moe(cfg, layer, r, p + "ffn.")
         if layer in cfg.engram_layer_ids:
             e = p + "engram."
-            w["engram"] = Engram(cfg, {n: r.raw(e + n) for n in ("embed.weight", "embed.scale", "q_weight", "k_weight")},
-                                 r.linear(e + "wkv"))
+            w["engram"] = Engram(
+                cfg,
+                {n: r.raw(e + n) for n in ("embed.weight", "embed.scale", "q_weight", "k_weight")},
+                r.linear(e + "wkv"),
+            )
         blocks.append(Block(cfg, layer, w))
     embed = r.vector("embed.weight")
     norm = head = None
@@ -124,8 +147,9 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], role: str, *
     return Transformer(cfg, role, embed, blocks, norm, head, hasher, dtype)
 
 
-def load_model(checkpoint: str | Path, role: str = "full", device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> Transformer:
+def load_model(
+    checkpoint: str | Path, role: str = "full", device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> Transformer:
     """Load a role from a checkpoint directory; ``.load_report`` says what was read."""
     from asympd.model.checkpoint import load_config, load_tensors
 

@@ -7,24 +7,30 @@ import torch
 import torch.nn.functional as F
 
 from asympd.config import ModelConfig
-from asympd.model.ops import stable_topk
+from asympd.model.ops import linear, sigmoid, stable_elementwise, stable_topk
 from asympd.model.quant import fp8_qdq
 
 
-def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float,
-           weights: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One expert: the up branch clamped both sides, the gate branch from above only (from training,
     where the clamps keep FP8/FP4 activations in range). Every GEMM input is FP8-quantized."""
     xq = fp8_qdq(x, 32)
-    gate = F.linear(xq, w1).float()
-    up = F.linear(xq, w3).float()
+    gate = linear(xq, w1).float()
+    up = linear(xq, w3).float()
     if limit > 0:
         up = up.clamp(-limit, limit)
         gate = gate.clamp(max=limit)
-    h = F.silu(gate) * up
+    h = stable_elementwise(F.silu, gate) * up
     if weights is not None:
         h = weights * h
-    return F.linear(fp8_qdq(h.to(x.dtype), 32), w2)
+    return linear(fp8_qdq(h.to(x.dtype), 32), w2)
 
 
 class MoE(torch.nn.Module):
@@ -40,13 +46,13 @@ class MoE(torch.nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]); ties in the biased score go to the lowest id."""
-        scores = F.linear(x.float(), self.gate)
+        scores = linear(x.float(), self.gate)
         if self.score_func == "softmax":
             scores = scores.softmax(dim=-1)
         elif self.score_func == "sigmoid":
-            scores = scores.sigmoid()
+            scores = sigmoid(scores)
         else:
-            scores = F.softplus(scores).sqrt()
+            scores = stable_elementwise(F.softplus, scores).sqrt()
         ids = stable_topk(scores + self.bias, self.topk)
         weights = scores.gather(1, ids)
         if self.topk > 1:
@@ -58,6 +64,8 @@ class MoE(torch.nn.Module):
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(ids).tolist():  # ascending: the reference's accumulation order
             rows, slot = torch.where(ids == e)
-            y[rows] += swiglu(x[rows], self.w1[e], self.w3[e], self.w2[e], self.limit, weights[rows, slot, None]).float()
+            y[rows] += swiglu(
+                x[rows], self.w1[e], self.w3[e], self.w2[e], self.limit, weights[rows, slot, None]
+            ).float()
         y += swiglu(x, self.s1, self.s3, self.s2, self.limit).float()
         return y.to(x.dtype)

@@ -12,6 +12,38 @@ import torch.nn.functional as F
 
 from asympd.model.quant import fp8_qdq
 
+# CPU GEMM picks a different kernel for very short inputs, so a row's result depends on how many
+# rows share the call (measured: M in 1-3, 5-7, 9-11 differ from M >= 12). Padding to this many
+# rows makes every row's bits independent of the batch it arrives in: P and D, chunked and
+# one-shot, solo and batched all compute identical values, so top-k selections never flip.
+MIN_GEMM_ROWS = 16
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T, batch-invariant per row on CPU (see MIN_GEMM_ROWS)."""
+    rows = x.shape[:-1].numel()
+    if x.device.type != "cpu" or rows >= MIN_GEMM_ROWS:
+        return F.linear(x, weight)
+    flat = x.reshape(rows, x.size(-1))
+    padded = torch.cat([flat, flat.new_zeros(MIN_GEMM_ROWS - rows, flat.size(1))])
+    return F.linear(padded, weight)[:rows].reshape(*x.shape[:-1], weight.size(0))
+
+
+def stable_elementwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """Apply an elementwise op so every element takes the vectorized path. ATen computes the last
+    ``numel % (2 * vector width)`` elements with scalar code, and its scalar sigmoid/softplus/silu
+    differ from the vectorized ones in the last bit (measured), so otherwise an element's value
+    would depend on how many rows share the tensor."""
+    n = x.numel()
+    if x.device.type != "cpu" or n % 64 == 0:
+        return fn(x)
+    flat = F.pad(x.reshape(-1), (0, 64 - n % 64))
+    return fn(flat)[:n].view(x.shape)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return stable_elementwise(torch.sigmoid, x)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
@@ -32,7 +64,7 @@ class QLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized:
             x = fp8_qdq(x.to(self.weight.dtype), 32)
-        return F.linear(x.to(self.weight.dtype), self.weight)
+        return linear(x.to(self.weight.dtype), self.weight)
 
 
 # ---- RoPE -------------------------------------------------------------------------------------
@@ -69,6 +101,16 @@ def apply_rope(x: torch.Tensor, rot: torch.Tensor, rope_dim: int, inverse: bool 
     return torch.cat([head, tail], dim=-1)
 
 
+def ordered_sum(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    """Sum over a short dim as a fixed chain of adds. A reduction kernel may vectorize a small
+    inner dim differently depending on how many rows surround it; this never does."""
+    parts = x.unbind(dim)
+    out = parts[0]
+    for p in parts[1:]:
+        out = out + p
+    return out.unsqueeze(dim) if keepdim else out
+
+
 # ---- mHC --------------------------------------------------------------------------------------
 
 
@@ -78,36 +120,43 @@ def sinkhorn_split(
     """Split one projection into the pre (collapse), post (expand) and comb (residual mixing)
     coefficients; comb is made doubly stochastic by Sinkhorn. All fp32, reference op order."""
     m = mixes.float()
-    pre = torch.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
-    post = 2 * torch.sigmoid(m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    pre = sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * sigmoid(m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
     comb = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
     comb = torch.exp(comb - comb.amax(dim=-1, keepdim=True))
-    comb = comb / comb.sum(dim=-1, keepdim=True) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    comb = comb / ordered_sum(comb, -1, keepdim=True) + eps
+    comb = comb / (ordered_sum(comb, -2, keepdim=True) + eps)
     for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        comb = comb / (ordered_sum(comb, -1, keepdim=True) + eps)
+        comb = comb / (ordered_sum(comb, -2, keepdim=True) + eps)
     return pre, post, comb
 
 
 def hc_mixes(
-    h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float, norm_eps: float
+    h: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    hc: int,
+    iters: int,
+    eps: float,
+    norm_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h: [T, hc, D] -> coefficients from one fp32 projection of the flattened, RMS-normalised stream."""
     x = h.flatten(-2).float()
     rsqrt = torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
-    return sinkhorn_split(F.linear(x, fn) * rsqrt, scale, base, hc, iters, eps)
+    return sinkhorn_split(linear(x, fn) * rsqrt, scale, base, hc, iters, eps)
 
 
 def hc_pre(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """Collapse the hc copies into one sublayer input: [T, hc, D] x [T, hc] -> [T, D]."""
-    return (pre.unsqueeze(-1) * h.float()).sum(dim=-2).to(h.dtype)
+    return ordered_sum(pre.unsqueeze(-1) * h.float(), -2).to(h.dtype)
 
 
 def hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """Expand a sublayer output back to hc copies, mixing the residual through comb:
     out[j] = post[j] * x + sum_i comb[i, j] * residual[i]."""
-    y = post.unsqueeze(-1) * x.unsqueeze(-2) + (comb.unsqueeze(-1) * residual.unsqueeze(-2)).sum(dim=-3)
+    y = post.unsqueeze(-1) * x.unsqueeze(-2) + ordered_sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), -3)
     return y.to(x.dtype)
 
 

@@ -18,7 +18,7 @@ Roles:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 import torch
 
@@ -32,7 +32,7 @@ BF16, F32 = torch.bfloat16, torch.float32
 FP8, UE8M0, PACKED_FP4 = torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8
 
 
-class Part(str, Enum):
+class Part(StrEnum):
     EMBEDDING = "embedding"
     ENCODER = "encoder_layers"
     KV_PATH = "kv_path"  # the last KV source's KV/indexer-key projection path
@@ -43,7 +43,7 @@ class Part(str, Enum):
     VISION = "vision"
 
 
-class Fmt(str, Enum):
+class Fmt(StrEnum):
     """How a weight is stored; quantized ones have a sibling ``.scale`` entry."""
 
     PLAIN = "plain"
@@ -178,7 +178,9 @@ def checkpoint_schema(cfg: ModelConfig) -> list[TensorSpec]:
             layer = cfg.n_layers + i
             _block(b, cfg, f"mtp.{i}", layer, Part.DRAFT, Part.DRAFT)
             if i == 0:
-                b.linear(f"mtp.{i}.main_proj", cfg.dim, cfg.dim * len(cfg.dspark_target_layer_ids), wf, Part.DRAFT, layer)
+                b.linear(
+                    f"mtp.{i}.main_proj", cfg.dim, cfg.dim * len(cfg.dspark_target_layer_ids), wf, Part.DRAFT, layer
+                )
                 b.add(f"mtp.{i}.main_norm.weight", (cfg.dim,), BF16, Part.DRAFT, layer)
             if i == cfg.n_mtp_layers - 1:
                 r = cfg.dspark_markov_rank

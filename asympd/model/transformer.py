@@ -28,7 +28,7 @@ from asympd.config import ModelConfig
 from asympd.model.attention import Attention, SegmentView, SequenceKV
 from asympd.model.engram import Engram
 from asympd.model.moe import MoE
-from asympd.model.ops import hc_mixes, hc_post, hc_pre, rms_norm
+from asympd.model.ops import hc_mixes, hc_post, hc_pre, linear, rms_norm
 
 
 class Depth(IntEnum):
@@ -69,15 +69,26 @@ class Block(torch.nn.Module):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.attn_norm, self.ffn_norm = w.get("attn_norm"), w.get("ffn_norm")
-        self.hc = {k: w.get(k) for k in ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale")}
+        self.hc = {
+            k: w.get(k)
+            for k in ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale")
+        }
         self.attn: Attention = w["attn"]
         self.ffn: MoE | None = w.get("ffn")
         self.engram: Engram | None = w.get("engram")
 
     def _mixes(self, h: torch.Tensor, sub: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.cfg
-        return hc_mixes(h, self.hc[f"hc_{sub}_fn"], self.hc[f"hc_{sub}_scale"], self.hc[f"hc_{sub}_base"],
-                        c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+        return hc_mixes(
+            h,
+            self.hc[f"hc_{sub}_fn"],
+            self.hc[f"hc_{sub}_scale"],
+            self.hc[f"hc_{sub}_base"],
+            c.hc_mult,
+            c.hc_sinkhorn_iters,
+            c.hc_eps,
+            c.norm_eps,
+        )
 
     def attn_input(self, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         return rms_norm(hc_pre(h, pre), self.attn_norm, self.cfg.norm_eps)
@@ -98,8 +109,17 @@ class Transformer(torch.nn.Module):
     """The backbone of one role. The prefill role holds layers below K as blocks and layer K as a
     KV path only; it cannot run ``Depth.THROUGH_SOURCE`` or ``Depth.ALL`` rows."""
 
-    def __init__(self, cfg: ModelConfig, role: str, embed: torch.Tensor, blocks: list[Block | None],
-                 norm: torch.Tensor | None, head: torch.Tensor | None, hasher: Any | None, dtype: torch.dtype):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        role: str,
+        embed: torch.Tensor,
+        blocks: list[Block | None],
+        norm: torch.Tensor | None,
+        head: torch.Tensor | None,
+        hasher: Any | None,
+        dtype: torch.dtype,
+    ):
         super().__init__()
         self.cfg, self.role, self.dtype = cfg, role, dtype
         self.embed = embed
@@ -143,7 +163,9 @@ class Transformer(torch.nn.Module):
         pre[:, 0] = 1.0  # the first collapse just takes copy 0
         hashes = None
         if cfg.engram_layer_ids and self.hasher is not None:
-            hashes = torch.cat([self.hasher.hash_ids(c.history, c.start, len(c.token_ids)) for c in ordered]).to(self.device)
+            hashes = torch.cat([self.hasher.hash_ids(c.history, c.start, len(c.token_ids)) for c in ordered]).to(
+                self.device
+            )
         shared: list[dict[str, Any]] = [{} for _ in ordered]
         targets = {lid: i for i, lid in enumerate(cfg.dspark_target_layer_ids)} if cfg.dspark_block_size else {}
         hidden: list[list[torch.Tensor]] = [[] for _ in ordered]
@@ -165,10 +187,17 @@ class Transformer(torch.nn.Module):
                     if ordered[i].depth is Depth.ALL:
                         hidden[i].append(h[offsets[i] : offsets[i + 1]].float().mean(dim=1).to(self.dtype))
 
-            def view(i: int) -> SegmentView:
+            def view(i: int, layer: int = layer) -> SegmentView:
                 c = ordered[i]
-                return SegmentView(c.kv, offsets[i], offsets[i + 1], c.start,
-                                   c.encoder_floor if layer <= k else c.floor, c.write_global, shared[i])
+                return SegmentView(
+                    c.kv,
+                    offsets[i],
+                    offsets[i + 1],
+                    c.start,
+                    c.encoder_floor if layer <= k else c.floor,
+                    c.write_global,
+                    shared[i],
+                )
 
             if full:
                 h[:n_full], pre[:n_full] = block(h[:n_full], pre[:n_full], [view(i) for i in full])
@@ -185,9 +214,11 @@ class Transformer(torch.nn.Module):
         for i, c in enumerate(ordered):
             if c.depth is not Depth.ALL or c.logits == "none":
                 continue
-            rows = slice(offsets[i + 1] - 1, offsets[i + 1]) if c.logits == "last" else slice(offsets[i], offsets[i + 1])
+            rows = (
+                slice(offsets[i + 1] - 1, offsets[i + 1]) if c.logits == "last" else slice(offsets[i], offsets[i + 1])
+            )
             x = rms_norm(hc_pre(h[rows], pre[rows]), self.norm, cfg.norm_eps)
-            logits[order[i]] = F.linear(x.float(), self.head)
+            logits[order[i]] = linear(x.float(), self.head)
             if hidden[i]:
                 draft_hidden[order[i]] = torch.cat(hidden[i], dim=-1)
         return ForwardOutput(logits, draft_hidden)

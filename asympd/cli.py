@@ -1,0 +1,280 @@
+"""``asympd`` command line.
+
+Each subcommand is an ``add_arguments(parser)`` function and a ``run(args) -> int`` function,
+registered in ``COMMANDS``; adding one is writing those two and one ``COMMANDS`` entry. Bad input
+(unknown preset, missing directory, invalid checkpoint) exits with status 2 and one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported as one line, exit status 2."""
+
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _config(name_or_path: str):
+    from asympd.config import ConfigError, resolve_config
+
+    try:
+        return resolve_config(name_or_path)
+    except ConfigError as e:
+        raise UsageError(str(e)) from e
+
+
+# ---- make-checkpoint ------------------------------------------------------------------------------
+
+
+def _make_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="tiny | v41-flash | path to a config.json")
+    p.add_argument("--out", required=True, help="output directory (created; must not hold a checkpoint)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shard-bytes", type=int, default=None, help="target shard size in bytes")
+
+
+def _make_checkpoint(args: argparse.Namespace) -> int:
+    from asympd.model.checkpoint import DEFAULT_SHARD_BYTES, write_checkpoint
+
+    cfg = _config(args.config)
+    out = write_checkpoint(cfg, args.out, args.seed, shard_bytes=args.shard_bytes or DEFAULT_SHARD_BYTES)
+    print(out)
+    return 0
+
+
+# ---- memory ---------------------------------------------------------------------------------------
+
+
+def _memory_args(p: argparse.ArgumentParser) -> None:
+    from asympd.plan.memory import DEFAULT_CONTEXT_TOKENS, DEFAULT_RESERVE_GB
+
+    p.add_argument("--config", default="v41-flash", help="tiny | v41-flash | path to a config.json")
+    p.add_argument("--reserve-gb", type=float, default=DEFAULT_RESERVE_GB,
+                   help="per-GPU reserve for activations, CUDA context and buffers")
+    p.add_argument("--context", type=int, default=DEFAULT_CONTEXT_TOKENS, help="context length for the request count")
+    p.add_argument("--engram-on-gpu", action="store_true", help="count the Engram tables as GPU-resident")
+    p.add_argument("--json", action="store_true")
+
+
+def _memory(args: argparse.Namespace) -> int:
+    from asympd.plan.memory import format_memory_report, memory_report
+
+    report = memory_report(_config(args.config), reserve_gb=args.reserve_gb, context_tokens=args.context,
+                           engram_on_gpu=args.engram_on_gpu)
+    print(json.dumps(report, indent=2) if args.json else format_memory_report(report))
+    return 0
+
+
+# ---- inspect --------------------------------------------------------------------------------------
+
+
+def _inspect_args(p: argparse.ArgumentParser) -> None:
+    from asympd.model.schema import ROLES
+
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    p.add_argument("--role", default="full", choices=ROLES)
+    p.add_argument("--list", action="store_true", help="print the name of every tensor read")
+    p.add_argument("--json", action="store_true")
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from asympd.model.checkpoint import load_config, load_tensors
+    from asympd.model.schema import checkpoint_schema
+
+    cfg = load_config(args.checkpoint)
+    resident: int | None = None
+    try:
+        from asympd.model.loader import load_model
+    except ImportError:
+        load_model = None
+    if load_model is not None:
+        import torch
+
+        model = load_model(args.checkpoint, role=args.role, device="cpu", dtype=torch.float32)
+        report = model.load_report
+        resident = model.resident_bytes()
+    else:
+        _, report = load_tensors(args.checkpoint, cfg, args.role)
+    part_of = {s.name: s.part.value for s in checkpoint_schema(cfg)}
+    by_part: dict[str, dict[str, int]] = {}
+    for name in report.tensors_read:
+        entry = by_part.setdefault(part_of.get(name, "other"), {"tensors": 0})
+        entry["tensors"] += 1
+    out: dict[str, Any] = {
+        "checkpoint": str(args.checkpoint),
+        "role": args.role,
+        "tensors_read": len(report.tensors_read),
+        "bytes_read": report.bytes_read,
+        "resident_bytes": resident,
+        "files_opened": report.files_opened,
+        "tensors_by_part": {k: v["tensors"] for k, v in by_part.items()},
+    }
+    if args.json:
+        out["tensor_names"] = report.tensors_read
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"checkpoint     {out['checkpoint']}")
+    print(f"role           {args.role}")
+    print(f"tensors read   {out['tensors_read']}  ({', '.join(f'{k} {v}' for k, v in out['tensors_by_part'].items())})")
+    print(f"bytes read     {report.bytes_read}  ({report.bytes_read / 1e9:.3f} GB)")
+    print(f"files opened   {len(report.files_opened)}")
+    if resident is None:
+        print("resident bytes n/a (asympd.model.loader not available)")
+    else:
+        print(f"resident bytes {resident}  ({resident / 1e9:.3f} GB, as loaded)")
+    if args.list:
+        for name in report.tensors_read:
+            print(f"  {name}")
+    return 0
+
+
+# ---- serve / router / demo ------------------------------------------------------------------------
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--role", default="colocated", choices=("colocated", "prefill", "decode"))
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory (with tokenizer.json)")
+    p.add_argument("--mode", default=None, choices=("colocated", "symmetric", "encoder-only", "asymmetric"),
+                   help="default: colocated for --role colocated, asymmetric otherwise")
+    p.add_argument("--prefill-semantics", default="full", choices=("full", "decoder-replay", "split"),
+                   help="what a colocated engine computes for a prompt (see asympd.engine.modes)")
+    p.add_argument("--boundary-policy", default="carry", choices=("carry", "align"))
+    p.add_argument("--transport", default=None, choices=("nixl", "tcp", "auto"),
+                   help="prefix-state data plane; default NIXL, falling back to TCP (with a warning) if it cannot run")
+    p.add_argument("--on-prefill-failure", default="recompute", choices=("recompute", "fail"),
+                   help="decode worker, when the prefix cannot be had from P: compute it here, or answer 503")
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1/*")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed when ready)")
+    p.add_argument("--served-model-name", default=None, help="default: the --checkpoint argument")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-bytes", type=int, default=64 << 20)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--transfer-timeout", type=float, default=10.0, help="decode worker: seconds for one fetch")
+    p.add_argument("--transfer-ttl", type=float, default=120.0,
+                   help="prefill worker: seconds an unfetched prefix state keeps its blocks")
+    p.add_argument("--transfer-host", default=None, help="prefill worker: data-plane bind address (default --host)")
+    p.add_argument("--transfer-port", type=int, default=0, help="prefill worker: data-plane port (0: any)")
+    p.add_argument("--advertise-host", default=None, help="prefill worker: address decode workers connect to")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from asympd.serve.api_server import ServeConfig, serve
+
+    if not Path(args.checkpoint, "config.json").exists():
+        raise UsageError(f"--checkpoint {args.checkpoint!r} holds no config.json")
+    names = ("role", "checkpoint", "mode", "prefill_semantics", "boundary_policy", "transport", "on_prefill_failure",
+             "api_key", "host", "port", "served_model_name", "device", "dtype", "block_size", "kv_cache_bytes",
+             "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "transfer_timeout", "transfer_ttl",
+             "transfer_host", "transfer_port", "advertise_host", "threads")
+    try:
+        cfg = ServeConfig(**{n: getattr(args, n) for n in names}).resolve()
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    serve(cfg, args.log_level)
+    return 0
+
+
+def _router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill worker URLs")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                   help="decode worker URLs (colocated workers for --mode colocated)")
+    p.add_argument("--mode", default=None, choices=("colocated", "symmetric", "encoder-only", "asymmetric"),
+                   help="default: the mode the workers report")
+    p.add_argument("--checkpoint", default=None,
+                   help="for the tokenizer and window size (default: fetched from a worker)")
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (passed on to workers)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed when ready)")
+    p.add_argument("--health-interval", type=float, default=1.0)
+    p.add_argument("--prefill-timeout", type=float, default=60.0, help="seconds for a whole prefill call")
+    p.add_argument("--stream-idle-timeout", type=float, default=60.0, help="longest wait for a decode worker's bytes")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def _router(args: argparse.Namespace) -> int:
+    from asympd.serve.router import RouterConfig, run_router
+
+    cfg = RouterConfig(prefill=args.prefill, decode=args.decode, host=args.host, port=args.port, mode=args.mode,
+                       checkpoint=args.checkpoint, api_key=args.api_key, health_interval=args.health_interval,
+                       prefill_timeout=args.prefill_timeout, stream_idle_timeout=args.stream_idle_timeout)
+    try:
+        run_router(cfg, args.log_level)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    return 0
+
+
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", default=None, help="default: a tiny random checkpoint in ~/.cache/asympd")
+    p.add_argument("--transport", default=None, choices=("nixl", "tcp", "auto"))
+    p.add_argument("--max-tokens", type=int, default=12)
+    p.add_argument("--keep-logs", action="store_true")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from asympd.serve.demo import run_demo
+
+    return run_demo(args.checkpoint, args.transport, args.max_tokens, args.keep_logs)
+
+
+COMMANDS: dict[str, Command] = {
+    "make-checkpoint": Command("write a random-weight checkpoint in the released format",
+                               _make_checkpoint_args, _make_checkpoint),
+    "memory": Command("resident bytes per role and KV room per GPU", _memory_args, _memory),
+    "inspect": Command("load a role from a checkpoint and report what was read", _inspect_args, _inspect),
+    "serve": Command("serve a checkpoint over an OpenAI-compatible API (one worker)", _serve_args, _serve),
+    "router": Command("route requests over prefill and decode workers", _router_args, _router),
+    "demo": Command("start a 1P1D deployment + router locally and send a few requests", _demo_args, _demo),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage dump
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="asympd", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, cmd in COMMANDS.items():
+        cmd.add_arguments(sub.add_parser(name, help=cmd.help, description=cmd.help))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from asympd.config import ConfigError
+    from asympd.model.checkpoint import CheckpointError
+
+    try:
+        args = build_parser().parse_args(argv)
+        return COMMANDS[args.command].run(args)
+    except (UsageError, ConfigError, CheckpointError, FileNotFoundError, NotADirectoryError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,453 @@
+"""What the prefill worker P hands the decode worker D when it stops at split s.
+
+See shared/v41-facts.md §3: for each KV-source layer L, the compressed main KV ``ckv[L]`` and the
+indexer keys ``idx[L]`` (n_L = s // ratio(L) rows each); when s is not a multiple of a source's
+ratio, that compressor's open group (raw kv and score rows, fp32); and the prompt token ids.
+Nothing else: no SWA, no top-k selections, no draft state.
+
+On the wire a state is a versioned, self-describing set of contiguous buffers: a JSON header (format
+version, metadata, and a table of ``{name, dtype, shape, nbytes, offset}``) plus the raw buffers.
+The same header serves every data plane: TCP streams the buffers after it, NIXL lets D allocate
+matching receive tensors from it and RDMA-read into them, and ``serialize`` frames both in one blob.
+A receiver must call ``validate`` before writing anything into its cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config import ModelConfig
+
+FORMAT_VERSION = 1
+HEADER_MAGIC = "asympd.prefix_state"  # inside the JSON header (the to_buffers path)
+BLOB_MAGIC = b"ASYMPDPS"  # first bytes of a serialized blob
+# magic, format version, header length, header crc32, payload length, payload crc32
+_PREFIX = struct.Struct("<8sIIIQI")
+_ALIGN = 64  # payload offsets are 64-byte aligned so any receiver can view them in place
+_MAX_HEADER = 16 << 20  # a header is a few KB; anything near this is corruption
+
+# dtype name (as written in headers) -> torch dtype; names are torch's own, without "torch."
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "uint8": torch.uint8,  # packed formats (e.g. NVFP4/MXFP4 bytes)
+    "int64": torch.int64,
+}
+# dtypes the compressed KV / index keys may be stored in
+CACHE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
+PAIR_DTYPE = "float32"  # the open group of a compressor is kept in fp32 (facts §3.3)
+TOKEN_DTYPE = "int64"
+_KINDS = ("ckv", "idx", "pair_kv", "pair_score")
+_META_KEYS = ("split", "num_prompt_tokens", "boundary_policy", "mode", "dtype", "fingerprint")
+
+
+class PrefixStateError(ValueError):
+    """A prefix state that must not be written into a cache: malformed, corrupted or mismatched."""
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """The header name of a torch dtype ("bfloat16"), accepting names too."""
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        if name not in DTYPES:
+            raise PrefixStateError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
+        return name
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise PrefixStateError(f"dtype {dtype} is not supported (supported: {', '.join(DTYPES)})")
+
+
+def model_fingerprint(cfg: ModelConfig, checkpoint_id: str, dtype: torch.dtype | str) -> str:
+    """A short sha256 of what makes two workers' caches interchangeable: the model schema, the
+    checkpoint and the cache's numeric format. ``max_seq_len`` is a runtime limit, not a shape,
+    so it is left out: P and D may bound lengths differently and still share state."""
+    schema = cfg.to_dict()
+    schema.pop("max_seq_len", None)
+    text = json.dumps(
+        {"config": schema, "checkpoint": checkpoint_id, "dtype": dtype_name(dtype), "format": FORMAT_VERSION},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def expected_buffers(cfg: ModelConfig, split: int, num_tokens: int, dtype: torch.dtype | str) -> dict[str, tuple]:
+    """name -> (dtype name, shape) of every buffer a state at ``split`` must carry under ``cfg``."""
+    cache_dtype = dtype_name(dtype)
+    out: dict[str, tuple] = {}
+    for layer in cfg.kv_source_layers:
+        r = cfg.ratio(layer)
+        out[f"ckv.{layer}"] = (cache_dtype, (split // r, cfg.head_dim))
+        out[f"idx.{layer}"] = (cache_dtype, (split // r, cfg.index_head_dim))
+    for layer in cfg.kv_source_layers:
+        r = cfg.ratio(layer)
+        if r > 1 and split % r:
+            out[f"pair_kv.{layer}"] = (PAIR_DTYPE, (split % r, cfg.head_dim))
+            out[f"pair_score.{layer}"] = (PAIR_DTYPE, (split % r, cfg.head_dim))
+    out["token_ids"] = (TOKEN_DTYPE, (num_tokens,))
+    return out
+
+
+def _parse_name(name: str) -> tuple[str, int | None]:
+    if name == "token_ids":
+        return name, None
+    kind, _, layer = name.partition(".")
+    if kind not in _KINDS or not layer.isdigit():
+        raise PrefixStateError(f"unknown buffer name {name!r}")
+    return kind, int(layer)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class PrefixState:
+    """The prefix P hands D at split ``split`` (see module docstring). Layers are dict keys."""
+
+    split: int
+    token_ids: torch.Tensor
+    ckv: dict[int, torch.Tensor]
+    idx: dict[int, torch.Tensor]
+    pair_kv: dict[int, torch.Tensor] = field(default_factory=dict)
+    pair_score: dict[int, torch.Tensor] = field(default_factory=dict)
+    fingerprint: str = ""
+    dtype: str = "bfloat16"
+    boundary_policy: str = "carry_pair"
+    mode: str = "asymmetric"
+    num_prompt_tokens: int = -1  # -1: taken from token_ids
+    version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = int(self.token_ids.numel())
+        self.dtype = dtype_name(self.dtype)
+
+    # ---- construction ----------------------------------------------------------------------------
+
+    @classmethod
+    def allocate(
+        cls,
+        cfg: ModelConfig,
+        split: int,
+        token_ids: torch.Tensor | Iterable[int],
+        *,
+        fingerprint: str,
+        dtype: torch.dtype | str = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        boundary_policy: str = "carry_pair",
+        mode: str = "asymmetric",
+    ) -> PrefixState:
+        """Empty buffers of the right shapes for ``cfg`` and ``split``, for P to fill."""
+        tokens = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1).clone()
+        buffers = {
+            name: torch.empty(shape, dtype=DTYPES[dt], device=device)
+            for name, (dt, shape) in expected_buffers(cfg, split, tokens.numel(), dtype).items()
+            if name != "token_ids"
+        }
+        return cls._from_named(
+            buffers,
+            {
+                "split": split,
+                "fingerprint": fingerprint,
+                "dtype": dtype_name(dtype),
+                "boundary_policy": boundary_policy,
+                "mode": mode,
+                "num_prompt_tokens": tokens.numel(),
+                "version": FORMAT_VERSION,
+            },
+            tokens,
+        )
+
+    @classmethod
+    def _from_named(cls, buffers: Mapping[str, torch.Tensor], meta: Mapping[str, Any], tokens: torch.Tensor):
+        groups: dict[str, dict[int, torch.Tensor]] = {k: {} for k in _KINDS}
+        for name, t in buffers.items():
+            kind, layer = _parse_name(name)
+            if layer is not None:
+                groups[kind][layer] = t
+        return cls(token_ids=tokens, **groups, **meta)
+
+    # ---- views -----------------------------------------------------------------------------------
+
+    def named_buffers(self) -> dict[str, torch.Tensor]:
+        """Every buffer by wire name, in a fixed order (the order of the header table)."""
+        out: dict[str, torch.Tensor] = {}
+        for kind in _KINDS:
+            for layer, t in sorted(getattr(self, kind).items()):
+                out[f"{kind}.{layer}"] = t
+        out["token_ids"] = self.token_ids
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(t) for t in self.named_buffers().values())
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "split": self.split,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "boundary_policy": self.boundary_policy,
+            "mode": self.mode,
+            "dtype": self.dtype,
+            "fingerprint": self.fingerprint,
+        }
+
+    def to(self, device: torch.device | str) -> PrefixState:
+        moved = {n: t.to(device) for n, t in self.named_buffers().items()}
+        tokens = moved.pop("token_ids")
+        return self._from_named(moved, {**self.metadata(), "version": self.version}, tokens)
+
+    def equal(self, other: PrefixState) -> bool:
+        """Bit-exact equality of metadata and every buffer (NaN payloads included)."""
+        a, b = self.named_buffers(), other.named_buffers()
+        if self.metadata() != other.metadata() or self.version != other.version or a.keys() != b.keys():
+            return False
+        return all(
+            x.dtype == y.dtype
+            and x.shape == y.shape
+            and np.array_equal(tensor_bytes(x), tensor_bytes(y))
+            for x, y in ((a[n], b[n]) for n in a)
+        )
+
+    # ---- buffers ---------------------------------------------------------------------------------
+
+    def to_buffers(self) -> tuple[bytes, list[torch.Tensor]]:
+        """(JSON header, contiguous buffers in table order). Offsets lay the buffers out in one
+        64-byte-aligned payload, which is how ``serialize`` and the TCP plane ship them."""
+        table, buffers, offset = [], [], 0
+        for name, t in self.named_buffers().items():
+            t = t.detach().contiguous()
+            n = _nbytes(t)
+            table.append(
+                {"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "nbytes": n, "offset": offset}
+            )
+            buffers.append(t)
+            offset += -(-n // _ALIGN) * _ALIGN
+        header = {
+            "magic": HEADER_MAGIC,
+            "version": self.version,
+            "metadata": self.metadata(),
+            "payload_nbytes": offset,
+            "buffers": table,
+        }
+        return json.dumps(header, separators=(",", ":")).encode(), buffers
+
+    @classmethod
+    def from_buffers(cls, header: bytes | Mapping[str, Any], buffers: list[torch.Tensor]) -> PrefixState:
+        """Rebuild a state from ``to_buffers`` output. Buffers may be the typed tensors or flat
+        uint8 tensors of the right size (what a receiver that allocated raw bytes has)."""
+        parsed = parse_header(header)
+        table = parsed["buffers"]
+        if len(buffers) != len(table):
+            raise PrefixStateError(f"header lists {len(table)} buffers, got {len(buffers)}")
+        named: dict[str, torch.Tensor] = {}
+        for entry, t in zip(table, buffers, strict=True):
+            dt = DTYPES[entry["dtype"]]
+            if not isinstance(t, torch.Tensor) or _nbytes(t) != entry["nbytes"]:
+                got = _nbytes(t) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise PrefixStateError(f"buffer {entry['name']} has {got} bytes, header says {entry['nbytes']}")
+            if t.dtype == torch.uint8 and dt != torch.uint8:
+                t = t.contiguous().view(dt)
+            if t.dtype != dt:
+                raise PrefixStateError(f"buffer {entry['name']} is {dtype_name(t.dtype)}, header says {entry['dtype']}")
+            named[entry["name"]] = t.reshape(entry["shape"])
+        tokens = named.pop("token_ids")
+        meta = {k: parsed["metadata"][k] for k in _META_KEYS}
+        return cls._from_named(named, {**meta, "version": parsed["version"]}, tokens)
+
+    # ---- one framed blob --------------------------------------------------------------------------
+
+    def serialize(self) -> bytes:
+        """magic | version | header length | header crc32 | payload length | payload crc32 | header |
+        payload. The checksums make a corrupted blob (disk, copy) fail loudly instead of loading."""
+        header, buffers = self.to_buffers()
+        payload_nbytes = json.loads(header)["payload_nbytes"]
+        parts: list[bytes | memoryview] = []
+        written, crc = 0, 0
+        for t in buffers:
+            n = _nbytes(t)
+            pad = -(-n // _ALIGN) * _ALIGN - n
+            for part in (memoryview(tensor_bytes(t)) if n else b"", bytes(pad)):
+                if len(part):
+                    parts.append(part)
+                    crc = zlib.crc32(part, crc)
+            written += n + pad
+        assert written == payload_nbytes
+        prefix = _PREFIX.pack(BLOB_MAGIC, self.version, len(header), zlib.crc32(header), payload_nbytes, crc)
+        return b"".join([prefix, header, *parts])
+
+    @classmethod
+    def deserialize(cls, blob: bytes | bytearray | memoryview) -> PrefixState:
+        """Inverse of ``serialize``; any corruption raises PrefixStateError. Buffers are copies."""
+        view = memoryview(blob).cast("B")
+        if len(view) < _PREFIX.size:
+            raise PrefixStateError(f"truncated blob: {len(view)} bytes, shorter than the {_PREFIX.size}-byte prefix")
+        magic, version, header_len, header_crc, payload_nbytes, payload_crc = _PREFIX.unpack_from(view)
+        if magic != BLOB_MAGIC:
+            raise PrefixStateError(f"bad magic {bytes(magic)!r}: not a prefix state blob (expected {BLOB_MAGIC!r})")
+        _check_version(version)
+        if header_len > _MAX_HEADER or len(view) < _PREFIX.size + header_len:
+            raise PrefixStateError(f"truncated blob: header of {header_len} bytes does not fit in {len(view)} bytes")
+        header = bytes(view[_PREFIX.size : _PREFIX.size + header_len])
+        if zlib.crc32(header) != header_crc:
+            raise PrefixStateError("header checksum mismatch: the header is corrupted")
+        parsed = parse_header(header)
+        if parsed["payload_nbytes"] != payload_nbytes:
+            raise PrefixStateError(
+                f"payload length {payload_nbytes} in the prefix disagrees with {parsed['payload_nbytes']} in the header"
+            )
+        payload = view[_PREFIX.size + header_len :]
+        if len(payload) != payload_nbytes:
+            kind = "truncated" if len(payload) < payload_nbytes else "oversized"
+            raise PrefixStateError(f"{kind} payload: expected {payload_nbytes} bytes, got {len(payload)}")
+        if zlib.crc32(payload) != payload_crc:
+            raise PrefixStateError("payload checksum mismatch: the payload is corrupted")
+        buffers = []
+        for entry in parsed["buffers"]:
+            raw = torch.empty(entry["nbytes"], dtype=torch.uint8)
+            if entry["nbytes"]:
+                raw.numpy()[:] = np.frombuffer(payload, dtype=np.uint8, count=entry["nbytes"], offset=entry["offset"])
+            buffers.append(raw)
+        return cls.from_buffers(parsed, buffers)
+
+    # ---- the receiver's check ----------------------------------------------------------------------
+
+    def validate(self, cfg: ModelConfig, expected_fingerprint: str) -> None:
+        """Everything D must check before writing this state into its cache; raises
+        PrefixStateError naming the first thing that is wrong."""
+        _check_version(self.version)
+        if self.fingerprint != expected_fingerprint:
+            raise PrefixStateError(
+                f"fingerprint mismatch: state has {self.fingerprint!r}, receiver expects {expected_fingerprint!r}"
+            )
+        if self.dtype not in CACHE_DTYPES:
+            raise PrefixStateError(f"dtype {self.dtype!r} is not a cache dtype (expected one of {CACHE_DTYPES})")
+        for key in ("boundary_policy", "mode"):
+            if not isinstance(getattr(self, key), str) or not getattr(self, key):
+                raise PrefixStateError(f"{key} must be a non-empty name")
+        if self.split < 0:
+            raise PrefixStateError(f"split {self.split} is negative")
+        if self.token_ids.dim() != 1 or self.token_ids.numel() != self.num_prompt_tokens:
+            raise PrefixStateError(
+                f"token_ids has shape {tuple(self.token_ids.shape)}, expected ({self.num_prompt_tokens},)"
+                " (num_prompt_tokens)"
+            )
+        if self.num_prompt_tokens < self.split:
+            raise PrefixStateError(f"num_prompt_tokens {self.num_prompt_tokens} is smaller than split {self.split}")
+        if self.num_prompt_tokens > cfg.max_seq_len:
+            raise PrefixStateError(f"num_prompt_tokens {self.num_prompt_tokens} exceeds max_seq_len {cfg.max_seq_len}")
+        expected = expected_buffers(cfg, self.split, self.num_prompt_tokens, self.dtype)
+        have = self.named_buffers()
+        for kind in _KINDS:
+            want_layers = sorted(_parse_name(n)[1] for n in expected if n.startswith(kind + "."))
+            got_layers = sorted(getattr(self, kind))
+            if want_layers != got_layers:
+                why = ""
+                if kind.startswith("pair"):
+                    why = f" (split {self.split}: an open group for each source whose ratio does not divide it)"
+                raise PrefixStateError(f"{kind} has layers {got_layers}, expected {want_layers}{why}")
+        for name, (dt, shape) in expected.items():
+            t = have[name]
+            got = str(t.dtype).removeprefix("torch.")
+            if got != dt:
+                raise PrefixStateError(f"{_display(name)} dtype is {got}, expected {dt}")
+            if tuple(t.shape) != shape:
+                why = _shape_reason(cfg, name, self.split)
+                raise PrefixStateError(f"{_display(name)} has shape {tuple(t.shape)}, expected {shape}{why}")
+        if self.num_prompt_tokens and (self.token_ids.min() < 0 or self.token_ids.max() >= cfg.vocab_size):
+            raise PrefixStateError(f"token_ids hold ids outside the vocabulary [0, {cfg.vocab_size})")
+
+
+def _display(name: str) -> str:
+    kind, layer = _parse_name(name)
+    return name if layer is None else f"{kind}[{layer}]"
+
+
+def _shape_reason(cfg: ModelConfig, name: str, split: int) -> str:
+    kind, layer = _parse_name(name)
+    if layer is None:
+        return ""
+    r = cfg.ratio(layer)
+    width = "index_head_dim" if kind == "idx" else "head_dim"
+    rows = f"split {split} // ratio {r}" if kind in ("ckv", "idx") else f"split {split} % ratio {r}"
+    return f" (rows = {rows}, width = {width})"
+
+
+def _check_version(version: Any) -> None:
+    if version != FORMAT_VERSION:
+        raise PrefixStateError(f"unsupported format version {version!r} (this build reads version {FORMAT_VERSION})")
+
+
+def tensor_bytes(t: torch.Tensor) -> np.ndarray:
+    """A uint8 numpy view of a tensor's bytes (any dtype, bf16 included); zero-copy for a
+    contiguous CPU tensor, a host copy otherwise."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def parse_header(header: bytes | Mapping[str, Any]) -> dict[str, Any]:
+    """Decode and structurally check a header: magic, version, and a buffer table whose sizes,
+    dtypes and offsets are self-consistent. Semantic checks against a model live in ``validate``."""
+    if isinstance(header, Mapping):
+        parsed: Any = dict(header)
+    else:
+        try:
+            parsed = json.loads(bytes(header).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise PrefixStateError(f"malformed header: not JSON ({e})") from None
+    if not isinstance(parsed, dict) or parsed.get("magic") != HEADER_MAGIC:
+        got = parsed.get("magic") if isinstance(parsed, dict) else type(parsed).__name__
+        raise PrefixStateError(f"bad header magic {got!r} (expected {HEADER_MAGIC!r})")
+    _check_version(parsed.get("version"))
+    try:
+        meta = parsed["metadata"]
+        table = parsed["buffers"]
+        payload = parsed["payload_nbytes"]
+        for key, kind in (
+            ("split", int),
+            ("num_prompt_tokens", int),
+            ("boundary_policy", str),
+            ("mode", str),
+            ("dtype", str),
+            ("fingerprint", str),
+        ):
+            if not isinstance(meta[key], kind) or isinstance(meta[key], bool):
+                raise PrefixStateError(f"malformed header: metadata {key} is {meta[key]!r}")
+        if not isinstance(payload, int) or payload < 0:
+            raise PrefixStateError(f"malformed header: payload_nbytes is {payload!r}")
+        names = set()
+        for entry in table:
+            name, dt, shape, n, off = (entry[k] for k in ("name", "dtype", "shape", "nbytes", "offset"))
+            _parse_name(name)
+            if name in names:
+                raise PrefixStateError(f"malformed header: buffer {name} listed twice")
+            names.add(name)
+            if dt not in DTYPES:
+                raise PrefixStateError(f"malformed header: buffer {name} has unknown dtype {dt!r}")
+            if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise PrefixStateError(f"malformed header: buffer {name} has shape {shape!r}")
+            want = math.prod(shape) * DTYPES[dt].itemsize
+            if n != want:
+                raise PrefixStateError(f"malformed header: buffer {name} says {n} bytes, its shape needs {want}")
+            if not isinstance(off, int) or off < 0 or off % _ALIGN or off + n > payload:
+                raise PrefixStateError(f"malformed header: buffer {name} at offset {off!r} overruns the payload")
+        if "token_ids" not in names:
+            raise PrefixStateError("malformed header: no token_ids buffer")
+    except PrefixStateError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise PrefixStateError(f"malformed header: {type(e).__name__} {e}") from None
+    return parsed

@@ -1,0 +1,104 @@
+"""The ``asympd`` command line, driven through ``main``."""
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from asympd import cli
+from asympd.config import tiny
+from asympd.model.schema import role_schema
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "tiny"
+    assert cli.main(["make-checkpoint", "--config", "tiny", "--out", str(out), "--seed", "3",
+                     "--shard-bytes", "500000"]) == 0
+    return out
+
+
+def test_make_checkpoint(ckpt):
+    assert (ckpt / "model.safetensors.index.json").is_file() and (ckpt / "tokenizer.json").is_file()
+    assert json.loads((ckpt / "config.json").read_text()) == tiny().to_dict()
+
+
+def test_memory_json(capsys):
+    assert cli.main(["memory", "--config", "v41-flash", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["roles"]["full"]["weights_bytes"] == pytest.approx(306.56e9, rel=0.005)
+    assert rep["gpus"]["B300"]["roles"]["prefill"]["fits"] is True
+
+
+def test_memory_text(capsys):
+    assert cli.main(["memory", "--config", "v41-flash", "--reserve-gb", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "149.48" in out and "20 GB reserved" in out
+
+
+def _no_loader(monkeypatch):
+    monkeypatch.setitem(sys.modules, "asympd.model.loader", None)  # import raises ImportError
+
+
+def test_inspect_fallback_without_loader(ckpt, capsys, monkeypatch):
+    _no_loader(monkeypatch)
+    assert cli.main(["inspect", "--checkpoint", str(ckpt), "--role", "prefill", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    specs = role_schema(tiny(), "prefill")
+    assert out["tensors_read"] == len(specs) and set(out["tensor_names"]) == {s.name for s in specs}
+    assert out["bytes_read"] == sum(s.nbytes for s in specs)
+    assert out["resident_bytes"] is None
+    assert "decoder_layers" not in out["tensors_by_part"]
+    assert cli.main(["inspect", "--checkpoint", str(ckpt), "--role", "full"]) == 0
+    text = capsys.readouterr().out
+    assert "tensors read" in text and "resident bytes n/a" in text
+
+
+def test_inspect_uses_loader_contract(ckpt, capsys, monkeypatch):
+    from asympd.model.checkpoint import load_config, load_tensors
+
+    calls = []
+
+    def load_model(path, role, device, dtype):
+        calls.append((str(path), role, device, dtype))
+        _, report = load_tensors(path, load_config(path), role)
+        return types.SimpleNamespace(load_report=report, resident_bytes=lambda: 12345)
+
+    monkeypatch.setitem(sys.modules, "asympd.model.loader", types.SimpleNamespace(load_model=load_model))
+    assert cli.main(["inspect", "--checkpoint", str(ckpt), "--role", "decode", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert calls == [(str(ckpt), "decode", "cpu", torch.float32)]
+    assert out["resident_bytes"] == 12345
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["memory", "--config", "no-such-preset"], "neither a preset"),
+        (["make-checkpoint", "--config", "nope", "--out", "x"], "neither a preset"),
+        (["inspect", "--checkpoint", "/no/such/dir", "--role", "prefill"], "does not exist"),
+        (["inspect", "--checkpoint", ".", "--role", "nonsense"], "invalid choice"),
+        (["make-checkpoint", "--config", "tiny"], "required"),
+        (["frobnicate"], "invalid choice"),
+        ([], "required"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(argv, message, capsys, monkeypatch):
+    _no_loader(monkeypatch)
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in captured.err
+
+
+def test_make_checkpoint_refuses_existing(ckpt, capsys):
+    assert cli.main(["make-checkpoint", "--config", "tiny", "--out", str(ckpt)]) == 2
+    assert "already holds a checkpoint" in capsys.readouterr().err
+
+
+def test_commands_registry():
+    assert {"make-checkpoint", "memory", "inspect"} <= set(cli.COMMANDS)
+    assert all(callable(c.add_arguments) and callable(c.run) for c in cli.COMMANDS.values())
