@@ -265,8 +265,11 @@ class LLMEngine:
             return [self._finish(req, Status.FINISHED_EXPORTED, free=False)]
         if logits is not None:
             return self._append_token(req, logits[-1])
-        if req.output_token_ids and self._stop_reason(req):  # symmetric D: P's first token may end it
-            return [self._finish(req, self._stop_reason(req))]
+        if req.output_token_ids:  # symmetric D: the first token came from P; report it now
+            reason = self._stop_reason(req)
+            if reason is not None:
+                return [self._finish(req, reason, new=list(req.output_token_ids))]
+            return [self._output(req, list(req.output_token_ids), finished=False)]
         return []
 
     def _sample(self, req: Request, logits: torch.Tensor) -> int:

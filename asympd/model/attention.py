@@ -49,15 +49,16 @@ class SegmentView:
     floor: int = 0  # window keys below this position are invisible
     write_global: bool = True
     shared: dict[str, Any] = field(default_factory=dict)  # selections/candidates handed down the stack
+    device: torch.device = torch.device("cpu")
 
     @property
     def positions(self) -> torch.Tensor:
-        return torch.arange(self.start, self.start + self.hi - self.lo)
+        return torch.arange(self.start, self.start + self.hi - self.lo, device=self.device)
 
 
 def rotations(freqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Rows of the rotation table for these positions, computed exactly as the table would be."""
-    angles = positions.float().unsqueeze(-1) * freqs.unsqueeze(0)
+    angles = positions.float().unsqueeze(-1) * freqs.to(positions.device).unsqueeze(0)
     return torch.polar(torch.ones_like(angles), angles)
 
 
@@ -93,7 +94,7 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_bl
     block_scores = padded.unflatten(-1, (-1, block)).amax(dim=-1)
     nb = block_scores.size(-1)
     newest = (visible - 1).div(block, rounding_mode="floor")
-    block_scores = block_scores.masked_fill(torch.arange(nb) == newest.unsqueeze(-1), float("inf"))
+    block_scores = block_scores.masked_fill(torch.arange(nb, device=scores.device) == newest.unsqueeze(-1), float("inf"))
     top = stable_topk(block_scores, min(topk_blocks, nb))
     keep = torch.zeros_like(block_scores, dtype=torch.bool)
     keep.scatter_(-1, top, block_scores.gather(-1, top) > float("-inf"))
@@ -168,7 +169,7 @@ class Attention(torch.nn.Module):
             first = seg.start // r
         if latent.size(0) == 0:
             return
-        rot = rotations(self.freqs, torch.arange(first, first + latent.size(0)) * r)
+        rot = rotations(self.freqs, torch.arange(first, first + latent.size(0), device=latent.device) * r)
         # index keys come from the latent before RoPE, then get their own rotation and FP4
         k = rms_norm(self.idx_wk(latent), self.idx_k_norm, cfg.norm_eps)
         k = fp4_qdq(apply_rope(k, rot, cfg.rope_head_dim), 32)
@@ -185,7 +186,7 @@ class Attention(torch.nn.Module):
         cfg = self.cfg
         m = x.size(0)
         if n == 0:
-            return torch.empty(m, 0, dtype=torch.long)
+            return torch.empty(m, 0, dtype=torch.long, device=x.device)
         rot = rotations(self.freqs, seg.positions)
         q = self.idx_wq_b(qr).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
         q = fp4_qdq(apply_rope(q, rot, cfg.rope_head_dim), 32)
@@ -193,7 +194,7 @@ class Attention(torch.nn.Module):
         weights = self.idx_weights(x) * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
         scores = torch.einsum("mhd,nd->mhn", q, keys).relu()
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1).float()
-        scores = scores.masked_fill(torch.arange(n) >= visible.unsqueeze(-1), float("-inf"))
+        scores = scores.masked_fill(torch.arange(n, device=scores.device) >= visible.unsqueeze(-1), float("-inf"))
         if self.is_candidate_source:
             seg.shared["candidates"] = select_candidate_blocks(
                 scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size
@@ -236,7 +237,7 @@ class Attention(torch.nn.Module):
         reductions run over the same layout however its rows were chunked or batched. Appends
         these rows to the window cache."""
         w = self.cfg.window_size
-        pos = seg.positions.to(kv.device)
+        pos = seg.positions
         prev_kv, prev_pos = seg.kv.window(self.layer)
         keep = prev_pos < seg.start  # rows being recomputed replace the old ones
         all_kv = torch.cat([prev_kv[keep].to(kv.dtype), kv])
@@ -251,7 +252,7 @@ class Attention(torch.nn.Module):
         self, seg: SegmentView, x: torch.Tensor, qr: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The selected compressed entries per query, ``index_topk`` fixed slots (unused ones masked)."""
-        pos = seg.positions.to(x.device)
+        pos = seg.positions
         n = (seg.start + len(pos)) // self.ratio
         visible = (pos + 1) // self.ratio
         if self.is_index_source:

@@ -197,6 +197,7 @@ class Transformer(torch.nn.Module):
                     c.encoder_floor if layer <= k else c.floor,
                     c.write_global,
                     shared[i],
+                    self.device,
                 )
 
             if full:

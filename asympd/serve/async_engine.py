@@ -1,0 +1,267 @@
+"""An asyncio front for ``LLMEngine``: one background thread owns the engine.
+
+The engine is not thread-safe, so every ``add_request`` / ``abort_request`` / ``release_transfer``
+/ ``step`` / ``stats`` call runs on that thread, fed by a queue. Handlers on the event loop get an
+async iterator of ``RequestOutput`` per request; leaving it early (client gone, stop string hit)
+aborts the request in the engine so its blocks are freed. Transport threads (the lease reaper, the
+NIXL notification poller) may call ``release_transfer`` directly: it only enqueues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from asympd.engine.engine import LLMEngine
+from asympd.engine.request import RequestOutput
+from asympd.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running (stopped, or crashed): requests cannot be served."""
+
+
+@dataclass
+class Aborted:
+    """Delivered to a stream whose request was aborted from elsewhere (``abort`` endpoint)."""
+
+    reason: str
+
+
+@dataclass
+class Failed:
+    """Delivered to every stream when ``step`` raised: the engine dropped the request."""
+
+    message: str
+
+
+class RequestStream:
+    """What one handler reads: engine outputs for one request, in order, ending with a finished
+    output, an ``Aborted`` or a ``Failed``."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+        self.engine, self.request_id = engine, request_id
+        self.queue: asyncio.Queue[RequestOutput | Aborted | Failed] = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput | Aborted | Failed]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[RequestOutput | Aborted | Failed]:
+        try:
+            while True:
+                item = await self.queue.get()
+                if not isinstance(item, RequestOutput) or item.finished:
+                    self.finished = True
+                yield item
+                if self.finished:
+                    return
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Leaving before the end (client gone, stop string hit) aborts the request: frees its blocks."""
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+    async def result(self) -> RequestOutput | Aborted | Failed:
+        """The last item (the finished output), for callers that do not stream."""
+        last: Any = None
+        async for item in self:
+            last = item
+        return last
+
+
+class AsyncEngine:
+    """Runs ``LLMEngine`` in a daemon thread; see the module docstring."""
+
+    def __init__(self, engine: LLMEngine, on_step: Callable[[float, list[RequestOutput]], None] | None = None):
+        self.engine = engine
+        self.on_step = on_step  # called on the engine thread after each step (metrics)
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.error: str | None = None
+
+    # ---- lifetime ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="asympd-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread is not None:
+            self._cmds.put(_STOP)
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- the event-loop side -----------------------------------------------------------------------
+
+    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                  **kwargs: Any) -> RequestStream:
+        """Queue a request; ``kwargs`` go to ``add_request`` (prefix_state, first_token, ...).
+        Raises what ``add_request`` raises (RequestError, PrefixStateError)."""
+        stream = RequestStream(self, request_id)
+        await self._submit(("add", request_id, prompt_token_ids, params, kwargs, stream))
+        return stream
+
+    async def call(self, fn: Callable[[LLMEngine], Any], timeout: float = 10.0) -> Any:
+        """Run ``fn(engine)`` on the engine thread and return its result (stats, for /metrics)."""
+        return await asyncio.wait_for(self._submit(("call", fn)), timeout)
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe: abort a request wherever it is (waiting, running, held for transfer)."""
+        self._cmds.put(("abort", request_id))
+
+    def release_transfer(self, request_id: str) -> None:
+        """Thread-safe: a prefill worker's exported prefix was acked or expired; free its blocks."""
+        self._cmds.put(("release", request_id))
+
+    def _submit(self, cmd: tuple) -> asyncio.Future:
+        if not self.alive:
+            raise EngineDeadError(f"the engine is not running{': ' + self.error if self.error else ''}")
+        assert self._loop is not None
+        fut = self._loop.create_future()
+        self._cmds.put((*cmd, fut))
+        return fut
+
+    # ---- the engine thread -------------------------------------------------------------------------
+
+    def _deliver(self, stream: RequestStream, item: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: the server is gone
+            pass
+
+    def _resolve(self, fut: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
+        def set_() -> None:
+            if fut.done():
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(set_)
+        except RuntimeError:
+            pass
+
+    def _handle(self, cmd: tuple) -> bool:
+        """Apply one command; False on the stop sentinel."""
+        if cmd is _STOP:
+            return False
+        op = cmd[0]
+        if op == "add":
+            _, rid, ids, params, kwargs, stream, fut = cmd
+            try:
+                self.engine.add_request(rid, ids, params, **kwargs)
+            except Exception as e:
+                self._resolve(fut, error=e)
+            else:
+                self._streams[rid] = stream
+                self._resolve(fut, stream)
+        elif op == "abort":
+            rid = cmd[1]
+            self.engine.abort_request(rid)
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                self._deliver(stream, Aborted("aborted"))
+        elif op == "release":
+            self.engine.release_transfer(cmd[1])
+        elif op == "call":
+            _, fn, fut = cmd
+            try:
+                self._resolve(fut, fn(self.engine))
+            except Exception as e:
+                self._resolve(fut, error=e)
+        return True
+
+    def _run(self) -> None:
+        engine = self.engine
+        idle_wait = 0.0  # how long to wait for a command before the next step
+        try:
+            while True:
+                # nothing to step: block until a command comes
+                timeout = None if not engine.has_unfinished_requests() else idle_wait
+                try:
+                    cmd = self._cmds.get(timeout=timeout) if timeout != 0.0 else self._cmds.get_nowait()
+                    while True:
+                        if not self._handle(cmd):
+                            return
+                        cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    pass
+                if not engine.has_unfinished_requests():
+                    continue
+                before = engine.counters["prompt_tokens"] + engine.counters["generation_tokens"]
+                t0 = time.perf_counter()
+                try:
+                    outputs = engine.step()
+                except Exception as e:  # a bug in a step: fail what is in flight, keep serving
+                    log.exception("engine step failed")
+                    self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                    continue
+                dt = time.perf_counter() - t0
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    if out.finished:
+                        self._streams.pop(out.request_id, None)
+                    if stream is not None:
+                        self._deliver(stream, out)
+                if self.on_step is not None:
+                    try:
+                        self.on_step(dt, outputs)
+                    except Exception:
+                        log.exception("on_step hook failed")
+                progressed = outputs or engine.counters["prompt_tokens"] + engine.counters["generation_tokens"] > before
+                # nothing could run (e.g. every request waits for blocks): wait for a command briefly
+                idle_wait = 0.0 if progressed else 0.005
+        except BaseException as e:
+            self.error = f"{type(e).__name__}: {e}"
+            log.exception("engine thread died")
+            self._fail_all(f"engine thread died: {self.error}")
+            raise
+        finally:
+            self._drain_on_exit()
+
+    def _fail_all(self, message: str) -> None:
+        for rid, stream in list(self._streams.items()):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                log.exception("abort of %s after a failed step", rid)
+            self._deliver(stream, Failed(message))
+        self._streams.clear()
+
+    def _drain_on_exit(self) -> None:
+        """Nobody may wait forever on a stopped engine."""
+        for stream in self._streams.values():
+            self._deliver(stream, Failed("the engine stopped"))
+        self._streams.clear()
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd is not _STOP and cmd[0] in ("add", "call"):
+                self._resolve(cmd[-1], error=EngineDeadError("the engine stopped"))

@@ -1,0 +1,255 @@
+"""OpenAI-compatible request bodies, response builders and errors (vLLM's shapes, its users are ours).
+
+Requests are parsed with pydantic but validated by hand into ``SamplingParams`` so every refusal
+carries a message a person can act on. Unknown fields are ignored, as vLLM does. Fields beyond
+OpenAI's follow vLLM's names: ``top_k``, ``stop_token_ids``, ``ignore_eos``,
+``include_stop_str_in_output``, ``return_token_ids``, ``kv_transfer_params``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from asympd.engine.sampling import SamplingParams
+
+# ---- errors -----------------------------------------------------------------------------------------
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    408: "TimeoutError",
+    413: "BadRequestError",
+    422: "BadRequestError",
+    499: "ClientClosedRequest",
+    500: "InternalServerError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+
+class APIError(Exception):
+    """Raised anywhere in a handler; becomes ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.status, self.param)
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
+
+
+def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 saying what is wrong with it."""
+    if not raw.strip():
+        raise APIError("the request body is empty: expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(f"malformed JSON in the request body: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _validation_message(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors()[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return "invalid request: " + "; ".join(parts)
+
+
+# ---- request bodies ---------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    return_token_ids: bool = False
+    kv_transfer_params: dict[str, Any] | None = None
+    user: str | None = None
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stops):
+            raise APIError("stop strings must be non-empty", param="stop")
+        return stops
+
+    def _sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        if self.n != 1:
+            raise APIError(f"n={self.n} is not supported: only n=1", param="n")
+        if max_tokens is None or max_tokens <= 0:
+            raise APIError(f"max_tokens must be a positive integer, got {max_tokens}", param="max_tokens")
+        temperature = 1.0 if self.temperature is None else self.temperature
+        if temperature < 0:
+            raise APIError(f"temperature must be >= 0, got {temperature}", param="temperature")
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None or self.top_k == 0 else self.top_k,
+            seed=self.seed,
+            stop_token_ids=list(self.stop_token_ids or []),
+            logprobs=logprobs,
+            ignore_eos=self.ignore_eos,
+        )
+        try:
+            params.validate()
+        except ValueError as e:
+            raise APIError(str(e)) from None
+        return params
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        """One prompt per request: a string or token ids (a one-element batch is accepted)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(f"batched prompts ({len(p)}) are not supported: send one request per prompt",
+                               param="prompt")
+            p = p[0]
+        if self.echo:
+            raise APIError("echo is not supported", param="echo")
+        if self.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        return p
+
+    def sampling_params(self, num_prompt_tokens: int, max_seq_len: int) -> SamplingParams:
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise APIError(f"logprobs must be in [0, 20], got {self.logprobs}", param="logprobs")
+        return self._sampling(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(f"only text content parts are supported, got {part.get('type')!r}", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def sampling_params(self, num_prompt_tokens: int, max_seq_len: int) -> SamplingParams:
+        n = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if n is None:  # vLLM: whatever room the context leaves
+            n = max(max_seq_len - num_prompt_tokens, 1)
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise APIError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", param="top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        return self._sampling(n, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+def parse_request(kind: str, body: dict[str, Any]) -> CompletionRequest | ChatCompletionRequest:
+    cls = CompletionRequest if kind == "completion" else ChatCompletionRequest
+    try:
+        return cls.model_validate(body)
+    except ValidationError as e:
+        raise APIError(_validation_message(e)) from None
+
+
+# ---- responses --------------------------------------------------------------------------------------
+
+
+def new_id(kind: str) -> str:
+    return ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(entries: list[dict[int, float]], tokens: list[int], token_text, text_offset: int,
+                        top_n: int) -> dict[str, Any]:
+    """OpenAI's legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = text_offset
+    for tok, entry in zip(tokens, entries, strict=False):
+        s = token_text(tok)
+        out["tokens"].append(s)
+        out["token_logprobs"].append(entry.get(tok))
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])[: max(top_n, 1)] if top_n else []
+        out["top_logprobs"].append({token_text(t): lp for t, lp in ranked} if top_n else None)
+        out["text_offset"].append(offset)
+        offset += len(s)
+    return out
+
+
+def chat_logprobs(entries: list[dict[int, float]], tokens: list[int], token_text, top_n: int) -> dict[str, Any]:
+    """OpenAI's chat shape: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    content = []
+    for tok, entry in zip(tokens, entries, strict=False):
+        s = token_text(tok)
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n] if top_n else []
+        content.append({
+            "token": s, "logprob": entry.get(tok), "bytes": list(s.encode()),
+            "top_logprobs": [{"token": token_text(t), "logprob": lp, "bytes": list(token_text(t).encode())}
+                             for t, lp in ranked],
+        })
+    return {"content": content}
+
+
+def response_envelope(kind: str, request_id: str, model: str, created: int | None = None,
+                      chunk: bool = False) -> dict[str, Any]:
+    obj = {"completion": "text_completion", "chat": "chat.completion.chunk" if chunk else "chat.completion"}[kind]
+    return {"id": request_id, "object": obj, "created": created or int(time.time()), "model": model}
+

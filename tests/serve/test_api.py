@@ -1,0 +1,197 @@
+"""The OpenAI surface of one colocated worker process (with an API key): schemas, sampling options,
+stop strings, logprobs, usage, errors, and a client leaving mid-stream."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from asympd.engine.llm import LLM
+from asympd.engine.sampling import SamplingParams
+from asympd.serve.procs import stop_all
+from tests.serve.cluster import metrics, start_all, stream, wait_idle, worker
+from tests.util import random_prompts
+
+KEY = "sk-test-123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def url(tiny_ckpt, tmp_path_factory):
+    proc = worker("colocated", tiny_ckpt, "colocated", "colocated", tmp_path_factory.mktemp("api-logs"),
+                  "--api-key", KEY, "--served-model-name", "tiny")
+    (u,) = start_all([proc])
+    try:
+        yield u
+    finally:
+        stop_all([proc])
+
+
+@pytest.fixture(scope="module")
+def client():
+    with httpx.Client(timeout=httpx.Timeout(60, connect=5), headers=AUTH) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_ckpt):
+    return LLM(tiny_ckpt, mode="colocated")
+
+
+def test_greedy_equals_offline_and_usage(url, client, offline):
+    for ids in random_prompts([3, 20, 45], seed=5):
+        want = offline.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=5, temperature=0))[0]
+        r = client.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 5,
+                                                        "temperature": 0, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == "tiny"
+        c = body["choices"][0]
+        assert c["token_ids"] == want.outputs[0].token_ids
+        assert c["text"] == offline.tokenizer.decode(want.outputs[0].token_ids)
+        assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(c["token_ids"]),
+                                 "total_tokens": len(ids) + len(c["token_ids"])}
+        assert body["prompt_token_ids"] == ids and body["asympd_timings"]["prefill_path"] == "local"
+
+
+def test_stream_matches_non_stream(url, client):
+    body = {"prompt": "hello world the of", "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    full = client.post(f"{url}/v1/completions", json=body).json()["choices"][0]
+    s = stream(client, f"{url}/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    assert s["done"] and not s["errors"]
+    assert s["text"] == full["text"] and s["token_ids"] == full["token_ids"]
+    assert s["usage"]["completion_tokens"] == len(full["token_ids"])
+    assert s["events"][-1]["choices"] == []  # the usage chunk, as OpenAI sends it
+    assert all(ev["object"] == "text_completion" for ev in s["events"])
+
+
+def test_stop_strings_and_stop_token_ids(url, client):
+    base = {"prompt": [7, 8, 9, 10], "max_tokens": 12, "temperature": 0, "return_token_ids": True,
+            "ignore_eos": True}
+    full = client.post(f"{url}/v1/completions", json=base).json()["choices"][0]
+    text = full["text"]
+    starts = [i for i in range(1, len(text) - 1) if "\ufffd" not in text[i:i + 2]]
+    assert starts, text
+    stop = text[starts[0]:starts[0] + 2]
+    cut = text.index(stop)
+    r = client.post(f"{url}/v1/completions", json={**base, "stop": [stop, "never-there"]}).json()["choices"][0]
+    assert r["text"] == full["text"][:cut] and r["finish_reason"] == "stop" and r["stop_reason"] == stop
+    r = client.post(f"{url}/v1/completions", json={**base, "stop": stop, "include_stop_str_in_output": True}).json()
+    assert r["choices"][0]["text"] == full["text"][: cut + len(stop)]
+    s = stream(client, f"{url}/v1/completions", {**base, "stop": [stop]})
+    assert s["text"] == full["text"][:cut] and s["finish_reason"] == "stop"
+    tok = full["token_ids"][3]
+    r = client.post(f"{url}/v1/completions", json={**base, "stop_token_ids": [tok]}).json()["choices"][0]
+    first = full["token_ids"].index(tok)
+    assert r["token_ids"] == full["token_ids"][: first + 1] and r["finish_reason"] == "stop"
+    assert r["stop_reason"] == tok
+    wait_idle([url])
+
+
+def test_seed_temperature_top_p_top_k(url, client):
+    body = {"prompt": "hello", "max_tokens": 8, "temperature": 1.0, "top_p": 0.9, "top_k": 20, "seed": 1234,
+            "return_token_ids": True, "ignore_eos": True}
+    a = client.post(f"{url}/v1/completions", json=body).json()["choices"][0]["token_ids"]
+    b = client.post(f"{url}/v1/completions", json=body).json()["choices"][0]["token_ids"]
+    c = client.post(f"{url}/v1/completions", json={**body, "seed": 99}).json()["choices"][0]["token_ids"]
+    assert a == b and len(a) == 8
+    assert a != c  # 8 tokens from a 512-token vocabulary: a collision is practically impossible
+
+
+def test_logprobs(url, client):
+    r = client.post(f"{url}/v1/completions", json={"prompt": "hello world", "max_tokens": 4, "temperature": 0,
+                                                    "logprobs": 3}).json()["choices"][0]
+    lp = r["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 4
+    for logprob, top in zip(lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert logprob <= 0 and 1 <= len(top) <= 4
+        assert max(top.values()) == pytest.approx(logprob)  # greedy: the chosen token is the most likely
+    c = client.post(f"{url}/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0, "logprobs": True,
+        "top_logprobs": 2}).json()["choices"][0]
+    content = c["logprobs"]["content"]
+    assert len(content) == 3 and all(len(e["top_logprobs"]) == 2 and e["logprob"] <= 0 for e in content)
+
+
+def test_chat_schema(url, client):
+    body = {"messages": [{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "hello"}]}],
+            "max_completion_tokens": 3, "temperature": 0}
+    r = client.post(f"{url}/v1/chat/completions", json=body).json()
+    assert r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-")
+    assert r["choices"][0]["message"]["role"] == "assistant" and r["usage"]["completion_tokens"] <= 3
+    s = stream(client, f"{url}/v1/chat/completions", body)
+    assert s["done"] and all(ev["object"] == "chat.completion.chunk" for ev in s["events"])
+    assert s["text"] == r["choices"][0]["message"]["content"]
+
+
+def test_models_health_metrics_need_no_key_but_v1_does(url, client):
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert "asympd_kv_blocks_used" in httpx.get(f"{url}/metrics").text
+    models = client.get(f"{url}/v1/models").json()
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["asympd"]["resident_bytes"] > 0
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
+            r = httpx.request(method, f"{url}{path}", headers=headers, json={"prompt": "hi"})
+            assert r.status_code == 401, (path, headers, r.text)
+            assert r.json()["error"]["type"] == "AuthenticationError"
+
+
+BAD = [
+    ("completions", {"prompt": ""}, 400, "empty"),
+    ("completions", {"prompt": []}, 400, "empty"),
+    ("completions", {"prompt": [3] * 5000}, 400, "maximum context length"),
+    ("completions", {"prompt": "hi", "max_tokens": 4095}, 400, "maximum context length"),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("completions", {"prompt": "hi", "model": "other"}, 404, "does not exist"),
+    ("completions", {"prompt": "hi", "n": 2}, 400, "n=2"),
+    ("completions", {"prompt": ["a", "b"]}, 400, "batched"),
+    ("completions", {"prompt": [1, 2, 99999]}, 400, "out of range"),
+    ("completions", {"prompt": "hi", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
+    ("completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
+    ("completions", {"max_tokens": 3}, 400, "prompt"),
+    ("completions", {"prompt": {"not": "a prompt"}}, 400, "prompt"),
+    ("chat/completions", {"messages": []}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "role"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "text"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, "max_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "logprobs"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "needle"), BAD)
+def test_bad_requests(url, client, path, body, status, needle):
+    r = client.post(f"{url}/v1/{path}", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"], err
+    assert err["code"] == status and err["type"].endswith("Error")
+
+
+def test_malformed_bodies_and_unknown_paths(url, client):
+    for raw in (b"{", b'"just a string"', b"", b"\xff\xfe"):
+        r = client.post(f"{url}/v1/completions", content=raw)
+        assert r.status_code == 400 and "error" in r.json(), r.text
+    r = client.get(f"{url}/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    assert httpx.get(f"{url}/health").status_code == 200  # still serving
+
+
+def test_client_leaving_a_stream_frees_its_blocks(url, client):
+    body = {"prompt": [5, 6, 7], "max_tokens": 3000, "stream": True, "ignore_eos": True, "temperature": 0}
+    with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 4:
+                break
+    wait_idle([url], timeout=10)  # 3000 tokens would take far longer than this
+    assert metrics(url)["asympd_generation_tokens_total"] < 3000
+
+
+def test_abort_endpoint(url, client):
+    r = client.post(f"{url}/asympd/abort", json={"request_id": "nope"})
+    assert r.status_code == 200 and r.json()["aborted"]
+    assert httpx.post(f"{url}/asympd/abort", json={"request_id": "x"}).status_code == 401
+    assert client.post(f"{url}/asympd/abort", json={}).status_code == 400

@@ -1,0 +1,140 @@
+"""Pieces of the serving stack without any server: the chat template, incremental detokenization
+with stop strings, the router's worker picking, request validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from asympd.engine.llm import load_tokenizer
+from asympd.engine.request import CompletionOutput, RequestOutput
+from asympd.serve import protocol as P
+from asympd.serve.api_server import OutputTracker
+from asympd.serve.chat_template import ASSISTANT, BOS, EOS, USER, ChatTemplateError, apply_chat_template
+from asympd.serve.router import Router, RouterConfig
+
+
+def test_chat_template_shape():
+    text = apply_chat_template([("system", "S1"), ("user", "u1"), ("assistant", "a1"), ("system", "S2"),
+                                ("user", "u2")])
+    assert text == f"{BOS}S1\n\nS2{USER}u1{ASSISTANT}a1{EOS}{USER}u2{ASSISTANT}"
+    assert apply_chat_template([("user", "u")], add_generation_prompt=False) == f"{BOS}{USER}u"
+    # a trailing assistant message is continued, not closed
+    assert apply_chat_template([("user", "u"), ("assistant", "a")]) == f"{BOS}{USER}u{ASSISTANT}a"
+    with pytest.raises(ChatTemplateError, match="role"):
+        apply_chat_template([("tool", "x")])
+    with pytest.raises(ChatTemplateError):
+        apply_chat_template([])
+
+
+def test_chat_template_special_tokens_are_single_tokens(tiny_ckpt):
+    tok = load_tokenizer(tiny_ckpt)
+    ids = tok.encode(apply_chat_template([("user", "hello")])).ids
+    assert ids[0] == tok.token_to_id(BOS) and ids[1] == tok.token_to_id(USER)
+    assert ids[-1] == tok.token_to_id(ASSISTANT)
+
+
+def _out(tokens: list[int], finished: bool = False, reason: str | None = None) -> RequestOutput:
+    return RequestOutput("r", [1], [CompletionOutput(0, list(tokens), "", None, reason)], finished)
+
+
+def test_tracker_streams_what_a_full_decode_gives(tiny_ckpt):
+    tok = load_tokenizer(tiny_ckpt)
+    ids = tok.encode("hello world, the model — ünïcödé ✓ prefill decode").ids
+    tr = OutputTracker(tok, [], False)
+    pieces = []
+    for i in range(1, len(ids) + 1):
+        tr.update(_out(ids[:i], finished=i == len(ids), reason="length" if i == len(ids) else None))
+        pieces.append(tr.delta()[0])
+        assert "\ufffd" not in pieces[-1]  # a partial UTF-8 sequence waits for its next token
+    assert "".join(pieces) == tok.decode(ids)
+
+
+def test_tracker_stop_string_across_tokens_is_held_back_and_cut(tiny_ckpt):
+    tok = load_tokenizer(tiny_ckpt)
+    ids = tok.encode("hello world and more words").ids
+    tr = OutputTracker(tok, ["d and m"], False)
+    sent = []
+    for i in range(1, len(ids) + 1):
+        tr.update(_out(ids[:i]))
+        sent.append(tr.delta()[0])
+        if tr.done:
+            break
+    assert tr.done and tr.finish_reason == "stop" and tr.stop_reason == "d and m"
+    assert "".join(sent) == "hello worl"  # nothing of the stop string ever went out
+    tr2 = OutputTracker(tok, ["d and m"], True)
+    for i in range(1, len(ids) + 1):
+        tr2.update(_out(ids[:i]))
+        if tr2.done:
+            break
+    assert tr2.text == "hello world and m"
+
+
+def test_tracker_stop_reason_for_stop_token_not_eos(tiny_ckpt):
+    tok = load_tokenizer(tiny_ckpt)
+    tr = OutputTracker(tok, [], False, eos_token_id=1)
+    tr.update(_out([300, 301], finished=True, reason="stop"))
+    assert tr.stop_reason == 301
+    tr = OutputTracker(tok, [], False, eos_token_id=1)
+    tr.update(_out([300, 1], finished=True, reason="stop"))
+    assert tr.stop_reason is None  # EOS: OpenAI's plain "stop"
+
+
+def test_router_picks_least_loaded_healthy_worker_and_alternates_ties():
+    r = Router(RouterConfig(prefill=["http://p1", "http://p2", "http://p3"], decode=["http://d1"]))
+    p1, p2, p3 = r.prefill
+    for w in r.prefill:
+        w.healthy = True
+    p1.outstanding_tokens, p2.outstanding_tokens, p3.outstanding_tokens = 50, 10, 10
+    picks = {r.pick(r.prefill).url for _ in range(4)}
+    assert picks == {"http://p2", "http://p3"}  # ties alternate, the loaded one waits
+    p2.healthy = False
+    assert {r.pick(r.prefill).url for _ in range(4)} == {"http://p3"}
+    assert r.pick(r.prefill, exclude={"http://p3"}).url == "http://p1"
+    for w in r.prefill:
+        w.healthy = False
+    assert r.pick(r.prefill) is None
+
+
+def test_router_refuses_workers_of_another_mode_or_model():
+    r = Router(RouterConfig(prefill=["http://p"], decode=["http://d"], mode="asymmetric"))
+    p, d = r.prefill[0], r.decode[0]
+    p.info = {"role": "prefill", "mode": "asymmetric", "fingerprint": "aaa"}
+    assert r._mismatch(p) is None
+    d.info = {"role": "decode", "mode": "symmetric", "fingerprint": "aaa"}
+    assert "mode" in r._mismatch(d)
+    d.info = {"role": "decode", "mode": "asymmetric", "fingerprint": "bbb"}
+    assert "fingerprint" in r._mismatch(d)
+    d.info = {"role": "prefill", "mode": "asymmetric", "fingerprint": "aaa"}
+    assert "role" in r._mismatch(d)
+
+
+def test_router_counts_tokens_like_the_workers(tiny_ckpt):
+    r = Router(RouterConfig(decode=["http://d"], checkpoint=tiny_ckpt))
+    tok = load_tokenizer(tiny_ckpt)
+    assert r.window == 16
+    assert r.count_tokens("completion", {"prompt": "hello world"}) == len(tok.encode("hello world").ids)
+    assert r.count_tokens("completion", {"prompt": [1, 2, 3]}) == 3
+    msgs = [{"role": "user", "content": "hello"}]
+    assert r.count_tokens("chat", {"messages": msgs}) == len(tok.encode(apply_chat_template([("user", "hello")])).ids)
+    assert r.count_tokens("completion", {"prompt": 12}) is None  # malformed: the worker will say why
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "temperature": -0.1}, "temperature"),
+    ({"prompt": "x", "top_k": -5}, "top_k"),
+    ({"prompt": "x", "n": 3}, "n=3"),
+    ({"prompt": "x", "echo": True}, "echo"),
+])
+def test_sampling_validation_messages(body, needle):
+    req = P.parse_request("completion", body)
+    with pytest.raises(P.APIError, match=needle):
+        req.single_prompt()
+        req.sampling_params(1, 100)
+
+
+def test_error_body_shape():
+    e = P.APIError("nope", 404, param="model")
+    assert e.body() == {"error": {"message": "nope", "type": "NotFoundError", "param": "model", "code": 404}}
+    with pytest.raises(P.APIError, match="malformed JSON"):
+        P.parse_json_body(b"{")
