@@ -7,11 +7,11 @@ import struct
 
 import pytest
 import torch
-from tests.transfer.transfer_peer import CHECKPOINT, fingerprint, make_state
 
 from asympd.config import tiny, v41_flash
 from asympd.transfer import FORMAT_VERSION, PrefixState, PrefixStateError, model_fingerprint
 from asympd.transfer.prefix_state import BLOB_MAGIC, expected_buffers, parse_header
+from tests.transfer.transfer_peer import CHECKPOINT, fingerprint, make_state
 
 CFG = tiny()  # KV sources: layer 1 (ratio 2), layer 3 (ratio 1); head_dim 64, index_head_dim 32
 

@@ -9,7 +9,6 @@ import threading
 import time
 
 import pytest
-from tests.transfer.transfer_peer import PeerProcess, fingerprint, make_state
 
 from asympd.config import tiny
 from asympd.transfer import (
@@ -22,6 +21,7 @@ from asympd.transfer import (
 )
 from asympd.transfer import nixl_transport as nixl_mod
 from asympd.transfer import tcp as tcp_mod
+from tests.transfer.transfer_peer import PeerProcess, fingerprint, make_state
 
 CFG = tiny()
 FP = fingerprint()
