@@ -134,6 +134,12 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_seq_len {self.cfg.max_seq_len}"
             )
+        need = self.spec.blocks_for_tokens(len(ids) + params.max_tokens + 1 + self.config.scheduler.num_spec_tokens)
+        if need > self.blocks.num_blocks:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks but the "
+                f"whole cache has {self.blocks.num_blocks}: it could never be scheduled"
+            )
         req = self._plan_request(request_id, ids, params, prefix_state, first_token)
         if first_token_logprobs is not None and req.output_token_ids and params.logprobs is not None:
             req.logprobs.append(dict(first_token_logprobs))

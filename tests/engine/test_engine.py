@@ -1,0 +1,225 @@
+"""The engine through its public interface: admission, preemption, aborts, prefix state hand-off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from asympd import LLM, SamplingParams
+from asympd.engine.engine import EngineConfig, LLMEngine, RequestError
+from asympd.engine.scheduler import SchedulerConfig
+from asympd.model.loader import load_model
+from asympd.transfer.prefix_state import PrefixState, PrefixStateError
+from tests.util import random_prompts
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_ckpt):
+    return {"full": load_model(tiny_ckpt, "full"), "prefill": load_model(tiny_ckpt, "prefill")}
+
+
+def engine(model, role="colocated", mode="colocated", **kw) -> LLMEngine:
+    sched = kw.pop("scheduler", SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
+    return LLMEngine(model, EngineConfig(role=role, mode=mode, prefill_semantics=kw.pop("semantics", "split"),
+                                         scheduler=sched, **kw))
+
+
+def drain(eng: LLMEngine, limit: int = 2000) -> dict[str, object]:
+    done = {}
+    for _ in range(limit):
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+        if not eng.has_unfinished_requests():
+            return done
+    raise AssertionError("engine did not finish")
+
+
+def handoff(p: LLMEngine, d: LLMEngine, outs) -> None:
+    """What the network path does: serialize P's state, rebuild it on D, release P's blocks."""
+    for out in outs:
+        if out.prefix_state is not None:
+            state = PrefixState.deserialize(out.prefix_state.serialize())
+            d.add_request(out.request_id, out.prompt_token_ids, GREEDY, prefix_state=state)
+            p.release_transfer(out.request_id)
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ids,params,message",
+    [
+        ([], GREEDY, "the prompt is empty"),
+        ([1, 2, 999], GREEDY, "out of range"),
+        ([1, 2], SamplingParams(max_tokens=0), "max_tokens must be a positive integer"),
+        ([1, 2], SamplingParams(temperature=-1), "temperature must be >= 0"),
+        ([1, 2], SamplingParams(top_p=0), "top_p must be in"),
+        ([1] * 4000, SamplingParams(max_tokens=200), "exceeds max_seq_len 4096"),
+    ],
+)
+def test_bad_requests_are_refused_before_anything_is_allocated(models, ids, params, message):
+    eng = engine(models["full"])
+    with pytest.raises(RequestError, match=message):
+        eng.add_request("a", ids, params)
+    assert not eng.has_unfinished_requests() and eng.blocks.num_used_blocks == 0
+
+
+def test_duplicate_request_id(models):
+    eng = engine(models["full"])
+    eng.add_request("a", [1, 2, 3], GREEDY)
+    with pytest.raises(RequestError, match="already in use"):
+        eng.add_request("a", [1, 2, 3], GREEDY)
+
+
+def test_request_that_can_never_fit_is_refused_and_others_finish(models):
+    eng = engine(models["full"], num_blocks=6)  # 6 blocks x 16 tokens
+    with pytest.raises(RequestError, match="needs 13 KV blocks but the whole cache has 6"):
+        eng.add_request("big", random_prompts([200])[0], GREEDY)
+    eng.add_request("small", random_prompts([20])[0], GREEDY)
+    assert drain(eng)["small"].outputs[0].finish_reason == "length"
+    assert eng.blocks.num_used_blocks == 0
+
+
+# ---- preemption -----------------------------------------------------------------------------------
+
+
+def test_preemption_recomputes_to_the_same_tokens(models):
+    prompts = random_prompts([30, 40, 50, 35, 45], seed=21)
+    params = SamplingParams(max_tokens=20, temperature=0)
+
+    def run(num_blocks):
+        eng = engine(models["full"], num_blocks=num_blocks)
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, params)
+        done = drain(eng)
+        assert eng.blocks.num_used_blocks == 0
+        return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))], eng.counters["preemptions"]
+
+    roomy, none = run(256)
+    tight, preemptions = run(10)
+    assert none == 0 and preemptions > 0
+    assert tight == roomy
+
+
+# ---- P -> D hand-off ----------------------------------------------------------------------------
+
+
+def test_corrupted_or_mismatched_prefix_state_is_rejected_cleanly(models):
+    p = engine(models["prefill"], role="prefill", mode="asymmetric")
+    d = engine(models["full"], role="decode", mode="asymmetric")
+    prompt = random_prompts([41], seed=22)[0]
+    p.add_request("x", prompt, GREEDY)
+    (out,) = [o for o in drain(p).values()]
+    blob = out.prefix_state.serialize()
+
+    corrupted = bytearray(blob)
+    corrupted[len(blob) // 2] ^= 0xFF
+    with pytest.raises(PrefixStateError):
+        PrefixState.deserialize(bytes(corrupted))
+    with pytest.raises(PrefixStateError):
+        PrefixState.deserialize(blob[: len(blob) - 7])
+
+    state = PrefixState.deserialize(blob)
+    foreign = PrefixState.deserialize(blob)
+    foreign.fingerprint = "0" * 16
+    with pytest.raises(PrefixStateError, match="fingerprint"):
+        d.add_request("x", prompt, GREEDY, prefix_state=foreign)
+    with pytest.raises(PrefixStateError, match="of the same prompt"):
+        d.add_request("x", prompt[:-1] + [prompt[-1] ^ 1], GREEDY, prefix_state=state)
+    short = PrefixState.deserialize(blob)
+    short.ckv[3] = short.ckv[3][:-1]
+    with pytest.raises(PrefixStateError, match=r"ckv\[3\]"):
+        d.add_request("x", prompt, GREEDY, prefix_state=short)
+    align_d = engine(models["full"], role="decode", mode="asymmetric", boundary_policy="align")
+    with pytest.raises(PrefixStateError, match="needs \\[0, 24\\)"):
+        align_d.add_request("x", prompt, GREEDY, prefix_state=state)
+    for eng in (d, align_d):
+        assert not eng.has_unfinished_requests() and eng.blocks.num_used_blocks == 0
+
+    d.add_request("x", prompt, GREEDY, prefix_state=state)  # the intact state still works
+    assert drain(d)["x"].outputs[0].finish_reason == "length"
+    p.release_transfer("x")
+    assert p.blocks.num_used_blocks == 0
+
+
+def test_prefix_cache_hit_on_import_gives_the_cold_tokens(tiny_ckpt):
+    """D keeps imported prefixes cached: a second request sharing the prefix reuses the blocks
+    instead of writing them again, and decodes exactly what a cold engine decodes."""
+    shared = random_prompts([180], seed=23)[0]
+    first, second = shared + [5, 6, 7], shared + [9, 8]
+    warm = LLM(tiny_ckpt, "asymmetric")
+    warm.generate(prompt_token_ids=[first], sampling_params=GREEDY)
+    warm.add("b", second, GREEDY)
+    hits = []
+    out = None
+    while out is None:
+        for o in warm.step():
+            if o.finished:
+                out = o
+        req = warm.engine.requests.get("b")
+        if req is not None and req.status.value == "running":
+            hits.append(req.num_cached_import)
+    assert max(hits) == 160  # the 10 full 16-token blocks below s = 182 - 16
+    cold = LLM(tiny_ckpt, "asymmetric").generate(prompt_token_ids=[second], sampling_params=GREEDY)[0]
+    assert out.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert warm.engine.blocks.num_used_blocks == 0
+
+
+# ---- storms -------------------------------------------------------------------------------------
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 70), st.integers(1, 5), st.integers(0, 2**16)),
+        st.tuples(st.just("abort"), st.integers(0, 30)),
+        st.tuples(st.just("step"), st.integers(1, 3)),
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=ops, pd=st.booleans())
+def test_request_storm_with_aborts_ends_with_zero_blocks(models, ops, pd):
+    """Random arrivals, aborts and steps over a tight cache (preemptions happen); afterwards no
+    block is in use on any engine and every surviving request finished."""
+    if pd:
+        p = engine(models["prefill"], role="prefill", mode="asymmetric", num_blocks=12)
+        d = engine(models["full"], role="decode", mode="asymmetric", num_blocks=12)
+        engines = [p, d]
+    else:
+        engines = [engine(models["full"], num_blocks=12)]
+    added: list[str] = []
+
+    def step_all():
+        outs = [o for e in engines for o in e.step()]
+        if pd:
+            handoff(p, d, outs)
+
+    for op in ops:
+        if op[0] == "add":
+            _, n, max_tokens, seed = op
+            rid = f"r{len(added)}"
+            added.append(rid)
+            prompt = torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+            engines[0].add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
+        elif op[0] == "abort" and added:
+            rid = added[op[1] % len(added)]
+            for e in engines:
+                e.abort_request(rid)
+        else:
+            for _ in range(op[1]):
+                step_all()
+    for _ in range(3000):
+        if not any(e.has_unfinished_requests() for e in engines):
+            break
+        step_all()
+    for e in engines:
+        assert not e.has_unfinished_requests()
+        assert e.blocks.num_used_blocks == 0
+        assert e.stats()["held_for_transfer"] == 0

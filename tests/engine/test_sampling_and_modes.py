@@ -1,0 +1,89 @@
+"""Sampling parameters and the mode plans (who computes which rows), exactly."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from asympd import LLM, SamplingParams
+from asympd.config import tiny
+from asympd.engine.modes import Phase, colocated_phases, decode_plan, prefill_plan, split_point
+from asympd.engine.sampling import processed_probs, sample, top_logprobs
+from asympd.model.transformer import Depth
+from tests.util import random_prompts
+
+CFG = tiny()  # window 16, ratio-2 and ratio-1 KV sources
+
+
+def test_processed_probs_top_k_and_top_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    p = processed_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    p = processed_probs(logits, SamplingParams(temperature=1.0, top_p=0.8))  # 0.5 + 0.3 reaches 0.8
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    p = processed_probs(logits, SamplingParams(temperature=1.0, top_p=0.81))
+    assert torch.allclose(p, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+
+
+def test_seeded_sampling_is_reproducible_and_greedy_takes_first_max():
+    logits = torch.randn(100)
+    params = SamplingParams(temperature=1.0, seed=7)
+    draws = [sample(logits, params, torch.Generator().manual_seed(7)) for _ in range(2)]
+    assert draws[0] == draws[1]
+    assert sample(torch.tensor([1.0, 3.0, 3.0]), SamplingParams(temperature=0), None) == 1
+
+
+def test_top_logprobs_shapes():
+    logits = torch.randn(10)
+    assert len(top_logprobs(logits, 3, -1)) == 10
+    lp = top_logprobs(logits, 3, 2)
+    assert 3 in lp and len(lp) <= 3
+    assert math.isclose(sum(math.exp(v) for v in top_logprobs(logits, 0, -1).values()), 1.0, rel_tol=1e-5)
+
+
+def test_stop_tokens_max_tokens_and_logprobs_through_the_engine(tiny_ckpt):
+    llm = LLM(tiny_ckpt)
+    prompt = random_prompts([25], seed=31)[0]
+    full = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=8, temperature=0))[0]
+    toks = full.outputs[0].token_ids
+    assert len(toks) == 8 and full.outputs[0].finish_reason == "length"
+    stop_at = toks[3]
+    first = toks.index(stop_at)
+    out = llm.generate(prompt_token_ids=[prompt],
+                       sampling_params=SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop_at],
+                                                      logprobs=-1))[0]
+    assert out.outputs[0].token_ids == toks[: first + 1]
+    assert out.outputs[0].finish_reason == "stop"
+    assert all(len(d) == CFG.vocab_size for d in out.outputs[0].logprobs)
+    assert len(out.outputs[0].logprobs) == first + 1
+
+
+# ---- mode plans ------------------------------------------------------------------------------------
+
+
+def test_split_point_and_boundary_policies():
+    assert split_point(CFG, 10, "carry") == 0  # N <= W: P does nothing
+    assert split_point(CFG, 37, "carry") == 21
+    assert split_point(CFG, 37, "align") == 20  # moved to a compressor group boundary; D takes W + 1 rows
+    with pytest.raises(ValueError, match="unknown boundary policy"):
+        split_point(CFG, 37, "round")
+
+
+def test_plans_say_who_computes_what():
+    n, w = 40, CFG.window_size
+    assert colocated_phases(CFG, n, "full") == [Phase(0, 40, Depth.ALL)]
+    assert colocated_phases(CFG, n, "decoder-replay") == [
+        Phase(0, 24, Depth.THROUGH_SOURCE, sample=False), Phase(24, 40, Depth.ALL, floor=24)]
+    assert colocated_phases(CFG, n, "split") == [
+        Phase(0, 24, Depth.ENCODER_KV, sample=False), Phase(24, 40, Depth.ALL, floor=24, encoder_floor=24)]
+    p, d = prefill_plan(CFG, n, "asymmetric"), decode_plan(CFG, n, "asymmetric")
+    assert (p.export_upto, p.samples_first_token, d.import_upto) == (n - w, False, n - w)
+    assert d.phases == [Phase(24, 40, Depth.ALL, floor=24, encoder_floor=24)]
+    p, d = prefill_plan(CFG, n, "encoder-only"), decode_plan(CFG, n, "encoder-only")
+    assert p.phases == [Phase(0, 40, Depth.ENCODER_KV, sample=False)] and d.import_upto == n
+    assert d.phases == [Phase(24, 40, Depth.ALL, floor=24, encoder_floor=24, write_global=False)]
+    p, d = prefill_plan(CFG, n, "symmetric"), decode_plan(CFG, n, "symmetric")
+    assert p.samples_first_token and d.first_token_from_prefill and not d.phases[0].sample
+    assert prefill_plan(CFG, 10, "asymmetric").phases == []
