@@ -238,6 +238,23 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.checkpoint, args.transport, args.max_tokens, args.keep_logs)
 
 
+# ---- compare --------------------------------------------------------------------------------------
+
+
+def _compare_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--json", action="store_true", help="print the raw report as JSON")
+    p.add_argument("--prompts-per-length", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from asympd.bench.compare import main as compare_main
+
+    return compare_main(args.checkpoint, args.json, args.prompts_per_length, args.max_tokens, args.seed)
+
+
 COMMANDS: dict[str, Command] = {
     "make-checkpoint": Command("write a random-weight checkpoint in the released format",
                                _make_checkpoint_args, _make_checkpoint),
@@ -246,6 +263,7 @@ COMMANDS: dict[str, Command] = {
     "serve": Command("serve a checkpoint over an OpenAI-compatible API (one worker)", _serve_args, _serve),
     "router": Command("route requests over prefill and decode workers", _router_args, _router),
     "demo": Command("start a 1P1D deployment + router locally and send a few requests", _demo_args, _demo),
+    "compare": Command("each mode's outputs against colocated/full: agreement and KL", _compare_args, _compare),
 }
 
 
