@@ -165,6 +165,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-bytes", type=int, default=64 << 20)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-new-admissions", type=int, default=None,
+                   help="new requests admitted per step (Sarathi-style cap; default: no cap)")
+    p.add_argument("--admission-token-budget", type=int, default=None,
+                   help="prompt rows per step for prefills and bounded prefills (default: the step budget)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--transfer-timeout", type=float, default=10.0, help="decode worker: seconds for one fetch")
     p.add_argument("--transfer-ttl", type=float, default=120.0,
@@ -173,6 +177,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-port", type=int, default=0, help="prefill worker: data-plane port (0: any)")
     p.add_argument("--advertise-host", default=None, help="prefill worker: address decode workers connect to")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks: this worker starts ep-1 more processes (docs/parallel.md)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel attention: only 1 (attention is replicated)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -185,8 +192,9 @@ def _serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--checkpoint {args.checkpoint!r} holds no config.json")
     names = ("role", "checkpoint", "mode", "prefill_semantics", "boundary_policy", "transport", "on_prefill_failure",
              "api_key", "host", "port", "served_model_name", "device", "dtype", "block_size", "kv_cache_bytes",
-             "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "transfer_timeout", "transfer_ttl",
-             "transfer_host", "transfer_port", "advertise_host", "threads")
+             "max_num_seqs", "max_num_batched_tokens", "max_new_admissions", "admission_token_budget",
+             "enable_prefix_caching", "transfer_timeout", "transfer_ttl",
+             "transfer_host", "transfer_port", "advertise_host", "threads", "ep", "tp")
     try:
         cfg = ServeConfig(**{n: getattr(args, n) for n in names}).resolve()
     except ValueError as e:

@@ -6,6 +6,7 @@ scheduler decides, the runner executes, this file applies the results to request
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from asympd.engine.request import CompletionOutput, Request, RequestOutput, Stat
 from asympd.engine.runner import ModelRunner
 from asympd.engine.sampling import SamplingParams, sample, top_logprobs
 from asympd.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from asympd.engine.spec_decode import DraftRequest, DSparkProposer, Proposer, rollback, spec_metrics, verify
 from asympd.kv.block_manager import BlockManager
 from asympd.kv.paged_cache import PagedKVCache
 from asympd.kv.spec import KVCacheSpec
@@ -43,6 +45,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     eos_token_id: int | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # speculative decoding with the DSpark draft blocks: drafts per request per step (0 = off; at most
+    # dspark_block_size). When set, overrides scheduler.num_spec_tokens. A prefill worker never drafts.
+    num_spec_tokens: int | None = None
+    # optional: stop a request's drafts before the first with sigmoid(confidence) below this (the
+    # reference computes DSpark's confidence head but applies no threshold; None keeps every draft)
+    spec_confidence_threshold: float | None = None
 
     def validate(self) -> None:
         if self.role not in modes.ROLES:
@@ -55,6 +63,10 @@ class EngineConfig:
             raise ValueError(f"unknown prefill semantics {self.prefill_semantics!r}")
         if self.boundary_policy not in modes.BOUNDARY_POLICIES:
             raise ValueError(f"unknown boundary policy {self.boundary_policy!r}")
+        if self.num_spec_tokens is not None and self.num_spec_tokens < 0:
+            raise ValueError(f"num_spec_tokens must be >= 0, got {self.num_spec_tokens}")
+        if self.spec_confidence_threshold is not None and not 0 <= self.spec_confidence_threshold <= 1:
+            raise ValueError(f"spec_confidence_threshold must be in [0, 1], got {self.spec_confidence_threshold}")
 
 
 def checkpoint_id(path: str | Path | None) -> str:
@@ -88,7 +100,24 @@ class LLMEngine:
             raise ValueError("the symmetric mode's prefill worker needs the full model")
         self.model, self.cfg = model, model.cfg
         self.detokenize = detokenize
+        c = self.config
+        k = c.scheduler.num_spec_tokens if c.num_spec_tokens is None else c.num_spec_tokens
+        if self.config.role == "prefill":
+            k = 0  # P never decodes: no drafts, no rollback slack
+        self.config.scheduler = dataclasses.replace(self.config.scheduler, num_spec_tokens=k)
         sc = self.config.scheduler
+        self.num_spec_tokens = k
+        self.proposer: Proposer | None = None
+        if k:
+            drafter = getattr(model, "drafter", None)
+            if drafter is None:
+                raise ValueError(
+                    f"num_spec_tokens={k} needs the DSpark draft blocks (mtp.*), which this {model.role}-role model "
+                    "does not hold"
+                )
+            if k > self.cfg.dspark_block_size:
+                raise ValueError(f"num_spec_tokens={k} exceeds the DSpark block size {self.cfg.dspark_block_size}")
+            self.proposer = DSparkProposer(drafter, self.config.spec_confidence_threshold)
         self.spec = KVCacheSpec.from_config(
             self.cfg, block_size=self.config.block_size, spec_slack=sc.num_spec_tokens + 1, dtype=model.dtype
         )
@@ -100,7 +129,15 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache, self.blocks)
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # prefill worker: exported, blocks kept until released
-        self.counters = {"preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self.counters = {
+            "preemptions": 0,
+            "prompt_tokens": 0,
+            "generation_tokens": 0,
+            "steps": 0,
+            "spec_proposed": 0,
+            "spec_accepted": 0,
+            "spec_steps": 0,
+        }
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -141,6 +178,7 @@ class LLMEngine:
                 f"whole cache has {self.blocks.num_blocks}: it could never be scheduled"
             )
         req = self._plan_request(request_id, ids, params, prefix_state, first_token)
+        req.spec_enabled = self.proposer is not None
         if first_token_logprobs is not None and req.output_token_ids and params.logprobs is not None:
             req.logprobs.append(dict(first_token_logprobs))
         self.requests[request_id] = req
@@ -224,11 +262,13 @@ class LLMEngine:
         logits = self.runner.execute(chunks, wants) if chunks else []
         for sc, lg in zip(chunks, logits, strict=True):
             outputs.extend(self._apply(sc, lg))
+        if self.proposer is not None and chunks:
+            self._draft(chunks, self.runner.last_draft_hidden)
         return outputs
 
     def _wants_logits(self, sc: ScheduledChunk) -> str:
         if sc.phase is None:
-            return "last"
+            return "all" if sc.num_rows > 1 else "last"  # verify rows [t, d1..dk]
         req = sc.request
         last_phase = req.phase_index == len(req.phases) - 1
         if (
@@ -253,6 +293,8 @@ class LLMEngine:
                 else:
                     return self._prompt_done(req, logits)
             return []
+        if req.spec_draft:
+            return self._verify(sc, logits)
         return self._append_token(req, logits[-1])
 
     def _prompt_done(self, req: Request, logits: torch.Tensor | None) -> list[RequestOutput]:
@@ -303,6 +345,73 @@ class LLMEngine:
             return [self._finish(req, reason, new=[tok])]
         return [self._output(req, [tok], finished=False)]
 
+    # ---- speculative decoding ----------------------------------------------------------------
+
+    def _verify(self, sc: ScheduledChunk, logits: torch.Tensor) -> list[RequestOutput]:
+        """Accept a prefix of the drafts (greedy or rejection sampling), emit it plus one more token,
+        and roll back whatever the rejected rows wrote."""
+        req = sc.request
+        drafts, q = req.spec_draft, req.spec_draft_probs
+        req.spec_draft, req.spec_draft_probs = [], None
+        tokens, accepted = verify(logits, drafts, q, req.params, req.generator)
+        req.spec_proposed += len(drafts)
+        req.spec_accepted += accepted
+        req.spec_steps += 1
+        self.counters["spec_proposed"] += len(drafts)
+        self.counters["spec_accepted"] += accepted
+        self.counters["spec_steps"] += 1
+        new: list[int] = []
+        for i, tok in enumerate(tokens):
+            if req.params.logprobs is not None:
+                req.logprobs.append(top_logprobs(logits[i], tok, req.params.logprobs))
+            req.output_token_ids.append(tok)
+            new.append(tok)
+            self.counters["generation_tokens"] += 1
+            reason = self._stop_reason(req)
+            if reason is not None:
+                return [self._finish(req, reason, new=new)]
+        keep = len(req.all_token_ids) - 1  # positions whose KV stays: the newest token is not computed yet
+        rollback(self.runner.view(req), self.blocks, req.request_id, keep, sc.hi)
+        return [self._output(req, new, finished=False)]
+
+    def _num_drafts(self, req: Request) -> int:
+        """Drafts worth proposing: never past max_tokens (one token always comes from the target)
+        or max_seq_len."""
+        left = min(req.params.max_tokens - len(req.output_token_ids), self.cfg.max_seq_len - len(req.all_token_ids))
+        return max(0, min(self.num_spec_tokens, left - 1))
+
+    def _draft(self, chunks: list[ScheduledChunk], hidden: list[torch.Tensor | None]) -> None:
+        """One draft pass for the step: seed each request's drafter window with the rows it just
+        computed at full depth and kept (a prompt chunk's last W rows, a decode step's accepted rows),
+        then draft for every request that decodes next step."""
+        w = self.cfg.window_size
+        items = []
+        for sc, hid in zip(chunks, hidden, strict=True):
+            req = sc.request
+            if req.status is not Status.RUNNING or hid is None or req.request_id not in self.requests:
+                continue
+            hi = sc.hi if sc.phase is not None else len(req.all_token_ids) - 1
+            lo = max(sc.lo, hi - w)  # only the last W rows can reach a draft query
+            k = 0 if req.in_prompt else self._num_drafts(req)
+            items.append(
+                DraftRequest(
+                    self.runner.view(req),
+                    hid[lo - sc.lo : hi - sc.lo],
+                    lo,
+                    len(req.all_token_ids) - 1,
+                    req.all_token_ids[-1],
+                    k,
+                    req.params,
+                    req.generator,
+                    req,
+                )
+            )
+        if not items:
+            return
+        for item, prop in zip(items, self.proposer(items), strict=True):
+            item.request.spec_draft = list(prop.tokens)
+            item.request.spec_draft_probs = prop.probs
+
     def _finish(self, req: Request, status: Status, new: list[int] | None = None, free: bool = True) -> RequestOutput:
         req.status = status
         req.finish_time = time.monotonic()
@@ -317,8 +426,7 @@ class LLMEngine:
         metrics = {
             "arrival_time": req.arrival_time,
             "num_preemptions": req.num_preemptions,
-            "spec_proposed": req.spec_proposed,
-            "spec_accepted": req.spec_accepted,
+            **spec_metrics(req.spec_proposed, req.spec_accepted, req.spec_steps),
         }
         if req.first_token_time is not None:
             metrics["ttft"] = req.first_token_time - req.arrival_time
@@ -354,4 +462,6 @@ class LLMEngine:
             "kv_blocks_total": self.blocks.num_blocks,
             "kv_usage_bytes": self.blocks.usage(),
             **self.counters,
+            "num_spec_tokens": self.num_spec_tokens,
+            **spec_metrics(self.counters["spec_proposed"], self.counters["spec_accepted"], self.counters["spec_steps"]),
         }

@@ -54,7 +54,11 @@ class LLM:
         block_size: int = 16,
         kv_cache_bytes: int = 64 << 20,
         enable_prefix_caching: bool = True,
+        num_spec_tokens: int = 0,
+        spec_confidence_threshold: float | None = None,
     ):
+        """``num_spec_tokens`` > 0 turns on speculative decoding with the checkpoint's DSpark draft
+        blocks in the engine that decodes (the colocated engine, or D); the prefill worker never drafts."""
         self.mode = mode
         self.tokenizer = load_tokenizer(checkpoint)
         detok = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer else None
@@ -70,6 +74,8 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 eos_token_id=eos_id(self.tokenizer),
                 scheduler=scheduler or SchedulerConfig(),
+                num_spec_tokens=0 if role == "prefill" else num_spec_tokens,
+                spec_confidence_threshold=spec_confidence_threshold,
             )
 
         self.prefill: LLMEngine | None = None

@@ -45,7 +45,9 @@ class Request:
     phase_index: int = 0
     cursor: int = 0  # next row of the current phase
     num_cached_import: int = 0  # leading imported positions already present (prefix cache hit)
-    spec_enabled: bool = False
+    spec_enabled: bool = False  # this engine drafts for the request (speculative decoding on)
+    spec_draft: list[int] = field(default_factory=list)  # drafts the next decode step verifies
+    spec_draft_probs: torch.Tensor | None = None  # [len(spec_draft), vocab] for sampled requests
     generator: torch.Generator | None = None
     error: str | None = None
     first_token_time: float | None = None
@@ -90,6 +92,7 @@ class Request:
             self.phases.append(Phase(n, n + out - 1, Depth.ALL, sample=False))
         self.phase_index = 0
         self.cursor = self.phases[0].lo if self.phases else 0
+        self.spec_draft, self.spec_draft_probs = [], None  # the drafter's windows go with the slot
         self.num_preemptions += 1
         self.status = Status.WAITING
 

@@ -22,6 +22,10 @@ class ModelRunner:
         rid = req.request_id
         return self.cache.view(rid, self.blocks.block_table(rid), self.blocks.slot(rid))
 
+    def view(self, req: Request):
+        """The request's SequenceKV (paged groups through its live block table, plus its slot)."""
+        return self._view(req)
+
     def prepare(self, req: Request) -> None:
         """A newly admitted request: clear its slot (windows, open groups), then import its prefix."""
         self.cache.reset_slot(self.blocks.slot(req.request_id))
@@ -33,8 +37,9 @@ class ModelRunner:
         batch = []
         for sc, want in zip(chunks, wants_logits, strict=True):
             req = sc.request
-            history = torch.tensor(req.all_token_ids, dtype=torch.long)
             ph = sc.phase
+            ids = req.all_token_ids if ph is not None else req.all_token_ids + req.spec_draft  # drafts verified
+            history = torch.tensor(ids, dtype=torch.long)
             batch.append(
                 Chunk(
                     kv=self._view(req),

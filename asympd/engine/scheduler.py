@@ -97,7 +97,7 @@ class Scheduler:
         for req in list(self.running):
             if req not in self.running or req.in_prompt or req.status is not Status.RUNNING:
                 continue
-            rows = 1 + self.config.num_spec_tokens if req.spec_enabled else 1
+            rows = 1 + len(req.spec_draft) if req.spec_enabled else 1  # [newest token, drafts]
             pos = len(req.all_token_ids) - 1
             if not self._grow(req, pos + rows, out):
                 continue

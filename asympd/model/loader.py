@@ -14,6 +14,7 @@ import torch
 
 from asympd.config import ModelConfig
 from asympd.model.attention import Attention
+from asympd.model.dspark import DSpark, DSparkAttention
 from asympd.model.engram import Engram
 from asympd.model.moe import MoE
 from asympd.model.ops import QLinear
@@ -69,7 +70,9 @@ class _Reader:
         return self.t[name].to(self.device)
 
 
-def _attention(cfg: ModelConfig, layer: int, r: _Reader, prefix: str, round_probs: bool) -> Attention:
+def _attention(
+    cfg: ModelConfig, layer: int, r: _Reader, prefix: str, round_probs: bool, cls: type[Attention] = Attention
+) -> Attention:
     w: dict[str, Any] = {}
     for name in ATTN_MATRICES:
         if not r.has(prefix + name):
@@ -83,7 +86,7 @@ def _attention(cfg: ModelConfig, layer: int, r: _Reader, prefix: str, round_prob
     for name in ATTN_VECTORS:
         if prefix + name in r.t:
             w[name.removesuffix(".weight")] = r.vector(prefix + name)
-    return Attention(cfg, layer, w, round_probs)
+    return cls(cfg, layer, w, round_probs)
 
 
 def _moe(cfg: ModelConfig, layer: int, r: _Reader, prefix: str) -> MoE:
@@ -144,7 +147,48 @@ def build_model(
     if role != "prefill":
         norm = r.vector("norm.weight")
         head = r.vector("head.weight", torch.float32)
-    return Transformer(cfg, role, embed, blocks, norm, head, hasher, dtype)
+    model = Transformer(cfg, role, embed, blocks, norm, head, hasher, dtype)
+    if role != "prefill":
+        model.drafter = _drafter(cfg, r, round_probs, embed, head)
+    if device.type == "cuda":  # CUDA fast paths (cuda_ops.py); the CPU model stays the reference
+        from asympd.model.cuda_ops import accelerate
+
+        accelerate(model)
+    return model
+
+
+def _drafter(cfg: ModelConfig, r: _Reader, round_probs: bool, embed: torch.Tensor, head: torch.Tensor) -> DSpark | None:
+    """The DSpark draft blocks (``mtp.*``), sharing the target's embedding and LM head; None when
+    the config has no draft blocks or the tensors were not loaded."""
+    if not (cfg.dspark_block_size and cfg.n_mtp_layers) or "mtp.0.main_proj.weight" not in r.t:
+        return None
+    blocks = []
+    for i in range(cfg.n_mtp_layers):
+        layer, p = cfg.n_layers + i, f"mtp.{i}."
+        w: dict[str, Any] = {
+            "attn_norm": r.vector(p + "attn_norm.weight"),
+            "ffn_norm": r.vector(p + "ffn_norm.weight"),
+            "attn": _attention(cfg, layer, r, p + "attn.", round_probs, DSparkAttention),
+            "ffn": _moe(cfg, layer, r, p + "ffn."),
+        }
+        for sub in ("attn", "ffn"):
+            for part in ("fn", "base", "scale"):
+                w[f"hc_{sub}_{part}"] = r.vector(f"{p}hc_{sub}_{part}", torch.float32)
+        blocks.append(Block(cfg, layer, w))
+    last = f"mtp.{cfg.n_mtp_layers - 1}."
+    return DSpark(
+        cfg,
+        blocks,
+        main_proj=r.linear("mtp.0.main_proj"),
+        main_norm=r.vector("mtp.0.main_norm.weight"),
+        norm=r.vector(last + "norm.weight"),
+        markov_embed=r.vector(last + "markov_head.embed.weight"),
+        markov_head=r.vector(last + "markov_head.head.weight", torch.float32),
+        confidence_proj=r.vector(last + "confidence_head.proj.weight", torch.float32),
+        embed=embed,
+        head=head,
+        dtype=r.dtype,
+    )
 
 
 def load_model(

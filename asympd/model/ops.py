@@ -6,6 +6,7 @@ where it rounds; an fp32 run does the same operations without the intermediate b
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,10 @@ from asympd.model.quant import fp8_qdq
 # rows makes every row's bits independent of the batch it arrives in: P and D, chunked and
 # one-shot, solo and batched all compute identical values, so top-k selections never flip.
 MIN_GEMM_ROWS = 16
+
+# Fused CUDA kernels register here (asympd/model/cuda_ops.py, after checking them against these
+# functions on the device). Only CUDA tensors take them; the CPU path is unchanged.
+CUDA_FAST: dict[str, Callable] = {}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -150,12 +155,16 @@ def hc_mixes(
 
 def hc_pre(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """Collapse the hc copies into one sublayer input: [T, hc, D] x [T, hc] -> [T, D]."""
+    if h.is_cuda and "hc_pre" in CUDA_FAST:
+        return CUDA_FAST["hc_pre"](h, pre)
     return ordered_sum(pre.unsqueeze(-1) * h.float(), -2).to(h.dtype)
 
 
 def hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """Expand a sublayer output back to hc copies, mixing the residual through comb:
     out[j] = post[j] * x + sum_i comb[i, j] * residual[i]."""
+    if x.is_cuda and "hc_post" in CUDA_FAST:
+        return CUDA_FAST["hc_post"](x, residual, post, comb)
     y = post.unsqueeze(-1) * x.unsqueeze(-2) + ordered_sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), -3)
     return y.to(x.dtype)
 

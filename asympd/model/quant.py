@@ -27,6 +27,18 @@ FP4_TABLE = torch.cat([E2M1_VALUES, -E2M1_VALUES])  # indexed by the 4-bit code,
 # when the upper code is even (0.75 -> 1.0, 1.75 -> 2.0, 3.5 -> 4.0)
 _E2M1_MIDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
 _E2M1_TIE_UP = torch.tensor([False, True, False, True, False, True, False])
+_ON_DEVICE: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A lookup table on ``device``: the CPU original on CPU, else one cached copy per device (so a
+    CUDA graph capture never meets a host-to-device copy after the first call)."""
+    if device.type == "cpu":
+        return t
+    key = (id(t), device)
+    if key not in _ON_DEVICE:
+        _ON_DEVICE[key] = t.to(device)
+    return _ON_DEVICE[key]
 
 
 def pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
@@ -48,7 +60,8 @@ def to_e4m3(x: torch.Tensor) -> torch.Tensor:
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """fp32 values in [-6, 6] -> 4-bit e2m1 codes (uint8, bit 3 = sign), round to nearest even."""
     mag = x.abs().unsqueeze(-1)
-    code = (mag > _E2M1_MIDS).sum(-1) + ((mag == _E2M1_MIDS) & _E2M1_TIE_UP).sum(-1)
+    mids, tie_up = _on(_E2M1_MIDS, x.device), _on(_E2M1_TIE_UP, x.device)
+    code = (mag > mids).sum(-1) + ((mag == mids) & tie_up).sum(-1)
     return code.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
 
 
@@ -76,7 +89,8 @@ def quant_fp8_tiles(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, tor
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """int8/uint8 [..., K/2] -> fp32 e2m1 values [..., K]; the low nibble holds the even element."""
     b = packed.view(torch.uint8)
-    vals = torch.stack([FP4_TABLE[(b & 0x0F).long()], FP4_TABLE[(b >> 4).long()]], dim=-1)
+    table = _on(FP4_TABLE, b.device)
+    vals = torch.stack([table[(b & 0x0F).long()], table[(b >> 4).long()]], dim=-1)
     return vals.flatten(-2)
 
 
@@ -130,4 +144,4 @@ def fp4_qdq(x: torch.Tensor, block: int = 32, e4m3_scale: bool = False) -> torch
         s = pow2_scale(amax.clamp_min(FP4_MAX * 2.0**-126), FP4_MAX)
     s = s.unsqueeze(-1)
     v = (g / s).clamp(-FP4_MAX, FP4_MAX)
-    return (FP4_TABLE[e2m1_codes(v).long()] * s).flatten(-2).to(x.dtype)
+    return (_on(FP4_TABLE, v.device)[e2m1_codes(v).long()] * s).flatten(-2).to(x.dtype)

@@ -213,6 +213,8 @@ class Transformer(torch.nn.Module):
         logits: list[torch.Tensor | None] = [None] * len(chunks)
         draft_hidden: list[torch.Tensor | None] = [None] * len(chunks)
         for i, c in enumerate(ordered):
+            if hidden[i]:  # every Depth.ALL row, whatever logits it asked for: the drafter is seeded from them
+                draft_hidden[order[i]] = torch.cat(hidden[i], dim=-1)
             if c.depth is not Depth.ALL or c.logits == "none":
                 continue
             rows = (
@@ -220,8 +222,6 @@ class Transformer(torch.nn.Module):
             )
             x = rms_norm(hc_pre(h[rows], pre[rows]), self.norm, cfg.norm_eps)
             logits[order[i]] = linear(x.float(), self.head)
-            if hidden[i]:
-                draft_hidden[order[i]] = torch.cat(hidden[i], dim=-1)
         return ForwardOutput(logits, draft_hidden)
 
     def resident_bytes(self) -> int:

@@ -41,6 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from asympd.dist import launch_ep
 from asympd.engine import modes
 from asympd.engine.engine import EngineConfig, LLMEngine, RequestError
 from asympd.engine.llm import eos_id, load_tokenizer
@@ -83,6 +84,8 @@ class ServeConfig:
     kv_cache_bytes: int = 64 << 20
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    max_new_admissions: int | None = None  # Sarathi-style cap on admissions per step
+    admission_token_budget: int | None = None  # prompt rows per step
     enable_prefix_caching: bool = True
     transfer_timeout: float = 10.0  # D: the whole fetch of one prefix state
     transfer_ttl: float = 120.0  # P: how long an unacked prefix state keeps its blocks
@@ -90,8 +93,14 @@ class ServeConfig:
     transfer_port: int = 0
     advertise_host: str | None = None  # P: address D should connect to (default: the bind address)
     threads: int | None = None
+    ep: int = 1  # expert-parallel ranks (one process each, started by this worker); docs/parallel.md
+    tp: int = 1  # only 1: attention is replicated
 
     def resolve(self) -> ServeConfig:
+        if self.tp != 1:
+            raise ValueError("tensor parallel attention is not implemented: attention is replicated; use --ep")
+        if self.ep < 1:
+            raise ValueError(f"--ep must be >= 1, got {self.ep}")
         if self.role not in modes.ROLES:
             raise ValueError(f"unknown role {self.role!r}; expected one of {', '.join(modes.ROLES)}")
         if self.mode is None:
@@ -232,15 +241,22 @@ class WorkerServer:
         self.model_name = cfg.served_model_name or cfg.checkpoint
         model_role = {"colocated": "full", "decode": "decode"}.get(cfg.role) or (
             "full" if cfg.mode == "symmetric" else "prefill")
+        self.ep = None  # expert parallel: ranks 1..ep-1 load while this process does (asympd.dist)
+        if cfg.ep > 1:
+            self.ep = launch_ep(model_role, cfg.checkpoint, cfg.ep, cfg.device, cfg.dtype, cfg.threads)
         model = load_model(cfg.checkpoint, model_role, cfg.device, DTYPES[cfg.dtype])
-        self.resident_bytes = model.resident_bytes()
         engine_cfg = EngineConfig(
             role=cfg.role, mode=cfg.mode, prefill_semantics=cfg.prefill_semantics,
             boundary_policy=cfg.boundary_policy, block_size=cfg.block_size, kv_cache_bytes=cfg.kv_cache_bytes,
             enable_prefix_caching=cfg.enable_prefix_caching, eos_token_id=eos_id(self.tokenizer),
-            scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens),
+            scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                      max_new_admissions=cfg.max_new_admissions,
+                                      admission_token_budget=cfg.admission_token_budget),
         )
         self.engine = LLMEngine(model, engine_cfg)
+        if self.ep is not None:
+            self.ep.attach(self.engine)  # shards this rank's experts: resident bytes are rank 0's
+        self.resident_bytes = model.resident_bytes()
         self.model_cfg = self.engine.cfg
         self.fingerprint = self.engine.fingerprint
         self.aengine = AsyncEngine(self.engine)
@@ -321,6 +337,8 @@ class WorkerServer:
                 except Exception:
                     log.exception("closing transport %s", t.name)
         self.aengine.stop()
+        if self.ep is not None:
+            self.ep.close()
         self.fetch_pool.shutdown(wait=False, cancel_futures=True)
 
     def info(self) -> dict[str, Any]:
@@ -331,7 +349,8 @@ class WorkerServer:
             "window_size": m.window_size, "max_seq_len": m.max_seq_len, "vocab_size": m.vocab_size,
             "resident_bytes": self.resident_bytes, "transport": self.transport_name,
             "on_prefill_failure": c.on_prefill_failure, "device": c.device, "dtype": c.dtype,
-            "has_tokenizer": self.tokenizer is not None,
+            "has_tokenizer": self.tokenizer is not None, "ep": c.ep,
+            "ep_pids": self.ep.group.pids() if self.ep is not None else [],
         }
 
     # ---- request parsing -----------------------------------------------------------------------------

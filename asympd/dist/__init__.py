@@ -1,0 +1,55 @@
+"""Multi-rank workers: expert parallelism for the MoE layers, attention replicated on every rank.
+
+Why EP + replicated attention (not tensor parallel attention): V4.1-Flash attention is MQA over
+one 512-d latent shared by all 64 heads (K = V). Splitting the heads across ranks (TP) would still
+need the whole latent on every rank, so the KV cache -- the thing that limits batch size -- would
+be replicated anyway, and only the small attention weights (0.127 GB of a 7.39 GB layer) would be
+split. The weight that does not fit is the routed experts (7.22 GB per layer, 98%), and EP splits
+exactly that. DeepSeek's own deployments run data-parallel attention + EP. What is here is the
+degenerate DP-attention with one request group: every rank runs attention over the same requests
+(identical caches), and the ranks meet only in each MoE layer. True DP attention (each rank's own
+requests, tokens dispatched to the experts by all-to-all) is the next step and is not done.
+
+- :mod:`asympd.dist.ep`: ``EPMoE`` / ``shard_moe`` (bit-identical to the single-rank MoE);
+- :mod:`asympd.dist.launch`: rank 0 starts ranks 1..N-1 itself; gloo on CPU, NCCL on CUDA;
+- :mod:`asympd.dist.executor`: one scheduler on rank 0, step plans broadcast to the other ranks;
+- :mod:`asympd.dist.worker`: the non-zero ranks' process;
+- :mod:`asympd.dist.llm`: ``ParallelLLM``, the offline entry point.
+
+``docs/parallel.md`` has the design, the memory per rank and what is not done.
+"""
+
+from __future__ import annotations
+
+from asympd.dist.ep import EPMoE, ep_resident_gb, expert_range, shard_moe
+from asympd.dist.executor import DistributedExecutor, ExecutorBroken
+from asympd.dist.launch import RankGroup, RankSpec
+
+__all__ = [
+    "DistributedExecutor",
+    "EPMoE",
+    "ExecutorBroken",
+    "ParallelLLM",
+    "RankGroup",
+    "RankSpec",
+    "ep_resident_gb",
+    "expert_range",
+    "launch_ep",
+    "shard_moe",
+]
+
+
+def launch_ep(
+    engine_role: str, checkpoint: str, ep: int, device: str = "cpu", dtype: str = "float32", threads: int | None = None
+) -> DistributedExecutor:
+    """Start ranks 1..ep-1 of a worker whose model has role ``engine_role`` (they load while the
+    caller builds its own model and engine); then ``executor.attach(engine)``."""
+    return DistributedExecutor(RankGroup(ep, RankSpec(checkpoint, engine_role, device, dtype, threads)))
+
+
+def __getattr__(name: str):  # ParallelLLM pulls in the engine; import it on first use
+    if name == "ParallelLLM":
+        from asympd.dist.llm import ParallelLLM
+
+        return ParallelLLM
+    raise AttributeError(name)

@@ -1,0 +1,70 @@
+"""``ParallelLLM``: the offline ``LLM`` with one of its engines expert-parallel over ``ep`` ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asympd.dist.executor import DistributedExecutor
+from asympd.dist.launch import RankGroup, RankSpec
+from asympd.engine.llm import LLM
+
+SHARDS = ("decode", "prefill")
+
+
+def model_role(mode: str, shard: str) -> str:
+    """The model role the sharded engine loads (what ``LLM`` loads for it)."""
+    if shard not in SHARDS:
+        raise ValueError(f"shard must be one of {', '.join(SHARDS)}, got {shard!r}")
+    if mode == "colocated":
+        if shard == "prefill":
+            raise ValueError("the colocated mode has a single engine: shard='decode'")
+        return "full"
+    if shard == "decode":
+        return "decode"
+    return "full" if mode == "symmetric" else "prefill"
+
+
+class ParallelLLM(LLM):
+    """``LLM(checkpoint, mode, ...)`` whose engine ``shard`` ("decode": the colocated engine or D;
+    "prefill": P) runs with ``ep``-way expert parallelism. Ranks 1..ep-1 are child processes;
+    the other engine (P/D modes) stays on rank 0, unsharded. One per process at a time (it owns
+    the process group): call ``close`` or use it as a context manager."""
+
+    def __init__(
+        self,
+        checkpoint: str | Path,
+        mode: str = "colocated",
+        prefill_semantics: str = "full",
+        *,
+        ep: int = 2,
+        shard: str = "decode",
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        **kwargs: Any,
+    ):
+        role = model_role(mode, shard)
+        self.executor: DistributedExecutor | None = None
+        if ep == 1:
+            super().__init__(checkpoint, mode, prefill_semantics, device=device, dtype=dtype, **kwargs)
+            return
+        spec = RankSpec(str(checkpoint), role, device, str(dtype).removeprefix("torch."))
+        self.executor = DistributedExecutor(RankGroup(ep, spec))  # children load while we do
+        try:
+            super().__init__(checkpoint, mode, prefill_semantics, device=device, dtype=dtype, **kwargs)
+            self.executor.attach(self.prefill if shard == "prefill" else self.engine)
+        except BaseException:
+            self.executor.close()
+            raise
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.close()
+
+    def __enter__(self) -> ParallelLLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,61 @@
+"""``python -m asympd.dist.worker``: one non-zero rank of an expert-parallel worker.
+
+Started by rank 0 (``asympd.dist.launch.RankGroup``) with torchrun's environment contract plus
+``ASYMPD_DIST_SPEC`` (checkpoint, role, device, dtype, threads). It loads its shard, reports ready
+in the store, joins the groups, and replays rank 0's messages until ``stop``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def _exit_with_parent() -> None:
+    """Belt and braces for the parent-death signal (non-Linux, or a rank 0 thread that exited)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="asympd-parent-watch", daemon=True).start()
+
+
+def main() -> int:
+    from asympd.dist.ep import shard_moe
+    from asympd.dist.executor import serve_rank
+    from asympd.dist.launch import SPEC_ENV, RankSpec, backend_for, dtype_of, join_groups, rank_device
+    from asympd.model.loader import load_model
+
+    _exit_with_parent()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    spec = RankSpec(**json.loads(os.environ[SPEC_ENV]))
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    device = rank_device(spec.device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
+    model = load_model(spec.checkpoint, spec.role, device, dtype_of(spec.dtype))
+    if getattr(model, "drafter", None) is not None:
+        model.drafter = None  # the drafter runs on rank 0 only
+    shard_moe(model, rank, world)
+    store.set(f"ready/{rank}", "1")
+    control = join_groups(backend_for(spec.device), store, rank, world)
+    try:
+        serve_rank(model, control, device)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

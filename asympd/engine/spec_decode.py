@@ -1,0 +1,207 @@
+"""Speculative decoding on the decode worker: drafting, verification, rollback, statistics.
+
+One step of a request, after its bounded-prefill first step:
+
+1. **draft** (end of the previous step): the proposer (DSpark by default, ``asympd.model.dspark``)
+   appends the target-layer states of the rows the target just *accepted* to its window, then drafts
+   up to ``num_spec_tokens`` tokens ``d1..dk`` from a block starting at the newest token ``t`` (at
+   position ``p``). The window is seeded from whatever rows the engine computed at full depth, so in
+   every mode the first decode step already speculates: D's bounded prefill or replay rows
+   ``[N-W, N)`` are exactly a full window.
+2. **verify**: one target forward over rows ``[t, d1..dk]`` at positions ``p..p+k`` with all logits,
+   batched with other requests' prefills and decodes. Greedy: accept while ``d_i`` is the argmax of
+   row ``i-1``, then emit that row's argmax. Sampled: rejection sampling (``rejection_sample``), which
+   emits tokens distributed exactly as sampling the target one token at a time would.
+3. **rollback**: rows past the accepted ones leave no visible trace. Windows and the compressor's
+   open-group history are cut by position (``SequenceKV.truncate``), blocks past the end are released
+   (``BlockManager.truncate``). Compressed entries / index keys of groups the rejected rows completed
+   stay in the kept blocks as dead data: every read of entry ``j`` happens in a forward whose own rows
+   rewrite it first (a query at ``i`` sees entries ``< (i+1)//r``, all pooled from rows ``<= i``, and
+   the source layer writes the segment's groups before any layer reads), exactly as the unused tail of
+   a block is dead in plain decoding. ``tests/engine/test_spec_decode.py`` poisons them with NaN to
+   prove nothing reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from asympd.engine.sampling import SamplingParams, processed_probs
+from asympd.model.attention import SequenceKV
+
+
+@dataclass
+class DraftRequest:
+    """One request's share of a draft pass: accepted main rows to seed, and a block to draft from
+    (``num_drafts == 0``: seed only)."""
+
+    kv: SequenceKV
+    main_hidden: torch.Tensor | None  # [m, n_targets * dim]: target-layer states of accepted rows
+    main_start: int  # position of the first main row
+    block_start: int  # position of the newest token (the block's first row)
+    first_token: int  # the newest token
+    num_drafts: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    request: Any = None  # the engine's Request (for proposers that want more context)
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [len(tokens), vocab]: the distribution each draft was sampled from
+    confidence: torch.Tensor | None = None  # [len(tokens)] confidence logits, where the proposer has them
+
+
+class Proposer(Protocol):
+    def __call__(self, items: list[DraftRequest]) -> list[Proposal]: ...
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+class DSparkProposer:
+    """Drafts with the DSpark blocks. Greedy requests draft the argmax of each Markov-biased row;
+    sampled ones draw from it after the request's own temperature/top-k/top-p (the ``q`` that
+    rejection sampling needs). With ``confidence_threshold`` a request's drafts stop before the
+    first one whose ``sigmoid(confidence)`` falls below it (the reference computes the confidence
+    head but applies no threshold: None, the default, keeps every draft)."""
+
+    def __init__(self, drafter: Any, confidence_threshold: float | None = None):
+        self.drafter = drafter
+        self.confidence_threshold = confidence_threshold
+
+    def __call__(self, items: list[DraftRequest]) -> list[Proposal]:
+        from asympd.model.dspark import DraftSegment
+
+        segments = [
+            DraftSegment(
+                it.kv,
+                it.main_hidden,
+                it.main_start,
+                it.block_start if it.num_drafts > 0 else None,
+                it.first_token,
+            )
+            for it in items
+        ]
+        drafting = [i for i, it in enumerate(items) if it.num_drafts > 0]
+        k = max((items[i].num_drafts for i in drafting), default=0)
+        q_rows: dict[int, list[torch.Tensor]] = {i: [] for i in drafting}
+
+        def sample(step: int, logits: torch.Tensor) -> torch.Tensor:
+            out = []
+            for row, i in zip(logits, drafting, strict=True):
+                it = items[i]
+                if step >= it.num_drafts or it.params.greedy:
+                    out.append(int(torch.argmax(row)))  # greedy (or unused): no randomness drawn
+                    continue
+                q = processed_probs(row, it.params).cpu()
+                q_rows[i].append(q)
+                out.append(_draw(q, it.generator))
+            return torch.tensor(out, dtype=torch.long)
+
+        draft = self.drafter.draft(segments, k, sample)  # k = 0: seed the windows only
+        proposals = [Proposal([]) for _ in items]
+        if draft is None:
+            return proposals
+        for j, i in enumerate(drafting):
+            n = items[i].num_drafts
+            conf = draft.confidence[j, :n].float().cpu()
+            if self.confidence_threshold is not None:
+                low = (torch.sigmoid(conf) < self.confidence_threshold).nonzero()
+                n = int(low[0]) if low.numel() else n
+            probs = torch.stack(q_rows[i][:n]) if q_rows[i] and n else None
+            proposals[i] = Proposal(draft.tokens[j, :n].tolist(), probs, conf[:n])
+        return proposals
+
+
+# ---- verification ---------------------------------------------------------------------------------
+
+
+def greedy_accept(target_logits: torch.Tensor, drafts: list[int]) -> tuple[list[int], int]:
+    """Rows ``[k+1, vocab]``: accept drafts while each is its row's argmax (first maximum, as the
+    plain sampler picks), then emit the argmax of the first row not matched (or of the last row).
+    Returns (emitted tokens, number of drafts accepted)."""
+    target = torch.argmax(target_logits[: len(drafts) + 1], dim=-1).tolist()
+    a = 0
+    while a < len(drafts) and drafts[a] == target[a]:
+        a += 1
+    return drafts[:a] + [target[a]], a
+
+
+def rejection_sample(
+    target_probs: Callable[[int], torch.Tensor] | torch.Tensor,
+    draft_probs: torch.Tensor,
+    drafts: list[int],
+    generator: torch.Generator | None,
+) -> tuple[list[int], int]:
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+    Draft ``d_i`` was drawn from ``q_i = draft_probs[i]``; ``p_i = target_probs(i)`` (or row ``i``) is
+    the distribution the plain sampler would draw that position from. Accept ``d_i`` with probability
+    ``min(1, p_i(d_i) / q_i(d_i))``; on the first rejection emit a draw from ``norm(max(0, p_i - q_i))``
+    and stop; when all ``k`` are accepted emit a bonus draw from ``p_k``. Then
+    ``P(emit x) = q(x) min(1, p(x)/q(x)) + (1 - sum_y min(p(y), q(y))) * max(0, p(x)-q(x)) / Z
+    = min(p, q)(x) + max(0, p(x)-q(x)) = p(x)``, since ``Z = sum max(0, p-q) = 1 - sum min(p, q)``;
+    by induction each emitted token is distributed as the target's given the tokens before it.
+    Returns (emitted tokens, number of drafts accepted)."""
+    rows = target_probs if callable(target_probs) else target_probs.__getitem__
+    out: list[int] = []
+    for i, d in enumerate(drafts):
+        p, q = rows(i).cpu(), draft_probs[i].cpu()
+        u = float(torch.rand((), generator=generator))
+        if u * float(q[d]) < float(p[d]):
+            out.append(d)
+            continue
+        residual = (p - q).clamp_min(0)
+        total = float(residual.sum())
+        out.append(_draw(residual / total if total > 0 else p, generator))
+        return out, i
+    out.append(_draw(rows(len(drafts)).cpu(), generator))
+    return out, len(drafts)
+
+
+def verify(
+    logits: torch.Tensor,
+    drafts: list[int],
+    draft_probs: torch.Tensor | None,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[list[int], int]:
+    """Target logits of rows ``[t, d1..dk]`` -> (emitted tokens: accepted drafts + one more, accepted)."""
+    if params.greedy:
+        return greedy_accept(logits, drafts)
+    if draft_probs is None or draft_probs.size(0) != len(drafts):
+        raise ValueError("sampled verification needs the distribution each draft was drawn from")
+    return rejection_sample(lambda i: processed_probs(logits[i], params), draft_probs, drafts, generator)
+
+
+# ---- rollback and statistics ----------------------------------------------------------------------
+
+
+def rollback(kv: SequenceKV, blocks: Any, seq_id: Any, num_tokens: int, written: int) -> None:
+    """Keep positions ``< num_tokens`` after a step that wrote rows up to ``written``: windows and open
+    compressor groups cut by position, blocks past the end released (so after every decode step the
+    block table covers exactly the accepted positions)."""
+    if num_tokens < written:
+        kv.truncate(num_tokens)
+    if num_tokens < blocks.num_tokens(seq_id):
+        blocks.truncate(seq_id, num_tokens)
+
+
+def spec_metrics(proposed: int, accepted: int, steps: int) -> dict[str, float]:
+    """Counters plus the two rates: ``spec_acceptance_rate`` = accepted / proposed drafts and
+    ``spec_mean_accepted_length`` = tokens emitted per verify step (1 + accepted / steps), counting
+    only steps that verified at least one draft."""
+    return {
+        "spec_proposed": proposed,
+        "spec_accepted": accepted,
+        "spec_steps": steps,
+        "spec_acceptance_rate": accepted / proposed if proposed else 0.0,
+        "spec_mean_accepted_length": 1 + accepted / steps if steps else 0.0,
+    }

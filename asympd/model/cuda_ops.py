@@ -1,0 +1,621 @@
+"""CUDA fast paths of the same model: the functions the CPU reference computes, arranged for a GPU.
+
+``accelerate(model)`` converts a built :class:`~asympd.model.transformer.Transformer` in place; the
+loader calls it for a CUDA device. The CPU path is never touched (CPU stays the numerical reference).
+
+What changes, and what it costs in numerics (``docs/performance.md`` has the measurements):
+
+- Routed experts (``FastMoE``): one grouped GEMM per projection over every expert at once
+  (``torch._grouped_mm``; w1 and w3 fused into one [E, 2I, D] operand), tokens sorted by expert on
+  the device, no host synchronisation, so a step can be captured in a CUDA graph. Weights are held
+  in bf16 by default: the FP4 values dequantize to bf16 exactly (2 B/param instead of the
+  checkpoint's 0.56, i.e. 3.6x the bytes a decode step streams). The per-32 FP8 activation
+  quantization of the reference is kept, so the function is the reference's up to summation order.
+- ``experts="fp8"``: FP4 experts re-expressed as FP8 e4m3 with one fp32 scale per output row
+  (``torch._scaled_grouped_mm``, rowwise scales, Hopper). The weight conversion is *exact* whenever
+  a row's per-32 UE8M0 scales span at most 14 binades (checked and counted at conversion: e2m1
+  values times a power of two shifted by <= 14 binades stay representable in e4m3, subnormals
+  included). Activations are quantized per token (rowwise) instead of per 32 elements, which is
+  not the reference's rounding: a small, measured deviation. Half the bytes of bf16 experts.
+- ``linears="fp8"``: the FP8 attention/shared-expert matrices as e4m3 with per-row scales through
+  ``torch._scaled_mm`` (rowwise). The 32x32 tile scales do not map onto rowwise scaling, so the
+  weights are requantized (lossy for tiles far below their row's largest tile) and activations
+  are quantized per token. Off by default; measured in ``bench/layers.py``.
+- Attention (``FastAttention``): the reference per-sequence loop, with every per-row stage chunked
+  over rows so a 16K-row chunk at 64K context fits in memory; the indexer's top-k is a radix
+  ``torch.topk`` instead of a full stable sort (identical except for exact score ties at the k-th
+  place); the latent attention is two batched GEMMs in bf16 with fp32 outputs (``bmm(...,
+  out_dtype=float32)``: bf16 operands are exact in fp32, so the products are the reference's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from asympd.model import cuda_kernels as K
+from asympd.model import ops
+from asympd.model.attention import Attention, SegmentView, rotations
+from asympd.model.moe import MoE
+from asympd.model.ops import QLinear, apply_rope, linear, rms_norm, stable_elementwise
+from asympd.model.quant import FP8_MAX, fp4_qdq, fp8_qdq, pow2_scale
+
+# ---- capability probes (run once per device, outside any graph capture) ------------------------
+
+_CAPS: dict[str, Any] = {}
+
+
+def caps(device: torch.device) -> dict[str, bool]:
+    """Which fast kernels this torch build offers on ``device`` (probed on tiny inputs once)."""
+    key = str(device)
+    if key in _CAPS:
+        return _CAPS[key]
+    out: dict[str, bool] = {}
+    bf = torch.bfloat16
+    a = torch.randn(2, 32, 16, device=device, dtype=bf)
+    b = torch.randn(2, 16, 8, device=device, dtype=bf)
+    try:
+        r = torch.bmm(a, b, out_dtype=torch.float32)
+        out["bmm_out_f32"] = r.dtype == torch.float32
+    except Exception:
+        out["bmm_out_f32"] = False
+    try:
+        r = torch.mm(a[0], b[0], out_dtype=torch.float32)
+        out["mm_out_f32"] = r.dtype == torch.float32
+    except Exception:
+        out["mm_out_f32"] = False
+    x = torch.randn(64, 32, device=device, dtype=bf)
+    w = torch.randn(4, 48, 32, device=device, dtype=bf)
+    # uneven groups, one empty: what routing produces
+    bounds = [5, 5, 37, 64]
+    offs = torch.tensor(bounds, device=device, dtype=torch.int32)
+
+    def per_group(xx, ww):
+        lo, parts = 0, []
+        for i, hi in enumerate(bounds):
+            parts.append(xx[lo:hi].float() @ ww[i].float().t())
+            lo = hi
+        return torch.cat(parts)
+
+    try:
+        y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        out["grouped_mm"] = bool(torch.allclose(y.float(), per_group(x, w), rtol=2e-2, atol=2e-2))
+    except Exception:
+        out["grouped_mm"] = False
+    try:
+        x8 = x.to(torch.float8_e4m3fn)
+        w8 = w.to(torch.float8_e4m3fn)
+        y = torch._scaled_grouped_mm(
+            x8,
+            w8.transpose(-2, -1),
+            torch.ones(64, device=device),
+            torch.ones(4, 48, device=device),
+            offs=offs,
+            out_dtype=bf,
+        )
+        out["scaled_grouped_mm"] = bool(torch.allclose(y.float(), per_group(x8, w8), rtol=2e-2, atol=2e-2))
+    except Exception:
+        out["scaled_grouped_mm"] = False
+    try:
+        x8 = x.to(torch.float8_e4m3fn)
+        w8 = w[0].to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(
+            x8, w8.t(), scale_a=torch.ones(64, 1, device=device), scale_b=torch.ones(1, 48, device=device), out_dtype=bf
+        )
+        out["scaled_mm_rowwise"] = bool(torch.allclose(y.float(), x8.float() @ w8.float().t(), rtol=2e-2, atol=2e-2))
+    except Exception:
+        out["scaled_mm_rowwise"] = False
+    out.update(_probe_kernels(device))
+    _CAPS[key] = out
+    return out
+
+
+def _probe_kernels(device: torch.device) -> dict[str, bool]:
+    """Each fused Triton kernel against the torch function it replaces, on random data."""
+    out = {"triton_fp8_qdq": False, "triton_swiglu_qdq": False, "triton_hc_pre": False, "triton_hc_post": False}
+    if device.type != "cuda" or not K.AVAILABLE:
+        return out
+    g = torch.Generator(device=device).manual_seed(0)
+    bf = torch.bfloat16
+
+    def close(a, b, tol):
+        a, b = a.float(), b.float()
+        return bool(torch.isfinite(a).all()) and float((a - b).norm() / b.norm().clamp_min(1e-30)) < tol
+
+    try:
+        scale = torch.logspace(-4, 3, 5120, device=device)
+        ok = True
+        for dt in (bf, torch.float32):
+            x = (torch.randn(77, 5120, device=device, generator=g) * scale).to(dt)
+            ok &= torch.equal(K.fp8_qdq(x), fp8_qdq(x, 32))
+        out["triton_fp8_qdq"] = bool(ok)
+    except Exception:
+        pass
+    try:
+        gu = (torch.randn(333, 2 * 2304, device=device, generator=g) * 4).to(bf)
+        w = torch.rand(333, device=device, generator=g)
+        inter = 2304
+        gate, up = gu[:, :inter].float(), gu[:, inter:].float().clamp(-10.0, 10.0)
+        ref = fp8_qdq((w[:, None] * (F.silu(gate.clamp(max=10.0)) * up)).to(bf), 32)
+        out["triton_swiglu_qdq"] = close(K.swiglu_qdq(gu, w, 10.0, bf), ref, 2e-2)
+    except Exception:
+        pass
+    try:
+        h = torch.randn(97, 4, 5120, device=device, generator=g).to(bf)
+        pre = torch.softmax(torch.randn(97, 4, device=device, generator=g), -1)
+        ref = ops.ordered_sum(pre.unsqueeze(-1) * h.float(), -2).to(bf)
+        out["triton_hc_pre"] = close(K.hc_pre(h, pre), ref, 1e-2)
+        x = torch.randn(97, 5120, device=device, generator=g).to(bf)
+        post = torch.rand(97, 4, device=device, generator=g) * 2
+        comb = torch.softmax(torch.randn(97, 4, 4, device=device, generator=g), -1)
+        y = post.unsqueeze(-1) * x.unsqueeze(-2) + ops.ordered_sum(comb.unsqueeze(-1) * h.unsqueeze(-2), -3)
+        out["triton_hc_post"] = close(K.hc_post(x, h, post, comb), y.to(bf), 1e-2)
+    except Exception:
+        pass
+    return out
+
+
+def kernels_enabled(device: torch.device) -> dict[str, bool]:
+    c = caps(device)
+    return {k: v for k, v in c.items() if k.startswith("triton_")}
+
+
+def install_kernels(device: torch.device) -> None:
+    """Register the fused mHC kernels that passed their check with ``ops`` (CUDA tensors only)."""
+    c = caps(device)
+    if c.get("triton_hc_pre"):
+        ops.CUDA_FAST["hc_pre"] = K.hc_pre
+    if c.get("triton_hc_post"):
+        ops.CUDA_FAST["hc_post"] = K.hc_post
+
+
+def qdq32(x: torch.Tensor) -> torch.Tensor:
+    """quant.fp8_qdq(x, 32), through the fused kernel where it was verified."""
+    if x.is_cuda and caps(x.device).get("triton_fp8_qdq"):
+        return K.fp8_qdq(x)
+    return fp8_qdq(x, 32)
+
+
+class FastQLinear(QLinear):
+    """QLinear whose activation quantization is the fused kernel on CUDA (same values)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized:
+            x = qdq32(x.to(self.weight.dtype))
+        return linear(x.to(self.weight.dtype), self.weight)
+
+
+def bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with fp32 products and output; bf16 operands stay bf16 where the GPU allows it."""
+    if a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16 and caps(a.device).get("bmm_out_f32"):
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
+
+
+def fast_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest along the last dim (order unspecified), ties to the lowest index
+    exactly as the reference's stable sort. On CUDA a radix select over one int64 key per entry:
+    the float's order-preserving bits above, the reversed index below (so equal scores, common
+    after the indexer's relu, are decided like the stable sort); the stable sort elsewhere."""
+    if scores.is_cuda:
+        n = scores.size(-1)
+        bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0: -0 and +0 are one value
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order == float order
+        idx = torch.arange(n - 1, -1, -1, device=scores.device, dtype=torch.int64)
+        key = (ordered.to(torch.int64) << 32) | idx
+        return n - 1 - (torch.topk(key, k, dim=-1, sorted=False).values & 0xFFFFFFFF)
+    from asympd.model.ops import stable_topk
+
+    return stable_topk(scores, k)
+
+
+# ---- FP8 helpers ------------------------------------------------------------------------------
+
+
+def rowwise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], fp32 scale [M]) with x ~= q * scale per row."""
+    amax = x.float().abs().amax(-1).clamp_min(1e-12)
+    scale = amax / FP8_MAX
+    q = (x.float() / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def weight_rows_to_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Dequantized weights [..., N, K] -> (e4m3, fp32 power-of-two scale per row [..., N], rows not
+    exactly representable). Exact for FP4 rows whose block scales span <= 14 binades."""
+    amax = w.float().abs().amax(-1).clamp_min(1e-30)
+    s = pow2_scale(amax, FP8_MAX)
+    q = (w.float() / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    inexact = int((q.float() * s.unsqueeze(-1) != w.float()).any(-1).sum())
+    return q, s, inexact
+
+
+class FP8Linear(QLinear):
+    """A QLinear whose weight is held as e4m3 with one scale per output row; the input is
+    quantized per row and the product runs on FP8 tensor cores (``torch._scaled_mm``)."""
+
+    def __init__(self, lin: QLinear):
+        w = lin.weight.data
+        q, s, inexact = weight_rows_to_fp8(w)
+        super().__init__(q, lin.quantized)
+        self.w_scale = s.float().view(1, -1)
+        self.out_dtype = w.dtype if w.dtype != torch.float32 else torch.bfloat16
+        self.inexact_rows = inexact
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        xq, xs = rowwise_fp8(flat)
+        y = torch._scaled_mm(
+            xq, self.weight.t(), scale_a=xs.view(-1, 1), scale_b=self.w_scale, out_dtype=self.out_dtype
+        )
+        return y.reshape(*shape[:-1], -1)
+
+
+# ---- MoE --------------------------------------------------------------------------------------
+
+
+class FastMoE(MoE):
+    """Routed experts as grouped GEMMs over expert-sorted tokens; the shared expert as before."""
+
+    experts = "bf16"
+    inexact_rows = 0
+
+    def convert(self, experts: str = "bf16", chunk: int = 32) -> None:
+        """Build the fused operands from the reference's stacked [E, out, in] weights, freeing them."""
+        if getattr(self, "w13", None) is not None:
+            return
+        n = self.w1.size(0)
+        self.inter = self.w1.size(1)
+        if experts == "fp8":
+            w13, s13, w2, s2, bad = [], [], [], [], 0
+            for e0 in range(0, n, chunk):
+                q, s, i1 = weight_rows_to_fp8(torch.cat([self.w1[e0 : e0 + chunk], self.w3[e0 : e0 + chunk]], 1))
+                w13.append(q)
+                s13.append(s.float())
+                q, s, i2 = weight_rows_to_fp8(self.w2[e0 : e0 + chunk])
+                w2.append(q)
+                s2.append(s.float())
+                bad += i1 + i2
+            self.w13, self.w13_scale = torch.cat(w13), torch.cat(s13)
+            self.w2f, self.w2_scale = torch.cat(w2), torch.cat(s2)
+            self.inexact_rows = bad
+        else:
+            self.w13 = torch.cat([self.w1, self.w3], 1).contiguous()
+            self.w2f = self.w2.contiguous()
+        self.experts = experts
+        self.w1 = self.w3 = self.w2 = None
+        self.s13 = torch.cat([self.s1, self.s3], 0).contiguous()  # shared expert gate|up in one GEMM
+        # the router's operands are bf16 values held in fp32: bf16 GEMM with fp32 output is exact
+        self.gate_bf16 = (
+            self.gate.to(torch.bfloat16) if torch.equal(self.gate.to(torch.bfloat16).float(), self.gate) else None
+        )
+
+    def reconvert(self, experts: str, chunk: int = 32) -> None:
+        """bf16 -> fp8 experts in place (the bf16 values are the exact FP4 dequantization)."""
+        if experts == self.experts:
+            return
+        if not (self.experts == "bf16" and experts == "fp8"):
+            raise ValueError(f"cannot convert {self.experts} experts to {experts}")
+        w13, s13, w2, s2, bad = [], [], [], [], 0
+        for e0 in range(0, self.w13.size(0), chunk):
+            q, sc, i1 = weight_rows_to_fp8(self.w13[e0 : e0 + chunk])
+            w13.append(q)
+            s13.append(sc.float())
+            q, sc, i2 = weight_rows_to_fp8(self.w2f[e0 : e0 + chunk])
+            w2.append(q)
+            s2.append(sc.float())
+            bad += i1 + i2
+        self.w13 = self.w2f = None
+        self.w13, self.w13_scale = torch.cat(w13), torch.cat(s13)
+        self.w2f, self.w2_scale = torch.cat(w2), torch.cat(s2)
+        self.inexact_rows, self.experts = bad, experts
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.gate_bf16 is not None and x.dtype == torch.bfloat16 and caps(x.device).get("mm_out_f32"):
+            scores = torch.mm(x, self.gate_bf16.t(), out_dtype=torch.float32)
+        else:
+            scores = linear(x.float(), self.gate)
+        if self.score_func == "softmax":
+            scores = scores.softmax(dim=-1)
+        elif self.score_func == "sigmoid":
+            scores = torch.sigmoid(scores)
+        else:
+            scores = stable_elementwise(F.softplus, scores).sqrt()
+        ids = fast_topk(scores + self.bias, self.topk)
+        weights = scores.gather(1, ids)
+        if self.topk > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.route_scale, ids
+
+    def _grouped(self, a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, scale_a=None, scale_w=None):
+        if scale_a is not None:
+            return torch._scaled_grouped_mm(
+                a, w.transpose(-2, -1), scale_a, scale_w, offs=offs, out_dtype=torch.bfloat16
+            )
+        if a.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and caps(a.device).get("grouped_mm"):
+            return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+        # portable fallback (CPU tests, old torch): one GEMM per expert, host-side bounds
+        out = a.new_empty(a.size(0), w.size(1))
+        lo = 0
+        for e, hi in enumerate(offs.tolist()):
+            if hi > lo:
+                out[lo:hi] = linear(a[lo:hi], w[e])
+            lo = hi
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "w13", None) is None:
+            return super().forward(x)
+        t, k, n_exp = x.size(0), self.topk, self.w13.size(0)
+        weights, ids = self.route(x)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # by expert, then by token: the reference's order
+        token = order // k
+        counts = torch.zeros(n_exp, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        offs = counts.cumsum(0).to(torch.int32)
+        w_sorted = weights.reshape(-1)[order]
+        inter = self.inter
+        fused = self._fused(x)
+        xq = qdq32(x.to(self.s13.dtype))  # also the shared expert's input
+        if self.experts == "fp8":
+            x8, xs = rowwise_fp8(x)
+            gu = self._grouped(x8[token], self.w13, offs, xs[token], self.w13_scale)
+        else:
+            gu = self._grouped(xq.to(self.w13.dtype)[token], self.w13, offs)
+        if self.experts == "fp8":
+            h = self._swiglu_f32(gu, inter) * w_sorted.unsqueeze(-1)
+            hq, hs = rowwise_fp8(h)
+            out = self._grouped(hq, self.w2f, offs, hs, self.w2_scale)
+        elif fused and gu.dtype == torch.bfloat16:
+            out = self._grouped(K.swiglu_qdq(gu, w_sorted, self.limit, torch.bfloat16), self.w2f, offs)
+        else:
+            h = self._swiglu_f32(gu, inter) * w_sorted.unsqueeze(-1)
+            out = self._grouped(qdq32(h.to(self.w2f.dtype)), self.w2f, offs)
+        # combine: slot s of token t sits at position inv[t * k + s] of the expert-sorted rows
+        inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
+        y = out.index_select(0, inv).view(t, k, -1).sum(1, dtype=torch.float32)
+        sg = linear(xq, self.s13)
+        if fused and sg.dtype == torch.bfloat16:
+            hs = K.swiglu_qdq(sg, None, self.limit, sg.dtype)
+        else:
+            hs = qdq32(self._swiglu_f32(sg, self.s1.size(0)).to(sg.dtype))
+        y += linear(hs, self.s2).float()
+        return y.to(x.dtype)
+
+    @staticmethod
+    def _fused(x: torch.Tensor) -> bool:
+        return x.is_cuda and x.dtype == torch.bfloat16 and bool(caps(x.device).get("triton_swiglu_qdq"))
+
+    def _swiglu_f32(self, gu: torch.Tensor, inter: int) -> torch.Tensor:
+        gate, up = gu[:, :inter].float(), gu[:, inter:].float()
+        if self.limit > 0:
+            up = up.clamp(-self.limit, self.limit)
+            gate = gate.clamp(max=self.limit)
+        return stable_elementwise(F.silu, gate) * up
+
+
+def _to_fast_moe(moe: MoE, experts: str) -> FastMoE:
+    moe.__class__ = FastMoE
+    moe.convert(experts)
+    return moe
+
+
+# ---- attention --------------------------------------------------------------------------------
+
+
+def fast_sparse_attention(
+    q: torch.Tensor, keys: torch.Tensor, key_mask: torch.Tensor, sink: torch.Tensor, scale: float, round_probs: bool
+) -> torch.Tensor:
+    """``attention.sparse_attention`` as two batched GEMMs: q [m, h, d], keys [m, n, d] (K = V)."""
+    logits = bmm_f32(q, keys.transpose(1, 2)) * scale  # [m, h, n]
+    logits.masked_fill_(~key_mask.unsqueeze(1), float("-inf"))
+    top = logits.amax(dim=-1).clamp_min(-1e30)
+    p = torch.exp(logits.sub_(top.unsqueeze(-1)))
+    denom = p.sum(-1) + torch.exp(sink.float() - top)
+    if round_probs and keys.dtype == torch.bfloat16:
+        out = bmm_f32(p.to(torch.bfloat16), keys)
+    else:
+        if round_probs:
+            p = p.to(torch.bfloat16).float()
+        out = torch.bmm(p, keys.float())
+    return (out / denom.unsqueeze(-1)).to(q.dtype)
+
+
+def fast_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
+    """``attention.select_candidate_blocks`` with the radix top-k."""
+    n = scores.size(-1)
+    padded = F.pad(scores, (0, -n % block), value=float("-inf"))
+    block_scores = padded.unflatten(-1, (-1, block)).amax(dim=-1)
+    nb = block_scores.size(-1)
+    newest = (visible - 1).div(block, rounding_mode="floor")
+    pinned = torch.arange(nb, device=scores.device) == newest.unsqueeze(-1)
+    block_scores = block_scores.masked_fill(pinned, float("inf"))
+    top = fast_topk(block_scores, min(topk_blocks, nb))
+    keep = torch.zeros_like(block_scores, dtype=torch.bool)
+    keep.scatter_(-1, top, block_scores.gather(-1, top) > float("-inf"))
+    # repeat_interleave by expand: no host round trip, so a CUDA graph can capture it
+    return keep.unsqueeze(-1).expand(*keep.shape, block).flatten(-2)[..., :n]
+
+
+def indexer_scores(qi: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum_h w[m,h] * relu(q[m,h] . k[n]) -> fp32 [m, n], with the reference's dtypes: per-head
+    scores rounded to the model dtype, weighted and summed in it."""
+    s = torch.matmul(qi, keys.t()).relu_()  # [m, h, n]
+    return (s.mul_(w.unsqueeze(-1))).sum(dim=1).float()
+
+
+class FastAttention(Attention):
+    """The reference attention with per-row stages chunked and the fast kernels above."""
+
+    row_chunk = 2048  # rows per gathered-key batch (2048 x 640 keys x 512 x 2 B = 1.3 GB)
+    score_bytes = 1 << 30  # indexer score tile budget
+
+    def forward(self, x: torch.Tensor, segs: list[SegmentView]) -> torch.Tensor:
+        cfg = self.cfg
+        positions = torch.cat([s.positions for s in segs])
+        rot = rotations(self.freqs, positions)
+        qr = rms_norm(self.wq_a(x), self.q_norm, cfg.norm_eps)
+        q = apply_rope(self.wq_b(qr).unflatten(-1, (cfg.n_heads, cfg.head_dim)), rot, cfg.rope_head_dim)
+        kv = rms_norm(self.wkv(x), self.kv_norm, cfg.norm_eps)
+        kv = fp8_qdq(apply_rope(kv, rot, cfg.rope_head_dim), 32)
+        outs = []
+        for seg in segs:
+            sl = slice(seg.lo, seg.hi)
+            m = seg.hi - seg.lo
+            all_kv, win_idx, win_valid = self._window_index(seg, kv[sl])
+            sel = entries = None
+            if self.ratio:
+                if self.is_source and seg.write_global:
+                    self._write_compressed(seg, x[sl])
+                sel, entries = self._selection(seg, x[sl], qr[sl])
+            qs = q[sl]
+            for r0 in range(0, m, self.row_chunk):
+                r1 = min(m, r0 + self.row_chunk)
+                keys, mask = all_kv[win_idx[r0:r1]], win_valid[r0:r1]
+                if sel is not None:
+                    s = sel[r0:r1]
+                    if entries is None:
+                        ent = keys.new_zeros(r1 - r0, s.size(1), cfg.head_dim)
+                    else:
+                        ent = entries[s.clamp_min(0)].to(keys.dtype)
+                    keys, mask = torch.cat([keys, ent], dim=1), torch.cat([mask, s >= 0], dim=1)
+                outs.append(fast_sparse_attention(qs[r0:r1], keys, mask, self.attn_sink, self.scale, self.round_probs))
+        o = apply_rope(torch.cat(outs), rot, cfg.rope_head_dim, inverse=True)
+        o = o.reshape(o.size(0), cfg.o_groups, -1)
+        wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
+        o = torch.bmm(o.transpose(0, 1), wo_a.transpose(1, 2)).transpose(0, 1)  # grouped, as 8 linears
+        return self.wo_b(o.flatten(1))
+
+    def _window_index(self, seg: SegmentView, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``_window_keys`` without materialising the gathered keys: (rows, slot index, valid)."""
+        w = self.cfg.window_size
+        pos = seg.positions
+        prev_kv, prev_pos = seg.kv.window(self.layer)
+        keep = prev_pos < seg.start
+        all_kv = torch.cat([prev_kv[keep].to(kv.dtype), kv])
+        all_pos = torch.cat([prev_pos[keep].to(pos.device), pos])
+        seg.kv.append_window(self.layer, seg.positions, kv)
+        want = pos.unsqueeze(-1) - w + 1 + torch.arange(w, device=kv.device)
+        idx = torch.searchsorted(all_pos, want).clamp_max(all_pos.numel() - 1)
+        valid = (all_pos[idx] == want) & (want >= seg.floor) & (want >= 0)
+        return all_kv, idx, valid
+
+    def _selection(self, seg: SegmentView, x: torch.Tensor, qr: torch.Tensor):
+        """(selection [m, index_topk] with -1 for unused slots, the entries it indexes or None)."""
+        pos = seg.positions
+        n = (seg.start + len(pos)) // self.ratio
+        visible = (pos + 1) // self.ratio
+        if self.is_index_source:
+            sel = self._select_fast(seg, x, qr, visible, n)
+            seg.shared[f"selection.{self.ratio}"] = sel
+        else:
+            sel = seg.shared[f"selection.{self.ratio}"]
+        k = self.cfg.index_topk
+        sel = F.pad(sel, (0, k - sel.size(1)), value=-1)
+        if n == 0:
+            return sel, None
+        return sel, seg.kv.read_compressed(self.source, n)
+
+    def _select_fast(self, seg, x, qr, visible, n) -> torch.Tensor:
+        cfg = self.cfg
+        m = x.size(0)
+        if n == 0:
+            return torch.empty(m, 0, dtype=torch.long, device=x.device)
+        rot = rotations(self.freqs, seg.positions)
+        qi = self.idx_wq_b(qr).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
+        qi = fp4_qdq(apply_rope(qi, rot, cfg.rope_head_dim), 32)
+        keys = seg.kv.read_index_keys(self.source, n).to(qi.dtype)
+        wts = self.idx_weights(x) * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
+        kk = min(cfg.index_topk, n)
+        out = torch.empty(m, kk, dtype=torch.long, device=x.device)
+        cand = torch.empty(m, n, dtype=torch.bool, device=x.device) if self.is_candidate_source else None
+        step = max(1, min(m, self.score_bytes // (cfg.index_n_heads * n * qi.element_size() * 2)))
+        cols = torch.arange(n, device=x.device)
+        for r0 in range(0, m, step):
+            r1 = min(m, r0 + step)
+            vis = visible[r0:r1]
+            s = indexer_scores(qi[r0:r1], keys, wts[r0:r1])
+            s.masked_fill_(cols >= vis.unsqueeze(-1), float("-inf"))
+            if cand is not None:
+                cand[r0:r1] = fast_candidate_blocks(s, vis, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+            elif self.uses_candidates:
+                s.masked_fill_(~seg.shared["candidates"][r0:r1], float("-inf"))
+            idx = fast_topk(s, kk).sort(dim=-1).values
+            out[r0:r1] = torch.where(idx < vis.unsqueeze(-1), idx, -1)
+        if cand is not None:
+            seg.shared["candidates"] = cand
+        return out
+
+
+# ---- conversion -------------------------------------------------------------------------------
+
+
+def accelerate(model: Any, *, experts: str = "bf16", linears: str = "bf16") -> Any:
+    """Switch a built model to the fast paths in place (idempotent). ``experts``: bf16 | fp8;
+    ``linears``: bf16 | fp8 (FP8-stored attention and shared-expert matrices). Returns the model."""
+    if experts not in ("bf16", "fp8") or linears not in ("bf16", "fp8"):
+        raise ValueError("experts and linears must be 'bf16' or 'fp8'")
+    device = model.device
+    caps(device)
+    install_kernels(device)
+    blocks = list(model.blocks)
+    drafter = getattr(model, "drafter", None)
+    if drafter is not None:
+        blocks += list(getattr(drafter, "blocks", []))
+    report = {"experts": experts, "linears": linears, "inexact_expert_rows": 0, "inexact_linear_rows": 0}
+    for block in blocks:
+        if block is None:
+            continue
+        for mod in block.modules():
+            if type(mod) is QLinear:
+                mod.__class__ = FastQLinear
+        attn = block.attn
+        if type(attn) is Attention:
+            attn.__class__ = FastAttention
+        attn.freqs = attn.freqs.to(device)
+        if linears == "fp8":
+            for name in ("wq_a", "wq_b", "wkv", "wo_b", "idx_wq_b"):
+                lin = getattr(attn, name, None)
+                if isinstance(lin, QLinear) and lin.quantized and not isinstance(lin, FP8Linear):
+                    fl = FP8Linear(lin)
+                    report["inexact_linear_rows"] += fl.inexact_rows
+                    setattr(attn, name, fl)
+        ffn = block.ffn
+        if ffn is not None and isinstance(ffn, MoE):
+            if experts == "fp8" and not caps(device).get("scaled_grouped_mm"):
+                raise RuntimeError("experts='fp8' needs torch._scaled_grouped_mm on this device")
+            if not isinstance(ffn, FastMoE):
+                _to_fast_moe(ffn, experts)
+            else:
+                ffn.reconvert(experts)
+            report["inexact_expert_rows"] += ffn.inexact_rows
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    model.fast_path = report
+    return model
+
+
+def fast_path_info(device: torch.device) -> dict[str, Any]:
+    return {
+        "caps": caps(device),
+        "torch": torch.__version__,
+        "row_chunk": FastAttention.row_chunk,
+        "ops_fast": sorted(ops.CUDA_FAST),
+    }
+
+
+__all__ = [
+    "FP8Linear",
+    "FastAttention",
+    "FastMoE",
+    "accelerate",
+    "bmm_f32",
+    "caps",
+    "fast_sparse_attention",
+    "fast_topk",
+    "indexer_scores",
+]

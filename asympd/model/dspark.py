@@ -1,0 +1,261 @@
+"""DSpark, DeepSeek-V4.1-Flash's own drafter: the ``mtp.*`` blocks of the checkpoint.
+
+What the reference inference code defines (``DSparkAttention``, ``DSparkBlock``,
+``DSparkMarkovHead``, ``DSparkConfidenceHead``, ``Transformer.forward_spec`` in DeepSeek's
+``inference/model.py``, revision dba1be0a), restated for ragged batches:
+
+- **main rows.** The target model hands over, per position, the mean over the hc copies of the
+  *input* of each ``dspark_target_layer_ids`` layer, concatenated (``ForwardOutput.draft_hidden``).
+  ``mtp.0.main_proj`` + ``mtp.0.main_norm`` turn that into ``main_x``; every draft block projects
+  ``main_x`` with its own ``wkv``/``kv_norm`` (RoPE at the row's position, FP8 activation rounding,
+  exactly as a window row of the backbone) into its **window cache**: the sliding window of
+  ``window_size`` main rows (``swa.{n_layers + i}``). Only accepted positions are ever written there.
+- **the block.** ``dspark_block_size`` rows at positions ``b .. b+B-1``, where ``b`` is the position
+  of the newest token (the last real one, not yet seen by the target). Inputs: that token, then
+  ``dspark_noise_token_id`` for the other rows, through the shared embedding. Every block query
+  attends to the ``window_size`` main rows before ``b`` *and to all block rows* (not causal inside
+  the block), with the layer's attention sink. Block rows are never written to any cache.
+- **blocks.** Backbone-shaped mHC blocks (ratio 0: no compressor, indexer or Engram) with their own
+  MoE sizes; the first starts from the identity pre-mix, each hands its FFN pre-mix to the next.
+- **head.** The last block's ``norm`` and the shared LM head give base logits per block row. The
+  **Markov head** then runs sequentially: row ``i`` gets the bias ``head_m(embed_m(token_i))`` of the
+  token before it (the real token for row 0, then the drafts), and draft ``i+1`` is sampled from the
+  biased row. The **confidence head** is ``proj([x_i, embed_m(token_i)])``, a logit per draft (x_i the
+  collapsed, un-normed block output). The reference computes it but never thresholds it (nothing in
+  it calls ``forward_spec``); the engine exposes an optional threshold on ``sigmoid(confidence)``.
+
+Numerics reuse the backbone's batch-invariant ops (``linear``, ``rms_norm``, ``sparse_attention``,
+fixed per-query key layouts), so a request drafts the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from asympd.config import ModelConfig
+from asympd.model.attention import Attention, SequenceKV, rotations, sparse_attention
+from asympd.model.ops import QLinear, apply_rope, hc_pre, linear, rms_norm
+from asympd.model.quant import fp8_qdq
+from asympd.model.transformer import Block
+
+
+@dataclass
+class DraftSegment:
+    """One request in a draft forward.
+
+    ``main_hidden`` rows (target-layer states of accepted positions ``main_start ..``) are appended to
+    every draft block's window; ``block_start`` (or None: seed the windows only) is the position of the
+    newest token ``first_token``, where the block of ``dspark_block_size`` rows begins."""
+
+    kv: SequenceKV
+    main_hidden: torch.Tensor | None  # [m, n_targets * dim]
+    main_start: int
+    block_start: int | None = None
+    first_token: int = 0
+    # filled by DSpark.forward: rows of this segment in the flattened main / block batches
+    main_lo: int = 0
+    main_hi: int = 0
+    lo: int = 0
+    hi: int = 0
+
+
+@dataclass
+class DraftBatch:
+    """What one draft forward hands down the blocks (through ``Block.forward``'s ``segs``)."""
+
+    segments: list[DraftSegment]
+    main_x: torch.Tensor | None  # [M, dim]: every segment's main rows, flattened
+    main_pos: torch.Tensor | None  # [M]
+
+    @property
+    def drafting(self) -> list[DraftSegment]:
+        return [s for s in self.segments if s.block_start is not None]
+
+
+@dataclass
+class Draft:
+    """Per drafting segment, in order: the draft tokens, the (Markov-biased) logits each was sampled
+    from, and the confidence logits."""
+
+    tokens: torch.Tensor  # [n, k] int64
+    logits: torch.Tensor  # [n, k, vocab] fp32
+    confidence: torch.Tensor  # [n, k] fp32
+
+
+class DSparkAttention(Attention):
+    """A draft block's attention: window of main rows + the whole block, ratio 0."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, w: dict, round_probs: bool):
+        super().__init__(cfg, layer, w, round_probs)
+        if self.ratio:
+            raise ValueError(f"draft block {layer} has compress ratio {self.ratio}; DSpark blocks are window-only")
+
+    def _kv(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        kv = rms_norm(self.wkv(x), self.kv_norm, self.cfg.norm_eps)
+        return fp8_qdq(apply_rope(kv, rot, self.cfg.rope_head_dim), 32)
+
+    def append_main(self, batch: DraftBatch) -> None:
+        """Write each segment's main rows into this block's window cache."""
+        if batch.main_x is None:
+            return
+        kv = self._kv(batch.main_x, rotations(self.freqs, batch.main_pos))
+        for seg in batch.segments:
+            rows = slice(seg.main_lo, seg.main_hi)
+            if seg.main_hi > seg.main_lo:
+                seg.kv.append_window(self.layer, batch.main_pos[rows], kv[rows])
+
+    def _window(self, seg: DraftSegment, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``window_size`` main rows before the block as fixed slots (slot j = position b-W+j)."""
+        w = self.cfg.window_size
+        kv, pos = seg.kv.window(self.layer)
+        want = seg.block_start - w + torch.arange(w, device=like.device)
+        if pos.numel() == 0:
+            return like.new_zeros(w, like.size(-1)), torch.zeros(w, dtype=torch.bool, device=like.device)
+        pos = pos.to(like.device)
+        idx = torch.searchsorted(pos, want).clamp_max(pos.numel() - 1)
+        valid = (pos[idx] == want) & (want >= 0)
+        return kv.to(device=like.device, dtype=like.dtype)[idx], valid
+
+    def forward(self, x: torch.Tensor, batch: DraftBatch) -> torch.Tensor:  # type: ignore[override]
+        cfg = self.cfg
+        segs = batch.drafting
+        positions = torch.cat([torch.arange(s.block_start, s.block_start + s.hi - s.lo, device=x.device) for s in segs])
+        rot = rotations(self.freqs, positions)
+        qr = rms_norm(self.wq_a(x), self.q_norm, cfg.norm_eps)
+        q = apply_rope(self.wq_b(qr).unflatten(-1, (cfg.n_heads, cfg.head_dim)), rot, cfg.rope_head_dim)
+        kv = self._kv(x, rot)
+        outs = []
+        for seg in segs:
+            n = seg.hi - seg.lo
+            win_kv, win_valid = self._window(seg, kv)
+            keys = torch.cat([win_kv, kv[seg.lo : seg.hi]]).unsqueeze(0).expand(n, -1, -1)
+            mask = torch.cat([win_valid, win_valid.new_ones(n)]).unsqueeze(0).expand(n, -1)
+            outs.append(sparse_attention(q[seg.lo : seg.hi], keys, mask, self.attn_sink, self.scale, self.round_probs))
+        o = apply_rope(torch.cat(outs), rot, cfg.rope_head_dim, inverse=True)
+        o = o.reshape(o.size(0), cfg.o_groups, -1)
+        wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
+        o = torch.stack([linear(o[:, g], wo_a[g]) for g in range(cfg.o_groups)], dim=1)
+        return self.wo_b(o.flatten(1))
+
+
+class DSpark(torch.nn.Module):
+    """The draft blocks plus what they share with the target (embedding, LM head)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        blocks: list[Block],
+        main_proj: QLinear,
+        main_norm: torch.Tensor,
+        norm: torch.Tensor,
+        markov_embed: torch.Tensor,  # [vocab, rank]
+        markov_head: torch.Tensor,  # [vocab, rank], fp32
+        confidence_proj: torch.Tensor,  # [1, dim + rank], fp32
+        embed: torch.Tensor,  # the target's
+        head: torch.Tensor,  # the target's, fp32
+        dtype: torch.dtype,
+    ):
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        self.blocks = torch.nn.ModuleList(blocks)
+        self.main_proj, self.main_norm, self.norm = main_proj, main_norm, norm
+        self.markov_embed, self.markov_head, self.confidence_proj = markov_embed, markov_head, confidence_proj
+        self.embed, self.head = embed, head
+        self.block_size = cfg.dspark_block_size
+        self.noise_token_id = cfg.dspark_noise_token_id
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    # ---- the pieces ---------------------------------------------------------------------------
+
+    def main_x(self, main_hidden: torch.Tensor) -> torch.Tensor:
+        return rms_norm(self.main_proj(main_hidden.to(self.dtype)), self.main_norm, self.cfg.norm_eps)
+
+    def markov(self, prev_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logit bias [n, vocab] fp32, Markov embedding [n, rank]) of the tokens before the drafts."""
+        emb = F.embedding(prev_tokens.to(self.device), self.markov_embed)
+        return linear(emb.float(), self.markov_head), emb
+
+    def confidence(self, x: torch.Tensor, markov_embed: torch.Tensor) -> torch.Tensor:
+        """Confidence logits [..., k] from the collapsed block outputs and the Markov embeddings."""
+        cat = torch.cat([x, markov_embed.to(x.dtype)], dim=-1).float()
+        return linear(cat, self.confidence_proj).squeeze(-1)
+
+    # ---- forward ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, segments: list[DraftSegment]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Seed every segment's windows with its main rows, then run the blocks of the drafting ones.
+        Returns (collapsed block outputs [R, dim], base logits [R, vocab] fp32), R = block rows of the
+        drafting segments in order, or None when no segment drafts."""
+        cfg, dev = self.cfg, self.device
+        hidden, positions, m = [], [], 0
+        for s in segments:
+            rows = 0 if s.main_hidden is None else s.main_hidden.size(0)
+            s.main_lo, s.main_hi = m, m + rows
+            m += rows
+            if rows:
+                hidden.append(s.main_hidden.to(dev))
+                positions.append(torch.arange(s.main_start, s.main_start + rows, device=dev))
+        batch = DraftBatch(
+            segments,
+            self.main_x(torch.cat(hidden)) if hidden else None,
+            torch.cat(positions) if positions else None,
+        )
+        for block in self.blocks:
+            block.attn.append_main(batch)
+        drafting = batch.drafting
+        if not drafting:
+            return None
+        tokens = []
+        for i, s in enumerate(drafting):
+            s.lo, s.hi = i * self.block_size, (i + 1) * self.block_size
+            tokens.append(s.first_token)
+            tokens.extend([self.noise_token_id] * (self.block_size - 1))
+        h = F.embedding(torch.tensor(tokens, device=dev), self.embed).to(self.dtype)
+        h = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)
+        pre = torch.zeros(h.size(0), cfg.hc_mult, dtype=torch.float32, device=dev)
+        pre[:, 0] = 1.0
+        for block in self.blocks:
+            h, pre = block(h, pre, batch)
+        x = hc_pre(h, pre)
+        logits = linear(rms_norm(x, self.norm, cfg.norm_eps).float(), self.head)
+        return x, logits
+
+    @torch.inference_mode()
+    def draft(
+        self,
+        segments: list[DraftSegment],
+        num_drafts: int,
+        sample: Callable[[int, torch.Tensor], torch.Tensor],
+    ) -> Draft | None:
+        """Seed, run the blocks, then draft ``num_drafts`` (<= block size) tokens per drafting segment
+        through the Markov head: ``sample(i, logits [n, vocab]) -> tokens [n]`` picks draft ``i+1``
+        of every drafting segment from its biased row ``i``."""
+        if not 0 <= num_drafts <= self.block_size:
+            raise ValueError(f"num_drafts={num_drafts} must be within the DSpark block size {self.block_size}")
+        out = self.forward(segments)
+        if out is None:
+            return None
+        x, logits = out
+        n, b = len([s for s in segments if s.block_start is not None]), self.block_size
+        x, logits = x.view(n, b, -1)[:, :num_drafts], logits.view(n, b, -1)[:, :num_drafts].clone()
+        prev = torch.tensor([s.first_token for s in segments if s.block_start is not None], device=self.device)
+        drafts, embeds = [], []
+        for i in range(num_drafts):
+            bias, emb = self.markov(prev)
+            logits[:, i] = logits[:, i] + bias
+            prev = sample(i, logits[:, i]).to(self.device)
+            drafts.append(prev)
+            embeds.append(emb)
+        if not drafts:
+            empty = torch.empty(n, 0, device=self.device)
+            return Draft(empty.long(), logits, empty)
+        confidence = self.confidence(x, torch.stack(embeds, dim=1))
+        return Draft(torch.stack(drafts, dim=1), logits, confidence)

@@ -1,0 +1,176 @@
+"""Expert parallelism on CPU: 2 gloo ranks give the bits of 1 rank (MoE, P, D, colocated), every
+rank's KV cache stays identical, and ``asympd serve --ep 2`` serves and stops cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+
+import httpx
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from asympd.dist import ParallelLLM, ep_resident_gb, expert_range
+from asympd.engine.llm import LLM
+from asympd.engine.sampling import SamplingParams
+from asympd.serve.api_server import ServeConfig
+from asympd.serve.procs import stop_all
+from tests.parallel.ranks import moe_rank
+from tests.serve.cluster import start_all, worker
+from tests.util import random_prompts
+
+W = 16  # the tiny preset's window
+LENGTHS = [3, W + 1, 2 * W + 1, 40]  # N <= W (no P), odd and even splits (carry), longer
+GREEDY = SamplingParams(max_tokens=5, temperature=0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Rank 0 is this process; each rank gets one thread (the ranks' thread counts must match)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
+def _assert_caches_equal(llm: ParallelLLM) -> None:
+    digests = llm.executor.cache_digests()
+    assert len(digests) == 2 and digests[0] == digests[1]
+
+
+def test_expert_ranges_cover_every_expert_once():
+    for n, world in ((8, 2), (384, 8), (7, 3), (128, 4)):
+        ranges = [expert_range(n, r, world) for r in range(world)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+
+
+def test_moe_is_bit_exact_over_two_ranks(tiny_ckpt):
+    mp.spawn(moe_rank, args=(2, f"tcp://127.0.0.1:{_free_port()}", tiny_ckpt), nprocs=2, join=True)
+
+
+@pytest.mark.parametrize("semantics", ["full", "split"])
+def test_colocated(tiny_ckpt, semantics):
+    prompts = random_prompts(LENGTHS, seed=21)
+    want = _tokens(LLM(tiny_ckpt, "colocated", semantics), prompts)
+    with ParallelLLM(tiny_ckpt, "colocated", semantics, ep=2) as llm:
+        assert _tokens(llm, prompts) == want
+        _assert_caches_equal(llm)
+
+
+def _exported(llm: LLM, prompts: list[list[int]]) -> dict[str, object]:
+    """Prefix states the prefill engine exports (prompts longer than W)."""
+    assert llm.prefill is not None
+    ids = {f"p{i}": p for i, p in enumerate(prompts) if len(p) > W}
+    for rid, p in ids.items():
+        llm.prefill.add_request(rid, p, GREEDY)
+    states = {}
+    while len(states) < len(ids):
+        for out in llm.prefill.step():
+            assert out.error is None, out.error
+            states[out.request_id] = out.prefix_state
+    for rid in ids:
+        llm.prefill.release_transfer(rid)
+    return states
+
+
+def test_asymmetric_prefill_sharded(tiny_ckpt):
+    """P over 2 ranks exports the same PrefixState bytes as P on 1 rank; D then decodes the same."""
+    prompts = random_prompts(LENGTHS, seed=22)
+    ref = LLM(tiny_ckpt, "asymmetric")
+    want_states, want = _exported(ref, prompts), _tokens(ref, prompts)
+    with ParallelLLM(tiny_ckpt, "asymmetric", ep=2, shard="prefill") as llm:
+        got_states = _exported(llm, prompts)
+        assert got_states.keys() == want_states.keys()
+        for rid, state in got_states.items():
+            assert state.equal(want_states[rid]), rid
+        assert _tokens(llm, prompts) == want
+        _assert_caches_equal(llm)
+
+
+def test_asymmetric_decode_sharded(tiny_ckpt):
+    """D over 2 ranks, fed the prefix states of the same (1-rank) P, decodes the tokens of 1-rank D;
+    requests join while others run."""
+    prompts = random_prompts(LENGTHS, seed=23)
+    want = _tokens(LLM(tiny_ckpt, "asymmetric"), prompts)
+    with ParallelLLM(tiny_ckpt, "asymmetric", ep=2, shard="decode") as llm:
+        assert _tokens(llm, prompts[:2]) == want[:2]
+        assert _tokens(llm, prompts) == want
+        _assert_caches_equal(llm)
+
+
+def test_speculative_decoding_rollbacks_are_mirrored(tiny_ckpt):
+    """DSpark drafts on rank 0; its window writes and every rollback's truncate reach rank 1."""
+    prompts = random_prompts([5, 2 * W + 1], seed=24)
+    want = _tokens(LLM(tiny_ckpt, "colocated", num_spec_tokens=2), prompts)
+    with ParallelLLM(tiny_ckpt, "colocated", ep=2, num_spec_tokens=2) as llm:
+        assert _tokens(llm, prompts) == want
+        assert llm.engine.stats()["spec_steps"] > 0
+        _assert_caches_equal(llm)
+
+
+def test_closed_executor_refuses_work(tiny_ckpt):
+    llm = ParallelLLM(tiny_ckpt, "colocated", ep=2)
+    pids = llm.executor.group.pids()
+    llm.close()
+    llm.close()  # idempotent
+    assert not any(os.path.exists(f"/proc/{p}") for p in pids)
+    with pytest.raises(RuntimeError, match="closed"):
+        _tokens(llm, [[5, 6, 7]])
+
+
+def test_tp_is_refused():
+    with pytest.raises(ValueError, match="tensor parallel attention is not implemented"):
+        ServeConfig(checkpoint="x", tp=2).resolve()
+
+
+def test_memory_per_rank_of_the_released_model():
+    from asympd.config import resolve_config
+
+    cfg = resolve_config("v41-flash")
+    one, two, eight = (ep_resident_gb(cfg, "decode", n) for n in (1, 2, 8))
+    assert one["rank0_gb"] == pytest.approx(one["single_rank_gb"])
+    assert 0.9 < one["routed_experts_gb"] / one["single_rank_gb"] < 0.97  # the experts are what EP splits
+    assert eight["rank0_gb"] < two["rank0_gb"] < one["rank0_gb"]
+    assert eight["other_rank_gb"] < eight["rank0_gb"]  # rank 0 alone holds the drafter
+
+
+def _children(pid: int) -> set[int]:
+    out: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out |= {int(c) for c in f.read().split()}
+    return out
+
+
+def test_serve_ep2_answers_like_ep1_and_stops_cleanly(tiny_ckpt, tmp_path):
+    one = worker("ep1", tiny_ckpt, "colocated", "colocated", tmp_path)
+    two = worker("ep2", tiny_ckpt, "colocated", "colocated", tmp_path, "--ep", "2")
+    procs = [one, two]
+    try:
+        url1, url2 = start_all(procs)
+        info = httpx.get(f"{url2}/asympd/info", timeout=10).json()
+        assert info["ep"] == 2 and len(info["ep_pids"]) == 1
+        assert _children(two.pid) == set(info["ep_pids"])  # one process per rank, started by the worker
+        ids = random_prompts([2 * W + 1], seed=25)[0]
+        body = {"prompt": ids, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+        answers = [httpx.post(f"{u}/v1/completions", json=body, timeout=60).json() for u in (url1, url2)]
+        assert answers[1]["choices"][0]["token_ids"] == answers[0]["choices"][0]["token_ids"]
+        assert len(answers[0]["choices"][0]["token_ids"]) == 6
+    finally:
+        stop_all(procs)
+    assert two.proc is not None and two.proc.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM
+    assert "EP rank" not in two.log_path.read_text()  # rank 1 got stop and exited 0 (nothing killed)
+    assert not any(os.path.exists(f"/proc/{p}") for p in info["ep_pids"])
