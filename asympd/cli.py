@@ -165,6 +165,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-bytes", type=int, default=64 << 20)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--num-spec-tokens", type=int, default=0,
+                   help="decoding workers: DSpark drafts verified per request per step (0: off)")
     p.add_argument("--max-new-admissions", type=int, default=None,
                    help="new requests admitted per step (Sarathi-style cap; default: no cap)")
     p.add_argument("--admission-token-budget", type=int, default=None,
@@ -193,7 +195,7 @@ def _serve(args: argparse.Namespace) -> int:
     names = ("role", "checkpoint", "mode", "prefill_semantics", "boundary_policy", "transport", "on_prefill_failure",
              "api_key", "host", "port", "served_model_name", "device", "dtype", "block_size", "kv_cache_bytes",
              "max_num_seqs", "max_num_batched_tokens", "max_new_admissions", "admission_token_budget",
-             "enable_prefix_caching", "transfer_timeout", "transfer_ttl",
+             "num_spec_tokens", "enable_prefix_caching", "transfer_timeout", "transfer_ttl",
              "transfer_host", "transfer_port", "advertise_host", "threads", "ep", "tp")
     try:
         cfg = ServeConfig(**{n: getattr(args, n) for n in names}).resolve()

@@ -86,6 +86,7 @@ class ServeConfig:
     max_num_batched_tokens: int = 2048
     max_new_admissions: int | None = None  # Sarathi-style cap on admissions per step
     admission_token_budget: int | None = None  # prompt rows per step
+    num_spec_tokens: int = 0  # DSpark drafts per request per step on a decoding engine
     enable_prefix_caching: bool = True
     transfer_timeout: float = 10.0  # D: the whole fetch of one prefix state
     transfer_ttl: float = 120.0  # P: how long an unacked prefix state keeps its blocks
@@ -249,6 +250,7 @@ class WorkerServer:
             role=cfg.role, mode=cfg.mode, prefill_semantics=cfg.prefill_semantics,
             boundary_policy=cfg.boundary_policy, block_size=cfg.block_size, kv_cache_bytes=cfg.kv_cache_bytes,
             enable_prefix_caching=cfg.enable_prefix_caching, eos_token_id=eos_id(self.tokenizer),
+            num_spec_tokens=0 if cfg.role == "prefill" else cfg.num_spec_tokens,
             scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                       max_new_admissions=cfg.max_new_admissions,
                                       admission_token_budget=cfg.admission_token_budget),

@@ -56,6 +56,16 @@ class _EngineCollector(Collector):
             yield counter("asympd_prompt_tokens", "Prompt rows computed by this engine.", s.get("prompt_tokens", 0))
             yield counter("asympd_generation_tokens", "Tokens generated.", s.get("generation_tokens", 0))
             yield counter("asympd_engine_steps", "Engine steps run.", s.get("steps", 0))
+            if s.get("num_spec_tokens"):
+                yield gauge("asympd_spec_decode_num_spec_tokens", "Drafts per request per step (0: off).",
+                            s["num_spec_tokens"])
+                yield counter("asympd_spec_decode_verify_steps", "Request-steps that verified drafts.",
+                              s.get("spec_steps", 0))
+                yield gauge("asympd_spec_decode_acceptance_rate", "Accepted / proposed drafts, all requests so far.",
+                            s.get("spec_acceptance_rate", 0.0))
+                yield gauge("asympd_spec_decode_mean_accepted_length",
+                            "Tokens per verify step (1 + accepted drafts), all requests so far.",
+                            s.get("spec_mean_accepted_length", 0.0))
         labels = ["transport", "direction"]
         nbytes = CounterMetricFamily("asympd_transfer_bytes", "Prefix-state bytes moved.", labels=labels)
         secs = CounterMetricFamily("asympd_transfer_seconds", "Seconds spent moving prefix states.", labels=labels)

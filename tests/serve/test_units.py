@@ -138,3 +138,16 @@ def test_error_body_shape():
     assert e.body() == {"error": {"message": "nope", "type": "NotFoundError", "param": "model", "code": 404}}
     with pytest.raises(P.APIError, match="malformed JSON"):
         P.parse_json_body(b"{")
+
+
+def test_worker_metrics_export_engine_speculation_stats():
+    from asympd.serve.metrics import ServerMetrics
+
+    m = ServerMetrics({"role": "decode"})
+    stats = {"running": 1, "waiting": 0, "kv_blocks_used": 3, "num_spec_tokens": 3, "spec_steps": 10,
+             "spec_acceptance_rate": 0.25, "spec_mean_accepted_length": 1.75}
+    text = m.render(stats, {}).decode()
+    assert "asympd_spec_decode_num_spec_tokens 3.0" in text
+    assert "asympd_spec_decode_acceptance_rate 0.25" in text
+    assert "asympd_spec_decode_mean_accepted_length 1.75" in text
+    assert "asympd_kv_blocks_used 3.0" in text
