@@ -140,6 +140,7 @@ def part_ep(ckpt: str) -> dict:
     from asympd.engine.llm import LLM
     from asympd.engine.sampling import SamplingParams
 
+    os.environ["ASYMPD_CUDA_FAST_PATH"] = "0"  # EP shards the reference MoE's stacked experts (both runs alike)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 40, 200, 700)]
     params = SamplingParams(max_tokens=8, temperature=0)
@@ -167,6 +168,7 @@ def part_ep(ckpt: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--parts", default="link,state,ttft,ep")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -192,6 +194,8 @@ def main() -> None:
         ("ttft", lambda: part_ttft(ckpt)),
         ("ep", lambda: part_ep(ckpt)),
     ):
+        if name not in args.parts.split(","):
+            continue
         t = time.perf_counter()
         try:
             results[name] = fn()

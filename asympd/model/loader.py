@@ -7,6 +7,7 @@ held in fp32, as the reference holds it, so logits come out in fp32.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +151,9 @@ def build_model(
     model = Transformer(cfg, role, embed, blocks, norm, head, hasher, dtype)
     if role != "prefill":
         model.drafter = _drafter(cfg, r, round_probs, embed, head)
-    if device.type == "cuda":  # CUDA fast paths (cuda_ops.py); the CPU model stays the reference
+    # CUDA fast paths (cuda_ops.py); the CPU model stays the reference. ASYMPD_CUDA_FAST_PATH=0 keeps the
+    # reference modules on CUDA too (expert-parallel sharding needs the stacked expert weights).
+    if device.type == "cuda" and os.environ.get("ASYMPD_CUDA_FAST_PATH", "1") != "0":
         from asympd.model.cuda_ops import accelerate
 
         accelerate(model)
