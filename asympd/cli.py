@@ -61,8 +61,12 @@ def _memory_args(p: argparse.ArgumentParser) -> None:
     from asympd.plan.memory import DEFAULT_CONTEXT_TOKENS, DEFAULT_RESERVE_GB
 
     p.add_argument("--config", default="v41-flash", help="tiny | v41-flash | path to a config.json")
-    p.add_argument("--reserve-gb", type=float, default=DEFAULT_RESERVE_GB,
-                   help="per-GPU reserve for activations, CUDA context and buffers")
+    p.add_argument(
+        "--reserve-gb",
+        type=float,
+        default=DEFAULT_RESERVE_GB,
+        help="per-GPU reserve for activations, CUDA context and buffers",
+    )
     p.add_argument("--context", type=int, default=DEFAULT_CONTEXT_TOKENS, help="context length for the request count")
     p.add_argument("--engram-on-gpu", action="store_true", help="count the Engram tables as GPU-resident")
     p.add_argument("--json", action="store_true")
@@ -71,8 +75,9 @@ def _memory_args(p: argparse.ArgumentParser) -> None:
 def _memory(args: argparse.Namespace) -> int:
     from asympd.plan.memory import format_memory_report, memory_report
 
-    report = memory_report(_config(args.config), reserve_gb=args.reserve_gb, context_tokens=args.context,
-                           engram_on_gpu=args.engram_on_gpu)
+    report = memory_report(
+        _config(args.config), reserve_gb=args.reserve_gb, context_tokens=args.context, engram_on_gpu=args.engram_on_gpu
+    )
     print(json.dumps(report, indent=2) if args.json else format_memory_report(report))
     return 0
 
@@ -146,15 +151,31 @@ def _inspect(args: argparse.Namespace) -> int:
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", default="colocated", choices=("colocated", "prefill", "decode"))
     p.add_argument("--checkpoint", required=True, help="checkpoint directory (with tokenizer.json)")
-    p.add_argument("--mode", default=None, choices=("colocated", "symmetric", "encoder-only", "asymmetric"),
-                   help="default: colocated for --role colocated, asymmetric otherwise")
-    p.add_argument("--prefill-semantics", default="full", choices=("full", "decoder-replay", "split"),
-                   help="what a colocated engine computes for a prompt (see asympd.engine.modes)")
+    p.add_argument(
+        "--mode",
+        default=None,
+        choices=("colocated", "symmetric", "encoder-only", "asymmetric"),
+        help="default: colocated for --role colocated, asymmetric otherwise",
+    )
+    p.add_argument(
+        "--prefill-semantics",
+        default="full",
+        choices=("full", "decoder-replay", "split"),
+        help="what a colocated engine computes for a prompt (see asympd.engine.modes)",
+    )
     p.add_argument("--boundary-policy", default="carry", choices=("carry", "align"))
-    p.add_argument("--transport", default=None, choices=("nixl", "tcp", "auto"),
-                   help="prefix-state data plane; default NIXL, falling back to TCP (with a warning) if it cannot run")
-    p.add_argument("--on-prefill-failure", default="recompute", choices=("recompute", "fail"),
-                   help="decode worker, when the prefix cannot be had from P: compute it here, or answer 503")
+    p.add_argument(
+        "--transport",
+        default=None,
+        choices=("nixl", "tcp", "auto"),
+        help="prefix-state data plane; default NIXL, falling back to TCP (with a warning) if it cannot run",
+    )
+    p.add_argument(
+        "--on-prefill-failure",
+        default="recompute",
+        choices=("recompute", "fail"),
+        help="decode worker, when the prefix cannot be had from P: compute it here, or answer 503",
+    )
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1/*")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed when ready)")
@@ -165,22 +186,42 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-bytes", type=int, default=64 << 20)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--num-spec-tokens", type=int, default=0,
-                   help="decoding workers: DSpark drafts verified per request per step (0: off)")
-    p.add_argument("--max-new-admissions", type=int, default=None,
-                   help="new requests admitted per step (Sarathi-style cap; default: no cap)")
-    p.add_argument("--admission-token-budget", type=int, default=None,
-                   help="prompt rows per step for prefills and bounded prefills (default: the step budget)")
+    p.add_argument(
+        "--num-spec-tokens",
+        type=int,
+        default=0,
+        help="decoding workers: DSpark drafts verified per request per step (0: off)",
+    )
+    p.add_argument(
+        "--max-new-admissions",
+        type=int,
+        default=None,
+        help="new requests admitted per step (Sarathi-style cap; default: no cap)",
+    )
+    p.add_argument(
+        "--admission-token-budget",
+        type=int,
+        default=None,
+        help="prompt rows per step for prefills and bounded prefills (default: the step budget)",
+    )
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--transfer-timeout", type=float, default=10.0, help="decode worker: seconds for one fetch")
-    p.add_argument("--transfer-ttl", type=float, default=120.0,
-                   help="prefill worker: seconds an unfetched prefix state keeps its blocks")
+    p.add_argument(
+        "--transfer-ttl",
+        type=float,
+        default=120.0,
+        help="prefill worker: seconds an unfetched prefix state keeps its blocks",
+    )
     p.add_argument("--transfer-host", default=None, help="prefill worker: data-plane bind address (default --host)")
     p.add_argument("--transfer-port", type=int, default=0, help="prefill worker: data-plane port (0: any)")
     p.add_argument("--advertise-host", default=None, help="prefill worker: address decode workers connect to")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--ep", type=int, default=1,
-                   help="expert-parallel ranks: this worker starts ep-1 more processes (docs/parallel.md)")
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks: this worker starts ep-1 more processes (docs/parallel.md)",
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor parallel attention: only 1 (attention is replicated)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
@@ -192,11 +233,37 @@ def _serve(args: argparse.Namespace) -> int:
 
     if not Path(args.checkpoint, "config.json").exists():
         raise UsageError(f"--checkpoint {args.checkpoint!r} holds no config.json")
-    names = ("role", "checkpoint", "mode", "prefill_semantics", "boundary_policy", "transport", "on_prefill_failure",
-             "api_key", "host", "port", "served_model_name", "device", "dtype", "block_size", "kv_cache_bytes",
-             "max_num_seqs", "max_num_batched_tokens", "max_new_admissions", "admission_token_budget",
-             "num_spec_tokens", "enable_prefix_caching", "transfer_timeout", "transfer_ttl",
-             "transfer_host", "transfer_port", "advertise_host", "threads", "ep", "tp")
+    names = (
+        "role",
+        "checkpoint",
+        "mode",
+        "prefill_semantics",
+        "boundary_policy",
+        "transport",
+        "on_prefill_failure",
+        "api_key",
+        "host",
+        "port",
+        "served_model_name",
+        "device",
+        "dtype",
+        "block_size",
+        "kv_cache_bytes",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_new_admissions",
+        "admission_token_budget",
+        "num_spec_tokens",
+        "enable_prefix_caching",
+        "transfer_timeout",
+        "transfer_ttl",
+        "transfer_host",
+        "transfer_port",
+        "advertise_host",
+        "threads",
+        "ep",
+        "tp",
+    )
     try:
         cfg = ServeConfig(**{n: getattr(args, n) for n in names}).resolve()
     except ValueError as e:
@@ -207,12 +274,22 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill worker URLs")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
-                   help="decode worker URLs (colocated workers for --mode colocated)")
-    p.add_argument("--mode", default=None, choices=("colocated", "symmetric", "encoder-only", "asymmetric"),
-                   help="default: the mode the workers report")
-    p.add_argument("--checkpoint", default=None,
-                   help="for the tokenizer and window size (default: fetched from a worker)")
+    p.add_argument(
+        "--decode",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="decode worker URLs (colocated workers for --mode colocated)",
+    )
+    p.add_argument(
+        "--mode",
+        default=None,
+        choices=("colocated", "symmetric", "encoder-only", "asymmetric"),
+        help="default: the mode the workers report",
+    )
+    p.add_argument(
+        "--checkpoint", default=None, help="for the tokenizer and window size (default: fetched from a worker)"
+    )
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (passed on to workers)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed when ready)")
@@ -225,9 +302,18 @@ def _router_args(p: argparse.ArgumentParser) -> None:
 def _router(args: argparse.Namespace) -> int:
     from asympd.serve.router import RouterConfig, run_router
 
-    cfg = RouterConfig(prefill=args.prefill, decode=args.decode, host=args.host, port=args.port, mode=args.mode,
-                       checkpoint=args.checkpoint, api_key=args.api_key, health_interval=args.health_interval,
-                       prefill_timeout=args.prefill_timeout, stream_idle_timeout=args.stream_idle_timeout)
+    cfg = RouterConfig(
+        prefill=args.prefill,
+        decode=args.decode,
+        host=args.host,
+        port=args.port,
+        mode=args.mode,
+        checkpoint=args.checkpoint,
+        api_key=args.api_key,
+        health_interval=args.health_interval,
+        prefill_timeout=args.prefill_timeout,
+        stream_idle_timeout=args.stream_idle_timeout,
+    )
     try:
         run_router(cfg, args.log_level)
     except ValueError as e:
@@ -266,8 +352,9 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, Command] = {
-    "make-checkpoint": Command("write a random-weight checkpoint in the released format",
-                               _make_checkpoint_args, _make_checkpoint),
+    "make-checkpoint": Command(
+        "write a random-weight checkpoint in the released format", _make_checkpoint_args, _make_checkpoint
+    ),
     "memory": Command("resident bytes per role and KV room per GPU", _memory_args, _memory),
     "inspect": Command("load a role from a checkpoint and report what was read", _inspect_args, _inspect),
     "serve": Command("serve a checkpoint over an OpenAI-compatible API (one worker)", _serve_args, _serve),

@@ -214,6 +214,10 @@ def main() -> None:
             r = simulate(model, pol, arr, args.out_len, seed=11)
             r["steps_extrapolated_in_j"] = model.extrapolated_steps
             r["policy"] = pol
+            # the same batch decoding with nothing admitted: what admission adds on top of it
+            r["decode_only_step_ms_at_mean_batch"] = model(round(r["mean_batch"]), 0)
+            r["p99_itl_over_decode_only"] = r["itl_ms"]["p99"] / r["decode_only_step_ms_at_mean_batch"]
+            r["p50_itl_over_decode_only"] = r["itl_ms"]["p50"] / r["decode_only_step_ms_at_mean_batch"]
             res["scenarios"][kind][name] = r
             log(
                 f"{kind:9s} {name:9s}: ITL p50 {r['itl_ms']['p50']:.0f} p99 {r['itl_ms']['p99']:.0f} ms, "

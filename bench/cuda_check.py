@@ -18,16 +18,39 @@ import torch
 from bench.common import log, record
 
 
+def run_semantics(model, ids, semantics):
+    """Logits of every row of the last phase of ``semantics`` (fp32, on the CPU)."""
+    from asympd.engine.modes import colocated_phases
+    from asympd.kv.dense import DenseSequenceKV
+    from asympd.model.transformer import Chunk, Depth
+
+    kv = DenseSequenceKV(model.cfg, dtype=model.dtype, device=model.device)
+    logits = None
+    for ph in colocated_phases(model.cfg, len(ids), semantics):
+        last = ph.depth is Depth.ALL
+        chunk = Chunk(
+            kv,
+            ids[ph.lo : ph.hi],
+            ph.lo,
+            ids,
+            ph.depth,
+            ph.floor,
+            ph.encoder_floor,
+            ph.write_global,
+            logits="all" if last else "none",
+        )
+        out = model([chunk])
+        logits = out.logits[0] if last else logits
+    return logits.float().cpu()
+
+
 def main() -> None:
     from asympd.config import tiny
     from asympd.engine.llm import LLM
-    from asympd.engine.modes import colocated_phases
     from asympd.engine.sampling import SamplingParams
-    from asympd.kv.dense import DenseSequenceKV
     from asympd.model.checkpoint import write_checkpoint
     from asympd.model.cuda_ops import accelerate, caps, fast_path_info
     from asympd.model.loader import load_model
-    from asympd.model.transformer import Chunk, Depth
 
     dev = os.environ.get("ASYMPD_CHECK_DEVICE", "cuda")  # "cpu": plumbing check without a GPU
     started = time.time()
@@ -46,31 +69,11 @@ def main() -> None:
         )
     gen = torch.Generator().manual_seed(0)
 
-    def run(model, ids, semantics):
-        kv = DenseSequenceKV(model.cfg, dtype=model.dtype, device=model.device)
-        logits = None
-        for ph in colocated_phases(model.cfg, len(ids), semantics):
-            last = ph.depth is Depth.ALL
-            chunk = Chunk(
-                kv,
-                ids[ph.lo : ph.hi],
-                ph.lo,
-                ids,
-                ph.depth,
-                ph.floor,
-                ph.encoder_floor,
-                ph.write_global,
-                logits="all" if last else "none",
-            )
-            out = model([chunk])
-            logits = out.logits[0] if last else logits
-        return logits.float().cpu()
-
     rows = []
     for n in (17, 60, 300, 900):
         ids = torch.randint(3, 512, (n,), generator=gen)
         for sem in ("full", "split", "decoder-replay"):
-            outs = {name: run(m, ids, sem) for name, m in {**refs, **variants}.items()}
+            outs = {name: run_semantics(m, ids, sem) for name, m in {**refs, **variants}.items()}
             for name in ["cpu_bf16", *variants]:
                 got = outs[name]
                 row = {"n": n, "semantics": sem, "variant": name}

@@ -124,7 +124,17 @@ def build(cfg, device: torch.device, experts_modes: tuple[str, ...]) -> tuple[di
                 w[f"hc_{sub}_{part}"] = r.vector(f"{p}hc_{sub}_{part}", torch.float32)
         blocks[kind] = Block(cfg, layer, w)
     del tensors
+    # the same switches accelerate() makes for a loaded model: fused-kernel dispatch and the
+    # activation-quantizing linears (FastMoE / FastAttention were set above)
+    from asympd.model.cuda_ops import FastQLinear, install_kernels, kernels_enabled
+    from asympd.model.ops import CUDA_FAST, QLinear
+
+    for block in blocks.values():
+        for mod in block.modules():
+            if type(mod) is QLinear:
+                mod.__class__ = FastQLinear
     if device.type == "cuda":
+        install_kernels(device)
         torch.cuda.empty_cache()
     info = {
         "kinds": kinds,
@@ -132,6 +142,8 @@ def build(cfg, device: torch.device, experts_modes: tuple[str, ...]) -> tuple[di
         "build_s": round(time.time() - t0, 1),
         "fp8_inexact_expert_rows": getattr(variants.get("fp8"), "inexact_rows", None),
         "expert_rows_total": cfg.n_routed_experts * (3 * cfg.moe_inter_dim + cfg.dim),
+        "kernels": kernels_enabled(device),
+        "ops_dispatch": sorted(CUDA_FAST),
     }
     return {"blocks": blocks, "moe": variants}, info
 

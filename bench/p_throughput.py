@@ -18,6 +18,7 @@ checked against the e2e run (the same composition applied to the 3-layer model).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from typing import Any
@@ -158,7 +159,10 @@ def e2e(smoke: bool) -> dict[str, Any]:
             log(f"e2e {mode} N={n} x{r['prompts']}: {r['wall_s'] * 1e3:.1f} ms, {r['tokens_per_s']:.0f} tok/s")
         out.setdefault("build_s", {})[mode] = round(build_s, 1)
         out.setdefault("resident_gb", {})[mode] = round(model.resident_bytes() / 1e9, 2)
+        eng.runner.__dict__.pop("execute", None)  # the timing wrappers close over eng: break the cycle
+        eng.runner.__dict__.pop("export_prefix", None)
         del eng, model
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     out["runs"] = runs

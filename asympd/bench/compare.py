@@ -45,8 +45,15 @@ def kl(p_logprobs: dict[int, float], q_logprobs: dict[int, float]) -> float:
     return sum(math.exp(lp) * (lp - q_logprobs[t]) for t, lp in p_logprobs.items())
 
 
-def compare(checkpoint: str | Path, *, prompts_per_length: int = 2, max_tokens: int = 16, seed: int = 0,
-            dtype: torch.dtype = torch.float32, lengths_override: list[int] | None = None) -> dict[str, Any]:
+def compare(
+    checkpoint: str | Path,
+    *,
+    prompts_per_length: int = 2,
+    max_tokens: int = 16,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    lengths_override: list[int] | None = None,
+) -> dict[str, Any]:
     results: dict[str, list] = {}
     lengths: list[int] = []
     prompts: list[list[int]] = []
@@ -66,13 +73,20 @@ def compare(checkpoint: str | Path, *, prompts_per_length: int = 2, max_tokens: 
         results[name] = [(o.outputs[0].token_ids, o.outputs[0].logprobs[0]) for o in outs]
         timing[name] = time.perf_counter() - t0
     ref = results["colocated/full"]
-    report: dict[str, Any] = {"checkpoint": str(checkpoint), "prompt_lengths": lengths, "max_tokens": max_tokens,
-                              "reference": "colocated/full", "modes": {}}
+    report: dict[str, Any] = {
+        "checkpoint": str(checkpoint),
+        "prompt_lengths": lengths,
+        "max_tokens": max_tokens,
+        "reference": "colocated/full",
+        "modes": {},
+    }
     for name, rows in results.items():
         first = [r[0][0] == x[0][0] for r, x in zip(ref, rows, strict=True)]
         kls = [kl(r[1], x[1]) for r, x in zip(ref, rows, strict=True)]
-        prefix = [next((i for i, (a, b) in enumerate(zip(r[0], x[0], strict=True)) if a != b), len(r[0]))
-                  for r, x in zip(ref, rows, strict=True)]
+        prefix = [
+            next((i for i, (a, b) in enumerate(zip(r[0], x[0], strict=True)) if a != b), len(r[0]))
+            for r, x in zip(ref, rows, strict=True)
+        ]
         by_len: dict[int, list[float]] = {}
         for n, v in zip(lengths, kls, strict=True):
             by_len.setdefault(n, []).append(v)
@@ -90,12 +104,16 @@ def compare(checkpoint: str | Path, *, prompts_per_length: int = 2, max_tokens: 
 def format_report(report: dict[str, Any]) -> str:
     n_tok = report["max_tokens"]
     lens = sorted(set(report["prompt_lengths"]))
-    lines = [f"{len(report['prompt_lengths'])} prompts, lengths {lens}; reference {report['reference']}",
-             f"{'mode':26} {'first tok':>9} {'mean KL':>9} {f'all {n_tok}':>7} {'prefix':>7}   KL by prompt length"]
+    lines = [
+        f"{len(report['prompt_lengths'])} prompts, lengths {lens}; reference {report['reference']}",
+        f"{'mode':26} {'first tok':>9} {'mean KL':>9} {f'all {n_tok}':>7} {'prefix':>7}   KL by prompt length",
+    ]
     for name, m in report["modes"].items():
         by_len = " ".join(f"{n}:{m['kl_by_length'][n]:.3f}" for n in lens)
-        lines.append(f"{name:26} {m['first_token_agreement']:9.2f} {m['mean_first_token_kl']:9.4f} "
-                     f"{m['all_tokens_agree']:7.2f} {m['mean_agreeing_prefix']:7.1f}   {by_len}")
+        lines.append(
+            f"{name:26} {m['first_token_agreement']:9.2f} {m['mean_first_token_kl']:9.4f} "
+            f"{m['all_tokens_agree']:7.2f} {m['mean_agreeing_prefix']:7.1f}   {by_len}"
+        )
     return "\n".join(lines)
 
 

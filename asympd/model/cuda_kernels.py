@@ -114,6 +114,75 @@ if AVAILABLE:
             tl.store(y_ptr + (t * HC + j) * D + d, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
+if AVAILABLE:
+
+    @triton.jit
+    def _sinkhorn_kernel(
+        m_ptr,
+        scale_ptr,
+        base_ptr,
+        pre_ptr,
+        post_ptr,
+        comb_ptr,
+        T,
+        eps,
+        HC: tl.constexpr,
+        ITERS: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+    ):
+        W: tl.constexpr = (2 + HC) * HC
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tm = t < T
+        t64 = t.to(tl.int64)
+        c = tl.arange(0, HC)
+        s0 = tl.load(scale_ptr)
+        s1 = tl.load(scale_ptr + 1)
+        s2 = tl.load(scale_ptr + 2)
+        m2 = tm[:, None]
+        pre = tl.load(m_ptr + t64[:, None] * W + c[None, :], mask=m2, other=0.0) * s0 + tl.load(base_ptr + c)[None, :]
+        pre = 1.0 / (1.0 + tl.exp(-pre)) + eps
+        post = tl.load(m_ptr + t64[:, None] * W + HC + c[None, :], mask=m2, other=0.0) * s1
+        post = 2.0 * (1.0 / (1.0 + tl.exp(-(post + tl.load(base_ptr + HC + c)[None, :]))))
+        ij = c[:, None] * HC + c[None, :]  # [HC, HC], row-major (i, j)
+        m3 = tm[:, None, None]
+        comb = tl.load(m_ptr + t64[:, None, None] * W + 2 * HC + ij[None, :, :], mask=m3, other=0.0) * s2
+        comb = comb + tl.load(base_ptr + 2 * HC + ij)[None, :, :]
+        comb = tl.exp(comb - tl.max(comb, axis=2)[:, :, None])
+        comb = comb / tl.sum(comb, axis=2)[:, :, None] + eps
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
+        for _ in tl.static_range(ITERS - 1):
+            comb = comb / (tl.sum(comb, axis=2)[:, :, None] + eps)
+            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
+        tl.store(pre_ptr + t64[:, None] * HC + c[None, :], pre, mask=m2)
+        tl.store(post_ptr + t64[:, None] * HC + c[None, :], post, mask=m2)
+        tl.store(comb_ptr + t64[:, None, None] * (HC * HC) + ij[None, :, :], comb, mask=m3)
+
+
+def sinkhorn_split(mixes, scale, base, hc: int, iters: int, eps: float):
+    """``ops.sinkhorn_split`` in one kernel: mixes [..., (2 + hc) * hc] -> (pre, post, comb) fp32."""
+    lead = mixes.shape[:-1]
+    m = mixes.float().reshape(-1, mixes.size(-1)).contiguous()
+    t = m.size(0)
+    pre = torch.empty((t, hc), dtype=torch.float32, device=m.device)
+    post = torch.empty_like(pre)
+    comb = torch.empty((t, hc, hc), dtype=torch.float32, device=m.device)
+    bt = 64
+    _sinkhorn_kernel[(triton.cdiv(t, bt),)](
+        m,
+        scale.float().contiguous(),
+        base.float().contiguous(),
+        pre,
+        post,
+        comb,
+        t,
+        float(eps),
+        HC=hc,
+        ITERS=iters,
+        BLOCK_T=bt,
+    )
+    return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
+
+
 def fp8_qdq(x: torch.Tensor) -> torch.Tensor:
     """Per-32 FP8 QDQ of the last dim (a multiple of 32), output in x's dtype."""
     shape = x.shape

@@ -114,7 +114,13 @@ def caps(device: torch.device) -> dict[str, bool]:
 
 def _probe_kernels(device: torch.device) -> dict[str, bool]:
     """Each fused Triton kernel against the torch function it replaces, on random data."""
-    out = {"triton_fp8_qdq": False, "triton_swiglu_qdq": False, "triton_hc_pre": False, "triton_hc_post": False}
+    out = {
+        "triton_fp8_qdq": False,
+        "triton_swiglu_qdq": False,
+        "triton_hc_pre": False,
+        "triton_hc_post": False,
+        "triton_sinkhorn": False,
+    }
     if device.type != "cuda" or not K.AVAILABLE:
         return out
     g = torch.Generator(device=device).manual_seed(0)
@@ -154,7 +160,27 @@ def _probe_kernels(device: torch.device) -> dict[str, bool]:
         out["triton_hc_post"] = close(K.hc_post(x, h, post, comb), y.to(bf), 1e-2)
     except Exception:
         pass
+    try:
+        m = torch.randn(1000, 24, device=device, generator=g) * 3
+        scale = torch.tensor([0.5, 0.7, 1.3], device=device)
+        base = torch.randn(24, device=device, generator=g)
+        ok = True
+        for a, b in zip(K.sinkhorn_split(m, scale, base, 4, 20, 1e-6), _sinkhorn_torch(m, scale, base), strict=True):
+            ok &= close(a, b, 1e-5)
+        out["triton_sinkhorn"] = bool(ok)
+    except Exception:
+        pass
     return out
+
+
+def _sinkhorn_torch(m, scale, base):
+    """ops.sinkhorn_split without the CUDA dispatch (the probe's reference)."""
+    fast = ops.CUDA_FAST.pop("sinkhorn_split", None)
+    try:
+        return ops.sinkhorn_split(m, scale, base, 4, 20, 1e-6)
+    finally:
+        if fast is not None:
+            ops.CUDA_FAST["sinkhorn_split"] = fast
 
 
 def kernels_enabled(device: torch.device) -> dict[str, bool]:
@@ -169,6 +195,8 @@ def install_kernels(device: torch.device) -> None:
         ops.CUDA_FAST["hc_pre"] = K.hc_pre
     if c.get("triton_hc_post"):
         ops.CUDA_FAST["hc_post"] = K.hc_post
+    if c.get("triton_sinkhorn"):
+        ops.CUDA_FAST["sinkhorn_split"] = K.sinkhorn_split
 
 
 def qdq32(x: torch.Tensor) -> torch.Tensor:

@@ -124,6 +124,8 @@ def sinkhorn_split(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split one projection into the pre (collapse), post (expand) and comb (residual mixing)
     coefficients; comb is made doubly stochastic by Sinkhorn. All fp32, reference op order."""
+    if mixes.is_cuda and "sinkhorn_split" in CUDA_FAST:
+        return CUDA_FAST["sinkhorn_split"](mixes, scale, base, hc, iters, eps)
     m = mixes.float()
     pre = sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
     post = 2 * sigmoid(m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])

@@ -53,7 +53,8 @@ def pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
 
 
 def to_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> e4m3, round to nearest even, saturating at +-448 (a plain cast would give NaN)."""
+    """fp32 -> e4m3, round to nearest even, saturating at +-448 like the kernels' satfinite cast
+    (explicit: what a plain cast does with out-of-range values differs across torch versions)."""
     return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 

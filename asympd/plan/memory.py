@@ -127,8 +127,11 @@ def format_memory_report(report: dict[str, Any]) -> str:
         lines.append(f"  {label:<16}" + "".join(f"  {_gb(report['roles'][r][key])}" for r in roles))
     a = report["assumptions"]
     where = "on GPU" if a["engram_on_gpu"] else "in host memory"
-    lines.append(f"  {'= resident':<16}" + "".join(f"  {_gb(report['roles'][r]['resident_bytes'])}" for r in roles)
-                 + f"   (Engram tables {where})")
+    lines.append(
+        f"  {'= resident':<16}"
+        + "".join(f"  {_gb(report['roles'][r]['resident_bytes'])}" for r in roles)
+        + f"   (Engram tables {where})"
+    )
     kv = report["kv"]
     lines.append("")
     lines.append(
@@ -136,8 +139,10 @@ def format_memory_report(report: dict[str, Any]) -> str:
         f" per layer-token x window {kv['window_size']} per request"
         + "".join(f"; {r} {report['roles'][r]['swa_bytes_per_request'] / 2**20:.2f} MiB" for r in roles)
     )
-    lines.append(f"per GPU: {a['reserve_gb']:g} GB reserved (activations, CUDA context, buffers);"
-                 f" requests at {kv['context_tokens']} tokens of context")
+    lines.append(
+        f"per GPU: {a['reserve_gb']:g} GB reserved (activations, CUDA context, buffers);"
+        f" requests at {kv['context_tokens']} tokens of context"
+    )
     lines.append(f"  {'gpu':<6}{'role':<9}{'fits':>5}{'KV room GB':>12}{'KV Mtokens':>12}{'requests':>10}")
     for gpu, g in report["gpus"].items():
         for role, r in g["roles"].items():

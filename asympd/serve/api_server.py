@@ -164,8 +164,14 @@ class OutputTracker:
     partial UTF-8 sequence waits for the next one), stop strings on the text (with the text that
     could still become a stop string held back), and logprobs aligned to the new tokens."""
 
-    def __init__(self, tokenizer: Any, stops: list[str], include_stop: bool, eos_token_id: int | None = None,
-                 first_logprobs: dict[int, float] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        stops: list[str],
+        include_stop: bool,
+        eos_token_id: int | None = None,
+        first_logprobs: dict[int, float] | None = None,
+    ) -> None:
         self.tokenizer, self.eos = tokenizer, eos_token_id
         self.stops, self.include_stop = stops, include_stop
         self.hold = max((len(s) for s in stops), default=1) - 1
@@ -185,7 +191,7 @@ class OutputTracker:
     def update(self, out: RequestOutput) -> None:
         """Take the newest cumulative output of the request."""
         comp = out.outputs[0]
-        new = comp.token_ids[len(self.token_ids):]
+        new = comp.token_ids[len(self.token_ids) :]
         if comp.logprobs is not None:
             lps = list(comp.logprobs)
             if self.first_logprobs is not None and len(lps) < len(comp.token_ids):
@@ -195,10 +201,10 @@ class OutputTracker:
             return
         self.token_ids.extend(new)
         before = len(self.text)
-        prefix_text = self._decode(self.token_ids[self._prefix:self._read])
-        full = self._decode(self.token_ids[self._prefix:])
+        prefix_text = self._decode(self.token_ids[self._prefix : self._read])
+        full = self._decode(self.token_ids[self._prefix :])
         if len(full) > len(prefix_text) and (not full.endswith("\ufffd") or out.finished):
-            self.text += full[len(prefix_text):]
+            self.text += full[len(prefix_text) :]
             self._prefix, self._read = self._read, len(self.token_ids)
         if out.finished:
             self.finish_reason = comp.finish_reason
@@ -223,9 +229,9 @@ class OutputTracker:
     def delta(self) -> tuple[str, list[int], list[dict[int, float]]]:
         """New text (minus a possible stop-string start, unless done), tokens and logprobs."""
         upto = len(self.text) if self.done or not self.stops else max(self.sent_text, len(self.text) - self.hold)
-        text = self.text[self.sent_text:upto]
-        toks = self.token_ids[self.sent_tokens:]
-        lps = self.logprobs[self.sent_logprobs:len(self.token_ids)]
+        text = self.text[self.sent_text : upto]
+        toks = self.token_ids[self.sent_tokens :]
+        lps = self.logprobs[self.sent_logprobs : len(self.token_ids)]
         self.sent_text, self.sent_tokens = upto, len(self.token_ids)
         self.sent_logprobs += len(lps)
         return text, toks, lps
@@ -241,19 +247,28 @@ class WorkerServer:
         self.tokenizer = load_tokenizer(cfg.checkpoint)
         self.model_name = cfg.served_model_name or cfg.checkpoint
         model_role = {"colocated": "full", "decode": "decode"}.get(cfg.role) or (
-            "full" if cfg.mode == "symmetric" else "prefill")
+            "full" if cfg.mode == "symmetric" else "prefill"
+        )
         self.ep = None  # expert parallel: ranks 1..ep-1 load while this process does (asympd.dist)
         if cfg.ep > 1:
             self.ep = launch_ep(model_role, cfg.checkpoint, cfg.ep, cfg.device, cfg.dtype, cfg.threads)
         model = load_model(cfg.checkpoint, model_role, cfg.device, DTYPES[cfg.dtype])
         engine_cfg = EngineConfig(
-            role=cfg.role, mode=cfg.mode, prefill_semantics=cfg.prefill_semantics,
-            boundary_policy=cfg.boundary_policy, block_size=cfg.block_size, kv_cache_bytes=cfg.kv_cache_bytes,
-            enable_prefix_caching=cfg.enable_prefix_caching, eos_token_id=eos_id(self.tokenizer),
+            role=cfg.role,
+            mode=cfg.mode,
+            prefill_semantics=cfg.prefill_semantics,
+            boundary_policy=cfg.boundary_policy,
+            block_size=cfg.block_size,
+            kv_cache_bytes=cfg.kv_cache_bytes,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            eos_token_id=eos_id(self.tokenizer),
             num_spec_tokens=0 if cfg.role == "prefill" else cfg.num_spec_tokens,
-            scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                      max_new_admissions=cfg.max_new_admissions,
-                                      admission_token_budget=cfg.admission_token_budget),
+            scheduler=SchedulerConfig(
+                max_num_seqs=cfg.max_num_seqs,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                max_new_admissions=cfg.max_new_admissions,
+                admission_token_budget=cfg.admission_token_budget,
+            ),
         )
         self.engine = LLMEngine(model, engine_cfg)
         if self.ep is not None:
@@ -262,8 +277,9 @@ class WorkerServer:
         self.model_cfg = self.engine.cfg
         self.fingerprint = self.engine.fingerprint
         self.aengine = AsyncEngine(self.engine)
-        self.metrics = ServerMetrics(static={"role": cfg.role, "mode": cfg.mode, "model": self.model_name,
-                                             "resident_bytes": self.resident_bytes})
+        self.metrics = ServerMetrics(
+            static={"role": cfg.role, "mode": cfg.mode, "model": self.model_name, "resident_bytes": self.resident_bytes}
+        )
         self.transport: Transport | None = None  # P: publishes
         self.fetchers: dict[str, Transport] = {}  # D: one per transport name P advertises
         self._fetchers_lock = threading.Lock()
@@ -292,9 +308,13 @@ class WorkerServer:
     def _make_transport(self, name: str | None, for_publish: bool) -> Transport:
         options: dict[str, Any] = {"device": self.cfg.device}
         if for_publish:
-            options.update(host=self.cfg.transfer_host or self.cfg.host, port=self.cfg.transfer_port,
-                           advertise_host=self.cfg.advertise_host, ttl_s=self.cfg.transfer_ttl,
-                           on_release=self._on_release)
+            options.update(
+                host=self.cfg.transfer_host or self.cfg.host,
+                port=self.cfg.transfer_port,
+                advertise_host=self.cfg.advertise_host,
+                ttl_s=self.cfg.transfer_ttl,
+                on_release=self._on_release,
+            )
         try:
             return make_transport(name or "nixl", self.fingerprint, **options)
         except TransferError as e:
@@ -346,12 +366,22 @@ class WorkerServer:
     def info(self) -> dict[str, Any]:
         c, m = self.cfg, self.model_cfg
         return {
-            "role": c.role, "mode": c.mode, "prefill_semantics": c.prefill_semantics,
-            "boundary_policy": c.boundary_policy, "model": self.model_name, "fingerprint": self.fingerprint,
-            "window_size": m.window_size, "max_seq_len": m.max_seq_len, "vocab_size": m.vocab_size,
-            "resident_bytes": self.resident_bytes, "transport": self.transport_name,
-            "on_prefill_failure": c.on_prefill_failure, "device": c.device, "dtype": c.dtype,
-            "has_tokenizer": self.tokenizer is not None, "ep": c.ep,
+            "role": c.role,
+            "mode": c.mode,
+            "prefill_semantics": c.prefill_semantics,
+            "boundary_policy": c.boundary_policy,
+            "model": self.model_name,
+            "fingerprint": self.fingerprint,
+            "window_size": m.window_size,
+            "max_seq_len": m.max_seq_len,
+            "vocab_size": m.vocab_size,
+            "resident_bytes": self.resident_bytes,
+            "transport": self.transport_name,
+            "on_prefill_failure": c.on_prefill_failure,
+            "device": c.device,
+            "dtype": c.dtype,
+            "has_tokenizer": self.tokenizer is not None,
+            "ep": c.ep,
             "ep_pids": self.ep.group.pids() if self.ep is not None else [],
         }
 
@@ -389,13 +419,18 @@ class WorkerServer:
     def check_length(self, ids: list[int], params: SamplingParams) -> None:
         limit = self.model_cfg.max_seq_len
         if len(ids) >= limit:
-            raise P.APIError(f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                             f"{len(ids)} tokens. Please reduce the length of the prompt.", param="prompt")
+            raise P.APIError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{len(ids)} tokens. Please reduce the length of the prompt.",
+                param="prompt",
+            )
         if len(ids) + params.max_tokens > limit:
-            raise P.APIError(f"This model's maximum context length is {limit} tokens. However, you requested "
-                             f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} "
-                             "for the completion). Please reduce the length of the prompt or max_tokens.",
-                             param="max_tokens")
+            raise P.APIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} "
+                "for the completion). Please reduce the length of the prompt or max_tokens.",
+                param="max_tokens",
+            )
 
     # ---- the endpoints -------------------------------------------------------------------------------
 
@@ -416,8 +451,9 @@ class WorkerServer:
         if self.cfg.role == "prefill":
             return await self.prefill(kind, req, request, rid, ids, params, t_arrival)
         if kv is not None and kv.get("do_remote_decode"):
-            raise P.APIError(f"this is a {self.cfg.role} worker: do_remote_decode needs a prefill worker",
-                             param="kv_transfer_params")
+            raise P.APIError(
+                f"this is a {self.cfg.role} worker: do_remote_decode needs a prefill worker", param="kv_transfer_params"
+            )
         return await self.generate(kind, req, request, rid, ids, params, t_arrival)
 
     async def _add(self, rid: str, ids: list[int], params: SamplingParams, **kw: Any) -> RequestStream:
@@ -432,12 +468,16 @@ class WorkerServer:
 
     # ---- prefill worker ------------------------------------------------------------------------------
 
-    async def prefill(self, kind: str, req: Any, request: Request, rid: str, ids: list[int],
-                      params: SamplingParams, t_arrival: float) -> Response:
+    async def prefill(
+        self, kind: str, req: Any, request: Request, rid: str, ids: list[int], params: SamplingParams, t_arrival: float
+    ) -> Response:
         kv = req.kv_transfer_params or {}
         if not kv.get("do_remote_decode"):
-            raise P.APIError("this is a prefill worker: send requests to the router, or set "
-                             'kv_transfer_params={"do_remote_decode": true}', param="kv_transfer_params")
+            raise P.APIError(
+                "this is a prefill worker: send requests to the router, or set "
+                'kv_transfer_params={"do_remote_decode": true}',
+                param="kv_transfer_params",
+            )
         t_add = time.perf_counter()
         stream = await self._add(rid, ids, params)
         out = await until_disconnect(request, stream.result())
@@ -464,9 +504,15 @@ class WorkerServer:
             raise ClientDisconnected()
         comp = out.outputs[0]
         kv_out: dict[str, Any] = {
-            **published, "do_remote_prefill": True, "do_remote_decode": False, "mode": self.cfg.mode,
-            "split": state.split, "num_prompt_tokens": len(ids), "fingerprint": self.fingerprint,
-            "prefill_s": prefill_s, "publish_s": publish_s,
+            **published,
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "mode": self.cfg.mode,
+            "split": state.split,
+            "num_prompt_tokens": len(ids),
+            "fingerprint": self.fingerprint,
+            "prefill_s": prefill_s,
+            "publish_s": publish_s,
         }
         if comp.token_ids:  # symmetric: P sampled the first token
             kv_out["first_token"] = comp.token_ids[0]
@@ -477,8 +523,11 @@ class WorkerServer:
         body["choices"] = [{"index": 0, **empty, "logprobs": None, "finish_reason": "length"}]
         body["usage"] = P.usage(len(ids), len(comp.token_ids))
         body["kv_transfer_params"] = kv_out
-        body["asympd_timings"] = {"prefill_s": prefill_s, "publish_s": publish_s,
-                                  "prefill_total_s": time.perf_counter() - t_arrival}
+        body["asympd_timings"] = {
+            "prefill_s": prefill_s,
+            "publish_s": publish_s,
+            "prefill_total_s": time.perf_counter() - t_arrival,
+        }
         return JSONResponse(body)
 
     # ---- decode / colocated worker -------------------------------------------------------------------
@@ -515,8 +564,9 @@ class WorkerServer:
                     raise
                 raise P.APIError(f"bad prefix state: {e}", param="kv_transfer_params") from None
             except (TypeError, ValueError, KeyError) as e:  # e.g. a port that is not a number
-                raise P.APIError(f"bad kv_transfer_params: {type(e).__name__}: {e}",
-                                 param="kv_transfer_params") from None
+                raise P.APIError(
+                    f"bad kv_transfer_params: {type(e).__name__}: {e}", param="kv_transfer_params"
+                ) from None
             except TransferError as e:  # refused, unreachable, timed out, or NIXL missing here
                 failure = f"fetching the prefix state from {kv.get('host')}:{kv.get('port')} failed: {e}"
                 timings["transfer_s"] = time.perf_counter() - t0
@@ -532,21 +582,28 @@ class WorkerServer:
         self.metrics.prefill_fallbacks.labels(reason).inc()
         timings["fallback_reason"] = failure
         if self.cfg.on_prefill_failure == "fail":
-            raise P.APIError(f"the prefill path failed and this decode worker runs --on-prefill-failure=fail: "
-                             f"{failure}", 503)
+            raise P.APIError(
+                f"the prefill path failed and this decode worker runs --on-prefill-failure=fail: {failure}", 503
+            )
         log.warning("recomputing the prefix here: %s", failure)
         timings["prefill_path"] = "recompute"
         return None, None, None
 
-    async def generate(self, kind: str, req: Any, request: Request, rid: str, ids: list[int],
-                       params: SamplingParams, t_arrival: float) -> Response:
+    async def generate(
+        self, kind: str, req: Any, request: Request, rid: str, ids: list[int], params: SamplingParams, t_arrival: float
+    ) -> Response:
         timings: dict[str, Any] = {"prefill_path": "local"}
         kv = req.kv_transfer_params
         state = first = first_lps = None
         if self.cfg.role == "decode" and kv is not None and kv.get("do_remote_prefill"):
             state, first, first_lps = await until_disconnect(request, self.fetch_prefix(kv, ids, timings))
-        tracker = OutputTracker(self.tokenizer, req.stop_strings(), req.include_stop_str_in_output,
-                                self.engine.config.eos_token_id, first_lps if state is not None else None)
+        tracker = OutputTracker(
+            self.tokenizer,
+            req.stop_strings(),
+            req.include_stop_str_in_output,
+            self.engine.config.eos_token_id,
+            first_lps if state is not None else None,
+        )
         kw: dict[str, Any] = {"prefix_state": state, "first_token": first}
         if first_lps is not None and _ENGINE_TAKES_FIRST_LOGPROBS:
             kw["first_token_logprobs"] = first_lps
@@ -554,11 +611,13 @@ class WorkerServer:
         stream = await self._add(rid, ids, params, **kw)
         ctx = _Ctx(kind, req, rid, ids, t_arrival, t_add, timings, tracker, int(time.time()))
         if req.stream:
+
             async def close() -> None:
                 stream.close()  # a no-op once the request finished
 
-            return GuardedStreamingResponse(self._stream(ctx, stream), close, media_type="text/event-stream",
-                                            headers={"X-Request-Id": rid})
+            return GuardedStreamingResponse(
+                self._stream(ctx, stream), close, media_type="text/event-stream", headers={"X-Request-Id": rid}
+            )
         return await until_disconnect(request, self._collect(ctx, stream))
 
     async def _outputs(self, ctx: _Ctx, stream: RequestStream) -> AsyncIterator[RequestOutput]:
@@ -599,15 +658,26 @@ class WorkerServer:
         self.metrics.ttft.observe(now - ctx.t_arrival)
         self.metrics.ttft_decode.observe(t["decode_first_step_s"])
 
-    def _choice(self, ctx: _Ctx, text: str, toks: list[int], lps: list[dict[int, float]], final: bool,
-                stream: bool, text_offset: int = 0) -> dict[str, Any]:
+    def _choice(
+        self,
+        ctx: _Ctx,
+        text: str,
+        toks: list[int],
+        lps: list[dict[int, float]],
+        final: bool,
+        stream: bool,
+        text_offset: int = 0,
+    ) -> dict[str, Any]:
         tr, req = ctx.tracker, ctx.req
         choice: dict[str, Any] = {"index": 0}
         tok_text = self._token_text
         if ctx.kind == "completion":
             choice["text"] = text
-            choice["logprobs"] = (P.completion_logprobs(lps, toks, tok_text, text_offset, req.logprobs)
-                                  if req.logprobs is not None else None)
+            choice["logprobs"] = (
+                P.completion_logprobs(lps, toks, tok_text, text_offset, req.logprobs)
+                if req.logprobs is not None
+                else None
+            )
         else:
             if stream:
                 choice["delta"] = {"content": text} if text or not final else {}
@@ -649,8 +719,12 @@ class WorkerServer:
         first_chunk = True
         try:
             if ctx.kind == "chat":
-                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}
+                first = {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
                 yield chunk([first], **({"prompt_token_ids": ctx.ids} if req.return_token_ids else {}))
             async for _ in self._outputs(ctx, stream):
                 text, toks, lps = tr.delta()
@@ -663,8 +737,9 @@ class WorkerServer:
                 if ctx.kind == "completion" and req.return_token_ids and first_chunk:
                     extra["prompt_token_ids"] = ctx.ids
                 first_chunk = False
-                yield chunk([self._choice(ctx, text, toks, lps, final=tr.done, stream=True, text_offset=offset)],
-                            **extra)
+                yield chunk(
+                    [self._choice(ctx, text, toks, lps, final=tr.done, stream=True, text_offset=offset)], **extra
+                )
                 offset += len(text)
             if req.stream_options and req.stream_options.include_usage:
                 yield chunk([], usage=P.usage(len(ctx.ids), len(tr.token_ids)), asympd_timings=ctx.timings)
@@ -726,8 +801,11 @@ def build_app(server: WorkerServer) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await server.startup()
         c = server.cfg
-        print(f"asympd {c.role} worker (mode {c.mode}, transport {server.transport_name}) ready on "
-              f"http://{c.host}:{server.port}", flush=True)
+        print(
+            f"asympd {c.role} worker (mode {c.mode}, transport {server.transport_name}) ready on "
+            f"http://{c.host}:{server.port}",
+            flush=True,
+        )
         try:
             yield
         finally:
@@ -747,11 +825,27 @@ def build_app(server: WorkerServer) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         server.check_auth(request)
-        return JSONResponse({"object": "list", "data": [{
-            "id": server.model_name, "object": "model", "created": int(time.time()), "owned_by": "asympd",
-            "root": server.cfg.checkpoint, "parent": None, "max_model_len": server.model_cfg.max_seq_len,
-            "asympd": {"role": server.cfg.role, "mode": server.cfg.mode, "resident_bytes": server.resident_bytes},
-        }]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": server.model_name,
+                        "object": "model",
+                        "created": int(time.time()),
+                        "owned_by": "asympd",
+                        "root": server.cfg.checkpoint,
+                        "parent": None,
+                        "max_model_len": server.model_cfg.max_seq_len,
+                        "asympd": {
+                            "role": server.cfg.role,
+                            "mode": server.cfg.mode,
+                            "resident_bytes": server.resident_bytes,
+                        },
+                    }
+                ],
+            }
+        )
 
     @app.get("/health")
     async def health() -> Response:
@@ -824,8 +918,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def run_app(app: FastAPI, sock: socket.socket, log_level: str = "info") -> None:
     import uvicorn
 
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5,
-                            timeout_keep_alive=30)
+    config = uvicorn.Config(
+        app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5, timeout_keep_alive=30
+    )
     uvicorn.Server(config).run(sockets=[sock])
 
 

@@ -114,8 +114,9 @@ class AsyncEngine:
 
     # ---- the event-loop side -----------------------------------------------------------------------
 
-    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                  **kwargs: Any) -> RequestStream:
+    async def add(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **kwargs: Any
+    ) -> RequestStream:
         """Queue a request; ``kwargs`` go to ``add_request`` (prefix_state, first_token, ...).
         Raises what ``add_request`` raises (RequestError, PrefixStateError)."""
         stream = RequestStream(self, request_id)

@@ -47,8 +47,10 @@ def cached_checkpoint(seed: int = 0) -> Path:
     return out
 
 
-LONG = ("The prefill worker runs only the encoder half of the model over the long prefix of this prompt "
-        "and hands the compressed cache to the decode worker, which computes the last window itself.")
+LONG = (
+    "The prefill worker runs only the encoder half of the model over the long prefix of this prompt "
+    "and hands the compressed cache to the decode worker, which computes the last window itself."
+)
 SHORT = "hello world"
 
 
@@ -59,9 +61,11 @@ def _fmt_s(x: Any) -> str:
 def _split(t: dict[str, Any]) -> str:
     path = t.get("prefill_path")
     label = {"remote": "P->D", "local": "D only (N <= W: P skipped)", "recompute": "D recomputed (P failed)"}
-    return (f"{label.get(path, path)}; P compute {_fmt_s(t.get('prefill_s'))} | transfer "
-            f"{_fmt_s(t.get('transfer_s'))} ({t.get('transfer_bytes', 0)} B) | D first step "
-            f"{_fmt_s(t.get('decode_first_step_s'))} | TTFT {_fmt_s(t.get('ttft_s'))}")
+    return (
+        f"{label.get(path, path)}; P compute {_fmt_s(t.get('prefill_s'))} | transfer "
+        f"{_fmt_s(t.get('transfer_s'))} ({t.get('transfer_bytes', 0)} B) | D first step "
+        f"{_fmt_s(t.get('decode_first_step_s'))} | TTFT {_fmt_s(t.get('ttft_s'))}"
+    )
 
 
 def _stream(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any]]:
@@ -81,14 +85,27 @@ def _stream(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[str, 
     return "".join(text), timings, usage
 
 
-def run_demo(checkpoint: str | None = None, transport: str | None = None, max_tokens: int = 12,
-             keep_logs: bool = False) -> int:
+def run_demo(
+    checkpoint: str | None = None, transport: str | None = None, max_tokens: int = 12, keep_logs: bool = False
+) -> int:
     t_start = time.monotonic()
     ckpt = str(checkpoint or cached_checkpoint())
     log_dir = tempfile.mkdtemp(prefix="asympd-demo-")
     env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    common = ["--checkpoint", ckpt, "--mode", "asymmetric", "--host", "127.0.0.1", "--port", "0",
-              "--threads", "1", "--log-level", "warning"] + (["--transport", transport] if transport else [])
+    common = [
+        "--checkpoint",
+        ckpt,
+        "--mode",
+        "asymmetric",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--threads",
+        "1",
+        "--log-level",
+        "warning",
+    ] + (["--transport", transport] if transport else [])
     procs: list[ServerProcess] = []
 
     def on_term(signum: int, frame: Any) -> None:  # SIGTERM: unwind through the finally below
@@ -101,8 +118,24 @@ def run_demo(checkpoint: str | None = None, transport: str | None = None, max_to
         d = ServerProcess("decode", ["serve", "--role", "decode", *common], log_dir, env).start()
         procs += [p, d]
         p_url, d_url = p.wait_ready(60), d.wait_ready(60)
-        r = ServerProcess("router", ["router", "--prefill", p_url, "--decode", d_url, "--host", "127.0.0.1",
-                                     "--port", "0", "--log-level", "warning"], log_dir, env).start()
+        r = ServerProcess(
+            "router",
+            [
+                "router",
+                "--prefill",
+                p_url,
+                "--decode",
+                d_url,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--log-level",
+                "warning",
+            ],
+            log_dir,
+            env,
+        ).start()
         procs.append(r)
         url = r.wait_ready(60)
         with httpx.Client(timeout=httpx.Timeout(60, connect=5)) as client:
@@ -119,19 +152,33 @@ def run_demo(checkpoint: str | None = None, transport: str | None = None, max_to
             print(f"prefill     {p_url}  (role prefill: encoder + KV path, transport {p_info['transport']})")
             print(f"decode      {d_url}  (role decode: full model, recomputes if P fails)")
             print(f"router      {url}  (the only address clients need; mode asymmetric, W = {w})")
-            print(f"weights     P holds {p_info['resident_bytes']:,} B, D holds {d_info['resident_bytes']:,} B "
-                  f"({100 * (1 - p_info['resident_bytes'] / d_info['resident_bytes']):.0f}% less on P)")
+            print(
+                f"weights     P holds {p_info['resident_bytes']:,} B, D holds {d_info['resident_bytes']:,} B "
+                f"({100 * (1 - p_info['resident_bytes'] / d_info['resident_bytes']):.0f}% less on P)"
+            )
             print(f"ready in    {time.monotonic() - t_start:.1f} s\n")
             model = client.get(f"{url}/v1/models").json()["data"][0]["id"]
             common_body = {"model": model, "max_tokens": max_tokens, "temperature": 0}
             jobs: list[tuple[str, str, dict[str, Any], bool]] = [
                 ("completion, long prompt", "/v1/completions", {"prompt": LONG}, False),
                 ("completion, short prompt", "/v1/completions", {"prompt": SHORT}, False),
-                ("chat", "/v1/chat/completions", {"messages": [
-                    {"role": "system", "content": "You are a helpful model."},
-                    {"role": "user", "content": "What does the prefill worker hand to the decode worker?"}]}, False),
-                ("completion, streamed", "/v1/completions",
-                 {"prompt": LONG + " Stream this one.", "stream_options": {"include_usage": True}}, True),
+                (
+                    "chat",
+                    "/v1/chat/completions",
+                    {
+                        "messages": [
+                            {"role": "system", "content": "You are a helpful model."},
+                            {"role": "user", "content": "What does the prefill worker hand to the decode worker?"},
+                        ]
+                    },
+                    False,
+                ),
+                (
+                    "completion, streamed",
+                    "/v1/completions",
+                    {"prompt": LONG + " Stream this one.", "stream_options": {"include_usage": True}},
+                    True,
+                ),
             ]
             for title, path, body, stream in jobs:
                 body = {**common_body, **body, "stream": stream}
@@ -146,8 +193,10 @@ def run_demo(checkpoint: str | None = None, transport: str | None = None, max_to
                     text = c.get("text") if "text" in c else c["message"]["content"]
                     timings, usage = out["asympd_timings"], out["usage"]
                 wall = time.perf_counter() - t0
-                print(f"[{title}] prompt {usage.get('prompt_tokens')} tokens -> {usage.get('completion_tokens')} "
-                      f"tokens in {1e3 * wall:.0f} ms")
+                print(
+                    f"[{title}] prompt {usage.get('prompt_tokens')} tokens -> {usage.get('completion_tokens')} "
+                    f"tokens in {1e3 * wall:.0f} ms"
+                )
                 print(f"    output  {text[:70]!r}")
                 print(f"    TTFT    {_split(timings)}")
             blocks = {}

@@ -16,8 +16,28 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                   7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -41,14 +61,18 @@ class _EngineCollector(Collector):
         if s:
             yield gauge("asympd_num_requests_running", "Requests in the running batch.", s.get("running", 0))
             yield gauge("asympd_num_requests_waiting", "Requests waiting to be admitted.", s.get("waiting", 0))
-            yield gauge("asympd_num_requests_held_for_transfer",
-                        "Prefill worker: exported prefixes whose blocks wait for the decode worker's ack.",
-                        s.get("held_for_transfer", 0))
-            yield gauge("asympd_kv_blocks_used", "Paged KV blocks in use (held by a request).",
-                        s.get("kv_blocks_used", 0))
+            yield gauge(
+                "asympd_num_requests_held_for_transfer",
+                "Prefill worker: exported prefixes whose blocks wait for the decode worker's ack.",
+                s.get("held_for_transfer", 0),
+            )
+            yield gauge(
+                "asympd_kv_blocks_used", "Paged KV blocks in use (held by a request).", s.get("kv_blocks_used", 0)
+            )
             yield gauge("asympd_kv_blocks_total", "Paged KV blocks in the pool.", s.get("kv_blocks_total", 0))
-            usage = GaugeMetricFamily("asympd_kv_usage_bytes", "KV cache bytes in use, per cache group.",
-                                      labels=["group"])
+            usage = GaugeMetricFamily(
+                "asympd_kv_usage_bytes", "KV cache bytes in use, per cache group.", labels=["group"]
+            )
             for group, nbytes in sorted(s.get("kv_usage_bytes", {}).items()):
                 usage.add_metric([str(group)], nbytes)
             yield usage
@@ -57,21 +81,29 @@ class _EngineCollector(Collector):
             yield counter("asympd_generation_tokens", "Tokens generated.", s.get("generation_tokens", 0))
             yield counter("asympd_engine_steps", "Engine steps run.", s.get("steps", 0))
             if s.get("num_spec_tokens"):
-                yield gauge("asympd_spec_decode_num_spec_tokens", "Drafts per request per step (0: off).",
-                            s["num_spec_tokens"])
-                yield counter("asympd_spec_decode_verify_steps", "Request-steps that verified drafts.",
-                              s.get("spec_steps", 0))
-                yield gauge("asympd_spec_decode_acceptance_rate", "Accepted / proposed drafts, all requests so far.",
-                            s.get("spec_acceptance_rate", 0.0))
-                yield gauge("asympd_spec_decode_mean_accepted_length",
-                            "Tokens per verify step (1 + accepted drafts), all requests so far.",
-                            s.get("spec_mean_accepted_length", 0.0))
+                yield gauge(
+                    "asympd_spec_decode_num_spec_tokens", "Drafts per request per step (0: off).", s["num_spec_tokens"]
+                )
+                yield counter(
+                    "asympd_spec_decode_verify_steps", "Request-steps that verified drafts.", s.get("spec_steps", 0)
+                )
+                yield gauge(
+                    "asympd_spec_decode_acceptance_rate",
+                    "Accepted / proposed drafts, all requests so far.",
+                    s.get("spec_acceptance_rate", 0.0),
+                )
+                yield gauge(
+                    "asympd_spec_decode_mean_accepted_length",
+                    "Tokens per verify step (1 + accepted drafts), all requests so far.",
+                    s.get("spec_mean_accepted_length", 0.0),
+                )
         labels = ["transport", "direction"]
         nbytes = CounterMetricFamily("asympd_transfer_bytes", "Prefix-state bytes moved.", labels=labels)
         secs = CounterMetricFamily("asympd_transfer_seconds", "Seconds spent moving prefix states.", labels=labels)
         count = CounterMetricFamily("asympd_transfers", "Prefix-state transfers completed.", labels=labels)
-        fails = CounterMetricFamily("asympd_transfer_failures", "Prefix-state transfers that failed.",
-                                    labels=["transport"])
+        fails = CounterMetricFamily(
+            "asympd_transfer_failures", "Prefix-state transfers that failed.", labels=["transport"]
+        )
         for name, snap in sorted(self.transfers.items()):
             # totals are kept per transport; the direction is this worker's role in them
             direction = "send" if self.static.get("role") == "prefill" else "recv"
@@ -81,13 +113,18 @@ class _EngineCollector(Collector):
             fails.add_metric([name], snap.get("failures", 0))
         yield from (nbytes, secs, count, fails)
         if "resident_bytes" in self.static:
-            yield gauge("asympd_resident_weight_bytes", "Weight bytes this worker's role holds on its device.",
-                        self.static["resident_bytes"])
-        info = GaugeMetricFamily("asympd_worker_info", "Static worker description (value 1).",
-                                 labels=["role", "mode", "model"])
+            yield gauge(
+                "asympd_resident_weight_bytes",
+                "Weight bytes this worker's role holds on its device.",
+                self.static["resident_bytes"],
+            )
+        info = GaugeMetricFamily(
+            "asympd_worker_info", "Static worker description (value 1).", labels=["role", "mode", "model"]
+        )
         if self.static:
-            info.add_metric([str(self.static.get("role")), str(self.static.get("mode")),
-                             str(self.static.get("model"))], 1)
+            info.add_metric(
+                [str(self.static.get("role")), str(self.static.get("mode")), str(self.static.get("model"))], 1
+            )
             yield info
 
 
@@ -104,23 +141,32 @@ class ServerMetrics:
         self.ttft = hist("asympd_time_to_first_token_seconds", "Time to first token, as this worker sees it.")
         self.itl = hist("asympd_inter_token_latency_seconds", "Time between consecutive output tokens.")
         self.e2e = hist("asympd_e2e_request_latency_seconds", "Request latency, arrival to last token.")
-        self.ttft_prefill = hist("asympd_ttft_prefill_seconds",
-                                 "TTFT split: prefill worker compute (from its kv_transfer_params).")
+        self.ttft_prefill = hist(
+            "asympd_ttft_prefill_seconds", "TTFT split: prefill worker compute (from its kv_transfer_params)."
+        )
         self.ttft_transfer = hist("asympd_ttft_transfer_seconds", "TTFT split: fetching the prefix state.")
-        self.ttft_decode = hist("asympd_ttft_decode_first_step_seconds",
-                                "TTFT split: decode worker, request added to first token.")
-        self.prefill_compute = hist("asympd_prefill_compute_seconds",
-                                    "Prefill worker: request added to prefix exported.")
-        self.requests = Counter("asympd_request", "Finished requests, by finish reason.", ["finished_reason"],
-                                registry=r)
-        self.request_errors = Counter("asympd_request_errors", "Refused or failed requests, by HTTP status.",
-                                      ["status"], registry=r)
+        self.ttft_decode = hist(
+            "asympd_ttft_decode_first_step_seconds", "TTFT split: decode worker, request added to first token."
+        )
+        self.prefill_compute = hist(
+            "asympd_prefill_compute_seconds", "Prefill worker: request added to prefix exported."
+        )
+        self.requests = Counter(
+            "asympd_request", "Finished requests, by finish reason.", ["finished_reason"], registry=r
+        )
+        self.request_errors = Counter(
+            "asympd_request_errors", "Refused or failed requests, by HTTP status.", ["status"], registry=r
+        )
         self.prefill_fallbacks = Counter(
-            "asympd_prefill_fallbacks", "Decode worker: prefix recomputed because the prefill path failed.",
-            ["reason"], registry=r)
+            "asympd_prefill_fallbacks",
+            "Decode worker: prefix recomputed because the prefill path failed.",
+            ["reason"],
+            registry=r,
+        )
         self.spec_draft = Counter("asympd_spec_decode_num_draft_tokens", "Speculative tokens proposed.", registry=r)
-        self.spec_accepted = Counter("asympd_spec_decode_num_accepted_tokens", "Speculative tokens accepted.",
-                                     registry=r)
+        self.spec_accepted = Counter(
+            "asympd_spec_decode_num_accepted_tokens", "Speculative tokens accepted.", registry=r
+        )
         self.engine = _EngineCollector()
         self.engine.static = dict(static or {})
         r.register(self.engine)
@@ -149,18 +195,30 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.ttft = Histogram("asympd_router_time_to_first_token_seconds", "TTFT seen by clients of the router.",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("asympd_router_e2e_request_latency_seconds", "Request latency at the router.",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.prefill_rtt = Histogram("asympd_router_prefill_seconds", "Round trip of the prefill call.",
-                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "asympd_router_time_to_first_token_seconds",
+            "TTFT seen by clients of the router.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "asympd_router_e2e_request_latency_seconds",
+            "Request latency at the router.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefill_rtt = Histogram(
+            "asympd_router_prefill_seconds", "Round trip of the prefill call.", buckets=LATENCY_BUCKETS, registry=r
+        )
         self.requests = Counter("asympd_router_requests", "Requests by outcome.", ["outcome"], registry=r)
-        self.prefill_skipped = Counter("asympd_router_prefill_skipped",
-                                       "Asymmetric mode, prompt within the window: the prefill worker skipped.",
-                                       registry=r)
-        self.prefill_failures = Counter("asympd_router_prefill_failures", "Prefill calls that failed.", ["reason"],
-                                        registry=r)
+        self.prefill_skipped = Counter(
+            "asympd_router_prefill_skipped",
+            "Asymmetric mode, prompt within the window: the prefill worker skipped.",
+            registry=r,
+        )
+        self.prefill_failures = Counter(
+            "asympd_router_prefill_failures", "Prefill calls that failed.", ["reason"], registry=r
+        )
         self.aborts = Counter("asympd_router_aborts", "Requests aborted because the client left.", registry=r)
         self.workers = _WorkerCollector()
         r.register(self.workers)
@@ -174,13 +232,17 @@ class _WorkerCollector(Collector):
         self.workers: list[Any] = []  # router.Worker objects
 
     def collect(self) -> Iterator[Metric]:
-        healthy = GaugeMetricFamily("asympd_router_worker_healthy", "1 if the worker passes /health.",
-                                    labels=["kind", "url"])
-        load = GaugeMetricFamily("asympd_router_worker_outstanding_tokens",
-                                 "Tokens of requests in flight on the worker (the routing load).",
-                                 labels=["kind", "url"])
-        inflight = GaugeMetricFamily("asympd_router_worker_requests", "Requests in flight on the worker.",
-                                     labels=["kind", "url"])
+        healthy = GaugeMetricFamily(
+            "asympd_router_worker_healthy", "1 if the worker passes /health.", labels=["kind", "url"]
+        )
+        load = GaugeMetricFamily(
+            "asympd_router_worker_outstanding_tokens",
+            "Tokens of requests in flight on the worker (the routing load).",
+            labels=["kind", "url"],
+        )
+        inflight = GaugeMetricFamily(
+            "asympd_router_worker_requests", "Requests in flight on the worker.", labels=["kind", "url"]
+        )
         for w in self.workers:
             healthy.add_metric([w.kind, w.url], 1 if w.healthy else 0)
             load.add_metric([w.kind, w.url], w.outstanding_tokens)

@@ -49,8 +49,13 @@ class ServerProcess:
         log = open(self.log_path, "wb")  # noqa: SIM115 - the child owns it; closed below
         try:
             self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
-                start_new_session=True, preexec_fn=_die_with_parent if _prctl is not None else None,
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if _prctl is not None else None,
             )
         finally:
             log.close()

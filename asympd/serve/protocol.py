@@ -147,8 +147,9 @@ class CompletionRequest(_Common):
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
-                raise APIError(f"batched prompts ({len(p)}) are not supported: send one request per prompt",
-                               param="prompt")
+                raise APIError(
+                    f"batched prompts ({len(p)}) are not supported: send one request per prompt", param="prompt"
+                )
             p = p[0]
         if self.echo:
             raise APIError("echo is not supported", param="echo")
@@ -214,12 +215,16 @@ def new_id(kind: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
-def completion_logprobs(entries: list[dict[int, float]], tokens: list[int], token_text, text_offset: int,
-                        top_n: int) -> dict[str, Any]:
+def completion_logprobs(
+    entries: list[dict[int, float]], tokens: list[int], token_text, text_offset: int, top_n: int
+) -> dict[str, Any]:
     """OpenAI's legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = text_offset
@@ -240,16 +245,21 @@ def chat_logprobs(entries: list[dict[int, float]], tokens: list[int], token_text
     for tok, entry in zip(tokens, entries, strict=False):
         s = token_text(tok)
         ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n] if top_n else []
-        content.append({
-            "token": s, "logprob": entry.get(tok), "bytes": list(s.encode()),
-            "top_logprobs": [{"token": token_text(t), "logprob": lp, "bytes": list(token_text(t).encode())}
-                             for t, lp in ranked],
-        })
+        content.append(
+            {
+                "token": s,
+                "logprob": entry.get(tok),
+                "bytes": list(s.encode()),
+                "top_logprobs": [
+                    {"token": token_text(t), "logprob": lp, "bytes": list(token_text(t).encode())} for t, lp in ranked
+                ],
+            }
+        )
     return {"content": content}
 
 
-def response_envelope(kind: str, request_id: str, model: str, created: int | None = None,
-                      chunk: bool = False) -> dict[str, Any]:
+def response_envelope(
+    kind: str, request_id: str, model: str, created: int | None = None, chunk: bool = False
+) -> dict[str, Any]:
     obj = {"completion": "text_completion", "chat": "chat.completion.chunk" if chunk else "chat.completion"}[kind]
     return {"id": request_id, "object": obj, "created": created or int(time.time()), "model": model}
-

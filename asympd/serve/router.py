@@ -87,9 +87,16 @@ class Worker:
     inflight: int = 0
 
     def state(self) -> dict[str, Any]:
-        return {"url": self.url, "kind": self.kind, "healthy": self.healthy, "reason": self.reason,
-                "outstanding_tokens": self.outstanding_tokens, "inflight": self.inflight,
-                "role": self.info.get("role"), "mode": self.info.get("mode")}
+        return {
+            "url": self.url,
+            "kind": self.kind,
+            "healthy": self.healthy,
+            "reason": self.reason,
+            "outstanding_tokens": self.outstanding_tokens,
+            "inflight": self.inflight,
+            "role": self.info.get("role"),
+            "mode": self.info.get("mode"),
+        }
 
 
 class Router:
@@ -208,8 +215,9 @@ class Router:
 
     async def startup(self) -> None:
         limits = httpx.Limits(max_connections=2048, max_keepalive_connections=256)
-        self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.cfg.prefill_timeout,
-                                                                             connect=self.cfg.connect_timeout))
+        self.client = httpx.AsyncClient(
+            limits=limits, timeout=httpx.Timeout(self.cfg.prefill_timeout, connect=self.cfg.connect_timeout)
+        )
         self._health_task = asyncio.create_task(self._health_loop())
 
     async def shutdown(self) -> None:
@@ -238,8 +246,9 @@ class Router:
             h["Authorization"] = request.headers["authorization"]
         return h
 
-    def _abort_everywhere(self, rid: str, workers: list[Worker], headers: dict[str, str],
-                          client_left: bool = True) -> None:
+    def _abort_everywhere(
+        self, rid: str, workers: list[Worker], headers: dict[str, str], client_left: bool = True
+    ) -> None:
         """Fire-and-forget ``/asympd/abort`` on every worker that saw the request."""
         if client_left:
             self.metrics.aborts.inc()
@@ -247,8 +256,9 @@ class Router:
         async def one(w: Worker) -> None:
             try:
                 assert self.client is not None
-                await self.client.post(f"{w.url}/asympd/abort", json={"request_id": rid}, headers=headers,
-                                       timeout=self.cfg.abort_timeout)
+                await self.client.post(
+                    f"{w.url}/asympd/abort", json={"request_id": rid}, headers=headers, timeout=self.cfg.abort_timeout
+                )
             except Exception as e:
                 log.info("abort of %s on %s failed: %s", rid, w.url, e)
 
@@ -279,8 +289,7 @@ class Router:
                 if mode == "asymmetric" and n is not None and self.window is not None and n <= self.window:
                     self.metrics.prefill_skipped.inc()
                 else:
-                    kv, early = await until_disconnect(request, self._prefill(path, body, headers, load, touched,
-                                                                              rid))
+                    kv, early = await until_disconnect(request, self._prefill(path, body, headers, load, touched, rid))
                     if early is not None:
                         return early
             resp = await self._decode(kind, path, body, headers, load + max_tokens, kv, touched, request, t0, rid)
@@ -294,14 +303,19 @@ class Router:
             self._abort_everywhere(rid, [w for w in touched if w.kind == "prefill"], headers, client_left=False)
         return resp
 
-    async def _prefill(self, path: str, body: dict[str, Any], headers: dict[str, str], load: int,
-                       touched: list[Worker], rid: str) -> tuple[dict[str, Any], Response | None]:
+    async def _prefill(
+        self, path: str, body: dict[str, Any], headers: dict[str, str], load: int, touched: list[Worker], rid: str
+    ) -> tuple[dict[str, Any], Response | None]:
         """P's kv_transfer_params (or a prefill_failed marker), or a response to return as is (4xx)."""
         assert self.client is not None
         tried: set[str] = set()
         reason = "no healthy prefill worker"
-        p_body = {**body, "stream": False, "stream_options": None,
-                  "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+        p_body = {
+            **body,
+            "stream": False,
+            "stream_options": None,
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+        }
         while True:
             w = self.pick(self.prefill, tried)
             if w is None:
@@ -312,9 +326,12 @@ class Router:
             w.inflight += 1
             t0 = time.perf_counter()
             try:
-                r = await self.client.post(f"{w.url}{path}", json=p_body, headers=headers,
-                                           timeout=httpx.Timeout(self.cfg.prefill_timeout,
-                                                                 connect=self.cfg.connect_timeout))
+                r = await self.client.post(
+                    f"{w.url}{path}",
+                    json=p_body,
+                    headers=headers,
+                    timeout=httpx.Timeout(self.cfg.prefill_timeout, connect=self.cfg.connect_timeout),
+                )
             except httpx.ConnectError as e:  # never reached P: mark it down and try the next one
                 w.healthy, w.reason = False, f"connection refused: {e}"
                 reason = f"prefill worker {w.url} unreachable: {e}"
@@ -352,9 +369,19 @@ class Router:
         log.warning("prefill failed: %s", reason)
         return {"do_remote_prefill": True, "do_remote_decode": False, "prefill_failed": reason}, None
 
-    async def _decode(self, kind: str, path: str, body: dict[str, Any], headers: dict[str, str], load: int,
-                      kv: dict[str, Any] | None, touched: list[Worker], request: Request, t0: float,
-                      rid: str) -> Response:
+    async def _decode(
+        self,
+        kind: str,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        load: int,
+        kv: dict[str, Any] | None,
+        touched: list[Worker],
+        request: Request,
+        t0: float,
+        rid: str,
+    ) -> Response:
         assert self.client is not None
         d_body = dict(body)
         if kv is not None:
@@ -383,8 +410,7 @@ class Router:
 
             timeout = httpx.Timeout(self.cfg.stream_idle_timeout, connect=self.cfg.connect_timeout)
             try:
-                req = self.client.build_request("POST", f"{w.url}{path}", json=d_body, headers=headers,
-                                                timeout=timeout)
+                req = self.client.build_request("POST", f"{w.url}{path}", json=d_body, headers=headers, timeout=timeout)
                 resp = await until_disconnect(request, self.client.send(req, stream=True))
             except httpx.ConnectError as e:
                 release()
@@ -404,17 +430,20 @@ class Router:
                     content = await until_disconnect(request, resp.aread())
                 except httpx.HTTPError as e:
                     self.metrics.requests.labels("decode_error").inc()
-                    raise P.APIError(f"decode worker {w.url} failed mid-response: {type(e).__name__}: {e}",
-                                     502) from None
+                    raise P.APIError(
+                        f"decode worker {w.url} failed mid-response: {type(e).__name__}: {e}", 502
+                    ) from None
                 finally:
                     release()
                     await resp.aclose()
                 self._finished(resp.status_code, t0, ttft=None)
-                return Response(content, status_code=resp.status_code, media_type="application/json",
-                                headers={"X-Request-Id": rid})
+                return Response(
+                    content, status_code=resp.status_code, media_type="application/json", headers={"X-Request-Id": rid}
+                )
             relay = _Relay(self, resp, w, release, t0, rid, headers, touched)
-            return GuardedStreamingResponse(relay.body(), relay.close, media_type="text/event-stream",
-                                            headers={"X-Request-Id": rid})
+            return GuardedStreamingResponse(
+                relay.body(), relay.close, media_type="text/event-stream", headers={"X-Request-Id": rid}
+            )
 
     def _finished(self, status: int, t0: float, ttft: float | None) -> None:
         self.metrics.requests.labels("ok" if status == 200 else f"http_{status}").inc()
@@ -428,9 +457,11 @@ class Router:
     def health(self) -> tuple[int, dict[str, Any]]:
         ok = any(w.healthy for w in self.decode)
         return (200 if ok else 503), {
-            "status": "ok" if ok else "no healthy decode worker", "mode": self.mode,
+            "status": "ok" if ok else "no healthy decode worker",
+            "mode": self.mode,
             "all_healthy": all(w.healthy for w in self.prefill + self.decode),
-            "tokenizer": self.tokenizer is not None, "window_size": self.window,
+            "tokenizer": self.tokenizer is not None,
+            "window_size": self.window,
             "workers": [w.state() for w in self.prefill + self.decode],
         }
 
@@ -438,22 +469,30 @@ class Router:
         assert self.client is not None
         for w in [w for w in self.decode if w.healthy]:
             try:
-                r = await self.client.get(f"{w.url}/v1/models", headers=self._headers(request, uuid.uuid4().hex),
-                                          timeout=self.cfg.connect_timeout)
+                r = await self.client.get(
+                    f"{w.url}/v1/models",
+                    headers=self._headers(request, uuid.uuid4().hex),
+                    timeout=self.cfg.connect_timeout,
+                )
                 if r.status_code == 200:
                     return r.json()
             except httpx.HTTPError:
                 continue
-        return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "asympd"}
-                                           for m in sorted(self.model_names)]}
+        return {
+            "object": "list",
+            "data": [{"id": m, "object": "model", "owned_by": "asympd"} for m in sorted(self.model_names)],
+        }
 
 
 def build_router_app(router: Router) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await router.startup()
-        print(f"asympd router (mode {router.cfg.mode or 'from workers'}, {len(router.prefill)}P"
-              f"{len(router.decode)}D) ready on http://{router.cfg.host}:{router.cfg.port}", flush=True)
+        print(
+            f"asympd router (mode {router.cfg.mode or 'from workers'}, {len(router.prefill)}P"
+            f"{len(router.decode)}D) ready on http://{router.cfg.host}:{router.cfg.port}",
+            flush=True,
+        )
         try:
             yield
         finally:
@@ -500,8 +539,17 @@ class _Relay:
     """D's SSE bytes to the client; an error event if D dies; aborts everywhere if the client leaves
     (``close`` runs in every case, also when the body never started)."""
 
-    def __init__(self, router: Router, resp: httpx.Response, w: Worker, release: Any, t0: float, rid: str,
-                 headers: dict[str, str], touched: list[Worker]) -> None:
+    def __init__(
+        self,
+        router: Router,
+        resp: httpx.Response,
+        w: Worker,
+        release: Any,
+        t0: float,
+        rid: str,
+        headers: dict[str, str],
+        touched: list[Worker],
+    ) -> None:
         self.router, self.resp, self.w, self.release = router, resp, w, release
         self.t0, self.rid, self.headers, self.touched = t0, rid, headers, touched
         self.ended = False  # D's stream was relayed to its end (or its failure reported)

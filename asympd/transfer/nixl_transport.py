@@ -288,9 +288,7 @@ class NixlTransport(Transport):
             t0 = time.perf_counter()
             reply = guarded(control, deadline, where)
             header = parse_header(reply["header"].encode())
-            buffers = [
-                torch.empty(e["shape"], dtype=DTYPES[e["dtype"]], device=self.device) for e in header["buffers"]
-            ]
+            buffers = [torch.empty(e["shape"], dtype=DTYPES[e["dtype"]], device=self.device) for e in header["buffers"]]
             nbytes = self._read(reply, buffers, tid, ack, deadline)
             if ack and not reply["indices"]:  # nothing was read, so no notification carried the ack
                 self.ack(params, fingerprint, deadline.left())

@@ -217,9 +217,7 @@ class PrefixState:
         if self.metadata() != other.metadata() or self.version != other.version or a.keys() != b.keys():
             return False
         return all(
-            x.dtype == y.dtype
-            and x.shape == y.shape
-            and np.array_equal(tensor_bytes(x), tensor_bytes(y))
+            x.dtype == y.dtype and x.shape == y.shape and np.array_equal(tensor_bytes(x), tensor_bytes(y))
             for x, y in ((a[n], b[n]) for n in a)
         )
 

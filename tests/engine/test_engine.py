@@ -24,8 +24,9 @@ def models(tiny_ckpt):
 
 def engine(model, role="colocated", mode="colocated", **kw) -> LLMEngine:
     sched = kw.pop("scheduler", SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
-    return LLMEngine(model, EngineConfig(role=role, mode=mode, prefill_semantics=kw.pop("semantics", "split"),
-                                         scheduler=sched, **kw))
+    return LLMEngine(
+        model, EngineConfig(role=role, mode=mode, prefill_semantics=kw.pop("semantics", "split"), scheduler=sched, **kw)
+    )
 
 
 def drain(eng: LLMEngine, limit: int = 2000) -> dict[str, object]:

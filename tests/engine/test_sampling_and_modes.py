@@ -51,9 +51,10 @@ def test_stop_tokens_max_tokens_and_logprobs_through_the_engine(tiny_ckpt):
     assert len(toks) == 8 and full.outputs[0].finish_reason == "length"
     stop_at = toks[3]
     first = toks.index(stop_at)
-    out = llm.generate(prompt_token_ids=[prompt],
-                       sampling_params=SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop_at],
-                                                      logprobs=-1))[0]
+    out = llm.generate(
+        prompt_token_ids=[prompt],
+        sampling_params=SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop_at], logprobs=-1),
+    )[0]
     assert out.outputs[0].token_ids == toks[: first + 1]
     assert out.outputs[0].finish_reason == "stop"
     assert all(len(d) == CFG.vocab_size for d in out.outputs[0].logprobs)
@@ -75,9 +76,13 @@ def test_plans_say_who_computes_what():
     n, w = 40, CFG.window_size
     assert colocated_phases(CFG, n, "full") == [Phase(0, 40, Depth.ALL)]
     assert colocated_phases(CFG, n, "decoder-replay") == [
-        Phase(0, 24, Depth.THROUGH_SOURCE, sample=False), Phase(24, 40, Depth.ALL, floor=24)]
+        Phase(0, 24, Depth.THROUGH_SOURCE, sample=False),
+        Phase(24, 40, Depth.ALL, floor=24),
+    ]
     assert colocated_phases(CFG, n, "split") == [
-        Phase(0, 24, Depth.ENCODER_KV, sample=False), Phase(24, 40, Depth.ALL, floor=24, encoder_floor=24)]
+        Phase(0, 24, Depth.ENCODER_KV, sample=False),
+        Phase(24, 40, Depth.ALL, floor=24, encoder_floor=24),
+    ]
     p, d = prefill_plan(CFG, n, "asymmetric"), decode_plan(CFG, n, "asymmetric")
     assert (p.export_upto, p.samples_first_token, d.import_upto) == (n - w, False, n - w)
     assert d.phases == [Phase(24, 40, Depth.ALL, floor=24, encoder_floor=24)]

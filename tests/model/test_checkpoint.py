@@ -167,8 +167,12 @@ def test_unexpected_tensor_missing_from_index(ckpt, tmp_path):
 
 def test_vision_tensors_skipped(ckpt, tmp_path):
     d = _copy(ckpt, tmp_path)
-    vision = {"vision.blocks.0.attn.qkv.weight": torch.zeros(4, 4), "aligner.proj.weight": torch.zeros(2, 2),
-              "image_newline": torch.zeros(8), "layers.0.ffn.gate.bias_vl": torch.zeros(8)}
+    vision = {
+        "vision.blocks.0.attn.qkv.weight": torch.zeros(4, 4),
+        "aligner.proj.weight": torch.zeros(2, 2),
+        "image_newline": torch.zeros(8),
+        "layers.0.ffn.gate.bias_vl": torch.zeros(8),
+    }
     seen = []
 
     def add(shard, t):
@@ -265,8 +269,12 @@ def test_weights_non_degenerate(full):
     # fan-in scaled projections: FP8 tiles and FP4 experts both dequantize to gain * fan_in^-0.5
     wq_a = dequant_fp8_tiles(t["layers.2.attn.wq_a.weight"], t["layers.2.attn.wq_a.scale"])
     assert abs(_rms(wq_a) * math.sqrt(cfg.dim) - ck.GAIN["wq_a"]) < 0.1
-    w1 = torch.cat([dequant_fp4(t[f"layers.2.ffn.experts.{e}.w1.weight"], t[f"layers.2.ffn.experts.{e}.w1.scale"])
-                    for e in range(cfg.n_routed_experts)])
+    w1 = torch.cat(
+        [
+            dequant_fp4(t[f"layers.2.ffn.experts.{e}.w1.weight"], t[f"layers.2.ffn.experts.{e}.w1.scale"])
+            for e in range(cfg.n_routed_experts)
+        ]
+    )
     assert abs(_rms(w1) * math.sqrt(cfg.dim) / ck.GAIN["w1"] - 1) < 0.35
     # Engram table rows have unit-ish RMS and differ
     table = dequant_fp8_rows(t["layers.0.engram.embed.weight"], t["layers.0.engram.embed.scale"])

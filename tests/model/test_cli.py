@@ -15,8 +15,10 @@ from asympd.model.schema import role_schema
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "tiny"
-    assert cli.main(["make-checkpoint", "--config", "tiny", "--out", str(out), "--seed", "3",
-                     "--shard-bytes", "500000"]) == 0
+    assert (
+        cli.main(["make-checkpoint", "--config", "tiny", "--out", str(out), "--seed", "3", "--shard-bytes", "500000"])
+        == 0
+    )
     return out
 
 

@@ -19,8 +19,22 @@ ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def worker(name: str, ckpt: str, role: str, mode: str, log_dir: Any, *extra: str) -> ServerProcess:
-    args = ["serve", "--role", role, "--mode", mode, "--checkpoint", ckpt, "--port", "0", "--threads", "1",
-            "--log-level", "warning", *extra]
+    args = [
+        "serve",
+        "--role",
+        role,
+        "--mode",
+        mode,
+        "--checkpoint",
+        ckpt,
+        "--port",
+        "0",
+        "--threads",
+        "1",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
     return ServerProcess(name, args, log_dir, ENV)
 
 
@@ -52,10 +66,10 @@ class ThreadServer:
 
         self.sock = bind_socket(host, 0)
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                                    timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
-                                       daemon=True)
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
+        )
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])), daemon=True)
 
     def start(self, timeout: float = 20.0) -> ThreadServer:
         self.thread.start()
@@ -84,6 +98,7 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str, interval: float
 
 def wait_router(url: str, timeout: float = 30.0) -> dict[str, Any]:
     """Until the router sees every worker healthy (and has the tokenizer)."""
+
     def ok() -> dict[str, Any] | None:
         body = httpx.get(f"{url}/health", timeout=2).json()
         return body if body.get("all_healthy") and body.get("tokenizer") else None
@@ -104,8 +119,12 @@ def metrics(url: str) -> dict[str, float]:
 
 def idle(url: str) -> bool:
     m = metrics(url)
-    return (m.get("asympd_kv_blocks_used") == 0 and m.get("asympd_num_requests_held_for_transfer") == 0
-            and m.get("asympd_num_requests_running") == 0 and m.get("asympd_num_requests_waiting") == 0)
+    return (
+        m.get("asympd_kv_blocks_used") == 0
+        and m.get("asympd_num_requests_held_for_transfer") == 0
+        and m.get("asympd_num_requests_running") == 0
+        and m.get("asympd_num_requests_waiting") == 0
+    )
 
 
 def wait_idle(urls: list[str], timeout: float = 15.0) -> None:
@@ -147,5 +166,13 @@ def fold(events: list[dict[str, Any]], done: bool) -> dict[str, Any]:
             finish = c.get("finish_reason") or finish
         timings = ev.get("asympd_timings") or timings
         usage = ev.get("usage") or usage
-    return {"text": "".join(text), "token_ids": toks, "finish_reason": finish, "timings": timings,
-            "usage": usage, "errors": errors, "done": done, "events": events}
+    return {
+        "text": "".join(text),
+        "token_ids": toks,
+        "finish_reason": finish,
+        "timings": timings,
+        "usage": usage,
+        "errors": errors,
+        "done": done,
+        "events": events,
+    }

@@ -18,8 +18,17 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def url(tiny_ckpt, tmp_path_factory):
-    proc = worker("colocated", tiny_ckpt, "colocated", "colocated", tmp_path_factory.mktemp("api-logs"),
-                  "--api-key", KEY, "--served-model-name", "tiny")
+    proc = worker(
+        "colocated",
+        tiny_ckpt,
+        "colocated",
+        "colocated",
+        tmp_path_factory.mktemp("api-logs"),
+        "--api-key",
+        KEY,
+        "--served-model-name",
+        "tiny",
+    )
     (u,) = start_all([proc])
     try:
         yield u
@@ -41,16 +50,21 @@ def offline(tiny_ckpt):
 def test_greedy_equals_offline_and_usage(url, client, offline):
     for ids in random_prompts([3, 20, 45], seed=5):
         want = offline.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=5, temperature=0))[0]
-        r = client.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 5,
-                                                        "temperature": 0, "return_token_ids": True})
+        r = client.post(
+            f"{url}/v1/completions",
+            json={"model": "tiny", "prompt": ids, "max_tokens": 5, "temperature": 0, "return_token_ids": True},
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == "tiny"
         c = body["choices"][0]
         assert c["token_ids"] == want.outputs[0].token_ids
         assert c["text"] == offline.tokenizer.decode(want.outputs[0].token_ids)
-        assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(c["token_ids"]),
-                                 "total_tokens": len(ids) + len(c["token_ids"])}
+        assert body["usage"] == {
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(c["token_ids"]),
+            "total_tokens": len(ids) + len(c["token_ids"]),
+        }
         assert body["prompt_token_ids"] == ids and body["asympd_timings"]["prefill_path"] == "local"
 
 
@@ -66,13 +80,12 @@ def test_stream_matches_non_stream(url, client):
 
 
 def test_stop_strings_and_stop_token_ids(url, client):
-    base = {"prompt": [7, 8, 9, 10], "max_tokens": 12, "temperature": 0, "return_token_ids": True,
-            "ignore_eos": True}
+    base = {"prompt": [7, 8, 9, 10], "max_tokens": 12, "temperature": 0, "return_token_ids": True, "ignore_eos": True}
     full = client.post(f"{url}/v1/completions", json=base).json()["choices"][0]
     text = full["text"]
-    starts = [i for i in range(1, len(text) - 1) if "\ufffd" not in text[i:i + 2]]
+    starts = [i for i in range(1, len(text) - 1) if "\ufffd" not in text[i : i + 2]]
     assert starts, text
-    stop = text[starts[0]:starts[0] + 2]
+    stop = text[starts[0] : starts[0] + 2]
     cut = text.index(stop)
     r = client.post(f"{url}/v1/completions", json={**base, "stop": [stop, "never-there"]}).json()["choices"][0]
     assert r["text"] == full["text"][:cut] and r["finish_reason"] == "stop" and r["stop_reason"] == stop
@@ -89,8 +102,16 @@ def test_stop_strings_and_stop_token_ids(url, client):
 
 
 def test_seed_temperature_top_p_top_k(url, client):
-    body = {"prompt": "hello", "max_tokens": 8, "temperature": 1.0, "top_p": 0.9, "top_k": 20, "seed": 1234,
-            "return_token_ids": True, "ignore_eos": True}
+    body = {
+        "prompt": "hello",
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "top_k": 20,
+        "seed": 1234,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
     a = client.post(f"{url}/v1/completions", json=body).json()["choices"][0]["token_ids"]
     b = client.post(f"{url}/v1/completions", json=body).json()["choices"][0]["token_ids"]
     c = client.post(f"{url}/v1/completions", json={**body, "seed": 99}).json()["choices"][0]["token_ids"]
@@ -99,24 +120,37 @@ def test_seed_temperature_top_p_top_k(url, client):
 
 
 def test_logprobs(url, client):
-    r = client.post(f"{url}/v1/completions", json={"prompt": "hello world", "max_tokens": 4, "temperature": 0,
-                                                    "logprobs": 3}).json()["choices"][0]
+    r = client.post(
+        f"{url}/v1/completions", json={"prompt": "hello world", "max_tokens": 4, "temperature": 0, "logprobs": 3}
+    ).json()["choices"][0]
     lp = r["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 4
     for logprob, top in zip(lp["token_logprobs"], lp["top_logprobs"], strict=True):
         assert logprob <= 0 and 1 <= len(top) <= 4
         assert max(top.values()) == pytest.approx(logprob)  # greedy: the chosen token is the most likely
-    c = client.post(f"{url}/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0, "logprobs": True,
-        "top_logprobs": 2}).json()["choices"][0]
+    c = client.post(
+        f"{url}/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+    ).json()["choices"][0]
     content = c["logprobs"]["content"]
     assert len(content) == 3 and all(len(e["top_logprobs"]) == 2 and e["logprob"] <= 0 for e in content)
 
 
 def test_chat_schema(url, client):
-    body = {"messages": [{"role": "system", "content": "be brief"},
-                         {"role": "user", "content": [{"type": "text", "text": "hello"}]}],
-            "max_completion_tokens": 3, "temperature": 0}
+    body = {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hello"}]},
+        ],
+        "max_completion_tokens": 3,
+        "temperature": 0,
+    }
     r = client.post(f"{url}/v1/chat/completions", json=body).json()
     assert r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-")
     assert r["choices"][0]["message"]["role"] == "assistant" and r["usage"]["completion_tokens"] <= 3

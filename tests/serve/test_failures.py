@@ -43,13 +43,26 @@ def cluster(tiny_ckpt, tmp_path_factory):
     routers = []
     try:
         for d_url in (rec_url, fail_url):
-            cfg = RouterConfig(prefill=[p_url], decode=[d_url], health_interval=0.3, connect_timeout=1.0,
-                               prefill_timeout=PREFILL_TIMEOUT, stream_idle_timeout=20)
+            cfg = RouterConfig(
+                prefill=[p_url],
+                decode=[d_url],
+                health_interval=0.3,
+                connect_timeout=1.0,
+                prefill_timeout=PREFILL_TIMEOUT,
+                stream_idle_timeout=20,
+            )
             routers.append(ThreadServer(build_router_app(Router(cfg))).start())
         for r in routers:
             wait_router(r.url)
-        yield {"p": p, "prefill": p_url, "recompute": rec_url, "fail": fail_url, "d_fail": d_fail,
-               "router_recompute": routers[0].url, "router_fail": routers[1].url}
+        yield {
+            "p": p,
+            "prefill": p_url,
+            "recompute": rec_url,
+            "fail": fail_url,
+            "d_fail": d_fail,
+            "router_recompute": routers[0].url,
+            "router_fail": routers[1].url,
+        }
     finally:
         for r in routers:
             r.stop()
@@ -93,14 +106,22 @@ def silent_port():
 
 
 def _greedy(llm: LLM, ids: list[int], n: int) -> list[int]:
-    return llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=n, temperature=0))[0] \
-        .outputs[0].token_ids
+    return (
+        llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=n, temperature=0))[0]
+        .outputs[0]
+        .token_ids
+    )
 
 
 def test_hung_transfer_endpoint(cluster, client, offline, silent_port):
     ids = random_prompts([40], seed=11)[0]
-    kv = {"do_remote_prefill": True, "transport": "tcp", "host": "127.0.0.1", "port": silent_port,
-          "transfer_id": "never-answered"}
+    kv = {
+        "do_remote_prefill": True,
+        "transport": "tcp",
+        "host": "127.0.0.1",
+        "port": silent_port,
+        "transfer_id": "never-answered",
+    }
     body = {"prompt": ids, "max_tokens": 5, "temperature": 0, "return_token_ids": True, "kv_transfer_params": kv}
     t0 = time.monotonic()
     r = client.post(f"{cluster['recompute']}/v1/completions", json=body)
@@ -118,8 +139,11 @@ def test_hung_transfer_endpoint(cluster, client, offline, silent_port):
 
 
 def test_router_reported_prefill_failure(cluster, client):
-    body = {"prompt": random_prompts([30], seed=12)[0], "max_tokens": 3,
-            "kv_transfer_params": {"do_remote_prefill": True, "prefill_failed": "P is gone"}}
+    body = {
+        "prompt": random_prompts([30], seed=12)[0],
+        "max_tokens": 3,
+        "kv_transfer_params": {"do_remote_prefill": True, "prefill_failed": "P is gone"},
+    }
     assert client.post(f"{cluster['recompute']}/v1/completions", json=body).status_code == 200
     r = client.post(f"{cluster['fail']}/v1/completions", json=body)
     assert r.status_code == 503 and "P is gone" in r.json()["error"]["message"]
@@ -127,8 +151,11 @@ def test_router_reported_prefill_failure(cluster, client):
 
 def _post_many(url: str, prompts: list[list[int]], n: int = 4) -> list[httpx.Response]:
     def one(ids: list[int]) -> httpx.Response:
-        return httpx.post(f"{url}/v1/completions", timeout=60,
-                          json={"prompt": ids, "max_tokens": n, "temperature": 0, "return_token_ids": True})
+        return httpx.post(
+            f"{url}/v1/completions",
+            timeout=60,
+            json={"prompt": ids, "max_tokens": n, "temperature": 0, "return_token_ids": True},
+        )
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(one, prompts))
@@ -170,13 +197,17 @@ def test_killed_prefill_worker_mid_flight(cluster):
 
     def one(ids: list[int]) -> dict:
         with httpx.Client(timeout=60) as c:
-            return stream(c, f"{url}/v1/completions", {"prompt": ids, "max_tokens": 4, "temperature": 0,
-                                                        "return_token_ids": True})
+            return stream(
+                c, f"{url}/v1/completions", {"prompt": ids, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+            )
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(one, ids) for ids in prompts]
-        wait_for(lambda: httpx.get(f"{cluster['prefill']}/asympd/stats", timeout=2).json()["engine"]["steps"] > 0,
-                 20, "P started working")
+        wait_for(
+            lambda: httpx.get(f"{cluster['prefill']}/asympd/stats", timeout=2).json()["engine"]["steps"] > 0,
+            20,
+            "P started working",
+        )
         cluster["p"].signal(signal.SIGKILL)
         results = [f.result(timeout=60) for f in futures]
     assert not cluster["p"].alive()

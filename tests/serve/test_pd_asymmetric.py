@@ -49,21 +49,29 @@ def client():
 
 
 def _greedy(llm: LLM, ids: list[int], n: int = MAX_TOKENS) -> list[int]:
-    return llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=n, temperature=0))[0] \
-        .outputs[0].token_ids
+    return (
+        llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=n, temperature=0))[0]
+        .outputs[0]
+        .token_ids
+    )
 
 
 def test_greedy_completions_equal_offline(cluster, offline, client):
     prompts = random_prompts(LENGTHS, seed=1)
     for ids in prompts:
-        r = client.post(f"{cluster['router']}/v1/completions",
-                        json={"prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True})
+        r = client.post(
+            f"{cluster['router']}/v1/completions",
+            json={"prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True},
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         choice = body["choices"][0]
         assert choice["token_ids"] == _greedy(offline, ids), f"prompt of {len(ids)} tokens"
-        assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(choice["token_ids"]),
-                                 "total_tokens": len(ids) + len(choice["token_ids"])}
+        assert body["usage"] == {
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(choice["token_ids"]),
+            "total_tokens": len(ids) + len(choice["token_ids"]),
+        }
         t = body["asympd_timings"]
         if len(ids) <= 16:  # P has nothing to do: the router skips it
             assert t["prefill_path"] == "local"
@@ -92,15 +100,24 @@ def test_text_prompt_chat_and_stream_equal_offline(cluster, offline, client, tin
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": prompt}]
     chat_ids = tok.encode(apply_chat_template([(m["role"], m["content"]) for m in messages])).ids
     want = _greedy(offline, chat_ids)
-    c = client.post(f"{cluster['router']}/v1/chat/completions",
-                    json={"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
-                          "return_token_ids": True}).json()
+    c = client.post(
+        f"{cluster['router']}/v1/chat/completions",
+        json={"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True},
+    ).json()
     assert c["object"] == "chat.completion" and c["choices"][0]["token_ids"] == want
     assert c["choices"][0]["message"]["content"] == offline.tokenizer.decode(want)
     assert c["usage"]["prompt_tokens"] == len(chat_ids)
-    s = stream(client, f"{cluster['router']}/v1/chat/completions",
-               {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True,
-                "stream_options": {"include_usage": True}})
+    s = stream(
+        client,
+        f"{cluster['router']}/v1/chat/completions",
+        {
+            "messages": messages,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert s["done"] and s["token_ids"] == want and s["usage"]["completion_tokens"] == len(want)
     assert s["events"][0]["choices"][0]["delta"]["role"] == "assistant"
 
@@ -109,8 +126,14 @@ def test_64_concurrent_streams_complete(cluster):
     prompts = random_prompts([4 + (7 * i) % 60 for i in range(64)], seed=2)
 
     async def one(client: httpx.AsyncClient, ids: list[int]) -> dict:
-        body = {"prompt": ids, "max_tokens": 4, "temperature": 0, "stream": True, "return_token_ids": True,
-                "ignore_eos": True}
+        body = {
+            "prompt": ids,
+            "max_tokens": 4,
+            "temperature": 0,
+            "stream": True,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        }
         async with client.stream("POST", f"{cluster['router']}/v1/completions", json=body) as r:
             assert r.status_code == 200
             lines = [line async for line in r.aiter_lines()]
@@ -160,16 +183,21 @@ def test_malformed_json(cluster, client, target):
 def test_bad_prefix_state(cluster, client):
     """A prefix state that does not belong to the prompt is refused with 400 (and P still frees it)."""
     a, b = random_prompts([40, 40], seed=3)
-    p = client.post(f"{cluster['prefill']}/v1/completions",
-                    json={"prompt": a, "max_tokens": 2, "kv_transfer_params": {"do_remote_decode": True}})
+    p = client.post(
+        f"{cluster['prefill']}/v1/completions",
+        json={"prompt": a, "max_tokens": 2, "kv_transfer_params": {"do_remote_decode": True}},
+    )
     assert p.status_code == 200, p.text
     kv = p.json()["kv_transfer_params"]
     assert kv["do_remote_prefill"] and kv["split"] == 40 - 16 and kv["transfer_id"]
-    r = client.post(f"{cluster['decode']}/v1/completions",
-                    json={"prompt": b, "max_tokens": 2, "kv_transfer_params": kv})
+    r = client.post(
+        f"{cluster['decode']}/v1/completions", json={"prompt": b, "max_tokens": 2, "kv_transfer_params": kv}
+    )
     assert r.status_code == 400 and "bad prefix state" in r.json()["error"]["message"], r.text
-    r = client.post(f"{cluster['decode']}/v1/completions",
-                    json={"prompt": b, "max_tokens": 2, "kv_transfer_params": {"do_remote_prefill": True}})
+    r = client.post(
+        f"{cluster['decode']}/v1/completions",
+        json={"prompt": b, "max_tokens": 2, "kv_transfer_params": {"do_remote_prefill": True}},
+    )
     assert r.status_code == 400 and "kv_transfer_params" in r.json()["error"]["message"]
     r = client.post(f"{cluster['prefill']}/v1/completions", json={"prompt": b, "max_tokens": 2})
     assert r.status_code == 400 and "prefill worker" in r.json()["error"]["message"]
@@ -202,10 +230,16 @@ def test_models_health_metrics(cluster, client):
     assert 0 < p_info["resident_bytes"] < d_info["resident_bytes"]
     assert p_info["fingerprint"] == d_info["fingerprint"]
     m = metrics(cluster["decode"])
-    for name in ("asympd_time_to_first_token_seconds_count", "asympd_inter_token_latency_seconds_count",
-                 "asympd_e2e_request_latency_seconds_count", "asympd_ttft_transfer_seconds_count",
-                 "asympd_ttft_decode_first_step_seconds_count", "asympd_kv_blocks_total",
-                 "asympd_spec_decode_num_accepted_tokens_total", "asympd_num_preemptions_total"):
+    for name in (
+        "asympd_time_to_first_token_seconds_count",
+        "asympd_inter_token_latency_seconds_count",
+        "asympd_e2e_request_latency_seconds_count",
+        "asympd_ttft_transfer_seconds_count",
+        "asympd_ttft_decode_first_step_seconds_count",
+        "asympd_kv_blocks_total",
+        "asympd_spec_decode_num_accepted_tokens_total",
+        "asympd_num_preemptions_total",
+    ):
         assert name in m, name
     assert m["asympd_ttft_transfer_seconds_count"] > 0
     assert any(k.startswith("asympd_kv_usage_bytes{") for k in m)

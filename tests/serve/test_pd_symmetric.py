@@ -33,8 +33,11 @@ def test_greedy_equals_offline_symmetric(cluster, tiny_ckpt):
     llm = LLM(tiny_ckpt, mode="symmetric")
     with httpx.Client(timeout=httpx.Timeout(60, connect=5)) as client:
         for ids in random_prompts([6, 16, 25, 60], seed=7):
-            want = llm.generate(prompt_token_ids=[ids],
-                                sampling_params=SamplingParams(max_tokens=5, temperature=0))[0].outputs[0].token_ids
+            want = (
+                llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=5, temperature=0))[0]
+                .outputs[0]
+                .token_ids
+            )
             body = {"prompt": ids, "max_tokens": 5, "temperature": 0, "return_token_ids": True}
             r = client.post(f"{cluster['router']}/v1/completions", json=body)
             assert r.status_code == 200, r.text
@@ -46,12 +49,16 @@ def test_greedy_equals_offline_symmetric(cluster, tiny_ckpt):
             assert s["done"] and s["token_ids"] == want
 
         # max_tokens=1: the only token is P's
-        one = client.post(f"{cluster['router']}/v1/completions",
-                          json={"prompt": ids, "max_tokens": 1, "temperature": 0, "return_token_ids": True}).json()
+        one = client.post(
+            f"{cluster['router']}/v1/completions",
+            json={"prompt": ids, "max_tokens": 1, "temperature": 0, "return_token_ids": True},
+        ).json()
         assert one["choices"][0]["token_ids"] == want[:1] and one["choices"][0]["finish_reason"] == "length"
 
-        lp = client.post(f"{cluster['router']}/v1/completions",
-                         json={"prompt": ids, "max_tokens": 4, "temperature": 0, "logprobs": 1}).json()
+        lp = client.post(
+            f"{cluster['router']}/v1/completions",
+            json={"prompt": ids, "max_tokens": 4, "temperature": 0, "logprobs": 1},
+        ).json()
         logprobs = lp["choices"][0]["logprobs"]
         assert len(logprobs["tokens"]) == 4 and all(x is not None for x in logprobs["token_logprobs"])
     wait_idle([cluster["prefill"], cluster["decode"]])

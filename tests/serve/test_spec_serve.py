@@ -17,10 +17,19 @@ def test_spec_worker_matches_offline_and_reports_acceptance(tiny_ckpt, tmp_path)
         offline = LLM(tiny_ckpt, mode="colocated")
         with httpx.Client(timeout=60) as c:
             for ids in random_prompts([4, 30], seed=61):
-                want = offline.generate(prompt_token_ids=[ids],
-                                        sampling_params=SamplingParams(max_tokens=6, temperature=0))[0]
-                r = c.post(f"{url}/v1/completions", json={"model": tiny_ckpt, "prompt": ids, "max_tokens": 6,
-                                                           "temperature": 0, "return_token_ids": True})
+                want = offline.generate(
+                    prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=6, temperature=0)
+                )[0]
+                r = c.post(
+                    f"{url}/v1/completions",
+                    json={
+                        "model": tiny_ckpt,
+                        "prompt": ids,
+                        "max_tokens": 6,
+                        "temperature": 0,
+                        "return_token_ids": True,
+                    },
+                )
                 assert r.status_code == 200, r.text
                 assert r.json()["choices"][0]["text"] == want.outputs[0].text
             metrics = c.get(f"{url}/metrics").text

@@ -14,8 +14,9 @@ from asympd.serve.router import Router, RouterConfig
 
 
 def test_chat_template_shape():
-    text = apply_chat_template([("system", "S1"), ("user", "u1"), ("assistant", "a1"), ("system", "S2"),
-                                ("user", "u2")])
+    text = apply_chat_template(
+        [("system", "S1"), ("user", "u1"), ("assistant", "a1"), ("system", "S2"), ("user", "u2")]
+    )
     assert text == f"{BOS}S1\n\nS2{USER}u1{ASSISTANT}a1{EOS}{USER}u2{ASSISTANT}"
     assert apply_chat_template([("user", "u")], add_generation_prompt=False) == f"{BOS}{USER}u"
     # a trailing assistant message is continued, not closed
@@ -119,13 +120,16 @@ def test_router_counts_tokens_like_the_workers(tiny_ckpt):
     assert r.count_tokens("completion", {"prompt": 12}) is None  # malformed: the worker will say why
 
 
-@pytest.mark.parametrize(("body", "needle"), [
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "x", "temperature": -0.1}, "temperature"),
-    ({"prompt": "x", "top_k": -5}, "top_k"),
-    ({"prompt": "x", "n": 3}, "n=3"),
-    ({"prompt": "x", "echo": True}, "echo"),
-])
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "temperature": -0.1}, "temperature"),
+        ({"prompt": "x", "top_k": -5}, "top_k"),
+        ({"prompt": "x", "n": 3}, "n=3"),
+        ({"prompt": "x", "echo": True}, "echo"),
+    ],
+)
 def test_sampling_validation_messages(body, needle):
     req = P.parse_request("completion", body)
     with pytest.raises(P.APIError, match=needle):
@@ -144,8 +148,15 @@ def test_worker_metrics_export_engine_speculation_stats():
     from asympd.serve.metrics import ServerMetrics
 
     m = ServerMetrics({"role": "decode"})
-    stats = {"running": 1, "waiting": 0, "kv_blocks_used": 3, "num_spec_tokens": 3, "spec_steps": 10,
-             "spec_acceptance_rate": 0.25, "spec_mean_accepted_length": 1.75}
+    stats = {
+        "running": 1,
+        "waiting": 0,
+        "kv_blocks_used": 3,
+        "num_spec_tokens": 3,
+        "spec_steps": 10,
+        "spec_acceptance_rate": 0.25,
+        "spec_mean_accepted_length": 1.75,
+    }
     text = m.render(stats, {}).decode()
     assert "asympd_spec_decode_num_spec_tokens 3.0" in text
     assert "asympd_spec_decode_acceptance_rate 0.25" in text

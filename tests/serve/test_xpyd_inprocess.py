@@ -23,14 +23,23 @@ def cluster(tiny_ckpt):
     try:
         urls = {}
         for name, role in (("p1", "prefill"), ("p2", "prefill"), ("d", "decode")):
-            ws = WorkerServer(ServeConfig(checkpoint=tiny_ckpt, role=role, mode="encoder-only", transport="tcp",
-                                          port=0, served_model_name="tiny"))
+            ws = WorkerServer(
+                ServeConfig(
+                    checkpoint=tiny_ckpt,
+                    role=role,
+                    mode="encoder-only",
+                    transport="tcp",
+                    port=0,
+                    served_model_name="tiny",
+                )
+            )
             ts = ThreadServer(build_app(ws))
             ws.port = int(ts.url.rsplit(":", 1)[1])
             started.append(ts.start())
             urls[name] = ts.url
-        router = Router(RouterConfig(prefill=[urls["p1"], urls["p2"]], decode=[urls["d"]], api_key=KEY,
-                                     health_interval=0.3))
+        router = Router(
+            RouterConfig(prefill=[urls["p1"], urls["p2"]], decode=[urls["d"]], api_key=KEY, health_interval=0.3)
+        )
         rs = ThreadServer(build_router_app(router)).start()
         started.append(rs)
         wait_router(rs.url)
@@ -47,8 +56,9 @@ def test_api_key_on_the_router(cluster):
         assert r.status_code == 401 and r.json()["error"]["code"] == 401
     assert httpx.get(f"{cluster['router']}/v1/models", timeout=5).status_code == 401
     assert httpx.get(f"{cluster['router']}/health", timeout=5).status_code == 200  # probes need no key
-    r = httpx.post(f"{cluster['router']}/v1/completions", json=body, timeout=30,
-                   headers={"Authorization": f"Bearer {KEY}"})
+    r = httpx.post(
+        f"{cluster['router']}/v1/completions", json=body, timeout=30, headers={"Authorization": f"Bearer {KEY}"}
+    )
     assert r.status_code == 200, r.text
 
 
@@ -56,8 +66,11 @@ def test_two_prefill_workers_share_the_load_and_match_offline(cluster, tiny_ckpt
     llm = LLM(tiny_ckpt, mode="encoder-only")
     with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as c:
         for i, ids in enumerate(random_prompts([5, 16, 30, 50, 33, 21], seed=21)):
-            want = llm.generate(prompt_token_ids=[ids],
-                                sampling_params=SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids
+            want = (
+                llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=4, temperature=0))[0]
+                .outputs[0]
+                .token_ids
+            )
             body = {"model": "tiny", "prompt": ids, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
             if i % 2:
                 got = stream(c, f"{cluster['router']}/v1/completions", body)["token_ids"]
