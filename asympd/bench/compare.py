@@ -17,17 +17,10 @@ from typing import Any
 import torch
 
 from asympd.engine.llm import LLM
+from asympd.engine.modes import VARIANTS
 from asympd.engine.sampling import SamplingParams
 
-MODES = [
-    ("colocated", "full", "carry"),
-    ("colocated", "decoder-replay", "carry"),
-    ("colocated", "split", "carry"),
-    ("asymmetric", "full", "carry"),
-    ("asymmetric", "full", "align"),
-    ("symmetric", "full", "carry"),
-    ("encoder-only", "full", "carry"),
-]
+MODES = VARIANTS
 
 
 def mode_name(mode: str, semantics: str, policy: str) -> str:

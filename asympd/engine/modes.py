@@ -28,6 +28,16 @@ MODES = ("colocated", "symmetric", "encoder-only", "asymmetric")
 SEMANTICS = ("full", "decoder-replay", "split")
 BOUNDARY_POLICIES = ("carry", "align")
 ROLES = ("colocated", "prefill", "decode")
+# every distinct deployment: (mode, colocated semantics, boundary policy)
+VARIANTS = (
+    ("colocated", "full", "carry"),
+    ("colocated", "decoder-replay", "carry"),
+    ("colocated", "split", "carry"),
+    ("asymmetric", "full", "carry"),
+    ("asymmetric", "full", "align"),
+    ("symmetric", "full", "carry"),
+    ("encoder-only", "full", "carry"),
+)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from asympd import LLM, SamplingParams
 from asympd.config import ModelConfig, tiny
 from asympd.engine import engine as engine_module
 from asympd.engine.engine import EngineConfig, LLMEngine
+from asympd.engine.modes import VARIANTS
 from asympd.engine.request import Status
 from asympd.engine.sampling import processed_probs
 from asympd.engine.scheduler import SchedulerConfig
@@ -39,15 +40,7 @@ W = 16  # the tiny preset's window
 N_SAMPLES = 768  # requests in the end-to-end statistical test
 K = 3  # its DSpark block size: the most drafts a step can verify
 SCHED = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256)
-MODES = [
-    ("colocated", "full", "carry"),
-    ("colocated", "decoder-replay", "carry"),
-    ("colocated", "split", "carry"),
-    ("asymmetric", "full", "carry"),
-    ("asymmetric", "full", "align"),
-    ("symmetric", "full", "carry"),
-    ("encoder-only", "full", "carry"),
-]
+MODES = VARIANTS
 LENGTHS = [1, W, W + 1, 2 * W + 1, 45]
 MAX_TOKENS = [10, 4, 11, 6, 8]  # requests leave at different steps
 
