@@ -207,15 +207,19 @@ class Attention(torch.nn.Module):
 
     # ---- the full layer ----------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, segs: list[SegmentView]) -> torch.Tensor:
+    def project(self, x: torch.Tensor, segs: list[SegmentView]) -> tuple[torch.Tensor, ...]:
+        """(rotations, q latent, rotated queries, rotated FP8-rounded window KV) of every row."""
         cfg = self.cfg
-        positions = torch.cat([s.positions for s in segs])
-        rot = rotations(self.freqs, positions)
+        rot = rotations(self.freqs, torch.cat([s.positions for s in segs]))
         qr = rms_norm(self.wq_a(x), self.q_norm, cfg.norm_eps)
         q = apply_rope(self.wq_b(qr).unflatten(-1, (cfg.n_heads, cfg.head_dim)), rot, cfg.rope_head_dim)
         kv = rms_norm(self.wkv(x), self.kv_norm, cfg.norm_eps)
         kv = fp8_qdq(apply_rope(kv, rot, cfg.rope_head_dim), 32)
+        return rot, qr, q, kv
 
+    def forward(self, x: torch.Tensor, segs: list[SegmentView]) -> torch.Tensor:
+        cfg = self.cfg
+        rot, qr, q, kv = self.project(x, segs)
         outs = []
         for seg in segs:
             sl = slice(seg.lo, seg.hi)

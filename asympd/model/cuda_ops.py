@@ -39,7 +39,7 @@ from asympd.model import cuda_kernels as K
 from asympd.model import ops
 from asympd.model.attention import Attention, SegmentView, rotations
 from asympd.model.moe import MoE
-from asympd.model.ops import QLinear, apply_rope, linear, rms_norm, stable_elementwise
+from asympd.model.ops import QLinear, apply_rope, linear, stable_elementwise
 from asympd.model.quant import FP8_MAX, fp4_qdq, fp8_qdq, pow2_scale
 
 # ---- capability probes (run once per device, outside any graph capture) ------------------------
@@ -484,12 +484,7 @@ class FastAttention(Attention):
 
     def forward(self, x: torch.Tensor, segs: list[SegmentView]) -> torch.Tensor:
         cfg = self.cfg
-        positions = torch.cat([s.positions for s in segs])
-        rot = rotations(self.freqs, positions)
-        qr = rms_norm(self.wq_a(x), self.q_norm, cfg.norm_eps)
-        q = apply_rope(self.wq_b(qr).unflatten(-1, (cfg.n_heads, cfg.head_dim)), rot, cfg.rope_head_dim)
-        kv = rms_norm(self.wkv(x), self.kv_norm, cfg.norm_eps)
-        kv = fp8_qdq(apply_rope(kv, rot, cfg.rope_head_dim), 32)
+        rot, qr, q, kv = self.project(x, segs)
         outs = []
         for seg in segs:
             sl = slice(seg.lo, seg.hi)
