@@ -253,25 +253,29 @@ class Attention(torch.nn.Module):
         valid = (all_pos[idx] == want) & (want >= seg.floor) & (want >= 0)
         return all_kv[idx], valid
 
-    def _compressed_keys(
+    def selection(
         self, seg: SegmentView, x: torch.Tensor, qr: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The selected compressed entries per query, ``index_topk`` fixed slots (unused ones masked)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the selected compressed entries per query, ``index_topk`` fixed slots with -1 for unused
+        ones; the entries they index, None while there are none). Index sources select with
+        ``_select``; the layers after them reuse the latest selection."""
         pos = seg.positions
         n = (seg.start + len(pos)) // self.ratio
-        visible = (pos + 1) // self.ratio
         if self.is_index_source:
-            sel = self._select(seg, x, qr, visible, n)
+            sel = self._select(seg, x, qr, (pos + 1) // self.ratio, n)
             seg.shared[f"selection.{self.ratio}"] = sel
         else:
             sel = seg.shared[f"selection.{self.ratio}"]
-        k = self.cfg.index_topk
-        sel = F.pad(sel, (0, k - sel.size(1)), value=-1)
-        if n == 0:
-            return x.new_zeros(len(pos), k, self.cfg.head_dim), torch.zeros(
-                len(pos), k, dtype=torch.bool, device=x.device
-            )
-        entries = seg.kv.read_compressed(self.source, n)
+        sel = F.pad(sel, (0, self.cfg.index_topk - sel.size(1)), value=-1)
+        return sel, (seg.kv.read_compressed(self.source, n) if n else None)
+
+    def _compressed_keys(
+        self, seg: SegmentView, x: torch.Tensor, qr: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selected entries gathered per query, and which slots are real."""
+        sel, entries = self.selection(seg, x, qr)
+        if entries is None:
+            return x.new_zeros(*sel.shape, self.cfg.head_dim), torch.zeros_like(sel, dtype=torch.bool)
         return entries[sel.clamp_min(0)], sel >= 0
 
 

@@ -494,7 +494,7 @@ class FastAttention(Attention):
             if self.ratio:
                 if self.is_source and seg.write_global:
                     self._write_compressed(seg, x[sl])
-                sel, entries = self._selection(seg, x[sl], qr[sl])
+                sel, entries = self.selection(seg, x[sl], qr[sl])
             qs = q[sl]
             for r0 in range(0, m, self.row_chunk):
                 r1 = min(m, r0 + self.row_chunk)
@@ -527,23 +527,7 @@ class FastAttention(Attention):
         valid = (all_pos[idx] == want) & (want >= seg.floor) & (want >= 0)
         return all_kv, idx, valid
 
-    def _selection(self, seg: SegmentView, x: torch.Tensor, qr: torch.Tensor):
-        """(selection [m, index_topk] with -1 for unused slots, the entries it indexes or None)."""
-        pos = seg.positions
-        n = (seg.start + len(pos)) // self.ratio
-        visible = (pos + 1) // self.ratio
-        if self.is_index_source:
-            sel = self._select_fast(seg, x, qr, visible, n)
-            seg.shared[f"selection.{self.ratio}"] = sel
-        else:
-            sel = seg.shared[f"selection.{self.ratio}"]
-        k = self.cfg.index_topk
-        sel = F.pad(sel, (0, k - sel.size(1)), value=-1)
-        if n == 0:
-            return sel, None
-        return sel, seg.kv.read_compressed(self.source, n)
-
-    def _select_fast(self, seg, x, qr, visible, n) -> torch.Tensor:
+    def _select(self, seg, x, qr, visible, n) -> torch.Tensor:
         cfg = self.cfg
         m = x.size(0)
         if n == 0:
