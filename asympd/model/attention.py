@@ -85,10 +85,13 @@ def sparse_attention(
     return out.to(q.dtype)
 
 
-def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
+def select_candidate_blocks(
+    scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int, topk=stable_topk
+) -> torch.Tensor:
     """Level one of the two-level top-k: per query keep the ``topk_blocks`` blocks of ``block``
     positions with the best entry. The block holding the query's newest visible entry is always
-    kept. Returns a bool mask shaped like scores [m, n]."""
+    kept. Returns a bool mask shaped like scores [m, n]. ``topk`` must break ties like
+    ``stable_topk`` (the CUDA path passes its radix version)."""
     n = scores.size(-1)
     padded = F.pad(scores, (0, -n % block), value=float("-inf"))
     block_scores = padded.unflatten(-1, (-1, block)).amax(dim=-1)
@@ -96,10 +99,11 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_bl
     newest = (visible - 1).div(block, rounding_mode="floor")
     pinned = torch.arange(nb, device=scores.device) == newest.unsqueeze(-1)
     block_scores = block_scores.masked_fill(pinned, float("inf"))
-    top = stable_topk(block_scores, min(topk_blocks, nb))
+    top = topk(block_scores, min(topk_blocks, nb))
     keep = torch.zeros_like(block_scores, dtype=torch.bool)
     keep.scatter_(-1, top, block_scores.gather(-1, top) > float("-inf"))
-    return keep.repeat_interleave(block, dim=-1)[..., :n]
+    # each block's verdict repeated over its positions (expand: no host sync, graph-capturable)
+    return keep.unsqueeze(-1).expand(*keep.shape, block).flatten(-2)[..., :n]
 
 
 class Attention(torch.nn.Module):

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from asympd.model import cuda_kernels as K
 from asympd.model import ops
-from asympd.model.attention import Attention, SegmentView, rotations
+from asympd.model.attention import Attention, SegmentView, rotations, select_candidate_blocks
 from asympd.model.moe import MoE
 from asympd.model.ops import QLinear, apply_rope, linear, stable_elementwise
 from asympd.model.quant import FP8_MAX, fp4_qdq, fp8_qdq, pow2_scale
@@ -455,18 +455,7 @@ def fast_sparse_attention(
 
 def fast_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
     """``attention.select_candidate_blocks`` with the radix top-k."""
-    n = scores.size(-1)
-    padded = F.pad(scores, (0, -n % block), value=float("-inf"))
-    block_scores = padded.unflatten(-1, (-1, block)).amax(dim=-1)
-    nb = block_scores.size(-1)
-    newest = (visible - 1).div(block, rounding_mode="floor")
-    pinned = torch.arange(nb, device=scores.device) == newest.unsqueeze(-1)
-    block_scores = block_scores.masked_fill(pinned, float("inf"))
-    top = fast_topk(block_scores, min(topk_blocks, nb))
-    keep = torch.zeros_like(block_scores, dtype=torch.bool)
-    keep.scatter_(-1, top, block_scores.gather(-1, top) > float("-inf"))
-    # repeat_interleave by expand: no host round trip, so a CUDA graph can capture it
-    return keep.unsqueeze(-1).expand(*keep.shape, block).flatten(-2)[..., :n]
+    return select_candidate_blocks(scores, visible, topk_blocks, block, topk=fast_topk)
 
 
 def indexer_scores(qi: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
