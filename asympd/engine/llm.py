@@ -56,9 +56,11 @@ class LLM:
         enable_prefix_caching: bool = True,
         num_spec_tokens: int = 0,
         spec_confidence_threshold: float | None = None,
+        weights: str = "auto",
     ):
         """``num_spec_tokens`` > 0 turns on speculative decoding with the checkpoint's DSpark draft
-        blocks in the engine that decodes (the colocated engine, or D); the prefill worker never drafts."""
+        blocks in the engine that decodes (the colocated engine, or D); the prefill worker never drafts.
+        ``weights``: packed (as released; the CUDA default) or dequantized (the CPU default)."""
         self.mode = mode
         self.tokenizer = load_tokenizer(checkpoint)
         detok = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer else None
@@ -80,11 +82,11 @@ class LLM:
 
         self.prefill: LLMEngine | None = None
         if mode == "colocated":
-            self.engine = LLMEngine(load_model(checkpoint, "full", device, dtype), config("colocated"), detok)
+            self.engine = LLMEngine(load_model(checkpoint, "full", device, dtype, weights), config("colocated"), detok)
         else:
             p_role = "full" if mode == "symmetric" else "prefill"
-            self.prefill = LLMEngine(load_model(checkpoint, p_role, device, dtype), config("prefill"), detok)
-            self.engine = LLMEngine(load_model(checkpoint, "decode", device, dtype), config("decode"), detok)
+            self.prefill = LLMEngine(load_model(checkpoint, p_role, device, dtype, weights), config("prefill"), detok)
+            self.engine = LLMEngine(load_model(checkpoint, "decode", device, dtype, weights), config("decode"), detok)
         self.cfg = self.engine.cfg
         self._next_id = 0
         self._params: dict[str, SamplingParams] = {}  # requests at the prefill engine

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from asympd.config import ModelConfig
-from asympd.model.ops import QLinear, apply_rope, linear, ordered_sum, rms_norm, rope_frequencies, stable_topk
+from asympd.model.ops import QLinear, apply_rope, ordered_sum, rms_norm, rope_frequencies, stable_topk
 from asympd.model.quant import fp4_qdq, fp8_qdq
 
 
@@ -236,9 +236,7 @@ class Attention(torch.nn.Module):
             outs.append(sparse_attention(q[sl], keys, mask, self.attn_sink, self.scale, self.round_probs))
         o = apply_rope(torch.cat(outs), rot, cfg.rope_head_dim, inverse=True)
         # wo_a is block-diagonal over output groups: each group projects only its own heads
-        o = o.reshape(o.size(0), cfg.o_groups, -1)
-        wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
-        o = torch.stack([linear(o[:, g], wo_a[g]) for g in range(cfg.o_groups)], dim=1)
+        o = self.wo_a.grouped(o.reshape(o.size(0), cfg.o_groups, -1))
         return self.wo_b(o.flatten(1))
 
     def _window_keys(self, seg: SegmentView, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

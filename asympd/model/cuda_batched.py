@@ -231,9 +231,7 @@ def group_attention(
         outs.append(_group_core(attn, g, floor, x[sl], qr[sl], q[sl], kv[sl], rot[sl], row_budget))
         lo += g.rows
     o = apply_rope(torch.cat(outs), rot, cfg.rope_head_dim, inverse=True)
-    o = o.reshape(o.size(0), cfg.o_groups, -1)
-    wo_a = attn.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
-    o = torch.bmm(o.transpose(0, 1), wo_a.transpose(1, 2)).transpose(0, 1)
+    o = attn.wo_a.grouped(o.reshape(o.size(0), cfg.o_groups, -1))
     return attn.wo_b(o.flatten(1))
 
 

@@ -38,8 +38,10 @@ import torch.nn.functional as F
 from asympd.model import cuda_kernels as K
 from asympd.model import ops
 from asympd.model.attention import Attention, SegmentView, rotations, select_candidate_blocks
+from asympd.model.gemm_kernels import moe_blocks
 from asympd.model.moe import MoE
 from asympd.model.ops import QLinear, apply_rope, linear, stable_elementwise
+from asympd.model.packed import FP8TileLinear, PackedExperts, moe_block_m
 from asympd.model.quant import FP8_MAX, fp4_qdq, fp8_qdq, pow2_scale
 
 # ---- capability probes (run once per device, outside any graph capture) ------------------------
@@ -214,6 +216,13 @@ class FastQLinear(QLinear):
             x = qdq32(x.to(self.weight.dtype))
         return linear(x.to(self.weight.dtype), self.weight)
 
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """The groups as one batched GEMM (``QLinear.grouped``'s function)."""
+        if self.quantized:
+            x = qdq32(x.to(self.weight.dtype))
+        w = self.weight.view(x.size(1), -1, x.size(-1))
+        return torch.bmm(x.to(w.dtype).transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
+
 
 def bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b with fp32 products and output; bf16 operands stay bf16 where the GPU allows it."""
@@ -286,10 +295,41 @@ class FP8Linear(QLinear):
 
 
 class FastMoE(MoE):
-    """Routed experts as grouped GEMMs over expert-sorted tokens; the shared expert as before."""
+    """Routed experts as grouped GEMMs over expert-sorted tokens; the shared expert as before.
+
+    ``experts``: ``mxfp4`` (as released, the loader's default on CUDA: ``packed.PackedExperts`` and
+    the MXFP4 grouped GEMM), ``bf16`` (dequantized, ``torch._grouped_mm``) or ``fp8`` (rowwise)."""
 
     experts = "bf16"
     inexact_rows = 0
+
+    @classmethod
+    def packed(
+        cls,
+        cfg: Any,
+        layer: int,
+        gate: dict[str, torch.Tensor],
+        w13: PackedExperts,
+        w2: PackedExperts,
+        s13: FP8TileLinear,
+        s2: FP8TileLinear,
+    ) -> FastMoE:
+        """Routed experts as stored (MXFP4), the shared expert as stored (FP8 tiles; ``s13`` holds
+        w1 and w3 stacked, both unquantized inputs: the block quantizes its input once)."""
+        moe = cls.__new__(cls)
+        torch.nn.Module.__init__(moe)
+        moe.n_experts, moe.topk = cfg.moe_shape(layer)
+        moe.score_func, moe.route_scale, moe.limit = cfg.score_func, cfg.route_scale, cfg.swiglu_limit
+        moe.gate, moe.bias = gate["weight"], gate["bias"]
+        moe.w1 = moe.w2 = moe.w3 = moe.s1 = moe.s3 = None
+        moe.w13, moe.w2f, moe.s13, moe.s2 = w13, w2, s13, s2
+        moe.inter = w2.weight.size(-1) * 2
+        moe.shared_inter = s2.in_features
+        moe.experts = "mxfp4"
+        moe.gate_bf16 = gate["weight"].to(torch.bfloat16) if torch.equal(
+            gate["weight"].to(torch.bfloat16).float(), gate["weight"]
+        ) else None
+        return moe
 
     def convert(self, experts: str = "bf16", chunk: int = 32) -> None:
         """Build the fused operands from the reference's stacked [E, out, in] weights, freeing them."""
@@ -316,6 +356,7 @@ class FastMoE(MoE):
         self.experts = experts
         self.w1 = self.w3 = self.w2 = None
         self.s13 = torch.cat([self.s1, self.s3], 0).contiguous()  # shared expert gate|up in one GEMM
+        self.shared_inter = self.s1.size(0)
         # the router's operands are bf16 values held in fp32: bf16 GEMM with fp32 output is exact
         self.gate_bf16 = (
             self.gate.to(torch.bfloat16) if torch.equal(self.gate.to(torch.bfloat16).float(), self.gate) else None
@@ -377,6 +418,8 @@ class FastMoE(MoE):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if getattr(self, "w13", None) is None:
             return super().forward(x)
+        if self.experts == "mxfp4":
+            return self._forward_mxfp4(x)
         t, k, n_exp = x.size(0), self.topk, self.w13.size(0)
         weights, ids = self.route(x)
         flat = ids.reshape(-1)
@@ -406,13 +449,37 @@ class FastMoE(MoE):
         # combine: slot s of token t sits at position inv[t * k + s] of the expert-sorted rows
         inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
         y = out.index_select(0, inv).view(t, k, -1).sum(1, dtype=torch.float32)
-        sg = linear(xq, self.s13)
+        return self._add_shared(y, xq, fused).to(x.dtype)
+
+    def _add_shared(self, y: torch.Tensor, xq: torch.Tensor, fused: bool) -> torch.Tensor:
+        """y + the shared expert of the already quantized input xq (fp32)."""
+        sg = _mm(xq, self.s13)
         if fused and sg.dtype == torch.bfloat16:
             hs = K.swiglu_qdq(sg, None, self.limit, sg.dtype)
         else:
-            hs = qdq32(self._swiglu_f32(sg, self.s1.size(0)).to(sg.dtype))
-        y += linear(hs, self.s2).float()
-        return y.to(x.dtype)
+            hs = qdq32(self._swiglu_f32(sg, self.shared_inter).to(sg.dtype))
+        return y + _mm(hs, self.s2).float()
+
+    def _forward_mxfp4(self, x: torch.Tensor) -> torch.Tensor:
+        """Routed experts straight from the packed FP4 operands: rows sorted by expert and cut
+        into M-blocks on the device; the GEMMs expand FP4 in registers (``gemm_kernels``)."""
+        t, k = x.size(0), self.topk
+        weights, ids = self.route(x)
+        flat = ids.reshape(-1)
+        bm = moe_block_m(flat.numel(), self.w13.n_experts)
+        order, *blocks = moe_blocks(flat, self.w13.n_experts, bm)
+        fused = self._fused(x)
+        xq = qdq32(x)  # also the shared expert's input
+        gu = self.w13.matmul(xq, blocks, flat.numel(), bm, a_rows=order // k)
+        w_sorted = weights.reshape(-1)[order]
+        if fused:
+            h = K.swiglu_qdq(gu, w_sorted, self.limit, torch.bfloat16)
+        else:
+            h = qdq32((self._swiglu_f32(gu, self.inter) * w_sorted.unsqueeze(-1)).to(x.dtype))
+        out = self.w2f.matmul(h, blocks, flat.numel(), bm, a_rows=None)
+        inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
+        y = out.index_select(0, inv).view(t, k, -1).sum(1, dtype=torch.float32)
+        return self._add_shared(y, xq, fused).to(x.dtype)
 
     @staticmethod
     def _fused(x: torch.Tensor) -> bool:
@@ -424,6 +491,11 @@ class FastMoE(MoE):
             up = up.clamp(-self.limit, self.limit)
             gate = gate.clamp(max=self.limit)
         return stable_elementwise(F.silu, gate) * up
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor | FP8TileLinear) -> torch.Tensor:
+    """x @ w^T for a dequantized weight or a packed one (input already quantized)."""
+    return w(x) if isinstance(w, FP8TileLinear) else linear(x, w)
 
 
 def _to_fast_moe(moe: MoE, experts: str) -> FastMoE:
@@ -497,9 +569,7 @@ class FastAttention(Attention):
                     keys, mask = torch.cat([keys, ent], dim=1), torch.cat([mask, s >= 0], dim=1)
                 outs.append(fast_sparse_attention(qs[r0:r1], keys, mask, self.attn_sink, self.scale, self.round_probs))
         o = apply_rope(torch.cat(outs), rot, cfg.rope_head_dim, inverse=True)
-        o = o.reshape(o.size(0), cfg.o_groups, -1)
-        wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
-        o = torch.bmm(o.transpose(0, 1), wo_a.transpose(1, 2)).transpose(0, 1)  # grouped, as 8 linears
+        o = self.wo_a.grouped(o.reshape(o.size(0), cfg.o_groups, -1))
         return self.wo_b(o.flatten(1))
 
     def _window_index(self, seg: SegmentView, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -550,11 +620,13 @@ class FastAttention(Attention):
 # ---- conversion -------------------------------------------------------------------------------
 
 
-def accelerate(model: Any, *, experts: str = "bf16", linears: str = "bf16") -> Any:
-    """Switch a built model to the fast paths in place (idempotent). ``experts``: bf16 | fp8;
-    ``linears``: bf16 | fp8 (FP8-stored attention and shared-expert matrices). Returns the model."""
-    if experts not in ("bf16", "fp8") or linears not in ("bf16", "fp8"):
-        raise ValueError("experts and linears must be 'bf16' or 'fp8'")
+def accelerate(model: Any, *, experts: str | None = None, linears: str = "bf16") -> Any:
+    """Switch a built model to the fast paths in place (idempotent). ``experts``: bf16 | fp8, or
+    None to keep what the loader built (packed MXFP4 experts stay packed, dequantized ones become
+    bf16 grouped operands); ``linears``: bf16 | fp8 (rowwise FP8 for dequantized FP8-stored matrices;
+    packed ``FP8TileLinear`` ones are left as they are). Returns the model."""
+    if experts not in (None, "bf16", "fp8") or linears not in ("bf16", "fp8"):
+        raise ValueError("experts must be None, 'bf16' or 'fp8' and linears 'bf16' or 'fp8'")
     device = model.device
     caps(device)
     install_kernels(device)
@@ -562,7 +634,7 @@ def accelerate(model: Any, *, experts: str = "bf16", linears: str = "bf16") -> A
     drafter = getattr(model, "drafter", None)
     if drafter is not None:
         blocks += list(getattr(drafter, "blocks", []))
-    report = {"experts": experts, "linears": linears, "inexact_expert_rows": 0, "inexact_linear_rows": 0}
+    report = {"experts": experts or "bf16", "linears": linears, "inexact_expert_rows": 0, "inexact_linear_rows": 0}
     for block in blocks:
         if block is None:
             continue
@@ -585,9 +657,10 @@ def accelerate(model: Any, *, experts: str = "bf16", linears: str = "bf16") -> A
             if experts == "fp8" and not caps(device).get("scaled_grouped_mm"):
                 raise RuntimeError("experts='fp8' needs torch._scaled_grouped_mm on this device")
             if not isinstance(ffn, FastMoE):
-                _to_fast_moe(ffn, experts)
-            else:
+                _to_fast_moe(ffn, experts or "bf16")
+            elif experts is not None:
                 ffn.reconvert(experts)
+            report["experts"] = ffn.experts
             report["inexact_expert_rows"] += ffn.inexact_rows
         if device.type == "cuda":
             torch.cuda.empty_cache()

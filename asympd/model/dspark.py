@@ -136,9 +136,7 @@ class DSparkAttention(Attention):
             mask = torch.cat([win_valid, win_valid.new_ones(n)]).unsqueeze(0).expand(n, -1)
             outs.append(sparse_attention(q[seg.lo : seg.hi], keys, mask, self.attn_sink, self.scale, self.round_probs))
         o = apply_rope(torch.cat(outs), rot, cfg.rope_head_dim, inverse=True)
-        o = o.reshape(o.size(0), cfg.o_groups, -1)
-        wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
-        o = torch.stack([linear(o[:, g], wo_a[g]) for g in range(cfg.o_groups)], dim=1)
+        o = self.wo_a.grouped(o.reshape(o.size(0), cfg.o_groups, -1))
         return self.wo_b(o.flatten(1))
 
 

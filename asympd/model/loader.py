@@ -1,8 +1,13 @@
 """Build a role's model from checkpoint tensors in their storage formats.
 
-FP8 and FP4 weights are dequantized once here (exactly: they fit bf16) and their GEMM inputs keep
-the reference's FP8 activation quantization at run time. Engram tables stay FP8. The LM head is
-held in fp32, as the reference holds it, so logits come out in fp32.
+Two weight layouts (``weights=``), the same function:
+- ``dequantized`` (the CPU reference): FP8 and FP4 weights are dequantized once here (exactly: they
+  fit bf16) and their GEMM inputs keep the reference's FP8 activation quantization at run time;
+- ``packed`` (the default on CUDA): FP8 matrices and MXFP4 experts stay as stored and run through
+  the Triton GEMMs of ``gemm_kernels`` (``packed.py``), so a role holds the bytes ``asympd memory``
+  counts; the Engram tables stay in (pinned) host memory and only the looked-up rows move.
+Engram tables stay FP8 in both. The LM head is held in fp32, as the reference holds it, so logits
+come out in fp32.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from asympd.model.dspark import DSpark, DSparkAttention
 from asympd.model.engram import Engram
 from asympd.model.moe import MoE
 from asympd.model.ops import QLinear
+from asympd.model.packed import FP8TileLinear, PackedExperts
 from asympd.model.quant import dequant_fp4, dequant_fp8_tiles
 from asympd.model.schema import ROLES
 from asympd.model.transformer import Block, Transformer
@@ -39,10 +45,11 @@ ATTN_VECTORS = ("q_norm.weight", "kv_norm.weight", "attn_sink", "compressor.norm
 
 
 class _Reader:
-    """Takes tensors out of the loaded dict by name, dequantizing by storage dtype."""
+    """Takes tensors out of the loaded dict by name, dequantizing by storage dtype (or, ``packed``,
+    keeping FP8 matrices and FP4 experts as stored)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
-        self.t, self.dtype, self.device = tensors, dtype, device
+    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, packed: bool):
+        self.t, self.dtype, self.device, self.packed = tensors, dtype, device, packed
 
     def has(self, name: str) -> bool:
         return f"{name}.weight" in self.t or name in self.t
@@ -59,9 +66,30 @@ class _Reader:
             out, quantized = w, False
         return out.to(device=self.device, dtype=dtype or self.dtype), quantized
 
-    def linear(self, name: str, dtype: torch.dtype | None = None) -> QLinear:
+    def linear(self, name: str, dtype: torch.dtype | None = None) -> QLinear | FP8TileLinear:
+        w = self.t[f"{name}.weight"]
+        if self.packed and w.dtype == torch.float8_e4m3fn:
+            return FP8TileLinear(w.to(self.device), self.t[f"{name}.scale"].to(self.device), True, dtype or self.dtype)
         w, quantized = self.matrix(name, dtype)
         return QLinear(w, quantized)
+
+    def fp4_experts(self, prefix: str, n_experts: int, projs: tuple[str, ...]) -> PackedExperts:
+        """Every expert's packed projection(s), ``projs`` stacked along the output dim."""
+        parts = []
+        for e in range(n_experts):
+            names = [f"{prefix}experts.{e}.{p}" for p in projs]
+            parts.append(
+                (
+                    torch.cat([self.t[n + ".weight"] for n in names]),
+                    torch.cat([self.t[n + ".scale"].view(torch.uint8) for n in names]),
+                )
+            )
+        return PackedExperts.stack(parts, self.device)
+
+    def host_table(self, name: str) -> torch.Tensor:
+        """An Engram table kept in host memory (pinned when a GPU will read it)."""
+        t = self.t[name]
+        return t.pin_memory() if torch.cuda.is_available() else t
 
     def vector(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         t = self.t[name]
@@ -92,6 +120,22 @@ def _attention(
 
 def _moe(cfg: ModelConfig, layer: int, r: _Reader, prefix: str) -> MoE:
     n_exp, _ = cfg.moe_shape(layer)
+    if r.packed:
+        from asympd.model.cuda_ops import FastMoE
+
+        shared = prefix + "shared_experts."
+        s13 = r.linear(shared + "w1")  # w1 and w3 share one GEMM: their tile rows stack exactly
+        s13.weight = torch.cat([s13.weight, r.t[shared + "w3.weight"].to(r.device)])
+        s13.scale = torch.cat([s13.scale, r.t[shared + "w3.scale"].to(r.device).view(torch.uint8)])
+        s13.quantized, s13.out_features = False, s13.weight.size(0)
+        s2 = r.linear(shared + "w2")
+        s2.quantized = False
+        gate = {
+            "weight": r.vector(prefix + "gate.weight", torch.float32),
+            "bias": r.vector(prefix + "gate.bias", torch.float32),
+        }
+        w13 = r.fp4_experts(prefix, n_exp, ("w1", "w3"))
+        return FastMoE.packed(cfg, layer, gate, w13, r.fp4_experts(prefix, n_exp, ("w2",)), s13, s2)
     w: dict[str, torch.Tensor] = {
         "gate.weight": r.vector(prefix + "gate.weight", torch.float32),
         "gate.bias": r.vector(prefix + "gate.bias", torch.float32),
@@ -110,12 +154,15 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     hasher: Any | None = None,
+    weights: str = "auto",
 ) -> Transformer:
-    """The model of ``role`` from storage-format tensors (as ``load_tensors`` returns them)."""
+    """The model of ``role`` from storage-format tensors (as ``load_tensors`` returns them).
+    ``weights``: ``packed`` | ``dequantized`` | ``auto`` (packed on CUDA, dequantized elsewhere)."""
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
     device = torch.device(device)
-    r = _Reader(tensors, dtype, device)
+    packed = resolve_weights(weights, device)
+    r = _Reader(tensors, dtype, device, packed)
     round_probs = dtype == torch.bfloat16
     k = cfg.last_kv_source
     n_full = k if role == "prefill" else cfg.n_layers
@@ -137,9 +184,10 @@ def build_model(
             w["ffn"] = _moe(cfg, layer, r, p + "ffn.")
         if layer in cfg.engram_layer_ids:
             e = p + "engram."
+            tables = {n: (r.host_table if packed else r.raw)(e + n) for n in ("embed.weight", "embed.scale")}
             w["engram"] = Engram(
                 cfg,
-                {n: r.raw(e + n) for n in ("embed.weight", "embed.scale", "q_weight", "k_weight")},
+                {**tables, **{n: r.raw(e + n) for n in ("q_weight", "k_weight")}},
                 r.linear(e + "wkv"),
             )
         blocks.append(Block(cfg, layer, w))
@@ -149,6 +197,7 @@ def build_model(
         norm = r.vector("norm.weight")
         head = r.vector("head.weight", torch.float32)
     model = Transformer(cfg, role, embed, blocks, norm, head, hasher, dtype)
+    model.weights = "packed" if packed else "dequantized"
     if role != "prefill":
         model.drafter = _drafter(cfg, r, round_probs, embed, head)
     # CUDA fast paths (cuda_ops.py); the CPU model stays the reference. ASYMPD_CUDA_FAST_PATH=0 keeps the
@@ -158,6 +207,21 @@ def build_model(
 
         accelerate(model)
     return model
+
+
+def resolve_weights(weights: str, device: torch.device) -> bool:
+    """Whether ``weights`` means packed on ``device``. ``ASYMPD_CUDA_FAST_PATH=0`` keeps the
+    dequantized reference modules on CUDA (expert-parallel sharding slices their stacked experts)."""
+    if weights not in ("auto", "packed", "dequantized"):
+        raise ValueError(f"weights must be auto, packed or dequantized, got {weights!r}")
+    if weights == "auto":
+        return device.type == "cuda" and os.environ.get("ASYMPD_CUDA_FAST_PATH", "1") != "0"
+    if weights == "packed":
+        from asympd.model.gemm_kernels import AVAILABLE
+
+        if not AVAILABLE:
+            raise RuntimeError("weights='packed' needs Triton (pip install triton)")
+    return weights == "packed"
 
 
 def _drafter(cfg: ModelConfig, r: _Reader, round_probs: bool, embed: torch.Tensor, head: torch.Tensor) -> DSpark | None:
@@ -195,7 +259,11 @@ def _drafter(cfg: ModelConfig, r: _Reader, round_probs: bool, embed: torch.Tenso
 
 
 def load_model(
-    checkpoint: str | Path, role: str = "full", device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    checkpoint: str | Path,
+    role: str = "full",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    weights: str = "auto",
 ) -> Transformer:
     """Load a role from a checkpoint directory; ``.load_report`` says what was read."""
     from asympd.model.checkpoint import load_config, load_tensors
@@ -215,7 +283,7 @@ def load_model(
                 f"{cfg.engram_compressed_vocab_size}: every Engram hash would change"
             )
         hasher = NgramHasher(cfg, token_map)
-    model = build_model(cfg, tensors, role, dtype=dtype, device=device, hasher=hasher)
+    model = build_model(cfg, tensors, role, dtype=dtype, device=device, hasher=hasher, weights=weights)
     model.load_report = report
     model.checkpoint = str(checkpoint)
     return model

@@ -71,6 +71,13 @@ class QLinear(torch.nn.Module):
             x = fp8_qdq(x.to(self.weight.dtype), 32)
         return linear(x.to(self.weight.dtype), self.weight)
 
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, G, K]: group g through weight rows [g*N/G, (g+1)*N/G) -> [M, G, N/G] (``wo_a``)."""
+        if self.quantized:
+            x = fp8_qdq(x.to(self.weight.dtype), 32)
+        w = self.weight.view(x.size(1), -1, x.size(-1))
+        return torch.stack([linear(x[:, g].to(w.dtype), w[g]) for g in range(x.size(1))], dim=1)
+
 
 # ---- RoPE -------------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ prefix of the batch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -161,11 +162,14 @@ class Transformer(torch.nn.Module):
         h = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)
         pre = torch.zeros(h.size(0), cfg.hc_mult, dtype=torch.float32, device=self.device)
         pre[:, 0] = 1.0  # the first collapse just takes copy 0
-        hashes = None
+        fetched: dict[int, Any] = {}
         if cfg.engram_layer_ids and self.hasher is not None:
-            hashes = torch.cat([self.hasher.hash_ids(c.history, c.start, len(c.token_ids)) for c in ordered]).to(
-                self.device
-            )
+            # hashed on the host; each Engram gathers its rows where its table lives and starts moving
+            # them now, so a host-memory table's copy overlaps the layers before it
+            hashes = torch.cat([self.hasher.hash_ids(c.history, c.start, len(c.token_ids)) for c in ordered])
+            for e, lid in enumerate(cfg.engram_layer_ids):
+                if self.blocks[lid] is not None and self.blocks[lid].engram is not None:
+                    fetched[lid] = self.blocks[lid].engram.fetch(hashes[:, e], self.device)
         shared: list[dict[str, Any]] = [{} for _ in ordered]
         targets = {lid: i for i, lid in enumerate(cfg.dspark_target_layer_ids)} if cfg.dspark_block_size else {}
         hidden: list[list[torch.Tensor]] = [[] for _ in ordered]
@@ -179,9 +183,8 @@ class Transformer(torch.nn.Module):
             block = self.blocks[layer]
             n_full = offsets[full[-1] + 1] if full else 0
             n_rows = offsets[(path or full)[-1] + 1]
-            if block.engram is not None and hashes is not None:
-                e = cfg.engram_layer_ids.index(layer)
-                h[:n_rows] = block.engram(h[:n_rows], hashes[:n_rows, e])
+            if layer in fetched:
+                h[:n_rows] = block.engram(h[:n_rows], fetched[layer][:n_rows])
             if layer in targets:
                 for i in full:
                     if ordered[i].depth is Depth.ALL:
@@ -225,14 +228,15 @@ class Transformer(torch.nn.Module):
         return ForwardOutput(logits, draft_hidden)
 
     def resident_bytes(self) -> int:
-        """Bytes of every weight this role holds on its device (the Engram tables included)."""
+        """Bytes of every weight this role holds on its device (Engram tables only where they are on it:
+        the packed GPU build keeps them in host memory)."""
         seen: set[int] = set()
         total = 0
 
         def visit(obj: Any) -> None:
             nonlocal total
             if isinstance(obj, torch.Tensor):
-                if id(obj) not in seen and obj.device.type != "meta":
+                if id(obj) not in seen and obj.device == self.device:
                     seen.add(id(obj))
                     total += obj.numel() * obj.element_size()
             elif isinstance(obj, torch.nn.Module):
@@ -250,6 +254,8 @@ class Transformer(torch.nn.Module):
             elif isinstance(obj, (list, tuple)):
                 for v in obj:
                     visit(v)
+            elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+                visit(vars(obj))
 
         visit(self)
         return total

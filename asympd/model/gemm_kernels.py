@@ -1,0 +1,353 @@
+"""Triton GEMMs on the release's weight formats, so weights stay packed on the device.
+
+- ``fp8_tile_gemm``: ``y = a @ W^T`` with W e4m3 ``[N, K]`` and one UE8M0 scale per 32x32 tile (the
+  attention matrices, the shared expert, Engram's ``wkv``);
+- ``mxfp4_moe_gemm``: the routed experts. Rows arrive sorted by expert; row r multiplies
+  ``W[expert(r)]`` packed e2m1 ``[E, N, K/2]`` (low nibble = even K element) with one UE8M0 scale per
+  32 K elements.
+
+Both expand the weight tile in registers to the activation dtype and run one dot with fp32
+accumulation. The expansion is exact (e4m3 and e2m1 values times a power of two fit bf16), and the
+activations arrive already through the reference's per-32 FP8 quantize-dequantize, so the result is
+the reference's block-scaled GEMM up to summation order.
+
+Why bf16 dots on expanded weights rather than FP8 tensor cores: the reference's activation scales
+are per 32 K elements, so an FP8 dot would have to be rescaled every 32 K (one wgmma K-step);
+expanding in registers keeps one long dot. Decode-sized steps are bound by weight bytes, and these
+kernels read the release's 1 B (FP8) / 0.53 B (FP4) per weight instead of bf16's 2 B. Large prefill
+chunks are bound by compute at the bf16 tensor-core rate (docs/performance.md measures both).
+
+Small-M steps split K over several programs (``split_k``) so even a 512-row matrix fills the chip;
+the partial sums are added in a fixed order afterwards (deterministic, no atomics).
+With ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (how the CPU test suite checks them).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; on CPU-only installs it is optional (tests use it)
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+AVAILABLE = triton is not None
+
+
+def usable(t: torch.Tensor) -> bool:
+    """Whether the kernels can run on ``t``'s device (CUDA, or CPU under the Triton interpreter)."""
+    return AVAILABLE and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def _dot_f32(a: torch.Tensor) -> bool:
+    """fp32 dots (IEEE) for fp32 activations, and on CPU: the interpreter's bf16 dot is wrong
+    (Triton 3.6 with numpy 2.4); bf16 products are exact in fp32, so the function is the same."""
+    return a.dtype == torch.float32 or not a.is_cuda
+
+
+if AVAILABLE:
+
+    @triton.jit
+    def _ue8m0(s):
+        """UE8M0 bytes -> fp32 powers of two (2^(s - 127))."""
+        return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _e2m1(code):
+        """4-bit e2m1 codes (int32, bit 3 = sign) -> fp32 values, built from their bits."""
+        e = (code >> 1) & 3
+        m = code & 1
+        normal = ((e + 126) << 23) | (m << 22)
+        half = tl.where(m == 1, 0x3F000000, 0)  # e == 0: 0.5 * m
+        bits = tl.where(e == 0, half, normal) | ((code >> 3) << 31)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _fp8_tile_gemm_kernel(
+        a_ptr,
+        w_ptr,
+        s_ptr,
+        y_ptr,
+        M,
+        N,
+        s_am,
+        s_ag,
+        s_wn,
+        s_sn,
+        s_ys,
+        s_ym,
+        s_yg,
+        n_per_group,
+        K: tl.constexpr,
+        K_PER_SPLIT: tl.constexpr,
+        DOT_F32: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """One [BLOCK_M, BLOCK_N] tile of group ``program_id(2) // splits``'s output, summed over one
+        K split. Groups: weight rows [g*n_per_group, (g+1)*n_per_group) take input group g."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        splits: tl.constexpr = (K + K_PER_SPLIT - 1) // K_PER_SPLIT
+        g = tl.program_id(2) // splits
+        split = tl.program_id(2) % splits
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        wrows = g * n_per_group + cols
+        r64 = rows.to(tl.int64)
+        w64 = wrows.to(tl.int64)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        k_lo = split * K_PER_SPLIT
+        for kk in range(0, K_PER_SPLIT, BLOCK_K):  # K_PER_SPLIT is a multiple of BLOCK_K
+            k0 = k_lo + kk
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kmask = ks < K
+            a = tl.load(
+                a_ptr + r64[:, None] * s_am + g * s_ag + ks[None, :],
+                mask=(rows[:, None] < M) & kmask[None, :],
+                other=0.0,
+            )
+            w = tl.load(
+                w_ptr + w64[:, None] * s_wn + ks[None, :],
+                mask=(cols[:, None] < n_per_group) & kmask[None, :],
+                other=0.0,
+            )
+            kt = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            s = tl.load(
+                s_ptr + (w64 // 32)[:, None] * s_sn + kt[None, :],
+                mask=(cols[:, None] < n_per_group) & (kt[None, :] * 32 < K),
+                other=0,
+            )
+            wv = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32)) * _ue8m0(s)[:, :, None]
+            wv = tl.reshape(wv, (BLOCK_N, BLOCK_K))
+            if DOT_F32:
+                acc += tl.dot(a.to(tl.float32), tl.trans(wv), input_precision="ieee")
+            else:
+                acc += tl.dot(a, tl.trans(wv.to(a.dtype)))
+        out = y_ptr + split * s_ys + r64[:, None] * s_ym + g * s_yg + cols[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < n_per_group))
+
+    @triton.jit
+    def _mxfp4_moe_kernel(
+        a_ptr,
+        a_rows_ptr,
+        w_ptr,
+        s_ptr,
+        y_ptr,
+        block_expert_ptr,
+        block_row0_ptr,
+        block_row1_ptr,
+        N,
+        s_am,
+        s_we,
+        s_wn,
+        s_se,
+        s_sn,
+        s_ym,
+        K: tl.constexpr,
+        N_EXPERTS: tl.constexpr,
+        GATHER: tl.constexpr,
+        DOT_F32: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """Output rows [row0, row1) of one expert's M-block (rows sorted by expert), columns of one
+        N-block. Blocks past the last real one carry expert id N_EXPERTS and return at once."""
+        pid_b = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        e = tl.load(block_expert_ptr + pid_b)
+        if e >= N_EXPERTS:
+            return
+        row0 = tl.load(block_row0_ptr + pid_b)
+        row1 = tl.load(block_row1_ptr + pid_b)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row1
+        if GATHER:
+            src = tl.load(a_rows_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        else:
+            src = rows.to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        e64 = e.to(tl.int64)
+        w_base = w_ptr + e64 * s_we + cols.to(tl.int64)[:, None] * s_wn
+        s_base = s_ptr + e64 * s_se + cols.to(tl.int64)[:, None] * s_sn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            packed = tl.load(w_base + kb[None, :], mask=cmask[:, None] & (kb[None, :] * 2 < K), other=0).to(tl.int32)
+            lo = _e2m1(packed & 15)
+            hi = _e2m1((packed >> 4) & 15)
+            wv = tl.interleave(lo, hi)  # [BLOCK_N, BLOCK_K]: even K elements from the low nibbles
+            kt = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            s = tl.load(s_base + kt[None, :], mask=cmask[:, None] & (kt[None, :] * 32 < K), other=0)
+            wv = tl.reshape(tl.reshape(wv, (BLOCK_N, BLOCK_K // 32, 32)) * _ue8m0(s)[:, :, None], (BLOCK_N, BLOCK_K))
+            ks = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_ptr + src[:, None] * s_am + ks[None, :], mask=rmask[:, None] & (ks[None, :] < K), other=0.0)
+            if DOT_F32:
+                acc += tl.dot(a.to(tl.float32), tl.trans(wv), input_precision="ieee")
+            else:
+                acc += tl.dot(a, tl.trans(wv.to(a.dtype)))
+        out = y_ptr + rows.to(tl.int64)[:, None] * s_ym + cols[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+def _block_m(rows_per_group: float) -> int:
+    for bm in (16, 32, 64):
+        if rows_per_group <= bm:
+            return bm
+    return 128
+
+
+def _sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def fp8_tile_gemm(
+    a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int = 1, split_k: int | None = None
+) -> torch.Tensor:
+    """``a @ dequant(weight, scale)^T`` in a's dtype, fp32 accumulation.
+
+    a: [M, K] (or [M, groups, K] with ``groups`` > 1: group g uses weight rows [g*N/groups, ...));
+    weight: e4m3 [N, K]; scale: UE8M0 (``float8_e8m0fnu`` or uint8) [ceil(N/32), ceil(K/32)].
+    Returns [M, N] (or [M, groups, N/groups])."""
+    if a.dtype not in (torch.bfloat16, torch.float32, torch.float16):
+        raise TypeError(f"fp8_tile_gemm: activations must be bf16/fp16/fp32, got {a.dtype}")
+    n_total, k = weight.shape
+    if n_total % groups:
+        raise ValueError(f"fp8_tile_gemm: {n_total} weight rows do not split into {groups} groups")
+    n = n_total // groups
+    if groups > 1 and n % 32:
+        raise ValueError("fp8_tile_gemm: grouped weights need group sizes that are multiples of 32")
+    a3 = a.reshape(-1, groups, k) if groups > 1 else a.reshape(-1, 1, k)
+    if a3.stride(-1) != 1:
+        a3 = a3.contiguous()
+    m = a3.size(0)
+    bm = _block_m(m)
+    bn = 64 if m <= 64 else 128
+    bk = 128
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn) * groups
+    if split_k is None:
+        split_k = max(1, min(triton.cdiv(k, 512), (2 * _sms(a.device)) // max(1, tiles)))
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), bk) * bk
+    splits = triton.cdiv(k, k_per_split)
+    out_dtype = a.dtype if splits == 1 else torch.float32
+    y = torch.empty(splits, m, groups, n, dtype=out_dtype, device=a.device)
+    s = scale.view(torch.uint8)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), groups * splits)
+    _fp8_tile_gemm_kernel[grid](
+        a3,
+        weight,
+        s,
+        y,
+        m,
+        n,
+        a3.stride(0),
+        a3.stride(1),
+        weight.stride(0),
+        s.stride(0),
+        y.stride(0),
+        y.stride(1),
+        y.stride(2),
+        n,
+        K=k,
+        K_PER_SPLIT=k_per_split,
+        DOT_F32=_dot_f32(a),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        num_warps=4,
+        num_stages=4 if a.is_cuda else 1,
+    )
+    y = y[0] if splits == 1 else y.sum(0).to(a.dtype)  # fixed-order sum: deterministic
+    return y.reshape(*a.shape[:-1], n)
+
+
+def moe_blocks(
+    expert_ids: torch.Tensor, n_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort routed rows by expert and cut each expert's rows into M-blocks, all on the device.
+
+    expert_ids: [R] (a row's expert). Returns (order [R]: sorted row -> original row, block_expert,
+    block_row0, block_row1 [max_blocks]); unused blocks carry expert ``n_experts``. The block count
+    is bounded by shapes alone (no host synchronisation; graph-capturable)."""
+    r = expert_ids.numel()
+    device = expert_ids.device
+    order = torch.argsort(expert_ids, stable=True)
+    counts = torch.bincount(expert_ids, minlength=n_experts)
+    ends = counts.cumsum(0)
+    starts = ends - counts
+    nblk = (counts + block_m - 1) // block_m
+    cum = nblk.cumsum(0)
+    max_blocks = -(-r // block_m) + n_experts
+    b = torch.arange(max_blocks, device=device)
+    e = torch.searchsorted(cum, b, right=True)
+    valid = e < n_experts
+    ec = e.clamp_max(n_experts - 1)
+    first_block = cum[ec] - nblk[ec]
+    row0 = starts[ec] + (b - first_block) * block_m
+    row1 = torch.minimum(row0 + block_m, ends[ec])
+    block_expert = torch.where(valid, e, n_experts).to(torch.int32)
+    return order, block_expert, row0.to(torch.int32), row1.to(torch.int32)
+
+
+def mxfp4_moe_gemm(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    rows: int,
+    block_m: int,
+    a_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Grouped GEMM over expert-sorted rows: ``y[r] = a[a_rows[r]] @ dequant(W[e(r)])^T``.
+
+    a: [*, K] activations (bf16/fp32; already FP8-quantize-dequantized); weight: int8 [E, N, K/2];
+    scale: UE8M0 [E, N, K/32]; blocks: (block_expert, block_row0, block_row1) from ``moe_blocks``
+    made with the same ``block_m``; ``a_rows`` maps sorted rows to rows of ``a`` (None: identity).
+    Returns [rows, N] in a's dtype."""
+    n_experts, n, half_k = weight.shape
+    k = half_k * 2
+    if a.size(-1) != k:
+        raise ValueError(f"mxfp4_moe_gemm: activations have {a.size(-1)} columns, weights {k}")
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    s = scale.view(torch.uint8)
+    y = torch.empty(rows, n, dtype=a.dtype, device=a.device)
+    block_expert, row0, row1 = blocks
+    bn = 64 if block_m <= 32 else 128
+    grid = (block_expert.numel(), triton.cdiv(n, bn))
+    _mxfp4_moe_kernel[grid](
+        a,
+        a_rows if a_rows is not None else row0,
+        weight,
+        s,
+        y,
+        block_expert,
+        row0,
+        row1,
+        n,
+        a.stride(0),
+        weight.stride(0),
+        weight.stride(1),
+        s.stride(0),
+        s.stride(1),
+        y.stride(0),
+        K=k,
+        N_EXPERTS=n_experts,
+        GATHER=a_rows is not None,
+        DOT_F32=_dot_f32(a),
+        BLOCK_M=block_m,
+        BLOCK_N=bn,
+        BLOCK_K=128 if k % 128 == 0 else 64,
+        num_warps=4,
+        num_stages=4 if a.is_cuda else 1,
+    )
+    return y

@@ -1,0 +1,99 @@
+"""Weights held on the device as the release stores them.
+
+The CPU reference holds every weight dequantized (exact, 2-4x the bytes). On a GPU that makes the
+prefill role ~550 GB instead of 149.5 GB, so the GPU build keeps the stored formats and runs the
+GEMMs of ``gemm_kernels`` on them:
+
+- ``FP8TileLinear``: e4m3 ``[N, K]`` + one UE8M0 scale per 32x32 tile (1.001 B per weight);
+- routed experts (``PackedExperts``): packed e2m1 ``[E, N, K/2]`` + one UE8M0 scale per 32 K elements
+  (0.53 B per weight), w1 and w3 stacked into one ``[E, 2I, K/2]`` operand.
+
+Each computes what the dequantized module computes (same activation quantization, same output
+rounding), up to the order of the fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from asympd.model import gemm_kernels as G
+from asympd.model.quant import dequant_fp4, dequant_fp8_tiles, fp8_qdq
+
+
+def activation_qdq(x: torch.Tensor) -> torch.Tensor:
+    """The reference's per-32 FP8 activation quantization (fused kernel on CUDA where verified)."""
+    if x.is_cuda:
+        from asympd.model.cuda_ops import qdq32
+
+        return qdq32(x)
+    return fp8_qdq(x, 32)
+
+
+class FP8TileLinear(torch.nn.Module):
+    """y = x W^T with W kept as e4m3 + 32x32 UE8M0 tiles. ``quantized``: the input goes through the
+    reference's per-32 FP8 quantization first (every FP8 GEMM but ``wo_a``'s)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, quantized: bool, dtype: torch.dtype):
+        super().__init__()
+        if weight.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"FP8TileLinear needs an e4m3 weight, got {weight.dtype}")
+        self.weight, self.scale = weight, scale.view(torch.uint8)
+        self.quantized, self.dtype = quantized, dtype
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.dtype)
+        if self.quantized:
+            x = activation_qdq(x)
+        return G.fp8_tile_gemm(x, self.weight, self.scale)
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, G, K]: group g through weight rows [g*N/G, (g+1)*N/G) -> [M, G, N/G]."""
+        x = x.to(self.dtype)
+        if self.quantized:
+            x = activation_qdq(x)
+        return G.fp8_tile_gemm(x, self.weight, self.scale, groups=x.size(1))
+
+    def dequantized(self) -> torch.Tensor:
+        return dequant_fp8_tiles(self.weight, self.scale.view(torch.float8_e8m0fnu)).to(self.dtype)
+
+
+@dataclass
+class PackedExperts:
+    """One projection of every routed expert: int8 ``[E, N, K/2]`` codes, UE8M0 ``[E, N, K/32]``."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+    @classmethod
+    def stack(cls, parts: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> PackedExperts:
+        """Per-expert (packed, scale) pairs -> one operand (w1|w3 pairs are concatenated along N)."""
+        w = torch.stack([p for p, _ in parts]).to(device)
+        s = torch.stack([s.view(torch.uint8) for _, s in parts]).to(device)
+        return cls(w, s)
+
+    @property
+    def n_experts(self) -> int:
+        return self.weight.size(0)
+
+    def dequantized(self, expert: int) -> torch.Tensor:
+        return dequant_fp4(self.weight[expert], self.scale[expert].view(torch.float8_e8m0fnu))
+
+    def matmul(
+        self, a: torch.Tensor, blocks: tuple[torch.Tensor, ...], rows: int, block_m: int, a_rows: torch.Tensor | None
+    ) -> torch.Tensor:
+        return G.mxfp4_moe_gemm(a, self.weight, self.scale, blocks, rows, block_m, a_rows)
+
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size() + self.scale.numel()
+
+
+def moe_block_m(rows: int, n_experts: int) -> int:
+    """M-block of the expert GEMMs for ``rows`` routed rows (average rows per expert, rounded up)."""
+    avg = rows / n_experts
+    for bm in (16, 32, 64):
+        if avg <= bm:
+            return bm
+    return 128

@@ -1,0 +1,146 @@
+"""Weights kept as released (asympd/model/packed.py, gemm_kernels.py) against the dequantized reference.
+
+The Triton kernels run here under the interpreter (tests/conftest.py sets TRITON_INTERPRET=1 on
+machines without a GPU); on the device the same tests run compiled. Activations are drawn through
+the reference's FP8 quantization, as the model feeds them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+gemm = pytest.importorskip("asympd.model.gemm_kernels")
+if not gemm.AVAILABLE:
+    pytest.skip("Triton is not installed", allow_module_level=True)
+
+import asympd  # noqa: E402
+from asympd.model.loader import load_model  # noqa: E402
+from asympd.model.packed import FP8TileLinear  # noqa: E402
+from asympd.model.quant import dequant_fp4, dequant_fp8_tiles, fp8_qdq, quant_fp4, quant_fp8_tiles  # noqa: E402
+from asympd.plan.memory import memory_report  # noqa: E402
+from tests.util import random_prompts  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _fp8_weight(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # tiles of very different magnitudes, so a scale applied to the wrong tile shows
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 1, n).unsqueeze(1)
+    q, s = quant_fp8_tiles(w)
+    return q.to(DEVICE), s.to(DEVICE), dequant_fp8_tiles(q, s).to(DEVICE)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 96, 160), (3, 64, 256), (40, 160, 96)])
+@pytest.mark.parametrize("split_k", [None, 2])
+def test_fp8_tile_gemm_equals_dequantized_gemm(m, n, k, split_k):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    q, s, wd = _fp8_weight(n, k, g)
+    a = fp8_qdq(torch.randn(m, k, generator=g), 32).to(DEVICE)
+    y = torch.full((m, n), float("nan"), device=DEVICE)
+    y = gemm.fp8_tile_gemm(a, q, s, split_k=split_k)
+    assert torch.isfinite(y).all()
+    ref = a.double() @ wd.double().t()
+    assert rel(y, ref) < 1e-6  # fp32: equal up to summation order
+    yb = gemm.fp8_tile_gemm(a.bfloat16(), q, s, split_k=split_k)
+    assert yb.dtype == torch.bfloat16
+    # bf16 operands are exact in fp32: the output is the exact product rounded once (one ulp of slack
+    # for the summation order)
+    assert torch.allclose(yb.double(), ref.bfloat16().double(), rtol=2**-7, atol=0)
+
+
+def test_fp8_tile_gemm_grouped_takes_each_group_through_its_rows():
+    g = torch.Generator().manual_seed(5)
+    q, s, wd = _fp8_weight(128, 64, g)
+    x = fp8_qdq(torch.randn(7, 2, 64, generator=g), 32).to(DEVICE)
+    y = gemm.fp8_tile_gemm(x, q, s, groups=2)
+    ref = torch.stack([x[:, i].double() @ wd[i * 64 : (i + 1) * 64].double().t() for i in range(2)], dim=1)
+    assert y.shape == (7, 2, 64) and rel(y, ref) < 1e-6
+
+
+def test_fp8_tile_linear_quantizes_its_input_like_the_reference():
+    g = torch.Generator().manual_seed(6)
+    q, s, wd = _fp8_weight(64, 96, g)
+    x = torch.randn(5, 96, generator=g).to(DEVICE)
+    lin = FP8TileLinear(q, s, quantized=True, dtype=torch.float32)
+    assert rel(lin(x), fp8_qdq(x, 32).double() @ wd.double().t()) < 1e-6
+    assert torch.equal(lin.dequantized(), wd)
+
+
+@pytest.mark.parametrize("rows,block_m", [(1, 16), (7, 16), (50, 32)])
+def test_mxfp4_moe_gemm_equals_per_expert_gemm(rows, block_m):
+    g = torch.Generator().manual_seed(rows)
+    n_exp, n, k, topk = 5, 96, 256, 2
+    packed, scales = zip(*(quant_fp4(torch.randn(n, k, generator=g) * 10.0**e) for e in range(-2, 3)), strict=True)
+    w = torch.stack(packed).to(DEVICE)
+    sc = torch.stack([s.view(torch.uint8) for s in scales]).to(DEVICE)
+    wd = torch.stack([dequant_fp4(p, s) for p, s in zip(packed, scales, strict=True)]).to(DEVICE)
+    x = fp8_qdq(torch.randn(rows, k, generator=g), 32).to(DEVICE)
+    ids = torch.stack([torch.randperm(n_exp, generator=g)[:topk] for _ in range(rows)]).to(DEVICE)
+    flat = ids.reshape(-1)
+    order, *blocks = gemm.moe_blocks(flat, n_exp, block_m)
+    assert torch.equal(flat[order], flat.sort(stable=True).values)
+    token = order // topk
+    y = gemm.mxfp4_moe_gemm(x, w, sc, blocks, flat.numel(), block_m, a_rows=token)
+    ref = torch.stack([x[token[i]].double() @ wd[flat[order[i]]].double().t() for i in range(flat.numel())])
+    assert rel(y, ref) < 1e-6
+    # the second GEMM's form: rows already sorted, no gather
+    y2 = gemm.mxfp4_moe_gemm(x[token], w, sc, blocks, flat.numel(), block_m)
+    assert torch.equal(y2, y)
+
+
+def test_moe_blocks_cover_every_row_once():
+    ids = torch.tensor([3, 0, 3, 3, 1, 3, 0, 3, 3], device=DEVICE)
+    order, expert, row0, row1 = gemm.moe_blocks(ids, 4, 2)
+    real = expert < 4
+    spans = sorted((int(a), int(b), int(e)) for a, b, e in zip(row0[real], row1[real], expert[real], strict=True))
+    # expert 0: rows 0-1; expert 1: row 2; expert 3: rows 3..8 in blocks of 2
+    assert spans == [(0, 2, 0), (2, 3, 1), (3, 5, 3), (5, 7, 3), (7, 9, 3)]
+    assert int((~real).sum()) == len(expert) - 5
+
+
+def test_packed_role_holds_the_released_bytes(tiny_ckpt):
+    """The packed build holds exactly the released-format bytes ``asympd memory`` counts, plus the
+    deliberate copies the reference also makes: the LM head and the drafter's heads in fp32, the
+    router gate in fp32 (and its bf16 twin for the fp32-output GEMM), the ratio>1 compressors in
+    fp32 (and each attention's RoPE frequencies, a few bytes). At V4.1-Flash size
+    these add 0.6 % (decode role: 1.74 GB, the fp32 LM head most of it) and 0.13 % (prefill role)."""
+    cfg = asympd.config.tiny()
+    report = memory_report(cfg, engram_on_gpu=True)["roles"]
+    for role in ("prefill", "decode"):
+        model = load_model(tiny_ckpt, role, device=DEVICE, dtype=torch.bfloat16, weights="packed")
+        assert model.weights == "packed"
+        layers = [b.layer for b in model.blocks if b is not None and b.ffn is not None]
+        extra = sum(cfg.moe_shape(layer)[0] * cfg.dim * 4 for layer in layers)  # gate: fp32 + bf16 copy
+        extra += sum(2 * cfg.head_dim * cfg.dim * 2 for layer in cfg.kv_source_layers if cfg.ratio(layer) > 1)
+        attns = [b for b in model.blocks if b is not None]
+        attns += list(model.drafter.blocks) if model.head is not None else []
+        extra += len(attns) * cfg.rope_head_dim // 2 * 4  # each attention's RoPE frequencies (fp32)
+        if model.head is not None:
+            extra += cfg.vocab_size * cfg.dim * 2
+            drafts = model.drafter.blocks
+            extra += sum(cfg.moe_shape(b.layer)[0] * cfg.dim * 4 for b in drafts)
+            # the drafter's Markov and confidence heads are held in fp32 like the LM head
+            extra += (model.drafter.markov_head.numel() + model.drafter.confidence_proj.numel()) * 2
+        assert model.resident_bytes() == report[role]["resident_bytes"] + extra, role
+
+
+@pytest.mark.parametrize("mode", ["colocated", "asymmetric"])
+def test_packed_weights_give_the_reference_tokens(tiny_ckpt, mode):
+    """Greedy tokens and logprobs in fp32 with packed weights equal the dequantized reference's."""
+    prompts = random_prompts([40, 9, 21], seed=3)
+    sp = asympd.SamplingParams(max_tokens=5, temperature=0, logprobs=2)
+    outs = {}
+    for weights in ("dequantized", "packed"):
+        llm = asympd.LLM(tiny_ckpt, mode=mode, device=DEVICE, weights=weights)
+        outs[weights] = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+    for ref, got in zip(outs["dequantized"], outs["packed"], strict=True):
+        assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+        for a, b in zip(ref.outputs[0].logprobs, got.outputs[0].logprobs, strict=True):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
