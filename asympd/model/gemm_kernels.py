@@ -281,7 +281,9 @@ def moe_blocks(
     r = expert_ids.numel()
     device = expert_ids.device
     order = torch.argsort(expert_ids, stable=True)
-    counts = torch.bincount(expert_ids, minlength=n_experts)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=device).scatter_add_(
+        0, expert_ids, torch.ones_like(expert_ids)
+    )  # no host sync (bincount syncs)
     ends = counts.cumsum(0)
     starts = ends - counts
     nblk = (counts + block_m - 1) // block_m
