@@ -31,7 +31,7 @@ from asympd.config import v41_flash  # noqa: E402
 from asympd.model import gemm_kernels as G  # noqa: E402
 from asympd.model.cuda_ops import FastMoE  # noqa: E402
 from asympd.model.packed import FP8TileLinear, PackedExperts  # noqa: E402
-from asympd.model.quant import dequant_fp4, dequant_fp8_tiles, fp8_qdq, quant_fp8_tiles  # noqa: E402
+from asympd.model.quant import dequant_fp8_tiles, fp8_qdq, quant_fp8_tiles  # noqa: E402
 from bench.common import ceilings, log, record, time_cuda  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -68,11 +68,10 @@ def random_fp8(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.
     return quant_fp8_tiles(torch.randn(n, k, device=DEV, generator=g) * 0.02)
 
 
-def dequant_experts(p: PackedExperts, chunk: int = 16) -> torch.Tensor:
+def dequant_experts(p: PackedExperts) -> torch.Tensor:
     out = torch.empty(p.weight.size(0), p.weight.size(1), p.weight.size(2) * 2, dtype=BF, device=DEV)
-    for e0 in range(0, p.weight.size(0), chunk):
-        for e in range(e0, min(e0 + chunk, p.weight.size(0))):
-            out[e] = dequant_fp4(p.weight[e], p.scale[e].view(torch.float8_e8m0fnu)).to(BF)
+    for e in range(p.weight.size(0)):
+        out[e] = p.dequantized(e).to(BF)
     return out
 
 

@@ -87,7 +87,6 @@ if AVAILABLE:
         DOT_F32: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
     ):
         """One [BLOCK_M, BLOCK_N] tile of group ``program_id(2) // splits``'s output, summed over one
         K split. Groups: weight rows [g*n_per_group, (g+1)*n_per_group) take input group g."""
@@ -99,36 +98,27 @@ if AVAILABLE:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         wrows = g * n_per_group + cols
+        rmask = rows < M
         r64 = rows.to(tl.int64)
         w64 = wrows.to(tl.int64)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_lo = split * K_PER_SPLIT
-        for kk in range(0, K_PER_SPLIT, BLOCK_K):  # K_PER_SPLIT is a multiple of BLOCK_K
-            k0 = k_lo + kk
-            ks = k0 + tl.arange(0, BLOCK_K)
+        kk = tl.arange(0, 32)
+        cmask = cols < n_per_group
+        for k32 in range(0, K_PER_SPLIT, 32):  # one UE8M0 tile column per step: a row scale, no reshape
+            k0 = k_lo + k32
+            ks = k0 + kk
             kmask = ks < K
             a = tl.load(
-                a_ptr + r64[:, None] * s_am + g * s_ag + ks[None, :],
-                mask=(rows[:, None] < M) & kmask[None, :],
-                other=0.0,
+                a_ptr + r64[:, None] * s_am + g * s_ag + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0
             )
-            w = tl.load(
-                w_ptr + w64[:, None] * s_wn + ks[None, :],
-                mask=(cols[:, None] < n_per_group) & kmask[None, :],
-                other=0.0,
-            )
-            kt = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            s = tl.load(
-                s_ptr + (w64 // 32)[:, None] * s_sn + kt[None, :],
-                mask=(cols[:, None] < n_per_group) & (kt[None, :] * 32 < K),
-                other=0,
-            )
-            wv = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32)) * _ue8m0(s)[:, :, None]
-            wv = tl.reshape(wv, (BLOCK_N, BLOCK_K))
+            w = tl.load(w_ptr + w64[:, None] * s_wn + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
+            sc = _ue8m0(tl.load(s_ptr + (w64 // 32) * s_sn + k0 // 32, mask=cmask & (k0 < K), other=0))
+            wv = w.to(tl.float32) * sc[:, None]
             if DOT_F32:
-                acc += tl.dot(a.to(tl.float32), tl.trans(wv), input_precision="ieee")
+                acc = tl.dot(a.to(tl.float32), tl.trans(wv), acc, input_precision="ieee")
             else:
-                acc += tl.dot(a, tl.trans(wv.to(a.dtype)))
+                acc = tl.dot(a, tl.trans(wv.to(a.dtype)), acc)
         out = y_ptr + split * s_ys + r64[:, None] * s_ym + g * s_yg + cols[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < n_per_group))
 
@@ -155,7 +145,6 @@ if AVAILABLE:
         DOT_F32: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
     ):
         """Output rows [row0, row1) of one expert's M-block (rows sorted by expert), columns of one
         N-block. Blocks past the last real one carry expert id N_EXPERTS and return at once."""
@@ -176,23 +165,23 @@ if AVAILABLE:
         cmask = cols < N
         e64 = e.to(tl.int64)
         w_base = w_ptr + e64 * s_we + cols.to(tl.int64)[:, None] * s_wn
-        s_base = s_ptr + e64 * s_se + cols.to(tl.int64)[:, None] * s_sn
+        s_base = s_ptr + e64 * s_se + cols.to(tl.int64) * s_sn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            packed = tl.load(w_base + kb[None, :], mask=cmask[:, None] & (kb[None, :] * 2 < K), other=0).to(tl.int32)
-            lo = _e2m1(packed & 15)
-            hi = _e2m1((packed >> 4) & 15)
-            wv = tl.interleave(lo, hi)  # [BLOCK_N, BLOCK_K]: even K elements from the low nibbles
-            kt = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            s = tl.load(s_base + kt[None, :], mask=cmask[:, None] & (kt[None, :] * 32 < K), other=0)
-            wv = tl.reshape(tl.reshape(wv, (BLOCK_N, BLOCK_K // 32, 32)) * _ue8m0(s)[:, :, None], (BLOCK_N, BLOCK_K))
-            ks = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(a_ptr + src[:, None] * s_am + ks[None, :], mask=rmask[:, None] & (ks[None, :] < K), other=0.0)
+        kk = tl.arange(0, 16)
+        for kb in range(0, K // 32):  # one 32-element scale block per step: 16 bytes of every row
+            packed = tl.load(w_base + kb * 16 + kk[None, :], mask=cmask[:, None], other=0).to(tl.int32)
+            sc = _ue8m0(tl.load(s_base + kb, mask=cmask, other=0))[:, None]
+            lo = _e2m1(packed & 15) * sc  # elements kb*32 + j (the kernel layout, see repack_fp4)
+            hi = _e2m1((packed >> 4) & 15) * sc  # elements kb*32 + 16 + j
+            a_row = a_ptr + src[:, None] * s_am + kb * 32 + kk[None, :]
+            a_lo = tl.load(a_row, mask=rmask[:, None], other=0.0)
+            a_hi = tl.load(a_row + 16, mask=rmask[:, None], other=0.0)
             if DOT_F32:
-                acc += tl.dot(a.to(tl.float32), tl.trans(wv), input_precision="ieee")
+                acc = tl.dot(a_lo.to(tl.float32), tl.trans(lo), acc, input_precision="ieee")
+                acc = tl.dot(a_hi.to(tl.float32), tl.trans(hi), acc, input_precision="ieee")
             else:
-                acc += tl.dot(a, tl.trans(wv.to(a.dtype)))
+                acc = tl.dot(a_lo, tl.trans(lo.to(a_lo.dtype)), acc)
+                acc = tl.dot(a_hi, tl.trans(hi.to(a_hi.dtype)), acc)
         out = y_ptr + rows.to(tl.int64)[:, None] * s_ym + cols[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
@@ -232,11 +221,10 @@ def fp8_tile_gemm(
     m = a3.size(0)
     bm = _block_m(m)
     bn = 64 if m <= 64 else 128
-    bk = 128
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn) * groups
     if split_k is None:
         split_k = max(1, min(triton.cdiv(k, 512), (2 * _sms(a.device)) // max(1, tiles)))
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), bk) * bk
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), 32) * 32
     splits = triton.cdiv(k, k_per_split)
     out_dtype = a.dtype if splits == 1 else torch.float32
     y = torch.empty(splits, m, groups, n, dtype=out_dtype, device=a.device)
@@ -262,12 +250,29 @@ def fp8_tile_gemm(
         DOT_F32=_dot_f32(a),
         BLOCK_M=bm,
         BLOCK_N=bn,
-        BLOCK_K=bk,
-        num_warps=4,
-        num_stages=4 if a.is_cuda else 1,
+        num_warps=4 if bm <= 64 else 8,
+        num_stages=(3 if a.dtype == torch.float32 else 5) if a.is_cuda else 1,
     )
     y = y[0] if splits == 1 else y.sum(0).to(a.dtype)  # fixed-order sum: deterministic
     return y.reshape(*a.shape[:-1], n)
+
+
+def repack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Released FP4 bytes (element 2j in the low nibble of byte j) -> the kernel's order: within
+    each 32-element block, byte j holds elements j (low nibble) and j + 16 (high nibble), so a
+    16-byte load yields two contiguous 16-element halves that meet contiguous activations. The same
+    bytes, permuted; ``unpack_fp4(unrepack_fp4(p))`` restores the release's values."""
+    b = packed.view(torch.uint8)
+    codes = torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2)  # release order: element k
+    blocks = codes.unflatten(-1, (-1, 2, 16))  # [..., K/32, half, j]
+    return (blocks[..., 0, :] | (blocks[..., 1, :] << 4)).flatten(-2).contiguous().view(torch.int8)
+
+
+def unrepack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``repack_fp4``: kernel order -> the release's byte order."""
+    b = packed.view(torch.uint8).unflatten(-1, (-1, 16))
+    codes = torch.cat([b & 0x0F, b >> 4], dim=-1).flatten(-2)  # element k in order
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous().view(torch.int8)
 
 
 def moe_blocks(
@@ -288,7 +293,7 @@ def moe_blocks(
     starts = ends - counts
     nblk = (counts + block_m - 1) // block_m
     cum = nblk.cumsum(0)
-    max_blocks = -(-r // block_m) + n_experts
+    max_blocks = min(n_experts, r) + -(-r // block_m)  # each non-empty expert wastes < one block
     b = torch.arange(max_blocks, device=device)
     e = torch.searchsorted(cum, b, right=True)
     valid = e < n_experts
@@ -311,12 +316,15 @@ def mxfp4_moe_gemm(
 ) -> torch.Tensor:
     """Grouped GEMM over expert-sorted rows: ``y[r] = a[a_rows[r]] @ dequant(W[e(r)])^T``.
 
-    a: [*, K] activations (bf16/fp32; already FP8-quantize-dequantized); weight: int8 [E, N, K/2];
-    scale: UE8M0 [E, N, K/32]; blocks: (block_expert, block_row0, block_row1) from ``moe_blocks``
-    made with the same ``block_m``; ``a_rows`` maps sorted rows to rows of ``a`` (None: identity).
+    a: [*, K] activations (bf16/fp32; already FP8-quantize-dequantized); weight: int8 [E, N, K/2] in
+    the kernel's nibble order (``repack_fp4``); scale: UE8M0 [E, N, K/32]; blocks: (block_expert,
+    block_row0, block_row1) from ``moe_blocks`` made with the same ``block_m``; ``a_rows`` maps
+    sorted rows to rows of ``a`` (None: identity).
     Returns [rows, N] in a's dtype."""
     n_experts, n, half_k = weight.shape
     k = half_k * 2
+    if k % 32:
+        raise ValueError(f"mxfp4_moe_gemm: K = {k} is not a multiple of the 32-element scale block")
     if a.size(-1) != k:
         raise ValueError(f"mxfp4_moe_gemm: activations have {a.size(-1)} columns, weights {k}")
     if a.stride(-1) != 1:
@@ -348,8 +356,7 @@ def mxfp4_moe_gemm(
         DOT_F32=_dot_f32(a),
         BLOCK_M=block_m,
         BLOCK_N=bn,
-        BLOCK_K=128 if k % 128 == 0 else 64,
-        num_warps=4,
-        num_stages=4 if a.is_cuda else 1,
+        num_warps=4 if block_m <= 64 else 8,
+        num_stages=(3 if a.dtype == torch.float32 else 5) if a.is_cuda else 1,
     )
     return y

@@ -62,15 +62,18 @@ class FP8TileLinear(torch.nn.Module):
 
 @dataclass
 class PackedExperts:
-    """One projection of every routed expert: int8 ``[E, N, K/2]`` codes, UE8M0 ``[E, N, K/32]``."""
+    """One projection of every routed expert: int8 ``[E, N, K/2]`` codes in the kernel's nibble order
+    (``gemm_kernels.repack_fp4``: the release's bytes, permuted within each 32-element block), UE8M0
+    ``[E, N, K/32]``."""
 
     weight: torch.Tensor
     scale: torch.Tensor
 
     @classmethod
     def stack(cls, parts: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> PackedExperts:
-        """Per-expert (packed, scale) pairs -> one operand (w1|w3 pairs are concatenated along N)."""
-        w = torch.stack([p for p, _ in parts]).to(device)
+        """Per-expert (packed, scale) pairs in the release's layout -> one operand (w1|w3 pairs are
+        concatenated along N)."""
+        w = G.repack_fp4(torch.stack([p for p, _ in parts]).to(device))
         s = torch.stack([s.view(torch.uint8) for _, s in parts]).to(device)
         return cls(w, s)
 
@@ -79,7 +82,7 @@ class PackedExperts:
         return self.weight.size(0)
 
     def dequantized(self, expert: int) -> torch.Tensor:
-        return dequant_fp4(self.weight[expert], self.scale[expert].view(torch.float8_e8m0fnu))
+        return dequant_fp4(G.unrepack_fp4(self.weight[expert]), self.scale[expert].view(torch.float8_e8m0fnu))
 
     def matmul(
         self, a: torch.Tensor, blocks: tuple[torch.Tensor, ...], rows: int, block_m: int, a_rows: torch.Tensor | None

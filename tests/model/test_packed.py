@@ -77,7 +77,8 @@ def test_mxfp4_moe_gemm_equals_per_expert_gemm(rows, block_m):
     g = torch.Generator().manual_seed(rows)
     n_exp, n, k, topk = 5, 96, 256, 2
     packed, scales = zip(*(quant_fp4(torch.randn(n, k, generator=g) * 10.0**e) for e in range(-2, 3)), strict=True)
-    w = torch.stack(packed).to(DEVICE)
+    w = gemm.repack_fp4(torch.stack(packed)).to(DEVICE)
+    assert torch.equal(gemm.unrepack_fp4(w.cpu()), torch.stack(packed))
     sc = torch.stack([s.view(torch.uint8) for s in scales]).to(DEVICE)
     wd = torch.stack([dequant_fp4(p, s) for p, s in zip(packed, scales, strict=True)]).to(DEVICE)
     x = fp8_qdq(torch.randn(rows, k, generator=g), 32).to(DEVICE)
