@@ -57,14 +57,15 @@ if AVAILABLE:
         return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _e2m1(code):
-        """4-bit e2m1 codes (int32, bit 3 = sign) -> fp32 values, built from their bits."""
-        e = (code >> 1) & 3
-        m = code & 1
-        normal = ((e + 126) << 23) | (m << 22)
-        half = tl.where(m == 1, 0x3F000000, 0)  # e == 0: 0.5 * m
-        bits = tl.where(e == 0, half, normal) | ((code >> 3) << 31)
-        return bits.to(tl.float32, bitcast=True)
+    def _fp4_halves(p, scale):
+        """Packed bytes (int32, sign-extended) -> (low-nibble, high-nibble) e2m1 values times
+        ``scale``. The 3 magnitude bits go straight to fp32 exponent/mantissa bits 24..22, which
+        reads as 2^(e-127) * (1 + m/2) (e = 0: the subnormal m/2 * 2^-126, exactly e2m1's own
+        subnormal); times 2^126 that is the e2m1 value. Four integer ops and two exact multiplies
+        a value (2^126 * scale itself can overflow fp32, so they stay two)."""
+        lo = (((p & 7) << 22) | ((p & 8) << 28)).to(tl.float32, bitcast=True) * 8.507059173023462e37 * scale
+        hi = (((p & 0x70) << 18) | ((p & 0x80) << 24)).to(tl.float32, bitcast=True) * 8.507059173023462e37 * scale
+        return lo, hi
 
     @triton.jit
     def _fp8_tile_gemm_kernel(
@@ -84,6 +85,7 @@ if AVAILABLE:
         n_per_group,
         K: tl.constexpr,
         K_PER_SPLIT: tl.constexpr,
+        UNROLL: tl.constexpr,
         DOT_F32: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -105,20 +107,21 @@ if AVAILABLE:
         k_lo = split * K_PER_SPLIT
         kk = tl.arange(0, 32)
         cmask = cols < n_per_group
-        for k32 in range(0, K_PER_SPLIT, 32):  # one UE8M0 tile column per step: a row scale, no reshape
-            k0 = k_lo + k32
-            ks = k0 + kk
-            kmask = ks < K
-            a = tl.load(
-                a_ptr + r64[:, None] * s_am + g * s_ag + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0
-            )
-            w = tl.load(w_ptr + w64[:, None] * s_wn + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
-            sc = _ue8m0(tl.load(s_ptr + (w64 // 32) * s_sn + k0 // 32, mask=cmask & (k0 < K), other=0))
-            wv = w.to(tl.float32) * sc[:, None]
-            if DOT_F32:
-                acc = tl.dot(a.to(tl.float32), tl.trans(wv), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, tl.trans(wv.to(a.dtype)), acc)
+        for k64 in range(0, K_PER_SPLIT, 32 * UNROLL):
+            for u in tl.static_range(UNROLL):  # one UE8M0 tile column: a row scale, no reshape
+                k0 = k_lo + k64 + u * 32
+                ks = k0 + kk
+                kmask = ks < K
+                a_ptrs = a_ptr + r64[:, None] * s_am + g * s_ag + ks[None, :]
+                a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                w = tl.load(w_ptr + w64[:, None] * s_wn + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
+                sc = _ue8m0(tl.load(s_ptr + (w64 // 32) * s_sn + k0 // 32, mask=cmask & (k0 < K), other=0))
+                if DOT_F32:
+                    wv = w.to(tl.float32) * sc[:, None]
+                    acc = tl.dot(a.to(tl.float32), tl.trans(wv), acc, input_precision="ieee")
+                else:  # e4m3 -> bf16 and a power-of-two scale: both exact in bf16
+                    wv = w.to(a.dtype) * sc.to(a.dtype)[:, None]
+                    acc = tl.dot(a, tl.trans(wv), acc)
         out = y_ptr + split * s_ys + r64[:, None] * s_ym + g * s_yg + cols[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < n_per_group))
 
@@ -138,8 +141,11 @@ if AVAILABLE:
         s_wn,
         s_se,
         s_sn,
+        s_ys,
         s_ym,
         K: tl.constexpr,
+        KB_PER_SPLIT: tl.constexpr,
+        UNROLL: tl.constexpr,
         N_EXPERTS: tl.constexpr,
         GATHER: tl.constexpr,
         DOT_F32: tl.constexpr,
@@ -168,20 +174,24 @@ if AVAILABLE:
         s_base = s_ptr + e64 * s_se + cols.to(tl.int64) * s_sn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         kk = tl.arange(0, 16)
-        for kb in range(0, K // 32):  # one 32-element scale block per step: 16 bytes of every row
-            packed = tl.load(w_base + kb * 16 + kk[None, :], mask=cmask[:, None], other=0).to(tl.int32)
-            sc = _ue8m0(tl.load(s_base + kb, mask=cmask, other=0))[:, None]
-            lo = _e2m1(packed & 15) * sc  # elements kb*32 + j (the kernel layout, see repack_fp4)
-            hi = _e2m1((packed >> 4) & 15) * sc  # elements kb*32 + 16 + j
-            a_row = a_ptr + src[:, None] * s_am + kb * 32 + kk[None, :]
-            a_lo = tl.load(a_row, mask=rmask[:, None], other=0.0)
-            a_hi = tl.load(a_row + 16, mask=rmask[:, None], other=0.0)
-            if DOT_F32:
-                acc = tl.dot(a_lo.to(tl.float32), tl.trans(lo), acc, input_precision="ieee")
-                acc = tl.dot(a_hi.to(tl.float32), tl.trans(hi), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a_lo, tl.trans(lo.to(a_lo.dtype)), acc)
-                acc = tl.dot(a_hi, tl.trans(hi.to(a_hi.dtype)), acc)
+        kb_lo = tl.program_id(2) * KB_PER_SPLIT
+        for kb0 in range(0, KB_PER_SPLIT, UNROLL):
+            for u in tl.static_range(UNROLL):  # one 32-element scale block: 16 bytes of every row
+                kb = kb_lo + kb0 + u
+                live = kb < K // 32
+                p = tl.load(w_base + kb * 16 + kk[None, :], mask=cmask[:, None] & live, other=0).to(tl.int32)
+                sc = _ue8m0(tl.load(s_base + kb, mask=cmask & live, other=0))[:, None]
+                lo, hi = _fp4_halves(p, sc)  # elements kb*32 + j and kb*32 + 16 + j (see repack_fp4)
+                a_row = a_ptr + src[:, None] * s_am + kb * 32 + kk[None, :]
+                a_lo = tl.load(a_row, mask=rmask[:, None] & live, other=0.0)
+                a_hi = tl.load(a_row + 16, mask=rmask[:, None] & live, other=0.0)
+                if DOT_F32:
+                    acc = tl.dot(a_lo.to(tl.float32), tl.trans(lo), acc, input_precision="ieee")
+                    acc = tl.dot(a_hi.to(tl.float32), tl.trans(hi), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a_lo, tl.trans(lo.to(a_lo.dtype)), acc)
+                    acc = tl.dot(a_hi, tl.trans(hi.to(a_hi.dtype)), acc)
+        y_ptr += tl.program_id(2) * s_ys
         out = y_ptr + rows.to(tl.int64)[:, None] * s_ym + cols[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
@@ -224,7 +234,8 @@ def fp8_tile_gemm(
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn) * groups
     if split_k is None:
         split_k = max(1, min(triton.cdiv(k, 512), (2 * _sms(a.device)) // max(1, tiles)))
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), 32) * 32
+    unroll = 2
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), 32 * unroll) * 32 * unroll
     splits = triton.cdiv(k, k_per_split)
     out_dtype = a.dtype if splits == 1 else torch.float32
     y = torch.empty(splits, m, groups, n, dtype=out_dtype, device=a.device)
@@ -247,6 +258,7 @@ def fp8_tile_gemm(
         n,
         K=k,
         K_PER_SPLIT=k_per_split,
+        UNROLL=unroll,
         DOT_F32=_dot_f32(a),
         BLOCK_M=bm,
         BLOCK_N=bn,
@@ -330,10 +342,18 @@ def mxfp4_moe_gemm(
     if a.stride(-1) != 1:
         a = a.contiguous()
     s = scale.view(torch.uint8)
-    y = torch.empty(rows, n, dtype=a.dtype, device=a.device)
     block_expert, row0, row1 = blocks
     bn = 64 if block_m <= 32 else 128
-    grid = (block_expert.numel(), triton.cdiv(n, bn))
+    n_blocks = triton.cdiv(n, bn)
+    n_kb = k // 32
+    unroll = 4 if n_kb % 4 == 0 else (2 if n_kb % 2 == 0 else 1)
+    # few rows (decode): split K so the few experts' weights stream through every SM
+    busy = (min(n_experts, rows) + triton.cdiv(rows, block_m)) * n_blocks
+    split = max(1, min(n_kb // (8 * unroll), (4 * _sms(a.device)) // max(1, busy)))
+    kb_per_split = triton.cdiv(triton.cdiv(n_kb, split), unroll) * unroll
+    split = triton.cdiv(n_kb, kb_per_split)
+    y = torch.empty(split, rows, n, dtype=a.dtype if split == 1 else torch.float32, device=a.device)
+    grid = (block_expert.numel(), n_blocks, split)
     _mxfp4_moe_kernel[grid](
         a,
         a_rows if a_rows is not None else row0,
@@ -350,13 +370,20 @@ def mxfp4_moe_gemm(
         s.stride(0),
         s.stride(1),
         y.stride(0),
+        y.stride(1),
         K=k,
+        KB_PER_SPLIT=kb_per_split,
+        UNROLL=unroll,
         N_EXPERTS=n_experts,
         GATHER=a_rows is not None,
         DOT_F32=_dot_f32(a),
         BLOCK_M=block_m,
         BLOCK_N=bn,
         num_warps=4 if block_m <= 64 else 8,
-        num_stages=(3 if a.dtype == torch.float32 else 5) if a.is_cuda else 1,
+        num_stages=(3 if a.dtype == torch.float32 else 4) if a.is_cuda else 1,
     )
-    return y
+    if split == 1:
+        return y[0]
+    # rows no block covers stay unwritten in every split; they are never read (every routed row is
+    # in a block), and the fixed-order sum keeps the result deterministic
+    return y.sum(0).to(a.dtype)
