@@ -311,11 +311,11 @@ class FastMoE(MoE):
         gate: dict[str, torch.Tensor],
         w13: PackedExperts,
         w2: PackedExperts,
-        s13: FP8TileLinear,
-        s2: FP8TileLinear,
+        s13: FP8TileLinear | torch.Tensor,
+        s2: FP8TileLinear | torch.Tensor,
     ) -> FastMoE:
-        """Routed experts as stored (MXFP4), the shared expert as stored (FP8 tiles; ``s13`` holds
-        w1 and w3 stacked, both unquantized inputs: the block quantizes its input once)."""
+        """Routed experts as stored (MXFP4); the shared expert as FP8 tiles or dequantized (``s13``
+        holds w1 and w3 stacked; the MoE quantizes its input once for both)."""
         moe = cls.__new__(cls)
         torch.nn.Module.__init__(moe)
         moe.n_experts, moe.topk = cfg.moe_shape(layer)
@@ -324,7 +324,7 @@ class FastMoE(MoE):
         moe.w1 = moe.w2 = moe.w3 = moe.s1 = moe.s3 = None
         moe.w13, moe.w2f, moe.s13, moe.s2 = w13, w2, s13, s2
         moe.inter = w2.weight.size(-1) * 2
-        moe.shared_inter = s2.in_features
+        moe.shared_inter = s2.in_features if isinstance(s2, FP8TileLinear) else s2.size(1)
         moe.experts = "mxfp4"
         moe.gate_bf16 = gate["weight"].to(torch.bfloat16) if torch.equal(
             gate["weight"].to(torch.bfloat16).float(), gate["weight"]

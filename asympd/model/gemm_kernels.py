@@ -85,7 +85,6 @@ if AVAILABLE:
         n_per_group,
         K: tl.constexpr,
         K_PER_SPLIT: tl.constexpr,
-        UNROLL: tl.constexpr,
         DOT_F32: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -107,21 +106,19 @@ if AVAILABLE:
         k_lo = split * K_PER_SPLIT
         kk = tl.arange(0, 32)
         cmask = cols < n_per_group
-        for k64 in range(0, K_PER_SPLIT, 32 * UNROLL):
-            for u in tl.static_range(UNROLL):  # one UE8M0 tile column: a row scale, no reshape
-                k0 = k_lo + k64 + u * 32
-                ks = k0 + kk
-                kmask = ks < K
-                a_ptrs = a_ptr + r64[:, None] * s_am + g * s_ag + ks[None, :]
-                a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-                w = tl.load(w_ptr + w64[:, None] * s_wn + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
-                sc = _ue8m0(tl.load(s_ptr + (w64 // 32) * s_sn + k0 // 32, mask=cmask & (k0 < K), other=0))
-                if DOT_F32:
-                    wv = w.to(tl.float32) * sc[:, None]
-                    acc = tl.dot(a.to(tl.float32), tl.trans(wv), acc, input_precision="ieee")
-                else:  # e4m3 -> bf16 and a power-of-two scale: both exact in bf16
-                    wv = w.to(a.dtype) * sc.to(a.dtype)[:, None]
-                    acc = tl.dot(a, tl.trans(wv), acc)
+        for k32 in range(0, K_PER_SPLIT, 32):  # one UE8M0 tile column per step: a row scale, no reshape
+            k0 = k_lo + k32
+            ks = k0 + kk
+            kmask = ks < K
+            a_ptrs = a_ptr + r64[:, None] * s_am + g * s_ag + ks[None, :]
+            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_ptr + w64[:, None] * s_wn + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
+            sc = _ue8m0(tl.load(s_ptr + (w64 // 32) * s_sn + k0 // 32, mask=cmask & (k0 < K), other=0))
+            wv = w.to(tl.float32) * sc[:, None]  # exact: e4m3 times a power of two
+            if DOT_F32:
+                acc = tl.dot(a.to(tl.float32), tl.trans(wv), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(wv.to(a.dtype)), acc)
         out = y_ptr + split * s_ys + r64[:, None] * s_ym + g * s_yg + cols[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < n_per_group))
 
@@ -234,8 +231,7 @@ def fp8_tile_gemm(
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn) * groups
     if split_k is None:
         split_k = max(1, min(triton.cdiv(k, 512), (2 * _sms(a.device)) // max(1, tiles)))
-    unroll = 2
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), 32 * unroll) * 32 * unroll
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), 32) * 32
     splits = triton.cdiv(k, k_per_split)
     out_dtype = a.dtype if splits == 1 else torch.float32
     y = torch.empty(splits, m, groups, n, dtype=out_dtype, device=a.device)
@@ -258,7 +254,6 @@ def fp8_tile_gemm(
         n,
         K=k,
         K_PER_SPLIT=k_per_split,
-        UNROLL=unroll,
         DOT_F32=_dot_f32(a),
         BLOCK_M=bm,
         BLOCK_N=bn,

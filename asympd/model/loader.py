@@ -1,11 +1,15 @@
 """Build a role's model from checkpoint tensors in their storage formats.
 
-Two weight layouts (``weights=``), the same function:
+Weight layouts (``weights=``), all the same function:
 - ``dequantized`` (the CPU reference): FP8 and FP4 weights are dequantized once here (exactly: they
   fit bf16) and their GEMM inputs keep the reference's FP8 activation quantization at run time;
-- ``packed`` (the default on CUDA): FP8 matrices and MXFP4 experts stay as stored and run through
-  the Triton GEMMs of ``gemm_kernels`` (``packed.py``), so a role holds the bytes ``asympd memory``
-  counts; the Engram tables stay in (pinned) host memory and only the looked-up rows move.
+- ``packed``: FP8 matrices and MXFP4 experts stay as stored and run through the Triton GEMMs of
+  ``gemm_kernels`` (``packed.py``), so a role holds exactly the bytes ``asympd memory`` counts;
+- ``packed-experts`` (the default on CUDA): MXFP4 experts packed (97 % of a layer's bytes, and the
+  packed MoE is the faster one at decode sizes), the FP8 attention/shared-expert matrices expanded to
+  bf16 (2 % of the bytes; cuBLAS on bf16 beats the FP8-tile kernel at every size measured,
+  docs/performance.md), 2.3 % over the released bytes in all.
+In the packed layouts the Engram tables stay in (pinned) host memory and only looked-up rows move.
 Engram tables stay FP8 in both. The LM head is held in fp32, as the reference holds it, so logits
 come out in fp32.
 """
@@ -13,6 +17,7 @@ come out in fp32.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +53,9 @@ class _Reader:
     """Takes tensors out of the loaded dict by name, dequantizing by storage dtype (or, ``packed``,
     keeping FP8 matrices and FP4 experts as stored)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, packed: bool):
-        self.t, self.dtype, self.device, self.packed = tensors, dtype, device, packed
+    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, layout: Layout):
+        self.t, self.dtype, self.device = tensors, dtype, device
+        self.packed, self.packed_linears = layout.experts, layout.linears
 
     def has(self, name: str) -> bool:
         return f"{name}.weight" in self.t or name in self.t
@@ -68,7 +74,7 @@ class _Reader:
 
     def linear(self, name: str, dtype: torch.dtype | None = None) -> QLinear | FP8TileLinear:
         w = self.t[f"{name}.weight"]
-        if self.packed and w.dtype == torch.float8_e4m3fn:
+        if self.packed_linears and w.dtype == torch.float8_e4m3fn:
             return FP8TileLinear(w.to(self.device), self.t[f"{name}.scale"].to(self.device), True, dtype or self.dtype)
         w, quantized = self.matrix(name, dtype)
         return QLinear(w, quantized)
@@ -124,12 +130,16 @@ def _moe(cfg: ModelConfig, layer: int, r: _Reader, prefix: str) -> MoE:
         from asympd.model.cuda_ops import FastMoE
 
         shared = prefix + "shared_experts."
-        s13 = r.linear(shared + "w1")  # w1 and w3 share one GEMM: their tile rows stack exactly
-        s13.weight = torch.cat([s13.weight, r.t[shared + "w3.weight"].to(r.device)])
-        s13.scale = torch.cat([s13.scale, r.t[shared + "w3.scale"].to(r.device).view(torch.uint8)])
-        s13.quantized, s13.out_features = False, s13.weight.size(0)
-        s2 = r.linear(shared + "w2")
-        s2.quantized = False
+        if r.packed_linears:
+            s13 = r.linear(shared + "w1")  # w1 and w3 share one GEMM: their tile rows stack exactly
+            s13.weight = torch.cat([s13.weight, r.t[shared + "w3.weight"].to(r.device)])
+            s13.scale = torch.cat([s13.scale, r.t[shared + "w3.scale"].to(r.device).view(torch.uint8)])
+            s13.quantized, s13.out_features = False, s13.weight.size(0)
+            s2 = r.linear(shared + "w2")
+            s2.quantized = False
+        else:
+            s13 = torch.cat([r.matrix(shared + "w1")[0], r.matrix(shared + "w3")[0]])
+            s2 = r.matrix(shared + "w2")[0]
         gate = {
             "weight": r.vector(prefix + "gate.weight", torch.float32),
             "bias": r.vector(prefix + "gate.bias", torch.float32),
@@ -157,12 +167,14 @@ def build_model(
     weights: str = "auto",
 ) -> Transformer:
     """The model of ``role`` from storage-format tensors (as ``load_tensors`` returns them).
-    ``weights``: ``packed`` | ``dequantized`` | ``auto`` (packed on CUDA, dequantized elsewhere)."""
+    ``weights``: ``packed`` | ``packed-experts`` | ``dequantized`` | ``auto`` (packed-experts on CUDA,
+    dequantized elsewhere)."""
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
     device = torch.device(device)
-    packed = resolve_weights(weights, device)
-    r = _Reader(tensors, dtype, device, packed)
+    layout = resolve_weights(weights, device)
+    packed = layout.experts
+    r = _Reader(tensors, dtype, device, layout)
     round_probs = dtype == torch.bfloat16
     k = cfg.last_kv_source
     n_full = k if role == "prefill" else cfg.n_layers
@@ -197,7 +209,7 @@ def build_model(
         norm = r.vector("norm.weight")
         head = r.vector("head.weight", torch.float32)
     model = Transformer(cfg, role, embed, blocks, norm, head, hasher, dtype)
-    model.weights = "packed" if packed else "dequantized"
+    model.weights = layout.name
     if role != "prefill":
         model.drafter = _drafter(cfg, r, round_probs, embed, head)
     # CUDA fast paths (cuda_ops.py); the CPU model stays the reference. ASYMPD_CUDA_FAST_PATH=0 keeps the
@@ -209,19 +221,38 @@ def build_model(
     return model
 
 
-def resolve_weights(weights: str, device: torch.device) -> bool:
-    """Whether ``weights`` means packed on ``device``. ``ASYMPD_CUDA_FAST_PATH=0`` keeps the
-    dequantized reference modules on CUDA (expert-parallel sharding slices their stacked experts)."""
-    if weights not in ("auto", "packed", "dequantized"):
-        raise ValueError(f"weights must be auto, packed or dequantized, got {weights!r}")
+@dataclass(frozen=True)
+class Layout:
+    """Which stored formats stay packed on the device."""
+
+    name: str
+    experts: bool
+    linears: bool
+
+
+LAYOUTS = {
+    "dequantized": Layout("dequantized", False, False),
+    "packed-experts": Layout("packed-experts", True, False),
+    "packed": Layout("packed", True, True),
+}
+
+
+def resolve_weights(weights: str, device: torch.device) -> Layout:
+    """The layout ``weights`` names on ``device``. ``auto``: packed-experts on CUDA, dequantized
+    elsewhere; ``ASYMPD_CUDA_FAST_PATH=0`` keeps the dequantized reference modules on CUDA too
+    (expert-parallel sharding slices their stacked experts)."""
     if weights == "auto":
-        return device.type == "cuda" and os.environ.get("ASYMPD_CUDA_FAST_PATH", "1") != "0"
-    if weights == "packed":
+        cuda = device.type == "cuda" and os.environ.get("ASYMPD_CUDA_FAST_PATH", "1") != "0"
+        weights = "packed-experts" if cuda else "dequantized"
+    if weights not in LAYOUTS:
+        raise ValueError(f"weights must be auto or one of {', '.join(LAYOUTS)}, got {weights!r}")
+    layout = LAYOUTS[weights]
+    if layout.experts:
         from asympd.model.gemm_kernels import AVAILABLE
 
         if not AVAILABLE:
-            raise RuntimeError("weights='packed' needs Triton (pip install triton)")
-    return weights == "packed"
+            raise RuntimeError(f"weights={weights!r} needs Triton (pip install triton)")
+    return layout
 
 
 def _drafter(cfg: ModelConfig, r: _Reader, round_probs: bool, embed: torch.Tensor, head: torch.Tensor) -> DSpark | None:

@@ -130,19 +130,41 @@ def test_packed_role_holds_the_released_bytes(tiny_ckpt):
             # the drafter's Markov and confidence heads are held in fp32 like the LM head
             extra += (model.drafter.markov_head.numel() + model.drafter.confidence_proj.numel()) * 2
         assert model.resident_bytes() == report[role]["resident_bytes"] + extra, role
+        # packed-experts (the CUDA default) expands only the FP8 matrices to bf16
+        fp8 = [m for m in _modules(model) if isinstance(m, FP8TileLinear)]
+        expanded = sum(m.weight.numel() - m.scale.numel() for m in fp8)
+        mixed = load_model(tiny_ckpt, role, device=DEVICE, dtype=torch.bfloat16, weights="packed-experts")
+        assert fp8 and not any(isinstance(m, FP8TileLinear) for m in _modules(mixed))
+        assert mixed.resident_bytes() == model.resident_bytes() + expanded, role
 
 
-@pytest.mark.parametrize("mode", ["colocated", "asymmetric"])
-def test_packed_weights_give_the_reference_tokens(tiny_ckpt, mode):
+def _modules(model):
+    mods = [m for b in model.blocks if b is not None for m in b.modules()]
+    return mods + (list(model.drafter.modules()) if getattr(model, "drafter", None) is not None else [])
+
+
+def test_weights_layout_names():
+    from asympd.model.loader import resolve_weights
+
+    assert resolve_weights("auto", torch.device("cpu")).name == "dequantized"
+    assert resolve_weights("packed-experts", torch.device("cpu")).experts
+    with pytest.raises(ValueError, match="weights must be auto or one of dequantized, packed-experts, packed"):
+        resolve_weights("fp4", torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "mode,weights", [("colocated", "packed"), ("asymmetric", "packed"), ("asymmetric", "packed-experts")]
+)
+def test_packed_weights_give_the_reference_tokens(tiny_ckpt, mode, weights):
     """Greedy tokens and logprobs in fp32 with packed weights (on the GPU where there is one) equal
     the CPU reference's, which holds every weight dequantized."""
     prompts = random_prompts([40, 9, 21], seed=3)
     sp = asympd.SamplingParams(max_tokens=5, temperature=0, logprobs=2)
     outs = {}
-    for weights, device in (("dequantized", "cpu"), ("packed", DEVICE)):
-        llm = asympd.LLM(tiny_ckpt, mode=mode, device=device, weights=weights)
-        outs[weights] = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
-    for ref, got in zip(outs["dequantized"], outs["packed"], strict=True):
+    for name, device in (("dequantized", "cpu"), (weights, DEVICE)):
+        llm = asympd.LLM(tiny_ckpt, mode=mode, device=device, weights=name)
+        outs[name] = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+    for ref, got in zip(outs["dequantized"], outs[weights], strict=True):
         assert got.outputs[0].token_ids == ref.outputs[0].token_ids
         for a, b in zip(ref.outputs[0].logprobs, got.outputs[0].logprobs, strict=True):
             assert a.keys() == b.keys()
