@@ -259,6 +259,87 @@ def bench_engram(cfg, g: torch.Generator) -> list[dict]:
     return out
 
 
+def _timed(fn) -> float | str:
+    try:
+        return time_cuda(fn, iters=10, warmup=2, graph=True)["ms"]
+    except Exception as ex:  # a config that does not compile (shared memory, registers)
+        return f"{type(ex).__name__}: {str(ex)[:80]}"
+
+
+def sweep(cfg, ceil: dict, g: torch.Generator) -> dict:
+    """Kernel configurations around the defaults, timed in this run (the next kernel round's data):
+    the MoE gate/up GEMM over all 384 experts and two FP8 matrices, at decode and prefill sizes."""
+    import itertools
+
+    from asympd.model.packed import moe_block_m
+
+    out: dict = {"moe_w13": [], "fp8": []}
+    n_exp, d, inter, k = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim, cfg.n_activated_experts
+    w13 = random_fp4_experts(n_exp, 2 * inter, d, g)
+    for rows in (16, 512, 16384):
+        x = fp8_qdq(torch.randn(rows, d, device=DEV, generator=g), 32).to(BF)
+        ids = torch.stack([torch.randperm(n_exp, device=DEV, generator=g)[:k] for _ in range(rows)]).reshape(-1)
+        n_routed = ids.numel()
+        touched = int(torch.unique(ids).numel())
+        floor = touched * 2 * inter * d * FP4_BYTES / (ceil["copy_TBps"] * 1e12) * 1e3
+        floor = max(floor, rows * k * 2 * inter * d * 2 / (ceil.get("fp8_gemm_TFLOPs", 1000) * 1e12) * 1e3)
+        bm0 = moe_block_m(ids.numel(), n_exp)
+        configs = [{}]
+        for bn, nw, st, un in itertools.product((64, 128), (4, 8), (3, 4), (2, 4)):
+            configs.append({"block_n": bn, "num_warps": nw, "num_stages": st, "unroll": un})
+        if rows <= 512:
+            configs += [{"split": sp} for sp in (1, 2, 4, 8)]
+        for bm in sorted({bm0, min(128, 2 * bm0)}):
+            order, *blocks = G.moe_blocks(ids, n_exp, bm)
+            token = order // k
+            for c in configs:
+                t = _timed(
+                    lambda c=c, blocks=blocks, token=token, bm=bm, x=x, r=n_routed: w13.matmul(
+                        x, blocks, r, bm, token, c
+                    )
+                )
+                rec = {"rows": rows, "block_m": bm, **c, "ms": t, "floor_ms": floor}
+                if isinstance(t, float):
+                    rec["frac_of_floor"] = floor / t
+                out["moe_w13"].append(rec)
+        best = min(
+            (r for r in out["moe_w13"] if r["rows"] == rows and isinstance(r["ms"], float)), key=lambda r: r["ms"]
+        )
+        log(f"sweep moe w13 rows {rows}: default {out['moe_w13'][-len(configs)]['ms']} ms; best {best}")
+    for name, n, kk in (("wq_b", 32768, 1280), ("wo_b", 5120, 8192), ("wq_a", 1280, 5120)):
+        q, sc = random_fp8(n, kk, g)
+        for m in (1, 64, 1024):
+            x = fp8_qdq(torch.randn(m, kk, device=DEV, generator=g), 32).to(BF)
+            floor = (
+                max(
+                    (n * kk * FP8_BYTES + m * (kk + n) * 2) / (ceil["copy_TBps"] * 1e12),
+                    2 * m * n * kk / (ceil.get("fp8_gemm_TFLOPs", 1000) * 1e12),
+                )
+                * 1e3
+            )
+            configs = [{}] + [
+                {"block_m": bm, "block_n": bn, "num_warps": nw, "num_stages": st}
+                for bm, bn, nw, st in itertools.product(
+                    (16 if m <= 16 else 64, 128) if m > 1 else (16,), (64, 128), (4, 8), (3, 5)
+                )
+            ]
+            for c in configs:
+                for split in (None, 1):
+                    if split == 1 and not c:
+                        continue
+                    t = _timed(
+                        lambda c=c, split=split, x=x, q=q, sc=sc: G.fp8_tile_gemm(x, q, sc, split_k=split, config=c)
+                    )
+                    rec = {"name": name, "rows": m, **c, "split_k": split, "ms": t, "floor_ms": floor}
+                    if isinstance(t, float):
+                        rec["frac_of_floor"] = floor / t
+                    out["fp8"].append(rec)
+            cases = [r for r in out["fp8"] if r["name"] == name and r["rows"] == m and isinstance(r["ms"], float)]
+            best = min(cases, key=lambda r: r["ms"])
+            log(f"sweep fp8 {name} rows {m}: default {cases[0]['ms']:.4f} ms; best {best}")
+    return out
+
+
 def main() -> None:
     started = time.time()
     torch.manual_seed(0)
@@ -268,6 +349,8 @@ def main() -> None:
     log(f"ceilings: {ceil}")
     data = {"ceilings": ceil, "notes": __doc__}
     sections = (("moe", lambda: bench_moe(cfg, ceil, g)), ("linears", lambda: bench_linears(ceil, g)))
+    if os.environ.get("ASYMPD_BENCH_SWEEP", "0") == "1":
+        sections = (("sweep", lambda: sweep(cfg, ceil, g)),)
     if os.environ.get("ASYMPD_BENCH_ENGRAM", "1") == "1":
         sections += (("engram_host_lookup", lambda: bench_engram(cfg, g)),)
     for key, fn in sections:

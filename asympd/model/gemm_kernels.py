@@ -207,7 +207,12 @@ def _sms(device: torch.device) -> int:
 
 
 def fp8_tile_gemm(
-    a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int = 1, split_k: int | None = None
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    groups: int = 1,
+    split_k: int | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """``a @ dequant(weight, scale)^T`` in a's dtype, fp32 accumulation.
 
@@ -226,8 +231,9 @@ def fp8_tile_gemm(
     if a3.stride(-1) != 1:
         a3 = a3.contiguous()
     m = a3.size(0)
-    bm = _block_m(m)
-    bn = 64 if m <= 64 else 128
+    cfg = config or {}
+    bm = cfg.get("block_m", _block_m(m))
+    bn = cfg.get("block_n", 64 if m <= 64 else 128)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn) * groups
     if split_k is None:
         split_k = max(1, min(triton.cdiv(k, 512), (2 * _sms(a.device)) // max(1, tiles)))
@@ -257,8 +263,8 @@ def fp8_tile_gemm(
         DOT_F32=_dot_f32(a),
         BLOCK_M=bm,
         BLOCK_N=bn,
-        num_warps=4 if bm <= 64 else 8,
-        num_stages=(3 if a.dtype == torch.float32 else 5) if a.is_cuda else 1,
+        num_warps=cfg.get("num_warps", 4 if bm <= 64 else 8),
+        num_stages=cfg.get("num_stages", 3 if a.dtype == torch.float32 else 5) if a.is_cuda else 1,
     )
     y = y[0] if splits == 1 else y.sum(0).to(a.dtype)  # fixed-order sum: deterministic
     return y.reshape(*a.shape[:-1], n)
@@ -320,6 +326,7 @@ def mxfp4_moe_gemm(
     rows: int,
     block_m: int,
     a_rows: torch.Tensor | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """Grouped GEMM over expert-sorted rows: ``y[r] = a[a_rows[r]] @ dequant(W[e(r)])^T``.
 
@@ -338,13 +345,14 @@ def mxfp4_moe_gemm(
         a = a.contiguous()
     s = scale.view(torch.uint8)
     block_expert, row0, row1 = blocks
-    bn = 64 if block_m <= 32 else 128
+    cfg = config or {}
+    bn = cfg.get("block_n", 64 if block_m <= 32 else 128)
     n_blocks = triton.cdiv(n, bn)
     n_kb = k // 32
-    unroll = 4 if n_kb % 4 == 0 else (2 if n_kb % 2 == 0 else 1)
+    unroll = cfg.get("unroll", 4 if n_kb % 4 == 0 else (2 if n_kb % 2 == 0 else 1))
     # few rows (decode): split K so the few experts' weights stream through every SM
     busy = (min(n_experts, rows) + triton.cdiv(rows, block_m)) * n_blocks
-    split = max(1, min(n_kb // (8 * unroll), (4 * _sms(a.device)) // max(1, busy)))
+    split = cfg.get("split", max(1, min(n_kb // (8 * unroll), (4 * _sms(a.device)) // max(1, busy))))
     kb_per_split = triton.cdiv(triton.cdiv(n_kb, split), unroll) * unroll
     split = triton.cdiv(n_kb, kb_per_split)
     y = torch.empty(split, rows, n, dtype=a.dtype if split == 1 else torch.float32, device=a.device)
@@ -374,8 +382,8 @@ def mxfp4_moe_gemm(
         DOT_F32=_dot_f32(a),
         BLOCK_M=block_m,
         BLOCK_N=bn,
-        num_warps=4 if block_m <= 64 else 8,
-        num_stages=(3 if a.dtype == torch.float32 else 4) if a.is_cuda else 1,
+        num_warps=cfg.get("num_warps", 4 if block_m <= 64 else 8),
+        num_stages=cfg.get("num_stages", 3 if a.dtype == torch.float32 else 4) if a.is_cuda else 1,
     )
     if split == 1:
         return y[0]
