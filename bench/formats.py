@@ -36,6 +36,8 @@ from bench.common import ceilings, log, record, time_cuda  # noqa: E402
 
 DEV = torch.device("cuda")
 BF = torch.bfloat16
+ROWS_SWEEP = (16, 512, 16384)
+FP8_SWEEP = (("wq_b", 32768, 1280), ("wo_b", 5120, 8192), ("wq_a", 1280, 5120))
 MOE_ROWS = [1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 LINEAR_ROWS = [1, 16, 64, 256, 1024]
 # (name, out, in, groups): the FP8-stored matrices of one V4.1 layer (attention, indexer, shared expert)
@@ -276,7 +278,7 @@ def sweep(cfg, ceil: dict, g: torch.Generator) -> dict:
     out: dict = {"moe_w13": [], "fp8": []}
     n_exp, d, inter, k = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim, cfg.n_activated_experts
     w13 = random_fp4_experts(n_exp, 2 * inter, d, g)
-    for rows in (16, 512, 16384):
+    for rows in ROWS_SWEEP:
         x = fp8_qdq(torch.randn(rows, d, device=DEV, generator=g), 32).to(BF)
         ids = torch.stack([torch.randperm(n_exp, device=DEV, generator=g)[:k] for _ in range(rows)]).reshape(-1)
         n_routed = ids.numel()
@@ -306,7 +308,7 @@ def sweep(cfg, ceil: dict, g: torch.Generator) -> dict:
             (r for r in out["moe_w13"] if r["rows"] == rows and isinstance(r["ms"], float)), key=lambda r: r["ms"]
         )
         log(f"sweep moe w13 rows {rows}: default {out['moe_w13'][-len(configs)]['ms']} ms; best {best}")
-    for name, n, kk in (("wq_b", 32768, 1280), ("wo_b", 5120, 8192), ("wq_a", 1280, 5120)):
+    for name, n, kk in FP8_SWEEP:
         q, sc = random_fp8(n, kk, g)
         for m in (1, 64, 1024):
             x = fp8_qdq(torch.randn(m, kk, device=DEV, generator=g), 32).to(BF)

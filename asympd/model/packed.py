@@ -85,9 +85,15 @@ class PackedExperts:
         return dequant_fp4(G.unrepack_fp4(self.weight[expert]), self.scale[expert].view(torch.float8_e8m0fnu))
 
     def matmul(
-        self, a: torch.Tensor, blocks: tuple[torch.Tensor, ...], rows: int, block_m: int, a_rows: torch.Tensor | None
+        self,
+        a: torch.Tensor,
+        blocks: tuple[torch.Tensor, ...],
+        rows: int,
+        block_m: int,
+        a_rows: torch.Tensor | None,
+        config: dict | None = None,
     ) -> torch.Tensor:
-        return G.mxfp4_moe_gemm(a, self.weight, self.scale, blocks, rows, block_m, a_rows)
+        return G.mxfp4_moe_gemm(a, self.weight, self.scale, blocks, rows, block_m, a_rows, config)
 
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size() + self.scale.numel()
