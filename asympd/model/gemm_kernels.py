@@ -233,7 +233,8 @@ def fp8_tile_gemm(
     m = a3.size(0)
     cfg = config or {}
     bm = cfg.get("block_m", _block_m(m))
-    bn = cfg.get("block_n", 64 if m <= 64 else 128)
+    # defaults from the sweep in bench/results/formats_sweep.json (H200)
+    bn = cfg.get("block_n", 64 if m <= 16 else 128)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn) * groups
     if split_k is None:
         split_k = max(1, min(triton.cdiv(k, 512), (2 * _sms(a.device)) // max(1, tiles)))
@@ -263,7 +264,7 @@ def fp8_tile_gemm(
         DOT_F32=_dot_f32(a),
         BLOCK_M=bm,
         BLOCK_N=bn,
-        num_warps=cfg.get("num_warps", 4 if bm <= 64 else 8),
+        num_warps=cfg.get("num_warps", 8 if 16 < m <= 64 else 4),
         num_stages=cfg.get("num_stages", 3 if a.dtype == torch.float32 else 5) if a.is_cuda else 1,
     )
     y = y[0] if splits == 1 else y.sum(0).to(a.dtype)  # fixed-order sum: deterministic
@@ -346,10 +347,10 @@ def mxfp4_moe_gemm(
     s = scale.view(torch.uint8)
     block_expert, row0, row1 = blocks
     cfg = config or {}
-    bn = cfg.get("block_n", 64 if block_m <= 32 else 128)
+    bn = cfg.get("block_n", 128)  # the sweep's best at 16, 512 and 16384 rows (formats_sweep.json)
     n_blocks = triton.cdiv(n, bn)
     n_kb = k // 32
-    unroll = cfg.get("unroll", 4 if n_kb % 4 == 0 else (2 if n_kb % 2 == 0 else 1))
+    unroll = cfg.get("unroll", 2 if n_kb % 2 == 0 else 1)
     # few rows (decode): split K so the few experts' weights stream through every SM
     busy = (min(n_experts, rows) + triton.cdiv(rows, block_m)) * n_blocks
     split = cfg.get("split", max(1, min(n_kb // (8 * unroll), (4 * _sms(a.device)) // max(1, busy))))
@@ -383,7 +384,7 @@ def mxfp4_moe_gemm(
         BLOCK_M=block_m,
         BLOCK_N=bn,
         num_warps=cfg.get("num_warps", 4 if block_m <= 64 else 8),
-        num_stages=cfg.get("num_stages", 3 if a.dtype == torch.float32 else 4) if a.is_cuda else 1,
+        num_stages=cfg.get("num_stages", 3) if a.is_cuda else 1,
     )
     if split == 1:
         return y[0]
