@@ -231,7 +231,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from asympd.serve.api_server import ServeConfig, serve
 
-    if not Path(args.checkpoint, "config.json").exists():
+    if not any(Path(args.checkpoint, name).exists() for name in ("config.json", "inference/config.json")):
         raise UsageError(f"--checkpoint {args.checkpoint!r} holds no config.json")
     names = (
         "role",

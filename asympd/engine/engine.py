@@ -75,7 +75,7 @@ def checkpoint_id(path: str | Path | None) -> str:
         return "in-memory"
     p = Path(path)
     h = hashlib.sha256()
-    for name in ("config.json", "model.safetensors.index.json"):
+    for name in ("config.json", "inference/config.json", "model.safetensors.index.json"):
         if (p / name).exists():
             h.update((p / name).read_bytes())
     for f in sorted(p.glob("*.safetensors")):

@@ -10,6 +10,7 @@ import torch
 from asympd import cli
 from asympd.config import tiny
 from asympd.model.schema import role_schema
+from asympd.release_config import flat_to_root
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,8 @@ def ckpt(tmp_path_factory):
 
 def test_make_checkpoint(ckpt):
     assert (ckpt / "model.safetensors.index.json").is_file() and (ckpt / "tokenizer.json").is_file()
-    assert json.loads((ckpt / "config.json").read_text()) == tiny().to_dict()
+    assert json.loads((ckpt / "inference" / "config.json").read_text()) == tiny().to_dict()
+    assert json.loads((ckpt / "config.json").read_text()) == flat_to_root(tiny())
 
 
 def test_memory_json(capsys):
