@@ -88,17 +88,35 @@ def _memory(args: argparse.Namespace) -> int:
 def _inspect_args(p: argparse.ArgumentParser) -> None:
     from asympd.model.schema import ROLES
 
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory (may hold only some shards)")
     p.add_argument("--role", default="full", choices=ROLES)
     p.add_argument("--list", action="store_true", help="print the name of every tensor read")
     p.add_argument("--json", action="store_true")
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from asympd.model.checkpoint import load_config, load_tensors
+    from asympd.model.checkpoint import load_config, load_tensors, role_files
     from asympd.model.schema import checkpoint_schema
 
     cfg = load_config(args.checkpoint)
+    files = role_files(args.checkpoint, cfg, args.role)
+    shards = {
+        "shards_needed": files.shards_needed,
+        "shards_missing": files.shards_missing,
+        "tensors_missing": files.tensors_missing,
+    }
+    if not files.complete:  # a partial download: say what the role still needs, exit 1
+        if args.json:
+            print(json.dumps({"checkpoint": str(args.checkpoint), "role": args.role, **shards}, indent=2))
+            return 1
+        print(f"checkpoint     {args.checkpoint}")
+        print(f"role           {args.role}: incomplete")
+        print(f"shards needed  {len(files.shards_needed)}: {' '.join(files.shards_needed)}")
+        print(f"shards missing {len(files.shards_missing)}: {' '.join(files.shards_missing)}")
+        print(f"tensors missing {len(files.tensors_missing)}")
+        for name in files.tensors_missing:
+            print(f"  {name}")
+        return 1
     resident: int | None = None
     try:
         from asympd.model.loader import load_model
@@ -125,6 +143,7 @@ def _inspect(args: argparse.Namespace) -> int:
         "resident_bytes": resident,
         "files_opened": report.files_opened,
         "tensors_by_part": {k: v["tensors"] for k, v in by_part.items()},
+        **shards,
     }
     if args.json:
         out["tensor_names"] = report.tensors_read
@@ -135,6 +154,7 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"tensors read   {out['tensors_read']}  ({', '.join(f'{k} {v}' for k, v in out['tensors_by_part'].items())})")
     print(f"bytes read     {report.bytes_read}  ({report.bytes_read / 1e9:.3f} GB)")
     print(f"files opened   {len(report.files_opened)}")
+    print(f"shards needed  {len(files.shards_needed)}: {' '.join(files.shards_needed)}")
     if resident is None:
         print("resident bytes n/a (asympd.model.loader not available)")
     else:
@@ -356,7 +376,9 @@ COMMANDS: dict[str, Command] = {
         "write a random-weight checkpoint in the released format", _make_checkpoint_args, _make_checkpoint
     ),
     "memory": Command("resident bytes per role and KV room per GPU", _memory_args, _memory),
-    "inspect": Command("load a role from a checkpoint and report what was read", _inspect_args, _inspect),
+    "inspect": Command(
+        "the shards a role needs; load it and report what was read (exit 1: shards missing)", _inspect_args, _inspect
+    ),
     "serve": Command("serve a checkpoint over an OpenAI-compatible API (one worker)", _serve_args, _serve),
     "router": Command("route requests over prefill and decode workers", _router_args, _router),
     "demo": Command("start a 1P1D deployment + router locally and send a few requests", _demo_args, _demo),

@@ -112,6 +112,36 @@ def _tensor_files(d: Path) -> tuple[dict[str, str], bool]:
     raise CheckpointError(f"checkpoint {str(d)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
+@dataclass
+class RoleFiles:
+    """Which shards a role reads, and what of it a (possibly partial) folder lacks."""
+
+    shards_needed: list[str]
+    shards_missing: list[str]
+    tensors_missing: list[str]
+
+    @property
+    def complete(self) -> bool:
+        return not self.tensors_missing
+
+
+def role_files(ckpt_dir: str | Path, cfg: ModelConfig, role: str) -> RoleFiles:
+    """The shards holding ``role``'s tensors, from the index alone, so it answers for a partial
+    download (or a host that fetched only one role's shards) without opening any shard."""
+    d = Path(ckpt_dir)
+    files, _ = _tensor_files(d)
+    needed, missing_shards, missing = set(), set(), []
+    for spec in role_schema(cfg, role):
+        fname = files.get(spec.name)
+        if fname is not None:
+            needed.add(fname)
+        if fname is None or not (d / fname).is_file():
+            missing.append(spec.name)
+            if fname is not None:
+                missing_shards.add(fname)
+    return RoleFiles(sorted(needed), sorted(missing_shards), missing)
+
+
 def _check_known(name: str, where: str, schema_names: set[str]) -> None:
     if name not in schema_names and not is_vision_tensor(name):
         raise CheckpointError(f"unexpected tensor {name!r} in {where}: not in the checkpoint schema of this config")
