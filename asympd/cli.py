@@ -169,6 +169,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
+    from asympd.model.dtypes import DTYPES
+
     p.add_argument("--role", default="colocated", choices=("colocated", "prefill", "decode"))
     p.add_argument("--checkpoint", required=True, help="checkpoint directory (with tokenizer.json)")
     p.add_argument(
@@ -201,7 +203,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed when ready)")
     p.add_argument("--served-model-name", default=None, help="default: the --checkpoint argument")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES), help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-bytes", type=int, default=64 << 20)
     p.add_argument("--max-num-seqs", type=int, default=64)

@@ -10,6 +10,7 @@ import torch
 from asympd.dist.executor import DistributedExecutor
 from asympd.dist.launch import RankGroup, RankSpec
 from asympd.engine.llm import LLM
+from asympd.model.dtypes import resolve_dtype
 
 SHARDS = ("decode", "prefill")
 
@@ -42,10 +43,11 @@ class ParallelLLM(LLM):
         ep: int = 2,
         shard: str = "decode",
         device: str = "cpu",
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = "auto",
         **kwargs: Any,
     ):
         role = model_role(mode, shard)
+        dtype = resolve_dtype(dtype, device)
         self.executor: DistributedExecutor | None = None
         if ep == 1:
             super().__init__(checkpoint, mode, prefill_semantics, device=device, dtype=dtype, **kwargs)

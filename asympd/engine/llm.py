@@ -49,7 +49,7 @@ class LLM:
         *,
         boundary_policy: str = "carry",
         device: str = "cpu",
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = "auto",
         scheduler: SchedulerConfig | None = None,
         block_size: int = 16,
         kv_cache_bytes: int = 64 << 20,
@@ -58,7 +58,8 @@ class LLM:
         spec_confidence_threshold: float | None = None,
     ):
         """``num_spec_tokens`` > 0 turns on speculative decoding with the checkpoint's DSpark draft
-        blocks in the engine that decodes (the colocated engine, or D); the prefill worker never drafts."""
+        blocks in the engine that decodes (the colocated engine, or D); the prefill worker never drafts.
+        ``dtype="auto"``: bf16 on CUDA, fp32 on CPU (``asympd.model.dtypes.resolve_dtype``)."""
         self.mode = mode
         self.tokenizer = load_tokenizer(checkpoint)
         detok = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer else None
