@@ -169,23 +169,24 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
+    from asympd.engine import modes
     from asympd.model.dtypes import DTYPES
 
-    p.add_argument("--role", default="colocated", choices=("colocated", "prefill", "decode"))
+    p.add_argument("--role", default="colocated", choices=modes.ROLES)
     p.add_argument("--checkpoint", required=True, help="checkpoint directory (with tokenizer.json)")
     p.add_argument(
         "--mode",
         default=None,
-        choices=("colocated", "symmetric", "encoder-only", "asymmetric"),
-        help="default: colocated for --role colocated, asymmetric otherwise",
+        choices=modes.MODES,
+        help="default: colocated for --role colocated, asymmetric otherwise (asympd.engine.modes.default_mode)",
     )
     p.add_argument(
         "--prefill-semantics",
         default="full",
-        choices=("full", "decoder-replay", "split"),
+        choices=modes.SEMANTICS,
         help="what a colocated engine computes for a prompt (see asympd.engine.modes)",
     )
-    p.add_argument("--boundary-policy", default="carry", choices=("carry", "align"))
+    p.add_argument("--boundary-policy", default="carry", choices=modes.BOUNDARY_POLICIES)
     p.add_argument(
         "--transport",
         default=None,
@@ -295,6 +296,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _router_args(p: argparse.ArgumentParser) -> None:
+    from asympd.engine.modes import MODES
+
     p.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill worker URLs")
     p.add_argument(
         "--decode",
@@ -303,12 +306,7 @@ def _router_args(p: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="decode worker URLs (colocated workers for --mode colocated)",
     )
-    p.add_argument(
-        "--mode",
-        default=None,
-        choices=("colocated", "symmetric", "encoder-only", "asymmetric"),
-        help="default: the mode the workers report",
-    )
+    p.add_argument("--mode", default=None, choices=MODES, help="default: the mode the workers report")
     p.add_argument(
         "--checkpoint", default=None, help="for the tokenizer and window size (default: fetched from a worker)"
     )

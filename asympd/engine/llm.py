@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from asympd.engine import modes
 from asympd.engine.engine import EngineConfig, LLMEngine
 from asympd.engine.request import RequestOutput
 from asympd.engine.sampling import SamplingParams
@@ -80,12 +81,15 @@ class LLM:
             )
 
         self.prefill: LLMEngine | None = None
+
+        def engine(role: str) -> LLMEngine:
+            return LLMEngine(load_model(checkpoint, modes.model_role(role, mode), device, dtype), config(role), detok)
+
         if mode == "colocated":
-            self.engine = LLMEngine(load_model(checkpoint, "full", device, dtype), config("colocated"), detok)
+            self.engine = engine("colocated")
         else:
-            p_role = "full" if mode == "symmetric" else "prefill"
-            self.prefill = LLMEngine(load_model(checkpoint, p_role, device, dtype), config("prefill"), detok)
-            self.engine = LLMEngine(load_model(checkpoint, "decode", device, dtype), config("decode"), detok)
+            self.prefill = engine("prefill")
+            self.engine = engine("decode")
         self.cfg = self.engine.cfg
         self._next_id = 0
         self._params: dict[str, SamplingParams] = {}  # requests at the prefill engine
@@ -122,8 +126,8 @@ class LLM:
         return [done[i] for i in ids]
 
     def add(self, rid: str, token_ids: list[int], params: SamplingParams) -> None:
-        if self.prefill is None or (self.mode == "asymmetric" and len(token_ids) <= self.cfg.window_size):
-            self.engine.add_request(rid, token_ids, params)  # N <= W: P has nothing to do
+        if self.prefill is None or modes.skips_prefill(self.mode, len(token_ids), self.cfg.window_size):
+            self.engine.add_request(rid, token_ids, params)
         else:
             self.prefill.add_request(rid, token_ids, params)
             self._params[rid] = params

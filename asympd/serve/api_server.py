@@ -102,12 +102,9 @@ class ServeConfig:
             raise ValueError("tensor parallel attention is not implemented: attention is replicated; use --ep")
         if self.ep < 1:
             raise ValueError(f"--ep must be >= 1, got {self.ep}")
-        if self.role not in modes.ROLES:
-            raise ValueError(f"unknown role {self.role!r}; expected one of {', '.join(modes.ROLES)}")
         if self.mode is None:
-            self.mode = "colocated" if self.role == "colocated" else "asymmetric"
-        if (self.role == "colocated") != (self.mode == "colocated"):
-            raise ValueError(f"role {self.role!r} cannot run mode {self.mode!r} (colocated runs only with colocated)")
+            self.mode = modes.default_mode(self.role)
+        modes.check_role_mode(self.role, self.mode)
         if self.on_prefill_failure not in ("recompute", "fail"):
             raise ValueError(f"unknown --on-prefill-failure {self.on_prefill_failure!r}: recompute or fail")
         if self.transport not in (None, "nixl", "tcp", "auto"):
@@ -248,9 +245,7 @@ class WorkerServer:
             torch.set_num_threads(cfg.threads)
         self.tokenizer = load_tokenizer(cfg.checkpoint)
         self.model_name = cfg.served_model_name or cfg.checkpoint
-        model_role = {"colocated": "full", "decode": "decode"}.get(cfg.role) or (
-            "full" if cfg.mode == "symmetric" else "prefill"
-        )
+        model_role = modes.model_role(cfg.role, cfg.mode)
         self.ep = None  # expert parallel: ranks 1..ep-1 load while this process does (asympd.dist)
         if cfg.ep > 1:
             self.ep = launch_ep(model_role, cfg.checkpoint, cfg.ep, cfg.device, cfg.dtype, cfg.threads)
