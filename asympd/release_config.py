@@ -281,11 +281,14 @@ def read_config_dir(directory: str | Path) -> ModelConfig:
     flat = _flat_keys(_read_json(flat_path), FLAT_FILE)
     if not root_path.is_file():
         return _build(flat)
-    root = _flat_keys(_read_json(root_path), ROOT_FILE)
-    rooted = is_root_layout(_read_json(root_path))
+    root_raw = _read_json(root_path)
+    root = _flat_keys(root_raw, ROOT_FILE)
+
+    def spelled(name: str) -> str:  # the field's name in the root file
+        return FIELDS.get(name, QUANTIZED_BY) if is_root_layout(root_raw) else name
+
     clashes = [
-        f"{name} ({ROOT_FILE}: {FIELDS.get(name, name) if rooted else name}={root[name]!r},"
-        f" {FLAT_FILE}: {name}={flat[name]!r})"
+        f"{name} ({ROOT_FILE}: {spelled(name)}={root[name]!r}, {FLAT_FILE}: {name}={flat[name]!r})"
         for name in sorted(set(root) & set(flat))
         if _norm(root[name]) != _norm(flat[name])
     ]
