@@ -88,17 +88,35 @@ def _memory(args: argparse.Namespace) -> int:
 def _inspect_args(p: argparse.ArgumentParser) -> None:
     from asympd.model.schema import ROLES
 
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory (may hold only some shards)")
     p.add_argument("--role", default="full", choices=ROLES)
     p.add_argument("--list", action="store_true", help="print the name of every tensor read")
     p.add_argument("--json", action="store_true")
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from asympd.model.checkpoint import load_config, load_tensors
+    from asympd.model.checkpoint import load_config, load_tensors, role_files
     from asympd.model.schema import checkpoint_schema
 
     cfg = load_config(args.checkpoint)
+    files = role_files(args.checkpoint, cfg, args.role)
+    shards = {
+        "shards_needed": files.shards_needed,
+        "shards_missing": files.shards_missing,
+        "tensors_missing": files.tensors_missing,
+    }
+    if not files.complete:  # a partial download: say what the role still needs, exit 1
+        if args.json:
+            print(json.dumps({"checkpoint": str(args.checkpoint), "role": args.role, **shards}, indent=2))
+            return 1
+        print(f"checkpoint     {args.checkpoint}")
+        print(f"role           {args.role}: incomplete")
+        print(f"shards needed  {len(files.shards_needed)}: {' '.join(files.shards_needed)}")
+        print(f"shards missing {len(files.shards_missing)}: {' '.join(files.shards_missing)}")
+        print(f"tensors missing {len(files.tensors_missing)}")
+        for name in files.tensors_missing:
+            print(f"  {name}")
+        return 1
     resident: int | None = None
     try:
         from asympd.model.loader import load_model
@@ -125,6 +143,7 @@ def _inspect(args: argparse.Namespace) -> int:
         "resident_bytes": resident,
         "files_opened": report.files_opened,
         "tensors_by_part": {k: v["tensors"] for k, v in by_part.items()},
+        **shards,
     }
     if args.json:
         out["tensor_names"] = report.tensors_read
@@ -135,6 +154,7 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"tensors read   {out['tensors_read']}  ({', '.join(f'{k} {v}' for k, v in out['tensors_by_part'].items())})")
     print(f"bytes read     {report.bytes_read}  ({report.bytes_read / 1e9:.3f} GB)")
     print(f"files opened   {len(report.files_opened)}")
+    print(f"shards needed  {len(files.shards_needed)}: {' '.join(files.shards_needed)}")
     if resident is None:
         print("resident bytes n/a (asympd.model.loader not available)")
     else:
@@ -149,21 +169,24 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--role", default="colocated", choices=("colocated", "prefill", "decode"))
+    from asympd.engine import modes
+    from asympd.model.dtypes import DTYPES
+
+    p.add_argument("--role", default="colocated", choices=modes.ROLES)
     p.add_argument("--checkpoint", required=True, help="checkpoint directory (with tokenizer.json)")
     p.add_argument(
         "--mode",
         default=None,
-        choices=("colocated", "symmetric", "encoder-only", "asymmetric"),
-        help="default: colocated for --role colocated, asymmetric otherwise",
+        choices=modes.MODES,
+        help="default: colocated for --role colocated, asymmetric otherwise (asympd.engine.modes.default_mode)",
     )
     p.add_argument(
         "--prefill-semantics",
         default="full",
-        choices=("full", "decoder-replay", "split"),
+        choices=modes.SEMANTICS,
         help="what a colocated engine computes for a prompt (see asympd.engine.modes)",
     )
-    p.add_argument("--boundary-policy", default="carry", choices=("carry", "align"))
+    p.add_argument("--boundary-policy", default="carry", choices=modes.BOUNDARY_POLICIES)
     p.add_argument(
         "--transport",
         default=None,
@@ -181,7 +204,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed when ready)")
     p.add_argument("--served-model-name", default=None, help="default: the --checkpoint argument")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES), help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-bytes", type=int, default=64 << 20)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -231,7 +254,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from asympd.serve.api_server import ServeConfig, serve
 
-    if not Path(args.checkpoint, "config.json").exists():
+    if not any(Path(args.checkpoint, name).exists() for name in ("config.json", "inference/config.json")):
         raise UsageError(f"--checkpoint {args.checkpoint!r} holds no config.json")
     names = (
         "role",
@@ -273,6 +296,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _router_args(p: argparse.ArgumentParser) -> None:
+    from asympd.engine.modes import MODES
+
     p.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill worker URLs")
     p.add_argument(
         "--decode",
@@ -281,12 +306,7 @@ def _router_args(p: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="decode worker URLs (colocated workers for --mode colocated)",
     )
-    p.add_argument(
-        "--mode",
-        default=None,
-        choices=("colocated", "symmetric", "encoder-only", "asymmetric"),
-        help="default: the mode the workers report",
-    )
+    p.add_argument("--mode", default=None, choices=MODES, help="default: the mode the workers report")
     p.add_argument(
         "--checkpoint", default=None, help="for the tokenizer and window size (default: fetched from a worker)"
     )
@@ -356,7 +376,9 @@ COMMANDS: dict[str, Command] = {
         "write a random-weight checkpoint in the released format", _make_checkpoint_args, _make_checkpoint
     ),
     "memory": Command("resident bytes per role and KV room per GPU", _memory_args, _memory),
-    "inspect": Command("load a role from a checkpoint and report what was read", _inspect_args, _inspect),
+    "inspect": Command(
+        "the shards a role needs; load it and report what was read (exit 1: shards missing)", _inspect_args, _inspect
+    ),
     "serve": Command("serve a checkpoint over an OpenAI-compatible API (one worker)", _serve_args, _serve),
     "router": Command("route requests over prefill and decode workers", _router_args, _router),
     "demo": Command("start a 1P1D deployment + router locally and send a few requests", _demo_args, _demo),

@@ -1,14 +1,16 @@
-"""Model configuration, read from the official DeepSeek-V4.1-Flash ``config.json`` schema.
+"""Model configuration: ``ModelConfig`` mirrors the release's ``inference/config.json``.
 
-Field names are exactly the JSON keys. Nothing else in the package hard-codes the layer schedule:
-the encoder/decoder split, the KV sources, the candidate source and the draft blocks are all
-derived here from the fields, so any schedule the schema can express works.
+Field names are exactly that file's keys (the reference inference code's ``ModelArgs``). The
+release's root ``config.json`` (Transformers layout) is translated into these fields by
+:mod:`asympd.release_config`; docs/model.md §1 describes both files. Nothing else in the
+package hard-codes the layer schedule: the encoder/decoder split, the KV sources, the candidate
+source and the draft blocks are all derived here from the fields, so any schedule the schema can
+express works.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,9 +213,13 @@ class ModelConfig:
     # ---- JSON -------------------------------------------------------------------------------------
 
     @classmethod
+    def field_names(cls) -> set[str]:
+        """The inference/config.json keys this class reads."""
+        return {f.name for f in dataclasses.fields(cls)} - {"extra"}
+
+    @classmethod
     def from_dict(cls, raw: dict[str, Any], *, strict: bool = True) -> ModelConfig:
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        unknown = sorted(set(raw) - names)
+        unknown = sorted(set(raw) - cls.field_names())
         if unknown and strict:
             raise ConfigError(f"config.json has unknown fields: {', '.join(unknown)}")
         kwargs: dict[str, Any] = {}
@@ -222,17 +228,18 @@ class ModelConfig:
                 value = raw[f.name]
                 if isinstance(value, list):
                     value = tuple(value)
+                elif f.type == "float" and isinstance(value, int) and not isinstance(value, bool):
+                    value = float(value)  # JSON writes 10000.0 as 10000
                 kwargs[f.name] = value
         kwargs["extra"] = {k: raw[k] for k in unknown}
         return cls(**kwargs)
 
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:
-        try:
-            raw = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"cannot read config {path}: {e}") from e
-        return cls.from_dict(raw)
+        """A config.json in either of the release's layouts."""
+        from asympd.release_config import read_config_file
+
+        return read_config_file(path)
 
     def to_dict(self) -> dict[str, Any]:
         out = {}
@@ -310,12 +317,14 @@ PRESETS = {"v41-flash": v41_flash, "tiny": tiny}
 
 
 def resolve_config(name_or_path: str | Path) -> ModelConfig:
-    """A preset name, a config.json, or a checkpoint directory holding one."""
+    """A preset name, a config.json (either layout), or a checkpoint directory holding one or both."""
+    from asympd.release_config import read_config_dir
+
     if str(name_or_path) in PRESETS:
         return PRESETS[str(name_or_path)]()
     path = Path(name_or_path)
     if path.is_dir():
-        path = path / "config.json"
+        return read_config_dir(path)
     if not path.exists():
         raise ConfigError(f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json")
     return ModelConfig.from_json(path)

@@ -29,7 +29,7 @@ from typing import Any
 from bench.common import log, out_dir, record
 from bench.d_admission import interp
 
-ACCEPT = [(1, 0.10), (2, 0.25), (3, 0.40), (4, 0.25)]  # tokens per decode step, mean 2.8 (facts §6)
+ACCEPT = [(1, 0.10), (2, 0.25), (3, 0.40), (4, 0.25)]  # tokens per decode step, mean 2.8 (docs/model.md §6)
 MIX = {1024: 0.40, 4096: 0.30, 16384: 0.20, 65536: 0.10}
 PER_P_STEP = {1024: 18, 4096: 4, 16384: 1, 65536: 1}
 

@@ -6,7 +6,7 @@ FP8), shared by all of them. Then, each section timed with CUDA events (CUDA gra
 steps), every number beside its floor (max of FLOPs / GEMM rate and bytes / copy bandwidth, both
 ceilings measured at the start of the same run):
 
-- ``moe``: the MoE sublayer alone vs rows per step, bf16 and FP8 experts (facts §7's table);
+- ``moe``: the MoE sublayer alone vs rows per step, bf16 and FP8 experts (docs/model.md §6's table);
 - ``grid``: a full layer step (mHC, attention, MoE) of each kind vs rows and context length;
 - ``p_steps``: the steps a prefill worker runs for 1K/4K/16K/64K prompts, asymmetric and symmetric;
 - ``d_steps``: decode batches of B requests x (1 + k) rows with j bounded prefills of W rows;
@@ -420,7 +420,7 @@ def main() -> None:
         res.setdefault("section_s", {})[section] = round(time.time() - t0, 1)
         save()
 
-    # -- MoE alone (facts §7) ------------------------------------------------------------------
+    # -- MoE alone (docs/model.md §6) ------------------------------------------------------------------
     moe_rows = [1, 16, 64] if small else [1, 16, 64, 128, 256, 512, 1024, 1152, 2048, 4096, 8192, 16384]
     guarded("moe", lambda: res.__setitem__("moe", section_moe(cfg, built, timer, ceil, device, moe_rows)))
 

@@ -393,7 +393,8 @@ def main() -> int:
 
     torch.set_num_threads(a.threads)
     lengths = [int(x) for x in a.lengths.split(",")]
-    config = json.loads((a.checkpoint / "config.json").read_text())
+    flat = a.checkpoint / "inference" / "config.json"  # the reference's own key set
+    config = json.loads((flat if flat.is_file() else a.checkpoint / "config.json").read_text())
     need = max(lengths) + a.decode_steps
     max_seq_len = max(64, -(-need // 64) * 64)
 

@@ -9,7 +9,9 @@ import torch
 
 from asympd.dist.executor import DistributedExecutor
 from asympd.dist.launch import RankGroup, RankSpec
+from asympd.engine import modes
 from asympd.engine.llm import LLM
+from asympd.model.dtypes import resolve_dtype
 
 SHARDS = ("decode", "prefill")
 
@@ -18,13 +20,9 @@ def model_role(mode: str, shard: str) -> str:
     """The model role the sharded engine loads (what ``LLM`` loads for it)."""
     if shard not in SHARDS:
         raise ValueError(f"shard must be one of {', '.join(SHARDS)}, got {shard!r}")
-    if mode == "colocated":
-        if shard == "prefill":
-            raise ValueError("the colocated mode has a single engine: shard='decode'")
-        return "full"
-    if shard == "decode":
-        return "decode"
-    return "full" if mode == "symmetric" else "prefill"
+    if mode == "colocated" and shard == "prefill":
+        raise ValueError("the colocated mode has a single engine: shard='decode'")
+    return modes.model_role("colocated" if mode == "colocated" else shard, mode)
 
 
 class ParallelLLM(LLM):
@@ -42,10 +40,11 @@ class ParallelLLM(LLM):
         ep: int = 2,
         shard: str = "decode",
         device: str = "cpu",
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = "auto",
         **kwargs: Any,
     ):
         role = model_role(mode, shard)
+        dtype = resolve_dtype(dtype, device)
         self.executor: DistributedExecutor | None = None
         if ep == 1:
             super().__init__(checkpoint, mode, prefill_semantics, device=device, dtype=dtype, **kwargs)

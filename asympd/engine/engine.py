@@ -53,12 +53,7 @@ class EngineConfig:
     spec_confidence_threshold: float | None = None
 
     def validate(self) -> None:
-        if self.role not in modes.ROLES:
-            raise ValueError(f"unknown role {self.role!r}; expected one of {', '.join(modes.ROLES)}")
-        if self.mode not in modes.MODES:
-            raise ValueError(f"unknown mode {self.mode!r}; expected one of {', '.join(modes.MODES)}")
-        if (self.role == "colocated") != (self.mode == "colocated"):
-            raise ValueError(f"role {self.role!r} does not run mode {self.mode!r}")
+        modes.check_role_mode(self.role, self.mode)
         if self.prefill_semantics not in modes.SEMANTICS:
             raise ValueError(f"unknown prefill semantics {self.prefill_semantics!r}")
         if self.boundary_policy not in modes.BOUNDARY_POLICIES:
@@ -75,7 +70,7 @@ def checkpoint_id(path: str | Path | None) -> str:
         return "in-memory"
     p = Path(path)
     h = hashlib.sha256()
-    for name in ("config.json", "model.safetensors.index.json"):
+    for name in ("config.json", "inference/config.json", "model.safetensors.index.json"):
         if (p / name).exists():
             h.update((p / name).read_bytes())
     for f in sorted(p.glob("*.safetensors")):

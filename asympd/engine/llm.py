@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from asympd.engine import modes
 from asympd.engine.engine import EngineConfig, LLMEngine
 from asympd.engine.request import RequestOutput
 from asympd.engine.sampling import SamplingParams
@@ -49,7 +50,7 @@ class LLM:
         *,
         boundary_policy: str = "carry",
         device: str = "cpu",
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = "auto",
         scheduler: SchedulerConfig | None = None,
         block_size: int = 16,
         kv_cache_bytes: int = 64 << 20,
@@ -60,7 +61,8 @@ class LLM:
     ):
         """``num_spec_tokens`` > 0 turns on speculative decoding with the checkpoint's DSpark draft
         blocks in the engine that decodes (the colocated engine, or D); the prefill worker never drafts.
-        ``weights``: packed (as released; the CUDA default) or dequantized (the CPU default)."""
+        ``dtype="auto"``: bf16 on CUDA, fp32 on CPU (``asympd.model.dtypes.resolve_dtype``).
+        ``weights``: packed-experts (the CUDA default), packed or dequantized (the CPU default)."""
         self.mode = mode
         self.tokenizer = load_tokenizer(checkpoint)
         detok = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer else None
@@ -81,12 +83,16 @@ class LLM:
             )
 
         self.prefill: LLMEngine | None = None
+
+        def engine(role: str) -> LLMEngine:
+            model = load_model(checkpoint, modes.model_role(role, mode), device, dtype, weights)
+            return LLMEngine(model, config(role), detok)
+
         if mode == "colocated":
-            self.engine = LLMEngine(load_model(checkpoint, "full", device, dtype, weights), config("colocated"), detok)
+            self.engine = engine("colocated")
         else:
-            p_role = "full" if mode == "symmetric" else "prefill"
-            self.prefill = LLMEngine(load_model(checkpoint, p_role, device, dtype, weights), config("prefill"), detok)
-            self.engine = LLMEngine(load_model(checkpoint, "decode", device, dtype, weights), config("decode"), detok)
+            self.prefill = engine("prefill")
+            self.engine = engine("decode")
         self.cfg = self.engine.cfg
         self._next_id = 0
         self._params: dict[str, SamplingParams] = {}  # requests at the prefill engine
@@ -123,8 +129,8 @@ class LLM:
         return [done[i] for i in ids]
 
     def add(self, rid: str, token_ids: list[int], params: SamplingParams) -> None:
-        if self.prefill is None or (self.mode == "asymmetric" and len(token_ids) <= self.cfg.window_size):
-            self.engine.add_request(rid, token_ids, params)  # N <= W: P has nothing to do
+        if self.prefill is None or modes.skips_prefill(self.mode, len(token_ids), self.cfg.window_size):
+            self.engine.add_request(rid, token_ids, params)
         else:
             self.prefill.add_request(rid, token_ids, params)
             self._params[rid] = params

@@ -1,4 +1,7 @@
-"""Who computes which prompt rows, through which layers, seeing which windows (facts §2-§3).
+"""Who computes which prompt rows, through which layers, seeing which windows (docs/modes.md).
+
+The mode facts live here only: which roles run a mode, which checkpoint role each engine loads,
+and when P is skipped.
 
 K is the last KV source layer, W the window, N the prompt length.
 
@@ -25,6 +28,7 @@ from asympd.config import ModelConfig
 from asympd.model.transformer import Depth
 
 MODES = ("colocated", "symmetric", "encoder-only", "asymmetric")
+PD_MODES = MODES[1:]  # the modes with a prefill and a decode worker
 SEMANTICS = ("full", "decoder-replay", "split")
 BOUNDARY_POLICIES = ("carry", "align")
 ROLES = ("colocated", "prefill", "decode")
@@ -38,6 +42,34 @@ VARIANTS = (
     ("symmetric", "full", "carry"),
     ("encoder-only", "full", "carry"),
 )
+
+
+def check_role_mode(role: str, mode: str) -> None:
+    """The one check that an engine role can run a mode: colocated runs only with colocated."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    if (role == "colocated") != (mode == "colocated"):
+        raise ValueError(f"role {role!r} cannot run mode {mode!r} (colocated runs only with colocated)")
+
+
+def default_mode(role: str) -> str:
+    return "colocated" if role == "colocated" else "asymmetric"
+
+
+def model_role(role: str, mode: str) -> str:
+    """The checkpoint role (asympd.model.schema.ROLES) an engine of ``role`` loads in ``mode``:
+    the symmetric P needs the whole model, the other P/D modes' P only the prefill role."""
+    check_role_mode(role, mode)
+    if role == "prefill":
+        return "full" if mode == "symmetric" else "prefill"
+    return "full" if role == "colocated" else "decode"
+
+
+def skips_prefill(mode: str, n: int, window_size: int) -> bool:
+    """N <= W in the asymmetric mode: P has no row to compute, D prefills the whole prompt."""
+    return mode == "asymmetric" and n <= window_size
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Which KV cache groups DeepSeek-V4.1-Flash needs, and how many bytes each one costs.
 
-Everything is derived from :class:`~asympd.config.ModelConfig` (facts §1, §5):
+Everything is derived from :class:`~asympd.config.ModelConfig` (docs/model.md §2, §4):
 
 - ``ckv.L`` / ``idx.L`` for every KV source ``L``: the compressed main KV (``head_dim`` wide) and the
   indexer keys (``index_head_dim`` wide), one entry per ``ratio(L)`` tokens. These grow with the
@@ -28,7 +28,7 @@ import torch
 from asympd.config import ModelConfig
 
 POSITION_BYTES = 8  # int64 absolute position stored with every window/pair row
-PAIR_DTYPE = torch.float32  # the compressor accumulates in fp32 (facts §3: "fp32, 512 each")
+PAIR_DTYPE = torch.float32  # the compressor accumulates in fp32 (docs/model.md §3)
 
 
 class GroupKind(StrEnum):

@@ -35,11 +35,14 @@ from asympd.model.schema import (
     is_vision_tensor,
     role_schema,
 )
+from asympd.release_config import FLAT_FILE, read_config_dir, write_config_files
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 DEFAULT_SHARD_BYTES = 10_000_000_000  # ~the released shards (48 shards, 510.3 GB)
 
 # safetensors header dtype names <-> torch dtypes
@@ -76,15 +79,15 @@ class LoadReport:
 
 
 def load_config(ckpt_dir: str | Path) -> ModelConfig:
-    """The ``config.json`` of a checkpoint directory, as a validated ModelConfig."""
+    """A checkpoint directory's config (root ``config.json``, ``inference/config.json`` or both,
+    which must agree), as a validated ModelConfig."""
     d = Path(ckpt_dir)
     if not d.is_dir():
         raise CheckpointError(f"checkpoint directory {str(d)!r} does not exist")
-    path = d / CONFIG_FILE
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {str(d)!r} has no {CONFIG_FILE}")
+    if not (d / CONFIG_FILE).is_file() and not (d / FLAT_FILE).is_file():
+        raise CheckpointError(f"checkpoint {str(d)!r} has no {CONFIG_FILE} (nor {FLAT_FILE})")
     try:
-        return ModelConfig.from_json(path)
+        return read_config_dir(d)
     except (ConfigError, TypeError, ValueError) as e:
         raise CheckpointError(f"invalid {CONFIG_FILE} in {str(d)!r}: {e}") from e
 
@@ -107,6 +110,36 @@ def _tensor_files(d: Path) -> tuple[dict[str, str], bool]:
         with safe_open(str(single), framework="pt") as f:
             return {name: SINGLE_FILE for name in f.keys()}, False
     raise CheckpointError(f"checkpoint {str(d)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+
+@dataclass
+class RoleFiles:
+    """Which shards a role reads, and what of it a (possibly partial) folder lacks."""
+
+    shards_needed: list[str]
+    shards_missing: list[str]
+    tensors_missing: list[str]
+
+    @property
+    def complete(self) -> bool:
+        return not self.tensors_missing
+
+
+def role_files(ckpt_dir: str | Path, cfg: ModelConfig, role: str) -> RoleFiles:
+    """The shards holding ``role``'s tensors, from the index alone, so it answers for a partial
+    download (or a host that fetched only one role's shards) without opening any shard."""
+    d = Path(ckpt_dir)
+    files, _ = _tensor_files(d)
+    needed, missing_shards, missing = set(), set(), []
+    for spec in role_schema(cfg, role):
+        fname = files.get(spec.name)
+        if fname is not None:
+            needed.add(fname)
+        if fname is None or not (d / fname).is_file():
+            missing.append(spec.name)
+            if fname is not None:
+                missing_shards.add(fname)
+    return RoleFiles(sorted(needed), sorted(missing_shards), missing)
 
 
 def _check_known(name: str, where: str, schema_names: set[str]) -> None:
@@ -386,6 +419,26 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _write_tokenizer_files(out: Path) -> None:
+    """tokenizer_config.json and generation_config.json beside tokenizer.json, as the release has
+    them: the special tokens by name, BOS/EOS by id (no chat template: the release ships none)."""
+    from asympd.model.tiny_tokenizer import SPECIAL_TOKENS
+
+    bos, eos, pad = SPECIAL_TOKENS[:3]
+    tok_cfg = {
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": pad,
+        "clean_up_tokenization_spaces": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (out / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
+    gen_cfg = {"bos_token_id": SPECIAL_TOKENS.index(bos), "eos_token_id": SPECIAL_TOKENS.index(eos)}
+    (out / GENERATION_CONFIG_FILE).write_text(json.dumps(gen_cfg, indent=2) + "\n")
+
+
 def write_checkpoint(
     cfg: ModelConfig,
     out_dir: str | Path,
@@ -396,8 +449,10 @@ def write_checkpoint(
 ) -> Path:
     """Write a random-weight checkpoint of ``cfg`` in the released layout; returns ``out_dir``.
 
-    Files: ``model-0000i-of-0000N.safetensors`` shards, ``model.safetensors.index.json``,
-    ``config.json`` and a tiny-tokenizer ``tokenizer.json`` with ``cfg.vocab_size`` ids.
+    Files, as the release ships them: ``model-0000i-of-0000N.safetensors`` shards,
+    ``model.safetensors.index.json``, the root ``config.json`` (Transformers layout) and
+    ``inference/config.json`` (flat), a tiny-tokenizer ``tokenizer.json`` with ``cfg.vocab_size``
+    ids, ``tokenizer_config.json`` and ``generation_config.json``.
     Deterministic given ``seed`` (independent of ``shard_bytes``)."""
     from asympd.model.engram_hash import compressed_token_map
     from asympd.model.tiny_tokenizer import write_tiny_tokenizer
@@ -420,7 +475,6 @@ def write_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
 
     tok_path = write_tiny_tokenizer(out / TOKENIZER_FILE, cfg.vocab_size)
-    config = cfg.to_dict()
     if cfg.engram_layer_ids:
         _, compressed = compressed_token_map(tok_path)
         if compressed != cfg.engram_compressed_vocab_size:
@@ -429,8 +483,9 @@ def write_checkpoint(
                 f"note: the synthetic tokenizer compresses to {compressed} ids; writing"
                 f" engram_compressed_vocab_size={compressed} (config had {cfg.engram_compressed_vocab_size})"
             )
-            config["engram_compressed_vocab_size"] = compressed
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+            cfg = cfg.replace(engram_compressed_vocab_size=compressed)
+    write_config_files(cfg, out)
+    _write_tokenizer_files(out)
 
     shards = _plan_shards(_units(specs), shard_bytes)
     weight_map: dict[str, str] = {}

@@ -2,7 +2,7 @@
 
 Everything here is a pure function of the config, the tokenizer and the token history, so prefill
 and decode workers (and any chunking of a prompt) compute identical hash ids without handing any
-hash state over: the decode worker only needs the prompt's token ids (facts §3, item 4).
+hash state over: the decode worker only needs the prompt's token ids (docs/model.md §3).
 
 The recipe follows the released reference (``inference/engram.py``):
 - every (layer, n-gram size, head) owns a prime-sized bucket range; primes are drawn in order,

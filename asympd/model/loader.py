@@ -26,6 +26,7 @@ import torch
 from asympd.config import ModelConfig
 from asympd.model.attention import Attention
 from asympd.model.dspark import DSpark, DSparkAttention
+from asympd.model.dtypes import resolve_dtype
 from asympd.model.engram import Engram
 from asympd.model.moe import MoE
 from asympd.model.ops import QLinear
@@ -293,11 +294,13 @@ def load_model(
     checkpoint: str | Path,
     role: str = "full",
     device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = "auto",
     weights: str = "auto",
 ) -> Transformer:
     """Load a role from a checkpoint directory; ``.load_report`` says what was read."""
     from asympd.model.checkpoint import load_config, load_tensors
+
+    dtype = resolve_dtype(dtype, device)
 
     cfg = load_config(checkpoint)
     tensors, report = load_tensors(checkpoint, cfg, role)

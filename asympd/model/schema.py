@@ -1,7 +1,7 @@
 """Every tensor of the released checkpoint: name, shape, storage dtype, and which part it belongs to.
 
 One table drives the loader, ``make-checkpoint``, ``inspect`` and the memory report, so the four
-cannot disagree. Names are the reference code's parameter names (facts §4).
+cannot disagree. Names are the reference code's parameter names (docs/model.md §4).
 
 Roles:
 - ``full``: everything but vision (the colocated engine, or a symmetric P).

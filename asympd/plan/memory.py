@@ -2,7 +2,7 @@
 
 Sizes are the released storage formats (FP8 weights with UE8M0 tiles, packed FP4 experts), in
 decimal GB as vendors state HBM. Engram tables are counted separately: in practice they live in
-host memory (facts §5), so they are not resident unless ``engram_on_gpu`` says so. The vision
+host memory (docs/model.md §4), so they are not resident unless ``engram_on_gpu`` says so. The vision
 tower is excluded (text-only serving).
 
 Assumption (named, overridable): a fixed ``reserve_gb`` per GPU for activations, CUDA context,
@@ -21,7 +21,7 @@ GB = 1e9
 GPUS_GB = {"H200": 141.0, "B200": 180.0, "B300": 288.0}  # HBM per GPU, decimal GB as vendors state
 DEFAULT_RESERVE_GB = 10.0
 DEFAULT_CONTEXT_TOKENS = 32768
-# SWA cache row per layer and token: facts §5 gives ~528-584 B; take the upper end (conservative)
+# SWA cache row per layer and token: docs/model.md §4 gives ~528-584 B; take the upper end (conservative)
 SWA_BYTES_PER_LAYER_TOKEN = 584
 PARTS = (Part.EMBEDDING, Part.ENCODER, Part.KV_PATH, Part.DECODER, Part.HEAD, Part.DRAFT)
 

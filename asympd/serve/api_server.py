@@ -48,6 +48,7 @@ from asympd.engine.llm import eos_id, load_tokenizer
 from asympd.engine.request import RequestOutput
 from asympd.engine.sampling import SamplingParams
 from asympd.engine.scheduler import SchedulerConfig
+from asympd.model.dtypes import DTYPES, resolve_dtype
 from asympd.model.loader import load_model
 from asympd.serve import protocol as P
 from asympd.serve.async_engine import Aborted, AsyncEngine, EngineDeadError, Failed, RequestStream
@@ -57,7 +58,6 @@ from asympd.transfer import PrefixStateError, TransferError, Transport, make_tra
 
 log = logging.getLogger("asympd.serve")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # mode symmetric: P's first-token logprobs go into D's engine where it accepts them (newer engines);
 # otherwise OutputTracker puts them in front of D's own
 _ENGINE_TAKES_FIRST_LOGPROBS = "first_token_logprobs" in inspect.signature(LLMEngine.add_request).parameters
@@ -79,7 +79,7 @@ class ServeConfig:
     port: int = 8000
     served_model_name: str | None = None
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # bf16 on CUDA, fp32 on CPU
     block_size: int = 16
     kv_cache_bytes: int = 64 << 20
     max_num_seqs: int = 64
@@ -102,18 +102,17 @@ class ServeConfig:
             raise ValueError("tensor parallel attention is not implemented: attention is replicated; use --ep")
         if self.ep < 1:
             raise ValueError(f"--ep must be >= 1, got {self.ep}")
-        if self.role not in modes.ROLES:
-            raise ValueError(f"unknown role {self.role!r}; expected one of {', '.join(modes.ROLES)}")
         if self.mode is None:
-            self.mode = "colocated" if self.role == "colocated" else "asymmetric"
-        if (self.role == "colocated") != (self.mode == "colocated"):
-            raise ValueError(f"role {self.role!r} cannot run mode {self.mode!r} (colocated runs only with colocated)")
+            self.mode = modes.default_mode(self.role)
+        modes.check_role_mode(self.role, self.mode)
         if self.on_prefill_failure not in ("recompute", "fail"):
             raise ValueError(f"unknown --on-prefill-failure {self.on_prefill_failure!r}: recompute or fail")
         if self.transport not in (None, "nixl", "tcp", "auto"):
             raise ValueError(f"unknown transport {self.transport!r}: nixl, tcp or auto")
+        if self.dtype == "auto":
+            self.dtype = str(resolve_dtype("auto", self.device)).removeprefix("torch.")
         if self.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}: {', '.join(DTYPES)}")
+            raise ValueError(f"unknown dtype {self.dtype!r}: auto, {', '.join(DTYPES)}")
         return self
 
 
@@ -246,9 +245,7 @@ class WorkerServer:
             torch.set_num_threads(cfg.threads)
         self.tokenizer = load_tokenizer(cfg.checkpoint)
         self.model_name = cfg.served_model_name or cfg.checkpoint
-        model_role = {"colocated": "full", "decode": "decode"}.get(cfg.role) or (
-            "full" if cfg.mode == "symmetric" else "prefill"
-        )
+        model_role = modes.model_role(cfg.role, cfg.mode)
         self.ep = None  # expert parallel: ranks 1..ep-1 load while this process does (asympd.dist)
         if cfg.ep > 1:
             self.ep = launch_ep(model_role, cfg.checkpoint, cfg.ep, cfg.device, cfg.dtype, cfg.threads)

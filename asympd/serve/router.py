@@ -40,6 +40,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from asympd.engine import modes
 from asympd.serve import protocol as P
 from asympd.serve.api_server import (
     ClientDisconnected,
@@ -55,8 +56,6 @@ from asympd.serve.chat_template import ChatTemplateError, apply_chat_template
 from asympd.serve.metrics import CONTENT_TYPE, RouterMetrics
 
 log = logging.getLogger("asympd.router")
-
-PD_MODES = ("symmetric", "encoder-only", "asymmetric")
 
 
 @dataclass
@@ -103,9 +102,9 @@ class Router:
     def __init__(self, cfg: RouterConfig) -> None:
         if not cfg.decode:
             raise ValueError("give at least one --decode worker URL")
-        if cfg.mode is not None and cfg.mode not in ("colocated", *PD_MODES):
+        if cfg.mode is not None and cfg.mode not in modes.MODES:
             raise ValueError(f"unknown mode {cfg.mode!r}")
-        if cfg.mode in PD_MODES and not cfg.prefill:
+        if cfg.mode in modes.PD_MODES and not cfg.prefill:
             log.warning("mode %s without --prefill workers: every request is prefilled on a decode worker", cfg.mode)
         self.cfg = cfg
         self.prefill = [Worker(u.rstrip("/"), "prefill") for u in cfg.prefill]
@@ -285,8 +284,8 @@ class Router:
         touched: list[Worker] = []
         kv: dict[str, Any] | None = None
         try:
-            if mode != "colocated" and (self.prefill or mode in PD_MODES):
-                if mode == "asymmetric" and n is not None and self.window is not None and n <= self.window:
+            if mode != "colocated" and (self.prefill or mode in modes.PD_MODES):
+                if n is not None and self.window is not None and modes.skips_prefill(mode, n, self.window):
                     self.metrics.prefill_skipped.inc()
                 else:
                     kv, early = await until_disconnect(request, self._prefill(path, body, headers, load, touched, rid))

@@ -1,6 +1,6 @@
 """What the prefill worker P hands the decode worker D when it stops at split s.
 
-See shared/v41-facts.md §3: for each KV-source layer L, the compressed main KV ``ckv[L]`` and the
+See docs/model.md §3: for each KV-source layer L, the compressed main KV ``ckv[L]`` and the
 indexer keys ``idx[L]`` (n_L = s // ratio(L) rows each); when s is not a multiple of a source's
 ratio, that compressor's open group (raw kv and score rows, fp32); and the prompt token ids.
 Nothing else: no SWA, no top-k selections, no draft state.
@@ -47,7 +47,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 # dtypes the compressed KV / index keys may be stored in
 CACHE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
-PAIR_DTYPE = "float32"  # the open group of a compressor is kept in fp32 (facts §3.3)
+PAIR_DTYPE = "float32"  # the open group of a compressor is kept in fp32 (docs/model.md §3)
 TOKEN_DTYPE = "int64"
 _KINDS = ("ckv", "idx", "pair_kv", "pair_score")
 _META_KEYS = ("split", "num_prompt_tokens", "boundary_policy", "mode", "dtype", "fingerprint")

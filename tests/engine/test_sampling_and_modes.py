@@ -92,3 +92,39 @@ def test_plans_say_who_computes_what():
     p, d = prefill_plan(CFG, n, "symmetric"), decode_plan(CFG, n, "symmetric")
     assert p.samples_first_token and d.first_token_from_prefill and not d.phases[0].sample
     assert prefill_plan(CFG, 10, "asymmetric").phases == []
+
+
+def test_mode_facts_in_one_place():
+    from asympd import cli
+    from asympd.engine import modes
+
+    table = {
+        (r, m): modes.model_role(r, m)
+        for r in modes.ROLES
+        for m in modes.MODES
+        if (r == "colocated") == (m == "colocated")
+    }
+    assert table == {
+        ("colocated", "colocated"): "full",
+        ("prefill", "symmetric"): "full",
+        ("prefill", "encoder-only"): "prefill",
+        ("prefill", "asymmetric"): "prefill",
+        ("decode", "symmetric"): "decode",
+        ("decode", "encoder-only"): "decode",
+        ("decode", "asymmetric"): "decode",
+    }
+    for role, mode, message in [
+        ("decode", "colocated", "role 'decode' cannot run mode 'colocated'"),
+        ("colocated", "asymmetric", "role 'colocated' cannot run mode 'asymmetric'"),
+        ("router", "asymmetric", "unknown role 'router'"),
+        ("decode", "disaggregated", "unknown mode 'disaggregated'"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            modes.check_role_mode(role, mode)
+    w = CFG.window_size
+    assert [modes.skips_prefill(m, n, w) for m in modes.PD_MODES for n in (w, w + 1)] == [False] * 4 + [True, False]
+    assert [modes.default_mode(r) for r in modes.ROLES] == ["colocated", "asymmetric", "asymmetric"]
+    serve = cli.build_parser().parse_args(["serve", "--checkpoint", "x"])
+    assert (serve.role, serve.mode) == ("colocated", None)
+    with pytest.raises(cli.UsageError, match="invalid choice: 'split'"):
+        cli.build_parser().parse_args(["serve", "--checkpoint", "x", "--mode", "split"])

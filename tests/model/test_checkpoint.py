@@ -55,7 +55,9 @@ def test_layout_matches_released_convention(ckpt):
     n = len(shards)
     assert n > 3
     assert shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-    assert {"config.json", "tokenizer.json", "model.safetensors.index.json"} <= set(files)
+    release_files = {"config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"}
+    assert release_files | {"model.safetensors.index.json", "inference"} <= set(files)
+    assert (ckpt / "inference" / "config.json").is_file()
     assert not [f for f in files if f.endswith(".partial")]
     index = json.loads((ckpt / ck.INDEX_FILE).read_text())
     specs = checkpoint_schema(cfg)
@@ -202,6 +204,7 @@ def test_single_file_checkpoint(ckpt, tmp_path, full):
 def test_missing_shard_and_config(ckpt, tmp_path):
     d = _copy(ckpt, tmp_path)
     (d / "config.json").unlink()
+    (d / "inference" / "config.json").unlink()
     with pytest.raises(CheckpointError, match="no config.json"):
         load_config(d)
     (d / "config.json").write_text("{not json")

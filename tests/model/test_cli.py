@@ -1,6 +1,7 @@
 """The ``asympd`` command line, driven through ``main``."""
 
 import json
+import shutil
 import sys
 import types
 
@@ -10,6 +11,7 @@ import torch
 from asympd import cli
 from asympd.config import tiny
 from asympd.model.schema import role_schema
+from asympd.release_config import flat_to_root
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +26,8 @@ def ckpt(tmp_path_factory):
 
 def test_make_checkpoint(ckpt):
     assert (ckpt / "model.safetensors.index.json").is_file() and (ckpt / "tokenizer.json").is_file()
-    assert json.loads((ckpt / "config.json").read_text()) == tiny().to_dict()
+    assert json.loads((ckpt / "inference" / "config.json").read_text()) == tiny().to_dict()
+    assert json.loads((ckpt / "config.json").read_text()) == flat_to_root(tiny())
 
 
 def test_memory_json(capsys):
@@ -73,6 +76,39 @@ def test_inspect_uses_loader_contract(ckpt, capsys, monkeypatch):
     out = json.loads(capsys.readouterr().out)
     assert calls == [(str(ckpt), "decode", "cpu", torch.float32)]
     assert out["resident_bytes"] == 12345
+
+
+def _inspect_json(capsys, ckpt, role: str, status: int = 0) -> dict:
+    assert cli.main(["inspect", "--checkpoint", str(ckpt), "--role", role, "--json"]) == status
+    return json.loads(capsys.readouterr().out)
+
+
+def test_inspect_lists_the_shards_a_prefill_host_needs(ckpt, capsys):
+    weight_map = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    prefill = _inspect_json(capsys, ckpt, "prefill")
+    need = sorted({weight_map[s.name] for s in role_schema(tiny(), "prefill")})
+    assert prefill["shards_needed"] == need == sorted(prefill["files_opened"])
+    assert set(need) < set(weight_map.values())  # a strict subset: the decoder's shards are skipped
+    assert prefill["shards_missing"] == [] and prefill["tensors_missing"] == []
+    assert _inspect_json(capsys, ckpt, "full")["shards_needed"] == sorted(set(weight_map.values()))
+
+
+def test_inspect_partial_folder_names_what_is_missing(ckpt, tmp_path, capsys):
+    """A P host that downloaded only the prefill shards: prefill loads, decode says exactly what it lacks."""
+    weight_map = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    need = {weight_map[s.name] for s in role_schema(tiny(), "prefill")}
+    part = tmp_path / "partial"
+    shutil.copytree(ckpt, part, ignore=lambda d, names: [n for n in names if n.startswith("model-") and n not in need])
+    prefill = _inspect_json(capsys, part, "prefill")
+    assert prefill["tensors_read"] == len(role_schema(tiny(), "prefill"))
+    decode = _inspect_json(capsys, part, "decode", status=1)
+    absent = set(weight_map.values()) - need
+    assert decode["shards_missing"] == sorted(absent)
+    assert decode["tensors_missing"] == [s.name for s in role_schema(tiny(), "decode") if weight_map[s.name] in absent]
+    assert cli.main(["inspect", "--checkpoint", str(part), "--role", "decode"]) == 1
+    text = capsys.readouterr().out
+    assert f"shards missing {len(absent)}: {' '.join(sorted(absent))}" in text
+    assert f"  {decode['tensors_missing'][0]}" in text
 
 
 @pytest.mark.parametrize(

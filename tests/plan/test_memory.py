@@ -1,4 +1,4 @@
-"""Memory report from the schema: released sizes (facts §5) and what fits where."""
+"""Memory report from the schema: released sizes (docs/model.md §4) and what fits where."""
 
 import math
 

@@ -162,3 +162,12 @@ def test_worker_metrics_export_engine_speculation_stats():
     assert "asympd_spec_decode_acceptance_rate 0.25" in text
     assert "asympd_spec_decode_mean_accepted_length 1.75" in text
     assert "asympd_kv_blocks_used 3.0" in text
+
+
+@pytest.mark.parametrize("device, dtype", [("cpu", "float32"), ("cuda", "bfloat16")])
+def test_serve_dtype_auto_fits_the_device(device, dtype):
+    from asympd.serve.api_server import ServeConfig
+
+    assert ServeConfig(checkpoint="unused", device=device).resolve().dtype == dtype
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        ServeConfig(checkpoint="unused", dtype="fp8").resolve()
