@@ -140,8 +140,8 @@ def perturbation_sensitivity(model, ids: torch.Tensor, eps: float = 1e-6, seeds:
 def test_cuda_fp32_matches_cpu_fp32(tiny_ckpt):
     """The logic check: in fp32 the CUDA path may differ from the CPU reference only as much as the
     reference differs from itself under a rounding-level (1e-6) perturbation of its input."""
-    cpu = load_model(tiny_ckpt, "full")
-    gpu = load_model(tiny_ckpt, "full", device="cuda")
+    cpu = load_model(tiny_ckpt, "full", dtype=torch.float32)
+    gpu = load_model(tiny_ckpt, "full", device="cuda", dtype=torch.float32)
     assert type(gpu.blocks[1].ffn).__name__ == "FastMoE"
     for seed, n in ((21, 40), (22, 300)):
         ids = torch.tensor(random_prompts([n], seed=seed)[0])

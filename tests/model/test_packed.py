@@ -162,7 +162,7 @@ def test_packed_weights_give_the_reference_tokens(tiny_ckpt, mode, weights):
     sp = asympd.SamplingParams(max_tokens=5, temperature=0, logprobs=2)
     outs = {}
     for name, device in (("dequantized", "cpu"), (weights, DEVICE)):
-        llm = asympd.LLM(tiny_ckpt, mode=mode, device=device, weights=name)
+        llm = asympd.LLM(tiny_ckpt, mode=mode, device=device, dtype=torch.float32, weights=name)
         outs[name] = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
     for ref, got in zip(outs["dequantized"], outs[weights], strict=True):
         assert got.outputs[0].token_ids == ref.outputs[0].token_ids
