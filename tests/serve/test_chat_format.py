@@ -537,3 +537,29 @@ def test_tiny_tokenizer_layout_and_decoding(tiny_ckpt):
     completion = "r</think>c" + TWO_CALLS
     out_ids = tok.encode(completion + EOS).ids
     assert tok.decode(out_ids) == completion
+
+
+def test_server_text_path_token_by_token(tiny_ckpt):
+    """The worker's own path: engine outputs one token at a time -> OutputTracker's decoded text
+    (think/DSML markers survive decoding, EOS does not) -> ChatOutput's deltas."""
+    from asympd.engine.llm import load_tokenizer
+    from asympd.engine.request import CompletionOutput, RequestOutput
+    from asympd.serve.api_server import OutputTracker
+
+    tok = load_tokenizer(tiny_ckpt)
+    ids = tok.encode("Plan: hello world</think>The model" + TWO_CALLS + EOS).ids
+    tracker, out, deltas = OutputTracker(tok, [], False, eos_token_id=1), _req(tools=[WEATHER]).output(), []
+    for n in range(1, len(ids) + 1):
+        last = n == len(ids)
+        tracker.update(
+            RequestOutput("r", [1], [CompletionOutput(0, ids[:n], "", None, "stop" if last else None)], last)
+        )
+        deltas.append(out.delta(tracker.delta()[0], tracker.done))
+    assert "".join(d.get("reasoning", "") for d in deltas) == "Plan: hello world"
+    assert "".join(d.get("content", "") for d in deltas) == "The model"
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert [(c["index"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        (0, {"city": "Paris"}),
+        (1, {"city": "Rome", "days": 2}),
+    ]
+    assert "tool_calls" in deltas[-1] and out.finish_reason(tracker.finish_reason) == "tool_calls"
