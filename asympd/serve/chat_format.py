@@ -175,6 +175,9 @@ def render_tool_calls(calls: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
     """The DSML block that calls ``(name, arguments)`` in order (what the model writes)."""
     out = [CALLS_START, "\n"]
     for name, args in calls:
+        bad = [n for n in (name, *args) if not isinstance(n, str) or '"' in n or "\n" in n]
+        if bad:
+            raise ChatFormatError(f"tool call names and argument names cannot hold quotes or newlines: {bad[0]!r}")
         out.append(f'<{DSML} invoke name="{name}">\n')
         for key, value in args.items():
             if isinstance(value, str):

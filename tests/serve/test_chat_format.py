@@ -259,6 +259,7 @@ BAD_CONVERSATIONS = [
         "arguments are not JSON",
     ),
     ([u("q")], {"tools": [{"type": "retrieval"}]}, "tools[0]"),
+    ([u("q"), a("", None, [("c", "f", {'a"b': 1})]), u("r")], {}, "cannot hold quotes or newlines: 'a\"b'"),
     ([u("q")], {"response_format": {"type": "yaml"}}, "response_format type 'yaml'"),
 ]
 
