@@ -677,7 +677,10 @@ class WorkerServer:
             )
         else:
             assert ctx.chat is not None  # reasoning / content / tool calls parsed from the text
-            choice["delta" if stream else "message"] = ctx.chat.delta(text, final) if stream else ctx.chat.message(text)
+            if stream:
+                choice["delta"] = ctx.chat.delta(text, final)
+            else:
+                choice["message"] = ctx.chat.message(text)
             if final and ctx.chat.error:
                 log.warning("request %s: malformed tool block sent as content: %s", ctx.rid, ctx.chat.error)
             choice["logprobs"] = P.chat_logprobs(lps, toks, tok_text, req.top_logprobs or 0) if req.logprobs else None
