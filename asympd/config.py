@@ -302,14 +302,16 @@ def tiny() -> ModelConfig:
         engram_head_dim=32,
         # distinct ids of engram_hash.compressed_token_map over tiny_tokenizer.write_tiny_tokenizer(path, 512),
         # the tokenizer make-checkpoint ships; tests/model/test_engram_hash.py recomputes it
-        engram_compressed_vocab_size=294,
+        engram_compressed_vocab_size=303,
         dspark_block_size=3,
-        dspark_noise_token_id=511,
+        # the id of <｜System｜> in the tiny tokenizer, as the release shares them (tiny_tokenizer.special_token_ids)
+        dspark_noise_token_id=498,
         dspark_target_layer_ids=(4, 5, 6),
         dspark_markov_rank=32,
         dspark_n_routed_experts=4,
         dspark_n_activated_experts=2,
         max_seq_len=4096,
+        image_token_id=511,  # <｜deepseek_image｜> in the tiny tokenizer
     )
 
 

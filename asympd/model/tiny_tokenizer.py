@@ -1,7 +1,8 @@
 """A small but real byte-level BPE ``tokenizer.json`` for synthetic checkpoints.
 
-Built by hand (no training, no network) so it is byte-for-byte deterministic: special tokens at
-fixed low ids, the 256 byte-level symbols, then merges spelling out a fixed word list in several
+Built by hand (no training, no network) so it is byte-for-byte deterministic: V4.1's special
+tokens at their released ids (or, in a vocab too small for those, at the top; see
+``special_token_ids``), the 256 byte-level symbols, then merges spelling out a fixed word list in several
 case/space variants ("hello", " hello", "Hello", " Hello", "HELLO"). The variants normalise alike,
 so the Engram compressed token map genuinely collapses ids, as it does on the released tokenizer.
 Byte-level pre-tokenisation and decoding make every text round-trip.
@@ -12,14 +13,45 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# DeepSeek's special tokens at the same low ids (0 = BOS, 1 = EOS, 2 = pad = engram_pad_id)
-SPECIAL_TOKENS = (
-    "<｜begin▁of▁sentence｜>",
-    "<｜end▁of▁sentence｜>",
-    "<｜▁pad▁｜>",
-    "<｜User｜>",
-    "<｜Assistant｜>",
-)
+# V4.1's special tokens and their ids in the released tokenizer (facts §9). `<｜System｜>` is reported
+# at the id of the DSpark noise token; the release's tokenizer.json could not be read to confirm it.
+RELEASE_VOCAB_SIZE = 129280
+RELEASE_SPECIAL_IDS = {
+    "<｜begin▁of▁sentence｜>": 0,
+    "<｜end▁of▁sentence｜>": 1,
+    "<｜▁pad▁｜>": 2,
+    "<｜System｜>": 128799,
+    "<｜User｜>": 128803,
+    "<｜Assistant｜>": 128804,
+    "<think>": 128821,
+    "</think>": 128822,
+    "｜DSML｜": 128825,
+    "<｜latest_reminder｜>": 128828,
+    "<｜action｜>": 128829,
+    "<｜query｜>": 128830,
+    "<｜authority｜>": 128831,
+    "<｜domain｜>": 128832,
+    "<｜title｜>": 128836,
+    "<｜read_url｜>": 128845,
+    "<｜deepseek_image｜>": 129264,
+}
+SPECIAL_TOKENS = tuple(RELEASE_SPECIAL_IDS)
+# Markers a completion carries and the chat parser reads: like the thinking and tool tokens of
+# DeepSeek's earlier tokenizers, they are added tokens that decoding keeps (not "special").
+KEPT_ON_DECODE = frozenset({"<think>", "</think>", "｜DSML｜"})
+
+
+def special_token_ids(vocab_size: int) -> dict[str, int]:
+    """Where each special token sits: the released ids when the vocab is the release's size (or
+    larger); in a smaller vocab BOS/EOS/pad keep 0-2 and the others take the top ids in the
+    released order (so `<｜System｜>` is the lowest of them, as in the release)."""
+    if vocab_size >= RELEASE_VOCAB_SIZE:
+        return dict(RELEASE_SPECIAL_IDS)
+    high = [t for t, i in RELEASE_SPECIAL_IDS.items() if i > 2]
+    ids = {t: i for t, i in RELEASE_SPECIAL_IDS.items() if i <= 2}
+    ids.update({t: vocab_size - len(high) + k for k, t in enumerate(high)})
+    return ids
+
 
 WORDS = (
     "hello world the of and to in is it that was for on are with as be at by this have from or one had not but "
@@ -45,19 +77,24 @@ def _byte_alphabet() -> list[str]:
 
 
 def _vocab_and_merges(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    vocab: dict[str, int] = {}
+    specials = special_token_ids(vocab_size)
+    ordinary: list[str] = []
+    seen: set[str] = set()
     merges: list[tuple[str, str]] = []
+    room = vocab_size - len(specials)
 
     def add(tok: str) -> None:
-        vocab.setdefault(tok, len(vocab))
+        if tok not in seen:
+            seen.add(tok)
+            ordinary.append(tok)
 
-    for tok in (*SPECIAL_TOKENS, *_byte_alphabet()):
+    for tok in _byte_alphabet():
         add(tok)
-    if len(vocab) > vocab_size:
-        raise ValueError(f"vocab_size {vocab_size} is below the {len(vocab)} special and byte tokens")
+    if len(ordinary) > room:
+        raise ValueError(f"vocab_size {vocab_size} is below the {len(specials) + 256} special and byte tokens")
 
     def merge(left: str, right: str) -> None:
-        if len(vocab) < vocab_size and left + right not in vocab:
+        if len(ordinary) < room and left + right not in seen:
             merges.append((left, right))
             add(left + right)
 
@@ -74,18 +111,22 @@ def _vocab_and_merges(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, 
         spell(word.upper())
     # Larger vocabularies (a v41-sized synthetic checkpoint): keep extending existing tokens by one
     # lowercase letter, breadth first, until the vocab is full.
-    frontier = [t for t in vocab if t not in SPECIAL_TOKENS]
+    frontier = list(ordinary)
     i = 0
-    while len(vocab) < vocab_size:
+    while len(ordinary) < room:
         base = frontier[i]
         i += 1
         for ch in "abcdefghijklmnopqrstuvwxyz":
-            if len(vocab) >= vocab_size:
+            if len(ordinary) >= room:
                 break
-            if base + ch not in vocab:
+            if base + ch not in seen:
                 merges.append((base, ch))
                 add(base + ch)
                 frontier.append(base + ch)
+    # ordinary tokens fill the ids the special tokens leave free, in order
+    taken = set(specials.values())
+    free = (i for i in range(vocab_size) if i not in taken)
+    vocab = {**specials, **{tok: next(free) for tok in ordinary}}
     return vocab, merges
 
 
@@ -97,7 +138,10 @@ def build_tiny_tokenizer(vocab_size: int):
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in SPECIAL_TOKENS if t in KEPT_ON_DECODE])
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS if t not in KEPT_ON_DECODE]
+    )
     n = tok.get_vocab_size(with_added_tokens=True)
     if n != vocab_size:
         raise AssertionError(f"built a tokenizer of {n} ids, wanted {vocab_size}")

@@ -52,7 +52,6 @@ from asympd.model.dtypes import DTYPES, resolve_dtype
 from asympd.model.loader import load_model
 from asympd.serve import protocol as P
 from asympd.serve.async_engine import Aborted, AsyncEngine, EngineDeadError, Failed, RequestStream
-from asympd.serve.chat_template import ChatTemplateError, apply_chat_template
 from asympd.serve.metrics import CONTENT_TYPE, ServerMetrics
 from asympd.transfer import PrefixStateError, TransferError, Transport, make_transport
 
@@ -397,11 +396,7 @@ class WorkerServer:
     def prompt_ids(self, kind: str, req: P.CompletionRequest | P.ChatCompletionRequest) -> list[int]:
         if kind == "chat":
             assert isinstance(req, P.ChatCompletionRequest)
-            try:
-                text = apply_chat_template([(m.role, m.text()) for m in req.messages], req.add_generation_prompt)
-            except ChatTemplateError as e:
-                raise P.APIError(str(e), param="messages") from None
-            return self._encode(text)
+            return self._encode(req.render_prompt())  # V4.1's format (chat_format.py)
         assert isinstance(req, P.CompletionRequest)
         prompt = req.single_prompt()
         ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -606,7 +601,8 @@ class WorkerServer:
             kw["first_token_logprobs"] = first_lps
         t_add = time.perf_counter()
         stream = await self._add(rid, ids, params, **kw)
-        ctx = _Ctx(kind, req, rid, ids, t_arrival, t_add, timings, tracker, int(time.time()))
+        chat = req.output() if kind == "chat" else None
+        ctx = _Ctx(kind, req, rid, ids, t_arrival, t_add, timings, tracker, int(time.time()), chat)
         if req.stream:
 
             async def close() -> None:
@@ -668,6 +664,7 @@ class WorkerServer:
         tr, req = ctx.tracker, ctx.req
         choice: dict[str, Any] = {"index": 0}
         tok_text = self._token_text
+        finish = tr.finish_reason
         if ctx.kind == "completion":
             choice["text"] = text
             choice["logprobs"] = (
@@ -676,12 +673,16 @@ class WorkerServer:
                 else None
             )
         else:
+            assert ctx.chat is not None  # reasoning / content / tool calls parsed from the text
             if stream:
-                choice["delta"] = {"content": text} if text or not final else {}
+                choice["delta"] = ctx.chat.delta(text, final)
             else:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"] = ctx.chat.message(text)
+            if final and ctx.chat.error:
+                log.warning("request %s: malformed tool block sent as content: %s", ctx.rid, ctx.chat.error)
             choice["logprobs"] = P.chat_logprobs(lps, toks, tok_text, req.top_logprobs or 0) if req.logprobs else None
-        choice["finish_reason"] = tr.finish_reason if final else None
+            finish = ctx.chat.finish_reason(finish)  # "tool_calls" when the model called tools
+        choice["finish_reason"] = finish if final else None
         choice["stop_reason"] = tr.stop_reason if final else None
         if req.return_token_ids:
             choice["token_ids"] = toks
@@ -760,6 +761,7 @@ class _Ctx:
     timings: dict[str, Any]
     tracker: OutputTracker
     created: int
+    chat: P.ChatOutput | None = None
 
 
 def check_bearer(request: Request, key: str) -> None:

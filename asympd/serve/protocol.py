@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from asympd.engine.sampling import SamplingParams
+from asympd.serve.chat_format import ChatDelta, ChatFormatError, ChatOptions, ChatStreamParser, encode_messages
 
 # ---- errors -----------------------------------------------------------------------------------------
 
@@ -167,18 +168,14 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(f"only text content parts are supported, got {part.get('type')!r}", param="messages")
-            parts.append(part["text"])
-        return "".join(parts)
+
+CHAT_TEMPLATE_KWARGS = ("thinking", "reasoning_effort", "drop_thinking")
 
 
 class ChatCompletionRequest(_Common):
@@ -187,6 +184,60 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    reasoning_effort: str | int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def chat_options(self) -> ChatOptions:
+        """vLLM's knobs: ``chat_template_kwargs`` (thinking, reasoning_effort, drop_thinking) over the
+        top-level ``reasoning_effort``."""
+        kw = dict(self.chat_template_kwargs or {})
+        unknown = sorted(set(kw) - set(CHAT_TEMPLATE_KWARGS))
+        if unknown:
+            raise APIError(
+                f"chat_template_kwargs: unknown key(s) {unknown}: accepted are {', '.join(CHAT_TEMPLATE_KWARGS)}",
+                param="chat_template_kwargs",
+            )
+        kw.setdefault("reasoning_effort", self.reasoning_effort)
+        try:
+            return ChatOptions.build(add_generation_prompt=self.add_generation_prompt, **kw)
+        except ChatFormatError as e:
+            raise APIError(str(e), param="reasoning_effort") from None
+
+    def tools_enabled(self) -> bool:
+        """Whether tools go into the prompt and tool calls are parsed (``tool_choice`` auto or none)."""
+        choice = self.tool_choice
+        if choice not in (None, "auto", "none"):
+            raise APIError(
+                f"tool_choice {choice!r} is not supported (it needs guided decoding): use auto or none",
+                param="tool_choice",
+            )
+        return bool(self.tools) and choice != "none"
+
+    def render_prompt(self) -> str:
+        """The V4.1 prompt text; every worker and the router render a request the same way."""
+        options = self.chat_options()
+        messages = [m.model_dump(exclude_none=True) for m in self.messages]
+        for i, m in enumerate(messages):
+            parts = m.get("content") if isinstance(m.get("content"), list) else []
+            if any(isinstance(p, dict) and p.get("type") in ("image_url", "image") for p in parts):
+                raise APIError(
+                    f"messages[{i}]: image parts cannot be served: the workers are text-only (no vision tower)",
+                    param="messages",
+                )
+        try:
+            return encode_messages(
+                messages, options, self.tools if self.tools_enabled() else None, self.response_format
+            )
+        except ChatFormatError as e:
+            raise APIError(str(e), param="messages") from None
+
+    def output(self) -> ChatOutput:
+        """The parser of this request's completion into OpenAI message / delta fields."""
+        names = {t.get("function", {}).get("name") for t in self.tools or []} if self.tools_enabled() else None
+        return ChatOutput(ChatStreamParser(self.chat_options().thinking, names, tools=self.tools_enabled()))
 
     def sampling_params(self, num_prompt_tokens: int, max_seq_len: int) -> SamplingParams:
         n = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -263,3 +314,58 @@ def response_envelope(
 ) -> dict[str, Any]:
     obj = {"completion": "text_completion", "chat": "chat.completion.chunk" if chunk else "chat.completion"}[kind]
     return {"id": request_id, "object": obj, "created": created or int(time.time()), "model": model}
+
+
+class ChatOutput:
+    """One chat request's completion as OpenAI fields: ``reasoning`` (and its alias
+    ``reasoning_content``), ``content``, ``tool_calls``; streamed in that order. A malformed tool
+    block is sent as content (the request still succeeds); the parse error is logged by the caller."""
+
+    def __init__(self, parser: ChatStreamParser) -> None:
+        self.parser = parser
+        self.thinking = parser.phase == "reasoning"
+        self.reasoning, self.content = "", ""
+        self.tool_calls: list[dict[str, Any]] = []
+
+    def _take(self, text: str, final: bool) -> ChatDelta:
+        d = self.parser.feed(text)
+        if final:
+            last = self.parser.finish()
+            d.reasoning, d.content = d.reasoning + last.reasoning, d.content + last.content
+            d.tool_calls += last.tool_calls
+        self.reasoning += d.reasoning
+        self.content += d.content
+        self.tool_calls += [c.openai(len(self.tool_calls) + k) for k, c in enumerate(d.tool_calls)]
+        return d
+
+    def delta(self, text: str, final: bool) -> dict[str, Any]:
+        """A stream chunk's ``delta`` for the next piece of completion text."""
+        start = len(self.tool_calls)
+        d = self._take(text, final)
+        out: dict[str, Any] = {}
+        if d.reasoning:
+            out["reasoning"] = out["reasoning_content"] = d.reasoning
+        if d.content or (not out and not final):
+            out["content"] = d.content
+        if d.tool_calls:
+            out["tool_calls"] = self.tool_calls[start:]
+        return out
+
+    def message(self, text: str) -> dict[str, Any]:
+        """The whole completion as a response ``message``."""
+        self._take(text, final=True)
+        reasoning = self.reasoning if self.thinking else None
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content, "reasoning": reasoning}
+        msg["reasoning_content"] = reasoning
+        if self.tool_calls:
+            msg["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in self.tool_calls]
+            if not self.content.strip():
+                msg["content"] = None
+        return msg
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if self.tool_calls and reason == "stop" else reason
+
+    @property
+    def error(self) -> str | None:
+        return self.parser.error

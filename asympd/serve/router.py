@@ -52,7 +52,6 @@ from asympd.serve.api_server import (
     setup_logging,
     until_disconnect,
 )
-from asympd.serve.chat_template import ChatTemplateError, apply_chat_template
 from asympd.serve.metrics import CONTENT_TYPE, RouterMetrics
 
 log = logging.getLogger("asympd.router")
@@ -159,12 +158,11 @@ class Router:
             return None
         try:
             if kind == "chat":
-                msgs = P.ChatCompletionRequest.model_validate(body).messages
-                text = apply_chat_template([(m.role, m.text()) for m in msgs], body.get("add_generation_prompt", True))
+                text = P.ChatCompletionRequest.model_validate(body).render_prompt()
                 return len(self.tokenizer.encode(text).ids)
             prompt = P.CompletionRequest.model_validate(body).single_prompt()
             return len(self.tokenizer.encode(prompt).ids) if isinstance(prompt, str) else len(prompt)
-        except (P.APIError, ChatTemplateError, ValueError):
+        except (P.APIError, ValueError):
             return None  # let the worker produce the precise 4xx
 
     # ---- health --------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Pieces of the serving stack without any server: the chat template, incremental detokenization
+"""Pieces of the serving stack without any server: chat prompt tokens, incremental detokenization
 with stop strings, the router's worker picking, request validation."""
 
 from __future__ import annotations
@@ -9,29 +9,15 @@ from asympd.engine.llm import load_tokenizer
 from asympd.engine.request import CompletionOutput, RequestOutput
 from asympd.serve import protocol as P
 from asympd.serve.api_server import OutputTracker
-from asympd.serve.chat_template import ASSISTANT, BOS, EOS, USER, ChatTemplateError, apply_chat_template
+from asympd.serve.chat_format import ASSISTANT, BOS, END_THINK, USER, ChatOptions, encode_messages
 from asympd.serve.router import Router, RouterConfig
 
 
-def test_chat_template_shape():
-    text = apply_chat_template(
-        [("system", "S1"), ("user", "u1"), ("assistant", "a1"), ("system", "S2"), ("user", "u2")]
-    )
-    assert text == f"{BOS}S1\n\nS2{USER}u1{ASSISTANT}a1{EOS}{USER}u2{ASSISTANT}"
-    assert apply_chat_template([("user", "u")], add_generation_prompt=False) == f"{BOS}{USER}u"
-    # a trailing assistant message is continued, not closed
-    assert apply_chat_template([("user", "u"), ("assistant", "a")]) == f"{BOS}{USER}u{ASSISTANT}a"
-    with pytest.raises(ChatTemplateError, match="role"):
-        apply_chat_template([("tool", "x")])
-    with pytest.raises(ChatTemplateError):
-        apply_chat_template([])
-
-
-def test_chat_template_special_tokens_are_single_tokens(tiny_ckpt):
+def test_chat_prompt_special_tokens_are_single_tokens(tiny_ckpt):
     tok = load_tokenizer(tiny_ckpt)
-    ids = tok.encode(apply_chat_template([("user", "hello")])).ids
-    assert ids[0] == tok.token_to_id(BOS) and ids[1] == tok.token_to_id(USER)
-    assert ids[-1] == tok.token_to_id(ASSISTANT)
+    ids = tok.encode(encode_messages([{"role": "user", "content": "hello"}], ChatOptions(thinking=False))).ids
+    assert ids[:2] == [tok.token_to_id(BOS), tok.token_to_id(USER)]
+    assert ids[-2:] == [tok.token_to_id(ASSISTANT), tok.token_to_id(END_THINK)]
 
 
 def _out(tokens: list[int], finished: bool = False, reason: str | None = None) -> RequestOutput:
@@ -116,7 +102,7 @@ def test_router_counts_tokens_like_the_workers(tiny_ckpt):
     assert r.count_tokens("completion", {"prompt": "hello world"}) == len(tok.encode("hello world").ids)
     assert r.count_tokens("completion", {"prompt": [1, 2, 3]}) == 3
     msgs = [{"role": "user", "content": "hello"}]
-    assert r.count_tokens("chat", {"messages": msgs}) == len(tok.encode(apply_chat_template([("user", "hello")])).ids)
+    assert r.count_tokens("chat", {"messages": msgs}) == len(tok.encode(encode_messages(msgs)).ids)
     assert r.count_tokens("completion", {"prompt": 12}) is None  # malformed: the worker will say why
 
 
