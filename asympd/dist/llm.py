@@ -10,6 +10,7 @@ import torch
 from asympd.dist.executor import DistributedExecutor
 from asympd.dist.launch import RankGroup, RankSpec
 from asympd.engine.llm import LLM
+from asympd.engine.modes import PREFILL_MODEL_ROLE
 
 SHARDS = ("decode", "prefill")
 
@@ -24,7 +25,7 @@ def model_role(mode: str, shard: str) -> str:
         return "full"
     if shard == "decode":
         return "decode"
-    return "full" if mode == "symmetric" else "prefill"
+    return PREFILL_MODEL_ROLE.get(mode, "prefill")
 
 
 class ParallelLLM(LLM):

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from asympd.engine.engine import EngineConfig, LLMEngine
+from asympd.engine.modes import PREFILL_MODEL_ROLE
 from asympd.engine.request import RequestOutput
 from asympd.engine.sampling import SamplingParams
 from asympd.engine.scheduler import SchedulerConfig
@@ -82,12 +83,13 @@ class LLM:
         if mode == "colocated":
             self.engine = LLMEngine(load_model(checkpoint, "full", device, dtype), config("colocated"), detok)
         else:
-            p_role = "full" if mode == "symmetric" else "prefill"
+            p_role = PREFILL_MODEL_ROLE.get(mode, "prefill")
             self.prefill = LLMEngine(load_model(checkpoint, p_role, device, dtype), config("prefill"), detok)
             self.engine = LLMEngine(load_model(checkpoint, "decode", device, dtype), config("decode"), detok)
         self.cfg = self.engine.cfg
         self._next_id = 0
         self._params: dict[str, SamplingParams] = {}  # requests at the prefill engine
+        self.transfer_bytes: dict[str, int] = {}  # request -> size of the serialized prefix state it moved
 
     def generate(
         self,
@@ -136,6 +138,7 @@ class LLM:
                     outs.append(out)
                     continue
                 blob = out.prefix_state.serialize()
+                self.transfer_bytes[out.request_id] = len(blob)
                 state = PrefixState.deserialize(blob)
                 first = out.outputs[0].token_ids[0] if out.outputs[0].token_ids else None
                 first_lp = out.outputs[0].logprobs[0] if first is not None and out.outputs[0].logprobs else None

@@ -92,3 +92,14 @@ def test_plans_say_who_computes_what():
     p, d = prefill_plan(CFG, n, "symmetric"), decode_plan(CFG, n, "symmetric")
     assert p.samples_first_token and d.first_token_from_prefill and not d.phases[0].sample
     assert prefill_plan(CFG, 10, "asymmetric").phases == []
+    # the strongest symmetric baselines: P computes split semantics and samples; D replays [s, N) or nothing
+    for mode in ("symmetric-split", "symmetric-windows"):
+        p, d = prefill_plan(CFG, n, mode), decode_plan(CFG, n, mode)
+        assert p.phases == colocated_phases(CFG, n, "split") and p.export_upto == n == d.import_upto
+        assert p.samples_first_token and d.first_token_from_prefill
+        assert p.exports_windows == d.imports_windows == (mode == "symmetric-windows")
+    assert decode_plan(CFG, n, "symmetric-split").phases == [
+        Phase(24, 40, Depth.ALL, floor=24, encoder_floor=24, write_global=False, sample=False)
+    ]
+    assert decode_plan(CFG, n, "symmetric-windows").phases == []
+    assert prefill_plan(CFG, 10, "symmetric-split").phases == [Phase(0, 10, Depth.ALL)]
