@@ -333,6 +333,7 @@ def summarize(
         "output_throughput": total_out / duration if duration > 0 else 0.0,
         "total_token_throughput": (total_in + total_out) / duration if duration > 0 else 0.0,
     }
+    out.update(peaks(ok))
     for metric in PERCENTILE_METRICS:
         xs = np.asarray(series[metric] or [0.0]) * 1000.0
         out[f"mean_{metric}_ms"] = float(np.mean(xs))
@@ -341,6 +342,19 @@ def summarize(
         for p in percentiles:
             out[f"p{_pct_name(p)}_{metric}_ms"] = float(np.percentile(xs, p))
     return out
+
+
+def peaks(ok: Sequence[RequestResult]) -> dict[str, float]:
+    """The busiest whole second of the run: output chunks received in it (vLLM's
+    ``max_output_tokens_per_s``, one chunk counted as one token) and requests in flight."""
+    if not ok:
+        return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
+    t0 = min(r.start for r in ok)
+    chunks = np.concatenate([r.start - t0 + r.ttft + np.cumsum([0.0, *r.itl]) for r in ok])
+    seconds = int(max(r.start - t0 + r.latency for r in ok)) + 1
+    per_s = np.bincount(chunks.astype(int), minlength=seconds)
+    live = [sum(int(r.start - t0) <= s <= int(r.start - t0 + r.latency) for r in ok) for s in range(seconds)]
+    return {"max_output_tokens_per_s": float(per_s.max()), "max_concurrent_requests": max(live)}
 
 
 def per_request_fields(results: Sequence[RequestResult], t_start: float) -> dict[str, Any]:

@@ -80,10 +80,11 @@ class ModelRunner:
                 pair_kv[layer] = kv[keep].float().clone().cpu()
                 pair_score[layer] = score[keep].float().clone().cpu()
         swa_kv, swa_pos = {}, {}
-        if windows:
-            for layer in range(self.cfg.n_layers):  # not the draft blocks': P never drafts
+        if windows:  # the last W rows of each model layer (not the draft blocks': P never drafts)
+            for layer in range(self.cfg.n_layers):
                 kv, pos = view.window(layer)
-                swa_kv[layer], swa_pos[layer] = kv.cpu(), pos.cpu()
+                keep = pos >= req.num_prompt_tokens - self.cfg.window_size
+                swa_kv[layer], swa_pos[layer] = kv[keep].cpu(), pos[keep].cpu()
         return PrefixState(
             split=s,
             token_ids=torch.tensor(req.prompt_token_ids, dtype=torch.long),

@@ -41,6 +41,8 @@ VLLM_FIELDS = [
     "total_output_tokens",
     "request_throughput",
     "request_goodput",
+    "max_output_tokens_per_s",
+    "max_concurrent_requests",
     "output_throughput",
     "total_token_throughput",
     "input_lens",
@@ -220,6 +222,8 @@ def test_summary_exact_values():
     # goodput: request 1 breaks the ITL bound (40 ms), request 2 the TTFT bound; only request 3 is good
     assert s["request_goodput"] == 0.5
     assert summarize(results, 2.0)["request_goodput"] is None
+    # all three start at 0 and end within the first second: 6 chunks, 3 requests in flight there
+    assert s["max_output_tokens_per_s"] == 6.0 and s["max_concurrent_requests"] == 3
 
 
 def test_goodput_tpot_and_e2el_bounds():

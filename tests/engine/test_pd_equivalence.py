@@ -71,9 +71,9 @@ def test_symmetric_baselines_work_and_bytes(tiny_ckpt):
     for m, llm in runs.items():
         assert llm.prefill.stats()["prompt_tokens"] == n_rows  # P: every prompt row, as asymmetric P + D
         assert llm.engine.stats()["prompt_tokens"] == (replayed if m == "symmetric-split" else 0)
-    # the extra bytes: P's window slot per layer (W + 1 rows: one slack row) once the prompt is longer
+    # the extra bytes: the last min(N, W) rows of every layer's window
     for o_split, o_win, p in zip(outs["symmetric-split"], outs["symmetric-windows"], prompts, strict=True):
-        rows = min(len(p), W + 1)
+        rows = min(len(p), W)
         want = cfg.n_layers * rows * (cfg.head_dim * 4 + 8)  # fp32 cache here
         got = runs["symmetric-windows"].transfer_bytes[o_win.request_id]
         base = runs["symmetric-split"].transfer_bytes[o_split.request_id]
