@@ -211,7 +211,7 @@ async def send_request(
 ) -> RequestResult:
     """POST one streaming request and time its chunks; failures are recorded, never raised."""
     res = RequestResult(prompt_len=prompt_len)
-    chunks = 0
+    chunks, texts = 0, []
     t0 = time.perf_counter()
     res.start = t0
     last = t0
@@ -228,6 +228,9 @@ async def send_request(
                 if data == "[DONE]":
                     break
                 ev = json.loads(data)
+                if not isinstance(ev, dict):
+                    res.error = f"not a JSON object in the stream: {data[:200]}"
+                    return res
                 if "error" in ev:
                     err = ev["error"]
                     res.error = str(err.get("message", err) if isinstance(err, dict) else err)
@@ -243,13 +246,14 @@ async def send_request(
                         res.itl.append(now - last)
                     chunks += 1
                     last = now
-                    res.text += text
+                    texts.append(text)
                 usage = ev.get("usage")
                 if usage:
                     res.output_tokens = int(usage.get("completion_tokens", 0))
                     res.prompt_len = int(usage.get("prompt_tokens", prompt_len))
                     res.usage_reported = True
         res.latency = time.perf_counter() - t0
+        res.text = "".join(texts)
         if chunks == 0:
             res.error = "the stream ended without output"
             return res

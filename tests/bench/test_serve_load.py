@@ -280,3 +280,41 @@ def test_sharegpt_through_router(cluster, tiny_ckpt, tmp_path):
 
     sent = sharegpt_requests(args[5], 3, load_tokenizer(tiny_ckpt), output_len=4)
     assert res["input_lens"] == [r.prompt_len for r in sent]
+
+
+def _sse_client(events: list[str]):
+    import httpx
+
+    body = "".join(f"data: {e}\n\n" for e in events).encode()
+    return httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(200, content=body)))
+
+
+def _send(events: list[str], chat: bool) -> RequestResult:
+    import asyncio
+
+    from asympd.bench.serve_load import send_request
+
+    async def go():
+        async with _sse_client(events) as client:
+            return await send_request(client, "http://x/v1/chat/completions", {}, 7, chat)
+
+    return asyncio.run(go())
+
+
+def test_stream_parsing_chat_opener_usage_and_errors():
+    role = json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+    a = json.dumps({"choices": [{"index": 0, "delta": {"content": "Hel"}}]})
+    b = json.dumps({"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "length"}]})
+    usage = json.dumps({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}})
+    r = _send([role, a, b, usage, "[DONE]"], chat=True)
+    assert r.success and r.text == "Hello" and len(r.itl) == 1  # the role-only opener is not the first token
+    assert (r.prompt_len, r.output_tokens, r.usage_reported) == (9, 3, True)
+    assert 0 < r.ttft <= r.latency
+    r = _send([a, json.dumps({"error": {"message": "engine died", "code": 500}}), "[DONE]"], chat=True)
+    assert not r.success and r.error == "engine died"
+    r = _send(["[1, 2]"], chat=False)
+    assert not r.success and r.error == "not a JSON object in the stream: [1, 2]"
+    r = _send(["[DONE]"], chat=False)
+    assert not r.success and r.error == "the stream ended without output"
+    r = _send([json.dumps({"choices": [{"text": "x"}]}), json.dumps({"choices": [{"text": "y"}]})], chat=False)
+    assert r.success and r.output_tokens == 2 and not r.usage_reported  # no usage: one token per chunk
