@@ -318,3 +318,22 @@ def test_stream_parsing_chat_opener_usage_and_errors():
     assert not r.success and r.error == "the stream ended without output"
     r = _send([json.dumps({"choices": [{"text": "x"}]}), json.dumps({"choices": [{"text": "y"}]})], chat=False)
     assert r.success and r.output_tokens == 2 and not r.usage_reported  # no usage: one token per chunk
+
+
+def test_the_module_loads_without_torch():
+    """serve_load imports nothing from asympd or torch: it runs standalone on a client machine."""
+    import subprocess
+    import sys
+
+    from asympd.bench import serve_load
+
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('standalone', {serve_load.__file__!r})\n"
+        "m = sys.modules['standalone'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        "assert m.arrival_offsets(3, float('inf')) == [0.0, 0.0, 0.0]\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
