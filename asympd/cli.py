@@ -371,6 +371,26 @@ def _compare(args: argparse.Namespace) -> int:
     return compare_main(args.checkpoint, args.json, args.prompts_per_length, args.max_tokens, args.seed)
 
 
+# ---- bench ----------------------------------------------------------------------------------------
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    from asympd.bench.serve_load import add_arguments
+
+    sub = p.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)
+    help = "load an OpenAI-compatible endpoint (asympd, vLLM, SGLang) and measure TTFT, TPOT, ITL, goodput"
+    add_arguments(sub.add_parser("serve", help=help, description=help))
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from asympd.bench.serve_load import BenchError, run
+
+    try:
+        return run(args)
+    except BenchError as e:
+        raise UsageError(str(e)) from e
+
+
 COMMANDS: dict[str, Command] = {
     "make-checkpoint": Command(
         "write a random-weight checkpoint in the released format", _make_checkpoint_args, _make_checkpoint
@@ -383,6 +403,7 @@ COMMANDS: dict[str, Command] = {
     "router": Command("route requests over prefill and decode workers", _router_args, _router),
     "demo": Command("start a 1P1D deployment + router locally and send a few requests", _demo_args, _demo),
     "compare": Command("each mode's outputs against colocated/full: agreement and KL", _compare_args, _compare),
+    "bench": Command("benchmarks against running servers: `bench serve`", _bench_args, _bench),
 }
 
 

@@ -3,7 +3,8 @@
 For a set of prompts of lengths around and beyond the window W, every mode generates 16 greedy
 tokens with full first-position log-probabilities. Reported per mode: first-token agreement,
 mean KL(reference || mode) of the first-token distribution, the fraction of prompts whose 16
-tokens all agree, and the mean length of the agreeing prefix; plus the KL per prompt length.
+tokens all agree, and the mean length of the agreeing prefix; plus the KL per prompt length, and
+the bytes of the serialized prefix state P hands D per prompt length (what each P/D mode moves).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def compare(
     lengths: list[int] = []
     prompts: list[list[int]] = []
     timing: dict[str, float] = {}
+    transfer: dict[str, dict[int, int]] = {}  # mode -> prompt length -> mean serialized prefix-state bytes
     params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=-1)
     for mode, semantics, policy in MODES:
         name = mode_name(mode, semantics, policy)
@@ -64,6 +66,10 @@ def compare(
                     prompts.append(torch.randint(3, llm.cfg.vocab_size, (n,), generator=g).tolist())
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         results[name] = [(o.outputs[0].token_ids, o.outputs[0].logprobs[0]) for o in outs]
+        moved = [llm.transfer_bytes.get(o.request_id, 0) for o in outs]
+        transfer[name] = {
+            n: sum(b for m, b in zip(lengths, moved, strict=True) if m == n) // lengths.count(n) for n in lengths
+        }
         timing[name] = time.perf_counter() - t0
     ref = results["colocated/full"]
     report: dict[str, Any] = {
@@ -89,6 +95,7 @@ def compare(
             "all_tokens_agree": sum(p == max_tokens for p in prefix) / len(prefix),
             "mean_agreeing_prefix": sum(prefix) / len(prefix),
             "kl_by_length": {n: sum(v) / len(v) for n, v in by_len.items()},
+            "transfer_bytes_by_length": transfer[name],
             "seconds": round(timing[name], 2),
         }
     return report
@@ -99,13 +106,15 @@ def format_report(report: dict[str, Any]) -> str:
     lens = sorted(set(report["prompt_lengths"]))
     lines = [
         f"{len(report['prompt_lengths'])} prompts, lengths {lens}; reference {report['reference']}",
-        f"{'mode':26} {'first tok':>9} {'mean KL':>9} {f'all {n_tok}':>7} {'prefix':>7}   KL by prompt length",
+        f"{'mode':26} {'first tok':>9} {'mean KL':>9} {f'all {n_tok}':>7} {'prefix':>7} "
+        f"{f'bytes@{lens[-1]}':>11}   KL by prompt length",
     ]
     for name, m in report["modes"].items():
         by_len = " ".join(f"{n}:{m['kl_by_length'][n]:.3f}" for n in lens)
         lines.append(
             f"{name:26} {m['first_token_agreement']:9.2f} {m['mean_first_token_kl']:9.4f} "
-            f"{m['all_tokens_agree']:7.2f} {m['mean_agreeing_prefix']:7.1f}   {by_len}"
+            f"{m['all_tokens_agree']:7.2f} {m['mean_agreeing_prefix']:7.1f} "
+            f"{m['transfer_bytes_by_length'][lens[-1]]:11d}   {by_len}"
         )
     return "\n".join(lines)
 

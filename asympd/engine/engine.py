@@ -91,8 +91,8 @@ class LLMEngine:
             pass  # a full model can serve as an asymmetric P too (it just holds more than it needs)
         if self.config.role != "prefill" and model.role == "prefill":
             raise ValueError("a prefill-role model can only run a prefill worker")
-        if self.config.mode == "symmetric" and model.role == "prefill":
-            raise ValueError("the symmetric mode's prefill worker needs the full model")
+        if modes.PREFILL_MODEL_ROLE.get(self.config.mode) == "full" and model.role == "prefill":
+            raise ValueError(f"the {self.config.mode} mode's prefill worker needs the full model")
         self.model, self.cfg = model, model.cfg
         self.detokenize = detokenize
         c = self.config
@@ -103,6 +103,11 @@ class LLMEngine:
         sc = self.config.scheduler
         self.num_spec_tokens = k
         self.proposer: Proposer | None = None
+        if k and self.config.mode == "symmetric-windows":
+            raise ValueError(
+                "num_spec_tokens > 0 is not supported in mode symmetric-windows: D computes no prompt row, "
+                "and P does not ship the drafter's hidden states to seed its window"
+            )
         if k:
             drafter = getattr(model, "drafter", None)
             if drafter is None:
@@ -203,6 +208,8 @@ class LLMEngine:
             return Request(rid, ids, params, modes.decode_fallback_plan(self.cfg, n, c.mode, c.boundary_policy))
         if ps is not None:
             ps.validate(self.cfg, self.fingerprint)
+            if plan.imports_windows and not ps.swa_kv:
+                raise PrefixStateError(f"mode {c.mode}: the prefix state carries no sliding windows")
             if ps.split != plan.import_upto or list(ps.token_ids.tolist()) != ids:
                 raise PrefixStateError(
                     f"prefix state covers [0, {ps.split}) of a {ps.token_ids.numel()}-token prompt; this "
@@ -301,7 +308,13 @@ class LLMEngine:
                 req.output_token_ids.append(tok)
                 req.first_token_time = time.monotonic()
             req.exported = self.runner.export_prefix(
-                req, fingerprint=self.fingerprint, mode=self.config.mode, policy=self.config.boundary_policy
+                req,
+                fingerprint=self.fingerprint,
+                mode=self.config.mode,
+                policy=self.config.boundary_policy,
+                windows=modes.prefill_plan(
+                    self.cfg, req.num_prompt_tokens, self.config.mode, self.config.boundary_policy
+                ).exports_windows,
             )
             self.scheduler.running.remove(req)
             self.held[req.request_id] = req

@@ -96,6 +96,7 @@ class LLM:
         self.cfg = self.engine.cfg
         self._next_id = 0
         self._params: dict[str, SamplingParams] = {}  # requests at the prefill engine
+        self.transfer_bytes: dict[str, int] = {}  # request -> size of the serialized prefix state it moved
 
     def generate(
         self,
@@ -144,6 +145,7 @@ class LLM:
                     outs.append(out)
                     continue
                 blob = out.prefix_state.serialize()
+                self.transfer_bytes[out.request_id] = len(blob)
                 state = PrefixState.deserialize(blob)
                 first = out.outputs[0].token_ids[0] if out.outputs[0].token_ids else None
                 first_lp = out.outputs[0].logprobs[0] if first is not None and out.outputs[0].logprobs else None

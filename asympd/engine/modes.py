@@ -13,6 +13,15 @@ K is the last KV source layer, W the window, N the prompt length.
                                                              global KV not rewritten
     asymmetric    layers < K + K's KV path on [0,s), s=N-W   bounded prefill of [s,N) through all      D
                                                              layers, writing its global KV
+    symmetric-    split semantics on [0,N) (full model):     replays [s,N) through all layers with     P
+      split       asymmetric P's rows, then all layers on    P's window floors, global KV not
+                  [s,N)                                      rewritten
+    symmetric-    as symmetric-split, and ships every        nothing to compute: imports the windows,  P
+      windows     layer's sliding window too                 decodes at once (SGLang-style P/D)
+
+The two ``symmetric-*`` modes are the strongest symmetric baselines: P does no avoidable work (only
+K's KV path on the prefix, as asymmetric P), and in ``symmetric-windows`` D does none either, at the
+price of shipping W rows of every layer's window.
 
 Boundary policy for a split s that falls inside a compressor group (s odd for ratio 2): ``carry``
 hands over the open group's raw rows; ``align`` moves s down to a group boundary and D takes the
@@ -27,7 +36,7 @@ from dataclasses import dataclass
 from asympd.config import ModelConfig
 from asympd.model.transformer import Depth
 
-MODES = ("colocated", "symmetric", "encoder-only", "asymmetric")
+MODES = ("colocated", "symmetric", "encoder-only", "asymmetric", "symmetric-split", "symmetric-windows")
 PD_MODES = MODES[1:]  # the modes with a prefill and a decode worker
 SEMANTICS = ("full", "decoder-replay", "split")
 BOUNDARY_POLICIES = ("carry", "align")
@@ -41,7 +50,17 @@ VARIANTS = (
     ("asymmetric", "full", "align"),
     ("symmetric", "full", "carry"),
     ("encoder-only", "full", "carry"),
+    ("symmetric-split", "full", "carry"),
+    ("symmetric-windows", "full", "carry"),
 )
+# the checkpoint role a P/D mode's prefill worker loads (the symmetric ones make the first token: all layers)
+PREFILL_MODEL_ROLE = {
+    "symmetric": "full",
+    "encoder-only": "prefill",
+    "asymmetric": "prefill",
+    "symmetric-split": "full",
+    "symmetric-windows": "full",
+}
 
 
 def check_role_mode(role: str, mode: str) -> None:
@@ -60,10 +79,10 @@ def default_mode(role: str) -> str:
 
 def model_role(role: str, mode: str) -> str:
     """The checkpoint role (asympd.model.schema.ROLES) an engine of ``role`` loads in ``mode``:
-    the symmetric P needs the whole model, the other P/D modes' P only the prefill role."""
+    the symmetric P modes need the whole model, the others' P only the prefill role."""
     check_role_mode(role, mode)
     if role == "prefill":
-        return "full" if mode == "symmetric" else "prefill"
+        return PREFILL_MODEL_ROLE[mode]
     return "full" if role == "colocated" else "decode"
 
 
@@ -130,6 +149,7 @@ class PrefillPlan:
     phases: list[Phase]
     export_upto: int
     samples_first_token: bool
+    exports_windows: bool = False  # every layer's sliding window goes with the global KV
 
 
 @dataclass(frozen=True)
@@ -139,6 +159,7 @@ class DecodePlan:
     import_upto: int
     phases: list[Phase]
     first_token_from_prefill: bool
+    imports_windows: bool = False
 
 
 def prefill_plan(cfg: ModelConfig, n: int, mode: str, policy: str = "carry") -> PrefillPlan:
@@ -149,7 +170,10 @@ def prefill_plan(cfg: ModelConfig, n: int, mode: str, policy: str = "carry") -> 
         return PrefillPlan([Phase(0, n, Depth.ENCODER_KV, sample=False)], n, False)
     if mode == "symmetric":
         return PrefillPlan(colocated_phases(cfg, n, "decoder-replay"), n, True)
-    raise ValueError(f"mode {mode!r} has no prefill worker; expected one of symmetric, encoder-only, asymmetric")
+    if mode in ("symmetric-split", "symmetric-windows"):
+        phases = colocated_phases(cfg, n, "split", policy)
+        return PrefillPlan(phases, n, True, exports_windows=mode == "symmetric-windows")
+    raise ValueError(f"mode {mode!r} has no prefill worker; expected one of {', '.join(PREFILL_MODEL_ROLE)}")
 
 
 def decode_plan(cfg: ModelConfig, n: int, mode: str, policy: str = "carry") -> DecodePlan:
@@ -161,13 +185,18 @@ def decode_plan(cfg: ModelConfig, n: int, mode: str, policy: str = "carry") -> D
         return DecodePlan(n, [Phase(b, n, Depth.ALL, floor=b, encoder_floor=b, write_global=False)], False)
     if mode == "symmetric":
         return DecodePlan(n, [Phase(b, n, Depth.ALL, floor=b, encoder_floor=b, write_global=False, sample=False)], True)
-    raise ValueError(f"mode {mode!r} has no decode worker; expected one of symmetric, encoder-only, asymmetric")
+    if mode == "symmetric-split":  # the replay sees the windows P's last phase saw: D's state is P's
+        s = split_point(cfg, n, policy)
+        return DecodePlan(n, [Phase(s, n, Depth.ALL, floor=s, encoder_floor=s, write_global=False, sample=False)], True)
+    if mode == "symmetric-windows":
+        return DecodePlan(n, [], True, imports_windows=True)
+    raise ValueError(f"mode {mode!r} has no decode worker; expected one of {', '.join(PREFILL_MODEL_ROLE)}")
 
 
 def decode_fallback_plan(cfg: ModelConfig, n: int, mode: str, policy: str = "carry") -> list[Phase]:
     """D computing the prefix itself because P failed (policy ``recompute``): the same numbers the
     P/D pair would have produced, from one engine holding the full model."""
-    if mode == "asymmetric":
+    if mode in ("asymmetric", "symmetric-split", "symmetric-windows"):
         return colocated_phases(cfg, n, "split", policy)
     if mode == "symmetric":
         return colocated_phases(cfg, n, "decoder-replay")

@@ -59,9 +59,12 @@ class ModelRunner:
 
     # ---- prefix state ------------------------------------------------------------------------
 
-    def export_prefix(self, req: Request, *, fingerprint: str, mode: str, policy: str) -> PrefixState:
+    def export_prefix(
+        self, req: Request, *, fingerprint: str, mode: str, policy: str, windows: bool = False
+    ) -> PrefixState:
         """Copy the global KV of positions [0, s) and the open compressor groups at s into
-        contiguous buffers (the one copy P makes; transports move them as they are)."""
+        contiguous buffers (the one copy P makes; transports move them as they are); with
+        ``windows``, every model layer's sliding window too (rows and their positions)."""
         s = req.export_upto
         bt = self.blocks.block_table(req.request_id)
         view = self._view(req)
@@ -76,6 +79,12 @@ class ModelRunner:
                 keep = (pos >= n * r) & (pos < s)
                 pair_kv[layer] = kv[keep].float().clone().cpu()
                 pair_score[layer] = score[keep].float().clone().cpu()
+        swa_kv, swa_pos = {}, {}
+        if windows:  # the last W rows of each model layer (not the draft blocks': P never drafts)
+            for layer in range(self.cfg.n_layers):
+                kv, pos = view.window(layer)
+                keep = pos >= req.num_prompt_tokens - self.cfg.window_size
+                swa_kv[layer], swa_pos[layer] = kv[keep].cpu(), pos[keep].cpu()
         return PrefixState(
             split=s,
             token_ids=torch.tensor(req.prompt_token_ids, dtype=torch.long),
@@ -83,6 +92,8 @@ class ModelRunner:
             idx=idx,
             pair_kv=pair_kv,
             pair_score=pair_score,
+            swa_kv=swa_kv,
+            swa_pos=swa_pos,
             fingerprint=fingerprint,
             dtype=str(self.cache.spec.dtype).removeprefix("torch."),
             boundary_policy=policy,
@@ -109,3 +120,5 @@ class ModelRunner:
                 view.append_pending(
                     layer, torch.arange(s - rows, s), ps.pair_kv[layer].to(device), ps.pair_score[layer].to(device)
                 )
+        for layer, kv in ps.swa_kv.items():  # P's windows: D starts decoding without a replay
+            view.append_window(layer, ps.swa_pos[layer].to(device), kv.to(device))

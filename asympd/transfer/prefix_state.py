@@ -3,7 +3,9 @@
 See docs/model.md §3: for each KV-source layer L, the compressed main KV ``ckv[L]`` and the
 indexer keys ``idx[L]`` (n_L = s // ratio(L) rows each); when s is not a multiple of a source's
 ratio, that compressor's open group (raw kv and score rows, fp32); and the prompt token ids.
-Nothing else: no SWA, no top-k selections, no draft state.
+Nothing else: no top-k selections, no draft state, and no SWA except in mode ``symmetric-windows``,
+where P also ships every model layer's sliding window (``swa_kv[L]`` rows in the cache dtype and
+their int64 positions ``swa_pos[L]``) so that D starts decoding without a replay.
 
 On the wire a state is a versioned, self-describing set of contiguous buffers: a JSON header (format
 version, metadata, and a table of ``{name, dtype, shape, nbytes, offset}``) plus the raw buffers.
@@ -49,7 +51,8 @@ DTYPES: dict[str, torch.dtype] = {
 CACHE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
 PAIR_DTYPE = "float32"  # the open group of a compressor is kept in fp32 (docs/model.md §3)
 TOKEN_DTYPE = "int64"
-_KINDS = ("ckv", "idx", "pair_kv", "pair_score")
+_WINDOW_KINDS = ("swa_kv", "swa_pos")  # optional: only a state that ships the windows has them
+_KINDS = ("ckv", "idx", "pair_kv", "pair_score", *_WINDOW_KINDS)
 _META_KEYS = ("split", "num_prompt_tokens", "boundary_policy", "mode", "dtype", "fingerprint")
 
 
@@ -124,6 +127,8 @@ class PrefixState:
     idx: dict[int, torch.Tensor]
     pair_kv: dict[int, torch.Tensor] = field(default_factory=dict)
     pair_score: dict[int, torch.Tensor] = field(default_factory=dict)
+    swa_kv: dict[int, torch.Tensor] = field(default_factory=dict)
+    swa_pos: dict[int, torch.Tensor] = field(default_factory=dict)
     fingerprint: str = ""
     dtype: str = "bfloat16"
     boundary_policy: str = "carry_pair"
@@ -351,6 +356,8 @@ class PrefixState:
         expected = expected_buffers(cfg, self.split, self.num_prompt_tokens, self.dtype)
         have = self.named_buffers()
         for kind in _KINDS:
+            if kind in _WINDOW_KINDS:
+                continue
             want_layers = sorted(_parse_name(n)[1] for n in expected if n.startswith(kind + "."))
             got_layers = sorted(getattr(self, kind))
             if want_layers != got_layers:
@@ -368,6 +375,31 @@ class PrefixState:
                 raise PrefixStateError(f"{_display(name)} has shape {tuple(t.shape)}, expected {shape}{why}")
         if self.num_prompt_tokens and (self.token_ids.min() < 0 or self.token_ids.max() >= cfg.vocab_size):
             raise PrefixStateError(f"token_ids hold ids outside the vocabulary [0, {cfg.vocab_size})")
+        if self.swa_kv or self.swa_pos:
+            self._validate_windows(cfg)
+
+    def _validate_windows(self, cfg: ModelConfig) -> None:
+        """Shipped windows: one per model layer, each holding at least the last min(W, N) prompt rows."""
+        layers = list(range(cfg.n_layers))
+        for kind in _WINDOW_KINDS:
+            if sorted(getattr(self, kind)) != layers:
+                raise PrefixStateError(f"{kind} has layers {sorted(getattr(self, kind))}, expected {layers}")
+        n = self.num_prompt_tokens
+        need = torch.arange(max(n - cfg.window_size, 0), n)
+        for layer in layers:
+            kv, pos = self.swa_kv[layer], self.swa_pos[layer]
+            if str(kv.dtype).removeprefix("torch.") != self.dtype or kv.dim() != 2 or kv.size(1) != cfg.head_dim:
+                raise PrefixStateError(
+                    f"swa_kv[{layer}] is {tuple(kv.shape)} {kv.dtype}, expected (rows, {cfg.head_dim}) {self.dtype}"
+                )
+            if pos.dtype != torch.int64 or tuple(pos.shape) != (kv.size(0),):
+                raise PrefixStateError(
+                    f"swa_pos[{layer}] is {tuple(pos.shape)} {pos.dtype}, expected ({kv.size(0)},) int64"
+                )
+            if pos.numel() and (pos[0] < 0 or pos[-1] != n - 1 or (pos.diff() <= 0).any()):
+                raise PrefixStateError(f"swa_pos[{layer}] must ascend strictly within [0, {n}) and end at {n - 1}")
+            if not torch.isin(need, pos).all():
+                raise PrefixStateError(f"swa_kv[{layer}] does not hold the last {need.numel()} prompt rows")
 
 
 def _display(name: str) -> str:

@@ -16,6 +16,18 @@ def test_compare_report_is_consistent(tiny_ckpt):
     # asymmetric P/D computes exactly the split semantics
     for key in ("first_token_agreement", "mean_first_token_kl", "mean_agreeing_prefix", "kl_by_length"):
         assert modes["asymmetric/carry"][key] == modes["colocated/split"][key]
+    # both strongest symmetric baselines compute exactly the split semantics too; shipping the windows
+    # costs bytes (the serialized prefix state, per prompt length): more than the global KV alone
+    for name in ("symmetric-split", "symmetric-windows"):
+        for key in ("first_token_agreement", "mean_first_token_kl", "mean_agreeing_prefix", "kl_by_length"):
+            assert modes[name][key] == modes["colocated/split"][key], (name, key)
+    split_b, win_b = (
+        modes["symmetric-split"]["transfer_bytes_by_length"],
+        modes["symmetric-windows"]["transfer_bytes_by_length"],
+    )
+    assert all(win_b[n] > split_b[n] > 0 for n in (8, 16, 40, 100))
+    assert modes["asymmetric/carry"]["transfer_bytes_by_length"][8] == 0  # N <= W: P skipped
+    assert modes["colocated/full"]["transfer_bytes_by_length"] == {8: 0, 16: 0, 40: 0, 100: 0}
     # symmetric's first token is P's decoder-replay token
     assert modes["symmetric"]["kl_by_length"] == modes["colocated/decoder-replay"]["kl_by_length"]
     for name, m in modes.items():  # within one window every mode is the full computation

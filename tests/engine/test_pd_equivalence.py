@@ -1,5 +1,6 @@
-"""Asymmetric P -> D produces exactly the tokens of colocated `split` (fp32), with requests joining
-while others run."""
+"""Asymmetric P -> D, and both strongest symmetric baselines (symmetric-split: D replays the last W
+rows; symmetric-windows: P ships the windows, D replays nothing), produce exactly the tokens of
+colocated `split` (fp32), with requests joining while others run."""
 
 from __future__ import annotations
 
@@ -40,17 +41,44 @@ def run_staggered(llm: LLM, prompts: list[list[int]], params: SamplingParams) ->
 
 
 @pytest.mark.parametrize("policy", ["carry", "align"])
-def test_asymmetric_equals_colocated_split(tiny_ckpt, policy):
+def test_pd_modes_equal_colocated_split(tiny_ckpt, policy):
     prompts = random_prompts(lengths(), seed=11)
     params = SamplingParams(max_tokens=6, temperature=0)
     sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512)
     colo = LLM(tiny_ckpt, "colocated", "split", boundary_policy=policy, scheduler=sched)
-    asym = LLM(tiny_ckpt, "asymmetric", boundary_policy=policy, scheduler=sched)
     want = run_staggered(colo, prompts, params)
-    got = run_staggered(asym, prompts, params)
-    assert got == want
-    for engine in (asym.prefill, asym.engine, colo.engine):
-        assert engine.blocks.num_used_blocks == 0
+    assert colo.engine.blocks.num_used_blocks == 0
+    for mode in ("asymmetric", "symmetric-split", "symmetric-windows"):
+        llm = LLM(tiny_ckpt, mode, boundary_policy=policy, scheduler=sched)
+        assert run_staggered(llm, prompts, params) == want, mode
+        for engine in (llm.prefill, llm.engine):
+            assert engine.blocks.num_used_blocks == 0, mode
+
+
+def test_symmetric_baselines_work_and_bytes(tiny_ckpt):
+    """symmetric-split's D replays min(N, W) rows per prompt, symmetric-windows' D none; the windows
+    cost exactly their rows (cache dtype) and positions (int64) per model layer, beyond the global KV."""
+    cfg = LLM(tiny_ckpt, "colocated").cfg
+    prompts = random_prompts([5, W, 3 * W + 1, 200], seed=14)
+    params = SamplingParams(max_tokens=3, temperature=0)
+    runs = {m: LLM(tiny_ckpt, m) for m in ("symmetric-split", "symmetric-windows")}
+    outs = {m: llm.generate(prompt_token_ids=prompts, sampling_params=params) for m, llm in runs.items()}
+    assert [o.outputs[0].token_ids for o in outs["symmetric-split"]] == [
+        o.outputs[0].token_ids for o in outs["symmetric-windows"]
+    ]
+    n_rows = sum(len(p) for p in prompts)
+    replayed = sum(min(len(p), W) for p in prompts)
+    for m, llm in runs.items():
+        assert llm.prefill.stats()["prompt_tokens"] == n_rows  # P: every prompt row, as asymmetric P + D
+        assert llm.engine.stats()["prompt_tokens"] == (replayed if m == "symmetric-split" else 0)
+    # the extra bytes: the last min(N, W) rows of every layer's window
+    for o_split, o_win, p in zip(outs["symmetric-split"], outs["symmetric-windows"], prompts, strict=True):
+        rows = min(len(p), W)
+        want = cfg.n_layers * rows * (cfg.head_dim * 4 + 8)  # fp32 cache here
+        got = runs["symmetric-windows"].transfer_bytes[o_win.request_id]
+        base = runs["symmetric-split"].transfer_bytes[o_split.request_id]
+        header_and_padding = 2 * 64 * cfg.n_layers + 400
+        assert want <= got - base <= want + header_and_padding, len(p)
 
 
 @pytest.mark.parametrize(
@@ -62,6 +90,8 @@ def test_asymmetric_equals_colocated_split(tiny_ckpt, policy):
         ("asymmetric", "full"),
         ("symmetric", "full"),
         ("encoder-only", "full"),
+        ("symmetric-split", "full"),
+        ("symmetric-windows", "full"),
     ],
 )
 def test_every_mode_is_deterministic_under_a_seed(tiny_ckpt, mode, semantics):

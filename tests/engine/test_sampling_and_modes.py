@@ -92,6 +92,17 @@ def test_plans_say_who_computes_what():
     p, d = prefill_plan(CFG, n, "symmetric"), decode_plan(CFG, n, "symmetric")
     assert p.samples_first_token and d.first_token_from_prefill and not d.phases[0].sample
     assert prefill_plan(CFG, 10, "asymmetric").phases == []
+    # the strongest symmetric baselines: P computes split semantics and samples; D replays [s, N) or nothing
+    for mode in ("symmetric-split", "symmetric-windows"):
+        p, d = prefill_plan(CFG, n, mode), decode_plan(CFG, n, mode)
+        assert p.phases == colocated_phases(CFG, n, "split") and p.export_upto == n == d.import_upto
+        assert p.samples_first_token and d.first_token_from_prefill
+        assert p.exports_windows == d.imports_windows == (mode == "symmetric-windows")
+    assert decode_plan(CFG, n, "symmetric-split").phases == [
+        Phase(24, 40, Depth.ALL, floor=24, encoder_floor=24, write_global=False, sample=False)
+    ]
+    assert decode_plan(CFG, n, "symmetric-windows").phases == []
+    assert prefill_plan(CFG, 10, "symmetric-split").phases == [Phase(0, 10, Depth.ALL)]
 
 
 def test_mode_facts_in_one_place():
@@ -112,6 +123,10 @@ def test_mode_facts_in_one_place():
         ("decode", "symmetric"): "decode",
         ("decode", "encoder-only"): "decode",
         ("decode", "asymmetric"): "decode",
+        ("prefill", "symmetric-split"): "full",
+        ("prefill", "symmetric-windows"): "full",
+        ("decode", "symmetric-split"): "decode",
+        ("decode", "symmetric-windows"): "decode",
     }
     for role, mode, message in [
         ("decode", "colocated", "role 'decode' cannot run mode 'colocated'"),
@@ -122,7 +137,9 @@ def test_mode_facts_in_one_place():
         with pytest.raises(ValueError, match=message):
             modes.check_role_mode(role, mode)
     w = CFG.window_size
-    assert [modes.skips_prefill(m, n, w) for m in modes.PD_MODES for n in (w, w + 1)] == [False] * 4 + [True, False]
+    assert [modes.skips_prefill(m, n, w) for m in modes.PD_MODES for n in (w, w + 1)] == [False] * 4 + [True, False] + [
+        False
+    ] * 4
     assert [modes.default_mode(r) for r in modes.ROLES] == ["colocated", "asymmetric", "asymmetric"]
     serve = cli.build_parser().parse_args(["serve", "--checkpoint", "x"])
     assert (serve.role, serve.mode) == ("colocated", None)

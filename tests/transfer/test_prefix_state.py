@@ -295,3 +295,61 @@ def test_from_buffers_refuses_non_json():
     for junk in (b"\xff\xfe", b"{", b"[1,2]", b"null"):
         with pytest.raises(PrefixStateError):
             PrefixState.from_buffers(junk, buffers)
+
+
+# ---- shipped windows (mode symmetric-windows) -------------------------------------------------------
+
+
+def _with_windows(n: int = 37, rows: int = 17) -> PrefixState:
+    """A state at split n (symmetric P exports [0, N)) carrying every layer's last ``rows`` window rows."""
+    state = make_state(n, n)
+    gen = torch.Generator().manual_seed(5)
+    for layer in range(CFG.n_layers):
+        state.swa_kv[layer] = torch.randn(rows, CFG.head_dim, generator=gen).bfloat16()
+        state.swa_pos[layer] = torch.arange(n - rows, n)
+    return state
+
+
+def test_windows_round_trip_and_cost_exactly_their_bytes():
+    state = _with_windows()
+    state.validate(CFG, fingerprint())
+    back = PrefixState.deserialize(state.serialize())
+    assert back.equal(state) and sorted(back.swa_kv) == list(range(CFG.n_layers))
+    assert state.nbytes - make_state(37, 37).nbytes == CFG.n_layers * 17 * (CFG.head_dim * 2 + 8)
+    header, buffers = state.to_buffers()
+    assert PrefixState.from_buffers(header, buffers).equal(state)
+
+
+WINDOW_BAD = {
+    "missing layer": (
+        lambda s: s.swa_kv.pop(4),
+        "swa_kv has layers [0, 1, 2, 3, 5, 6], expected [0, 1, 2, 3, 4, 5, 6]",
+    ),
+    "positions without rows": (lambda s: s.swa_pos.pop(0), "swa_pos has layers [1, 2, 3, 4, 5, 6]"),
+    "dtype": (
+        lambda s: s.swa_kv.__setitem__(2, s.swa_kv[2].float()),
+        "swa_kv[2] is (17, 64) torch.float32, expected (rows, 64) bfloat16",
+    ),
+    "row count": (
+        lambda s: s.swa_pos.__setitem__(1, s.swa_pos[1][1:]),
+        "swa_pos[1] is (16,) torch.int64, expected (17,) int64",
+    ),
+    "not ending at the prompt": (
+        lambda s: s.swa_pos.__setitem__(3, s.swa_pos[3] - 1),
+        "swa_pos[3] must ascend strictly within [0, 37) and end at 36",
+    ),
+    "too short": (
+        lambda s: (s.swa_kv.__setitem__(6, s.swa_kv[6][-8:]), s.swa_pos.__setitem__(6, s.swa_pos[6][-8:])),
+        "swa_kv[6] does not hold the last 16 prompt rows",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(WINDOW_BAD))
+def test_window_validation_names_what_is_wrong(case):
+    mutate, message = WINDOW_BAD[case]
+    state = _with_windows()
+    mutate(state)
+    with pytest.raises(PrefixStateError) as err:
+        state.validate(CFG, fingerprint())
+    assert message in str(err.value)
