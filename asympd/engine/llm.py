@@ -8,6 +8,7 @@ the wire.
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from asympd.engine.sampling import SamplingParams
 from asympd.engine.scheduler import SchedulerConfig
 from asympd.model.loader import load_model
 from asympd.transfer.prefix_state import PrefixState
+from asympd.transfer.seal import new_transfer_id, seal, verify
 
 
 def load_tokenizer(checkpoint: str | Path):
@@ -88,6 +90,7 @@ class LLM:
         self.cfg = self.engine.cfg
         self._next_id = 0
         self._params: dict[str, SamplingParams] = {}  # requests at the prefill engine
+        self._secret = secrets.token_bytes(32)  # seals the prefix states this process hands itself
 
     def generate(
         self,
@@ -135,8 +138,11 @@ class LLM:
                 if out.error:
                     outs.append(out)
                     continue
-                blob = out.prefix_state.serialize()
-                state = PrefixState.deserialize(blob)
+                # what crosses the network: the bytes, sealed on P and verified on D (transfer.seal)
+                tid = new_transfer_id()
+                tag = seal(self._secret, tid, out.prefix_state)
+                state = PrefixState.deserialize(out.prefix_state.serialize())
+                verify(self._secret, tid, state, tag, out.prompt_token_ids)
                 first = out.outputs[0].token_ids[0] if out.outputs[0].token_ids else None
                 first_lp = out.outputs[0].logprobs[0] if first is not None and out.outputs[0].logprobs else None
                 params = self._params.pop(out.request_id)
