@@ -9,6 +9,7 @@ OpenAI's follow vLLM's names: ``top_k``, ``stop_token_ids``, ``ignore_eos``,
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -61,12 +62,34 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     if not raw.strip():
         raise APIError("the request body is empty: expected a JSON object")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_NonFinite, parse_float=_finite_float)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise APIError(f"malformed JSON in the request body: {e}") from None
+    except RecursionError:
+        raise APIError("malformed JSON in the request body: nested too deeply") from None
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
+    for key, value in body.items():
+        bad = _find_non_finite(value)
+        if bad is not None:
+            raise APIError(f"{key}: {bad} is not a finite number", param=key)
     return body
+
+
+class _NonFinite(str):
+    """NaN, Infinity or a literal too large for a float: kept as a marker to name its field."""
+
+
+def _finite_float(text: str) -> float | _NonFinite:
+    x = float(text)
+    return x if math.isfinite(x) else _NonFinite(text)
+
+
+def _find_non_finite(v: Any) -> str | None:
+    if isinstance(v, _NonFinite):
+        return str(v)
+    children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
+    return next((b for c in children if (b := _find_non_finite(c)) is not None), None)
 
 
 def _validation_param(e: ValidationError) -> str | None:
