@@ -476,7 +476,10 @@ class WorkerServer:
         """completions ``echo``: the prompt's text in front of the completion."""
         if ctx.kind != "completion" or not getattr(ctx.req, "echo", False):
             return ""
-        return self.tokenizer.decode(ctx.ids, skip_special_tokens=False) if self.tokenizer is not None else ""
+        prompt = ctx.req.single_prompt()
+        if isinstance(prompt, str):
+            return prompt  # as sent (vLLM does the same)
+        return self.tokenizer.decode(prompt) if self.tokenizer is not None else ""
 
     def _final_body(self, ctx: _Ctx) -> dict[str, Any]:
         tr = ctx.tracker
