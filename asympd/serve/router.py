@@ -322,6 +322,12 @@ class Router:
         headers = self._headers(request, rid)
         path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
         n = await asyncio.to_thread(self.count_tokens, kind, body)
+        if n is not None and self.max_seq_len is not None and n >= self.max_seq_len:  # never forward what cannot fit
+            raise P.APIError(
+                f"This model's maximum context length is {self.max_seq_len} tokens. However, your prompt has "
+                f"{n} tokens. Please reduce the length of the prompt.",
+                param="prompt",
+            )
         max_tokens = body.get("max_tokens") if isinstance(body.get("max_tokens"), int) else 16
         load = n if n is not None else max(len(json.dumps(body)) // 4, 1)
         mode = self.mode

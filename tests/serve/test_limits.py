@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from asympd.serve.http import client_key, default_internal_key_file, internal_key
-from tests.serve.cluster import stream, wait_idle
+from tests.serve.cluster import metrics, stream, wait_idle
 from tests.serve.hardened import PROGRESS_TIMEOUT
 from tests.util import random_prompts
 
@@ -115,6 +115,18 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(hardened):
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
             assert "maximum context length is 4096 tokens" in r.json()["error"]["message"]
             assert took < 1.0, (url, kind, took)
+
+
+def test_the_router_does_not_forward_a_prompt_that_cannot_fit(hardened):
+    dep = hardened
+    refused = 'asympd_request_errors_total{status="400"}'
+    before = [metrics(u).get(refused, 0) for u in (dep.prefill, dep.decode)]
+    for prompt in ([5] * 5000, "hello " * 5000):  # over 4096 tokens, under the character bound
+        r = httpx.post(
+            f"{dep.router}/v1/completions", json={"prompt": prompt, "max_tokens": 2}, headers=dep.auth, timeout=30
+        )
+        assert r.status_code == 400 and "your prompt has 5" in r.json()["error"]["message"], r.text
+    assert [metrics(u).get(refused, 0) for u in (dep.prefill, dep.decode)] == before  # no worker saw them
 
 
 @pytest.mark.parametrize(
