@@ -14,7 +14,7 @@ from asympd.serve.http import INTERNAL_HEADER, internal_token
 from asympd.serve.procs import ServerProcess, stop_all
 from tests.serve.cluster import ENV, router_proc, start_all, wait_router, worker
 
-PROGRESS_TIMEOUT = 2.0  # the router's --progress-timeout: seconds without a byte from D
+PROGRESS_TIMEOUT = 1.5  # the router's --progress-timeout: seconds without a byte from D
 
 
 @dataclass
