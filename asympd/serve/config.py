@@ -76,6 +76,7 @@ class ServeConfig:
         if e.role == "prefill":
             e.num_spec_tokens = 0  # a prefill worker never drafts
         e.validate()
+        e.scheduler.validate()
         return self
 
 
