@@ -74,7 +74,8 @@ class Handoff:
             self.name = t.name
 
     def _make(self, name: str | None, publish: bool) -> Transport:
-        options = {"device": self.options.get("device", "cpu"), "secret": self.secret}
+        # host: NIXL keeps UCX on loopback when the worker's transfer address is loopback
+        options = {"device": self.options.get("device", "cpu"), "host": self.options["host"], "secret": self.secret}
         if publish:
             options.update(self.options, on_release=self._on_release, secret=self.secret)
         try:
@@ -130,7 +131,11 @@ class Handoff:
             if name not in self.fetchers:
                 try:
                     self.fetchers[name] = make_transport(
-                        name, self.fingerprint, device=self.options.get("device", "cpu"), secret=self.secret
+                        name,
+                        self.fingerprint,
+                        device=self.options.get("device", "cpu"),
+                        host=self.options["host"],
+                        secret=self.secret,
                     )
                 except ValueError as e:
                     raise P.APIError(f"bad kv_transfer_params: {e}", param="kv_transfer_params") from None
