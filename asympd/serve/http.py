@@ -59,7 +59,12 @@ def client_key(key: str | None = None, key_file: str | None = None) -> str | Non
         raise ValueError("give --api-key or --api-key-file, not both")
     if key_file is not None:
         return _read_key(key_file, "API key")
-    return key or os.environ.get(API_KEY_ENV) or None
+    if key:
+        log.warning(
+            "the API key was given on the command line, where `ps` shows it: prefer a key file or $%s", API_KEY_ENV
+        )
+        return key
+    return os.environ.get(API_KEY_ENV) or None
 
 
 def internal_key(key_file: str | None = None) -> bytes:

@@ -12,12 +12,15 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from fastapi import FastAPI, Request
 
 from asympd.engine.llm import LLM
 from asympd.engine.sampling import SamplingParams
+from asympd.serve.http import INTERNAL_HEADER, internal_token
+from asympd.serve.router import Router, RouterConfig, build_router_app
 from asympd.transfer import TcpTransport, TransferError
 from asympd.transfer.seal import seal
-from tests.serve.cluster import metrics, wait_idle
+from tests.serve.cluster import ThreadServer, metrics, wait_for, wait_idle
 from tests.util import random_prompts
 
 W = 16  # the tiny checkpoint's window: prompts longer than this go through P
@@ -229,3 +232,41 @@ def test_ep_rendezvous_store_listens_on_loopback():
     mine = [a for a in _listeners(os.getpid()) if a.endswith(f":{sock.getsockname()[1]}")]
     assert mine == [f"127.0.0.1:{sock.getsockname()[1]}"]  # torch's own socket would listen on every interface
     sock.close()
+
+
+def test_the_router_sends_workers_its_credential_never_the_clients(monkeypatch):
+    """A stand-in decode worker records what the router sends it."""
+    monkeypatch.setenv("ASYMPD_INTERNAL_KEY", "deployment-secret")
+    seen: list = []
+    d = FastAPI()
+
+    @d.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @d.get("/asympd/info")
+    async def info(request: Request):
+        seen.append(("info", dict(request.headers)))
+        return {"role": "decode", "mode": "asymmetric", "fingerprint": "f", "window_size": 16, "model": "m"}
+
+    @d.post("/v1/completions")
+    async def completions(request: Request):
+        seen.append(("completions", dict(request.headers), await request.json()))
+        return {"id": "x", "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
+
+    ds = ThreadServer(d).start()
+    rs = ThreadServer(build_router_app(Router(RouterConfig(decode=[ds.url], api_key="sk-c", health_interval=0.2))))
+    try:
+        rs.start()
+        wait_for(lambda: httpx.get(f"{rs.url}/health", timeout=2).json()["all_healthy"], 20, "the stand-in is healthy")
+        body = {"prompt": [1, 2, 3], "max_tokens": 2, "kv_transfer_params": {"do_remote_prefill": True, "host": "evil"}}
+        r = httpx.post(f"{rs.url}/v1/completions", json=body, headers={"Authorization": "Bearer sk-c"}, timeout=20)
+        assert r.status_code == 200, r.text
+    finally:
+        rs.stop()
+        ds.stop()
+    _, headers, sent = next(s for s in seen if s[0] == "completions")
+    assert "authorization" not in headers
+    assert headers[INTERNAL_HEADER] == internal_token(b"deployment-secret") != "deployment-secret"
+    assert sent["kv_transfer_params"].get("host") != "evil"  # the router's own marker, not the client's
+    assert all(s[1][INTERNAL_HEADER] == internal_token(b"deployment-secret") for s in seen if s[0] == "info")
