@@ -195,22 +195,25 @@ class WorkerServer:
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise P.APIError("this checkpoint has no tokenizer.json: send the prompt as token ids", param="prompt")
-        if len(text) > self.max_prompt_chars:  # cannot fit whatever it tokenizes to: refuse unread
+        self._check_chars(len(text))
+        return self.tokenizer.encode(text).ids
+
+    def _check_chars(self, n: int) -> None:
+        """A text of ``n`` characters cannot fit whatever it tokenizes to: refuse it unread."""
+        if n > self.max_prompt_chars:
             raise P.APIError(
                 f"This model's maximum context length is {self.model_cfg.max_seq_len} tokens. However, your "
-                f"prompt has {len(text)} characters, more than that many tokens can hold. Please reduce the "
-                "length of the prompt.",
+                f"prompt has {n} characters, more than that many tokens can hold. Please reduce the length of "
+                "the prompt.",
                 param="prompt",
             )
-        return self.tokenizer.encode(text).ids
 
     def prompt_ids(self, kind: str, req: P.CompletionRequest | P.ChatCompletionRequest) -> list[int]:
         """Blocking (tokenizes): call through ``off_loop``."""
         if kind == "chat":
             assert isinstance(req, P.ChatCompletionRequest)
             texts = [(m.role, m.text()) for m in req.messages]
-            if sum(len(t) for _, t in texts) > self.max_prompt_chars:
-                self._encode("x" * (self.max_prompt_chars + 1))  # the same refusal, without templating
+            self._check_chars(sum(len(t) for _, t in texts))  # before templating
             try:
                 text = apply_chat_template(texts, req.add_generation_prompt)
             except ChatTemplateError as e:
