@@ -1,13 +1,16 @@
 """asympd: asymmetric prefill/decode disaggregated serving for DeepSeek-V4.1-Flash."""
 
 from asympd.config import ModelConfig
-from asympd.engine.sampling import SamplingParams
 
 __all__ = ["LLM", "ModelConfig", "SamplingParams", "load_model"]
 
 
 def __getattr__(name: str):
     # lazy, so `import asympd` stays light (the CLI's memory report needs no model code)
+    if name == "SamplingParams":  # lazy too: the router imports asympd and never needs torch
+        from asympd.engine.sampling import SamplingParams
+
+        return SamplingParams
     if name == "LLM":
         from asympd.engine.llm import LLM
 

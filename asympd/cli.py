@@ -169,127 +169,23 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
-    from asympd.engine import modes
-    from asympd.model.dtypes import DTYPES
+    from asympd.serve.config import add_serve_arguments
 
-    p.add_argument("--role", default="colocated", choices=modes.ROLES)
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (with tokenizer.json)")
-    p.add_argument(
-        "--mode",
-        default=None,
-        choices=modes.MODES,
-        help="default: colocated for --role colocated, asymmetric otherwise (asympd.engine.modes.default_mode)",
-    )
-    p.add_argument(
-        "--prefill-semantics",
-        default="full",
-        choices=modes.SEMANTICS,
-        help="what a colocated engine computes for a prompt (see asympd.engine.modes)",
-    )
-    p.add_argument("--boundary-policy", default="carry", choices=modes.BOUNDARY_POLICIES)
-    p.add_argument(
-        "--transport",
-        default=None,
-        choices=("nixl", "tcp", "auto"),
-        help="prefix-state data plane; default NIXL, falling back to TCP (with a warning) if it cannot run",
-    )
-    p.add_argument(
-        "--on-prefill-failure",
-        default="recompute",
-        choices=("recompute", "fail"),
-        help="decode worker, when the prefix cannot be had from P: compute it here, or answer 503",
-    )
-    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1/*")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed when ready)")
-    p.add_argument("--served-model-name", default=None, help="default: the --checkpoint argument")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES), help="auto: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-bytes", type=int, default=64 << 20)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument(
-        "--num-spec-tokens",
-        type=int,
-        default=0,
-        help="decoding workers: DSpark drafts verified per request per step (0: off)",
-    )
-    p.add_argument(
-        "--max-new-admissions",
-        type=int,
-        default=None,
-        help="new requests admitted per step (Sarathi-style cap; default: no cap)",
-    )
-    p.add_argument(
-        "--admission-token-budget",
-        type=int,
-        default=None,
-        help="prompt rows per step for prefills and bounded prefills (default: the step budget)",
-    )
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--transfer-timeout", type=float, default=10.0, help="decode worker: seconds for one fetch")
-    p.add_argument(
-        "--transfer-ttl",
-        type=float,
-        default=120.0,
-        help="prefill worker: seconds an unfetched prefix state keeps its blocks",
-    )
-    p.add_argument("--transfer-host", default=None, help="prefill worker: data-plane bind address (default --host)")
-    p.add_argument("--transfer-port", type=int, default=0, help="prefill worker: data-plane port (0: any)")
-    p.add_argument("--advertise-host", default=None, help="prefill worker: address decode workers connect to")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument(
-        "--ep",
-        type=int,
-        default=1,
-        help="expert-parallel ranks: this worker starts ep-1 more processes (docs/parallel.md)",
-    )
-    p.add_argument("--tp", type=int, default=1, help="tensor parallel attention: only 1 (attention is replicated)")
+    add_serve_arguments(p)  # one flag per field of ServeConfig / EngineConfig / SchedulerConfig
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
 def _serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from asympd.serve.api_server import ServeConfig, serve
+    from asympd.serve.api_server import serve
+    from asympd.serve.config import serve_config_from_args
 
     if not any(Path(args.checkpoint, name).exists() for name in ("config.json", "inference/config.json")):
         raise UsageError(f"--checkpoint {args.checkpoint!r} holds no config.json")
-    names = (
-        "role",
-        "checkpoint",
-        "mode",
-        "prefill_semantics",
-        "boundary_policy",
-        "transport",
-        "on_prefill_failure",
-        "api_key",
-        "host",
-        "port",
-        "served_model_name",
-        "device",
-        "dtype",
-        "block_size",
-        "kv_cache_bytes",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "max_new_admissions",
-        "admission_token_budget",
-        "num_spec_tokens",
-        "enable_prefix_caching",
-        "transfer_timeout",
-        "transfer_ttl",
-        "transfer_host",
-        "transfer_port",
-        "advertise_host",
-        "threads",
-        "ep",
-        "tp",
-    )
     try:
-        cfg = ServeConfig(**{n: getattr(args, n) for n in names}).resolve()
-    except ValueError as e:
+        cfg = serve_config_from_args(args).resolve()
+    except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from e
     serve(cfg, args.log_level)
     return 0
@@ -310,12 +206,29 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--checkpoint", default=None, help="for the tokenizer and window size (default: fetched from a worker)"
     )
-    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (passed on to workers)")
+    p.add_argument(
+        "--api-key", default=None, help="require Authorization: Bearer KEY (visible in ps: prefer --api-key-file)"
+    )
+    p.add_argument("--api-key-file", default=None, help="file holding the client API key (or $ASYMPD_API_KEY)")
+    p.add_argument(
+        "--internal-key-file",
+        default=None,
+        help="the deployment's internal key, shared with the workers (default: $ASYMPD_INTERNAL_KEY, else "
+        "~/.cache/asympd/internal.key)",
+    )
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body accepted (413 above)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed when ready)")
     p.add_argument("--health-interval", type=float, default=1.0)
     p.add_argument("--prefill-timeout", type=float, default=60.0, help="seconds for a whole prefill call")
-    p.add_argument("--stream-idle-timeout", type=float, default=60.0, help="longest wait for a decode worker's bytes")
+    p.add_argument(
+        "--progress-timeout",
+        "--stream-idle-timeout",
+        dest="stream_idle_timeout",
+        type=float,
+        default=60.0,
+        help="longest wait for a decode worker's next bytes (tokens, or progress of a non-streamed request)",
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -330,6 +243,9 @@ def _router(args: argparse.Namespace) -> int:
         mode=args.mode,
         checkpoint=args.checkpoint,
         api_key=args.api_key,
+        api_key_file=args.api_key_file,
+        internal_key_file=args.internal_key_file,
+        max_body_bytes=args.max_body_bytes,
         health_interval=args.health_interval,
         prefill_timeout=args.prefill_timeout,
         stream_idle_timeout=args.stream_idle_timeout,

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -98,7 +99,9 @@ class RankGroup:
         self.device = rank_device(spec.device, 0)
         self.backend = backend_for(spec.device)
         self.control: Any = None  # the gloo control-plane group, once joined
-        self.store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False)
+        self.store, self._store_sock = bound_store(host, world_size)
+        if _is_loopback(host):  # gloo's own listeners follow the interface it is told to use
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.procs: list[subprocess.Popen] = []
         self.joined = False
         try:
@@ -170,6 +173,24 @@ class RankGroup:
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def bound_store(host: str, world_size: int) -> tuple[Any, socket.socket]:
+    """Rank 0's rendezvous store, listening on ``host`` only: given no socket, TCPStore listens on
+    every interface whatever host it is given, so we bind the socket and hand it over (keep the
+    returned socket as long as the store: its fd is the store's)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    sock.listen(128)
+    store = dist.TCPStore(
+        host, sock.getsockname()[1], world_size, is_master=True, wait_for_workers=False, master_listen_fd=sock.fileno()
+    )
+    return store, sock
 
 
 def join_groups(backend: str, store: Any, rank: int, world_size: int) -> Any:

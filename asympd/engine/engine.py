@@ -19,7 +19,7 @@ import torch
 from asympd.engine import modes
 from asympd.engine.request import CompletionOutput, Request, RequestOutput, Status
 from asympd.engine.runner import ModelRunner
-from asympd.engine.sampling import SamplingParams, sample, top_logprobs
+from asympd.engine.sampling import SamplingParams, adjust_logits, sample, top_logprobs
 from asympd.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from asympd.engine.spec_decode import DraftRequest, DSparkProposer, Proposer, rollback, spec_metrics, verify
 from asympd.kv.block_manager import BlockManager
@@ -178,7 +178,7 @@ class LLMEngine:
                 f"whole cache has {self.blocks.num_blocks}: it could never be scheduled"
             )
         req = self._plan_request(request_id, ids, params, prefix_state, first_token)
-        req.spec_enabled = self.proposer is not None
+        req.spec_enabled = self.proposer is not None and not params.adjusts_logits  # drafts assume raw logits
         if first_token_logprobs is not None and req.output_token_ids and params.logprobs is not None:
             req.logprobs.append(dict(first_token_logprobs))
         self.requests[request_id] = req
@@ -329,7 +329,10 @@ class LLMEngine:
         return []
 
     def _sample(self, req: Request, logits: torch.Tensor) -> int:
-        tok = sample(logits, req.params, req.generator)
+        adjusted = adjust_logits(
+            logits, req.params, req.prompt_token_ids, req.output_token_ids, self.config.eos_token_id
+        )
+        tok = sample(adjusted, req.params, req.generator)
         if req.params.logprobs is not None:
             req.logprobs.append(top_logprobs(logits, tok, req.params.logprobs))
         return tok

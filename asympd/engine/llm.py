@@ -8,6 +8,7 @@ the wire.
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from asympd.engine.sampling import SamplingParams
 from asympd.engine.scheduler import SchedulerConfig
 from asympd.model.loader import load_model
 from asympd.transfer.prefix_state import PrefixState
+from asympd.transfer.seal import new_transfer_id, seal, verify
 
 
 def load_tokenizer(checkpoint: str | Path):
@@ -97,6 +99,7 @@ class LLM:
         self._next_id = 0
         self._params: dict[str, SamplingParams] = {}  # requests at the prefill engine
         self.transfer_bytes: dict[str, int] = {}  # request -> size of the serialized prefix state it moved
+        self._secret = secrets.token_bytes(32)  # seals the prefix states this process hands itself
 
     def generate(
         self,
@@ -144,9 +147,13 @@ class LLM:
                 if out.error:
                     outs.append(out)
                     continue
+                # what crosses the network: the bytes, sealed on P and verified on D (transfer.seal)
+                tid = new_transfer_id()
+                tag = seal(self._secret, tid, out.prefix_state)
                 blob = out.prefix_state.serialize()
                 self.transfer_bytes[out.request_id] = len(blob)
                 state = PrefixState.deserialize(blob)
+                verify(self._secret, tid, state, tag, out.prompt_token_ids)
                 first = out.outputs[0].token_ids[0] if out.outputs[0].token_ids else None
                 first_lp = out.outputs[0].logprobs[0] if first is not None and out.outputs[0].logprobs else None
                 params = self._params.pop(out.request_id)

@@ -163,6 +163,11 @@ class ServerMetrics:
             ["reason"],
             registry=r,
         )
+        self.prefix_state_refusals = Counter(
+            "asympd_prefix_state_refusals",
+            "Prefix states refused before use: forged, corrupted, replayed or for another prompt.",
+            registry=r,
+        )
         self.spec_draft = Counter("asympd_spec_decode_num_draft_tokens", "Speculative tokens proposed.", registry=r)
         self.spec_accepted = Counter(
             "asympd_spec_decode_num_accepted_tokens", "Speculative tokens accepted.", registry=r

@@ -9,21 +9,25 @@ OpenAI's follow vLLM's names: ``top_k``, ``stop_token_ids``, ``ignore_eos``,
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from asympd.engine.sampling import SamplingParams
 from asympd.serve.chat_format import ChatDelta, ChatFormatError, ChatOptions, ChatStreamParser, encode_messages
+
+if TYPE_CHECKING:  # the router parses requests too, and never imports torch
+    from asympd.engine.sampling import SamplingParams
 
 # ---- errors -----------------------------------------------------------------------------------------
 
 _ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     408: "TimeoutError",
     413: "BadRequestError",
@@ -60,12 +64,40 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     if not raw.strip():
         raise APIError("the request body is empty: expected a JSON object")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_NonFinite, parse_float=_finite_float)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise APIError(f"malformed JSON in the request body: {e}") from None
+    except RecursionError:
+        raise APIError("malformed JSON in the request body: nested too deeply") from None
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
+    for key, value in body.items():
+        bad = _find_non_finite(value)
+        if bad is not None:
+            raise APIError(f"{key}: {bad} is not a finite number", param=key)
     return body
+
+
+class _NonFinite(str):
+    """NaN, Infinity or a literal too large for a float: kept as a marker to name its field."""
+
+
+def _finite_float(text: str) -> float | _NonFinite:
+    x = float(text)
+    return x if math.isfinite(x) else _NonFinite(text)
+
+
+def _find_non_finite(v: Any) -> str | None:
+    if isinstance(v, _NonFinite):
+        return str(v)
+    children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
+    return next((b for c in children if (b := _find_non_finite(c)) is not None), None)
+
+
+def _validation_param(e: ValidationError) -> str | None:
+    errors = e.errors()
+    loc = errors[0].get("loc", ()) if errors else ()
+    return str(loc[0]) if loc else None
 
 
 def _validation_message(e: ValidationError) -> str:
@@ -85,16 +117,23 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    """Fields both endpoints share."""
+    """Fields both endpoints share. NaN and infinities are refused for every number."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what a torch generator takes
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
+    best_of: int | None = None
+    prompt_logprobs: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     stream: bool = False
@@ -113,8 +152,23 @@ class _Common(BaseModel):
         return stops
 
     def _sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        from asympd.engine.sampling import SamplingParams
+
         if self.n != 1:
-            raise APIError(f"n={self.n} is not supported: only n=1", param="n")
+            raise APIError(f"n={self.n} is not supported: only n=1 (send n requests)", param="n")
+        if self.best_of not in (None, 1):
+            raise APIError(f"best_of={self.best_of} is not supported: only 1", param="best_of")
+        if self.prompt_logprobs is not None:
+            raise APIError(
+                "prompt_logprobs is not supported: a disaggregated decode worker never computes the prompt's logits",
+                param="prompt_logprobs",
+            )
+        bias: dict[int, float] = {}
+        for k, v in (self.logit_bias or {}).items():
+            try:
+                bias[int(k)] = v
+            except ValueError:
+                raise APIError(f"logit_bias keys must be token ids, got {k!r}", param="logit_bias") from None
         if max_tokens is None or max_tokens <= 0:
             raise APIError(f"max_tokens must be a positive integer, got {max_tokens}", param="max_tokens")
         temperature = 1.0 if self.temperature is None else self.temperature
@@ -129,11 +183,17 @@ class _Common(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             logprobs=logprobs,
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=bias,
+            min_tokens=self.min_tokens,
         )
         try:
             params.validate()
         except ValueError as e:
-            raise APIError(str(e)) from None
+            name = str(e).split(" ", 1)[0]
+            raise APIError(str(e), param=name if name in type(self).model_fields else None) from None
         return params
 
 
@@ -152,8 +212,11 @@ class CompletionRequest(_Common):
                     f"batched prompts ({len(p)}) are not supported: send one request per prompt", param="prompt"
                 )
             p = p[0]
-        if self.echo:
-            raise APIError("echo is not supported", param="echo")
+        if self.echo and self.logprobs is not None:
+            raise APIError(
+                "echo with logprobs needs prompt logprobs, which a disaggregated decode worker never computes",
+                param="echo",
+            )
         if self.suffix:
             raise APIError("suffix is not supported", param="suffix")
         return p
@@ -255,7 +318,7 @@ def parse_request(kind: str, body: dict[str, Any]) -> CompletionRequest | ChatCo
     try:
         return cls.model_validate(body)
     except ValidationError as e:
-        raise APIError(_validation_message(e)) from None
+        raise APIError(_validation_message(e), param=_validation_param(e)) from None
 
 
 # ---- responses --------------------------------------------------------------------------------------

@@ -21,6 +21,12 @@ Per request: pick a prefill worker (P) by load, send it the client's body plus
   starts: a 502 (or the next D when the connection was refused).
 * The client leaving: the router stops relaying (which cancels D's stream) and calls
   ``POST /asympd/abort`` on P and D, so their engines abort the request and free its blocks.
+* Trust: clients authenticate with the client key; the router talks to the workers with the
+  internal credential only (the client's ``Authorization`` never reaches a worker), and drops any
+  ``kv_transfer_params`` a client sent.
+* Long requests are bounded by progress, not total time: D streams tokens (or, for a non-streamed
+  request, a byte of whitespace as tokens come), and ``stream_idle_timeout`` is the longest wait
+  for its next bytes.
 """
 
 from __future__ import annotations
@@ -42,12 +48,18 @@ from fastapi.responses import JSONResponse, Response
 
 from asympd.engine import modes
 from asympd.serve import protocol as P
-from asympd.serve.api_server import (
+from asympd.serve.http import (
+    DEFAULT_MAX_BODY_BYTES,
+    INTERNAL_HEADER,
     ClientDisconnected,
     GuardedStreamingResponse,
     bind_socket,
     check_bearer,
+    client_key,
     install_error_handlers,
+    internal_key,
+    internal_token,
+    read_body,
     run_app,
     setup_logging,
     until_disconnect,
@@ -55,6 +67,8 @@ from asympd.serve.api_server import (
 from asympd.serve.metrics import CONTENT_TYPE, RouterMetrics
 
 log = logging.getLogger("asympd.router")
+
+PROGRESS_HEADER = "X-Asympd-Progress"  # asks D for progress bytes on a non-streamed request
 
 
 @dataclass
@@ -65,11 +79,14 @@ class RouterConfig:
     port: int = 8000
     mode: str | None = None  # None: whatever the workers report
     checkpoint: str | None = None
-    api_key: str | None = None
+    api_key: str | None = None  # argv is visible in `ps`: prefer api_key_file or $ASYMPD_API_KEY
+    api_key_file: str | None = None
+    internal_key_file: str | None = None  # None: $ASYMPD_INTERNAL_KEY, else the per-user key file
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     health_interval: float = 1.0
     connect_timeout: float = 2.0
     prefill_timeout: float = 60.0  # the whole prefill call
-    stream_idle_timeout: float = 60.0  # longest wait for D's next bytes
+    stream_idle_timeout: float = 60.0  # progress timeout: longest wait for D's next bytes, streamed or not
     abort_timeout: float = 2.0
 
 
@@ -106,6 +123,9 @@ class Router:
         if cfg.mode in modes.PD_MODES and not cfg.prefill:
             log.warning("mode %s without --prefill workers: every request is prefilled on a decode worker", cfg.mode)
         self.cfg = cfg
+        self.api_key = client_key(cfg.api_key, cfg.api_key_file)
+        self.internal = {INTERNAL_HEADER: internal_token(internal_key(cfg.internal_key_file))}
+        self.max_token_chars = 1
         self.prefill = [Worker(u.rstrip("/"), "prefill") for u in cfg.prefill]
         self.decode = [Worker(u.rstrip("/"), "decode") for u in cfg.decode]
         self.metrics = RouterMetrics()
@@ -130,7 +150,12 @@ class Router:
 
         cfg = load_config(checkpoint)
         self.window, self.max_seq_len = cfg.window_size, cfg.max_seq_len
-        self.tokenizer = load_tokenizer(checkpoint)
+        self._set_tokenizer(load_tokenizer(checkpoint))
+
+    def _set_tokenizer(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        if tokenizer is not None:  # one character per byte in a byte-level vocabulary: a bound on text per token
+            self.max_token_chars = max((len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
     async def _fetch_meta(self, w: Worker) -> None:
         """Window size and tokenizer from a worker, once (unless --checkpoint gave them)."""
@@ -140,9 +165,9 @@ class Router:
         if self.tokenizer is None and w.info.get("has_tokenizer"):
             from tokenizers import Tokenizer
 
-            r = await self.client.get(f"{w.url}/asympd/tokenizer.json", timeout=10)
+            r = await self.client.get(f"{w.url}/asympd/tokenizer.json", timeout=10, headers=self.internal)
             r.raise_for_status()
-            self.tokenizer = Tokenizer.from_str(r.text)
+            self._set_tokenizer(Tokenizer.from_str(r.text))
             log.info("tokenizer and window (%s) from %s", self.window, w.url)
 
     @property
@@ -153,17 +178,34 @@ class Router:
         return modes.pop() if len(modes) == 1 else None
 
     def count_tokens(self, kind: str, body: dict[str, Any]) -> int | None:
-        """Prompt tokens exactly as the workers will count them, or None if unknown yet."""
+        """Prompt tokens exactly as the workers will count them, or None if unknown yet. Blocking
+        (tokenizes): the handler runs it in a thread. A text too long to fit is refused unread."""
         if self.tokenizer is None:
             return None
         try:
             if kind == "chat":
-                text = P.ChatCompletionRequest.model_validate(body).render_prompt()
-                return len(self.tokenizer.encode(text).ids)
+                req = P.ChatCompletionRequest.model_validate(body)
+                self._check_chars(sum(len(m.text()) for m in req.messages))  # before templating
+                return len(self.tokenizer.encode(req.render_prompt()).ids)
             prompt = P.CompletionRequest.model_validate(body).single_prompt()
-            return len(self.tokenizer.encode(prompt).ids) if isinstance(prompt, str) else len(prompt)
-        except (P.APIError, ValueError):
+            if isinstance(prompt, str):
+                self._check_chars(len(prompt))
+                return len(self.tokenizer.encode(prompt).ids)
+            return len(prompt)
+        except ValueError:
             return None  # let the worker produce the precise 4xx
+        except P.APIError as e:
+            if e.status == 400 and e.param == "prompt" and "maximum context length" in e.message:
+                raise
+            return None
+
+    def _check_chars(self, n: int) -> None:
+        if self.max_seq_len is not None and n > self.max_seq_len * self.max_token_chars:
+            raise P.APIError(
+                f"This model's maximum context length is {self.max_seq_len} tokens. However, your prompt has "
+                f"{n} characters, more than that many tokens can hold. Please reduce the length of the prompt.",
+                param="prompt",
+            )
 
     # ---- health --------------------------------------------------------------------------------------
 
@@ -174,7 +216,9 @@ class Router:
             if r.status_code != 200:
                 raise RuntimeError(f"/health answered {r.status_code}")
             if not w.info or not w.healthy:  # (re)read on the way up: a restarted worker may differ
-                info = await self.client.get(f"{w.url}/asympd/info", timeout=self.cfg.connect_timeout)
+                info = await self.client.get(
+                    f"{w.url}/asympd/info", timeout=self.cfg.connect_timeout, headers=self.internal
+                )
                 info.raise_for_status()
                 w.info = info.json()
                 self.model_names.add(w.info.get("model"))
@@ -238,10 +282,8 @@ class Router:
     # ---- requests ------------------------------------------------------------------------------------
 
     def _headers(self, request: Request, rid: str) -> dict[str, str]:
-        h = {"X-Request-Id": rid, "Content-Type": "application/json"}
-        if "authorization" in request.headers:
-            h["Authorization"] = request.headers["authorization"]
-        return h
+        """To a worker: the internal credential, never the client's Authorization."""
+        return {"X-Request-Id": rid, "Content-Type": "application/json", **self.internal}
 
     def _abort_everywhere(
         self, rid: str, workers: list[Worker], headers: dict[str, str], client_left: bool = True
@@ -266,16 +308,23 @@ class Router:
 
     async def handle(self, kind: str, request: Request) -> Response:
         t0 = time.perf_counter()
-        if self.cfg.api_key is not None:
-            check_bearer(request, self.cfg.api_key)
-        body = P.parse_json_body(await request.body())
+        if self.api_key is not None:
+            check_bearer(request, self.api_key)
+        body = P.parse_json_body(await read_body(request, self.cfg.max_body_bytes))
+        body.pop("kv_transfer_params", None)  # internal: a client does not get to set it
         model = body.get("model")
         if model is not None and self.model_names and model not in self.model_names:
             raise P.APIError(f"The model `{model}` does not exist.", 404, param="model")
         rid = request.headers.get("x-request-id") or P.new_id(kind)
         headers = self._headers(request, rid)
         path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
-        n = self.count_tokens(kind, body)
+        n = await asyncio.to_thread(self.count_tokens, kind, body)
+        if n is not None and self.max_seq_len is not None and n >= self.max_seq_len:  # never forward what cannot fit
+            raise P.APIError(
+                f"This model's maximum context length is {self.max_seq_len} tokens. However, your prompt has "
+                f"{n} tokens. Please reduce the length of the prompt.",
+                param="prompt",
+            )
         max_tokens = body.get("max_tokens") if isinstance(body.get("max_tokens"), int) else 16
         load = n if n is not None else max(len(json.dumps(body)) // 4, 1)
         mode = self.mode
@@ -406,8 +455,9 @@ class Router:
                     w.inflight -= 1
 
             timeout = httpx.Timeout(self.cfg.stream_idle_timeout, connect=self.cfg.connect_timeout)
+            h = headers if stream else {**headers, PROGRESS_HEADER: "1"}
             try:
-                req = self.client.build_request("POST", f"{w.url}{path}", json=d_body, headers=headers, timeout=timeout)
+                req = self.client.build_request("POST", f"{w.url}{path}", json=d_body, headers=h, timeout=timeout)
                 resp = await until_disconnect(request, self.client.send(req, stream=True))
             except httpx.ConnectError as e:
                 release()
@@ -433,9 +483,10 @@ class Router:
                 finally:
                     release()
                     await resp.aclose()
-                self._finished(resp.status_code, t0, ttft=None)
+                status = _status_of(resp.status_code, content)
+                self._finished(status, t0, ttft=None)
                 return Response(
-                    content, status_code=resp.status_code, media_type="application/json", headers={"X-Request-Id": rid}
+                    content.lstrip(), status_code=status, media_type="application/json", headers={"X-Request-Id": rid}
                 )
             relay = _Relay(self, resp, w, release, t0, rid, headers, touched)
             return GuardedStreamingResponse(
@@ -508,8 +559,8 @@ def build_router_app(router: Router) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
-        if router.cfg.api_key is not None:
-            check_bearer(request, router.cfg.api_key)
+        if router.api_key is not None:
+            check_bearer(request, router.api_key)
         return JSONResponse(await router.models(request))
 
     @app.get("/health")
@@ -530,6 +581,18 @@ def run_router(cfg: RouterConfig, log_level: str = "info") -> None:
     sock = bind_socket(cfg.host, cfg.port)
     cfg.port = sock.getsockname()[1]
     run_app(build_router_app(router), sock, log_level)
+
+
+def _status_of(status: int, content: bytes) -> int:
+    """D answers a non-streamed request with progress whitespace and then its body, so a failure
+    after the status line went out is an error body under 200: give it back its own status."""
+    if status != 200 or not content.lstrip().startswith(b'{"error"'):
+        return status
+    try:
+        code = json.loads(content)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return 502
+    return code if isinstance(code, int) and 400 <= code < 600 else 502
 
 
 class _Relay:

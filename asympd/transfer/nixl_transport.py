@@ -40,6 +40,7 @@ from .base import Deadline, TransferError, TransferRecord, TransferTimeout, Tran
 from .base import fingerprint_mismatch as _mismatch
 from .lease import LeaseTable, ReleaseFn
 from .prefix_state import DTYPES, PrefixState, parse_header
+from .seal import op_tag
 from .tcp import ControlServer, check_params, connect, guarded, request, send_msg
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,10 @@ NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")  # meta-package first, then th
 ACK_PREFIX = b"asympd-ack:"
 _nixl: ModuleType | None = None
 _nixl_error: str | None = None
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _load() -> ModuleType | None:
@@ -135,10 +140,16 @@ class NixlTransport(Transport):
         backends: tuple[str, ...] = ("UCX",),
         poll_interval_s: float = 0.002,
         progress_thread: bool = False,
+        secret: bytes | None = None,
     ) -> None:
         super().__init__()
         nixl = _require()
         self.fingerprint = fingerprint
+        self.secret = secret
+        if is_loopback(host):
+            # UCX's own listeners bind every network interface unless told otherwise; a worker bound
+            # to loopback keeps its data plane there too (shared memory / CUDA IPC are unaffected)
+            os.environ.setdefault("UCX_NET_DEVICES", "lo")
         self.host, self.port = host, port
         self.advertise_host = advertise_host or host
         self.ttl_s = ttl_s
@@ -179,7 +190,9 @@ class NixlTransport(Transport):
                 self.leases = LeaseTable(ttl_s=self.ttl_s, on_release=self._released)
                 self.leases.start_reaper(interval_s=min(1.0, self.ttl_s / 4))
                 handlers = {"nixl_get": self._serve_get, "ack": self._serve_ack}
-                self.server = ControlServer(self.host, self.port, self.fingerprint, handlers, name="asympd-nixl")
+                self.server = ControlServer(
+                    self.host, self.port, self.fingerprint, handlers, name="asympd-nixl", secret=self.secret
+                )
                 self._poller = threading.Thread(target=self._poll_notifs, name="asympd-nixl-notifs", daemon=True)
                 self._poller.start()
             return self.server
@@ -253,7 +266,9 @@ class NixlTransport(Transport):
             for messages in notifs.values():
                 for m in messages:
                     if m.startswith(ACK_PREFIX) and self.leases is not None:
-                        self.leases.ack(m[len(ACK_PREFIX) :].decode(errors="replace"))
+                        tid, _, tag = m[len(ACK_PREFIX) :].decode(errors="replace").partition(":")
+                        if self.secret is None or tag == op_tag(self.secret, "ack", tid):
+                            self.leases.ack(tid)
 
     def _released(self, transfer_id: str, export: _Export, reason: str) -> None:
         if export.reg is not None:
@@ -282,7 +297,7 @@ class NixlTransport(Transport):
 
         def control() -> dict[str, Any]:
             with connect(params["host"], params["port"], fingerprint, deadline) as sock:
-                return request(sock, {"op": "nixl_get", "transfer_id": tid}, deadline, where)
+                return request(sock, {"op": "nixl_get", "transfer_id": tid}, deadline, where, self.secret)
 
         try:
             t0 = time.perf_counter()
@@ -326,7 +341,8 @@ class NixlTransport(Transport):
             remote_dl = self.agent.prep_xfer_dlist(remote, descs, reply["mem_type"], self.backends)
             handles.append(remote_dl)
             order = list(range(len(indices)))
-            notif = ACK_PREFIX + tid.encode() if ack else b""
+            tag = op_tag(self.secret, "ack", tid) if self.secret is not None else ""
+            notif = ACK_PREFIX + f"{tid}:{tag}".encode() if ack else b""
             xfer = self.agent.make_prepped_xfer("READ", local_dl, order, remote_dl, order, notif, self.backends)
             handles.insert(0, xfer)  # released first: a live transfer is aborted by its release
             state = self.agent.transfer(xfer)
@@ -355,7 +371,7 @@ class NixlTransport(Transport):
 
         def run() -> None:
             with connect(params["host"], params["port"], fingerprint, deadline) as sock:
-                request(sock, {"op": "ack", "transfer_id": params["transfer_id"]}, deadline, where)
+                request(sock, {"op": "ack", "transfer_id": params["transfer_id"]}, deadline, where, self.secret)
 
         guarded(run, deadline, where)
 

@@ -33,6 +33,7 @@ from .base import Deadline, TransferError, TransferMetrics, TransferRecord, Tran
 from .base import fingerprint_mismatch as _mismatch
 from .lease import LeaseTable, ReleaseFn
 from .prefix_state import DTYPES, PrefixState, parse_header, tensor_bytes
+from .seal import check_op, op_tag
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +109,10 @@ class ControlServer:
         handlers: dict[str, Handler],
         idle_timeout: float = 60.0,
         name: str = "asympd-transfer",
+        secret: bytes | None = None,
     ) -> None:
         self.fingerprint = fingerprint
+        self.secret = secret  # when set, every op must carry its tag (seal.op_tag)
         self.handlers = handlers
         self.idle_timeout = idle_timeout
         self.refusals: list[str] = []  # handshake refusals, newest last (for logs/tests/metrics)
@@ -148,6 +151,13 @@ class ControlServer:
                 handler = self.handlers.get(str(msg.get("op")))
                 if handler is None:
                     send_msg(conn, {"ok": False, "error": f"unknown op {msg.get('op')!r}"})
+                    continue
+                refused = check_op(self.secret, msg)
+                if refused is not None:
+                    log.warning("refused transfer peer %s: %s", peer, refused)
+                    with self._lock:
+                        self.refusals.append(refused)
+                    send_msg(conn, {"ok": False, "error": refused})
                     continue
                 handler(conn, msg)
         except (OSError, TransferError) as e:
@@ -208,11 +218,13 @@ class PrefixStateServer(ControlServer):
         ttl_s: float = 60.0,
         on_release: ReleaseFn | None = None,
         metrics: TransferMetrics | None = None,
+        secret: bytes | None = None,
     ) -> None:
         self.leases = LeaseTable(ttl_s=ttl_s, on_release=on_release)
         self.leases.start_reaper(interval_s=min(1.0, ttl_s / 4))
         self.metrics = metrics or TransferMetrics()
-        super().__init__(host, port, fingerprint, {"get": self._get, "ack": self._ack}, name="asympd-tcp")
+        handlers = {"get": self._get, "ack": self._ack}
+        super().__init__(host, port, fingerprint, handlers, name="asympd-tcp", secret=secret)
 
     def register(self, transfer_id: str, state: PrefixState, ttl_s: float | None = None) -> None:
         if state.fingerprint != self.fingerprint:
@@ -270,8 +282,13 @@ def connect(host: str, port: int, fingerprint: str, deadline: Deadline) -> socke
     return sock
 
 
-def request(sock: socket.socket, msg: dict[str, Any], deadline: Deadline, where: str) -> dict[str, Any]:
-    """One request/reply; a refusal becomes a TransferError naming ``where``."""
+def request(
+    sock: socket.socket, msg: dict[str, Any], deadline: Deadline, where: str, secret: bytes | None = None
+) -> dict[str, Any]:
+    """One request/reply (tagged with ``secret`` when given); a refusal becomes a TransferError
+    naming ``where``."""
+    if secret is not None:
+        msg = {**msg, "auth": op_tag(secret, str(msg["op"]), str(msg.get("transfer_id")))}
     send_msg(sock, msg, deadline)
     reply = recv_msg(sock, deadline)
     if not reply.get("ok"):
@@ -299,6 +316,7 @@ def fetch(
     timeout: float = 30.0,
     ack: bool = True,
     metrics: TransferMetrics | None = None,
+    secret: bytes | None = None,
 ) -> PrefixState:
     """D: pull a prefix state from P's server into fresh CPU tensors (bit-exact). With ``ack``, P
     may release it as soon as it is here. The caller still runs ``state.validate``."""
@@ -309,7 +327,7 @@ def fetch(
         t0 = time.perf_counter()
         sock = connect(host, port, fingerprint, deadline)
         with sock:
-            reply = request(sock, {"op": "get", "transfer_id": transfer_id}, deadline, where)
+            reply = request(sock, {"op": "get", "transfer_id": transfer_id}, deadline, where, secret)
             header = parse_header(recv_exact(sock, int(reply["header_nbytes"]), deadline))
             buffers = [torch.empty(e["shape"], dtype=DTYPES[e["dtype"]]) for e in header["buffers"]]
             stream = sum(b.numel() * b.element_size() for b in buffers)
@@ -319,7 +337,7 @@ def fetch(
                 if b.numel():
                     recv_into(sock, memoryview(tensor_bytes(b)), deadline)
             if ack:
-                request(sock, {"op": "ack", "transfer_id": transfer_id}, deadline, where)
+                request(sock, {"op": "ack", "transfer_id": transfer_id}, deadline, where, secret)
         if metrics is not None:
             metrics.record(TransferRecord("tcp", "recv", transfer_id, stream, time.perf_counter() - t0))
         return PrefixState.from_buffers(header, buffers)
@@ -332,14 +350,17 @@ def fetch(
         raise
 
 
-def send_ack(host: str, port: int, transfer_id: str, fingerprint: str, timeout: float = 10.0) -> bool:
+def send_ack(
+    host: str, port: int, transfer_id: str, fingerprint: str, timeout: float = 10.0, secret: bytes | None = None
+) -> bool:
     """D: release a state on P over the control channel; True if P still held it."""
     deadline = Deadline(timeout)
     where = f"{host}:{port}"
 
     def run() -> bool:
         with connect(host, port, fingerprint, deadline) as sock:
-            return bool(request(sock, {"op": "ack", "transfer_id": transfer_id}, deadline, where)["released"])
+            reply = request(sock, {"op": "ack", "transfer_id": transfer_id}, deadline, where, secret)
+            return bool(reply["released"])
 
     return guarded(run, deadline, where)
 
@@ -360,9 +381,11 @@ class TcpTransport(Transport):
         advertise_host: str | None = None,
         ttl_s: float = 60.0,
         on_release: ReleaseFn | None = None,
+        secret: bytes | None = None,
     ) -> None:
         super().__init__()
         self.fingerprint = fingerprint
+        self.secret = secret
         self.host, self.port = host, port
         self.advertise_host = advertise_host or host
         self.ttl_s = ttl_s
@@ -374,7 +397,7 @@ class TcpTransport(Transport):
         with self._lock:
             if self.server is None:
                 self.server = PrefixStateServer(
-                    self.host, self.port, self.fingerprint, self.ttl_s, self.on_release, self.metrics
+                    self.host, self.port, self.fingerprint, self.ttl_s, self.on_release, self.metrics, self.secret
                 )
             return self.server
 
@@ -391,11 +414,12 @@ class TcpTransport(Transport):
 
     def fetch(self, params: dict[str, Any], fingerprint: str, timeout: float = 30.0, ack: bool = True) -> PrefixState:
         check_params(params, self.name)
-        return fetch(params["host"], params["port"], params["transfer_id"], fingerprint, timeout, ack, self.metrics)
+        host, port, tid = params["host"], params["port"], params["transfer_id"]
+        return fetch(host, port, tid, fingerprint, timeout, ack, self.metrics, self.secret)
 
     def ack(self, params: dict[str, Any], fingerprint: str, timeout: float = 10.0) -> None:
         check_params(params, self.name)
-        send_ack(params["host"], params["port"], params["transfer_id"], fingerprint, timeout)
+        send_ack(params["host"], params["port"], params["transfer_id"], fingerprint, timeout, self.secret)
 
     def release(self, transfer_id: str) -> bool:
         return self.server is not None and self.server.leases.release(transfer_id)

@@ -13,9 +13,12 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from asympd.serve.http import INTERNAL_HEADER, internal_key, internal_token
 from asympd.serve.procs import ServerProcess, stop_all
 
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+# what the router sends workers: tests that play the router (kv_transfer_params, abort) send it too
+INTERNAL = {INTERNAL_HEADER: internal_token(internal_key())}
 
 
 def worker(name: str, ckpt: str, role: str, mode: str, log_dir: Any, *extra: str) -> ServerProcess:

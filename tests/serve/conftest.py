@@ -13,3 +13,6 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+from tests.serve.hardened import hardened  # noqa: E402, F401 - the shared hardened 1P1D deployment

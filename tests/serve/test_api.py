@@ -8,6 +8,7 @@ import pytest
 
 from asympd.engine.llm import LLM
 from asympd.engine.sampling import SamplingParams
+from asympd.serve.http import INTERNAL_HEADER, internal_key, internal_token
 from asympd.serve.procs import stop_all
 from tests.serve.cluster import metrics, start_all, stream, wait_idle, worker
 from tests.util import random_prompts
@@ -226,7 +227,9 @@ def test_client_leaving_a_stream_frees_its_blocks(url, client):
 
 
 def test_abort_endpoint(url, client):
-    r = client.post(f"{url}/asympd/abort", json={"request_id": "nope"})
+    internal = {INTERNAL_HEADER: internal_token(internal_key())}  # abort is internal (the router's)
+    r = client.post(f"{url}/asympd/abort", json={"request_id": "nope"}, headers=internal)
     assert r.status_code == 200 and r.json()["aborted"]
-    assert httpx.post(f"{url}/asympd/abort", json={"request_id": "x"}).status_code == 401
-    assert client.post(f"{url}/asympd/abort", json={}).status_code == 400
+    assert httpx.post(f"{url}/asympd/abort", json={"request_id": "x"}).status_code == 403
+    assert client.post(f"{url}/asympd/abort", json={"request_id": "x"}).status_code == 403  # the client key
+    assert client.post(f"{url}/asympd/abort", json={}, headers=internal).status_code == 400

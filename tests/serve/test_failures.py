@@ -76,7 +76,9 @@ def offline(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def client():
-    with httpx.Client(timeout=httpx.Timeout(60, connect=5)) as c:
+    from tests.serve.cluster import INTERNAL  # the test plays the router: it sends kv_transfer_params
+
+    with httpx.Client(timeout=httpx.Timeout(60, connect=5), headers=INTERNAL) as c:
         yield c
 
 

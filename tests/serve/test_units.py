@@ -8,8 +8,8 @@ import pytest
 from asympd.engine.llm import load_tokenizer
 from asympd.engine.request import CompletionOutput, RequestOutput
 from asympd.serve import protocol as P
-from asympd.serve.api_server import OutputTracker
 from asympd.serve.chat_format import ASSISTANT, BOS, END_THINK, USER, ChatOptions, encode_messages
+from asympd.serve.detokenize import OutputTracker
 from asympd.serve.router import Router, RouterConfig
 
 
@@ -113,7 +113,7 @@ def test_router_counts_tokens_like_the_workers(tiny_ckpt):
         ({"prompt": "x", "temperature": -0.1}, "temperature"),
         ({"prompt": "x", "top_k": -5}, "top_k"),
         ({"prompt": "x", "n": 3}, "n=3"),
-        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
     ],
 )
 def test_sampling_validation_messages(body, needle):

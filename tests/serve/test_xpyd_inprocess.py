@@ -7,6 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from asympd.engine.engine import EngineConfig
 from asympd.engine.llm import LLM
 from asympd.engine.sampling import SamplingParams
 from asympd.serve.api_server import ServeConfig, WorkerServer, build_app
@@ -26,8 +27,7 @@ def cluster(tiny_ckpt):
             ws = WorkerServer(
                 ServeConfig(
                     checkpoint=tiny_ckpt,
-                    role=role,
-                    mode="encoder-only",
+                    engine=EngineConfig(role=role, mode="encoder-only"),
                     transport="tcp",
                     port=0,
                     served_model_name="tiny",

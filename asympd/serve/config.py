@@ -1,0 +1,191 @@
+"""What one worker process is asked to run: ``ServeConfig`` holds the ``EngineConfig`` (and its
+``SchedulerConfig``) plus what only a server needs, and ``asympd serve``'s flags are generated
+from these dataclasses, so a setting and its default are written once."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from asympd.engine import modes
+from asympd.engine.engine import EngineConfig
+from asympd.engine.scheduler import SchedulerConfig
+from asympd.serve.http import DEFAULT_MAX_BODY_BYTES
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # asympd.model.dtypes; auto: bf16 on CUDA, fp32 on CPU
+WEIGHTS = ("auto", "packed-experts", "packed", "dequantized")  # asympd.model.loader.LAYOUTS
+
+
+@dataclass
+class ServeConfig:
+    """A worker: the engine it runs (``engine.role``, ``engine.mode``, cache, scheduler) and how it
+    is served."""
+
+    checkpoint: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transport: str | None = None  # None: NIXL, falling back to TCP (with a warning) where it cannot run
+    on_prefill_failure: str = "recompute"
+    api_key: str | None = None  # argv is visible in `ps`: prefer api_key_file or $ASYMPD_API_KEY
+    api_key_file: str | None = None
+    internal_key_file: str | None = None  # None: $ASYMPD_INTERNAL_KEY, else the per-user key file
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    device: str = "cpu"
+    dtype: str = "auto"  # resolved to a name by resolve()
+    weights: str = "auto"  # packed-experts on CUDA, dequantized on CPU (asympd.model.loader)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    transfer_timeout: float = 10.0  # D: the whole fetch of one prefix state
+    transfer_ttl: float = 120.0  # P: how long an unacked prefix state keeps its blocks
+    transfer_host: str | None = None  # P: data-plane bind address (default: host)
+    transfer_port: int = 0
+    advertise_host: str | None = None  # P: address D should connect to (default: the bind address)
+    threads: int | None = None
+    ep: int = 1  # expert-parallel ranks (one process each, started by this worker); docs/parallel.md
+    tp: int = 1  # only 1: attention is replicated
+
+    @property
+    def role(self) -> str:
+        return self.engine.role
+
+    @property
+    def mode(self) -> str:
+        return self.engine.mode
+
+    def resolve(self) -> ServeConfig:
+        """Check what the engine cannot: raise ValueError with a message for the command line."""
+        e = self.engine
+        if self.tp != 1:
+            raise ValueError("tensor parallel attention is not implemented: attention is replicated; use --ep")
+        if self.ep < 1:
+            raise ValueError(f"--ep must be >= 1, got {self.ep}")
+        modes.check_role_mode(e.role, e.mode)
+        if self.on_prefill_failure not in ("recompute", "fail"):
+            raise ValueError(f"unknown --on-prefill-failure {self.on_prefill_failure!r}: recompute or fail")
+        if self.transport not in (None, "nixl", "tcp", "auto"):
+            raise ValueError(f"unknown transport {self.transport!r}: nixl, tcp or auto")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}: {', '.join(DTYPES)}")
+        if self.dtype == "auto":  # a concrete name from here on (/info, the EP ranks)
+            from asympd.model.dtypes import resolve_dtype
+
+            self.dtype = str(resolve_dtype("auto", self.device)).removeprefix("torch.")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"unknown weights {self.weights!r}: {', '.join(WEIGHTS)}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
+        if e.role == "prefill":
+            e.num_spec_tokens = 0  # a prefill worker never drafts
+        e.validate()
+        e.scheduler.validate()
+        return self
+
+
+# ---- the command line, from the dataclasses ----------------------------------------------------------
+
+_HELP = {
+    "checkpoint": "checkpoint directory (with tokenizer.json)",
+    "role": "colocated serves end to end; prefill (P) and decode (D) split a request",
+    "mode": "default: colocated for --role colocated, asymmetric otherwise",
+    "prefill_semantics": "what a colocated engine computes for a prompt (see asympd.engine.modes)",
+    "transport": "prefix-state data plane; default NIXL, falling back to TCP (with a warning) if it cannot run",
+    "on_prefill_failure": "decode worker, when the prefix cannot be had from P: compute it here, or answer 503",
+    "api_key": "require Authorization: Bearer KEY on /v1/* (visible in ps: prefer --api-key-file or $ASYMPD_API_KEY)",
+    "api_key_file": "file holding the client API key",
+    "internal_key_file": "file holding the deployment's internal key (default: $ASYMPD_INTERNAL_KEY, else "
+    "~/.cache/asympd/internal.key, created on first use)",
+    "port": "0 picks a free port (printed when ready)",
+    "served_model_name": "default: the --checkpoint argument",
+    "max_body_bytes": "largest request body accepted (413 above it)",
+    "num_spec_tokens": "decoding workers: DSpark drafts verified per request per step (0: off)",
+    "max_new_admissions": "new requests admitted per step (Sarathi-style cap; default: no cap)",
+    "admission_token_budget": "prompt rows per step for prefills and bounded prefills (default: the step budget)",
+    "num_blocks": "KV blocks (overrides --kv-cache-bytes)",
+    "transfer_timeout": "decode worker: seconds for one fetch",
+    "transfer_ttl": "prefill worker: seconds an unfetched prefix state keeps its blocks",
+    "transfer_host": "prefill worker: data-plane bind address (default --host)",
+    "transfer_port": "prefill worker: data-plane port (0: any)",
+    "advertise_host": "prefill worker: address decode workers connect to",
+    "threads": "torch intra-op threads",
+    "ep": "expert-parallel ranks: this worker starts ep-1 more processes (docs/parallel.md)",
+    "tp": "tensor parallel attention: only 1 (attention is replicated)",
+    "dtype": "auto: bfloat16 on CUDA, float32 on CPU",
+    "weights": "auto: packed-experts on CUDA (MXFP4 experts as released), dequantized on CPU",
+}
+_CHOICES = {
+    "role": modes.ROLES,
+    "mode": modes.MODES,
+    "prefill_semantics": modes.SEMANTICS,
+    "boundary_policy": modes.BOUNDARY_POLICIES,
+    "transport": ("nixl", "tcp", "auto"),
+    "on_prefill_failure": ("recompute", "fail"),
+    "dtype": DTYPES,
+    "weights": WEIGHTS,
+}
+_CLI_DEFAULTS = {"mode": None, "num_spec_tokens": 0}  # mode None: derived from the role
+_NOT_FLAGS = {"engine", "scheduler", "eos_token_id"}  # nested, or read from the checkpoint
+_DUPLICATE = {(SchedulerConfig, "num_spec_tokens")}  # EngineConfig.num_spec_tokens is the flag
+
+
+def _fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
+    hints = typing.get_type_hints(cls)
+    return [
+        (f, hints[f.name])
+        for f in dataclasses.fields(cls)
+        if f.name not in _NOT_FLAGS and (cls, f.name) not in _DUPLICATE
+    ]
+
+
+def _scalar(tp: Any) -> type:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.name in _CLI_DEFAULTS:
+        return _CLI_DEFAULTS[f.name]
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return None if f.default_factory is dataclasses.MISSING else f.default_factory()
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per field of ServeConfig, EngineConfig and SchedulerConfig."""
+    for cls in (ServeConfig, EngineConfig, SchedulerConfig):
+        for f, tp in _fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            kind, default = _scalar(tp), _default(f)
+            if kind is bool:
+                if default:
+                    p.add_argument(f"--no-{f.name.replace('_', '-')}", dest=f.name, action="store_false")
+                else:
+                    p.add_argument(flag, dest=f.name, action="store_true")
+                continue
+            p.add_argument(
+                flag,
+                dest=f.name,
+                type=kind,
+                default=default,
+                required=f.name == "checkpoint",
+                choices=_CHOICES.get(f.name),
+                help=_HELP.get(f.name),
+            )
+
+
+def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """The ServeConfig the flags describe (``--mode`` defaults from ``--role``)."""
+
+    def pick(cls: type) -> dict[str, Any]:
+        return {f.name: getattr(args, f.name) for f, _ in _fields(cls)}
+
+    engine = pick(EngineConfig)
+    if engine["mode"] is None:
+        engine["mode"] = modes.default_mode(engine["role"])
+    scheduler = SchedulerConfig(**pick(SchedulerConfig))
+    return ServeConfig(**pick(ServeConfig), engine=EngineConfig(**engine, scheduler=scheduler))

@@ -1,0 +1,160 @@
+"""vLLM's sampling parameters: presence / frequency / repetition penalties, logit_bias, min_tokens
+(against distributions computed by hand), the engine sampling from the adjusted logits, and the
+HTTP surface through the hardened 1P1D deployment (the same tokens as the offline LLM; n, best_of,
+prompt logprobs refused with 400 naming the field; echo)."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+import torch
+
+from asympd.engine.llm import LLM
+from asympd.engine.sampling import SamplingParams, adjust_logits, processed_probs
+from tests.serve.cluster import stream, wait_idle
+from tests.util import random_prompts
+
+LOGITS = torch.tensor([2.0, 1.0, -1.0, 0.5, -3.0])
+
+
+def _softmax(xs: list[float]) -> list[float]:
+    m = max(x for x in xs if x != -math.inf)
+    e = [math.exp(x - m) if x != -math.inf else 0.0 for x in xs]
+    return [v / sum(e) for v in e]
+
+
+def test_penalties_and_bias_by_hand():
+    p = SamplingParams(
+        repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, logit_bias={2: 3.0, 4: -1.0}
+    )
+    # prompt [1, 4], output [0, 0, 3]; bias first: x2 = -1 + 3 = 2, x4 = -3 - 1 = -4
+    # repetition (prompt or output: 0, 1, 3, 4): positive / 2, negative * 2 -> x0 1, x1 0.5, x3 0.25, x4 -8
+    # frequency 0.5 x count (0: 2, 3: 1), presence 0.25 once -> x0 1 - 1 - .25, x3 .25 - .5 - .25
+    want = [-0.25, 0.5, 2.0, -0.5, -8.0]
+    got = adjust_logits(LOGITS, p, [1, 4], [0, 0, 3], eos=None)
+    assert got.tolist() == pytest.approx(want, abs=1e-6)
+    assert processed_probs(got, SamplingParams(temperature=1.0)).tolist() == pytest.approx(_softmax(want), abs=1e-6)
+    half = processed_probs(got, SamplingParams(temperature=0.5, top_k=2))
+    assert half.tolist() == pytest.approx(_softmax([-math.inf, 1.0, 4.0, -math.inf, -math.inf]), abs=1e-6)
+    assert LOGITS.tolist() == [2.0, 1.0, -1.0, 0.5, -3.0]  # the model's logits are left alone (raw logprobs)
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    p = SamplingParams(min_tokens=4, stop_token_ids=[1])
+    masked = adjust_logits(LOGITS, p, [2], [0, 0, 0], eos=3)
+    assert masked.tolist() == [2.0, -math.inf, -1.0, -math.inf, -3.0]
+    assert processed_probs(masked, SamplingParams()).tolist() == pytest.approx(
+        _softmax([2.0, -math.inf, -1.0, -math.inf, -3.0]), abs=1e-6
+    )
+    assert adjust_logits(LOGITS, p, [2], [0, 0, 0, 0], eos=3).tolist() == LOGITS.tolist()
+    ignore = SamplingParams(min_tokens=4, ignore_eos=True)
+    assert adjust_logits(LOGITS, ignore, [2], [], eos=3).tolist() == LOGITS.tolist()  # nothing to mask
+
+
+def test_no_adjustment_is_the_identity():
+    assert adjust_logits(LOGITS, SamplingParams(), [1], [1, 1], eos=0) is LOGITS
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty must be in"),
+        ({"frequency_penalty": -3}, "frequency_penalty must be in"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be in"),
+        ({"min_tokens": 20, "max_tokens": 10}, "min_tokens must be in"),
+        ({"logit_bias": {1: 101.0}}, "logit_bias values must be in"),
+    ],
+)
+def test_validation(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        SamplingParams(**kw).validate(vocab_size=512)
+    with pytest.raises(ValueError, match="logit_bias token ids out of range"):
+        SamplingParams(logit_bias={512: 1.0}).validate(vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_ckpt):
+    return LLM(tiny_ckpt, mode="asymmetric")
+
+
+def test_the_engine_samples_from_the_penalized_logits(offline):
+    """Greedy with (negative: repeat) frequency + presence penalties: each token is the argmax of the raw logprobs the
+    engine reports minus the penalties computed by hand from the tokens before it."""
+    ids = random_prompts([30], seed=90)[0]
+    p = SamplingParams(
+        max_tokens=12, temperature=0, logprobs=-1, ignore_eos=True, frequency_penalty=-1.5, presence_penalty=-2.0
+    )
+    out = offline.generate(prompt_token_ids=[ids], sampling_params=p)[0].outputs[0]
+    plain = offline.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=12, temperature=0))
+    assert out.token_ids != plain[0].outputs[0].token_ids  # the penalties changed something
+    for i, tok in enumerate(out.token_ids):
+        lp = torch.tensor([out.logprobs[i][t] for t in range(len(out.logprobs[i]))])
+        counts = torch.bincount(torch.tensor(out.token_ids[:i], dtype=torch.long), minlength=lp.numel()).float()
+        assert tok == int(torch.argmax(lp + 1.5 * counts + 2.0 * (counts > 0).float()))
+
+
+def _post(dep, body, kind="completions"):
+    return httpx.post(f"{dep.router}/v1/{kind}", json=body, headers=dep.auth, timeout=60)
+
+
+def test_http_penalties_match_offline(hardened, offline):
+    ids = random_prompts([40], seed=91)[0]
+    knobs = {"presence_penalty": 0.7, "frequency_penalty": 0.3, "repetition_penalty": 1.3, "logit_bias": {"7": 2.5}}
+    for temperature, seed in ((0.0, None), (0.8, 1234)):
+        body = {"prompt": ids, "max_tokens": 8, "temperature": temperature, "seed": seed, "return_token_ids": True}
+        r = _post(hardened, {**body, **knobs, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        p = SamplingParams(
+            max_tokens=8,
+            temperature=temperature,
+            seed=seed,
+            ignore_eos=True,
+            presence_penalty=0.7,
+            frequency_penalty=0.3,
+            repetition_penalty=1.3,
+            logit_bias={7: 2.5},
+        )
+        want = offline.generate(prompt_token_ids=[ids], sampling_params=p)[0].outputs[0].token_ids
+        assert r.json()["choices"][0]["token_ids"] == want
+
+
+def test_http_logit_bias_and_min_tokens(hardened):
+    dep = hardened
+    ids = random_prompts([40], seed=92)[0]
+    r = _post(
+        dep, {"prompt": ids, "max_tokens": 5, "temperature": 0, "logit_bias": {"42": 100}, "return_token_ids": True}
+    )
+    assert r.json()["choices"][0]["token_ids"] == [42] * 5
+    first = _post(dep, {"prompt": ids, "max_tokens": 1, "temperature": 0, "return_token_ids": True}).json()
+    tok = first["choices"][0]["token_ids"][0]
+    body = {"prompt": ids, "max_tokens": 6, "temperature": 0, "stop_token_ids": [tok], "return_token_ids": True}
+    assert _post(dep, body).json()["choices"][0]["token_ids"] == [tok]  # stops at once
+    held = _post(dep, {**body, "min_tokens": 3}).json()["choices"][0]
+    assert len(held["token_ids"]) >= 3 and tok not in held["token_ids"][:3]
+    wait_idle([dep.prefill, dep.decode])
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"best_of": 3}, "best_of"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"echo": True, "logprobs": 1}, "echo"),
+    ],
+)
+def test_http_refused_parameters_name_the_field(hardened, body, param):
+    r = _post(hardened, {"prompt": "hello world", "max_tokens": 2, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_http_echo(hardened):
+    dep = hardened
+    body = {"prompt": "hello world the model", "max_tokens": 3, "temperature": 0, "echo": True}
+    full = _post(dep, body).json()["choices"][0]["text"]
+    plain = _post(dep, {**body, "echo": False}).json()["choices"][0]["text"]
+    assert full == "hello world the model" + plain
+    with httpx.Client(timeout=60, headers=dep.auth) as c:
+        assert stream(c, f"{dep.router}/v1/completions", body)["text"] == full

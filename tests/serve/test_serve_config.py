@@ -1,0 +1,85 @@
+"""``asympd serve``'s flags come from ServeConfig / EngineConfig / SchedulerConfig: each setting and
+its default written once, the flags parse into the dataclasses the server runs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from asympd.cli import UsageError, build_parser
+from asympd.engine.engine import EngineConfig
+from asympd.engine.scheduler import SchedulerConfig
+from asympd.serve.config import ServeConfig, serve_config_from_args
+
+
+def _parse(*argv: str) -> ServeConfig:
+    return serve_config_from_args(build_parser().parse_args(["serve", "--checkpoint", "CKPT", *argv]))
+
+
+def test_defaults_are_the_dataclasses_own():
+    cfg = _parse()
+    assert cfg.engine.role == "colocated" and cfg.engine.mode == "colocated"
+    want = ServeConfig("CKPT", engine=EngineConfig(num_spec_tokens=0))
+    assert cfg == want
+    assert cfg.engine.kv_cache_bytes == EngineConfig().kv_cache_bytes
+    assert cfg.engine.scheduler == SchedulerConfig()
+
+
+def test_every_setting_has_a_flag():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices["serve"]
+    dests = {a.dest for a in sub._actions}
+    for cls, skip in (
+        (ServeConfig, {"engine"}),
+        (EngineConfig, {"scheduler", "eos_token_id"}),
+        (SchedulerConfig, {"num_spec_tokens"}),  # EngineConfig.num_spec_tokens is the flag
+    ):
+        missing = {f.name for f in dataclasses.fields(cls)} - skip - dests
+        assert not missing, (cls.__name__, missing)
+
+
+def test_flags_land_in_the_nested_configs():
+    cfg = _parse(
+        "--role",
+        "prefill",
+        "--kv-cache-bytes",
+        "12345",
+        "--max-num-seqs",
+        "3",
+        "--max-num-batched-tokens",
+        "96",
+        "--no-enable-prefix-caching",
+        "--boundary-policy",
+        "align",
+        "--max-body-bytes",
+        "2048",
+        "--num-spec-tokens",
+        "2",
+        "--api-key-file",
+        "/k",
+    ).resolve()
+    e = cfg.engine
+    assert (e.role, e.mode, e.boundary_policy) == ("prefill", "asymmetric", "align")  # mode follows the role
+    assert (e.kv_cache_bytes, e.enable_prefix_caching, e.num_spec_tokens) == (12345, False, 0)  # P never drafts
+    assert (e.scheduler.max_num_seqs, e.scheduler.max_num_batched_tokens) == (3, 96)
+    assert (cfg.max_body_bytes, cfg.api_key_file, cfg.role, cfg.mode) == (2048, "/k", "prefill", "asymmetric")
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--role", "prefill", "--mode", "colocated"], "cannot run mode"),
+        (["--tp", "2"], "tensor parallel"),
+        (["--max-body-bytes", "10"], "max-body-bytes"),
+        (["--max-num-seqs", "0"], "must be positive"),
+    ],
+)
+def test_bad_settings_are_refused(argv, needle):
+    with pytest.raises(ValueError, match=needle):
+        _parse(*argv).resolve()
+
+
+def test_unknown_choice_is_a_usage_error():
+    with pytest.raises(UsageError, match="invalid choice"):
+        build_parser().parse_args(["serve", "--checkpoint", "C", "--role", "both"])
