@@ -1,11 +1,13 @@
-"""Asymmetric P -> D produces exactly the tokens of colocated `split` (fp32), with requests joining
-while others run."""
+"""Asymmetric P -> D produces exactly the bits of colocated `split` (fp32): the same tokens and the
+same full-vocabulary log-probabilities at every step, with requests joining while others run."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from asympd import LLM, SamplingParams
+from asympd.engine.request import CompletionOutput
 from asympd.engine.scheduler import SchedulerConfig
 from tests.util import random_prompts
 
@@ -16,23 +18,23 @@ def lengths() -> list[int]:
     return [1, W - 1, W, W + 1, W + 2, 2 * W + 1, 1000, 1001]
 
 
-def run_staggered(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+def run_staggered(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[CompletionOutput]:
     """Half the prompts first; the rest join two steps later, while the first ones are running."""
-    done: dict[str, list[int]] = {}
+    done: dict[str, CompletionOutput] = {}
     half = len(prompts) // 2
     for i, p in enumerate(prompts[:half]):
         llm.add(f"r{i}", p, params)
     for _ in range(2):
         for out in llm.step():
             if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+                done[out.request_id] = out.outputs[0]
     for i, p in enumerate(prompts[half:], start=half):
         llm.add(f"r{i}", p, params)
     for _ in range(500):
         for out in llm.step():
             assert out.error is None, out.error
             if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+                done[out.request_id] = out.outputs[0]
         if len(done) == len(prompts):
             break
     assert len(done) == len(prompts)
@@ -42,13 +44,20 @@ def run_staggered(llm: LLM, prompts: list[list[int]], params: SamplingParams) ->
 @pytest.mark.parametrize("policy", ["carry", "align"])
 def test_asymmetric_equals_colocated_split(tiny_ckpt, policy):
     prompts = random_prompts(lengths(), seed=11)
-    params = SamplingParams(max_tokens=6, temperature=0)
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=-1)  # -1: the whole vocabulary
     sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512)
     colo = LLM(tiny_ckpt, "colocated", "split", boundary_policy=policy, scheduler=sched)
     asym = LLM(tiny_ckpt, "asymmetric", boundary_policy=policy, scheduler=sched)
     want = run_staggered(colo, prompts, params)
     got = run_staggered(asym, prompts, params)
-    assert got == want
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for n, g, w in zip(lengths(), got, want, strict=True):
+        assert len(g.logprobs) == len(w.logprobs) == 6
+        for step, (lg, lw) in enumerate(zip(g.logprobs, w.logprobs, strict=True)):
+            assert len(lg) == len(lw) == 512
+            # bits, not closeness: one rounding of the imported KV anywhere shows up here
+            a, b = torch.tensor(list(lg.values())), torch.tensor(list(lw.values()))
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"N={n}, step {step}"
     for engine in (asym.prefill, asym.engine, colo.engine):
         assert engine.blocks.num_used_blocks == 0
 
