@@ -1,5 +1,9 @@
 """Expert parallelism on CPU: 2 gloo ranks give the bits of 1 rank (MoE, P, D, colocated), every
-rank's KV cache stays identical, and ``asympd serve --ep 2`` serves and stops cleanly."""
+rank's KV cache stays identical, and ``asympd serve --ep 2`` serves and stops cleanly.
+
+The checkpoint routes each token to 3 experts (the tiny preset routes to 2): with two experts the
+sum is the same in either order, with three only the reference's ascending-expert order gives the
+single-rank bits, so the combine order is exercised."""
 
 from __future__ import annotations
 
@@ -12,9 +16,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from asympd.config import tiny
 from asympd.dist import ParallelLLM, ep_resident_gb, expert_range
 from asympd.engine.llm import LLM
 from asympd.engine.sampling import SamplingParams
+from asympd.model.checkpoint import write_checkpoint
 from asympd.serve.api_server import ServeConfig
 from asympd.serve.procs import stop_all
 from tests.parallel.ranks import moe_rank
@@ -24,6 +30,14 @@ from tests.util import random_prompts
 W = 16  # the tiny preset's window
 LENGTHS = [3, W + 1, 2 * W + 1, 40]  # N <= W (no P), odd and even splits (carry), longer
 GREEDY = SamplingParams(max_tokens=5, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def ep_ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny model with top-3 routing."""
+    out = tmp_path_factory.mktemp("ckpt-top3") / "tiny-top3"
+    write_checkpoint(tiny().replace(n_activated_experts=3), out, seed=0)
+    return str(out)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -57,15 +71,15 @@ def test_expert_ranges_cover_every_expert_once():
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
 
 
-def test_moe_is_bit_exact_over_two_ranks(tiny_ckpt):
-    mp.spawn(moe_rank, args=(2, f"tcp://127.0.0.1:{_free_port()}", tiny_ckpt), nprocs=2, join=True)
+def test_moe_is_bit_exact_over_two_ranks(ep_ckpt):
+    mp.spawn(moe_rank, args=(2, f"tcp://127.0.0.1:{_free_port()}", ep_ckpt), nprocs=2, join=True)
 
 
 @pytest.mark.parametrize("semantics", ["full", "split"])
-def test_colocated(tiny_ckpt, semantics):
+def test_colocated(ep_ckpt, semantics):
     prompts = random_prompts(LENGTHS, seed=21)
-    want = _tokens(LLM(tiny_ckpt, "colocated", semantics), prompts)
-    with ParallelLLM(tiny_ckpt, "colocated", semantics, ep=2) as llm:
+    want = _tokens(LLM(ep_ckpt, "colocated", semantics), prompts)
+    with ParallelLLM(ep_ckpt, "colocated", semantics, ep=2) as llm:
         assert _tokens(llm, prompts) == want
         _assert_caches_equal(llm)
 
@@ -86,12 +100,12 @@ def _exported(llm: LLM, prompts: list[list[int]]) -> dict[str, object]:
     return states
 
 
-def test_asymmetric_prefill_sharded(tiny_ckpt):
+def test_asymmetric_prefill_sharded(ep_ckpt):
     """P over 2 ranks exports the same PrefixState bytes as P on 1 rank; D then decodes the same."""
     prompts = random_prompts(LENGTHS, seed=22)
-    ref = LLM(tiny_ckpt, "asymmetric")
+    ref = LLM(ep_ckpt, "asymmetric")
     want_states, want = _exported(ref, prompts), _tokens(ref, prompts)
-    with ParallelLLM(tiny_ckpt, "asymmetric", ep=2, shard="prefill") as llm:
+    with ParallelLLM(ep_ckpt, "asymmetric", ep=2, shard="prefill") as llm:
         got_states = _exported(llm, prompts)
         assert got_states.keys() == want_states.keys()
         for rid, state in got_states.items():
@@ -100,29 +114,29 @@ def test_asymmetric_prefill_sharded(tiny_ckpt):
         _assert_caches_equal(llm)
 
 
-def test_asymmetric_decode_sharded(tiny_ckpt):
+def test_asymmetric_decode_sharded(ep_ckpt):
     """D over 2 ranks, fed the prefix states of the same (1-rank) P, decodes the tokens of 1-rank D;
     requests join while others run."""
     prompts = random_prompts(LENGTHS, seed=23)
-    want = _tokens(LLM(tiny_ckpt, "asymmetric"), prompts)
-    with ParallelLLM(tiny_ckpt, "asymmetric", ep=2, shard="decode") as llm:
+    want = _tokens(LLM(ep_ckpt, "asymmetric"), prompts)
+    with ParallelLLM(ep_ckpt, "asymmetric", ep=2, shard="decode") as llm:
         assert _tokens(llm, prompts[:2]) == want[:2]
         assert _tokens(llm, prompts) == want
         _assert_caches_equal(llm)
 
 
-def test_speculative_decoding_rollbacks_are_mirrored(tiny_ckpt):
+def test_speculative_decoding_rollbacks_are_mirrored(ep_ckpt):
     """DSpark drafts on rank 0; its window writes and every rollback's truncate reach rank 1."""
     prompts = random_prompts([5, 2 * W + 1], seed=24)
-    want = _tokens(LLM(tiny_ckpt, "colocated", num_spec_tokens=2), prompts)
-    with ParallelLLM(tiny_ckpt, "colocated", ep=2, num_spec_tokens=2) as llm:
+    want = _tokens(LLM(ep_ckpt, "colocated", num_spec_tokens=2), prompts)
+    with ParallelLLM(ep_ckpt, "colocated", ep=2, num_spec_tokens=2) as llm:
         assert _tokens(llm, prompts) == want
         assert llm.engine.stats()["spec_steps"] > 0
         _assert_caches_equal(llm)
 
 
-def test_closed_executor_refuses_work(tiny_ckpt):
-    llm = ParallelLLM(tiny_ckpt, "colocated", ep=2)
+def test_closed_executor_refuses_work(ep_ckpt):
+    llm = ParallelLLM(ep_ckpt, "colocated", ep=2)
     pids = llm.executor.group.pids()
     llm.close()
     llm.close()  # idempotent
@@ -155,9 +169,9 @@ def _children(pid: int) -> set[int]:
     return out
 
 
-def test_serve_ep2_answers_like_ep1_and_stops_cleanly(tiny_ckpt, tmp_path):
-    one = worker("ep1", tiny_ckpt, "colocated", "colocated", tmp_path)
-    two = worker("ep2", tiny_ckpt, "colocated", "colocated", tmp_path, "--ep", "2")
+def test_serve_ep2_answers_like_ep1_and_stops_cleanly(ep_ckpt, tmp_path):
+    one = worker("ep1", ep_ckpt, "colocated", "colocated", tmp_path)
+    two = worker("ep2", ep_ckpt, "colocated", "colocated", tmp_path, "--ep", "2")
     procs = [one, two]
     try:
         url1, url2 = start_all(procs)
