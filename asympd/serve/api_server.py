@@ -209,7 +209,7 @@ class WorkerServer:
         """Blocking (tokenizes): call through ``off_loop``."""
         if kind == "chat":
             assert isinstance(req, P.ChatCompletionRequest)
-            self._check_chars(sum(len(m.text()) for m in req.messages))  # before templating
+            self._check_chars(req.text_chars())  # before templating
             return self._encode(req.render_prompt())  # V4.1's format (chat_format.py)
         assert isinstance(req, P.CompletionRequest)
         prompt = req.single_prompt()

@@ -253,6 +253,18 @@ class ChatCompletionRequest(_Common):
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
+    def text_chars(self) -> int:
+        """Characters of text the messages carry: what the router and the workers bound before
+        rendering, so a request too long to fit is refused unread (the body limit bounds the rest)."""
+        n = 0
+        for m in self.messages:
+            if isinstance(m.content, str):
+                n += len(m.content)
+            elif isinstance(m.content, list):
+                n += sum(len(str(p.get("text") or "")) for p in m.content if isinstance(p, dict))
+            n += len(m.reasoning_content or "") + len(m.reasoning or "")
+        return n
+
     def chat_options(self) -> ChatOptions:
         """vLLM's knobs: ``chat_template_kwargs`` (thinking, reasoning_effort, drop_thinking) over the
         top-level ``reasoning_effort``."""

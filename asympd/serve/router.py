@@ -185,7 +185,7 @@ class Router:
         try:
             if kind == "chat":
                 req = P.ChatCompletionRequest.model_validate(body)
-                self._check_chars(sum(len(m.text()) for m in req.messages))  # before templating
+                self._check_chars(req.text_chars())  # before templating
                 return len(self.tokenizer.encode(req.render_prompt()).ids)
             prompt = P.CompletionRequest.model_validate(body).single_prompt()
             if isinstance(prompt, str):
