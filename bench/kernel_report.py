@@ -39,8 +39,21 @@ def ir_summary(kernel) -> dict:
     for op in ("convert_layout", "local_alloc", "local_load", "local_store", "tt.dot", "warp_group_dot", "async_copy"):
         out[f"ttgir_{op}"] = len(re.findall(op, ttgir))
     ptx = asm.get("ptx", "")
-    for ins in ("mma.sync", "wgmma.mma_async", "ld.shared", "st.shared", "ldmatrix", "ld.global", "cp.async",
-                "lop3", "shl", "and.b32", "mul.f32", "mul.rn.f32", "cvt"):
+    for ins in (
+        "mma.sync",
+        "wgmma.mma_async",
+        "ld.shared",
+        "st.shared",
+        "ldmatrix",
+        "ld.global",
+        "cp.async",
+        "lop3",
+        "shl",
+        "and.b32",
+        "mul.f32",
+        "mul.rn.f32",
+        "cvt",
+    ):
         out[f"ptx_{ins}"] = ptx.count(ins)
     return out
 
@@ -59,8 +72,9 @@ def main() -> None:
         bm = moe_block_m(ids.numel(), n_exp)
         order, *blocks = G.moe_blocks(ids, n_exp, bm)
         token = order // k
+        n_routed = ids.numel()
 
-        def run(x=x, blocks=blocks, token=token, bm=bm, r=ids.numel()):
+        def run(x=x, blocks=blocks, token=token, bm=bm, r=n_routed):
             return w13.matmul(x, blocks, r, bm, token)
 
         run()
