@@ -74,18 +74,26 @@ def main() -> None:
         token = order // k
         n_routed = ids.numel()
 
-        def run(x=x, blocks=blocks, token=token, bm=bm, r=n_routed):
-            return w13.matmul(x, blocks, r, bm, token)
-
-        run()
-        torch.cuda.synchronize()
-        if once:
-            continue
-        t = time_cuda(run, iters=10, warmup=2, graph=True)
         touched = int(torch.unique(ids).numel())
         nbytes = touched * 2 * inter * d * (0.5 + 1 / 32)
-        report[rows] = {"block_m": bm, "ms": t["ms"], "TBps": nbytes / (t["ms"] * 1e-3) / 1e12}
-        log(f"rows {rows}: {t['ms']:.3f} ms, {report[rows]['TBps']:.2f} TB/s of packed weight")
+        outs = {}
+        for lut in (True, False):  # the PRMT table decode (default) and the bit-building one
+
+            def run(x=x, blocks=blocks, token=token, bm=bm, r=n_routed, lut=lut):
+                return w13.matmul(x, blocks, r, bm, token, {"lut": lut})
+
+            outs[lut] = run()
+            torch.cuda.synchronize()
+            if once:
+                continue
+            t = time_cuda(run, iters=10, warmup=2, graph=True)
+            key = f"{rows}_{'lut' if lut else 'bits'}"
+            report[key] = {"block_m": bm, "ms": t["ms"], "TBps": nbytes / (t["ms"] * 1e-3) / 1e12}
+            log(f"rows {rows} {'lut ' if lut else 'bits'}: {t['ms']:.3f} ms, {report[key]['TBps']:.2f} TB/s")
+        same = bool(torch.equal(outs[True], outs[False]))
+        diff = float((outs[True].float() - outs[False].float()).abs().max())
+        report[f"{rows}_lut_equals_bits"] = same
+        log(f"rows {rows}: LUT output equals bit-building output: {same} (max abs diff {diff:.3g})")
     if not once:
         # every compiled variant of the kernel (one per constexpr set)
         variants = []

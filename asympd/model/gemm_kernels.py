@@ -67,6 +67,45 @@ if AVAILABLE:
         hi = (((p & 0x70) << 18) | ((p & 0x80) << 24)).to(tl.float32, bitcast=True) * 8.507059173023462e37 * scale
         return lo, hi
 
+    # e2m1 -> bf16 by table lookup, four packed bytes per 32-bit lane (the Marlin approach): PRMT picks,
+    # for each byte's 3-bit magnitude, the high and the low byte of its bf16 value from an 8-entry
+    # table held in two immediates; two more PRMTs interleave them into bf16 pairs, and the sign bits
+    # are moved to bit 15 of each half. About 4 instructions a value (the bit-building path: ~8).
+    # Outputs: $0,$1 the four low-nibble values (elements j), $2,$3 the high-nibble ones (j + 16).
+    _FP4_LUT_NIBBLES = """
+        and.b32 x, {w}, 0x07070707;
+        shr.u32 y, x, 4;
+        or.b32 y, x, y;
+        prmt.b32 sel, y, z, 0x4420;
+        prmt.b32 hb, th0, th1, sel;
+        prmt.b32 lb, tl0, tl1, sel;
+        and.b32 s, {w}, 0x08080808;
+        prmt.b32 t, s, z, 0x4140;
+        shl.b32 t, t, 12;
+        prmt.b32 {o0}, lb, hb, 0x5140;
+        or.b32 {o0}, {o0}, t;
+        prmt.b32 t, s, z, 0x4342;
+        shl.b32 t, t, 12;
+        prmt.b32 {o1}, lb, hb, 0x7362;
+        or.b32 {o1}, {o1}, t;
+    """
+    _FP4_LUT_ASM = tl.constexpr(
+        "{ .reg .b32 x, y, sel, hb, lb, s, t, w, z, th0, th1, tl0, tl1;\n"
+        "mov.b32 z, 0; mov.b32 th0, 0x3F3F3F00; mov.b32 th1, 0x40404040;\n"
+        "mov.b32 tl0, 0xC0800000; mov.b32 tl1, 0xC0804000;\n"
+        + _FP4_LUT_NIBBLES.format(w="$4", o0="$0", o1="$1")
+        + "shr.u32 w, $4, 4;\n"
+        + _FP4_LUT_NIBBLES.format(w="w", o0="$2", o1="$3")
+        + "}"
+    )
+
+    @triton.jit
+    def _fp4_lut(p):
+        """Packed bytes (int8, kernel order) -> (low-nibble, high-nibble) e2m1 values in bf16 (CUDA only)."""
+        return tl.inline_asm_elementwise(
+            _FP4_LUT_ASM, "=r,=r,=r,=r,r", [p], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
+        )
+
     @triton.jit
     def _fp8_tile_gemm_kernel(
         a_ptr,
@@ -146,6 +185,7 @@ if AVAILABLE:
         N_EXPERTS: tl.constexpr,
         GATHER: tl.constexpr,
         DOT_F32: tl.constexpr,
+        LUT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -176,9 +216,13 @@ if AVAILABLE:
             for u in tl.static_range(UNROLL):  # one 32-element scale block: 16 bytes of every row
                 kb = kb_lo + kb0 + u
                 live = kb < K // 32
-                p = tl.load(w_base + kb * 16 + kk[None, :], mask=cmask[:, None] & live, other=0).to(tl.int32)
+                p = tl.load(w_base + kb * 16 + kk[None, :], mask=cmask[:, None] & live, other=0)
                 sc = _ue8m0(tl.load(s_base + kb, mask=cmask & live, other=0))[:, None]
-                lo, hi = _fp4_halves(p, sc)  # elements kb*32 + j and kb*32 + 16 + j (see repack_fp4)
+                if LUT:  # elements kb*32 + j and kb*32 + 16 + j (see repack_fp4)
+                    lo, hi = _fp4_lut(p)
+                    lo, hi = lo * sc.to(tl.bfloat16), hi * sc.to(tl.bfloat16)
+                else:
+                    lo, hi = _fp4_halves(p.to(tl.int32), sc)
                 a_row = a_ptr + src[:, None] * s_am + kb * 32 + kk[None, :]
                 a_lo = tl.load(a_row, mask=rmask[:, None] & live, other=0.0)
                 a_hi = tl.load(a_row + 16, mask=rmask[:, None] & live, other=0.0)
@@ -381,6 +425,7 @@ def mxfp4_moe_gemm(
         N_EXPERTS=n_experts,
         GATHER=a_rows is not None,
         DOT_F32=_dot_f32(a),
+        LUT=cfg.get("lut", a.is_cuda and a.dtype == torch.bfloat16),
         BLOCK_M=block_m,
         BLOCK_N=bn,
         num_warps=cfg.get("num_warps", 4 if block_m <= 64 else 8),
