@@ -93,6 +93,9 @@ def test_mxfp4_moe_gemm_equals_per_expert_gemm(rows, block_m):
     # the second GEMM's form: rows already sorted, no gather
     y2 = gemm.mxfp4_moe_gemm(x[token], w, sc, blocks, flat.numel(), block_m)
     assert torch.equal(y2, y)
+    # bf16 (on CUDA: the PRMT table decode): the exact product rounded once, one ulp for the order
+    yb = gemm.mxfp4_moe_gemm(x.bfloat16(), w, sc, blocks, flat.numel(), block_m, a_rows=token)
+    assert torch.allclose(yb.double(), ref.bfloat16().double(), rtol=2**-7, atol=0)
 
 
 def test_moe_blocks_cover_every_row_once():
