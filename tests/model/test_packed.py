@@ -159,18 +159,19 @@ def test_weights_layout_names():
     "mode,weights", [("colocated", "packed"), ("asymmetric", "packed"), ("asymmetric", "packed-experts")]
 )
 def test_packed_weights_give_the_reference_tokens(tiny_ckpt, mode, weights):
-    """Greedy tokens and logprobs in fp32 with packed weights (on the GPU where there is one) against
-    the CPU reference, which holds every weight dequantized. The two sum in different orders, and the
-    tiny random model turns a last-bit difference into another token whenever it moves a value across
-    an FP8/FP4 quantization step (docs/performance.md §1 measures that sensitivity; seen here: one
-    prompt of six whose prefill moves its logprobs by 0.08): so the first token of every prompt must
-    match, and at least 5 of the 6 prompts must match in every token and every logprob to 1e-4. A
-    wrong kernel changes nearly all of them."""
+    """Greedy tokens and logprobs in fp32 with packed weights against the same device's dequantized
+    weights (on CPU: the reference; on CUDA the rest of the path is the same kernels, so this isolates
+    the packing; tests/model/test_cuda.py compares CUDA with the CPU reference). The two sum in
+    different orders, and the tiny random model turns a last-bit difference into another token
+    whenever it moves a value across an FP8/FP4 quantization step (docs/performance.md §1 measures that
+    sensitivity; seen here: one prompt of six whose prefill moves its logprobs by 0.08): so the first
+    token of every prompt must match, and at least 5 of the 6 prompts must match in every token and
+    every logprob to 1e-4. A wrong kernel changes nearly all of them."""
     prompts = random_prompts([40, 9, 21, 64, 17, 100], seed=3)
     sp = asympd.SamplingParams(max_tokens=5, temperature=0, logprobs=2)
     outs = {}
-    for name, device in (("dequantized", "cpu"), (weights, DEVICE)):
-        llm = asympd.LLM(tiny_ckpt, mode=mode, device=device, dtype=torch.float32, weights=name)
+    for name in ("dequantized", weights):
+        llm = asympd.LLM(tiny_ckpt, mode=mode, device=DEVICE, dtype=torch.float32, weights=name)
         outs[name] = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
     agree = 0
     for ref, got in zip(outs["dequantized"], outs[weights], strict=True):
