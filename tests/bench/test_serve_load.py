@@ -21,8 +21,7 @@ from asympd.bench.serve_load import (
     summarize,
 )
 from asympd.cli import main
-from asympd.serve.procs import stop_all
-from tests.serve.cluster import metrics, router_proc, start_all, wait_idle, wait_router, worker
+from tests.serve.cluster import metrics, one_p_one_d, wait_idle
 
 # the fields `vllm bench serve --save-result` writes that a study reads
 VLLM_FIELDS = [
@@ -59,18 +58,8 @@ VLLM_FIELDS = [
 
 @pytest.fixture(scope="module")
 def cluster(tiny_ckpt, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("bench-serve-logs")
-    p = worker("prefill", tiny_ckpt, "prefill", "asymmetric", logs)
-    d = worker("decode", tiny_ckpt, "decode", "asymmetric", logs)
-    p_url, d_url = start_all([p, d])
-    r = router_proc("router", [p_url], [d_url], logs)
-    procs = [p, d, r]
-    try:
-        (url,) = start_all([r])
-        wait_router(url)
-        yield {"router": url, "prefill": p_url, "decode": d_url}
-    finally:
-        stop_all(procs)
+    with one_p_one_d(tiny_ckpt, tmp_path_factory.mktemp("bench-serve-logs")) as c:
+        yield c
 
 
 def _bench(tmp_path, url: str, *extra: str) -> tuple[int, dict]:

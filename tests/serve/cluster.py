@@ -4,10 +4,11 @@ SSE reading, Prometheus scraping, bounded waits. Not a test module."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -57,6 +58,23 @@ def start_all(procs: list[ServerProcess], timeout: float = 90.0) -> list[str]:
     except BaseException:
         stop_all(procs)
         raise
+
+
+@contextlib.contextmanager
+def one_p_one_d(ckpt: str, log_dir: Any, mode: str = "asymmetric", *worker_args: str) -> Iterator[dict[str, Any]]:
+    """A prefill worker, a decode worker and a router as real processes (stopped on exit):
+    {"router", "prefill", "decode": URLs, "procs": the processes}."""
+    p = worker("prefill", ckpt, "prefill", mode, log_dir, *worker_args)
+    d = worker("decode", ckpt, "decode", mode, log_dir, *worker_args)
+    p_url, d_url = start_all([p, d])
+    r = router_proc("router", [p_url], [d_url], log_dir)
+    procs = [p, d, r]
+    try:
+        (url,) = start_all([r])
+        wait_router(url)
+        yield {"router": url, "prefill": p_url, "decode": d_url, "procs": procs}
+    finally:
+        stop_all(procs)
 
 
 class ThreadServer:

@@ -19,8 +19,7 @@ import pytest
 
 from asympd.engine.llm import load_tokenizer
 from asympd.serve.chat_format import ChatOptions, ChatStreamParser, encode_messages
-from asympd.serve.procs import stop_all
-from tests.serve.cluster import router_proc, start_all, wait_router, worker
+from tests.serve.cluster import one_p_one_d
 
 WEATHER = {
     "type": "function",
@@ -35,17 +34,8 @@ WEATHER = {
 @pytest.fixture(scope="module")
 def cluster(tiny_ckpt, tmp_path_factory):
     logs = tmp_path_factory.mktemp("chat-tools-logs")
-    p = worker("prefill", tiny_ckpt, "prefill", "asymmetric", logs, "--served-model-name", "tiny")
-    d = worker("decode", tiny_ckpt, "decode", "asymmetric", logs, "--served-model-name", "tiny")
-    p_url, d_url = start_all([p, d])
-    r = router_proc("router", [p_url], [d_url], logs)
-    procs = [p, d, r]
-    try:
-        (url,) = start_all([r])
-        wait_router(url)
-        yield url
-    finally:
-        stop_all(procs)
+    with one_p_one_d(tiny_ckpt, logs, "asymmetric", "--served-model-name", "tiny") as c:
+        yield c["router"]
 
 
 @pytest.fixture(scope="module")

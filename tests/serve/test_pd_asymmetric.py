@@ -12,8 +12,7 @@ import pytest
 from asympd.engine.llm import LLM, load_tokenizer
 from asympd.engine.sampling import SamplingParams
 from asympd.serve.chat_format import ChatStreamParser, encode_messages
-from asympd.serve.procs import stop_all
-from tests.serve.cluster import fold, metrics, read_sse, router_proc, start_all, stream, wait_idle, wait_router, worker
+from tests.serve.cluster import fold, metrics, one_p_one_d, read_sse, stream, wait_idle
 from tests.util import random_prompts
 
 MAX_TOKENS = 6
@@ -23,18 +22,8 @@ LENGTHS = [5, 16, 17, 30, 41, 90]
 
 @pytest.fixture(scope="module")
 def cluster(tiny_ckpt, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("pd-asym-logs")
-    p = worker("prefill", tiny_ckpt, "prefill", "asymmetric", logs)
-    d = worker("decode", tiny_ckpt, "decode", "asymmetric", logs)
-    p_url, d_url = start_all([p, d])
-    r = router_proc("router", [p_url], [d_url], logs)
-    procs = [p, d, r]
-    try:
-        (url,) = start_all([r])
-        wait_router(url)
-        yield {"router": url, "prefill": p_url, "decode": d_url, "procs": procs}
-    finally:
-        stop_all(procs)
+    with one_p_one_d(tiny_ckpt, tmp_path_factory.mktemp("pd-asym-logs")) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
