@@ -190,14 +190,18 @@ def run_demo(
                     resp.raise_for_status()
                     out = resp.json()
                     c = out["choices"][0]
-                    text = c.get("text") if "text" in c else c["message"]["content"]
+                    if "text" in c:
+                        text = c["text"]
+                    else:  # thinking mode (V4.1's default): the reasoning, then the answer
+                        msg = c["message"]
+                        text = f"reasoning {msg.get('reasoning') or ''!r}, content {msg.get('content') or ''!r}"
                     timings, usage = out["asympd_timings"], out["usage"]
                 wall = time.perf_counter() - t0
                 print(
                     f"[{title}] prompt {usage.get('prompt_tokens')} tokens -> {usage.get('completion_tokens')} "
                     f"tokens in {1e3 * wall:.0f} ms"
                 )
-                print(f"    output  {text[:70]!r}")
+                print(f"    output  {text[:90] if path.endswith('chat/completions') else repr(text[:70])}")
                 print(f"    TTFT    {_split(timings)}")
             blocks = {}
             for name, u in (("P", p_url), ("D", d_url)):
