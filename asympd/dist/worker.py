@@ -44,7 +44,8 @@ def main() -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
-    model = load_model(spec.checkpoint, spec.role, device, dtype_of(spec.dtype))
+    # EP shards the reference MoE's stacked experts: packed experts are not sharded yet
+    model = load_model(spec.checkpoint, spec.role, device, dtype_of(spec.dtype), weights="dequantized")
     if getattr(model, "drafter", None) is not None:
         model.drafter = None  # the drafter runs on rank 0 only
     shard_moe(model, rank, world)
