@@ -233,6 +233,43 @@ def bench_linears(ceil: dict, g: torch.Generator) -> list[dict]:
     return out
 
 
+def bench_lm_head(cfg, ceil: dict, g: torch.Generator) -> list[dict]:
+    """The LM head as the reference holds it (fp32) and as a bf16 GPU model holds it (the stored bf16
+    values, fp32 accumulation: ``ops.lm_head``), over the rows that need logits."""
+    from asympd.model.ops import lm_head
+
+    head16 = (torch.randn(cfg.vocab_size, cfg.dim, device=DEV, generator=g) * 0.02).to(BF)
+    head32 = head16.float()
+    out = []
+    for rows in (1, 64, 256, 1024):
+        x = torch.randn(rows, cfg.dim, device=DEV, generator=g).to(BF)
+        ref = lm_head(x.float(), head32)
+        got = lm_head(x, head16)
+        t32 = time_cuda(lambda x=x: lm_head(x.float(), head32), iters=10, warmup=2, graph=True)["ms"]
+        t16 = time_cuda(lambda x=x: lm_head(x, head16), iters=10, warmup=2, graph=True)["ms"]
+        floor16 = (
+            max(
+                head16.numel() * 2 / (ceil["copy_TBps"] * 1e12),
+                2 * rows * head16.numel() / (ceil["bf16_gemm_TFLOPs"] * 1e12),
+            )
+            * 1e3
+        )
+        row = {
+            "rows": rows,
+            "fp32_ms": t32,
+            "bf16_fp32acc_ms": t16,
+            "speedup": t32 / t16,
+            "bf16_frac_of_floor": floor16 / t16,
+            "rel_err": rel(got, ref),
+        }
+        out.append(row)
+        log(
+            f"lm_head rows {rows:5d} | fp32 {t32:.3f} ms | bf16+fp32 acc {t16:.3f} ms "
+            f"({100 * floor16 / t16:.0f}% floor) | x{t32 / t16:.1f} | err {row['rel_err']:.1e}"
+        )
+    return out
+
+
 def bench_engram(cfg, g: torch.Generator) -> list[dict]:
     """Host-table lookups as the packed build does them: gather the FP8 rows on the host, copy them
     to the GPU. A 20M-row table (5 GB; the real ones have 384M rows) keeps the gather out of caches."""
@@ -350,11 +387,18 @@ def main() -> None:
     ceil = ceilings()
     log(f"ceilings: {ceil}")
     data = {"ceilings": ceil, "notes": __doc__}
-    sections = (("moe", lambda: bench_moe(cfg, ceil, g)), ("linears", lambda: bench_linears(ceil, g)))
+    sections = (
+        ("moe", lambda: bench_moe(cfg, ceil, g)),
+        ("linears", lambda: bench_linears(ceil, g)),
+        ("lm_head", lambda: bench_lm_head(cfg, ceil, g)),
+    )
     if os.environ.get("ASYMPD_BENCH_SWEEP", "0") == "1":
         sections = (("sweep", lambda: sweep(cfg, ceil, g)),)
     if os.environ.get("ASYMPD_BENCH_ENGRAM", "1") == "1":
         sections += (("engram_host_lookup", lambda: bench_engram(cfg, g)),)
+    only = os.environ.get("ASYMPD_BENCH_ONLY")  # a comma list of sections, e.g. lm_head
+    if only:
+        sections = tuple(s for s in sections if s[0] in only.split(","))
     for key, fn in sections:
         try:
             data[key] = fn()

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from asympd.config import ModelConfig
 from asympd.model.attention import Attention, SequenceKV, rotations, sparse_attention
-from asympd.model.ops import QLinear, apply_rope, hc_pre, linear, rms_norm
+from asympd.model.ops import QLinear, apply_rope, hc_pre, linear, lm_head, rms_norm
 from asympd.model.quant import fp8_qdq
 from asympd.model.transformer import Block
 
@@ -154,7 +154,7 @@ class DSpark(torch.nn.Module):
         markov_head: torch.Tensor,  # [vocab, rank], fp32
         confidence_proj: torch.Tensor,  # [1, dim + rank], fp32
         embed: torch.Tensor,  # the target's
-        head: torch.Tensor,  # the target's, fp32
+        head: torch.Tensor,  # the target's (fp32, or bf16 on a bf16 GPU model: ops.lm_head)
         dtype: torch.dtype,
     ):
         super().__init__()
@@ -223,7 +223,7 @@ class DSpark(torch.nn.Module):
         for block in self.blocks:
             h, pre = block(h, pre, batch)
         x = hc_pre(h, pre)
-        logits = linear(rms_norm(x, self.norm, cfg.norm_eps).float(), self.head)
+        logits = lm_head(rms_norm(x, self.norm, cfg.norm_eps), self.head)
         return x, logits
 
     @torch.inference_mode()

@@ -8,10 +8,10 @@ Weight layouts (``weights=``), all the same function:
 - ``packed-experts`` (the default on CUDA): MXFP4 experts packed (97 % of a layer's bytes, and the
   packed MoE is the faster one at decode sizes), the FP8 attention/shared-expert matrices expanded to
   bf16 (2 % of the bytes; cuBLAS on bf16 beats the FP8-tile kernel at every size measured,
-  docs/performance.md), 2.5 % (prefill role) to 3.0 % (decode role) over the released bytes in all.
+  docs/performance.md), 2.5 % over the released bytes in all (both roles).
 In the packed layouts the Engram tables stay in (pinned) host memory and only looked-up rows move.
-Engram tables stay FP8 in both. The LM head is held in fp32, as the reference holds it, so logits
-come out in fp32.
+Engram tables stay FP8 in both. The LM head is held in fp32, as the reference holds it (a bf16 GPU
+model keeps its stored bf16 values and accumulates in fp32: the same products); logits are fp32.
 """
 
 from __future__ import annotations
@@ -208,7 +208,10 @@ def build_model(
     norm = head = None
     if role != "prefill":
         norm = r.vector("norm.weight")
-        head = r.vector("head.weight", torch.float32)
+        # fp32 as the reference holds it; a bf16 GPU model keeps the stored bf16 values and multiplies
+        # with fp32 accumulation instead (the same products: ops.lm_head), half the bytes
+        bf16_head = device.type == "cuda" and dtype == torch.bfloat16
+        head = r.vector("head.weight", torch.bfloat16 if bf16_head else torch.float32)
     model = Transformer(cfg, role, embed, blocks, norm, head, hasher, dtype)
     model.weights = layout.name
     if role != "prefill":

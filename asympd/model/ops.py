@@ -34,6 +34,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(padded, weight)[:rows].reshape(*x.shape[:-1], weight.size(0))
 
 
+def lm_head(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of the rows x. The reference holds the head in fp32 and multiplies fp32 values;
+    the stored head and a bf16 model's rows are bf16 values, so a bf16 head with fp32 accumulation
+    computes the same products at half the bytes and the bf16 tensor-core rate (the GPU build holds
+    it so, ``loader``). An fp32 head (CPU, fp32 models) takes the reference's fp32 GEMM."""
+    if head.dtype == torch.bfloat16:
+        flat = x.reshape(-1, x.size(-1)).to(torch.bfloat16)
+        return torch.mm(flat, head.t(), out_dtype=torch.float32).view(*x.shape[:-1], head.size(0))
+    return linear(x.float(), head)
+
+
 def stable_elementwise(fn, x: torch.Tensor) -> torch.Tensor:
     """Apply an elementwise op so every element takes the vectorized path. ATen computes the last
     ``numel % (2 * vector width)`` elements with scalar code, and its scalar sigmoid/softplus/silu

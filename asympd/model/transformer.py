@@ -29,7 +29,7 @@ from asympd.config import ModelConfig
 from asympd.model.attention import Attention, SegmentView, SequenceKV
 from asympd.model.engram import Engram
 from asympd.model.moe import MoE
-from asympd.model.ops import hc_mixes, hc_post, hc_pre, linear, rms_norm
+from asympd.model.ops import hc_mixes, hc_post, hc_pre, lm_head, rms_norm
 
 
 class Depth(IntEnum):
@@ -215,16 +215,19 @@ class Transformer(torch.nn.Module):
 
         logits: list[torch.Tensor | None] = [None] * len(chunks)
         draft_hidden: list[torch.Tensor | None] = [None] * len(chunks)
+        wanted: list[tuple[int, range]] = []  # (chunk, its rows that need logits)
         for i, c in enumerate(ordered):
             if hidden[i]:  # every Depth.ALL row, whatever logits it asked for: the drafter is seeded from them
                 draft_hidden[order[i]] = torch.cat(hidden[i], dim=-1)
-            if c.depth is not Depth.ALL or c.logits == "none":
-                continue
-            rows = (
-                slice(offsets[i + 1] - 1, offsets[i + 1]) if c.logits == "last" else slice(offsets[i], offsets[i + 1])
-            )
+            if c.depth is Depth.ALL and c.logits != "none":
+                lo = offsets[i + 1] - 1 if c.logits == "last" else offsets[i]
+                wanted.append((i, range(lo, offsets[i + 1])))
+        if wanted:  # one head GEMM for the whole step (rows are batch-invariant on CPU too, see linear)
+            rows = torch.tensor([r for _, rr in wanted for r in rr], device=self.device)
             x = rms_norm(hc_pre(h[rows], pre[rows]), self.norm, cfg.norm_eps)
-            logits[order[i]] = linear(x.float(), self.head)
+            out = lm_head(x, self.head).split([len(rr) for _, rr in wanted])
+            for (i, _), lg in zip(wanted, out, strict=True):
+                logits[order[i]] = lg
         return ForwardOutput(logits, draft_hidden)
 
     def resident_bytes(self) -> int:
