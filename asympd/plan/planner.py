@@ -10,6 +10,7 @@ constraint. The model and its assumptions: docs/planner.md.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -32,6 +33,8 @@ POLICIES = {  # D admission: (max_new_admissions, admission_token_budget); cap-4
 }
 D_MAX_SEQS = 512  # the largest decode batch measured (d_admission.json)
 MAX_ROUNDS = 14
+P_SIZES_TRIED = 2  # GPUs per P replica: the fewest that fit and the next EP degree (shorter long prompts)
+D_SIZES_TRIED = 3  # GPUs per D replica: the fewest that fit and the next two EP degrees
 
 
 class PlanError(ValueError):
@@ -221,6 +224,7 @@ class Planner:
         self.mem = role_memory(self.cfg, req.reserve_gb)
         self.per_token = compressed_kv_bytes_per_token(self.cfg)
         self.degrees = ep_degrees(self.cfg, self.gpu)
+        self._p_cache: dict[tuple[str, int, int, int], ReplicaRun] = {}
 
     # ---- memory limits ------------------------------------------------------------------------
 
@@ -254,7 +258,10 @@ class Planner:
         p_done: dict[int, float] = {}
         p_runs: list[ReplicaRun] = []
         for r in range(n_p):
-            run = run_prefill(cfg, self.steps, mode, g_p, p_blocks, arr[r::n_p])
+            key = (mode, g_p, n_p, r)
+            if key not in self._p_cache:
+                self._p_cache[key] = run_prefill(cfg, self.steps, mode, g_p, p_blocks, arr[r::n_p])
+            run = self._p_cache[key]
             p_done.update(run.done_s)
             p_runs.append(run)
         at_d = []
@@ -277,7 +284,8 @@ class Planner:
         skip = int(len(arr) * self.req.warmup_fraction)
         counted = [a.index for a in mine if a.index >= skip and a.index in d.first_token_s]
         ttft = [d.first_token_s[i] - start[i] for i in counted]
-        ttft_p = [next(b.time_s for b in mine if b.index == i) - start[i] for i in counted] if counted else []
+        at = {b.index: b.time_s for b in mine}
+        ttft_p = [at[i] - start[i] for i in counted]
         failed = {**{k: v for r in p_runs for k, v in r.failed.items()}, **d.failed}
         itl_p99 = pct(d.itl_s, 99)
         good = [
@@ -304,8 +312,8 @@ class Planner:
         longest = max(a.prompt_len for a in req.arrivals)
         longest_total = max(a.prompt_len + a.output_len for a in req.arrivals) + 1 + 3
         dep = Deployment(mode, False)
-        g_p = self.min_gpus(p_role, 64, longest + 1)
-        if g_p is None:
+        p_options = [g for g in self.degrees if self._fits(p_role, g, 64, longest + 1)]
+        if not p_options:
             dep.binding = (
                 f"memory: a {p_role}-role P replica does not fit {max(self.degrees)} {self.gpu.name} "
                 f"({self.mem[p_role].per_gpu_bytes(max(self.degrees)) / 1e9:.1f} GB weights per GPU, "
@@ -354,21 +362,15 @@ class Planner:
         )
         best: Deployment | None = None
         last_fail: Deployment | None = None
-        for g_d in d_options[:2]:
-            for policy in POLICIES:
-                n_p = max(1, math.ceil(p_work / span / g_p))
-                n_d = self._d_start(g_d, span)
-                d = self._search(mode, g_p, n_p, g_d, n_d, policy)
-                if d.feasible and (
-                    best is None
-                    or (d.total_gpus, -d.goodput_tokens_per_s_per_gpu)
-                    < (best.total_gpus, -best.goodput_tokens_per_s_per_gpu)
-                ):
-                    best = d
-                if not d.feasible:
-                    last_fail = d
-            if best is not None:  # more GPUs per D replica only when the fewest cannot do it
-                break
+        for g_p, g_d, policy in itertools.product(p_options[:P_SIZES_TRIED], d_options[:D_SIZES_TRIED], POLICIES):
+            n_p = max(1, math.ceil(p_work / span / g_p))
+            d = self._search(mode, g_p, n_p, g_d, self._d_start(g_d, span), policy)
+            if d.feasible and (
+                best is None or (d.total_gpus, d.ttft_ms["p99"]) < (best.total_gpus, best.ttft_ms["p99"])
+            ):
+                best = d
+            if not d.feasible:
+                last_fail = d
         return best or last_fail or dep
 
     def _d_start(self, g_d: int, span: float) -> int:

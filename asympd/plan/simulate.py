@@ -9,6 +9,7 @@ makes 1-4 tokens per decode step (speculative decoding, mean 2.8).
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass, field
 
@@ -22,6 +23,8 @@ from asympd.kv.spec import KVCacheSpec
 from asympd.plan.steps import P_STEP_TOKENS, StepModel
 
 ACCEPT = ((1, 0.10), (2, 0.25), (3, 0.40), (4, 0.25))  # tokens per decode step (docs/model.md §6), mean 2.8
+ACCEPT_TOKENS = [n for n, _ in ACCEPT]
+ACCEPT_CUM = list(itertools.accumulate(w for _, w in ACCEPT))
 NUM_SPEC = 3
 BLOCK_SIZE = 256
 
@@ -49,7 +52,22 @@ class ReplicaRun:
     preemptions: int = 0
 
 
-def _scheduler(cfg: ModelConfig, sc: SchedulerConfig, num_blocks: int) -> Scheduler:
+class _SimRequest(Request):
+    """A request compared by identity, as the scheduler means it: the dataclass equality compares
+    every field and dominates a long simulation."""
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    @property
+    def all_token_ids(self) -> range:  # only its length is read; the list copy dominated long prompts
+        return range(len(self.prompt_token_ids) + len(self.output_token_ids))
+
+
+def _scheduler(cfg: ModelConfig, sc: SchedulerConfig, num_blocks: int, arrivals: list[Arrival]) -> Scheduler:
+    # blocks beyond what every request at once could hold never bind: leave them out (same result, faster)
+    demand = sum(-(-(a.prompt_len + a.output_len + 1 + NUM_SPEC) // BLOCK_SIZE) for a in arrivals)
+    num_blocks = min(num_blocks, demand + 1)
     spec = KVCacheSpec.from_config(cfg, block_size=BLOCK_SIZE, spec_slack=NUM_SPEC)
     blocks = BlockManager(spec, num_blocks=num_blocks, max_seqs=sc.max_num_seqs, enable_prefix_caching=False)
     return Scheduler(sc, blocks)
@@ -66,7 +84,7 @@ def run_prefill(
 ) -> ReplicaRun:
     """One P replica: prompts packed up to the 16K-token step budget, exported when done."""
     sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=P_STEP_TOKENS)
-    sched = _scheduler(cfg, sc, num_blocks)
+    sched = _scheduler(cfg, sc, num_blocks, arrivals)
     run = ReplicaRun()
     pending = sorted(arrivals, key=lambda a: (a.time_s, a.index))
     lengths: dict[str, int] = {}
@@ -79,7 +97,7 @@ def run_prefill(
                 run.done_s[a.index] = a.time_s  # N <= W: P has nothing to compute
                 continue
             plan = modes.prefill_plan(cfg, a.prompt_len, mode)
-            req = Request(
+            req = _SimRequest(
                 str(a.index),
                 [0] * a.prompt_len,
                 SamplingParams(max_tokens=1),
@@ -139,7 +157,7 @@ def run_decode(
         admission_token_budget=admission_token_budget,
         num_spec_tokens=NUM_SPEC,
     )
-    sched = _scheduler(cfg, sc, num_blocks)
+    sched = _scheduler(cfg, sc, num_blocks, arrivals)
     rng = random.Random(seed)
     run = ReplicaRun()
     pending = sorted(arrivals, key=lambda a: (a.time_s, a.index))
@@ -153,7 +171,7 @@ def run_decode(
             i += 1
             plan = modes.decode_plan(cfg, a.prompt_len, mode)
             rid = str(a.index)
-            req = Request(
+            req = _SimRequest(
                 rid, [0] * a.prompt_len, SamplingParams(max_tokens=a.output_len), plan.phases, arrival_time=a.time_s
             )
             req.spec_enabled = True
@@ -199,7 +217,7 @@ def run_decode(
                         run.first_token_s[a.index] = t
                         last[rid] = t
                 continue
-            k = rng.choices([n for n, _ in ACCEPT], weights=[w for _, w in ACCEPT])[0]
+            k = rng.choices(ACCEPT_TOKENS, cum_weights=ACCEPT_CUM)[0]
             k = min(k, a.output_len - len(req.output_token_ids))
             req.output_token_ids.extend([0] * k)
             gaps[rid].append(t - last[rid])
