@@ -108,6 +108,8 @@ def run_prefill(
             lengths[req.request_id] = a.prompt_len
             sched.add(req)
         if not sched.has_work:
+            if i >= len(pending):
+                break
             t = pending[i].time_s
             continue
         out = sched.schedule()
@@ -184,6 +186,8 @@ def run_decode(
             gaps[rid] = []
             sched.add(req)
         if not sched.has_work:
+            if i >= len(pending):
+                break
             t = pending[i].time_s
             continue
         out = sched.schedule()
