@@ -61,8 +61,12 @@ def plot(result: dict[str, Any], path: str) -> None:
     deps = result["deployments"]
     names = [d["mode"] for d in deps]
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
-    a.bar(names, [d["total_gpus"] if d["feasible"] else 0 for d in deps], color="tab:blue")
+    p_gpus = [d["p_replicas"] * d["p_gpus"] if d["feasible"] else 0 for d in deps]
+    d_gpus = [d["d_replicas"] * d["d_gpus"] if d["feasible"] else 0 for d in deps]
+    a.bar(names, p_gpus, color="tab:orange", label="P")
+    a.bar(names, d_gpus, bottom=p_gpus, color="tab:blue", label="D")
     a.set_ylabel("GPUs (0 = infeasible)")
+    a.legend()
     b.bar(names, [d["goodput_tokens_per_s_per_gpu"] if d["feasible"] else 0 for d in deps], color="tab:green")
     b.set_ylabel("goodput, output tokens/s per GPU")
     fig.suptitle(

@@ -437,7 +437,10 @@ class Planner:
                     f"with {n_d} D replicas of {g_d} {self.gpu.name}"
                 )
                 if r["itl_ms"]["p99"] > 0.98 * prev_itl:  # more replicas no longer help: a step is too slow
-                    dep.binding += " (more D replicas do not lower it)"
+                    dep.binding += " (more D replicas do not lower it"
+                    if mode != "asymmetric":  # P made the first token: the next one waits for D's replay step
+                        dep.binding += "; the gap after P's first token spans D's admission and replay step"
+                    dep.binding += ")"
                     break
                 prev_itl = r["itl_ms"]["p99"]
                 n_d += max(1, n_d // 4)
@@ -496,7 +499,7 @@ def format_plan(result: dict[str, Any]) -> str:
         f"({result['requests_simulated']} requests simulated)"
     ]
     hdr = (
-        f"{'mode':<11}{'P repl x GPUs':>14}{'D repl x GPUs':>14}{'D admission':>12}{'GPUs':>6}"
+        f"{'mode':<11}{'P n x EP':>14}{'D n x EP':>14}{'D admission':>12}{'GPUs':>6}"
         f"{'TTFT p50/p99 ms':>18}{'ITL p50/p99 ms':>17}{'goodput tok/s/GPU':>19}"
     )
     lines += [hdr, "-" * len(hdr)]
