@@ -172,6 +172,9 @@ class Deployment:
     goodput_tokens_per_s_per_gpu: float = 0.0
     slo_attainment: float = 0.0
     memory: dict[str, Any] = field(default_factory=dict)
+    p_busy: float = 0.0  # busiest P replica: time in steps / time to its last export
+    d_max_batch: int = 0
+    d_preemptions: int = 0
     rounds: list[str] = field(default_factory=list)
 
 
@@ -287,7 +290,7 @@ class Planner:
         at = {b.index: b.time_s for b in mine}
         ttft_p = [at[i] - start[i] for i in counted]
         failed = {**{k: v for r in p_runs for k, v in r.failed.items()}, **d.failed}
-        itl_p99 = pct(d.itl_s, 99)
+        itl = [g for g, i in zip(d.itl_s, d.itl_request, strict=True) if i >= skip]
         good = [
             i
             for i in counted
@@ -297,13 +300,13 @@ class Planner:
         n_counted = len([a for a in mine if a.index >= skip])
         return {
             "ttft_ms": {"p50": pct(ttft, 50), "p90": pct(ttft, 90), "p99": pct(ttft, 99)},
-            "itl_ms": {"p50": pct(d.itl_s, 50), "p90": pct(d.itl_s, 90), "p99": itl_p99},
+            "itl_ms": {"p50": pct(itl, 50), "p90": pct(itl, 90), "p99": pct(itl, 99)},
             "ttft_p99_split_ms": {"p_side": pct(ttft_p, 99), "d_side": pct(ttft, 99) - pct(ttft_p, 99)},
             "attainment": len(good) / n_counted if n_counted else 0.0,
             "failed": failed,
-            "p_utilization": max((r.busy_s / max(max(r.done_s.values(), default=0.0), 1e-9)) for r in p_runs),
+            "p_busy": max(r.busy_s / max(max(r.done_s.values(), default=0.0), 1e-9) for r in p_runs),
             "d_max_batch": d.max_batch,
-            "preemptions": d.preemptions,
+            "d_preemptions": d.preemptions,
         }
 
     def plan_mode(self, mode: str) -> Deployment:
@@ -410,6 +413,7 @@ class Planner:
             dep.total_gpus = n_p * g_p + n_d * g_d
             dep.ttft_ms, dep.itl_ms, dep.ttft_p99_split_ms = r["ttft_ms"], r["itl_ms"], r["ttft_p99_split_ms"]
             dep.slo_attainment = r["attainment"]
+            dep.p_busy, dep.d_max_batch, dep.d_preemptions = r["p_busy"], r["d_max_batch"], r["d_preemptions"]
             mean_out = sum(a.output_len for a in req.arrivals) / len(req.arrivals)
             dep.goodput_tokens_per_s_per_gpu = req.rate * r["attainment"] * mean_out / dep.total_gpus
             dep.memory = {
@@ -476,16 +480,21 @@ def _why(best: Deployment | None, deps: list[Deployment]) -> dict[str, Any]:
     if best is None:
         return {"mode": None, "why": "no mode meets the targets: " + "; ".join(f"{d.mode}: {d.binding}" for d in deps)}
     others = [d for d in deps if d is not best]
+
+    def p_side(d: Deployment) -> str:
+        m = d.memory.get("p", {})
+        return f"its P holds the {m.get('role')} role, {m.get('weights_gb_per_gpu', 0):.0f} GB per GPU"
+
     why = (
         f"{best.mode}: {best.total_gpus} GPUs ({best.p_replicas} P x {best.p_gpus} + {best.d_replicas} D x "
         f"{best.d_gpus}, D admission {best.d_policy}), goodput {best.goodput_tokens_per_s_per_gpu:.0f} "
-        f"tokens/s per GPU"
+        f"tokens/s per GPU; {p_side(best)}"
     )
     for d in others:
         if d.feasible:
             why += (
                 f"; {d.mode} needs {d.total_gpus} GPUs ({d.p_replicas} P x {d.p_gpus} + {d.d_replicas} D x "
-                f"{d.d_gpus}), {d.goodput_tokens_per_s_per_gpu:.0f} tokens/s per GPU"
+                f"{d.d_gpus}), {d.goodput_tokens_per_s_per_gpu:.0f} tokens/s per GPU; {p_side(d)}"
             )
         else:
             why += f"; {d.mode} is infeasible ({d.binding})"

@@ -44,6 +44,7 @@ class ReplicaRun:
     done_s: dict[int, float] = field(default_factory=dict)  # P: export time; D: finish time
     first_token_s: dict[int, float] = field(default_factory=dict)
     itl_s: list[float] = field(default_factory=list)
+    itl_request: list[int] = field(default_factory=list)  # whose gap each itl_s entry is
     mean_itl_s: dict[int, float] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
     steps: int = 0
@@ -226,6 +227,7 @@ def run_decode(
             req.output_token_ids.extend([0] * k)
             gaps[rid].append(t - last[rid])
             run.itl_s.append(t - last[rid])
+            run.itl_request.append(a.index)
             last[rid] = t
             if len(req.output_token_ids) >= a.output_len:
                 req.status = Status.FINISHED_LENGTH
