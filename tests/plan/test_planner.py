@@ -244,3 +244,15 @@ def test_cli_plan_errors(capsys):
     assert "--prompt-len: expected N or N:weight" in capsys.readouterr().err
     assert main(["plan", "--gpu", "b200", "--slo-ttft-p99", "1", "--slo-itl-p99", "1"]) == 2
     assert "--rate is required" in capsys.readouterr().err
+
+
+def test_cli_plan_from_a_traffic_file(capsys, tmp_path):
+    f = tmp_path / "traffic.jsonl"
+    f.write_text("".join(f'{{"prompt_len": {1024 * (1 + i % 4)}, "output_len": 32}}\n' for i in range(40)))
+    args = ["plan", "--gpu", "gb300", "--traffic", str(f), "--rate", "1", "--mode", "asymmetric",
+            "--slo-ttft-p99", "8", "--slo-itl-p99", "250", "--json"]  # fmt: skip
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["requests_simulated"] == 40 and out["gpu"]["name"] == "GB300"
+    assert [d["mode"] for d in out["deployments"]] == ["asymmetric"]
+    assert out["deployments"][0]["memory"]["p"]["role"] == "prefill"
