@@ -82,6 +82,26 @@ def _memory(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- plan -----------------------------------------------------------------------------------------
+
+
+def _plan_args(p: argparse.ArgumentParser) -> None:
+    from asympd.plan.command import add_arguments
+
+    add_arguments(p)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from asympd.plan.command import run
+    from asympd.plan.planner import PlanError
+    from asympd.plan.steps import PlanInputError
+
+    try:
+        return run(args)
+    except (PlanError, PlanInputError) as e:
+        raise UsageError(str(e)) from e
+
+
 # ---- inspect --------------------------------------------------------------------------------------
 
 
@@ -312,6 +332,7 @@ COMMANDS: dict[str, Command] = {
         "write a random-weight checkpoint in the released format", _make_checkpoint_args, _make_checkpoint
     ),
     "memory": Command("resident bytes per role and KV room per GPU", _memory_args, _memory),
+    "plan": Command("the cheapest P/D deployment for a traffic mix and TTFT/ITL targets", _plan_args, _plan),
     "inspect": Command(
         "the shards a role needs; load it and report what was read (exit 1: shards missing)", _inspect_args, _inspect
     ),

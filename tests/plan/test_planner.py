@@ -1,0 +1,258 @@
+"""`asympd plan`: step times carried from the H200 results, the simulator, memory limits, infeasible
+targets with the binding constraint named, determinism, and the CLI."""
+
+import json
+import math
+
+import pytest
+
+from asympd.cli import main
+from asympd.config import v41_flash
+from asympd.plan.gpus import GPUS, gpu_spec, roofline_factor
+from asympd.plan.planner import (
+    PlanError,
+    Planner,
+    PlanRequest,
+    blocks_for,
+    kv_room,
+    load_traffic,
+    parse_dist,
+    poisson_arrivals,
+    role_memory,
+)
+from asympd.plan.simulate import Arrival, run_decode, run_prefill
+from asympd.plan.steps import Comm, PlanInputError, StepModel, load_results
+from asympd.plan.validate import validate_admission
+
+CFG = v41_flash()
+
+
+@pytest.fixture(scope="module")
+def results():
+    return load_results()
+
+
+def steps_on(results, gpu):
+    return StepModel(results, GPUS[gpu], CFG.dim, CFG.n_activated_experts, CFG.window_size)
+
+
+def request(gpu="B200", rate=2.0, n=60, ttft=8.0, itl=250.0, prompt="1024:0.5,4096:0.5", out="64", **kw):
+    arr = poisson_arrivals(parse_dist(prompt, "p"), parse_dist(out, "o"), rate, n, seed=3)
+    return PlanRequest(gpu, arr, rate, ttft, itl, **kw)
+
+
+# ---- step times ------------------------------------------------------------------------------------
+
+
+def test_roofline_factor_exact():
+    h200, b200 = GPUS["H200"], GPUS["B200"]
+    assert roofline_factor(2.0, 1.0, h200) == 1.0
+    assert roofline_factor(2.0, 1.0, b200) == pytest.approx(4.8 / 8.0)  # bytes-bound: HBM ratio
+    assert roofline_factor(1.0, 2.0, b200) == pytest.approx(989.5 / 2250.0)  # FLOP-bound: bf16 ratio
+    # bound flips: 1.0 ms of bytes and 0.9 of FLOPs on the H200 -> max(0.6, 0.396) on a B200
+    assert roofline_factor(1.0, 0.9, b200) == pytest.approx(0.6)
+    with pytest.raises(ValueError, match="unknown GPU 'A100'"):
+        gpu_spec("A100")
+
+
+def test_h200_decode_table_is_the_measured_one(results):
+    steps = steps_on(results, "H200")
+    for s in results["d_admission"]["steps"]:
+        assert steps.decode_ms(s["B"], s["j"] * 128, 1) == pytest.approx(s["step_ms"], rel=1e-9)
+    b200 = steps_on(results, "B200")
+    for b, j in ((16, 0), (256, 4), (512, 8)):  # every kind moves by a factor in [0.44, 0.6]
+        r = b200.decode_ms(b, j * 128, 1) / steps.decode_ms(b, j * 128, 1)
+        assert 989.5 / 2250 - 1e-9 <= r <= 0.6 + 1e-9
+
+
+def test_h200_prefill_cost_is_the_composed_one(results):
+    steps = steps_on(results, "H200")
+    for row in results["p_throughput"]["per_length"]:
+        n = row["n_prompt"]
+        for mode, rows in (("asymmetric", n - 128), ("symmetric", n)):
+            got = steps.prefill_cost_ms_per_row(mode, n) * rows
+            assert got == pytest.approx(row[mode]["ms_per_prompt"], rel=1e-9)
+    # a lone 1K prompt costs the measured 896-row chunk, not 1/18 of a packed step
+    lone = steps.prefill_ms("asymmetric", [(896, 1024)], 1)
+    assert lone > 2.5 * results["p_throughput"]["per_length"][0]["asymmetric"]["ms_per_prompt"]
+    assert steps.prefill_ms("asymmetric", [], 4) == 0.0
+
+
+def test_communication_from_the_two_gpu_run(results):
+    comm = Comm.from_two_gpu(results["two_gpu"])
+    assert comm.link_efficiency == pytest.approx(391.5967722 / 450.0)
+    for v in (v for v in results["two_gpu"]["state"].values() if isinstance(v, dict)):  # fit within 15 %
+        pred = comm.transfer_latency_s + v["nbytes"] / (comm.transfer_rate_gbps * 1e9)
+        assert pred == pytest.approx(v["seconds"], rel=0.15)
+    steps = steps_on(results, "H200")
+    assert steps.a2a_ms(1024, 1, 40) == 0.0
+    per_gpu = 1024 / 4 * 6 * 3 / 4 * 5120 * 3
+    want = 40 * (per_gpu / (450e9 * comm.link_efficiency) + 2 * 20e-6) * 1e3
+    assert steps.a2a_ms(1024, 4, 40) == pytest.approx(want)
+
+
+def test_missing_results_are_a_clear_error(tmp_path):
+    with pytest.raises(PlanInputError, match="layers.json is missing"):
+        load_results(tmp_path)
+
+
+# ---- the simulator ---------------------------------------------------------------------------------
+
+
+def test_one_request_exact(results):
+    steps = steps_on(results, "H200")
+    p = run_prefill(CFG, steps, "asymmetric", 2, 1000, [Arrival(0, 1.0, 1024, 4)])
+    assert p.done_s == {0: pytest.approx(1.0 + steps.prefill_ms("asymmetric", [(896, 1024)], 2) / 1e3)}
+    assert p.steps == 1
+    short = run_prefill(CFG, steps, "asymmetric", 2, 1000, [Arrival(0, 1.0, 100, 4)])
+    assert short.done_s == {0: 1.0} and short.steps == 0  # N <= W: nothing for P
+    d = run_decode(CFG, steps, "asymmetric", 4, 1000, [Arrival(0, 2.0, 1024, 4)], 8, 4, 512, seed=0)
+    first = steps.decode_ms(0, 128, 4) / 1e3
+    assert d.first_token_s == {0: pytest.approx(2.0 + first)}  # D's bounded prefill makes the first token
+    assert all(g == pytest.approx(steps.decode_ms(1, 0, 4) / 1e3) for g in d.itl_s)
+    assert d.done_s[0] == pytest.approx(2.0 + first + len(d.itl_s) * steps.decode_ms(1, 0, 4) / 1e3)
+    sym = run_decode(CFG, steps, "symmetric", 4, 1000, [Arrival(0, 2.0, 1024, 4)], 8, 4, 512, seed=0)
+    assert sym.first_token_s == {0: 2.0}  # P made it
+    assert sym.itl_s[0] == pytest.approx((steps.decode_ms(0, 128, 4) + steps.decode_ms(1, 0, 4)) / 1e3)
+
+
+def test_kv_blocks_bound_the_decode_batch(results):
+    steps = steps_on(results, "H200")
+    arr = [Arrival(i, 0.0, 1024, 32) for i in range(12)]
+    roomy = run_decode(CFG, steps, "asymmetric", 4, 10_000, arr, 64, None, None, seed=0)
+    tight = run_decode(CFG, steps, "asymmetric", 4, 15, arr, 64, None, None, seed=0)  # 5 blocks a request
+    assert roomy.max_batch == 12
+    assert tight.max_batch <= 3 and len(tight.done_s) == 12
+
+
+def test_simulator_reproduces_the_admission_benchmark():
+    out = validate_admission(requests=600, policies=("cap-4",))
+    ratio = out["policies"]["cap-4"]["ratio"]
+    assert 0.9 < ratio["itl_p50"] < 1.1 and 0.9 < ratio["itl_p99"] < 1.1
+
+
+# ---- memory -------------------------------------------------------------------------------------------
+
+
+def test_role_memory_splits_the_released_bytes():
+    mem = role_memory(CFG, 10.0)
+    assert mem["prefill"].per_gpu_bytes(1) == pytest.approx(149.48e9, rel=0.005)
+    assert mem["decode"].per_gpu_bytes(1) == pytest.approx(306.56e9, rel=0.005)
+    assert mem["decode"].expert_bytes > 0.9 * mem["decode"].per_gpu_bytes(1)
+    assert mem["decode"].per_gpu_bytes(8) == pytest.approx(
+        mem["decode"].replicated_bytes + mem["decode"].expert_bytes / 8
+    )
+
+
+@pytest.mark.parametrize(("gpu", "asym", "sym", "decode"), [("H200", 2, 3, 3), ("B200", 1, 2, 2), ("B300", 1, 2, 2)])
+def test_gpus_per_replica(results, gpu, asym, sym, decode):
+    planner = Planner(request(gpu), results=results)
+    assert planner.min_gpus("prefill", 64, 16384) == asym
+    assert planner.min_gpus("full", 64, 16384) == sym
+    assert planner.min_gpus("decode", 512, 8192) == decode
+
+
+def test_chosen_deployment_respects_memory(results):
+    out = Planner(request("H200", modes=("asymmetric",)), results=results).plan()
+    (dep,) = out["deployments"]
+    assert dep["feasible"], dep["binding"]
+    for side in ("p", "d"):
+        m = dep["memory"][side]
+        assert m["weights_gb_per_gpu"] + m["kv_room_gb_per_gpu"] + 10.0 == pytest.approx(141.0, abs=0.02)
+        assert m["kv_room_gb_per_gpu"] > 0
+    mem = role_memory(CFG, 10.0)["decode"]
+    room = kv_room(mem, GPUS["H200"], dep["d_gpus"], 10.0)
+    assert dep["memory"]["d"]["kv_blocks"] == blocks_for(room, 512, mem, 890.0)
+
+
+# ---- infeasible targets name what binds -----------------------------------------------------------------
+
+
+def test_itl_target_below_the_fastest_step(results):
+    out = Planner(request("B200", itl=5.0), results=results).plan()
+    assert out["recommendation"]["mode"] is None
+    for d in out["deployments"]:
+        assert not d["feasible"]
+        assert d["binding"].startswith("ITL: the fastest decode step")
+        assert "exceeds the ITL p99 target 5 ms" in d["binding"]
+
+
+def test_ttft_target_below_a_lone_long_prompt(results):
+    out = Planner(request("H200", prompt="65536", ttft=0.5), results=results).plan()
+    for d in out["deployments"]:
+        assert d["binding"].startswith("TTFT: a 65536-token prompt alone takes")
+
+
+def test_memory_binds_when_nothing_fits(results):
+    out = Planner(request("H200", reserve_gb=139.0), results=results).plan()
+    for d in out["deployments"]:
+        assert d["binding"].startswith("memory:")
+
+
+def test_unplannable_mode_and_bad_input(results):
+    with pytest.raises(PlanError, match="mode 'colocated' has no measured prefill-worker step times"):
+        Planner(request(modes=("colocated",)), results=results)
+    with pytest.raises(PlanError, match="--prompt-len: expected N or N:weight"):
+        parse_dist("1k", "--prompt-len")
+    with pytest.raises(PlanError, match="must be positive"):
+        parse_dist("1024:0", "--prompt-len")
+
+
+def test_traffic_file(tmp_path):
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"prompt_len": 1000, "output_len": 10, "t": 0.5}\n{"prompt_len": 300, "output_len": 5, "t": 0.1}\n')
+    arr = load_traffic(f, None, 100, 0)
+    assert [(a.time_s, a.prompt_len, a.output_len) for a in arr] == [(0.1, 300, 5), (0.5, 1000, 10)]
+    f.write_text('{"prompt_len": 1000}\n')
+    with pytest.raises(PlanError, match=r"t.jsonl:1: expected"):
+        load_traffic(f, 1.0, 100, 0)
+    f.write_text('{"prompt_len": 1000, "output_len": 3}\n')
+    with pytest.raises(PlanError, match="need --rate"):
+        load_traffic(f, None, 100, 0)
+
+
+# ---- determinism and the CLI ------------------------------------------------------------------------------
+
+
+ARGS = ["plan", "--gpu", "b200", "--rate", "2", "--prompt-len", "1024:0.5,4096:0.5", "--output-len", "64",
+        "--slo-ttft-p99", "8", "--slo-itl-p99", "250", "--requests", "60"]  # fmt: skip
+
+
+def test_cli_plan_is_deterministic(capsys, tmp_path):
+    assert main([*ARGS, "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main([*ARGS, "--json", "--plot", str(tmp_path / "p.png")]) == 0
+    assert json.loads(capsys.readouterr().out) == first
+    assert (tmp_path / "p.png").stat().st_size > 0
+    best = first["recommendation"]["mode"]
+    assert best in ("asymmetric", "symmetric")
+    dep = next(d for d in first["deployments"] if d["mode"] == best)
+    assert dep["ttft_ms"]["p99"] <= 8000 and dep["itl_ms"]["p99"] <= 250
+    assert dep["total_gpus"] == dep["p_replicas"] * dep["p_gpus"] + dep["d_replicas"] * dep["d_gpus"]
+    assert main(ARGS) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("B200: 2 req/s, TTFT p99 <= 8 s, ITL p99 <= 250 ms (60 requests simulated)")
+    assert f"recommendation: {best}:" in table
+    assert not math.isnan(dep["goodput_tokens_per_s_per_gpu"])
+
+
+def test_cli_plan_errors(capsys):
+    assert main([*ARGS[:-2], "--requests", "60", "--slo-itl-p99", "1"]) == 1  # infeasible: exit 1, table says why
+    assert "infeasible: ITL: the fastest decode step" in capsys.readouterr().out
+    assert main(["plan", "--gpu", "b200", "--rate", "2", "--prompt-len", "x", "--slo-ttft-p99", "1",
+                 "--slo-itl-p99", "1"]) == 2  # fmt: skip
+    assert "--prompt-len: expected N or N:weight" in capsys.readouterr().err
+    assert main(["plan", "--gpu", "b200", "--slo-ttft-p99", "1", "--slo-itl-p99", "1"]) == 2
+    assert "--rate is required" in capsys.readouterr().err
+
+
+def test_cli_plan_from_a_traffic_file(capsys, tmp_path):
+    f = tmp_path / "traffic.jsonl"
+    f.write_text("".join(f'{{"prompt_len": {1024 * (1 + i % 4)}, "output_len": 32}}\n' for i in range(40)))
+    args = ["plan", "--gpu", "gb300", "--traffic", str(f), "--rate", "1", "--mode", "asymmetric",
+            "--slo-ttft-p99", "8", "--slo-itl-p99", "250", "--json"]  # fmt: skip
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["requests_simulated"] == 40 and out["gpu"]["name"] == "GB300"
+    assert [d["mode"] for d in out["deployments"]] == ["asymmetric"]
+    assert out["deployments"][0]["memory"]["p"]["role"] == "prefill"
