@@ -572,6 +572,40 @@ def resync_summary(results: dict[int, dict[str, Any]], block: int) -> None:
         )
 
 
+def check_golden_drafts(reference: Reference, path: Path) -> dict[str, Any]:
+    """The reference drafts every block of the committed bf16 golden drafts (tests/model/
+    golden_drafts.json) from a one-shot prefill up to the block's main rows plus one decode step;
+    the blocks at position 1 are skipped (the reference cannot draft before its first decode step)."""
+    doc = json.loads(path.read_text())
+    vocab = reference.model.embed.vocab_size
+    g = torch.Generator().manual_seed(doc["prompts"]["seed"])
+    out: dict[str, Any] = {}
+    for run in doc["outputs"]["bfloat16"]:
+        n = run["n"]
+        prompt = torch.randint(3, vocab, (n,), generator=g).tolist()  # as tests.util.random_prompts
+        hist = prompt + run["target_tokens"]
+        h = torch.tensor(hist)
+        rows = []
+        for i, b in enumerate(range(n, n + len(run["drafts"]))):
+            if b < 2:
+                continue
+            reference.reset()
+            reference.run(h[: b - 1], 0)
+            reference.spec(hist[b - 1], reference.main_hidden, 0)
+            target = int(reference.run(h[b - 1 : b], b - 1)[0].argmax())
+            drafts = reference.spec(hist[b], reference.main_hidden, b - 1)[0].tolist()
+            rows.append({"block": b, "target_agrees": target == hist[b], "ref": drafts, "golden": run["drafts"][i]})
+        out[str(n)] = rows
+        same = sum(r["ref"] == r["golden"] for r in rows)
+        tokens = sum(a == b for r in rows for a, b in zip(r["ref"], r["golden"], strict=True))
+        print(
+            f"  golden bf16 drafts, prompt length {n}: blocks equal {same}/{len(rows)}, draft tokens equal "
+            f"{tokens}/{sum(len(r['ref']) for r in rows)}, reference greedy = golden target "
+            f"{sum(r['target_agrees'] for r in rows)}/{len(rows)}"
+        )
+    return out
+
+
 # ---- driver ---------------------------------------------------------------------------------------
 
 
@@ -600,6 +634,7 @@ def main() -> int:
         help="prompt lengths of the resynchronised decode + DSpark check (empty: skip it)",
     )
     ap.add_argument("--resync-steps", type=int, default=32, help="decode positions per resynchronised prompt")
+    ap.add_argument("--golden-drafts", type=Path, help="also have the reference draft tests/model/golden_drafts.json")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (fixed, so runs repeat exactly)")
     ap.add_argument("--json", type=Path, help="also write every number here")
     a = ap.parse_args()
@@ -610,7 +645,11 @@ def main() -> int:
     config = json.loads((flat if flat.is_file() else a.checkpoint / "config.json").read_text())
     resync_lengths = [int(x) for x in a.resync_lengths.split(",") if x]
     block = int(config.get("dspark_block_size", 0))
-    need = max([max(lengths) + a.decode_steps] + [n + a.resync_steps for n in resync_lengths]) + block + 1
+    need = max([max(lengths) + a.decode_steps] + [n + a.resync_steps for n in resync_lengths])
+    if a.golden_drafts:
+        gd = json.loads(a.golden_drafts.read_text())
+        need = max([need] + [n + gd["steps"] for n in gd["prompts"]["lengths"]])
+    need += block + 1
     max_seq_len = max(64, -(-need // 64) * 64)
 
     ref_mod = import_reference(a.reference_dir)
@@ -795,6 +834,9 @@ def main() -> int:
             print_resync(n, resynced[n])
         resync_summary(resynced, block)
         results["resynced"] = resynced
+    if a.golden_drafts:
+        print(f"\n=== the reference on {a.golden_drafts} ===")
+        results["golden_drafts"] = check_golden_drafts(reference, a.golden_drafts)
     if a.json:
         a.json.write_text(json.dumps(results, indent=1, default=str))
     print(f"\nworst relative logit difference: {worst:.2e}")
