@@ -20,7 +20,12 @@ What it does, on one checkpoint written in the released layout (e.g. by ``make-c
    reference's greedy choice), comparing each step's logits;
 4. to localize differences: the residual stream after every layer, and after prefill and after the
    last decode step the caches -- each KV source's compressed KV, its indexer keys, and every
-   layer's sliding-window KV -- read from both.
+   layer's sliding-window KV -- read from both;
+5. resynchronised decode and the DSpark drafter (``--resync-lengths``, ``--resync-steps``): at every
+   decode position p both sides start again from the same one-shot prefill of ``hist[:p]``, decode p,
+   and draft the block at p+1 (ours: ``DSpark.draft``; the reference: ``Transformer.forward_spec``),
+   comparing the drafts, their Markov-biased logits and the confidence logits -- once from each
+   side's own target states, once with our drafter fed the reference's (the drafter alone).
 
 Two known, non-mathematical differences can be removed on the reference side, without touching its
 files, to see what remains (see docs/reference-check.md):
@@ -54,6 +59,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from asympd.kv.dense import DenseSequenceKV  # noqa: E402
+from asympd.model.dspark import Draft, DraftSegment  # noqa: E402
 from asympd.model.loader import load_model  # noqa: E402
 from asympd.model.transformer import Chunk, Depth  # noqa: E402
 
@@ -220,6 +226,10 @@ class Reference:
         self.hidden: list[torch.Tensor] = []
         for layer in self.model.layers:
             layer.register_forward_hook(lambda mod, inp, out: self.hidden.append(out[0][0].detach().clone()))
+        self.main_hidden: torch.Tensor | None = None  # [rows, n_targets * dim] of the last run
+        self.draft_hidden: list[torch.Tensor] = []  # each draft block's output of the last spec()
+        for block in self.model.mtp:
+            block.register_forward_hook(lambda mod, inp, out: self.draft_hidden.append(out[0][0].detach().clone()))
 
     @torch.inference_mode()
     def reset(self) -> None:
@@ -241,10 +251,31 @@ class Reference:
             torch.Tensor.topk = _stable_topk
         try:
             with self.ref.set_dtype(torch.bfloat16):
-                _, logits, _ = self.model(ids.view(1, -1), start_pos)
+                _, logits, main_hidden = self.model(ids.view(1, -1), start_pos)
         finally:
             torch.Tensor.topk = original
+        self.main_hidden = None if main_hidden is None else main_hidden[0]
         return logits[0].float()
+
+    @torch.inference_mode()
+    def spec(self, token: int, main_hidden: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, ...] | None:
+        """``Transformer.forward_spec``: with start_pos 0 it only seeds the draft windows with the
+        main rows 0..; otherwise ``main_hidden`` is position start_pos's row, ``token`` the one after it
+        (the block's first row). Returns (drafts [B], Markov-biased logits [B, vocab] fp32, confidence
+        logits [B] fp32), or None when seeding."""
+        self.draft_hidden = []
+        original = torch.Tensor.topk
+        if self.stable_topk:  # the draft blocks' MoE gates
+            torch.Tensor.topk = _stable_topk
+        try:
+            with self.ref.set_dtype(torch.bfloat16):
+                out = self.model.forward_spec(torch.tensor([token]), main_hidden.unsqueeze(0), start_pos)
+        finally:
+            torch.Tensor.topk = original
+        if out is None:
+            return None
+        ids, logits, confidence = out
+        return ids[0, 1:].clone(), logits[0].float().clone(), confidence[0].float().clone()
 
     def caches(self, n_tokens: int, cfg: Any) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -274,9 +305,26 @@ class Ours:
             if block is not None:
                 block.register_forward_hook(lambda mod, inp, out: self.hidden.append(out[0].detach().clone()))
         self.kv: DenseSequenceKV | None = None
+        self.draft_hidden: torch.Tensor | None = None  # [rows, n_targets * dim] of the last run
+        self.drafter = self.model.drafter
+        self.drafter_hidden: list[torch.Tensor] = []
+        for block in self.drafter.blocks:
+            block.register_forward_hook(lambda mod, inp, out: self.drafter_hidden.append(out[0].detach().clone()))
 
     def reset(self) -> None:
         self.kv = DenseSequenceKV(self.cfg, dtype=self.dtype)
+
+    def spec(
+        self, kv: DenseSequenceKV, main_hidden: torch.Tensor, main_start: int, token: int | None = None
+    ) -> Draft | None:
+        """Seed the draft windows with main rows main_start..; with ``token``, then draft the block
+        after them (at main_start + rows) greedily: the first maximum of each Markov-biased row, as the
+        reference's ``sample`` at temperature 0 and the engine's greedy proposer pick."""
+        self.drafter_hidden = []
+        block = None if token is None else main_start + main_hidden.size(0)
+        seg = DraftSegment(kv, main_hidden.to(self.dtype), main_start, block, token or 0)
+        k = 0 if token is None else self.cfg.dspark_block_size
+        return self.drafter.draft([seg], k, lambda i, logits: logits.argmax(-1))
 
     def run(self, history: torch.Tensor, start: int, count: int) -> torch.Tensor:
         """fp32 logits [count, vocab] of positions start..start+count-1 (history holds them all)."""
@@ -291,7 +339,9 @@ class Ours:
             encoder_floor=0,
             logits="all",
         )
-        return self.model([chunk]).logits[0].float()
+        out = self.model([chunk])
+        self.draft_hidden = out.draft_hidden[0]
+        return out.logits[0].float()
 
     def caches(self, n_tokens: int) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -365,6 +415,197 @@ def fmt_tensors(tag: str, ms: dict[str, dict[str, float]]) -> list[str]:
     return lines
 
 
+# ---- resynchronised decode and the DSpark drafter ---------------------------------------------------
+
+
+def _exact(ms: list[dict[str, float]] | dict[str, dict[str, float]]) -> bool:
+    vals = ms.values() if isinstance(ms, dict) else ms
+    return all(m.get("max_abs", 1.0) == 0 for m in vals)
+
+
+def _draft_metrics(ours: Draft, ref: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+    """Ours vs the reference's forward_spec for one block: drafts, their logits, confidence logits.
+    For a draft that differs, ``ref_gap`` is the reference's logit margin between the two tokens."""
+    r_tok, r_logits, r_conf = ref
+    o_tok, o_logits, o_conf = ours.tokens[0].cpu(), ours.logits[0].float().cpu(), ours.confidence[0].float().cpu()
+    same = (o_tok == r_tok).tolist()
+    first = next((i for i, ok in enumerate(same) if not ok), None)
+    return {
+        "drafts_ref": r_tok.tolist(),
+        "drafts_ours": o_tok.tolist(),
+        "equal": sum(same),
+        "first_diff": first,
+        "ref_gap": None if first is None else (r_logits[first, r_tok[first]] - r_logits[first, o_tok[first]]).item(),
+        "logits_max_abs": (o_logits - r_logits).abs().max().item(),
+        "logits_rel": ((o_logits - r_logits).abs().max() / r_logits.abs().max()).item(),
+        "logits_exact": bool(torch.equal(o_logits, r_logits)),
+        "confidence_max_abs": (o_conf - r_conf).abs().max().item(),
+    }
+
+
+def resync_check(
+    reference: Reference, ours: Ours, ours_fp32: Ours | None, ids: torch.Tensor, steps: int
+) -> dict[str, Any]:
+    """Decode and drafting checked at every position, each from the same one-shot prefill.
+
+    The tokens are the reference's own greedy continuation of ``ids``. For each decode position p:
+    both sides prefill ``hist[:p]`` from empty caches (and seed their draft windows with its main
+    rows), run one decode step at p, and draft the block at p+1 whose first token is ``hist[p+1]``.
+    Entering state = every prefill layer output and every cache read bit-identical. The drafter is
+    run twice on our side: from our own target states, and from the reference's (``isolated``: the
+    drafter alone, whatever the target did)."""
+    cfg = ours.cfg
+    n = ids.numel()
+    reference.reset()
+    tok = int(reference.run(ids, 0)[-1].argmax())
+    hist = ids.tolist()
+    for p in range(n, n + steps):
+        hist.append(tok)
+        tok = int(reference.run(torch.tensor(hist[p : p + 1]), p)[0].argmax())
+    hist.append(tok)
+    h = torch.tensor(hist)
+    out: list[dict[str, Any]] = []
+    for p in range(n, n + steps):
+        nxt = hist[p + 1]
+        # the reference: prefill, seed, decode step p, draft the block at p+1
+        reference.reset()
+        reference.run(h[:p], 0)
+        r_pre_hidden, r_pre_main = reference.hidden, reference.main_hidden
+        r_caches = reference.caches(p, cfg)
+        reference.spec(hist[p], r_pre_main, 0)
+        r_logits = reference.run(h[p : p + 1], p)
+        r_hidden, r_main = reference.hidden, reference.main_hidden
+        r_draft = reference.spec(nxt, r_main, p)
+        r_draft_hidden = reference.draft_hidden
+        # ours, the same
+        ours.reset()
+        ours.run(h, 0, p)
+        o_pre_hidden, o_pre_main = ours.hidden, ours.draft_hidden
+        o_caches = ours.caches(p)
+        ours.spec(ours.kv, o_pre_main, 0)
+        o_logits = ours.run(h, p, 1)
+        o_hidden, o_main = ours.hidden, ours.draft_hidden
+        o_draft = ours.spec(ours.kv, o_main, p, nxt)
+        o_draft_hidden = ours.drafter_hidden
+        # the drafter alone, from the reference's target states
+        iso_kv = DenseSequenceKV(cfg, dtype=ours.dtype)
+        ours.spec(iso_kv, r_pre_main, 0)
+        iso = ours.spec(iso_kv, r_main, p, nxt)
+        iso_hidden = ours.drafter_hidden
+
+        pre_layers = hidden_metrics(o_pre_hidden, r_pre_hidden)
+        caches = {k: tensor_metrics(o_caches[k], v) for k, v in r_caches.items()}
+        dec_layers = hidden_metrics(o_hidden, r_hidden)
+        first = next((j for j, m in enumerate(dec_layers) if m["max_abs"] > 0), None)
+        step: dict[str, Any] = {
+            "pos": p,
+            "entered_exact": _exact(pre_layers) and _exact(caches),
+            "prefill_main_hidden_exact": bool(torch.equal(o_pre_main, r_pre_main)),
+            "decode": logit_metrics(o_logits, r_logits),
+            "decode_first_layer_differing": first,
+            "decode_main_hidden_exact": bool(torch.equal(o_main, r_main)),
+            "draft": _draft_metrics(o_draft, r_draft),
+            "draft_blocks_exact": _exact(hidden_metrics(o_draft_hidden, r_draft_hidden)),
+            "isolated": _draft_metrics(iso, r_draft),
+            "isolated_blocks_exact": _exact(hidden_metrics(iso_hidden, r_draft_hidden)),
+        }
+        if ours_fp32 is not None:
+            ours_fp32.reset()
+            ours_fp32.run(h, 0, p)
+            ours_fp32.spec(ours_fp32.kv, ours_fp32.draft_hidden, 0)
+            f_logits = ours_fp32.run(h, p, 1)
+            step["fp32_decode"] = logit_metrics(f_logits, r_logits)
+            step["fp32_draft"] = _draft_metrics(ours_fp32.spec(ours_fp32.kv, ours_fp32.draft_hidden, p, nxt), r_draft)
+        out.append(step)
+    return {"tokens": hist, "steps": out}
+
+
+def print_resync(n: int, res: dict[str, Any]) -> None:
+    print(f"\n=== resynchronised: prompt length {n}, decode positions {n}..{n + len(res['steps']) - 1} ===")
+    print("  pos: entered exact | decode max|d| argmax first-layer-differing | drafts ref / ours (= equal),")
+    print("  draft logits max|d| (exact?) confidence max|d| | isolated drafter (reference's target states)")
+    for s_ in res["steps"]:
+        d, dr, iso = s_["decode"], s_["draft"], s_["isolated"]
+        first = "-" if s_["decode_first_layer_differing"] is None else f"L{s_['decode_first_layer_differing']}"
+        f32 = ""
+        if "fp32_draft" in s_:
+            ok = "ok" if s_["fp32_decode"]["argmax_agree"] else "DIFF"
+            f32 = f"  [fp32: argmax {ok} drafts {s_['fp32_draft']['equal']}]"
+        print(
+            f"    {s_['pos']:<4} {'yes' if s_['entered_exact'] else 'no '} | {d['max_abs']:.2e} "
+            f"{'ok ' if d['argmax_agree'] else 'DIFF'} {first:<3} | {dr['drafts_ref']} / {dr['drafts_ours']} "
+            f"({dr['equal']})  {dr['logits_max_abs']:.2e} ({'exact' if dr['logits_exact'] else 'no'}) "
+            f"{dr['confidence_max_abs']:.2e} | iso {iso['equal']} {iso['logits_max_abs']:.2e} "
+            f"({'exact' if iso['logits_exact'] else 'no'}){f32}"
+        )
+
+
+def resync_summary(results: dict[int, dict[str, Any]], block: int) -> None:
+    print("\n=== summary, resynchronised decode and drafts (ours bf16 vs reference bf16) ===")
+    print(
+        f"{'len':>4} {'steps':>5} {'entered exact':>13} {'dec exact':>9} {'dec argmax':>10} | "
+        f"{'drafts =':>9} {'blocks exact':>12} {'logits exact':>12} {'max|d|':>9} {'conf max|d|':>11} | "
+        f"{'iso drafts =':>12} {'iso exact':>9} {'iso max|d|':>10} | {'fp32 argmax':>11} {'fp32 drafts':>11}"
+    )
+    for n, res in results.items():
+        st = res["steps"]
+        k = len(st)
+        dec_exact = sum(s_["decode_first_layer_differing"] is None for s_ in st)
+        f32 = [s_ for s_ in st if "fp32_draft" in s_]
+        print(
+            f"{n:>4} {k:>5} {sum(s_['entered_exact'] for s_ in st):>9}/{k:<3} {dec_exact:>5}/{k:<3} "
+            f"{sum(s_['decode']['argmax_agree'] for s_ in st):>6}/{k:<3} | "
+            f"{sum(s_['draft']['equal'] for s_ in st):>5}/{k * block:<3} "
+            f"{sum(s_['draft_blocks_exact'] for s_ in st):>8}/{k:<3} "
+            f"{sum(s_['draft']['logits_exact'] for s_ in st):>8}/{k:<3} "
+            f"{max(s_['draft']['logits_max_abs'] for s_ in st):>9.2e} "
+            f"{max(s_['draft']['confidence_max_abs'] for s_ in st):>11.2e} | "
+            f"{sum(s_['isolated']['equal'] for s_ in st):>8}/{k * block:<3} "
+            f"{sum(s_['isolated']['logits_exact'] for s_ in st):>5}/{k:<3} "
+            f"{max(s_['isolated']['logits_max_abs'] for s_ in st):>10.2e} | "
+            + (
+                f"{sum(s_['fp32_decode']['argmax_agree'] for s_ in f32):>7}/{k:<3} "
+                f"{sum(s_['fp32_draft']['equal'] for s_ in f32):>7}/{k * block:<3}"
+                if f32
+                else ""
+            )
+        )
+
+
+def check_golden_drafts(reference: Reference, path: Path) -> dict[str, Any]:
+    """The reference drafts every block of the committed bf16 golden drafts (tests/model/
+    golden_drafts.json) from a one-shot prefill up to the block's main rows plus one decode step;
+    the blocks at position 1 are skipped (the reference cannot draft before its first decode step)."""
+    doc = json.loads(path.read_text())
+    vocab = reference.model.embed.vocab_size
+    g = torch.Generator().manual_seed(doc["prompts"]["seed"])
+    out: dict[str, Any] = {}
+    for run in doc["outputs"]["bfloat16"]:
+        n = run["n"]
+        prompt = torch.randint(3, vocab, (n,), generator=g).tolist()  # as tests.util.random_prompts
+        hist = prompt + run["target_tokens"]
+        h = torch.tensor(hist)
+        rows = []
+        for i, b in enumerate(range(n, n + len(run["drafts"]))):
+            if b < 2:
+                continue
+            reference.reset()
+            reference.run(h[: b - 1], 0)
+            reference.spec(hist[b - 1], reference.main_hidden, 0)
+            target = int(reference.run(h[b - 1 : b], b - 1)[0].argmax())
+            drafts = reference.spec(hist[b], reference.main_hidden, b - 1)[0].tolist()
+            rows.append({"block": b, "target_agrees": target == hist[b], "ref": drafts, "golden": run["drafts"][i]})
+        out[str(n)] = rows
+        same = sum(r["ref"] == r["golden"] for r in rows)
+        tokens = sum(a == b for r in rows for a, b in zip(r["ref"], r["golden"], strict=True))
+        print(
+            f"  golden bf16 drafts, prompt length {n}: blocks equal {same}/{len(rows)}, draft tokens equal "
+            f"{tokens}/{sum(len(r['ref']) for r in rows)}, reference greedy = golden target "
+            f"{sum(r['target_agrees'] for r in rows)}/{len(rows)}"
+        )
+    return out
+
+
 # ---- driver ---------------------------------------------------------------------------------------
 
 
@@ -387,6 +628,13 @@ def main() -> int:
         "tie order implementation-defined)",
     )
     ap.add_argument("--no-fp32", action="store_true", help="skip our fp32 run")
+    ap.add_argument(
+        "--resync-lengths",
+        default="1,17,100",
+        help="prompt lengths of the resynchronised decode + DSpark check (empty: skip it)",
+    )
+    ap.add_argument("--resync-steps", type=int, default=32, help="decode positions per resynchronised prompt")
+    ap.add_argument("--golden-drafts", type=Path, help="also have the reference draft tests/model/golden_drafts.json")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (fixed, so runs repeat exactly)")
     ap.add_argument("--json", type=Path, help="also write every number here")
     a = ap.parse_args()
@@ -395,7 +643,13 @@ def main() -> int:
     lengths = [int(x) for x in a.lengths.split(",")]
     flat = a.checkpoint / "inference" / "config.json"  # the reference's own key set
     config = json.loads((flat if flat.is_file() else a.checkpoint / "config.json").read_text())
-    need = max(lengths) + a.decode_steps
+    resync_lengths = [int(x) for x in a.resync_lengths.split(",") if x]
+    block = int(config.get("dspark_block_size", 0))
+    need = max([max(lengths) + a.decode_steps] + [n + a.resync_steps for n in resync_lengths])
+    if a.golden_drafts:
+        gd = json.loads(a.golden_drafts.read_text())
+        need = max([need] + [n + gd["steps"] for n in gd["prompts"]["lengths"]])
+    need += block + 1
     max_seq_len = max(64, -(-need // 64) * 64)
 
     ref_mod = import_reference(a.reference_dir)
@@ -571,6 +825,18 @@ def main() -> int:
         f"{dict(sorted(watch.foreign.items()))} / {dict(sorted(watch.foreign_effective.items()))}"
     )
     results["reference_foreign_index_key_reads"] = {"all": watch.foreign, "effective": watch.foreign_effective}
+
+    if resync_lengths:
+        resynced: dict[int, dict[str, Any]] = {}
+        for n in resync_lengths:
+            ids = torch.randint(0, cfg.vocab_size, (n,), generator=gen)
+            resynced[n] = resync_check(reference, ours_bf16, ours_fp32, ids, a.resync_steps)
+            print_resync(n, resynced[n])
+        resync_summary(resynced, block)
+        results["resynced"] = resynced
+    if a.golden_drafts:
+        print(f"\n=== the reference on {a.golden_drafts} ===")
+        results["golden_drafts"] = check_golden_drafts(reference, a.golden_drafts)
     if a.json:
         a.json.write_text(json.dumps(results, indent=1, default=str))
     print(f"\nworst relative logit difference: {worst:.2e}")
