@@ -26,7 +26,7 @@ from asympd.kv.block_manager import BlockManager
 from asympd.kv.paged_cache import PagedKVCache
 from asympd.kv.spec import KVCacheSpec
 from asympd.model.transformer import Transformer
-from asympd.transfer.prefix_state import PrefixState, PrefixStateError, model_fingerprint
+from asympd.transfer.prefix_state import KV_FORMATS, PrefixState, PrefixStateError, model_fingerprint
 
 
 class RequestError(ValueError):
@@ -51,6 +51,9 @@ class EngineConfig:
     # optional: stop a request's drafts before the first with sigmoid(confidence) below this (the
     # reference computes DSpark's confidence head but applies no threshold; None keeps every draft)
     spec_confidence_threshold: float | None = None
+    # prefill worker: how the exported global KV crosses the wire; fp4 = the released cache formats
+    # (NVFP4 main KV, MXFP4 index keys), lossless since the cache holds those values already
+    kv_wire_format: str = "fp4"
 
     def validate(self) -> None:
         modes.check_role_mode(self.role, self.mode)
@@ -58,6 +61,8 @@ class EngineConfig:
             raise ValueError(f"unknown prefill semantics {self.prefill_semantics!r}")
         if self.boundary_policy not in modes.BOUNDARY_POLICIES:
             raise ValueError(f"unknown boundary policy {self.boundary_policy!r}")
+        if self.kv_wire_format not in KV_FORMATS:
+            raise ValueError(f"unknown kv_wire_format {self.kv_wire_format!r}; expected one of {', '.join(KV_FORMATS)}")
         if self.num_spec_tokens is not None and self.num_spec_tokens < 0:
             raise ValueError(f"num_spec_tokens must be >= 0, got {self.num_spec_tokens}")
         if self.spec_confidence_threshold is not None and not 0 <= self.spec_confidence_threshold <= 1:
@@ -312,6 +317,7 @@ class LLMEngine:
                 fingerprint=self.fingerprint,
                 mode=self.config.mode,
                 policy=self.config.boundary_policy,
+                kv_format=self.config.kv_wire_format,
                 windows=modes.prefill_plan(
                     self.cfg, req.num_prompt_tokens, self.config.mode, self.config.boundary_policy
                 ).exports_windows,

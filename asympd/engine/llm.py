@@ -60,11 +60,13 @@ class LLM:
         num_spec_tokens: int = 0,
         spec_confidence_threshold: float | None = None,
         weights: str = "auto",
+        kv_wire_format: str = "fp4",
     ):
         """``num_spec_tokens`` > 0 turns on speculative decoding with the checkpoint's DSpark draft
         blocks in the engine that decodes (the colocated engine, or D); the prefill worker never drafts.
         ``dtype="auto"``: bf16 on CUDA, fp32 on CPU (``asympd.model.dtypes.resolve_dtype``).
-        ``weights``: packed-experts (the CUDA default), packed or dequantized (the CPU default)."""
+        ``weights``: packed-experts (the CUDA default), packed or dequantized (the CPU default).
+        ``kv_wire_format``: how P's global KV crosses to D (fp4: the released cache formats)."""
         self.mode = mode
         self.tokenizer = load_tokenizer(checkpoint)
         detok = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer else None
@@ -82,6 +84,7 @@ class LLM:
                 scheduler=scheduler or SchedulerConfig(),
                 num_spec_tokens=0 if role == "prefill" else num_spec_tokens,
                 spec_confidence_threshold=spec_confidence_threshold,
+                kv_wire_format=kv_wire_format,
             )
 
         self.prefill: LLMEngine | None = None

@@ -60,7 +60,14 @@ class ModelRunner:
     # ---- prefix state ------------------------------------------------------------------------
 
     def export_prefix(
-        self, req: Request, *, fingerprint: str, mode: str, policy: str, windows: bool = False
+        self,
+        req: Request,
+        *,
+        fingerprint: str,
+        mode: str,
+        policy: str,
+        windows: bool = False,
+        kv_format: str = "unpacked",
     ) -> PrefixState:
         """Copy the global KV of positions [0, s) and the open compressor groups at s into
         contiguous buffers (the one copy P makes; transports move them as they are); with
@@ -99,6 +106,7 @@ class ModelRunner:
             boundary_policy=policy,
             mode=mode,
             num_prompt_tokens=req.num_prompt_tokens,
+            kv_format=kv_format,
         )
 
     def import_prefix(self, req: Request) -> None:
