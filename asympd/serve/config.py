@@ -131,7 +131,9 @@ _CHOICES = {
     "kv_wire_format": KV_FORMATS,
 }
 _CLI_DEFAULTS = {"mode": None, "num_spec_tokens": 0}  # mode None: derived from the role
-_NOT_FLAGS = {"engine", "scheduler", "eos_token_id"}  # nested, or read from the checkpoint
+# nested, or read from the checkpoint; stream_prefix: the HTTP handover ships whole states (the
+# streamed one runs through the offline LLM and the TCP transport's streams)
+_NOT_FLAGS = {"engine", "scheduler", "eos_token_id", "stream_prefix"}
 _DUPLICATE = {(SchedulerConfig, "num_spec_tokens")}  # EngineConfig.num_spec_tokens is the flag
 
 

@@ -20,6 +20,10 @@ transfer/kv_pack.py), lossless because the cache holds those values already. ``u
 dtype as it is. In memory a state always holds the unpacked values; packing happens in
 ``to_buffers`` and unpacking in ``from_buffers``. The open compressor pair, the token ids and the
 windows are never packed (the reference does not quantize them).
+
+A state may be one *slice* of a prefix streamed as P's chunked prefill advances (transfer/stream.py):
+``start`` > 0 means its ckv/idx hold entries ``[start // r, split // r)`` only, and it carries no
+token ids (the slice at ``start`` 0 does). A whole state is the slice with ``start`` 0.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ PAIR_DTYPE = "float32"  # the open group of a compressor is kept in fp32 (docs/m
 TOKEN_DTYPE = "int64"
 _WINDOW_KINDS = ("swa_kv", "swa_pos")  # optional: only a state that ships the windows has them
 _KINDS = ("ckv", "idx", "pair_kv", "pair_score", *_WINDOW_KINDS)
-_META_KEYS = ("split", "num_prompt_tokens", "boundary_policy", "mode", "dtype", "fingerprint", "kv_format")
+_META_KEYS = ("split", "num_prompt_tokens", "boundary_policy", "mode", "dtype", "fingerprint", "kv_format", "start")
 KV_FORMATS = ("fp4", "unpacked")
 # packed kinds: the format of each, and the name of its scale buffer on the wire
 _PACKED = {"ckv": kv_pack.NVFP4, "idx": kv_pack.MXFP4}
@@ -101,20 +105,23 @@ def model_fingerprint(cfg: ModelConfig, checkpoint_id: str, dtype: torch.dtype |
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def expected_buffers(cfg: ModelConfig, split: int, num_tokens: int, dtype: torch.dtype | str) -> dict[str, tuple]:
-    """name -> (dtype name, shape) of every buffer a state at ``split`` must carry under ``cfg``."""
+def expected_buffers(
+    cfg: ModelConfig, split: int, num_tokens: int, dtype: torch.dtype | str, start: int = 0
+) -> dict[str, tuple]:
+    """name -> (dtype name, shape) of every buffer a state (or the slice from ``start``) at ``split``
+    must carry under ``cfg``."""
     cache_dtype = dtype_name(dtype)
     out: dict[str, tuple] = {}
     for layer in cfg.kv_source_layers:
         r = cfg.ratio(layer)
-        out[f"ckv.{layer}"] = (cache_dtype, (split // r, cfg.head_dim))
-        out[f"idx.{layer}"] = (cache_dtype, (split // r, cfg.index_head_dim))
+        out[f"ckv.{layer}"] = (cache_dtype, (split // r - start // r, cfg.head_dim))
+        out[f"idx.{layer}"] = (cache_dtype, (split // r - start // r, cfg.index_head_dim))
     for layer in cfg.kv_source_layers:
         r = cfg.ratio(layer)
         if r > 1 and split % r:
             out[f"pair_kv.{layer}"] = (PAIR_DTYPE, (split % r, cfg.head_dim))
             out[f"pair_score.{layer}"] = (PAIR_DTYPE, (split % r, cfg.head_dim))
-    out["token_ids"] = (TOKEN_DTYPE, (num_tokens,))
+    out["token_ids"] = (TOKEN_DTYPE, (num_tokens if start == 0 else 0,))
     return out
 
 
@@ -149,9 +156,12 @@ class PrefixState:
     mode: str = "asymmetric"
     num_prompt_tokens: int = -1  # -1: taken from token_ids
     kv_format: str = "unpacked"  # how ckv/idx cross the wire (module docstring)
+    start: int = 0  # > 0: a slice of a streamed prefix (module docstring)
     version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0 and self.start > 0:
+            raise PrefixStateError("a slice (start > 0) carries no token ids: give num_prompt_tokens")
         if self.num_prompt_tokens < 0:
             self.num_prompt_tokens = int(self.token_ids.numel())
         self.dtype = dtype_name(self.dtype)
@@ -260,6 +270,7 @@ class PrefixState:
             "dtype": self.dtype,
             "fingerprint": self.fingerprint,
             "kv_format": self.kv_format,
+            "start": self.start,
         }
 
     def to(self, device: torch.device | str) -> PrefixState:
@@ -399,16 +410,19 @@ class PrefixState:
                 raise PrefixStateError(f"{key} must be a non-empty name")
         if self.split < 0:
             raise PrefixStateError(f"split {self.split} is negative")
-        if self.token_ids.dim() != 1 or self.token_ids.numel() != self.num_prompt_tokens:
+        if not 0 <= self.start <= self.split:
+            raise PrefixStateError(f"slice start {self.start} is outside [0, split {self.split}]")
+        want_tokens = self.num_prompt_tokens if self.start == 0 else 0
+        if self.token_ids.dim() != 1 or self.token_ids.numel() != want_tokens:
+            why = "(num_prompt_tokens)" if self.start == 0 else "(a slice after the first carries no token ids)"
             raise PrefixStateError(
-                f"token_ids has shape {tuple(self.token_ids.shape)}, expected ({self.num_prompt_tokens},)"
-                " (num_prompt_tokens)"
+                f"token_ids has shape {tuple(self.token_ids.shape)}, expected ({want_tokens},) {why}"
             )
         if self.num_prompt_tokens < self.split:
             raise PrefixStateError(f"num_prompt_tokens {self.num_prompt_tokens} is smaller than split {self.split}")
         if self.num_prompt_tokens > cfg.max_seq_len:
             raise PrefixStateError(f"num_prompt_tokens {self.num_prompt_tokens} exceeds max_seq_len {cfg.max_seq_len}")
-        expected = expected_buffers(cfg, self.split, self.num_prompt_tokens, self.dtype)
+        expected = expected_buffers(cfg, self.split, self.num_prompt_tokens, self.dtype, self.start)
         have = self.named_buffers()
         for kind in _KINDS:
             if kind in _WINDOW_KINDS:
@@ -426,9 +440,9 @@ class PrefixState:
             if got != dt:
                 raise PrefixStateError(f"{_display(name)} dtype is {got}, expected {dt}")
             if tuple(t.shape) != shape:
-                why = _shape_reason(cfg, name, self.split)
+                why = _shape_reason(cfg, name, self.split, self.start)
                 raise PrefixStateError(f"{_display(name)} has shape {tuple(t.shape)}, expected {shape}{why}")
-        if self.num_prompt_tokens and (self.token_ids.min() < 0 or self.token_ids.max() >= cfg.vocab_size):
+        if self.token_ids.numel() and (self.token_ids.min() < 0 or self.token_ids.max() >= cfg.vocab_size):
             raise PrefixStateError(f"token_ids hold ids outside the vocabulary [0, {cfg.vocab_size})")
         if self.swa_kv or self.swa_pos:
             self._validate_windows(cfg)
@@ -489,13 +503,15 @@ def _display(name: str) -> str:
     return name if layer is None else f"{kind}[{layer}]"
 
 
-def _shape_reason(cfg: ModelConfig, name: str, split: int) -> str:
+def _shape_reason(cfg: ModelConfig, name: str, split: int, start: int = 0) -> str:
     kind, layer = _parse_name(name)
     if layer is None:
         return ""
     r = cfg.ratio(layer)
     width = "index_head_dim" if kind == "idx" else "head_dim"
     rows = f"split {split} // ratio {r}" if kind in ("ckv", "idx") else f"split {split} % ratio {r}"
+    if start and kind in ("ckv", "idx"):
+        rows += f" - start {start} // ratio {r}"
     return f" (rows = {rows}, width = {width})"
 
 
@@ -536,6 +552,7 @@ def parse_header(header: bytes | Mapping[str, Any]) -> dict[str, Any]:
             ("dtype", str),
             ("fingerprint", str),
             ("kv_format", str),
+            ("start", int),
         ):
             if not isinstance(meta[key], kind) or isinstance(meta[key], bool):
                 raise PrefixStateError(f"malformed header: metadata {key} is {meta[key]!r}")
