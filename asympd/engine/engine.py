@@ -26,11 +26,15 @@ from asympd.kv.block_manager import BlockManager
 from asympd.kv.paged_cache import PagedKVCache
 from asympd.kv.spec import KVCacheSpec
 from asympd.model.transformer import Transformer
-from asympd.transfer.prefix_state import PrefixState, PrefixStateError, model_fingerprint
+from asympd.transfer.prefix_state import KV_FORMATS, PrefixState, PrefixStateError, model_fingerprint
+from asympd.transfer.stream import PrefixStream
 
 
 class RequestError(ValueError):
     """A request the engine refuses (bad input): maps to HTTP 400."""
+
+
+STREAM_MODES = ("asymmetric", "encoder-only")  # P exports the global KV only: no windows, no first token
 
 
 @dataclass
@@ -51,6 +55,12 @@ class EngineConfig:
     # optional: stop a request's drafts before the first with sigmoid(confidence) below this (the
     # reference computes DSpark's confidence head but applies no threshold; None keeps every draft)
     spec_confidence_threshold: float | None = None
+    # prefill worker: how the exported global KV crosses the wire; fp4 = the released cache formats
+    # (NVFP4 main KV, MXFP4 index keys), lossless since the cache holds those values already
+    kv_wire_format: str = "fp4"
+    # prefill worker: hand the prefix over in slices as its chunked prefill advances (each chunk's
+    # finished global KV), so that the transfer overlaps the compute (asymmetric, encoder-only)
+    stream_prefix: bool = False
 
     def validate(self) -> None:
         modes.check_role_mode(self.role, self.mode)
@@ -58,6 +68,10 @@ class EngineConfig:
             raise ValueError(f"unknown prefill semantics {self.prefill_semantics!r}")
         if self.boundary_policy not in modes.BOUNDARY_POLICIES:
             raise ValueError(f"unknown boundary policy {self.boundary_policy!r}")
+        if self.kv_wire_format not in KV_FORMATS:
+            raise ValueError(f"unknown kv_wire_format {self.kv_wire_format!r}; expected one of {', '.join(KV_FORMATS)}")
+        if self.stream_prefix and self.mode not in STREAM_MODES:
+            raise ValueError(f"stream_prefix needs mode {' or '.join(STREAM_MODES)}, not {self.mode!r}")
         if self.num_spec_tokens is not None and self.num_spec_tokens < 0:
             raise ValueError(f"num_spec_tokens must be >= 0, got {self.num_spec_tokens}")
         if self.spec_confidence_threshold is not None and not 0 <= self.spec_confidence_threshold <= 1:
@@ -150,9 +164,11 @@ class LLMEngine:
         prefix_state: PrefixState | None = None,
         first_token: int | None = None,
         first_token_logprobs: dict[int, float] | None = None,
+        prefix_stream: bool = False,
     ) -> None:
         """Queue a request. Bad input raises RequestError (or PrefixStateError for a bad prefix
-        state) before anything is allocated."""
+        state) before anything is allocated. ``prefix_stream``: a decode worker's request whose
+        prefix arrives in slices (``import_slice``); it computes nothing until the last one."""
         params = params or SamplingParams()
         if request_id in self.requests or request_id in self.held:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -177,7 +193,15 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks but the "
                 f"whole cache has {self.blocks.num_blocks}: it could never be scheduled"
             )
+        if prefix_stream:
+            if self.config.role != "decode" or self.config.mode not in STREAM_MODES or prefix_state is not None:
+                raise RequestError(f"a streamed prefix needs a decode worker in mode {' or '.join(STREAM_MODES)}")
+            split = modes.decode_plan(self.cfg, len(ids), self.config.mode, self.config.boundary_policy).import_upto
+            if split == 0:
+                raise RequestError("this prompt has no prefix to stream (N <= W): add it without prefix_stream")
+            prefix_state = PrefixStream(self.cfg, self.fingerprint, split, ids)
         req = self._plan_request(request_id, ids, params, prefix_state, first_token)
+        req.awaiting_import = prefix_stream
         req.spec_enabled = self.proposer is not None and not params.adjusts_logits  # drafts assume raw logits
         if first_token_logprobs is not None and req.output_token_ids and params.logprobs is not None:
             req.logprobs.append(dict(first_token_logprobs))
@@ -206,7 +230,9 @@ class LLMEngine:
         if ps is None and plan.import_upto > 0:
             # no prefix from a prefill worker (it failed, or the router skipped it): compute it here
             return Request(rid, ids, params, modes.decode_fallback_plan(self.cfg, n, c.mode, c.boundary_policy))
-        if ps is not None:
+        if isinstance(ps, PrefixStream):
+            pass  # checked slice by slice as it arrives
+        elif ps is not None:
             ps.validate(self.cfg, self.fingerprint)
             if plan.imports_windows and not ps.swa_kv:
                 raise PrefixStateError(f"mode {c.mode}: the prefix state carries no sliding windows")
@@ -225,6 +251,19 @@ class LLMEngine:
             req.output_token_ids.append(int(first_token))
             req.first_token_time = time.monotonic()
         return req
+
+    def import_slice(self, request_id: str, piece: PrefixState) -> bool:
+        """Decode worker: the next slice of a streamed prefix. Written into the request's blocks at
+        once if it holds them (else at admission); True when the prefix is complete and the request
+        may run. A bad slice raises PrefixStateError and leaves the request as it was."""
+        req = self.requests.get(request_id)
+        if req is None or not isinstance(req.imported, PrefixStream) or not req.awaiting_import:
+            raise RequestError(f"request {request_id!r} is not waiting for a streamed prefix")
+        req.imported.add(piece)
+        if req.status is Status.RUNNING:
+            self.runner.import_slice(req, piece)
+        req.awaiting_import = not req.imported.complete
+        return not req.awaiting_import
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request wherever it is and free its blocks (a no-op for an unknown id)."""
@@ -288,6 +327,8 @@ class LLMEngine:
         if sc.phase is not None:
             self.counters["prompt_tokens"] += sc.num_rows
             req.cursor = sc.hi
+            if self.config.stream_prefix and req.streamed < sc.hi < req.export_upto:
+                return [self._stream_slice(req, sc.hi)]
             if req.cursor == sc.phase.hi:
                 req.phase_index += 1
                 if req.in_prompt:
@@ -312,6 +353,8 @@ class LLMEngine:
                 fingerprint=self.fingerprint,
                 mode=self.config.mode,
                 policy=self.config.boundary_policy,
+                kv_format=self.config.kv_wire_format,
+                start=req.streamed if self.config.stream_prefix else 0,
                 windows=modes.prefill_plan(
                     self.cfg, req.num_prompt_tokens, self.config.mode, self.config.boundary_policy
                 ).exports_windows,
@@ -430,6 +473,22 @@ class LLMEngine:
         if free:
             self.scheduler.remove(req)
         return self._output(req, new or [], finished=True)
+
+    def _stream_slice(self, req: Request, upto: int) -> RequestOutput:
+        """Prefill worker streaming: the slice [req.streamed, upto) of the prefix, not finished yet."""
+        piece = self.runner.export_prefix(
+            req,
+            fingerprint=self.fingerprint,
+            mode=self.config.mode,
+            policy=self.config.boundary_policy,
+            kv_format=self.config.kv_wire_format,
+            start=req.streamed,
+            upto=upto,
+        )
+        req.streamed = upto
+        out = self._output(req, [], finished=False)
+        out.prefix_state = piece
+        return out
 
     def _output(self, req: Request, new: list[int], finished: bool) -> RequestOutput:
         text = self.detokenize(req.output_token_ids) if self.detokenize else ""

@@ -60,11 +60,16 @@ class LLM:
         num_spec_tokens: int = 0,
         spec_confidence_threshold: float | None = None,
         weights: str = "auto",
+        kv_wire_format: str = "fp4",
+        stream_prefix: bool = False,
     ):
         """``num_spec_tokens`` > 0 turns on speculative decoding with the checkpoint's DSpark draft
         blocks in the engine that decodes (the colocated engine, or D); the prefill worker never drafts.
         ``dtype="auto"``: bf16 on CUDA, fp32 on CPU (``asympd.model.dtypes.resolve_dtype``).
-        ``weights``: packed-experts (the CUDA default), packed or dequantized (the CPU default)."""
+        ``weights``: packed-experts (the CUDA default), packed or dequantized (the CPU default).
+        ``kv_wire_format``: how P's global KV crosses to D (fp4: the released cache formats).
+        ``stream_prefix``: P hands its prefix over in slices as each prefill chunk finishes, and D
+        writes each into its cache as it arrives (asymmetric, encoder-only)."""
         self.mode = mode
         self.tokenizer = load_tokenizer(checkpoint)
         detok = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer else None
@@ -82,6 +87,8 @@ class LLM:
                 scheduler=scheduler or SchedulerConfig(),
                 num_spec_tokens=0 if role == "prefill" else num_spec_tokens,
                 spec_confidence_threshold=spec_confidence_threshold,
+                kv_wire_format=kv_wire_format,
+                stream_prefix=stream_prefix and role == "prefill",
             )
 
         self.prefill: LLMEngine | None = None
@@ -99,6 +106,7 @@ class LLM:
         self._next_id = 0
         self._params: dict[str, SamplingParams] = {}  # requests at the prefill engine
         self.transfer_bytes: dict[str, int] = {}  # request -> size of the serialized prefix state it moved
+        self.slices: dict[str, list[tuple[int, int]]] = {}  # streamed request -> [start, split) of each slice
         self._secret = secrets.token_bytes(32)  # seals the prefix states this process hands itself
 
     def generate(
@@ -147,13 +155,10 @@ class LLM:
                 if out.error:
                     outs.append(out)
                     continue
-                # what crosses the network: the bytes, sealed on P and verified on D (transfer.seal)
-                tid = new_transfer_id()
-                tag = seal(self._secret, tid, out.prefix_state)
-                blob = out.prefix_state.serialize()
-                self.transfer_bytes[out.request_id] = len(blob)
-                state = PrefixState.deserialize(blob)
-                verify(self._secret, tid, state, tag, out.prompt_token_ids)
+                state = self._cross(out.request_id, out.prefix_state, out.prompt_token_ids)
+                if self.prefill.config.stream_prefix and not (out.finished and out.request_id not in self.slices):
+                    self._stream(out, state)  # (a prefix in one piece is handed over whole, below)
+                    continue
                 first = out.outputs[0].token_ids[0] if out.outputs[0].token_ids else None
                 first_lp = out.outputs[0].logprobs[0] if first is not None and out.outputs[0].logprobs else None
                 params = self._params.pop(out.request_id)
@@ -168,3 +173,26 @@ class LLM:
                 self.prefill.release_transfer(out.request_id)
         outs.extend(self.engine.step())
         return outs
+
+    def _cross(self, rid: str, state: PrefixState, prompt: list[int]) -> PrefixState:
+        """What crosses the network: the bytes, sealed on P and verified on D (transfer.seal)."""
+        tid = new_transfer_id()
+        tag = seal(self._secret, tid, state)
+        blob = state.serialize()
+        self.transfer_bytes[rid] = self.transfer_bytes.get(rid, 0) + len(blob)
+        got = PrefixState.deserialize(blob)
+        verify(self._secret, tid, got, tag, prompt if got.start == 0 else [])
+        return got
+
+    def _stream(self, out, piece: PrefixState) -> None:
+        """One slice of a streamed prefix: the first opens the request on D, each is written into
+        D's cache as it arrives, the last lets D run and frees P's blocks."""
+        rid = out.request_id
+        if rid not in self.slices:
+            self.engine.add_request(rid, out.prompt_token_ids, self._params[rid], prefix_stream=True)
+            self.slices[rid] = []
+        self.slices[rid].append((piece.start, piece.split))
+        self.engine.import_slice(rid, piece)
+        if out.finished:
+            self._params.pop(rid)
+            self.prefill.release_transfer(rid)

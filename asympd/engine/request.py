@@ -57,6 +57,8 @@ class Request:
     spec_accepted: int = 0
     spec_steps: int = 0
     exported: Any = None  # the PrefixState a prefill worker produced
+    streamed: int = 0  # prefill worker streaming its prefix: positions already handed over in slices
+    awaiting_import: bool = False  # decode worker: the streamed prefix has not fully arrived
     timings: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

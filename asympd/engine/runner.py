@@ -11,6 +11,7 @@ from asympd.kv.block_manager import BlockManager
 from asympd.kv.paged_cache import PagedKVCache
 from asympd.model.transformer import Chunk, Depth, Transformer
 from asympd.transfer.prefix_state import PrefixState
+from asympd.transfer.stream import PrefixStream
 
 
 class ModelRunner:
@@ -60,20 +61,30 @@ class ModelRunner:
     # ---- prefix state ------------------------------------------------------------------------
 
     def export_prefix(
-        self, req: Request, *, fingerprint: str, mode: str, policy: str, windows: bool = False
+        self,
+        req: Request,
+        *,
+        fingerprint: str,
+        mode: str,
+        policy: str,
+        windows: bool = False,
+        kv_format: str = "unpacked",
+        start: int = 0,
+        upto: int | None = None,
     ) -> PrefixState:
         """Copy the global KV of positions [0, s) and the open compressor groups at s into
         contiguous buffers (the one copy P makes; transports move them as they are); with
-        ``windows``, every model layer's sliding window too (rows and their positions)."""
-        s = req.export_upto
+        ``windows``, every model layer's sliding window too (rows and their positions). With
+        ``start``/``upto``: the slice of a streamed prefix, entries of [start, upto) only."""
+        s = req.export_upto if upto is None else upto
         bt = self.blocks.block_table(req.request_id)
         view = self._view(req)
         ckv, idx, pair_kv, pair_score = {}, {}, {}, {}
         for layer in self.cfg.kv_source_layers:
             r = self.cfg.ratio(layer)
-            n = s // r
-            ckv[layer] = self.cache.export_compressed(bt, layer, n).clone().cpu()
-            idx[layer] = self.cache.export_index_keys(bt, layer, n).clone().cpu()
+            n, first = s // r, start // r
+            ckv[layer] = self.cache.read_entries(f"ckv.{layer}", bt, n - first, first).cpu()
+            idx[layer] = self.cache.read_entries(f"idx.{layer}", bt, n - first, first).cpu()
             if r > 1 and s % r:
                 kv, score, pos = view.pending(layer)
                 keep = (pos >= n * r) & (pos < s)
@@ -87,7 +98,7 @@ class ModelRunner:
                 swa_kv[layer], swa_pos[layer] = kv[keep].cpu(), pos[keep].cpu()
         return PrefixState(
             split=s,
-            token_ids=torch.tensor(req.prompt_token_ids, dtype=torch.long),
+            token_ids=torch.tensor(req.prompt_token_ids if start == 0 else [], dtype=torch.long),
             ckv=ckv,
             idx=idx,
             pair_kv=pair_kv,
@@ -99,23 +110,33 @@ class ModelRunner:
             boundary_policy=policy,
             mode=mode,
             num_prompt_tokens=req.num_prompt_tokens,
+            kv_format=kv_format,
+            start=start,
         )
 
     def import_prefix(self, req: Request) -> None:
-        """Write a validated PrefixState into this request's blocks. Blocks already holding the
-        same prefix (a prefix-cache hit) are shared, not rewritten."""
-        ps: PrefixState = req.imported
+        """Write a validated PrefixState (or the slices of a PrefixStream received so far) into this
+        request's blocks. Blocks already holding the same prefix (a prefix-cache hit) are shared,
+        not rewritten."""
+        pieces = req.imported.slices if isinstance(req.imported, PrefixStream) else [req.imported]
+        for ps in pieces:
+            self.import_slice(req, ps)
+
+    def import_slice(self, req: Request, ps: PrefixState) -> None:
+        """Write one slice (entries of [ps.start, ps.split)); its open pairs only if it is the
+        last one, ending at the request's split."""
         s = ps.split
         bt = self.blocks.block_table(req.request_id)
         view = self._view(req)
         device = self.cache.device
         for layer in self.cfg.kv_source_layers:
             r = self.cfg.ratio(layer)
-            first = req.num_cached_import // r
+            base = ps.start // r
+            first = max(req.num_cached_import // r, base)
             if s // r > first:
-                self.cache.import_compressed(bt, layer, ps.ckv[layer][first:].to(device), first)
-                self.cache.import_index_keys(bt, layer, ps.idx[layer][first:].to(device), first)
-            if layer in ps.pair_kv:
+                self.cache.import_compressed(bt, layer, ps.ckv[layer][first - base :].to(device), first)
+                self.cache.import_index_keys(bt, layer, ps.idx[layer][first - base :].to(device), first)
+            if layer in ps.pair_kv and s == req.import_len:
                 rows = ps.pair_kv[layer].size(0)
                 view.append_pending(
                     layer, torch.arange(s - rows, s), ps.pair_kv[layer].to(device), ps.pair_score[layer].to(device)

@@ -108,7 +108,7 @@ class Scheduler:
         for req in self.running:
             if budget <= 0 or prompt_budget <= 0:
                 break
-            if req.in_prompt and req.status is Status.RUNNING:
+            if req.in_prompt and req.status is Status.RUNNING and not req.awaiting_import:
                 n = self._prompt_chunk(req, min(budget, prompt_budget), out)
                 budget -= n
                 prompt_budget -= n
@@ -124,7 +124,7 @@ class Scheduler:
             if verdict == "failed":
                 continue
             admitted += 1
-            if req.in_prompt:
+            if req.in_prompt and not req.awaiting_import:
                 n = self._prompt_chunk(req, min(budget, prompt_budget), out)
                 budget -= n
                 prompt_budget -= n

@@ -15,6 +15,7 @@ from asympd.engine import modes
 from asympd.engine.engine import EngineConfig
 from asympd.engine.scheduler import SchedulerConfig
 from asympd.serve.http import DEFAULT_MAX_BODY_BYTES
+from asympd.transfer.prefix_state import KV_FORMATS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # asympd.model.dtypes; auto: bf16 on CUDA, fp32 on CPU
 WEIGHTS = ("auto", "packed-experts", "packed", "dequantized")  # asympd.model.loader.LAYOUTS
@@ -104,6 +105,8 @@ _HELP = {
     "internal_key_file": "file holding the deployment's internal key (default: $ASYMPD_INTERNAL_KEY, else "
     "~/.cache/asympd/internal.key, created on first use)",
     "port": "0 picks a free port (printed when ready)",
+    "kv_wire_format": "prefill worker: fp4 ships the global KV in the released cache formats (NVFP4/MXFP4, "
+    "lossless), unpacked in the cache dtype",
     "served_model_name": "default: the --checkpoint argument",
     "max_body_bytes": "largest request body accepted (413 above it)",
     "num_spec_tokens": "decoding workers: DSpark drafts verified per request per step (0: off)",
@@ -130,9 +133,12 @@ _CHOICES = {
     "on_prefill_failure": ("recompute", "fail"),
     "dtype": DTYPES,
     "weights": WEIGHTS,
+    "kv_wire_format": KV_FORMATS,
 }
 _CLI_DEFAULTS = {"mode": None, "num_spec_tokens": 0}  # mode None: derived from the role
-_NOT_FLAGS = {"engine", "scheduler", "eos_token_id"}  # nested, or read from the checkpoint
+# nested, or read from the checkpoint; stream_prefix: the HTTP handover ships whole states (the
+# streamed one runs through the offline LLM and the TCP transport's streams)
+_NOT_FLAGS = {"engine", "scheduler", "eos_token_id", "stream_prefix"}
 _DUPLICATE = {(SchedulerConfig, "num_spec_tokens")}  # EngineConfig.num_spec_tokens is the flag
 
 

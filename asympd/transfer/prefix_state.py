@@ -12,6 +12,18 @@ version, metadata, and a table of ``{name, dtype, shape, nbytes, offset}``) plus
 The same header serves every data plane: TCP streams the buffers after it, NIXL lets D allocate
 matching receive tensors from it and RDMA-read into them, and ``serialize`` frames both in one blob.
 A receiver must call ``validate`` before writing anything into its cache.
+
+``kv_format`` says how the compressed main KV and index keys cross the wire. ``fp4`` (what the engine
+ships): the released cache formats, NVFP4 codes + E4M3 scales per 16 for ``ckv`` and MXFP4 codes +
+UE8M0 scales per 32 for ``idx`` (buffers ``ckv.L`` / ``ckv_scale.L``, ``idx.L`` / ``idx_scale.L``;
+transfer/kv_pack.py), lossless because the cache holds those values already. ``unpacked``: the cache
+dtype as it is. In memory a state always holds the unpacked values; packing happens in
+``to_buffers`` and unpacking in ``from_buffers``. The open compressor pair, the token ids and the
+windows are never packed (the reference does not quantize them).
+
+A state may be one *slice* of a prefix streamed as P's chunked prefill advances (transfer/stream.py):
+``start`` > 0 means its ckv/idx hold entries ``[start // r, split // r)`` only, and it carries no
+token ids (the slice at ``start`` 0 does). A whole state is the slice with ``start`` 0.
 """
 
 from __future__ import annotations
@@ -29,8 +41,9 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
+from . import kv_pack
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: kv_format (the released FP4 cache formats on the wire)
 HEADER_MAGIC = "asympd.prefix_state"  # inside the JSON header (the to_buffers path)
 BLOB_MAGIC = b"ASYMPDPS"  # first bytes of a serialized blob
 # magic, format version, header length, header crc32, payload length, payload crc32
@@ -45,6 +58,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "float8_e4m3fn": torch.float8_e4m3fn,
     "uint8": torch.uint8,  # packed formats (e.g. NVFP4/MXFP4 bytes)
+    "float8_e8m0fnu": torch.float8_e8m0fnu,  # MXFP4 scales
     "int64": torch.int64,
 }
 # dtypes the compressed KV / index keys may be stored in
@@ -53,7 +67,11 @@ PAIR_DTYPE = "float32"  # the open group of a compressor is kept in fp32 (docs/m
 TOKEN_DTYPE = "int64"
 _WINDOW_KINDS = ("swa_kv", "swa_pos")  # optional: only a state that ships the windows has them
 _KINDS = ("ckv", "idx", "pair_kv", "pair_score", *_WINDOW_KINDS)
-_META_KEYS = ("split", "num_prompt_tokens", "boundary_policy", "mode", "dtype", "fingerprint")
+_META_KEYS = ("split", "num_prompt_tokens", "boundary_policy", "mode", "dtype", "fingerprint", "kv_format", "start")
+KV_FORMATS = ("fp4", "unpacked")
+# packed kinds: the format of each, and the name of its scale buffer on the wire
+_PACKED = {"ckv": kv_pack.NVFP4, "idx": kv_pack.MXFP4}
+_SCALE_KINDS = tuple(f"{k}_scale" for k in _PACKED)
 
 
 class PrefixStateError(ValueError):
@@ -87,20 +105,23 @@ def model_fingerprint(cfg: ModelConfig, checkpoint_id: str, dtype: torch.dtype |
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def expected_buffers(cfg: ModelConfig, split: int, num_tokens: int, dtype: torch.dtype | str) -> dict[str, tuple]:
-    """name -> (dtype name, shape) of every buffer a state at ``split`` must carry under ``cfg``."""
+def expected_buffers(
+    cfg: ModelConfig, split: int, num_tokens: int, dtype: torch.dtype | str, start: int = 0
+) -> dict[str, tuple]:
+    """name -> (dtype name, shape) of every buffer a state (or the slice from ``start``) at ``split``
+    must carry under ``cfg``."""
     cache_dtype = dtype_name(dtype)
     out: dict[str, tuple] = {}
     for layer in cfg.kv_source_layers:
         r = cfg.ratio(layer)
-        out[f"ckv.{layer}"] = (cache_dtype, (split // r, cfg.head_dim))
-        out[f"idx.{layer}"] = (cache_dtype, (split // r, cfg.index_head_dim))
+        out[f"ckv.{layer}"] = (cache_dtype, (split // r - start // r, cfg.head_dim))
+        out[f"idx.{layer}"] = (cache_dtype, (split // r - start // r, cfg.index_head_dim))
     for layer in cfg.kv_source_layers:
         r = cfg.ratio(layer)
         if r > 1 and split % r:
             out[f"pair_kv.{layer}"] = (PAIR_DTYPE, (split % r, cfg.head_dim))
             out[f"pair_score.{layer}"] = (PAIR_DTYPE, (split % r, cfg.head_dim))
-    out["token_ids"] = (TOKEN_DTYPE, (num_tokens,))
+    out["token_ids"] = (TOKEN_DTYPE, (num_tokens if start == 0 else 0,))
     return out
 
 
@@ -108,7 +129,7 @@ def _parse_name(name: str) -> tuple[str, int | None]:
     if name == "token_ids":
         return name, None
     kind, _, layer = name.partition(".")
-    if kind not in _KINDS or not layer.isdigit():
+    if kind not in _KINDS + _SCALE_KINDS or not layer.isdigit():
         raise PrefixStateError(f"unknown buffer name {name!r}")
     return kind, int(layer)
 
@@ -134,12 +155,18 @@ class PrefixState:
     boundary_policy: str = "carry_pair"
     mode: str = "asymmetric"
     num_prompt_tokens: int = -1  # -1: taken from token_ids
+    kv_format: str = "unpacked"  # how ckv/idx cross the wire (module docstring)
+    start: int = 0  # > 0: a slice of a streamed prefix (module docstring)
     version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0 and self.start > 0:
+            raise PrefixStateError("a slice (start > 0) carries no token ids: give num_prompt_tokens")
         if self.num_prompt_tokens < 0:
             self.num_prompt_tokens = int(self.token_ids.numel())
         self.dtype = dtype_name(self.dtype)
+        if self.kv_format not in KV_FORMATS:
+            raise PrefixStateError(f"unknown kv_format {self.kv_format!r} (expected one of {', '.join(KV_FORMATS)})")
 
     # ---- construction ----------------------------------------------------------------------------
 
@@ -155,6 +182,7 @@ class PrefixState:
         device: torch.device | str = "cpu",
         boundary_policy: str = "carry_pair",
         mode: str = "asymmetric",
+        kv_format: str = "unpacked",
     ) -> PrefixState:
         """Empty buffers of the right shapes for ``cfg`` and ``split``, for P to fill."""
         tokens = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1).clone()
@@ -172,6 +200,7 @@ class PrefixState:
                 "boundary_policy": boundary_policy,
                 "mode": mode,
                 "num_prompt_tokens": tokens.numel(),
+                "kv_format": kv_format,
                 "version": FORMAT_VERSION,
             },
             tokens,
@@ -199,7 +228,38 @@ class PrefixState:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the buffers as held in memory (unpacked)."""
         return sum(_nbytes(t) for t in self.named_buffers().values())
+
+    @property
+    def wire_nbytes(self) -> int:
+        """Bytes of the buffers on the wire in this state's ``kv_format`` (without header or padding)."""
+        total = 0
+        for name, t in self.named_buffers().items():
+            kind, _ = _parse_name(name)
+            if self.kv_format == "fp4" and kind in _PACKED:
+                total += t.size(0) * _PACKED[kind].bytes_per_entry(t.size(-1))
+            else:
+                total += _nbytes(t)
+        return total
+
+    def wire_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers as they cross the wire: ``named_buffers`` with ckv/idx packed under ``fp4``
+        (codes under the same name, then their scales). Raises PrefixStateError if a value is not
+        on its format's grid, naming the buffer."""
+        if self.kv_format == "unpacked":
+            return self.named_buffers()
+        out: dict[str, torch.Tensor] = {}
+        for name, t in self.named_buffers().items():
+            kind, layer = _parse_name(name)
+            if kind not in _PACKED:
+                out[name] = t
+                continue
+            try:
+                out[name], out[f"{kind}_scale.{layer}"] = kv_pack.pack(t, _PACKED[kind])
+            except kv_pack.KVPackError as e:
+                raise PrefixStateError(f"{kind}[{layer}]: {e}") from None
+        return out
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -209,6 +269,8 @@ class PrefixState:
             "mode": self.mode,
             "dtype": self.dtype,
             "fingerprint": self.fingerprint,
+            "kv_format": self.kv_format,
+            "start": self.start,
         }
 
     def to(self, device: torch.device | str) -> PrefixState:
@@ -232,7 +294,7 @@ class PrefixState:
         """(JSON header, contiguous buffers in table order). Offsets lay the buffers out in one
         64-byte-aligned payload, which is how ``serialize`` and the TCP plane ship them."""
         table, buffers, offset = [], [], 0
-        for name, t in self.named_buffers().items():
+        for name, t in self.wire_buffers().items():
             t = t.detach().contiguous()
             n = _nbytes(t)
             table.append(
@@ -270,6 +332,10 @@ class PrefixState:
             named[entry["name"]] = t.reshape(entry["shape"])
         tokens = named.pop("token_ids")
         meta = {k: parsed["metadata"][k] for k in _META_KEYS}
+        if meta["kv_format"] == "fp4":
+            named = _unpack_named(named, meta["dtype"])
+        elif any(_parse_name(n)[0] in _SCALE_KINDS for n in named):
+            raise PrefixStateError("scale buffers in a state whose kv_format is unpacked")
         return cls._from_named(named, {**meta, "version": parsed["version"]}, tokens)
 
     # ---- one framed blob --------------------------------------------------------------------------
@@ -344,16 +410,19 @@ class PrefixState:
                 raise PrefixStateError(f"{key} must be a non-empty name")
         if self.split < 0:
             raise PrefixStateError(f"split {self.split} is negative")
-        if self.token_ids.dim() != 1 or self.token_ids.numel() != self.num_prompt_tokens:
+        if not 0 <= self.start <= self.split:
+            raise PrefixStateError(f"slice start {self.start} is outside [0, split {self.split}]")
+        want_tokens = self.num_prompt_tokens if self.start == 0 else 0
+        if self.token_ids.dim() != 1 or self.token_ids.numel() != want_tokens:
+            why = "(num_prompt_tokens)" if self.start == 0 else "(a slice after the first carries no token ids)"
             raise PrefixStateError(
-                f"token_ids has shape {tuple(self.token_ids.shape)}, expected ({self.num_prompt_tokens},)"
-                " (num_prompt_tokens)"
+                f"token_ids has shape {tuple(self.token_ids.shape)}, expected ({want_tokens},) {why}"
             )
         if self.num_prompt_tokens < self.split:
             raise PrefixStateError(f"num_prompt_tokens {self.num_prompt_tokens} is smaller than split {self.split}")
         if self.num_prompt_tokens > cfg.max_seq_len:
             raise PrefixStateError(f"num_prompt_tokens {self.num_prompt_tokens} exceeds max_seq_len {cfg.max_seq_len}")
-        expected = expected_buffers(cfg, self.split, self.num_prompt_tokens, self.dtype)
+        expected = expected_buffers(cfg, self.split, self.num_prompt_tokens, self.dtype, self.start)
         have = self.named_buffers()
         for kind in _KINDS:
             if kind in _WINDOW_KINDS:
@@ -371,9 +440,9 @@ class PrefixState:
             if got != dt:
                 raise PrefixStateError(f"{_display(name)} dtype is {got}, expected {dt}")
             if tuple(t.shape) != shape:
-                why = _shape_reason(cfg, name, self.split)
+                why = _shape_reason(cfg, name, self.split, self.start)
                 raise PrefixStateError(f"{_display(name)} has shape {tuple(t.shape)}, expected {shape}{why}")
-        if self.num_prompt_tokens and (self.token_ids.min() < 0 or self.token_ids.max() >= cfg.vocab_size):
+        if self.token_ids.numel() and (self.token_ids.min() < 0 or self.token_ids.max() >= cfg.vocab_size):
             raise PrefixStateError(f"token_ids hold ids outside the vocabulary [0, {cfg.vocab_size})")
         if self.swa_kv or self.swa_pos:
             self._validate_windows(cfg)
@@ -402,18 +471,47 @@ class PrefixState:
                 raise PrefixStateError(f"swa_kv[{layer}] does not hold the last {need.numel()} prompt rows")
 
 
+def _unpack_named(named: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    """The fp4 wire buffers back to cache values in ``dtype``: every packed buffer needs its scales
+    and every scale buffer its codes; a mismatch or an invalid scale is a PrefixStateError."""
+    if dtype not in DTYPES:
+        raise PrefixStateError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
+    out: dict[str, torch.Tensor] = {}
+    for name, t in named.items():
+        kind, layer = _parse_name(name)
+        if kind in _SCALE_KINDS:
+            if kind.removesuffix("_scale") + f".{layer}" not in named:
+                raise PrefixStateError(f"{_display(name)} has no codes buffer")
+            continue
+        if kind not in _PACKED:
+            out[name] = t
+            continue
+        scales = named.get(f"{kind}_scale.{layer}")
+        if scales is None:
+            raise PrefixStateError(f"packed {_display(name)} arrived without its scales ({kind}_scale.{layer})")
+        if t.dtype != torch.uint8:
+            raise PrefixStateError(f"packed {_display(name)} is {dtype_name(t.dtype)}, expected uint8 codes")
+        try:
+            out[name] = kv_pack.unpack(t, scales, _PACKED[kind]).to(DTYPES[dtype])
+        except kv_pack.KVPackError as e:
+            raise PrefixStateError(f"packed {_display(name)}: {e}") from None
+    return out
+
+
 def _display(name: str) -> str:
     kind, layer = _parse_name(name)
     return name if layer is None else f"{kind}[{layer}]"
 
 
-def _shape_reason(cfg: ModelConfig, name: str, split: int) -> str:
+def _shape_reason(cfg: ModelConfig, name: str, split: int, start: int = 0) -> str:
     kind, layer = _parse_name(name)
     if layer is None:
         return ""
     r = cfg.ratio(layer)
     width = "index_head_dim" if kind == "idx" else "head_dim"
     rows = f"split {split} // ratio {r}" if kind in ("ckv", "idx") else f"split {split} % ratio {r}"
+    if start and kind in ("ckv", "idx"):
+        rows += f" - start {start} // ratio {r}"
     return f" (rows = {rows}, width = {width})"
 
 
@@ -453,9 +551,13 @@ def parse_header(header: bytes | Mapping[str, Any]) -> dict[str, Any]:
             ("mode", str),
             ("dtype", str),
             ("fingerprint", str),
+            ("kv_format", str),
+            ("start", int),
         ):
             if not isinstance(meta[key], kind) or isinstance(meta[key], bool):
                 raise PrefixStateError(f"malformed header: metadata {key} is {meta[key]!r}")
+        if meta["kv_format"] not in KV_FORMATS:
+            raise PrefixStateError(f"malformed header: kv_format {meta['kv_format']!r} (expected one of {KV_FORMATS})")
         if not isinstance(payload, int) or payload < 0:
             raise PrefixStateError(f"malformed header: payload_nbytes is {payload!r}")
         names = set()

@@ -11,6 +11,12 @@ Protocol (one TCP connection per fetch, client = D, server = P). Every control m
     D -> P  {"op": "ack", "transfer_id": id}
     P -> D  {"ok": true, "released": bool}
 
+A streamed prefix (transfer/stream.py) is read slice by slice on one connection, each ``get_slice``
+answered as soon as P has pushed that slice (or refused after ``wait_s``):
+
+    D -> P  {"op": "get_slice", "transfer_id": id, "index": i, "wait_s": t}
+    P -> D  {"ok": true, "header_nbytes": h, "stream_nbytes": n, "last": bool}   then as for get
+
 A fingerprint or protocol mismatch ends the connection after P's refusal, and both sides raise or
 log a TransferError naming both fingerprints: exchanging state between different models or
 numeric formats would silently corrupt D's cache.
@@ -24,7 +30,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -32,8 +38,9 @@ import torch
 from .base import Deadline, TransferError, TransferMetrics, TransferRecord, TransferTimeout, Transport
 from .base import fingerprint_mismatch as _mismatch
 from .lease import LeaseTable, ReleaseFn
-from .prefix_state import DTYPES, PrefixState, parse_header, tensor_bytes
+from .prefix_state import DTYPES, PrefixState, PrefixStateError, parse_header, tensor_bytes
 from .seal import check_op, op_tag
+from .stream import SliceFeed
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +230,7 @@ class PrefixStateServer(ControlServer):
         self.leases = LeaseTable(ttl_s=ttl_s, on_release=on_release)
         self.leases.start_reaper(interval_s=min(1.0, ttl_s / 4))
         self.metrics = metrics or TransferMetrics()
-        handlers = {"get": self._get, "ack": self._ack}
+        handlers = {"get": self._get, "ack": self._ack, "get_slice": self._get_slice}
         super().__init__(host, port, fingerprint, handlers, name="asympd-tcp", secret=secret)
 
     def register(self, transfer_id: str, state: PrefixState, ttl_s: float | None = None) -> None:
@@ -238,15 +245,42 @@ class PrefixStateServer(ControlServer):
                 error = f"unknown transfer id {tid!r} (never published, or already acked or expired)"
                 send_msg(conn, {"ok": False, "error": error})
                 return
-            t0 = time.perf_counter()
+            if isinstance(state, SliceFeed):
+                send_msg(conn, {"ok": False, "error": f"transfer {tid!r} is streamed: read it with get_slice"})
+                return
+            self._send_state(conn, tid, state, {})
+
+    def _send_state(self, conn: socket.socket, tid: str, state: PrefixState, extra: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        try:
             header, buffers = state.to_buffers()
-            stream = sum(b.numel() * b.element_size() for b in buffers)
-            send_msg(conn, {"ok": True, "header_nbytes": len(header), "stream_nbytes": stream})
-            conn.sendall(header)
-            for b in buffers:
-                if b.numel():
-                    conn.sendall(memoryview(tensor_bytes(b)))
-            self.metrics.record(TransferRecord("tcp", "send", tid, stream, time.perf_counter() - t0))
+        except PrefixStateError as e:  # e.g. values that cannot be packed: say so, keep the connection
+            send_msg(conn, {"ok": False, "error": f"transfer {tid!r} cannot be sent: {e}"})
+            return
+        stream = sum(b.numel() * b.element_size() for b in buffers)
+        send_msg(conn, {"ok": True, "header_nbytes": len(header), "stream_nbytes": stream, **extra})
+        conn.sendall(header)
+        for b in buffers:
+            if b.numel():
+                conn.sendall(memoryview(tensor_bytes(b)))
+        self.metrics.record(TransferRecord("tcp", "send", tid, stream, time.perf_counter() - t0))
+
+    def _get_slice(self, conn: socket.socket, msg: dict[str, Any]) -> None:
+        tid, index, wait_s = str(msg.get("transfer_id")), msg.get("index"), msg.get("wait_s", 30.0)
+        if not isinstance(index, int) or index < 0 or not isinstance(wait_s, (int, float)):
+            send_msg(conn, {"ok": False, "error": f"bad get_slice: index {index!r}, wait_s {wait_s!r}"})
+            return
+        with self.leases.hold(tid) as feed:
+            if not isinstance(feed, SliceFeed):
+                error = f"unknown streamed transfer id {tid!r} (never opened, already acked or expired)"
+                send_msg(conn, {"ok": False, "error": error})
+                return
+            got = feed.wait(index, min(max(float(wait_s), 0.0), self.leases.ttl_s))
+            if got is None:
+                why = "the stream ended before it" if feed.done else f"not pushed within {wait_s:.3g} s"
+                send_msg(conn, {"ok": False, "error": f"slice {index} of {tid!r}: {why}"})
+                return
+            self._send_state(conn, tid, got[0], {"last": got[1]})
 
     def _ack(self, conn: socket.socket, msg: dict[str, Any]) -> None:
         send_msg(conn, {"ok": True, "released": self.leases.ack(str(msg.get("transfer_id")))})
@@ -328,19 +362,12 @@ def fetch(
         sock = connect(host, port, fingerprint, deadline)
         with sock:
             reply = request(sock, {"op": "get", "transfer_id": transfer_id}, deadline, where, secret)
-            header = parse_header(recv_exact(sock, int(reply["header_nbytes"]), deadline))
-            buffers = [torch.empty(e["shape"], dtype=DTYPES[e["dtype"]]) for e in header["buffers"]]
-            stream = sum(b.numel() * b.element_size() for b in buffers)
-            if stream != reply["stream_nbytes"]:
-                raise TransferError(f"P announced {reply['stream_nbytes']} bytes but its header describes {stream}")
-            for b in buffers:
-                if b.numel():
-                    recv_into(sock, memoryview(tensor_bytes(b)), deadline)
+            state, stream = _recv_state(sock, reply, deadline)
             if ack:
                 request(sock, {"op": "ack", "transfer_id": transfer_id}, deadline, where, secret)
         if metrics is not None:
             metrics.record(TransferRecord("tcp", "recv", transfer_id, stream, time.perf_counter() - t0))
-        return PrefixState.from_buffers(header, buffers)
+        return state
 
     try:
         return guarded(run, deadline, where)
@@ -348,6 +375,61 @@ def fetch(
         if metrics is not None:
             metrics.failed()
         raise
+
+
+def _recv_state(sock: socket.socket, reply: dict[str, Any], deadline: Deadline) -> tuple[PrefixState, int]:
+    """The header and buffers that follow a positive get/get_slice reply: (state, payload bytes)."""
+    header = parse_header(recv_exact(sock, int(reply["header_nbytes"]), deadline))
+    buffers = [torch.empty(e["shape"], dtype=DTYPES[e["dtype"]]) for e in header["buffers"]]
+    stream = sum(b.numel() * b.element_size() for b in buffers)
+    if stream != reply["stream_nbytes"]:
+        raise TransferError(f"P announced {reply['stream_nbytes']} bytes but its header describes {stream}")
+    for b in buffers:
+        if b.numel():
+            recv_into(sock, memoryview(tensor_bytes(b)), deadline)
+    return PrefixState.from_buffers(header, buffers), stream
+
+
+def fetch_stream(
+    host: str,
+    port: int,
+    transfer_id: str,
+    fingerprint: str,
+    timeout: float = 30.0,
+    ack: bool = True,
+    metrics: TransferMetrics | None = None,
+    secret: bytes | None = None,
+) -> Iterator[PrefixState]:
+    """D: the slices of a streamed prefix, each as soon as P has pushed it (``timeout``: the most to
+    wait for any one slice), over one connection; acked after the last. The caller checks them
+    (engine.LLMEngine.import_slice)."""
+    where = f"{host}:{port}"
+    deadline = Deadline(timeout)
+    sock = guarded(lambda: connect(host, port, fingerprint, deadline), deadline, where)
+    with sock:
+        index, last = 0, False
+        while not last:
+            deadline = Deadline(timeout + 5.0)  # P refuses after wait_s: its answer comes first
+            t0 = time.perf_counter()
+            msg = {"op": "get_slice", "transfer_id": transfer_id, "index": index, "wait_s": timeout}
+            try:
+                reply = guarded(lambda m=msg, d=deadline: request(sock, m, d, where, secret), deadline, where)
+                piece, nbytes = guarded(lambda r=reply, d=deadline: _recv_state(sock, r, d), deadline, where)
+            except TransferError:
+                if metrics is not None:
+                    metrics.failed()
+                raise
+            if metrics is not None:
+                metrics.record(TransferRecord("tcp", "recv", transfer_id, nbytes, time.perf_counter() - t0))
+            last = bool(reply.get("last"))
+            index += 1
+            yield piece
+        if ack:
+            guarded(
+                lambda: request(sock, {"op": "ack", "transfer_id": transfer_id}, deadline, where, secret),
+                deadline,
+                where,
+            )
 
 
 def send_ack(
@@ -411,6 +493,34 @@ class TcpTransport(Transport):
             "transfer_id": transfer_id,
             "nbytes": state.nbytes,
         }
+
+    def open_stream(self, transfer_id: str) -> dict[str, Any]:
+        """P: a streamed prefix under ``transfer_id``; push its slices with ``push`` as they are ready.
+        The params D needs come back at once, before any slice exists."""
+        server = self._server()
+        server.leases.add(transfer_id, SliceFeed(self.fingerprint))
+        return {
+            "transport": self.name,
+            "host": self.advertise_host,
+            "port": server.port,
+            "transfer_id": transfer_id,
+            "stream": True,
+        }
+
+    def push(self, transfer_id: str, piece: PrefixState, last: bool = False) -> None:
+        """P: the next slice of a stream opened with ``open_stream``."""
+        feed = self.server.leases.get(transfer_id) if self.server is not None else None
+        if not isinstance(feed, SliceFeed):
+            raise TransferError(f"no open stream {transfer_id!r} (never opened, acked or expired)")
+        feed.push(piece, last)
+
+    def fetch_stream(
+        self, params: dict[str, Any], fingerprint: str, timeout: float = 30.0, ack: bool = True
+    ) -> Iterator[PrefixState]:
+        """D: the slices of a stream as P pushes them (see ``fetch_stream``)."""
+        check_params(params, self.name)
+        host, port, tid = params["host"], params["port"], params["transfer_id"]
+        return fetch_stream(host, port, tid, fingerprint, timeout, ack, self.metrics, self.secret)
 
     def fetch(self, params: dict[str, Any], fingerprint: str, timeout: float = 30.0, ack: bool = True) -> PrefixState:
         check_params(params, self.name)

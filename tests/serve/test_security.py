@@ -122,6 +122,7 @@ def _republish(dep, kv, tamper, tag_secret=None):
     with TcpTransport(fp, secret=dep.secret) as honest:
         state = honest.fetch(kv, fp, timeout=10, ack=True)  # P frees its copy
     tamper(state)
+    state.kv_format = "unpacked"  # a forger picks any wire format D reads: arbitrary floats ship unpacked
     evil = TcpTransport(fp)  # answers anyone
     params = evil.publish(kv["transfer_id"], state)
     out = {**kv, "host": params["host"], "port": params["port"]}

@@ -130,7 +130,7 @@ def _tokens(t):
 
 
 BAD = {
-    "version": (_set("version", 2), "unsupported format version 2 (this build reads version 1)"),
+    "version": (_set("version", 3), "unsupported format version 3 (this build reads version 2)"),
     "fingerprint": (_set("fingerprint", "deadbeefdeadbeef"), "fingerprint mismatch: state has 'deadbeefdeadbeef'"),
     "dtype name": (_set("dtype", "int64"), "dtype 'int64' is not a cache dtype"),
     "mode": (_set("mode", ""), "mode must be a non-empty name"),

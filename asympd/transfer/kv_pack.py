@@ -1,0 +1,132 @@
+"""The released cache formats on the wire: compressed main KV as NVFP4, indexer keys as MXFP4.
+
+Every compressed KV entry and index key in the cache has already been through ``fp4_qdq`` (model/
+quant.py): per 16 values an E4M3 scale times e2m1 codes for the main KV, per 32 a UE8M0 (power of
+two) scale for the index keys. So the stored values are ``code * scale`` exactly, and packing them
+back into codes + scales is lossless: unpacking gives the same bits (±0 included).
+
+The scale is not stored in the cache, so packing recovers one: a group's largest magnitude is
+``c * s`` for some e2m1 magnitude c, so the candidate scales are ``amax / c``; the first candidate
+that is representable and puts every value of the group on the grid is taken. Any such scale
+reproduces the values exactly, which is all the receiver needs. Values that are not on the grid
+(a cache that was written some other way) raise ``KVPackError`` instead of being rounded.
+
+Layouts (per entry of width d): codes uint8 [d/2], even element in the low nibble (as the checkpoint
+packs FP4); scales [d/16] float8_e4m3fn (main KV) or [d/32] float8_e8m0fnu (index keys). For
+V4.1-Flash (head_dim 512, index_head_dim 128) that is 256 + 32 = 288 B and 64 + 4 = 68 B per entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from asympd.config import ModelConfig
+from asympd.model.quant import E2M1_VALUES, FP4_TABLE, pack_fp4, unpack_fp4
+
+
+class KVPackError(ValueError):
+    """Values that are not on the FP4 grid, or packed buffers that do not describe valid ones."""
+
+
+@dataclass(frozen=True)
+class FP4Format:
+    """One released FP4 cache format: the block length and the scale dtype."""
+
+    name: str
+    block: int
+    scale_dtype: torch.dtype
+    zero_scale: float  # the scale the quantizer gives an all-zero block (its amax floor / 6)
+
+    def scale_ok(self, s: torch.Tensor) -> torch.Tensor:
+        """Which fp32 scales this format stores exactly (positive, finite, representable)."""
+        back = s.to(self.scale_dtype).float()
+        return (back == s) & (s > 0) & torch.isfinite(s)
+
+    def bytes_per_entry(self, width: int) -> int:
+        return width // 2 + width // self.block
+
+
+NVFP4 = FP4Format("nvfp4", 16, torch.float8_e4m3fn, 2.0**-9)  # compressed main KV
+MXFP4 = FP4Format("mxfp4", 32, torch.float8_e8m0fnu, 2.0**-126)  # indexer keys
+# the magnitudes a block's amax can have, largest first: the natural scale (amax = 6 s) is tried first
+_CANDIDATES = E2M1_VALUES[1:].flip(0).tolist()
+
+
+def pack(values: torch.Tensor, fmt: FP4Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, d] cache values -> (codes uint8 [n, d/2], scales [n, d/block]); lossless or KVPackError."""
+    n, d = values.shape
+    if d % fmt.block:
+        raise KVPackError(f"width {d} is not a multiple of the {fmt.name} block {fmt.block}")
+    g = values.detach().float().reshape(-1, fmt.block)  # [n * G, b]
+    amax = g.abs().amax(-1)
+    table, grid = FP4_TABLE.to(g.device), E2M1_VALUES.to(g.device)
+    scale = torch.full_like(amax, float("nan"))
+    codes = torch.zeros(g.shape, dtype=torch.uint8, device=g.device)
+    todo = torch.arange(g.size(0), device=g.device)
+    for i, c in enumerate(_CANDIDATES):  # each pass only over the blocks still without a scale
+        if todo.numel() == 0:
+            break
+        gt, at = g[todo], amax[todo]
+        s = at / c
+        if i == 0:  # an all-zero block takes the quantizer's scale for it
+            s = torch.where(at == 0, torch.full_like(at, fmt.zero_scale), s)
+        cand = _grid_codes(gt / s.unsqueeze(-1), grid)
+        exact = (table[cand.long()] * s.unsqueeze(-1)).view(torch.int32) == gt.view(torch.int32)
+        ok = fmt.scale_ok(s) & exact.all(-1)
+        scale[todo[ok]], codes[todo[ok]] = s[ok], cand[ok]
+        todo = todo[~ok]
+    if todo.numel():
+        row, group = divmod(int(todo[0]), d // fmt.block)
+        raise KVPackError(
+            f"row {row}, values {group * fmt.block}..{(group + 1) * fmt.block - 1} are not on the {fmt.name} grid"
+            " (not a quantized cache entry): it cannot be packed losslessly"
+        )
+    codes, scale = codes.reshape(n, d), scale.reshape(n, d // fmt.block)
+    return pack_fp4(codes).view(torch.uint8), scale.to(fmt.scale_dtype)
+
+
+def _grid_codes(q: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes of values expected exactly on the grid: a magnitude's code is its index in the
+    sorted grid (a value off the grid gets a wrong code, which the caller's exactness check sees).
+    Cheaper than rounding (``e2m1_codes``), which the quantizer needs and packing does not."""
+    code = torch.searchsorted(grid, q.abs().contiguous()).clamp_max(grid.numel() - 1)
+    return code.to(torch.uint8) | (torch.signbit(q).to(torch.uint8) << 3)
+
+
+def unpack(codes: torch.Tensor, scales: torch.Tensor, fmt: FP4Format) -> torch.Tensor:
+    """(codes uint8 [n, d/2], scales [n, d/block]) -> fp32 [n, d]; malformed input is KVPackError."""
+    if codes.dim() != 2 or scales.dim() != 2:
+        raise KVPackError(f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} must be 2-D")
+    if scales.dtype != fmt.scale_dtype:
+        raise KVPackError(f"scales are {scales.dtype}, {fmt.name} keeps them in {fmt.scale_dtype}")
+    n, half = codes.shape
+    if scales.size(0) != n or half * 2 != scales.size(1) * fmt.block:
+        raise KVPackError(
+            f"codes {tuple(codes.shape)} do not match scales {tuple(scales.shape)}: {fmt.name} has one scale"
+            f" per {fmt.block} values ({half * 2 // fmt.block if half * 2 % fmt.block == 0 else 'a fraction'}"
+            f" per row here)"
+        )
+    s = scales.float()
+    bad = ~fmt.scale_ok(s)
+    if bad.any():
+        row, group = (int(i) for i in bad.nonzero()[0])
+        raise KVPackError(f"scale of row {row}, block {group} is {s[row, group].item()}: not a positive finite scale")
+    vals = unpack_fp4(codes.contiguous()).unflatten(-1, (-1, fmt.block))
+    return (vals * s.unsqueeze(-1)).flatten(-2)
+
+
+def wire_bytes_per_token(cfg: ModelConfig, kv_format: str, dtype_size: int = 2) -> float:
+    """Bytes of global KV (main KV + index keys over every KV source) one prompt token puts on the
+    wire: ``fp4`` in the released formats, ``unpacked`` at ``dtype_size`` bytes per value."""
+    total = 0.0
+    for layer in cfg.kv_source_layers:
+        per_token = 1 / cfg.ratio(layer)
+        if kv_format == "fp4":
+            total += per_token * (NVFP4.bytes_per_entry(cfg.head_dim) + MXFP4.bytes_per_entry(cfg.index_head_dim))
+        elif kv_format == "unpacked":
+            total += per_token * (cfg.head_dim + cfg.index_head_dim) * dtype_size
+        else:
+            raise ValueError(f"unknown kv format {kv_format!r}")
+    return total

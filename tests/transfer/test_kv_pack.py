@@ -1,0 +1,186 @@
+"""The released FP4 cache formats on the wire: lossless packing (asserted on bits), the refusal of
+values off the grid and of malformed packed buffers, and the bytes per prompt token (facts §5)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from asympd import LLM, SamplingParams
+from asympd.config import tiny, v41_flash
+from asympd.model.quant import fp4_qdq
+from asympd.transfer import PrefixState, PrefixStateError
+from asympd.transfer.kv_pack import MXFP4, NVFP4, KVPackError, pack, unpack, wire_bytes_per_token
+from tests.transfer.transfer_peer import make_state
+from tests.util import random_prompts
+
+CFG = tiny()
+
+
+def quantized(rows: int, width: int, fmt, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    """Cache entries as the model writes them: fp4_qdq of values over a wide range of magnitudes,
+    with all-zero blocks and signed zeros among them."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=gen) * 2.0 ** torch.randint(-30, 12, (rows, 1), generator=gen)
+    x[0] = 0.0
+    x[1, : fmt.block] = -0.0
+    x[2] *= 1e-30  # below the quantizer's amax floor: the smallest scale
+    return fp4_qdq(x.to(dtype), fmt.block, e4m3_scale=fmt is NVFP4)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_pack_is_lossless_on_bits(fmt, dtype):
+    values = quantized(64, 128, fmt, dtype)
+    codes, scales = pack(values, fmt)
+    assert codes.dtype == torch.uint8 and tuple(codes.shape) == (64, 64)
+    assert scales.dtype == fmt.scale_dtype and tuple(scales.shape) == (64, 128 // fmt.block)
+    back = unpack(codes, scales, fmt).to(dtype)
+    assert torch.equal(bits(back), bits(values))
+    assert torch.signbit(back[1, : fmt.block]).all() and not torch.signbit(back[0]).any()
+    assert codes.nbytes + scales.nbytes == 64 * fmt.bytes_per_entry(128)
+
+
+def test_values_off_the_grid_are_refused():
+    values = quantized(8, 64, NVFP4)
+    values[5, 20] = 0.1234567
+    with pytest.raises(KVPackError, match=r"row 5, values 16\.\.31 are not on the nvfp4 grid"):
+        pack(values, NVFP4)
+    with pytest.raises(KVPackError, match="not on the mxfp4 grid"):
+        pack(torch.full((1, 32), float("nan")), MXFP4)
+
+
+def test_malformed_packed_buffers_are_refused():
+    codes, scales = pack(quantized(4, 64, NVFP4), NVFP4)
+    with pytest.raises(KVPackError, match=r"codes \(4, 31\) do not match scales \(4, 4\)"):
+        unpack(codes[:, :31], scales, NVFP4)
+    with pytest.raises(KVPackError, match=r"codes \(3, 32\) do not match scales \(4, 4\)"):
+        unpack(codes[:3], scales, NVFP4)
+    bad = scales.clone()
+    bad.view(torch.uint8)[2, 1] = 0x7F  # e4m3 NaN
+    with pytest.raises(KVPackError, match="scale of row 2, block 1 is nan: not a positive finite scale"):
+        unpack(codes, bad, NVFP4)
+    bad.view(torch.uint8)[2, 1] = 0xB8  # -1.0
+    with pytest.raises(KVPackError, match="scale of row 2, block 1 is -1.0"):
+        unpack(codes, bad, NVFP4)
+    with pytest.raises(KVPackError, match="scales are torch.float8_e4m3fn, mxfp4 keeps them in torch.float8_e8m0fnu"):
+        unpack(codes, scales, MXFP4)
+
+
+def test_wire_bytes_per_token_at_v41_size():
+    cfg = v41_flash()
+    assert NVFP4.bytes_per_entry(cfg.head_dim) == 288 and MXFP4.bytes_per_entry(cfg.index_head_dim) == 68
+    assert wire_bytes_per_token(cfg, "fp4") == 890  # facts §5
+    assert wire_bytes_per_token(cfg, "unpacked", 2) == 3200  # bf16: 3.6x
+    assert wire_bytes_per_token(CFG, "fp4") == 1.5 * (36 + 17)  # tiny: L1 ratio 2, L3 ratio 1
+
+
+# ---- the prefix state on the wire -------------------------------------------------------------------
+
+
+def packed_state(split: int = 21, n: int = 37, dtype: str = "bfloat16") -> PrefixState:
+    """A tiny state whose ckv/idx hold quantized cache values (random bits elsewhere)."""
+    state = make_state(split, n, dtype)
+    for layer in CFG.kv_source_layers:
+        rows = state.ckv[layer].size(0)
+        state.ckv[layer] = quantized(rows, CFG.head_dim, NVFP4, seed=layer).to(state.ckv[layer].dtype)
+        state.idx[layer] = quantized(rows, CFG.index_head_dim, MXFP4, seed=layer + 7).to(state.idx[layer].dtype)
+    state.kv_format = "fp4"
+    return state
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_state_round_trips_packed_bit_exact(dtype):
+    state = packed_state(dtype=dtype)
+    header, buffers = state.to_buffers()
+    table = {e["name"]: (e["dtype"], tuple(e["shape"])) for e in json.loads(header)["buffers"]}
+    assert table["ckv.1"] == ("uint8", (10, 32)) and table["ckv_scale.1"] == ("float8_e4m3fn", (10, 4))
+    assert table["idx.3"] == ("uint8", (21, 16)) and table["idx_scale.3"] == ("float8_e8m0fnu", (21, 1))
+    assert table["pair_kv.1"] == ("float32", (1, 64))  # the open pair stays as it is
+    back = PrefixState.deserialize(state.serialize())
+    assert back.equal(state) and back.kv_format == "fp4"
+    for layer in CFG.kv_source_layers:
+        assert torch.equal(bits(back.ckv[layer]), bits(state.ckv[layer]))
+        assert torch.equal(bits(back.idx[layer]), bits(state.idx[layer]))
+    state.validate(CFG, state.fingerprint)
+    plain = PrefixState.from_buffers(*state.to_buffers())
+    plain.kv_format = "unpacked"
+    assert state.wire_nbytes < plain.wire_nbytes == plain.nbytes
+    assert len(state.serialize()) < len(plain.serialize())
+
+
+def test_state_off_the_grid_cannot_ship_packed():
+    state = make_state(21, 37)  # random bits: not cache values
+    state.kv_format = "fp4"
+    with pytest.raises(PrefixStateError, match=r"ckv\[1\]: row 0, values 0\.\.15 are not on the nvfp4 grid"):
+        state.serialize()
+
+
+def _tamper(state: PrefixState, name: str, fn):
+    header, buffers = state.to_buffers()
+    parsed = json.loads(header)
+    i = [e["name"] for e in parsed["buffers"]].index(name)
+    entry = parsed["buffers"][i]
+    buffers[i], shape = fn(buffers[i].clone())
+    if shape is None:
+        del parsed["buffers"][i], buffers[i]
+    else:
+        entry["shape"] = list(shape)
+        entry["nbytes"] = buffers[i].numel() * buffers[i].element_size()
+    return parsed, buffers
+
+
+def test_truncated_or_misscaled_packed_buffers_are_refused():
+    state = packed_state()
+
+    def truncate(t):
+        return t[:, :31].contiguous(), (10, 31)
+
+    def nan_scale(t):
+        t.view(torch.uint8)[3, 2] = 0xFF
+        return t, t.shape
+
+    def drop(t):
+        return t, None
+
+    cases = [
+        ("ckv.1", truncate, r"packed ckv\[1\]: codes \(10, 31\) do not match scales \(10, 4\)"),
+        ("ckv_scale.1", nan_scale, r"packed ckv\[1\]: scale of row 3, block 2 is nan"),
+        ("idx_scale.3", drop, r"packed idx\[3\] arrived without its scales \(idx_scale\.3\)"),
+        ("idx.3", drop, r"idx_scale\[3\] has no codes buffer"),
+    ]
+    for name, fn, msg in cases:
+        with pytest.raises(PrefixStateError, match=msg):
+            PrefixState.from_buffers(*_tamper(state, name, fn))
+
+
+# ---- through the engines ----------------------------------------------------------------------------
+
+
+def test_packed_and_unpacked_give_identical_d_tokens(tiny_ckpt):
+    """Asymmetric P/D with the state shipped packed or unpacked: the same tokens and the same
+    full-vocabulary log-probabilities, bit for bit; the packed wire is the smaller one."""
+    lens = [17, 33, 48, 101]  # splits 1, 17 (odd: open pair), 32, 85
+    prompts = random_prompts(lens, seed=5)
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=-1)
+    runs = {}
+    for fmt in ("fp4", "unpacked"):
+        llm = LLM(tiny_ckpt, "asymmetric", kv_wire_format=fmt)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        runs[fmt] = ([o.outputs[0] for o in outs], dict(llm.transfer_bytes))
+    (packed, packed_bytes), (plain, plain_bytes) = runs["fp4"], runs["unpacked"]
+    for a, b in zip(packed, plain, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs  # floats compared exactly
+    assert packed_bytes.keys() == plain_bytes.keys() and len(packed_bytes) == 4
+    # the 101-token prompt (split 85): the fp32 cache's 576 B of global KV per prefix token become
+    # 79.5 B; token ids, the open pair, the header and the 64-byte alignment are the rest of a blob
+    split, rest = 85, 101 * 8 + 2 * 64 * 4
+    assert split * wire_bytes_per_token(CFG, "fp4") + rest < packed_bytes["3"] < plain_bytes["3"] / 5
+    assert split * wire_bytes_per_token(CFG, "unpacked", 4) + rest < plain_bytes["3"]
