@@ -101,8 +101,6 @@ class LLMEngine:
     ):
         self.config = config or EngineConfig()
         self.config.validate()
-        if self.config.role == "prefill" and model.role != "prefill" and self.config.mode != "symmetric":
-            pass  # a full model can serve as an asymmetric P too (it just holds more than it needs)
         if self.config.role != "prefill" and model.role == "prefill":
             raise ValueError("a prefill-role model can only run a prefill worker")
         if modes.PREFILL_MODEL_ROLE.get(self.config.mode) == "full" and model.role == "prefill":
