@@ -362,11 +362,12 @@ class LLMEngine:
             return [self._finish(req, Status.FINISHED_EXPORTED, free=False)]
         if logits is not None:
             return self._append_token(req, logits[-1])
-        if req.output_token_ids:  # symmetric D: the first token came from P; report it now
+        new = req.output_token_ids[req.num_reported :]  # symmetric D: P's first token, unless already sent
+        if new:
             reason = self._stop_reason(req)
             if reason is not None:
-                return [self._finish(req, reason, new=list(req.output_token_ids))]
-            return [self._output(req, list(req.output_token_ids), finished=False)]
+                return [self._finish(req, reason, new=new)]
+            return [self._output(req, new, finished=False)]
         return []
 
     def _sample(self, req: Request, logits: torch.Tensor) -> int:
@@ -489,6 +490,7 @@ class LLMEngine:
         return out
 
     def _output(self, req: Request, new: list[int], finished: bool) -> RequestOutput:
+        req.num_reported += len(new)
         text = self.detokenize(req.output_token_ids) if self.detokenize else ""
         reason = req.status.value if req.status.finished else None
         metrics = {

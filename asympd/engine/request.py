@@ -53,6 +53,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    num_reported: int = 0  # output tokens already sent as new_token_ids (a recompute must not resend them)
     spec_proposed: int = 0
     spec_accepted: int = 0
     spec_steps: int = 0

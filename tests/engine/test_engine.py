@@ -107,6 +107,35 @@ def test_preemption_recomputes_to_the_same_tokens(models):
     assert tight == roomy
 
 
+def test_new_token_ids_report_each_token_once_across_preemptions(models):
+    """A symmetric D request's first token comes from P; when D preempts and recomputes the request,
+    the tokens it already reported are not reported again (the stream is the concatenation)."""
+    prompts = random_prompts([30, 40, 50, 35, 45], seed=23)
+    params = SamplingParams(max_tokens=20, temperature=0)
+    p = engine(models["full"], role="prefill", mode="symmetric", num_blocks=256)
+    d = engine(models["full"], role="decode", mode="symmetric", num_blocks=10)
+    for i, prompt in enumerate(prompts):
+        p.add_request(str(i), prompt, params)
+    for out in drain(p).values():
+        state = PrefixState.deserialize(out.prefix_state.serialize())
+        first = out.outputs[0].token_ids[0]
+        d.add_request(out.request_id, out.prompt_token_ids, params, prefix_state=state, first_token=first)
+        p.release_transfer(out.request_id)
+    streamed: dict[str, list[int]] = {}
+    done = {}
+    for _ in range(2000):
+        for out in d.step():
+            streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                done[out.request_id] = out
+        if not d.has_unfinished_requests():
+            break
+    assert d.counters["preemptions"] > 0
+    assert len(done) == len(prompts)
+    for rid, out in done.items():
+        assert streamed[rid] == out.outputs[0].token_ids, rid
+
+
 # ---- P -> D hand-off ----------------------------------------------------------------------------
 
 
