@@ -15,23 +15,10 @@ import json
 import time
 from typing import Any
 
+from asympd.plan.steps import interp  # one piecewise-linear rule for the bench and the planner
 from bench.common import log, out_dir, record
 
 D_COUNTS = {"swa": 2, "enc_src": 3, "enc_reuse": 15, "dec_src": 1, "dec_reidx": 4, "dec_reuse": 15}
-
-
-def interp(points: list[tuple[float, float]], x: float) -> float:
-    """Piecewise-linear through (x, y) points; linear extrapolation from the end segments."""
-    pts = sorted(points)
-    if len(pts) == 1:
-        return pts[0][1]
-    if x <= pts[0][0]:
-        (x0, y0), (x1, y1) = pts[0], pts[1]
-    elif x >= pts[-1][0]:
-        (x0, y0), (x1, y1) = pts[-2], pts[-1]
-    else:
-        (x0, y0), (x1, y1) = next((a, b) for a, b in zip(pts, pts[1:], strict=False) if a[0] <= x <= b[0])
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 def head_ms(layers: dict[str, Any], rows: int) -> float:
