@@ -3,8 +3,8 @@
 - ``fp8_tile_gemm``: ``y = a @ W^T`` with W e4m3 ``[N, K]`` and one UE8M0 scale per 32x32 tile (the
   attention matrices, the shared expert, Engram's ``wkv``);
 - ``mxfp4_moe_gemm``: the routed experts. Rows arrive sorted by expert; row r multiplies
-  ``W[expert(r)]`` packed e2m1 ``[E, N, K/2]`` (low nibble = even K element) with one UE8M0 scale per
-  32 K elements.
+  ``W[expert(r)]`` packed e2m1 ``[E, N, K/2]`` with one UE8M0 scale per 32 K elements, its bytes permuted
+  once at load (``repack_fp4``) so each 16-byte load meets two contiguous halves of the activations.
 
 Both expand the weight tile in registers to the activation dtype and run one dot with fp32
 accumulation. The expansion is exact (e4m3 and e2m1 values times a power of two fit bf16), and the
@@ -13,9 +13,9 @@ the reference's block-scaled GEMM up to summation order.
 
 Why bf16 dots on expanded weights rather than FP8 tensor cores: the reference's activation scales
 are per 32 K elements, so an FP8 dot would have to be rescaled every 32 K (one wgmma K-step);
-expanding in registers keeps one long dot. Decode-sized steps are bound by weight bytes, and these
-kernels read the release's 1 B (FP8) / 0.53 B (FP4) per weight instead of bf16's 2 B. Large prefill
-chunks are bound by compute at the bf16 tensor-core rate (docs/performance.md measures both).
+expanding in registers keeps one long dot. Decode-sized steps read the release's 1 B (FP8) / 0.53 B
+(FP4) per weight instead of bf16's 2 B, but today the instructions that expand FP4 bound them rather
+than the bytes; large prefill chunks run at the bf16 tensor-core rate (docs/performance.md §9).
 
 Small-M steps split K over several programs (``split_k``) so even a 512-row matrix fills the chip;
 the partial sums are added in a fixed order afterwards (deterministic, no atomics).
@@ -23,8 +23,6 @@ With ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (how the CPU test sui
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -36,11 +34,6 @@ except Exception:  # pragma: no cover - depends on the install
     tl = None
 
 AVAILABLE = triton is not None
-
-
-def usable(t: torch.Tensor) -> bool:
-    """Whether the kernels can run on ``t``'s device (CUDA, or CPU under the Triton interpreter)."""
-    return AVAILABLE and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def _dot_f32(a: torch.Tensor) -> bool:
