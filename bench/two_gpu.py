@@ -140,11 +140,11 @@ def part_ep(ckpt: str) -> dict:
     from asympd.engine.llm import LLM
     from asympd.engine.sampling import SamplingParams
 
-    os.environ["ASYMPD_CUDA_FAST_PATH"] = "0"  # EP shards the reference MoE's stacked experts (both runs alike)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 40, 200, 700)]
     params = SamplingParams(max_tokens=8, temperature=0)
-    one = LLM(ckpt, "colocated", "split", device="cuda", dtype=torch.bfloat16)
+    # EP shards the reference MoE's stacked experts: both runs use the reference modules
+    one = LLM(ckpt, "colocated", "split", device="cuda", dtype=torch.bfloat16, weights="reference")
     one.generate(prompt_token_ids=prompts[:1], sampling_params=params)
     t = time.perf_counter()
     want = [o.outputs[0].token_ids for o in one.generate(prompt_token_ids=prompts, sampling_params=params)]

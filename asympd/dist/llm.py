@@ -49,8 +49,8 @@ class ParallelLLM(LLM):
         if ep == 1:
             super().__init__(checkpoint, mode, prefill_semantics, device=device, dtype=dtype, **kwargs)
             return
-        if kwargs.setdefault("weights", "dequantized") != "dequantized":
-            raise ValueError("expert parallelism runs the dequantized experts (packed experts are not sharded yet)")
+        if kwargs.setdefault("weights", "reference") != "reference":
+            raise ValueError("expert parallelism runs the reference MoE (packed experts are not sharded yet)")
         spec = RankSpec(str(checkpoint), role, device, str(dtype).removeprefix("torch."))
         self.executor = DistributedExecutor(RankGroup(ep, spec))  # children load while we do
         try:

@@ -45,7 +45,7 @@ def main() -> int:
         torch.cuda.set_device(device)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
     # EP shards the reference MoE's stacked experts: packed experts are not sharded yet
-    model = load_model(spec.checkpoint, spec.role, device, dtype_of(spec.dtype), weights="dequantized")
+    model = load_model(spec.checkpoint, spec.role, device, dtype_of(spec.dtype), weights="reference")
     if getattr(model, "drafter", None) is not None:
         model.drafter = None  # the drafter runs on rank 0 only
     shard_moe(model, rank, world)

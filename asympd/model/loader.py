@@ -5,6 +5,7 @@ Weight layouts (``weights=``), all the same function:
   fit bf16) and their GEMM inputs keep the reference's FP8 activation quantization at run time;
 - ``packed``: FP8 matrices and MXFP4 experts stay as stored and run through the Triton GEMMs of
   ``gemm_kernels`` (``packed.py``), so a role holds exactly the bytes ``asympd memory`` counts;
+- ``reference``: the CPU reference modules, on any device (expert parallelism shards them today);
 - ``packed-experts`` (the default on CUDA): MXFP4 experts packed (97 % of a layer's bytes, and the
   packed MoE is the faster one at decode sizes), the FP8 attention/shared-expert matrices expanded to
   bf16 (2 % of the bytes; cuBLAS on bf16 beats the FP8-tile kernel at every size measured,
@@ -16,7 +17,6 @@ model keeps its stored bf16 values and accumulates in fp32: the same products); 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -216,9 +216,9 @@ def build_model(
     model.weights = layout.name
     if role != "prefill":
         model.drafter = _drafter(cfg, r, round_probs, embed, head)
-    # CUDA fast paths (cuda_ops.py); the CPU model stays the reference. ASYMPD_CUDA_FAST_PATH=0 keeps the
-    # reference modules on CUDA too (expert-parallel sharding needs the stacked expert weights).
-    if device.type == "cuda" and os.environ.get("ASYMPD_CUDA_FAST_PATH", "1") != "0":
+    # CUDA kernels (cuda_ops.py); the CPU model stays the reference, and so does the "reference" layout on
+    # CUDA (expert-parallel sharding slices the reference MoE's stacked experts)
+    if device.type == "cuda" and layout.kernels:
         from asympd.model.cuda_ops import accelerate
 
         accelerate(model)
@@ -227,27 +227,29 @@ def build_model(
 
 @dataclass(frozen=True)
 class Layout:
-    """Which stored formats stay packed on the device."""
+    """Which stored formats stay packed on the device, and whether CUDA kernels replace the
+    reference modules (``kernels``)."""
 
     name: str
     experts: bool
     linears: bool
+    kernels: bool = True
 
 
 LAYOUTS = {
     "dequantized": Layout("dequantized", False, False),
     "packed-experts": Layout("packed-experts", True, False),
     "packed": Layout("packed", True, True),
+    "reference": Layout("reference", False, False, kernels=False),  # the CPU modules, on any device
 }
 
 
 def resolve_weights(weights: str, device: torch.device) -> Layout:
     """The layout ``weights`` names on ``device``. ``auto``: packed-experts on CUDA, dequantized
-    elsewhere; ``ASYMPD_CUDA_FAST_PATH=0`` keeps the dequantized reference modules on CUDA too
-    (expert-parallel sharding slices their stacked experts)."""
+    elsewhere. ``reference`` keeps the CPU reference modules on CUDA too (what expert parallelism
+    shards today)."""
     if weights == "auto":
-        cuda = device.type == "cuda" and os.environ.get("ASYMPD_CUDA_FAST_PATH", "1") != "0"
-        weights = "packed-experts" if cuda else "dequantized"
+        weights = "packed-experts" if device.type == "cuda" else "dequantized"
     if weights not in LAYOUTS:
         raise ValueError(f"weights must be auto or one of {', '.join(LAYOUTS)}, got {weights!r}")
     layout = LAYOUTS[weights]

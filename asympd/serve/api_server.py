@@ -91,7 +91,7 @@ class WorkerServer:
         self.ep = None  # expert parallel: ranks 1..ep-1 load while this process does (asympd.dist)
         if cfg.ep > 1:
             self.ep = launch_ep(model_role, cfg.checkpoint, cfg.ep, cfg.device, cfg.dtype, cfg.threads)
-        weights = cfg.weights if cfg.ep == 1 else "dequantized"  # EP shards the stacked dequantized experts
+        weights = cfg.weights if cfg.ep == 1 else "reference"  # EP shards the reference MoE's stacked experts
         model = load_model(cfg.checkpoint, model_role, cfg.device, cfg.dtype, weights)
         cfg.engine.eos_token_id = eos_id(self.tokenizer)
         self.engine = LLMEngine(model, cfg.engine)

@@ -18,7 +18,7 @@ from asympd.serve.http import DEFAULT_MAX_BODY_BYTES
 from asympd.transfer.prefix_state import KV_FORMATS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # asympd.model.dtypes; auto: bf16 on CUDA, fp32 on CPU
-WEIGHTS = ("auto", "packed-experts", "packed", "dequantized")  # asympd.model.loader.LAYOUTS
+WEIGHTS = ("auto", "packed-experts", "packed", "dequantized", "reference")  # asympd.model.loader.LAYOUTS
 
 
 @dataclass
@@ -77,10 +77,10 @@ class ServeConfig:
             self.dtype = str(resolve_dtype("auto", self.device)).removeprefix("torch.")
         if self.weights not in WEIGHTS:
             raise ValueError(f"unknown weights {self.weights!r}: {', '.join(WEIGHTS)}")
-        if self.ep > 1 and self.weights not in ("auto", "dequantized"):
+        if self.ep > 1 and self.weights not in ("auto", "reference"):
             raise ValueError(
-                f"--ep {self.ep} with --weights {self.weights}: expert parallelism runs the dequantized experts "
-                "(sharding packed experts is not implemented yet); use --weights auto or dequantized"
+                f"--ep {self.ep} with --weights {self.weights}: expert parallelism runs the reference MoE "
+                "(sharding packed experts is not implemented yet); use --weights auto or reference"
             )
         if self.max_body_bytes < 1024:
             raise ValueError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")

@@ -152,7 +152,10 @@ def test_weights_layout_names():
 
     assert resolve_weights("auto", torch.device("cpu")).name == "dequantized"
     assert resolve_weights("packed-experts", torch.device("cpu")).experts
-    with pytest.raises(ValueError, match="weights must be auto or one of dequantized, packed-experts, packed"):
+    assert not resolve_weights("reference", torch.device("cuda")).kernels  # what expert parallelism shards
+    with pytest.raises(
+        ValueError, match="weights must be auto or one of dequantized, packed-experts, packed, reference"
+    ):
         resolve_weights("fp4", torch.device("cpu"))
 
 
