@@ -1,7 +1,9 @@
 """CUDA fast paths of the same model: the functions the CPU reference computes, arranged for a GPU.
 
-``accelerate(model)`` converts a built :class:`~asympd.model.transformer.Transformer` in place; the
-loader calls it for a CUDA device. The CPU path is never touched (CPU stays the numerical reference).
+The loader builds these modules directly for a CUDA device (``FastAttention``, ``FastQLinear``,
+``FastMoE``; ``packed.py`` for the packed layouts). ``accelerate(model)`` converts an already built
+reference model in place, for tests and benchmarks that compare the two on one device. The CPU path
+is never touched (CPU stays the numerical reference).
 
 What changes, and what it costs in numerics (``docs/performance.md`` has the measurements):
 

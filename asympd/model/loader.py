@@ -57,6 +57,7 @@ class _Reader:
     def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, layout: Layout):
         self.t, self.dtype, self.device = tensors, dtype, device
         self.packed, self.packed_linears = layout.experts, layout.linears
+        self.kernels = layout.kernels and device.type == "cuda"  # build the CUDA modules (cuda_ops.py)
 
     def has(self, name: str) -> bool:
         return f"{name}.weight" in self.t or name in self.t
@@ -78,6 +79,10 @@ class _Reader:
         if self.packed_linears and w.dtype == torch.float8_e4m3fn:
             return FP8TileLinear(w.to(self.device), self.t[f"{name}.scale"].to(self.device), True, dtype or self.dtype)
         w, quantized = self.matrix(name, dtype)
+        if self.kernels:
+            from asympd.model.cuda_ops import FastQLinear
+
+            return FastQLinear(w, quantized)
         return QLinear(w, quantized)
 
     def fp4_experts(self, prefix: str, n_experts: int, projs: tuple[str, ...]) -> PackedExperts:
@@ -107,8 +112,12 @@ class _Reader:
 
 
 def _attention(
-    cfg: ModelConfig, layer: int, r: _Reader, prefix: str, round_probs: bool, cls: type[Attention] = Attention
+    cfg: ModelConfig, layer: int, r: _Reader, prefix: str, round_probs: bool, cls: type[Attention] | None = None
 ) -> Attention:
+    if cls is None:
+        from asympd.model.cuda_ops import FastAttention
+
+        cls = FastAttention if r.kernels else Attention
     w: dict[str, Any] = {}
     for name in ATTN_MATRICES:
         if not r.has(prefix + name):
@@ -122,7 +131,9 @@ def _attention(
     for name in ATTN_VECTORS:
         if prefix + name in r.t:
             w[name.removesuffix(".weight")] = r.vector(prefix + name)
-    return cls(cfg, layer, w, round_probs)
+    attn = cls(cfg, layer, w, round_probs)
+    attn.freqs = attn.freqs.to(r.device)  # RoPE tables beside the weights (no copy per step)
+    return attn
 
 
 def _moe(cfg: ModelConfig, layer: int, r: _Reader, prefix: str) -> MoE:
@@ -154,6 +165,12 @@ def _moe(cfg: ModelConfig, layer: int, r: _Reader, prefix: str) -> MoE:
     for proj in ("w1", "w2", "w3"):
         w[f"experts.{proj}"] = torch.stack([r.matrix(f"{prefix}experts.{e}.{proj}")[0] for e in range(n_exp)])
         w[f"shared_experts.{proj}"] = r.matrix(f"{prefix}shared_experts.{proj}")[0]
+    if r.kernels:  # routed experts as one bf16 grouped-GEMM operand (the dequantized layout on CUDA)
+        from asympd.model.cuda_ops import FastMoE
+
+        moe = FastMoE(cfg, layer, w)
+        moe.convert("bf16")
+        return moe
     return MoE(cfg, layer, w)
 
 
@@ -216,12 +233,12 @@ def build_model(
     model.weights = layout.name
     if role != "prefill":
         model.drafter = _drafter(cfg, r, round_probs, embed, head)
-    # CUDA kernels (cuda_ops.py); the CPU model stays the reference, and so does the "reference" layout on
-    # CUDA (expert-parallel sharding slices the reference MoE's stacked experts)
-    if device.type == "cuda" and layout.kernels:
-        from asympd.model.cuda_ops import accelerate
+    # the modules above are the CUDA ones where r.kernels (built as such, no class swaps); their fused
+    # elementwise kernels are checked on this device once and registered
+    if r.kernels:
+        from asympd.model.cuda_ops import install_kernels
 
-        accelerate(model)
+        install_kernels(device)
     return model
 
 
