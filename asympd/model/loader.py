@@ -8,7 +8,7 @@ Weight layouts (``weights=``), all the same function:
 - ``reference``: the CPU reference modules, on any device (expert parallelism shards them today);
 - ``packed-experts`` (the default on CUDA): MXFP4 experts packed (97 % of a layer's bytes, and the
   packed MoE is the faster one at decode sizes), the FP8 attention/shared-expert matrices expanded to
-  bf16 (2 % of the bytes; cuBLAS on bf16 beats the FP8-tile kernel at every size measured,
+  bf16 (2 % of the bytes; cuBLAS on bf16 beats the FP8-tile kernel at most sizes measured,
   docs/performance.md), 2.5 % over the released bytes in all (both roles).
 In the packed layouts the Engram tables stay in (pinned) host memory and only looked-up rows move.
 Engram tables stay FP8 in both. The LM head is held in fp32, as the reference holds it (a bf16 GPU
