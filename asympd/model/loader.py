@@ -11,7 +11,7 @@ Weight layouts (``weights=``), all the same function:
   bf16 (2 % of the bytes; cuBLAS on bf16 beats the FP8-tile kernel at most sizes measured,
   docs/performance.md), 2.5 % over the released bytes in all (both roles).
 In the packed layouts the Engram tables stay in (pinned) host memory and only looked-up rows move.
-Engram tables stay FP8 in both. The LM head is held in fp32, as the reference holds it (a bf16 GPU
+Engram tables stay FP8 in every layout. The LM head is held in fp32, as the reference holds it (a bf16 GPU
 model keeps its stored bf16 values and accumulates in fp32: the same products); logits are fp32.
 """
 
