@@ -177,10 +177,22 @@ class WorkerServer:
             "has_tokenizer": self.tokenizer is not None,
             "ep": c.ep,
             "ep_pids": self.ep.group.pids() if self.ep is not None else [],
+            "memory": self.memory(),
         }
         if internal:
             out["fingerprint"] = self.fingerprint
         return out
+
+    def memory(self) -> dict[str, Any]:
+        """Device memory beside the weights: the weight layout and bytes, the KV pool, and on a GPU what
+        the allocator holds in all (weights + KV + workspace; nothing is graph-captured yet)."""
+        device = torch.device(self.cfg.device)
+        return {
+            "weights_layout": getattr(self.engine.model, "weights", None),
+            "weights_bytes": self.resident_bytes,
+            "kv_cache_bytes": self.engine.cache.nbytes(),
+            "device_allocated_bytes": torch.cuda.memory_allocated(device) if device.type == "cuda" else None,
+        }
 
     # ---- request parsing -----------------------------------------------------------------------------
 

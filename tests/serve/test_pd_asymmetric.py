@@ -224,6 +224,10 @@ def test_models_health_metrics(cluster, client):
     p_info = client.get(f"{cluster['prefill']}/asympd/info").json()
     d_info = client.get(f"{cluster['decode']}/asympd/info").json()
     assert 0 < p_info["resident_bytes"] < d_info["resident_bytes"]
+    for info in (p_info, d_info):  # memory beside the weights: layout, KV pool (CPU: no device allocator)
+        mem = info["memory"]
+        assert mem["weights_layout"] == "dequantized" and mem["weights_bytes"] == info["resident_bytes"]
+        assert mem["kv_cache_bytes"] > 0 and mem["device_allocated_bytes"] is None
     assert p_info["fingerprint"] == d_info["fingerprint"]
     m = metrics(cluster["decode"])
     for name in (
