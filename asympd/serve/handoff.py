@@ -192,7 +192,7 @@ class Handoff:
                 timings["transfer_s"] = time.perf_counter() - t0
             else:
                 timings["transfer_s"] = time.perf_counter() - t0
-                timings["transfer_bytes"] = state.nbytes
+                timings["transfer_bytes"] = state.wire_nbytes  # as it crossed (FP4 global KV by default)
                 metrics.ttft_transfer.observe(timings["transfer_s"])
                 if timings["prefill_s"] is not None:
                     metrics.ttft_prefill.observe(float(timings["prefill_s"]))
