@@ -20,15 +20,7 @@ import pytest
 from asympd.engine.llm import load_tokenizer
 from asympd.serve.chat_format import ChatOptions, ChatStreamParser, encode_messages
 from tests.serve.cluster import one_p_one_d
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather of a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
+from tests.serve.test_chat_format import WEATHER
 
 
 @pytest.fixture(scope="module")
