@@ -136,9 +136,9 @@ def part_ttft(ckpt: str) -> dict:
 
 
 def part_ep(ckpt: str) -> dict:
-    from asympd.dist.llm import ParallelLLM
     from asympd.engine.llm import LLM
     from asympd.engine.sampling import SamplingParams
+    from asympd.parallel.llm import ParallelLLM
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 40, 200, 700)]

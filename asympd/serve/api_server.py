@@ -34,13 +34,13 @@ import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from asympd.dist import launch_ep
 from asympd.engine import modes
 from asympd.engine.engine import LLMEngine, RequestError
 from asympd.engine.llm import eos_id, load_tokenizer
 from asympd.engine.request import RequestOutput
 from asympd.engine.sampling import SamplingParams
 from asympd.model.loader import load_model
+from asympd.parallel import launch_ep
 from asympd.serve import protocol as P
 from asympd.serve.async_engine import Aborted, AsyncEngine, EngineDeadError, Failed, RequestStream
 from asympd.serve.config import ServeConfig
@@ -88,7 +88,7 @@ class WorkerServer:
         self.tokenizer = load_tokenizer(cfg.checkpoint)
         self.model_name = cfg.served_model_name or cfg.checkpoint
         model_role = modes.model_role(cfg.role, cfg.mode)
-        self.ep = None  # expert parallel: ranks 1..ep-1 load while this process does (asympd.dist)
+        self.ep = None  # expert parallel: ranks 1..ep-1 load while this process does (asympd.parallel)
         if cfg.ep > 1:
             self.ep = launch_ep(model_role, cfg.checkpoint, cfg.ep, cfg.device, cfg.dtype, cfg.threads)
         weights = cfg.weights if cfg.ep == 1 else "reference"  # EP shards the reference MoE's stacked experts

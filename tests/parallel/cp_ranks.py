@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from asympd.dist.cp import cp_prefill
 from asympd.model.loader import load_model
+from asympd.parallel.cp import cp_prefill
 
 
 def cp_rank(rank: int, world: int, init_method: str, ckpt: str, cases: list, fingerprint: str, out: str) -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from asympd.dist.ep import EPMoE, expert_range, shard_moe
 from asympd.model.loader import load_model
+from asympd.parallel.ep import EPMoE, expert_range, shard_moe
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

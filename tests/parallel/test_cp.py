@@ -8,8 +8,8 @@ import pytest
 import torch.multiprocessing as mp
 
 from asympd import LLM, SamplingParams
-from asympd.dist.cp import slice_bounds
 from asympd.engine.scheduler import SchedulerConfig
+from asympd.parallel.cp import slice_bounds
 from asympd.transfer import PrefixState
 from tests.parallel.cp_ranks import cp_rank
 from tests.util import random_prompts

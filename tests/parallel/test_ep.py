@@ -17,10 +17,10 @@ import torch
 import torch.multiprocessing as mp
 
 from asympd.config import tiny
-from asympd.dist import ParallelLLM, ep_resident_gb, expert_range
 from asympd.engine.llm import LLM
 from asympd.engine.sampling import SamplingParams
 from asympd.model.checkpoint import write_checkpoint
+from asympd.parallel import ParallelLLM, ep_resident_gb, expert_range
 from asympd.serve.api_server import ServeConfig
 from asympd.serve.procs import stop_all
 from tests.parallel.ranks import moe_rank

@@ -225,7 +225,7 @@ def test_every_listener_is_on_loopback(hardened):
 
 
 def test_ep_rendezvous_store_listens_on_loopback():
-    from asympd.dist.launch import bound_store
+    from asympd.parallel.launch import bound_store
 
     store, sock = bound_store("127.0.0.1", 1)
     store.set("k", "v")

@@ -1,7 +1,7 @@
 """Starting the ranks of one expert-parallel worker from the worker itself.
 
 Rank 0 is the calling process (it runs the engine); ranks 1..N-1 are child processes running
-``python -m asympd.dist.worker`` with torchrun's environment contract (``RANK``, ``WORLD_SIZE``,
+``python -m asympd.parallel.worker`` with torchrun's environment contract (``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``), so the same worker can also be started by hand or by torchrun.
 
 Rendezvous is a ``TCPStore`` that rank 0 hosts on an ephemeral port (no port race). Each child
@@ -123,7 +123,7 @@ class RankGroup:
             "OMP_NUM_THREADS": str(self.spec.threads),
         }
         return subprocess.Popen(
-            [sys.executable, "-m", "asympd.dist.worker"],
+            [sys.executable, "-m", "asympd.parallel.worker"],
             env=env,
             stdin=subprocess.DEVNULL,
             stderr=stderr,

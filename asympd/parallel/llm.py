@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
-from asympd.dist.executor import DistributedExecutor
-from asympd.dist.launch import RankGroup, RankSpec
 from asympd.engine import modes
 from asympd.engine.llm import LLM
 from asympd.model.dtypes import resolve_dtype
+from asympd.parallel.executor import DistributedExecutor
+from asympd.parallel.launch import RankGroup, RankSpec
 
 SHARDS = ("decode", "prefill")
 

@@ -1,6 +1,6 @@
-"""``python -m asympd.dist.worker``: one non-zero rank of an expert-parallel worker.
+"""``python -m asympd.parallel.worker``: one non-zero rank of an expert-parallel worker.
 
-Started by rank 0 (``asympd.dist.launch.RankGroup``) with torchrun's environment contract plus
+Started by rank 0 (``asympd.parallel.launch.RankGroup``) with torchrun's environment contract plus
 ``ASYMPD_DIST_SPEC`` (checkpoint, role, device, dtype, threads). It loads its shard, reports ready
 in the store, joins the groups, and replays rank 0's messages until ``stop``.
 """
@@ -30,10 +30,10 @@ def _exit_with_parent() -> None:
 
 
 def main() -> int:
-    from asympd.dist.ep import shard_moe
-    from asympd.dist.executor import serve_rank
-    from asympd.dist.launch import SPEC_ENV, RankSpec, backend_for, dtype_of, join_groups, rank_device
     from asympd.model.loader import load_model
+    from asympd.parallel.ep import shard_moe
+    from asympd.parallel.executor import serve_rank
+    from asympd.parallel.launch import SPEC_ENV, RankSpec, backend_for, dtype_of, join_groups, rank_device
 
     _exit_with_parent()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -37,10 +37,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asympd.dist.ep import shard_moe
-from asympd.dist.launch import RankGroup
 from asympd.kv.paged_cache import PagedKVCache, PagedSequenceKV
 from asympd.model.transformer import Chunk, Transformer
+from asympd.parallel.ep import shard_moe
+from asympd.parallel.launch import RankGroup
 
 CACHE_WRITES = frozenset({"reset_slot", "import_compressed", "import_index_keys", "write_entries"})
 VIEW_WRITES = frozenset({"append_window", "append_pending", "write_compressed", "write_index_keys", "truncate"})

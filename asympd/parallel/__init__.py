@@ -10,20 +10,20 @@ degenerate DP-attention with one request group: every rank runs attention over t
 (identical caches), and the ranks meet only in each MoE layer. True DP attention (each rank's own
 requests, tokens dispatched to the experts by all-to-all) is the next step and is not done.
 
-- :mod:`asympd.dist.ep`: ``EPMoE`` / ``shard_moe`` (bit-identical to the single-rank MoE);
-- :mod:`asympd.dist.launch`: rank 0 starts ranks 1..N-1 itself; gloo on CPU, NCCL on CUDA;
-- :mod:`asympd.dist.executor`: one scheduler on rank 0, step plans broadcast to the other ranks;
-- :mod:`asympd.dist.worker`: the non-zero ranks' process;
-- :mod:`asympd.dist.llm`: ``ParallelLLM``, the offline entry point.
+- :mod:`asympd.parallel.ep`: ``EPMoE`` / ``shard_moe`` (bit-identical to the single-rank MoE);
+- :mod:`asympd.parallel.launch`: rank 0 starts ranks 1..N-1 itself; gloo on CPU, NCCL on CUDA;
+- :mod:`asympd.parallel.executor`: one scheduler on rank 0, step plans broadcast to the other ranks;
+- :mod:`asympd.parallel.worker`: the non-zero ranks' process;
+- :mod:`asympd.parallel.llm`: ``ParallelLLM``, the offline entry point.
 
 ``docs/parallel.md`` has the design, the memory per rank and what is not done.
 """
 
 from __future__ import annotations
 
-from asympd.dist.ep import EPMoE, ep_resident_gb, expert_range, shard_moe
-from asympd.dist.executor import DistributedExecutor, ExecutorBroken
-from asympd.dist.launch import RankGroup, RankSpec
+from asympd.parallel.ep import EPMoE, ep_resident_gb, expert_range, shard_moe
+from asympd.parallel.executor import DistributedExecutor, ExecutorBroken
+from asympd.parallel.launch import RankGroup, RankSpec
 
 __all__ = [
     "DistributedExecutor",
@@ -49,7 +49,7 @@ def launch_ep(
 
 def __getattr__(name: str):  # ParallelLLM pulls in the engine; import it on first use
     if name == "ParallelLLM":
-        from asympd.dist.llm import ParallelLLM
+        from asympd.parallel.llm import ParallelLLM
 
         return ParallelLLM
     raise AttributeError(name)
