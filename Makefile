@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[serve,dev]"
+	$(BIN)/pip install -q -e ".[serve,dev,vision]"
 	-$(BIN)/pip install -q "nixl-cu12==1.5.1"
 	touch $(STAMP)
 

@@ -84,7 +84,7 @@ class ModelConfig:
     expert_dtype: str | None = "fp4"
     # runtime limit, not a shape: sizes RoPE tables and bounds prompt + output length
     max_seq_len: int = 1 << 20
-    # vision tower: read so the official file loads; never built (text-only serving)
+    # vision tower (vision_config; asympd/model/vision.py); 0 layers: text only
     vision_n_layers: int = 0
     vision_dim: int = 1024
     vision_n_heads: int = 16
@@ -209,6 +209,11 @@ class ModelConfig:
                     fail(f"dspark_target_layer_ids lists {lid}, not a backbone layer")
         if self.dtype not in ("fp8", "bf16"):
             fail(f"dtype must be fp8 or bf16, got {self.dtype!r}")
+        if self.vision_n_layers and (self.vision_dim % (4 * self.vision_n_heads) or self.vision_max_n_token < 5):
+            fail(
+                "vision_dim must split into heads whose halves hold (row, column) rotary pairs (a multiple of "
+                "4 * vision_n_heads), and vision_max_n_token must fit one image row (>= 5)"
+            )
 
     # ---- JSON -------------------------------------------------------------------------------------
 
@@ -312,6 +317,15 @@ def tiny() -> ModelConfig:
         dspark_n_activated_experts=2,
         max_seq_len=4096,
         image_token_id=511,  # <｜deepseek_image｜> in the tiny tokenizer
+        # a 2-layer tower on 4-pixel patches, 2x2 cells: a 16x16 image is a 2x2 grid, an 8-token span
+        vision_n_layers=2,
+        vision_dim=32,
+        vision_n_heads=2,
+        vision_inter_dim=64,
+        vision_patch_size=4,
+        vision_downsample_ratio=2,
+        vision_max_n_token=48,
+        vision_min_pixels=64,
     )
 
 

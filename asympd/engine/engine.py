@@ -26,6 +26,7 @@ from asympd.kv.block_manager import BlockManager
 from asympd.kv.paged_cache import PagedKVCache
 from asympd.kv.spec import KVCacheSpec
 from asympd.model.transformer import Transformer
+from asympd.model.vision import ImageInput, check_spans
 from asympd.transfer.prefix_state import KV_FORMATS, PrefixState, PrefixStateError, model_fingerprint
 from asympd.transfer.stream import PrefixStream
 
@@ -163,10 +164,13 @@ class LLMEngine:
         first_token: int | None = None,
         first_token_logprobs: dict[int, float] | None = None,
         prefix_stream: bool = False,
+        images: list[ImageInput] | None = None,
     ) -> None:
         """Queue a request. Bad input raises RequestError (or PrefixStateError for a bad prefix
         state) before anything is allocated. ``prefix_stream``: a decode worker's request whose
-        prefix arrives in slices (``import_slice``); it computes nothing until the last one."""
+        prefix arrives in slices (``import_slice``); it computes nothing until the last one.
+        ``images``: the prompt's images, their spans already expanded in ``prompt_token_ids``
+        (``vision.expand_placeholders``)."""
         params = params or SamplingParams()
         if request_id in self.requests or request_id in self.held:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -198,13 +202,40 @@ class LLMEngine:
             if split == 0:
                 raise RequestError("this prompt has no prefix to stream (N <= W): add it without prefix_stream")
             prefix_state = PrefixStream(self.cfg, self.fingerprint, split, ids)
+        images = list(images or [])
+        self._check_images(ids, images)
+        if prefix_state is not None and not isinstance(prefix_state, PrefixStream):
+            self._check_image_state(prefix_state, ids, images)
         req = self._plan_request(request_id, ids, params, prefix_state, first_token)
+        req.images = images
         req.awaiting_import = prefix_stream
         req.spec_enabled = self.proposer is not None and not params.adjusts_logits  # drafts assume raw logits
         if first_token_logprobs is not None and req.output_token_ids and params.logprobs is not None:
             req.logprobs.append(dict(first_token_logprobs))
         self.requests[request_id] = req
         self.scheduler.add(req)
+
+    def _check_images(self, ids: list[int], images: list[ImageInput]) -> None:
+        if images and self.model.vision is None:
+            raise RequestError("this model was loaded without a vision tower: it cannot take images")
+        if images:
+            try:
+                check_spans(self.cfg, ids, images)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
+
+    def _check_image_state(self, ps: PrefixState, ids: list[int], images: list[ImageInput]) -> None:
+        """D: the state's image spans are this request's, and it ships exactly the rows P encoded
+        for D (modes.image_rows_shipped); nothing else may replace an embedding."""
+        spans = [(im.start, im.end) for im in images]
+        got = [] if ps.image_spans is None else [(a, a + n) for a, n in ps.image_spans.tolist()]
+        if got != spans:
+            raise PrefixStateError(f"the prefix state's image spans {got} are not this request's {spans}")
+        c = self.config
+        want = modes.image_rows_shipped(self.cfg, len(ids), c.mode, c.boundary_policy, spans)
+        pos = [] if ps.image_pos is None else ps.image_pos.tolist()
+        if pos != want:
+            raise PrefixStateError(f"the prefix state ships image rows at {pos[:8]}..., expected {want[:8]}...")
 
     def _plan_request(
         self, rid: str, ids: list[int], params: SamplingParams, ps: PrefixState | None, first_token: int | None
@@ -257,6 +288,8 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None or not isinstance(req.imported, PrefixStream) or not req.awaiting_import:
             raise RequestError(f"request {request_id!r} is not waiting for a streamed prefix")
+        if piece.split == req.imported.split:
+            self._check_image_state(piece, req.prompt_token_ids, req.images)
         req.imported.add(piece)
         if req.status is Status.RUNNING:
             self.runner.import_slice(req, piece)
@@ -340,7 +373,9 @@ class LLMEngine:
 
     def _prompt_done(self, req: Request, logits: torch.Tensor | None) -> list[RequestOutput]:
         if req.imported is not None and self.config.enable_prefix_caching:
-            self.blocks.commit_cached(req.request_id, req.prompt_token_ids, req.import_len, self.fingerprint)
+            self.blocks.commit_cached(
+                req.request_id, req.prompt_token_ids, req.import_len, self.fingerprint + req.cache_salt
+            )
         if self.config.role == "prefill":
             if logits is not None:
                 tok = self._sample(req, logits[-1])
@@ -357,9 +392,11 @@ class LLMEngine:
                     self.cfg, req.num_prompt_tokens, self.config.mode, self.config.boundary_policy
                 ).exports_windows,
             )
+            req.image_embeds.clear()  # exported: the encodings are no longer needed
             self.scheduler.running.remove(req)
             self.held[req.request_id] = req
             return [self._finish(req, Status.FINISHED_EXPORTED, free=False)]
+        req.image_embeds.clear()  # the prompt is done: its image rows are in the cache now
         if logits is not None:
             return self._append_token(req, logits[-1])
         new = req.output_token_ids[req.num_reported :]  # symmetric D: P's first token, unless already sent

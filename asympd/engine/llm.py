@@ -15,10 +15,12 @@ import torch
 
 from asympd.engine import modes
 from asympd.engine.engine import EngineConfig, LLMEngine
+from asympd.engine.images import decode_image
 from asympd.engine.request import RequestOutput
 from asympd.engine.sampling import SamplingParams
 from asympd.engine.scheduler import SchedulerConfig
 from asympd.model.loader import load_model
+from asympd.model.vision import ImageInput, expand_placeholders
 from asympd.transfer.prefix_state import PrefixState
 from asympd.transfer.seal import new_transfer_id, seal, verify
 
@@ -105,6 +107,7 @@ class LLM:
         self.cfg = self.engine.cfg
         self._next_id = 0
         self._params: dict[str, SamplingParams] = {}  # requests at the prefill engine
+        self._images: dict[str, list[ImageInput] | None] = {}  # and their images
         self.transfer_bytes: dict[str, int] = {}  # request -> size of the serialized prefix state it moved
         self.slices: dict[str, list[tuple[int, int]]] = {}  # streamed request -> [start, split) of each slice
         self._secret = secrets.token_bytes(32)  # seals the prefix states this process hands itself
@@ -114,8 +117,11 @@ class LLM:
         prompts: str | list[str] | None = None,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         prompt_token_ids: list[int] | list[list[int]] | None = None,
+        images: list[list[bytes | ImageInput]] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+        """Run every prompt to completion; outputs come back in prompt order. ``images``: per prompt,
+        its images (encoded bytes or ``ImageInput``), one per ``image_token_id`` placeholder in order;
+        each placeholder becomes the image's span (docs/vision.md)."""
         if prompt_token_ids is None:
             if prompts is None:
                 raise ValueError("give prompts or prompt_token_ids")
@@ -127,12 +133,18 @@ class LLM:
             prompt_token_ids = [prompt_token_ids]
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompt_token_ids)
+        if images is not None and len(images) != len(prompt_token_ids):
+            raise ValueError(f"images has {len(images)} entries for {len(prompt_token_ids)} prompts")
         ids = []
-        for toks, p in zip(prompt_token_ids, params_list, strict=True):
+        for j, (toks, p) in enumerate(zip(prompt_token_ids, params_list, strict=True)):
             rid = str(self._next_id)
             self._next_id += 1
             ids.append(rid)
-            self.add(rid, toks, p)
+            if images is not None and images[j]:
+                inputs = [decode_image(im, self.cfg) if isinstance(im, bytes) else im for im in images[j]]
+                self.add(rid, expand_placeholders(self.cfg, list(toks), inputs), p, inputs)
+            else:
+                self.add(rid, toks, p)
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             for out in self.step():
@@ -140,12 +152,15 @@ class LLM:
                     done[out.request_id] = out
         return [done[i] for i in ids]
 
-    def add(self, rid: str, token_ids: list[int], params: SamplingParams) -> None:
+    def add(
+        self, rid: str, token_ids: list[int], params: SamplingParams, images: list[ImageInput] | None = None
+    ) -> None:
         if self.prefill is None or modes.skips_prefill(self.mode, len(token_ids), self.cfg.window_size):
-            self.engine.add_request(rid, token_ids, params)
+            self.engine.add_request(rid, token_ids, params, images=images)
         else:
-            self.prefill.add_request(rid, token_ids, params)
+            self.prefill.add_request(rid, token_ids, params, images=images)
             self._params[rid] = params
+            self._images[rid] = images  # D takes them from the request too (as a server's D parses the body)
 
     def step(self) -> list[RequestOutput]:
         """One step of each engine; finished prefills move to the decode engine, serialized."""
@@ -169,6 +184,7 @@ class LLM:
                     prefix_state=state,
                     first_token=first,
                     first_token_logprobs=first_lp,
+                    images=self._images.pop(out.request_id, None),
                 )
                 self.prefill.release_transfer(out.request_id)
         outs.extend(self.engine.step())
@@ -189,7 +205,9 @@ class LLM:
         D's cache as it arrives, the last lets D run and frees P's blocks."""
         rid = out.request_id
         if rid not in self.slices:
-            self.engine.add_request(rid, out.prompt_token_ids, self._params[rid], prefix_stream=True)
+            self.engine.add_request(
+                rid, out.prompt_token_ids, self._params[rid], prefix_stream=True, images=self._images.pop(rid, None)
+            )
             self.slices[rid] = []
         self.slices[rid].append((piece.start, piece.split))
         self.engine.import_slice(rid, piece)

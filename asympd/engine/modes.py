@@ -193,6 +193,18 @@ def decode_plan(cfg: ModelConfig, n: int, mode: str, policy: str = "carry") -> D
     raise ValueError(f"mode {mode!r} has no decode worker; expected one of {', '.join(PREFILL_MODEL_ROLE)}")
 
 
+def image_rows_shipped(cfg: ModelConfig, n: int, mode: str, policy: str, spans: list[tuple[int, int]]) -> list[int]:
+    """Positions of the image rows D computes from embeddings P encoded (they cross in the
+    PrefixState): D's rows of every image [start, end) at least one row of which P computes -- the
+    tail of an image straddling D's first row, or (symmetric modes) every image D replays. D encodes
+    only the images P computes no row of."""
+    if mode not in PREFILL_MODEL_ROLE or skips_prefill(mode, n, cfg.window_size):
+        return []
+    p_hi = max((ph.hi for ph in prefill_plan(cfg, n, mode, policy).phases), default=0)
+    d_lo = min((ph.lo for ph in decode_plan(cfg, n, mode, policy).phases), default=n)
+    return [q for lo, hi in spans if lo < p_hi for q in range(max(lo, d_lo), hi)]
+
+
 def decode_fallback_plan(cfg: ModelConfig, n: int, mode: str, policy: str = "carry") -> list[Phase]:
     """D computing the prefix itself because P failed (policy ``recompute``): the same numbers the
     P/D pair would have produced, from one engine holding the full model."""

@@ -61,11 +61,23 @@ class Request:
     streamed: int = 0  # prefill worker streaming its prefix: positions already handed over in slices
     awaiting_import: bool = False  # decode worker: the streamed prefix has not fully arrived
     timings: dict[str, float] = field(default_factory=dict)
+    images: list[Any] = field(default_factory=list)  # vision.ImageInput, spans in prompt order
+    image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)  # image index -> its span rows (encoded here)
+    imported_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> image row P encoded
 
     def __post_init__(self) -> None:
         self.prompt_phases = list(self.phases)
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def cache_salt(self) -> str:
+        """Part of the prefix-cache key: two prompts with the same ids but other images differ."""
+        return "".join(f"|{im.start}:{im.digest}" for im in self.images)
+
+    @property
+    def image_spans(self) -> list[tuple[int, int]]:
+        return [(im.start, im.end) for im in self.images]
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import torch
 
+from asympd.engine import modes
 from asympd.engine.request import Request
 from asympd.engine.scheduler import ScheduledChunk
 from asympd.kv.block_manager import BlockManager
 from asympd.kv.paged_cache import PagedKVCache
-from asympd.model.transformer import Chunk, Depth, Transformer
+from asympd.model.transformer import Chunk, ChunkImages, Depth, Transformer
+from asympd.model.vision import span_mask
 from asympd.transfer.prefix_state import PrefixState
 from asympd.transfer.stream import PrefixStream
 
@@ -52,11 +54,53 @@ class ModelRunner:
                     encoder_floor=ph.encoder_floor if ph else 0,
                     write_global=ph.write_global if ph else True,
                     logits=want,
+                    images=self._chunk_images(req, sc.lo, sc.hi, len(ids)) if req.images else None,
                 )
             )
         out = self.model(batch)
         self.last_draft_hidden = out.draft_hidden
         return out.logits
+
+    # ---- images ------------------------------------------------------------------------------
+
+    def _chunk_images(self, req: Request, lo: int, hi: int, n: int) -> ChunkImages:
+        """The image rows of rows [lo, hi) and the text mask of the request's n-token history."""
+        rows, embeds = [], []
+        for i, im in enumerate(req.images):
+            a, b = max(lo, im.start), min(hi, im.end)
+            if a < b:
+                rows.append(torch.arange(a - lo, b - lo))
+                embeds.append(self.image_rows(req, i, a, b))
+        if not rows:
+            empty = torch.empty(0, self.cfg.dim, dtype=self.model.dtype)
+            return ChunkImages(~span_mask(n, req.images), torch.empty(0, dtype=torch.long), empty)
+        return ChunkImages(~span_mask(n, req.images), torch.cat(rows), torch.cat(embeds))
+
+    def image_rows(self, req: Request, i: int, a: int, b: int) -> torch.Tensor:
+        """Rows [a, b) of image i's span: as P shipped them, else encoded here (once per request)."""
+        if all(q in req.imported_rows for q in range(a, b)):
+            return torch.stack([req.imported_rows[q] for q in range(a, b)]).to(self.model.device, self.model.dtype)
+        if i not in req.image_embeds:
+            if self.model.vision is None:
+                raise RuntimeError("this engine's model has no vision tower to encode the image")
+            req.image_embeds[i] = self.model.vision.span_rows(req.images[i])
+        im = req.images[i]
+        return req.image_embeds[i][a - im.start : b - im.start]
+
+    def _image_export(self, req: Request, mode: str, policy: str) -> dict[str, torch.Tensor]:
+        """The PrefixState's image buffers: every span, and the rows D takes from P's encoding."""
+        if not req.images:
+            return {}
+        spans = req.image_spans
+        pos = modes.image_rows_shipped(self.cfg, req.num_prompt_tokens, mode, policy, spans)
+        rows = [
+            self.image_rows(req, i, q, q + 1) for q in pos for i, im in enumerate(req.images) if im.start <= q < im.end
+        ]
+        return {
+            "image_spans": torch.tensor([[lo, hi - lo] for lo, hi in spans], dtype=torch.int64),
+            "image_pos": torch.tensor(pos, dtype=torch.int64),
+            "image_rows": (torch.cat(rows) if rows else torch.empty(0, self.cfg.dim, dtype=self.model.dtype)).cpu(),
+        }
 
     # ---- prefix state ------------------------------------------------------------------------
 
@@ -112,6 +156,7 @@ class ModelRunner:
             num_prompt_tokens=req.num_prompt_tokens,
             kv_format=kv_format,
             start=start,
+            **(self._image_export(req, mode, policy) if upto is None else {}),
         )
 
     def import_prefix(self, req: Request) -> None:
@@ -141,5 +186,7 @@ class ModelRunner:
                 view.append_pending(
                     layer, torch.arange(s - rows, s), ps.pair_kv[layer].to(device), ps.pair_score[layer].to(device)
                 )
+        if ps.image_pos is not None:  # the image rows P encoded for D's rows
+            req.imported_rows.update(zip(ps.image_pos.tolist(), ps.image_rows, strict=True))
         for layer, kv in ps.swa_kv.items():  # P's windows: D starts decoding without a replay
             view.append_window(layer, ps.swa_pos[layer].to(device), kv.to(device))

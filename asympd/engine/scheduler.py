@@ -147,7 +147,7 @@ class Scheduler:
                 need,
                 token_ids=req.prompt_token_ids,
                 cacheable_tokens=cacheable,
-                extra_key=self.prefix_cache_key,
+                extra_key=self.prefix_cache_key + req.cache_salt,
             )
         except RequestTooLargeError as e:
             req.status = Status.FINISHED_ERROR

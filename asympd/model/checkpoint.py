@@ -125,13 +125,14 @@ class RoleFiles:
         return not self.tensors_missing
 
 
-def role_files(ckpt_dir: str | Path, cfg: ModelConfig, role: str) -> RoleFiles:
+def role_files(ckpt_dir: str | Path, cfg: ModelConfig, role: str, vision: bool | None = None) -> RoleFiles:
     """The shards holding ``role``'s tensors, from the index alone, so it answers for a partial
-    download (or a host that fetched only one role's shards) without opening any shard."""
+    download (or a host that fetched only one role's shards) without opening any shard. ``vision``:
+    with the vision tower (default: when the config has one)."""
     d = Path(ckpt_dir)
     files, _ = _tensor_files(d)
     needed, missing_shards, missing = set(), set(), []
-    for spec in role_schema(cfg, role):
+    for spec in role_schema(cfg, role, cfg.vision_n_layers > 0 if vision is None else vision):
         fname = files.get(spec.name)
         if fname is not None:
             needed.add(fname)
@@ -148,20 +149,23 @@ def _check_known(name: str, where: str, schema_names: set[str]) -> None:
 
 
 def load_tensors(
-    ckpt_dir: str | Path, cfg: ModelConfig, role: str, *, device: str = "cpu"
+    ckpt_dir: str | Path, cfg: ModelConfig, role: str, *, device: str = "cpu", vision: bool | None = None
 ) -> tuple[dict[str, torch.Tensor], LoadReport]:
     """The tensors ``role`` needs, in storage dtypes, validated against the schema.
 
     Every tensor name of the checkpoint (the index's weight map, or the single file's header) must
     be in the schema or be a vision tensor (skipped). Only shards holding a needed tensor are
     opened; their header key lists are checked against the index too. Data is read for
-    ``role_schema(cfg, role)`` only, after every needed header entry's shape and dtype passed."""
+    ``role_schema(cfg, role, vision)`` only, after every needed header entry's shape and dtype passed.
+    ``vision`` (default: when the config has a tower) adds the tower and the role's VL gate biases."""
     from safetensors import safe_open
 
     d = Path(ckpt_dir)
     if not d.is_dir():
         raise CheckpointError(f"checkpoint directory {str(d)!r} does not exist")
-    needed = role_schema(cfg, role)
+    if vision is None:
+        vision = cfg.vision_n_layers > 0
+    needed = role_schema(cfg, role, vision)
     schema_names = {s.name for s in checkpoint_schema(cfg)}
     files, indexed = _tensor_files(d)
     for name, fname in files.items():
@@ -285,7 +289,7 @@ def _plain(cfg: ModelConfig, spec: TensorSpec, gen: torch.Generator) -> torch.Te
     leaf = name.rsplit(".", 1)[-1]
     owner = name.removesuffix(".weight")
     hc = cfg.hc_mult
-    if name.endswith("norm.weight"):
+    if name.endswith(("norm.weight", "norm1.weight", "norm2.weight")):
         mean = _match(NORM_MEAN, owner, 1.0)
         t = mean * (1 + 0.1 * _randn(gen, *shape))
     elif name in ("embed.weight",) or name.endswith("markov_head.embed.weight"):

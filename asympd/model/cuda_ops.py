@@ -323,6 +323,7 @@ class FastMoE(MoE):
         moe.n_experts, moe.topk = cfg.moe_shape(layer)
         moe.score_func, moe.route_scale, moe.limit = cfg.score_func, cfg.route_scale, cfg.swiglu_limit
         moe.gate, moe.bias = gate["weight"], gate["bias"]
+        moe.bias_vl = gate.get("bias_vl")  # vision: image-span rows route with it (MoE.route_bias)
         moe.w1 = moe.w2 = moe.w3 = moe.s1 = moe.s3 = None
         moe.w13, moe.w2f, moe.s13, moe.s2 = w13, w2, s13, s2
         moe.inter = w2.weight.size(-1) * 2
@@ -384,7 +385,7 @@ class FastMoE(MoE):
         self.w2f, self.w2_scale = torch.cat(w2), torch.cat(s2)
         self.inexact_rows, self.experts = bad, experts
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, vl: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if self.gate_bf16 is not None and x.dtype == torch.bfloat16 and caps(x.device).get("mm_out_f32"):
             scores = torch.mm(x, self.gate_bf16.t(), out_dtype=torch.float32)
         else:
@@ -395,7 +396,7 @@ class FastMoE(MoE):
             scores = torch.sigmoid(scores)
         else:
             scores = stable_elementwise(F.softplus, scores).sqrt()
-        ids = fast_topk(scores + self.bias, self.topk)
+        ids = fast_topk(scores + self.route_bias(vl), self.topk)  # vision: bias_vl on image rows (CPU-untested)
         weights = scores.gather(1, ids)
         if self.topk > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -417,13 +418,13 @@ class FastMoE(MoE):
             lo = hi
         return out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, vl: torch.Tensor | None = None) -> torch.Tensor:
         if getattr(self, "w13", None) is None:
-            return super().forward(x)
+            return super().forward(x, vl)
         if self.experts == "mxfp4":
-            return self._forward_mxfp4(x)
+            return self._forward_mxfp4(x, vl)
         t, k, n_exp = x.size(0), self.topk, self.w13.size(0)
-        weights, ids = self.route(x)
+        weights, ids = self.route(x, vl)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # by expert, then by token: the reference's order
         token = order // k
@@ -462,11 +463,11 @@ class FastMoE(MoE):
             hs = qdq32(self._swiglu_f32(sg, self.shared_inter).to(sg.dtype))
         return y + _mm(hs, self.s2).float()
 
-    def _forward_mxfp4(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_mxfp4(self, x: torch.Tensor, vl: torch.Tensor | None = None) -> torch.Tensor:
         """Routed experts straight from the packed FP4 operands: rows sorted by expert and cut
         into M-blocks on the device; the GEMMs expand FP4 in registers (``gemm_kernels``)."""
         t, k = x.size(0), self.topk
-        weights, ids = self.route(x)
+        weights, ids = self.route(x, vl)
         flat = ids.reshape(-1)
         bm = moe_block_m(flat.numel(), self.w13.n_experts)
         order, *blocks = moe_blocks(flat, self.w13.n_experts, bm)

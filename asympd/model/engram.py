@@ -63,9 +63,12 @@ class Engram(torch.nn.Module):
             fetched.scales.record_stream(current)
         return dequant_fp8_rows(fetched.rows, fetched.scales).to(torch.bfloat16)
 
-    def forward(self, h: torch.Tensor, hash_ids: torch.Tensor | Fetched) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, hash_ids: torch.Tensor | Fetched, text: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """h: [T, hc, D]; hash_ids: [T, n_hash_cols] (or their ``fetch``) -> h with the gated value
-        added to each copy."""
+        added to each copy. ``text`` ([T] bool, optional): False shuts the gate (image-span rows pass
+        through unchanged, as in the reference)."""
         if not isinstance(hash_ids, Fetched):
             hash_ids = self.fetch(hash_ids, h.device)
         kv = self.wkv(self.lookup(hash_ids).flatten(-2).to(h.dtype))
@@ -76,4 +79,6 @@ class Engram(torch.nn.Module):
         rstd = torch.rsqrt(hf.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
         dot = (hf * self.qk * key).sum(-1) * rstd * self.dim**-0.5
         gate = sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))  # signed sqrt
+        if text is not None:
+            gate = gate.masked_fill(~text.to(gate.device).unsqueeze(-1), 0)
         return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)

@@ -34,6 +34,7 @@ from asympd.model.packed import FP8TileLinear, PackedExperts
 from asympd.model.quant import dequant_fp4, dequant_fp8_tiles
 from asympd.model.schema import ROLES
 from asympd.model.transformer import Block, Transformer
+from asympd.model.vision import VisionTower
 
 ATTN_MATRICES = (
     "wq_a",
@@ -156,12 +157,16 @@ def _moe(cfg: ModelConfig, layer: int, r: _Reader, prefix: str) -> MoE:
             "weight": r.vector(prefix + "gate.weight", torch.float32),
             "bias": r.vector(prefix + "gate.bias", torch.float32),
         }
+        if r.has(prefix + "gate.bias_vl"):
+            gate["bias_vl"] = r.vector(prefix + "gate.bias_vl", torch.float32)
         w13 = r.fp4_experts(prefix, n_exp, ("w1", "w3"))
         return FastMoE.packed(cfg, layer, gate, w13, r.fp4_experts(prefix, n_exp, ("w2",)), s13, s2)
     w: dict[str, torch.Tensor] = {
         "gate.weight": r.vector(prefix + "gate.weight", torch.float32),
         "gate.bias": r.vector(prefix + "gate.bias", torch.float32),
     }
+    if r.has(prefix + "gate.bias_vl"):  # read with the vision tower: image-span rows route with it
+        w["gate.bias_vl"] = r.vector(prefix + "gate.bias_vl", torch.float32)
     for proj in ("w1", "w2", "w3"):
         w[f"experts.{proj}"] = torch.stack([r.matrix(f"{prefix}experts.{e}.{proj}")[0] for e in range(n_exp)])
         w[f"shared_experts.{proj}"] = r.matrix(f"{prefix}shared_experts.{proj}")[0]
@@ -231,6 +236,11 @@ def build_model(
         head = r.vector("head.weight", torch.bfloat16 if bf16_head else torch.float32)
     model = Transformer(cfg, role, embed, blocks, norm, head, hasher, dtype)
     model.weights = layout.name
+    if "vision.patch_embed.proj.weight" in tensors:
+        from asympd.model.schema import Part, checkpoint_schema
+
+        names = [s.name for s in checkpoint_schema(cfg) if s.part is Part.VISION and s.layer is None]
+        model.vision = VisionTower(cfg, {n: tensors[n].to(device) for n in names}, dtype)
     if role != "prefill":
         model.drafter = _drafter(cfg, r, round_probs, embed, head)
     # the modules above are the CUDA ones where r.kernels (built as such, no class swaps); their fused
@@ -318,14 +328,16 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str = "auto",
     weights: str = "auto",
+    vision: bool | None = None,
 ) -> Transformer:
-    """Load a role from a checkpoint directory; ``.load_report`` says what was read."""
+    """Load a role from a checkpoint directory; ``.load_report`` says what was read. ``vision``
+    (default: whether the config has a tower) also reads the vision tower and the VL gate biases."""
     from asympd.model.checkpoint import load_config, load_tensors
 
     dtype = resolve_dtype(dtype, device)
 
     cfg = load_config(checkpoint)
-    tensors, report = load_tensors(checkpoint, cfg, role)
+    tensors, report = load_tensors(checkpoint, cfg, role, vision=vision)
     hasher = None
     if cfg.engram_layer_ids:
         from asympd.model.engram_hash import NgramHasher, compressed_token_map

@@ -40,12 +40,14 @@ class MoE(torch.nn.Module):
         self.score_func, self.route_scale, self.limit = cfg.score_func, cfg.route_scale, cfg.swiglu_limit
         self.gate = w["gate.weight"].float()
         self.bias = w["gate.bias"].float()
+        self.bias_vl = w["gate.bias_vl"].float() if "gate.bias_vl" in w else None  # image-span rows
         # routed experts stacked [E, out, in] so a step touches only the experts it routes to
         self.w1, self.w2, self.w3 = w["experts.w1"], w["experts.w2"], w["experts.w3"]
         self.s1, self.s2, self.s3 = w["shared_experts.w1"], w["shared_experts.w2"], w["shared_experts.w3"]
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k], expert ids [T, k]); ties in the biased score go to the lowest id."""
+    def route(self, x: torch.Tensor, vl: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k]); ties in the biased score go to the lowest id. ``vl``
+        ([T] bool): rows inside an image span, whose experts the VL bias picks instead."""
         scores = linear(x.float(), self.gate)
         if self.score_func == "softmax":
             scores = scores.softmax(dim=-1)
@@ -53,14 +55,20 @@ class MoE(torch.nn.Module):
             scores = sigmoid(scores)
         else:
             scores = stable_elementwise(F.softplus, scores).sqrt()
-        ids = stable_topk(scores + self.bias, self.topk)
+        ids = stable_topk(scores + self.route_bias(vl), self.topk)
         weights = scores.gather(1, ids)
         if self.topk > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.route_scale, ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(x)
+    def route_bias(self, vl: torch.Tensor | None) -> torch.Tensor:
+        """The selection bias per row: ``bias``, or ``bias_vl`` on image-span rows ([E] or [T, E])."""
+        if vl is None or self.bias_vl is None or not bool(vl.any()):
+            return self.bias
+        return torch.where(vl.to(self.bias.device).unsqueeze(-1), self.bias_vl, self.bias)
+
+    def forward(self, x: torch.Tensor, vl: torch.Tensor | None = None) -> torch.Tensor:
+        weights, ids = self.route(x, vl)
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(ids).tolist():  # ascending: the reference's accumulation order
             rows, slot = torch.where(ids == e)

@@ -4,7 +4,7 @@ One table drives the loader, ``make-checkpoint``, ``inspect`` and the memory rep
 cannot disagree. Names are the reference code's parameter names (docs/model.md §4).
 
 Roles:
-- ``full``: everything but vision (the colocated engine, or a symmetric P).
+- ``full``: the text model (the colocated engine, or a symmetric P).
 - ``decode``: the same; the decode worker holds the whole text model plus the draft blocks.
 - ``prefill``: the embedding, layers below the last KV source K, and K's *KV path*: what turns
   K's input into its compressed KV and index keys. K's input needs the mHC ``pre_mix`` that layer
@@ -13,6 +13,10 @@ Roles:
   K's Engram when K is an Engram layer, since Engram writes the stream before attention reads it.
   K's own mHC coefficients (``hc_attn_*``) are *not* needed: they only mix attention's output
   back into the stream, which nothing on P reads.
+
+The vision tower (``vision.*``, ``aligner.*``, ``image_*``) and the VL gate biases of the layers a
+role runs an FFN in are ``Part.VISION``: a role reads them with ``vision=True`` (every role encodes
+the images whose rows it computes first; docs/vision.md).
 """
 
 from __future__ import annotations
@@ -137,7 +141,7 @@ def _block(b: _Builder, cfg: ModelConfig, prefix: str, layer: int, part: Part, k
     b.linear(f + "gate", n_exp, d, Fmt.PLAIN, part, layer)
     b.add(f + "gate.bias", (n_exp,), F32, part, layer)
     if cfg.vision_n_layers > 0:
-        b.add(f + "gate.bias_vl", (n_exp,), F32, Part.VISION, layer)
+        b.add(f + "gate.bias_vl", (n_exp,), F32, Part.VISION, layer)  # image-span rows route with it
     ef, inter = expert_fmt(cfg), cfg.moe_inter_dim
     for e in range(n_exp):
         b.linear(f + f"experts.{e}.w1", inter, d, ef, part, layer)
@@ -157,9 +161,36 @@ def _block(b: _Builder, cfg: ModelConfig, prefix: str, layer: int, part: Part, k
         b.add(e + "k_weight", (hc, d), BF16, kv_path_part, layer)
 
 
+def _vision(b: _Builder, cfg: ModelConfig) -> None:
+    """The tower as the release names it: 2 + 8 per layer + 1 ``vision.*``, 4 ``aligner.*``, 3
+    ``image_*`` (266 bf16 tensors, 0.97 GB at the released size)."""
+    d, inter, p = cfg.vision_dim, cfg.vision_inter_dim, cfg.vision_patch_size
+    v = Part.VISION
+    b.add("vision.patch_embed.proj.weight", (d, 3 * p * p), BF16, v)
+    b.add("vision.patch_embed.proj.bias", (d,), BF16, v)
+    for i in range(cfg.vision_n_layers):
+        q = f"vision.blocks.{i}."
+        b.add(q + "norm1.weight", (d,), BF16, v)
+        b.add(q + "attn.wqkv.weight", (3 * d, d), BF16, v)
+        b.add(q + "attn.wqkv.bias", (3 * d,), BF16, v)
+        b.add(q + "attn.wo.weight", (d, d), BF16, v)
+        b.add(q + "attn.wo.bias", (d,), BF16, v)
+        b.add(q + "norm2.weight", (d,), BF16, v)
+        b.add(q + "mlp.w1.weight", (2 * inter, d), BF16, v)
+        b.add(q + "mlp.w2.weight", (d, inter), BF16, v)
+    b.add("vision.norm.weight", (d,), BF16, v)
+    fold = d * cfg.vision_downsample_ratio**2
+    b.add("aligner.w1.weight", (cfg.dim, fold), BF16, v)
+    b.add("aligner.w1.bias", (cfg.dim,), BF16, v)
+    b.add("aligner.w2.weight", (cfg.dim, cfg.dim), BF16, v)
+    b.add("aligner.w2.bias", (cfg.dim,), BF16, v)
+    for name in ("image_start", "image_end", "image_newline"):
+        b.add(name, (cfg.dim,), BF16, v)
+
+
 def checkpoint_schema(cfg: ModelConfig) -> list[TensorSpec]:
-    """Every text-model tensor of the released checkpoint (vision tower excluded, VL gate biases
-    included as ``Part.VISION`` so a checkpoint holding them is not 'unexpected')."""
+    """Every tensor of the released checkpoint; the vision tower last (``Part.VISION``, with the VL
+    gate biases), when the config has one."""
     b = _Builder()
     b.add("embed.weight", (cfg.vocab_size, cfg.dim), BF16, Part.EMBEDDING)
     k = cfg.last_kv_source
@@ -188,6 +219,8 @@ def checkpoint_schema(cfg: ModelConfig) -> list[TensorSpec]:
                 b.add(f"mtp.{i}.markov_head.embed.weight", (cfg.vocab_size, r), BF16, Part.DRAFT, layer)
                 b.add(f"mtp.{i}.markov_head.head.weight", (cfg.vocab_size, r), BF16, Part.DRAFT, layer)
                 b.add(f"mtp.{i}.confidence_head.proj.weight", (1, cfg.dim + r), BF16, Part.DRAFT, layer)
+    if cfg.vision_n_layers > 0:
+        _vision(b, cfg)
     return b.specs
 
 
@@ -200,12 +233,21 @@ ROLE_PARTS = {
 VISION_PREFIXES = ("vision.", "aligner.", "image_")
 
 
-def role_schema(cfg: ModelConfig, role: str) -> list[TensorSpec]:
-    """The tensors a role reads. Raises ValueError for an unknown role."""
+def role_schema(cfg: ModelConfig, role: str, vision: bool = False) -> list[TensorSpec]:
+    """The tensors a role reads; with ``vision``, the tower too and the VL gate biases of the layers
+    the role runs an FFN in (below K on P; every backbone layer otherwise; the draft blocks never see
+    an image row). Raises ValueError for an unknown role."""
     if role not in ROLE_PARTS:
         raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
     parts = ROLE_PARTS[role]
-    return [s for s in checkpoint_schema(cfg) if s.part in parts]
+    ffn_layers = cfg.last_kv_source if role == "prefill" else cfg.n_layers
+
+    def wanted(s: TensorSpec) -> bool:
+        if s.part is not Part.VISION:
+            return s.part in parts
+        return vision and (s.layer is None or s.layer < ffn_layers)
+
+    return [s for s in checkpoint_schema(cfg) if wanted(s)]
 
 
 def is_vision_tensor(name: str) -> bool:

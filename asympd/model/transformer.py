@@ -13,6 +13,10 @@ semantics are expressed (K = the last KV source layer):
 
 The rows of a chunk deeper in the stack are kept first, so the rows active at any layer are a
 prefix of the batch.
+
+Image rows (docs/vision.md) arrive as ``ChunkImages``: their embeddings replace the token
+embeddings before layer 0, their MoE routing uses ``gate.bias_vl``, and Engram neither reads them
+into an n-gram nor writes into them (the reference's token mask).
 """
 
 from __future__ import annotations
@@ -39,6 +43,16 @@ class Depth(IntEnum):
 
 
 @dataclass
+class ChunkImages:
+    """The image rows of a chunk: which of its rows an image fills, with what, and which positions of
+    the history are text (Engram n-grams stop at image rows)."""
+
+    text: torch.Tensor  # [len(history)] bool, False inside image spans
+    rows: torch.Tensor  # [k] int64, chunk-relative rows that take an image embedding
+    embeds: torch.Tensor  # [k, dim] those embeddings (model dtype)
+
+
+@dataclass
 class Chunk:
     kv: SequenceKV
     token_ids: torch.Tensor  # [q] the rows' tokens
@@ -49,6 +63,7 @@ class Chunk:
     encoder_floor: int = 0  # window floor for layers up to K
     write_global: bool = True  # False: compressed KV/index keys for these rows already exist
     logits: str = "last"  # "last" | "all" | "none"
+    images: ChunkImages | None = None  # rows inside image spans, if any
 
     def __post_init__(self) -> None:
         if self.logits not in ("last", "all", "none"):
@@ -94,7 +109,10 @@ class Block(torch.nn.Module):
     def attn_input(self, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         return rms_norm(hc_pre(h, pre), self.attn_norm, self.cfg.norm_eps)
 
-    def forward(self, h: torch.Tensor, pre: torch.Tensor, segs: list[SegmentView]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, h: torch.Tensor, pre: torch.Tensor, segs: list[SegmentView], vl: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``vl`` ([rows] bool, optional): image-span rows, routed with the VL gate bias."""
         residual = h
         attn_pre, attn_post, attn_comb = self._mixes(h, "attn")
         x = self.attn(self.attn_input(h, pre), segs)
@@ -102,7 +120,7 @@ class Block(torch.nn.Module):
         residual = h
         ffn_pre, ffn_post, ffn_comb = self._mixes(h, "ffn")
         x = rms_norm(hc_pre(h, attn_pre), self.ffn_norm, self.cfg.norm_eps)
-        h = hc_post(self.ffn(x), residual, ffn_post, ffn_comb)
+        h = hc_post(self.ffn(x) if vl is None else self.ffn(x, vl), residual, ffn_post, ffn_comb)
         return h, ffn_pre
 
 
@@ -127,6 +145,7 @@ class Transformer(torch.nn.Module):
         self.blocks = blocks
         self.norm, self.head = norm, head
         self.hasher = hasher
+        self.vision: Any = None  # a VisionTower when loaded with the vision tensors (loader.build_model)
         self.max_depth = Depth.ENCODER_KV if role == "prefill" else Depth.ALL
 
     @property
@@ -159,6 +178,13 @@ class Transformer(torch.nn.Module):
             offsets.append(offsets[-1] + len(c.token_ids))
         tokens = torch.cat([c.token_ids for c in ordered]).to(self.device)
         h = F.embedding(tokens, self.embed).to(self.dtype)
+        vl = None  # [rows] bool: image-span rows
+        if any(c.images is not None for c in ordered):
+            vl = torch.zeros(h.size(0), dtype=torch.bool, device=self.device)
+            for i, c in enumerate(ordered):
+                if c.images is not None:
+                    h[offsets[i] + c.images.rows.to(self.device)] = c.images.embeds.to(self.device, self.dtype)
+                    vl[offsets[i] : offsets[i + 1]] = ~c.images.text[c.start : c.start + len(c.token_ids)]
         h = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)
         pre = torch.zeros(h.size(0), cfg.hc_mult, dtype=torch.float32, device=self.device)
         pre[:, 0] = 1.0  # the first collapse just takes copy 0
@@ -166,7 +192,14 @@ class Transformer(torch.nn.Module):
         if cfg.engram_layer_ids and self.hasher is not None:
             # hashed on the host; each Engram gathers its rows where its table lives and starts moving
             # them now, so a host-memory table's copy overlaps the layers before it
-            hashes = torch.cat([self.hasher.hash_ids(c.history, c.start, len(c.token_ids)) for c in ordered])
+            hashes = torch.cat(
+                [
+                    self.hasher.hash_ids(
+                        c.history, c.start, len(c.token_ids), None if c.images is None else c.images.text
+                    )
+                    for c in ordered
+                ]
+            )
             for e, lid in enumerate(cfg.engram_layer_ids):
                 if self.blocks[lid] is not None and self.blocks[lid].engram is not None:
                     fetched[lid] = self.blocks[lid].engram.fetch(hashes[:, e], self.device)
@@ -184,7 +217,8 @@ class Transformer(torch.nn.Module):
             n_full = offsets[full[-1] + 1] if full else 0
             n_rows = offsets[(path or full)[-1] + 1]
             if layer in fetched:
-                h[:n_rows] = block.engram(h[:n_rows], fetched[layer][:n_rows])
+                text = None if vl is None else ~vl[:n_rows]
+                h[:n_rows] = block.engram(h[:n_rows], fetched[layer][:n_rows], text)
             if layer in targets:
                 for i in full:
                     if ordered[i].depth is Depth.ALL:
@@ -204,7 +238,8 @@ class Transformer(torch.nn.Module):
                 )
 
             if full:
-                h[:n_full], pre[:n_full] = block(h[:n_full], pre[:n_full], [view(i) for i in full])
+                rows_vl = None if vl is None else vl[:n_full]
+                h[:n_full], pre[:n_full] = block(h[:n_full], pre[:n_full], [view(i) for i in full], rows_vl)
             if path:
                 lo = offsets[path[0]]
                 x = block.attn_input(h[lo:n_rows], pre[lo:n_rows])

@@ -47,9 +47,9 @@ class EPMoE(torch.nn.Module):
         moe.w1, moe.w2, moe.w3 = (w[self.lo : self.hi].clone() for w in (moe.w1, moe.w2, moe.w3))
         self.moe, self.rank, self.world, self.group = moe, rank, world, group
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, vl: torch.Tensor | None = None) -> torch.Tensor:
         m = self.moe
-        weights, ids = m.route(x)
+        weights, ids = m.route(x, vl)
         t, k = ids.shape
         contrib = torch.zeros(t, k, x.shape[-1], dtype=torch.float32, device=x.device)
         local = ids[(ids >= self.lo) & (ids < self.hi)]

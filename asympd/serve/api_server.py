@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, Response
 
 from asympd.engine import modes
 from asympd.engine.engine import LLMEngine, RequestError
+from asympd.engine.images import ImageLimits
 from asympd.engine.llm import eos_id, load_tokenizer
 from asympd.engine.request import RequestOutput
 from asympd.engine.sampling import SamplingParams
@@ -62,6 +63,7 @@ from asympd.serve.http import (
 )
 from asympd.serve.metrics import ServerMetrics
 from asympd.serve.routes import build_app
+from asympd.serve.vision_inputs import request_images
 from asympd.transfer import PrefixStateError
 
 log = logging.getLogger("asympd.serve")
@@ -268,6 +270,10 @@ class WorkerServer:
             )
         self.check_model(req)
         ids = await self.off_loop(self.prompt_ids, kind, req)
+        images: list[Any] = []
+        if kind == "chat":  # vision: decode image parts, expand their placeholders (serve/vision_inputs.py)
+            limits = ImageLimits(self.cfg.max_images, self.cfg.max_image_bytes, allow_http=self.cfg.allow_image_urls)
+            ids, images = await self.off_loop(request_images, req.message_dicts(), ids, self.model_cfg, limits)
         params = req.sampling_params(len(ids), self.model_cfg.max_seq_len)
         self.check_length(ids, params)
         req.stop_strings()  # validated before anything is queued
@@ -276,13 +282,13 @@ class WorkerServer:
             raise P.APIError(f"request {rid} was aborted", 499)
         kv = req.kv_transfer_params
         if self.cfg.role == "prefill":
-            return await self.prefill(kind, req, request, rid, ids, params, t_arrival)
+            return await self.prefill(kind, req, request, rid, ids, params, t_arrival, images)
         if kv is not None and kv.get("do_remote_decode"):
             raise P.APIError(
                 f"this is a {self.cfg.role} worker: do_remote_decode needs a prefill worker", param="kv_transfer_params"
             )
         progress = internal and PROGRESS_HEADER in request.headers
-        return await self.generate(kind, req, request, rid, ids, params, t_arrival, progress)
+        return await self.generate(kind, req, request, rid, ids, params, t_arrival, progress, images)
 
     async def _add(self, rid: str, ids: list[int], params: SamplingParams, **kw: Any) -> RequestStream:
         try:
@@ -297,7 +303,15 @@ class WorkerServer:
     # ---- prefill worker ------------------------------------------------------------------------------
 
     async def prefill(
-        self, kind: str, req: Any, request: Request, rid: str, ids: list[int], params: SamplingParams, t_arrival: float
+        self,
+        kind: str,
+        req: Any,
+        request: Request,
+        rid: str,
+        ids: list[int],
+        params: SamplingParams,
+        t_arrival: float,
+        images: list[Any] | None = None,
     ) -> Response:
         kv = req.kv_transfer_params or {}
         if not kv.get("do_remote_decode"):
@@ -307,7 +321,7 @@ class WorkerServer:
                 param="kv_transfer_params",
             )
         t_add = time.perf_counter()
-        stream = await self._add(rid, ids, params)
+        stream = await self._add(rid, ids, params, images=images or None)
         out = await until_disconnect(request, stream.result())
         if isinstance(out, Aborted):
             raise P.APIError("the request was aborted", 499)
@@ -368,6 +382,7 @@ class WorkerServer:
         params: SamplingParams,
         t_arrival: float,
         progress: bool = False,
+        images: list[Any] | None = None,
     ) -> Response:
         timings: dict[str, Any] = {"prefill_path": "local"}
         kv = req.kv_transfer_params
@@ -384,6 +399,7 @@ class WorkerServer:
             min_tokens=params.min_tokens,
         )
         kw: dict[str, Any] = {"prefix_state": state, "first_token": got.first_token if state is not None else None}
+        kw["images"] = images or None
         if state is not None and got.first_logprobs is not None and _ENGINE_TAKES_FIRST_LOGPROBS:
             kw["first_token_logprobs"] = got.first_logprobs
         t_add = time.perf_counter()

@@ -48,6 +48,9 @@ class ServeConfig:
     threads: int | None = None
     ep: int = 1  # expert-parallel ranks (one process each, started by this worker); docs/parallel.md
     tp: int = 1  # only 1: attention is replicated
+    max_images: int = 8  # image parts per chat request (docs/vision.md)
+    max_image_bytes: int = 4 << 20  # each image, encoded (the body limit bounds them all)
+    allow_image_urls: bool = False  # fetch http(s) image URLs (off: data URLs only)
 
     @property
     def role(self) -> str:
@@ -123,6 +126,9 @@ _HELP = {
     "tp": "tensor parallel attention: only 1 (attention is replicated)",
     "dtype": "auto: bfloat16 on CUDA, float32 on CPU",
     "weights": "auto: packed-experts on CUDA (MXFP4 experts as released), dequantized on CPU",
+    "max_images": "image parts accepted in one chat request (400 above it)",
+    "max_image_bytes": "largest encoded image accepted (400 above it)",
+    "allow_image_urls": "fetch http(s) image_url parts (default: only data: URLs are accepted)",
 }
 _CHOICES = {
     "role": modes.ROLES,

@@ -294,20 +294,16 @@ class ChatCompletionRequest(_Common):
     def render_prompt(self) -> str:
         """The V4.1 prompt text; every worker and the router render a request the same way."""
         options = self.chat_options()
-        messages = [m.model_dump(exclude_none=True) for m in self.messages]
-        for i, m in enumerate(messages):
-            parts = m.get("content") if isinstance(m.get("content"), list) else []
-            if any(isinstance(p, dict) and p.get("type") in ("image_url", "image") for p in parts):
-                raise APIError(
-                    f"messages[{i}]: image parts cannot be served: the workers are text-only (no vision tower)",
-                    param="messages",
-                )
+        messages = self.message_dicts()  # image parts render as <｜deepseek_image｜> (serve/vision_inputs.py)
         try:
             return encode_messages(
                 messages, options, self.tools if self.tools_enabled() else None, self.response_format
             )
         except ChatFormatError as e:
             raise APIError(str(e), param="messages") from None
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [m.model_dump(exclude_none=True) for m in self.messages]
 
     def output(self) -> ChatOutput:
         """The parser of this request's completion into OpenAI message / delta fields."""

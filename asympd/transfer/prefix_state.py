@@ -21,6 +21,12 @@ dtype as it is. In memory a state always holds the unpacked values; packing happ
 ``to_buffers`` and unpacking in ``from_buffers``. The open compressor pair, the token ids and the
 windows are never packed (the reference does not quantize them).
 
+With images (docs/vision.md) a state also carries the prompt's image spans (``image_spans``, int64
+``[n, 2]``: start and length of each) and the embedding rows of the image rows D computes but P
+encoded (``image_pos`` int64 ``[k]``, ``image_rows`` ``[k, dim]`` in the state dtype): the tail of
+an image that straddles D's first row, so D never re-encodes an image P already encoded. They
+travel in the slice that ends at the split.
+
 A state may be one *slice* of a prefix streamed as P's chunked prefill advances (transfer/stream.py):
 ``start`` > 0 means its ckv/idx hold entries ``[start // r, split // r)`` only, and it carries no
 token ids (the slice at ``start`` 0 does). A whole state is the slice with ``start`` 0.
@@ -67,6 +73,7 @@ PAIR_DTYPE = "float32"  # the open group of a compressor is kept in fp32 (docs/m
 TOKEN_DTYPE = "int64"
 _WINDOW_KINDS = ("swa_kv", "swa_pos")  # optional: only a state that ships the windows has them
 _KINDS = ("ckv", "idx", "pair_kv", "pair_score", *_WINDOW_KINDS)
+_IMAGE_NAMES = ("image_spans", "image_pos", "image_rows")  # optional, layer-less
 _META_KEYS = ("split", "num_prompt_tokens", "boundary_policy", "mode", "dtype", "fingerprint", "kv_format", "start")
 KV_FORMATS = ("fp4", "unpacked")
 # packed kinds: the format of each, and the name of its scale buffer on the wire
@@ -126,7 +133,7 @@ def expected_buffers(
 
 
 def _parse_name(name: str) -> tuple[str, int | None]:
-    if name == "token_ids":
+    if name == "token_ids" or name in _IMAGE_NAMES:
         return name, None
     kind, _, layer = name.partition(".")
     if kind not in _KINDS + _SCALE_KINDS or not layer.isdigit():
@@ -158,6 +165,9 @@ class PrefixState:
     kv_format: str = "unpacked"  # how ckv/idx cross the wire (module docstring)
     start: int = 0  # > 0: a slice of a streamed prefix (module docstring)
     version: int = FORMAT_VERSION
+    image_spans: torch.Tensor | None = None  # [n, 2] int64 (start, length); None: no images
+    image_pos: torch.Tensor | None = None  # [k] int64 positions of the rows below
+    image_rows: torch.Tensor | None = None  # [k, dim] embeddings of image rows P encoded for D
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0 and self.start > 0:
@@ -209,11 +219,12 @@ class PrefixState:
     @classmethod
     def _from_named(cls, buffers: Mapping[str, torch.Tensor], meta: Mapping[str, Any], tokens: torch.Tensor):
         groups: dict[str, dict[int, torch.Tensor]] = {k: {} for k in _KINDS}
+        images = {n: buffers[n] for n in _IMAGE_NAMES if n in buffers}
         for name, t in buffers.items():
             kind, layer = _parse_name(name)
             if layer is not None:
                 groups[kind][layer] = t
-        return cls(token_ids=tokens, **groups, **meta)
+        return cls(token_ids=tokens, **groups, **images, **meta)
 
     # ---- views -----------------------------------------------------------------------------------
 
@@ -224,6 +235,9 @@ class PrefixState:
             for layer, t in sorted(getattr(self, kind).items()):
                 out[f"{kind}.{layer}"] = t
         out["token_ids"] = self.token_ids
+        for name in _IMAGE_NAMES:
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
 
     @property
@@ -446,6 +460,36 @@ class PrefixState:
             raise PrefixStateError(f"token_ids hold ids outside the vocabulary [0, {cfg.vocab_size})")
         if self.swa_kv or self.swa_pos:
             self._validate_windows(cfg)
+        if any(getattr(self, n) is not None for n in _IMAGE_NAMES):
+            self._validate_images(cfg)
+
+    def _validate_images(self, cfg: ModelConfig) -> None:
+        """Image spans ordered, disjoint and inside the prompt (on ``image_token_id`` rows when the
+        token ids are here); each shipped row inside a span, positions strictly ascending."""
+        spans, pos, rows = self.image_spans, self.image_pos, self.image_rows
+        if spans is None or pos is None or rows is None:
+            raise PrefixStateError("image_spans, image_pos and image_rows travel together")
+        if spans.dtype != torch.int64 or spans.dim() != 2 or spans.size(1) != 2:
+            raise PrefixStateError(f"image_spans is {tuple(spans.shape)} {spans.dtype}, expected (n, 2) int64")
+        if pos.dtype != torch.int64 or pos.dim() != 1:
+            raise PrefixStateError(f"image_pos is {tuple(pos.shape)} {pos.dtype}, expected (k,) int64")
+        if str(rows.dtype).removeprefix("torch.") != self.dtype or tuple(rows.shape) != (pos.numel(), cfg.dim):
+            raise PrefixStateError(
+                f"image_rows is {tuple(rows.shape)} {rows.dtype}, expected ({pos.numel()}, {cfg.dim}) {self.dtype}"
+            )
+        n, prev = self.num_prompt_tokens, 0
+        inside = torch.zeros(n, dtype=torch.bool)
+        for start, length in spans.tolist():
+            if start < prev or length < 3 or start + length > n:
+                raise PrefixStateError(f"image span ({start}, {length}) overlaps another or leaves the prompt")
+            inside[start : start + length] = True
+            prev = start + length
+        if self.token_ids.numel() and not torch.equal(inside, self.token_ids == cfg.image_token_id):
+            raise PrefixStateError(f"image spans do not match the prompt's image token {cfg.image_token_id} rows")
+        if pos.numel() and (pos[0] < 0 or pos[-1] >= n or (pos.diff() <= 0).any() or not inside[pos].all()):
+            raise PrefixStateError("image_pos must ascend strictly and lie inside the image spans")
+        if not torch.isfinite(rows.float()).all():
+            raise PrefixStateError("image_rows hold a non-finite value")
 
     def _validate_windows(self, cfg: ModelConfig) -> None:
         """Shipped windows: one per model layer, each holding at least the last min(W, N) prompt rows."""

@@ -67,6 +67,8 @@ class PrefixStream:
                     raise PrefixStateError(f"slice {key} {getattr(piece, key)!r} differs from the first slice's")
         if piece.swa_kv:
             raise PrefixStateError("a streamed prefix carries no windows")
+        if piece.image_spans is not None and piece.split != self.split:
+            raise PrefixStateError("image rows travel in the slice that ends at the split")
         self.slices.append(piece)
 
     def state(self) -> PrefixState:
@@ -78,7 +80,7 @@ class PrefixStream:
 
 def concat(slices: list[PrefixState]) -> PrefixState:
     """Consecutive slices -> one state from the first's start to the last's split (the last's open
-    pair, the first's token ids)."""
+    pair and image rows, the first's token ids)."""
     first, last = slices[0], slices[-1]
     return PrefixState(
         split=last.split,
@@ -94,6 +96,9 @@ def concat(slices: list[PrefixState]) -> PrefixState:
         num_prompt_tokens=first.num_prompt_tokens,
         kv_format=first.kv_format,
         start=first.start,
+        image_spans=last.image_spans,
+        image_pos=last.image_pos,
+        image_rows=last.image_rows,
     )
 
 

@@ -13,7 +13,7 @@ from asympd.config import tiny
 from asympd.model import checkpoint as ck
 from asympd.model.checkpoint import CheckpointError, load_config, load_tensors, write_checkpoint
 from asympd.model.quant import dequant_fp4, dequant_fp8_rows, dequant_fp8_tiles
-from asympd.model.schema import Part, checkpoint_schema, role_schema
+from asympd.model.schema import Part, checkpoint_schema, is_vision_tensor, role_schema
 
 SHARD_BYTES = 400_000  # several shards for the ~3 MB tiny model
 
@@ -27,7 +27,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def full(ckpt):
-    return load_tensors(ckpt, tiny(), "full")
+    return load_tensors(ckpt, tiny(), "full", vision=True)
 
 
 def _copy(ckpt, tmp_path):
@@ -83,12 +83,14 @@ def test_load_roles(ckpt, full):
     cfg = tiny()
     tensors, report = full
     assert len(report.tensors_read) == len(set(report.tensors_read))
-    assert set(report.tensors_read) == {s.name for s in role_schema(cfg, "full")}
-    assert set(tensors) == {s.name for s in checkpoint_schema(cfg)}
-    assert report.bytes_read == sum(s.nbytes for s in checkpoint_schema(cfg))
-    for spec in checkpoint_schema(cfg):
+    assert set(report.tensors_read) == {s.name for s in role_schema(cfg, "full", vision=True)}
+    # everything but the draft blocks' VL gate biases (a draft block never routes an image row)
+    every = [s for s in checkpoint_schema(cfg) if not (s.name.startswith("mtp.") and s.name.endswith("bias_vl"))]
+    assert set(tensors) == {s.name for s in every}
+    assert report.bytes_read == sum(s.nbytes for s in every)
+    for spec in every:
         assert tensors[spec.name].shape == spec.shape and tensors[spec.name].dtype == spec.dtype
-    _, dec = load_tensors(ckpt, cfg, "decode")
+    _, dec = load_tensors(ckpt, cfg, "decode", vision=True)
     assert set(dec.tensors_read) == set(report.tensors_read)
 
 
@@ -96,7 +98,7 @@ def test_prefill_reads_no_decoder_tensor(ckpt, full):
     cfg = tiny()
     tensors, report = load_tensors(ckpt, cfg, "prefill")
     part = {s.name: s.part for s in checkpoint_schema(cfg)}
-    assert set(report.tensors_read) == set(tensors) == {s.name for s in role_schema(cfg, "prefill")}
+    assert set(report.tensors_read) == set(tensors) == {s.name for s in role_schema(cfg, "prefill", vision=True)}
     assert not [n for n in report.tensors_read if part[n] in (Part.DECODER, Part.HEAD, Part.DRAFT)]
     assert not [n for n in report.tensors_read if n.startswith(("mtp.", "head.", "norm.", "layers.4.", "layers.6."))]
     # layer K = 3 contributes only its KV path
@@ -108,14 +110,14 @@ def test_prefill_reads_no_decoder_tensor(ckpt, full):
         "layers.3.attn.indexer.wk.weight",
         "layers.3.attn.indexer.k_norm.weight",
     }
-    assert report.bytes_read == sum(s.nbytes for s in role_schema(cfg, "prefill")) < full[1].bytes_read
+    assert report.bytes_read == sum(s.nbytes for s in role_schema(cfg, "prefill", vision=True)) < full[1].bytes_read
     assert len(report.files_opened) < len(full[1].files_opened)
 
 
 def test_prefill_loads_without_decoder_tensors(ckpt, tmp_path):
     cfg = tiny()
     d = _copy(ckpt, tmp_path)
-    prefill_names = {s.name for s in role_schema(cfg, "prefill")}
+    prefill_names = {s.name for s in role_schema(cfg, "prefill", vision=True)}
     _rewrite(d, lambda shard, t: {k: v for k, v in t.items() if k in prefill_names})
     tensors, report = load_tensors(d, cfg, "prefill")
     assert set(tensors) == prefill_names
@@ -167,25 +169,16 @@ def test_unexpected_tensor_missing_from_index(ckpt, tmp_path):
         load_tensors(d, tiny(), "prefill")
 
 
-def test_vision_tensors_skipped(ckpt, tmp_path):
-    d = _copy(ckpt, tmp_path)
-    vision = {
-        "vision.blocks.0.attn.qkv.weight": torch.zeros(4, 4),
-        "aligner.proj.weight": torch.zeros(2, 2),
-        "image_newline": torch.zeros(8),
-        "layers.0.ffn.gate.bias_vl": torch.zeros(8),
-    }
-    seen = []
-
-    def add(shard, t):
-        if not seen:
-            seen.append(shard)
-            t.update(vision)
-        return t
-
-    _rewrite(d, add)
-    tensors, report = load_tensors(d, tiny(), "full")
-    assert not set(vision) & set(tensors) and not set(vision) & set(report.tensors_read)
+def test_vision_tensors_read_only_with_vision(ckpt, full):
+    """The tiny config has a tower: the default reads it; vision=False reads the text model only."""
+    names = {s.name for s in checkpoint_schema(tiny()) if is_vision_tensor(s.name)}
+    assert "vision.blocks.1.mlp.w2.weight" in names and "image_newline" in names
+    assert "layers.0.ffn.gate.bias_vl" in full[0] and "mtp.0.ffn.gate.bias_vl" not in full[0]
+    tensors, report = load_tensors(ckpt, tiny(), "full", vision=False)
+    assert not names & set(tensors) and not names & set(report.tensors_read)
+    prefill, _ = load_tensors(ckpt, tiny(), "prefill")
+    k = tiny().last_kv_source  # P runs no FFN in layer K: no VL bias there
+    assert {n for n in prefill if n.endswith("bias_vl")} == {f"layers.{i}.ffn.gate.bias_vl" for i in range(k)}
 
 
 def test_single_file_checkpoint(ckpt, tmp_path, full):
@@ -195,7 +188,7 @@ def test_single_file_checkpoint(ckpt, tmp_path, full):
     save_file(full[0], str(d / ck.SINGLE_FILE))
     tensors, report = load_tensors(d, tiny(), "prefill")
     assert report.files_opened == [ck.SINGLE_FILE]
-    assert set(tensors) == {s.name for s in role_schema(tiny(), "prefill")}
+    assert set(tensors) == {s.name for s in role_schema(tiny(), "prefill", vision=True)}
     (d / ck.SINGLE_FILE).unlink()
     with pytest.raises(CheckpointError, match="neither model.safetensors nor model.safetensors.index.json"):
         load_tensors(d, tiny(), "prefill")
@@ -333,5 +326,5 @@ def test_vision_gate_biases_written_and_skipped(tmp_path):
     out = write_checkpoint(cfg, tmp_path / "v", seed=0, shard_bytes=10**9, verbose=False)
     index = json.loads((out / ck.INDEX_FILE).read_text())
     assert "layers.0.ffn.gate.bias_vl" in index["weight_map"]
-    tensors, report = load_tensors(out, cfg, "full")
+    tensors, report = load_tensors(out, cfg, "full", vision=False)
     assert not [n for n in report.tensors_read if n.endswith("bias_vl")]

@@ -51,7 +51,7 @@ def test_inspect_fallback_without_loader(ckpt, capsys, monkeypatch):
     _no_loader(monkeypatch)
     assert cli.main(["inspect", "--checkpoint", str(ckpt), "--role", "prefill", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    specs = role_schema(tiny(), "prefill")
+    specs = role_schema(tiny(), "prefill", vision=True)
     assert out["tensors_read"] == len(specs) and set(out["tensor_names"]) == {s.name for s in specs}
     assert out["bytes_read"] == sum(s.nbytes for s in specs)
     assert out["resident_bytes"] is None
@@ -86,7 +86,7 @@ def _inspect_json(capsys, ckpt, role: str, status: int = 0) -> dict:
 def test_inspect_lists_the_shards_a_prefill_host_needs(ckpt, capsys):
     weight_map = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
     prefill = _inspect_json(capsys, ckpt, "prefill")
-    need = sorted({weight_map[s.name] for s in role_schema(tiny(), "prefill")})
+    need = sorted({weight_map[s.name] for s in role_schema(tiny(), "prefill", vision=True)})
     assert prefill["shards_needed"] == need == sorted(prefill["files_opened"])
     assert set(need) < set(weight_map.values())  # a strict subset: the decoder's shards are skipped
     assert prefill["shards_missing"] == [] and prefill["tensors_missing"] == []
@@ -96,15 +96,16 @@ def test_inspect_lists_the_shards_a_prefill_host_needs(ckpt, capsys):
 def test_inspect_partial_folder_names_what_is_missing(ckpt, tmp_path, capsys):
     """A P host that downloaded only the prefill shards: prefill loads, decode says exactly what it lacks."""
     weight_map = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
-    need = {weight_map[s.name] for s in role_schema(tiny(), "prefill")}
+    need = {weight_map[s.name] for s in role_schema(tiny(), "prefill", vision=True)}
     part = tmp_path / "partial"
     shutil.copytree(ckpt, part, ignore=lambda d, names: [n for n in names if n.startswith("model-") and n not in need])
     prefill = _inspect_json(capsys, part, "prefill")
-    assert prefill["tensors_read"] == len(role_schema(tiny(), "prefill"))
+    assert prefill["tensors_read"] == len(role_schema(tiny(), "prefill", vision=True))
     decode = _inspect_json(capsys, part, "decode", status=1)
     absent = set(weight_map.values()) - need
     assert decode["shards_missing"] == sorted(absent)
-    assert decode["tensors_missing"] == [s.name for s in role_schema(tiny(), "decode") if weight_map[s.name] in absent]
+    decode_specs = role_schema(tiny(), "decode", vision=True)
+    assert decode["tensors_missing"] == [s.name for s in decode_specs if weight_map[s.name] in absent]
     assert cli.main(["inspect", "--checkpoint", str(part), "--role", "decode"]) == 1
     text = capsys.readouterr().out
     assert f"shards missing {len(absent)}: {' '.join(sorted(absent))}" in text

@@ -119,7 +119,7 @@ def test_packed_role_holds_the_released_bytes(tiny_ckpt):
     # the Engram tables are resident only on CPU: a GPU build keeps them in host memory
     report = memory_report(cfg, engram_on_gpu=DEVICE == "cpu")["roles"]
     for role in ("prefill", "decode"):
-        model = load_model(tiny_ckpt, role, device=DEVICE, dtype=torch.bfloat16, weights="packed")
+        model = load_model(tiny_ckpt, role, device=DEVICE, dtype=torch.bfloat16, weights="packed", vision=False)
         assert model.weights == "packed"
         layers = [b.layer for b in model.blocks if b is not None and b.ffn is not None]
         extra = sum(cfg.moe_shape(layer)[0] * cfg.dim * 4 for layer in layers)  # gate: fp32 + bf16 copy
@@ -137,7 +137,7 @@ def test_packed_role_holds_the_released_bytes(tiny_ckpt):
         # packed-experts (the CUDA default) expands only the FP8 matrices to bf16
         fp8 = [m for m in _modules(model) if isinstance(m, FP8TileLinear)]
         expanded = sum(m.weight.numel() - m.scale.numel() for m in fp8)
-        mixed = load_model(tiny_ckpt, role, device=DEVICE, dtype=torch.bfloat16, weights="packed-experts")
+        mixed = load_model(tiny_ckpt, role, device=DEVICE, dtype=torch.bfloat16, weights="packed-experts", vision=False)
         assert fp8 and not any(isinstance(m, FP8TileLinear) for m in _modules(mixed))
         assert mixed.resident_bytes() == model.resident_bytes() + expanded, role
 

@@ -25,7 +25,7 @@ def strip_to_prefill(src: str, dst: Path) -> Path:
     for name in ("config.json", "tokenizer.json"):
         shutil.copy(Path(src) / name, dst / name)
     model = load_model(src, "prefill")
-    keep = {s.name for s in role_schema(model.cfg, "prefill")}
+    keep = {s.name for s in role_schema(model.cfg, "prefill", vision=True)}
     tensors = {}
     for shard in Path(src).glob("*.safetensors"):
         tensors.update({k: v for k, v in load_file(shard).items() if k in keep})

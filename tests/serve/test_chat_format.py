@@ -464,7 +464,6 @@ def test_request_knobs():
         ),
         ({"reasoning_effort": "medium"}, "reasoning_effort", "'medium'"),
         ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "needs guided decoding"),
-        ({"messages": [u([{"type": "image_url", "image_url": {"url": "x"}}])]}, "messages", "text-only"),
         ({"messages": [{"role": "tool", "content": "r"}]}, "messages", "with tool_calls"),
     ],
 )
