@@ -161,3 +161,52 @@ def test_bad_image_requests_are_refused(tiny_ckpt):
     with pytest.raises(RequestError, match="leaves the prompt"):
         llm.engine.add_request("y", [5, IMG, IMG], SamplingParams(), images=[image.at(1)])
     assert not llm.engine.requests and llm.engine.blocks.num_used_blocks == 0
+
+
+def test_decode_worker_refuses_image_rows_it_did_not_ask_for(tiny_ckpt):
+    """D checks the state's spans against its own request and its rows against the rule, before
+    anything is allocated."""
+    from asympd.engine.images import decode_image
+    from asympd.model.vision import expand_placeholders
+    from asympd.transfer.prefix_state import PrefixStateError
+
+    llm = LLM(tiny_ckpt, "asymmetric")
+    raw, _ = CASES["straddle"]
+    images = [decode_image(b, llm.cfg) for b in images_of("straddle")]
+    ids = expand_placeholders(llm.cfg, list(raw), images)
+    llm.prefill.add_request("p", ids, SamplingParams(max_tokens=1), images=images)
+    state = None
+    while state is None:
+        state = next((o.prefix_state for o in llm.prefill.step() if o.prefix_state is not None), None)
+    s = split_point(llm.cfg, len(ids), "carry")
+    assert state.image_spans.tolist() == [[20, 8]] and state.image_pos.tolist() == list(range(s, 28))
+    cases = {
+        "ships image rows at": dict(image_pos=state.image_pos[1:], image_rows=state.image_rows[1:]),
+        "are not this request's": dict(image_spans=torch.tensor([[19, 9]])),
+    }
+    for needle, change in cases.items():
+        bad = type(state)(**{**vars(state), **change})
+        with pytest.raises(PrefixStateError, match=needle):
+            llm.engine.add_request("d", ids, SamplingParams(max_tokens=1), prefix_state=bad, images=images)
+    assert not llm.engine.requests and llm.engine.blocks.num_used_blocks == 0
+    llm.engine.add_request("d", ids, SamplingParams(max_tokens=1), prefix_state=state, images=images)
+
+
+def test_streamed_prefix_with_images_equals_colocated_split(tiny_ckpt):
+    """P streams its prefix in slices as its chunks finish; the image rows travel in the last one."""
+    names = ["straddle", "two", "last-W"]
+    sub = {c: CASES[c] for c in names}
+    params = SamplingParams(max_tokens=3, temperature=0, logprobs=-1)
+
+    def go(llm):
+        outs = llm.generate(
+            prompt_token_ids=[sub[c][0] for c in names], sampling_params=params, images=[images_of(c) for c in names]
+        )
+        return [o.outputs[0] for o in outs]
+
+    want = go(LLM(tiny_ckpt, "colocated", "split"))
+    streamed = LLM(tiny_ckpt, "asymmetric", scheduler=SCHED, stream_prefix=True)
+    got = go(streamed)
+    assert all(len(v) > 1 for v in streamed.slices.values())  # really in several slices
+    for c, g, w in zip(names, got, want, strict=True):
+        assert g.token_ids == w.token_ids and g.logprobs == w.logprobs, c

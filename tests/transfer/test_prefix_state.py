@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 
 import pytest
@@ -353,3 +354,39 @@ def test_window_validation_names_what_is_wrong(case):
     with pytest.raises(PrefixStateError) as err:
         state.validate(CFG, fingerprint())
     assert message in str(err.value)
+
+
+# ---- image rows (docs/vision.md) ------------------------------------------------------------------
+
+
+def _with_images(state: PrefixState, spans: list[tuple[int, int]], pos: list[int]) -> PrefixState:
+    """The state's prompt with image-token spans [(start, length)] and rows at ``pos``."""
+    state.token_ids[state.token_ids == CFG.image_token_id] = 5  # no stray image token outside spans
+    for start, length in spans:
+        state.token_ids[start : start + length] = CFG.image_token_id
+    state.image_spans = torch.tensor(spans, dtype=torch.int64).reshape(-1, 2)
+    state.image_pos = torch.tensor(pos, dtype=torch.int64)
+    state.image_rows = torch.randn(len(pos), CFG.dim).to(torch.bfloat16)
+    return state
+
+
+def test_image_rows_round_trip_bit_exact_and_are_validated():
+    fp = fingerprint("bfloat16")
+    state = _with_images(make_state(21, 37), [(3, 8), (18, 10)], list(range(21, 28)))
+    state.validate(CFG, fp)
+    back = PrefixState.deserialize(state.serialize())
+    assert back.equal(state) and back.image_pos.tolist() == list(range(21, 28))
+    assert torch.equal(back.image_rows.view(torch.int16), state.image_rows.view(torch.int16))
+    bad = {
+        "overlaps another": lambda s: setattr(s, "image_spans", torch.tensor([[3, 8], [10, 10]])),
+        "do not match the prompt's image token": lambda s: setattr(s, "image_spans", torch.tensor([[3, 8]])),
+        "inside the image spans": lambda s: setattr(s, "image_pos", torch.arange(29, 36)),
+        "expected (7, 128) bfloat16": lambda s: setattr(s, "image_rows", s.image_rows.float()),
+        "non-finite": lambda s: s.image_rows.__setitem__((0, 0), float("nan")),
+        "travel together": lambda s: setattr(s, "image_rows", None),
+    }
+    for needle, corrupt in bad.items():
+        s = PrefixState.deserialize(state.serialize())
+        corrupt(s)
+        with pytest.raises(PrefixStateError, match=re.escape(needle)):
+            s.validate(CFG, fp)
