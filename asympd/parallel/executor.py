@@ -174,6 +174,10 @@ def _plan(c: Chunk) -> dict[str, Any]:
         raise TypeError(f"a distributed forward needs paged views, got {type(kv).__name__}")
     plan = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name != "kv"}
     plan = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in plan.items()}
+    if c.images is not None:  # image rows cross to the other ranks on the host, like the token ids
+        plan["images"] = dataclasses.replace(
+            c.images, text=c.images.text.cpu(), rows=c.images.rows.cpu(), embeds=c.images.embeds.cpu()
+        )
     plan["kv"] = (_table(kv.block_table), kv.slot)
     return plan
 

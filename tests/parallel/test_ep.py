@@ -188,3 +188,20 @@ def test_serve_ep2_answers_like_ep1_and_stops_cleanly(ep_ckpt, tmp_path):
     assert two.proc is not None and two.proc.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM
     assert "EP rank" not in two.log_path.read_text()  # rank 1 got stop and exited 0 (nothing killed)
     assert not any(os.path.exists(f"/proc/{p}") for p in info["ep_pids"])
+
+
+def test_images_over_two_ranks(ep_ckpt):
+    """Image rows reach every rank with the step plan: 2-rank colocated split equals 1 rank."""
+    from tests.engine.test_vision import CASES, images_of
+
+    names = ["start", "straddle", "two"]
+    prompts, images = [CASES[c][0] for c in names], [images_of(c) for c in names]
+
+    def run(llm: LLM) -> list[list[int]]:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, images=images)
+        return [o.outputs[0].token_ids for o in outs]
+
+    want = run(LLM(ep_ckpt, "colocated", "split"))
+    with ParallelLLM(ep_ckpt, "colocated", "split", ep=2) as llm:
+        assert run(llm) == want
+        _assert_caches_equal(llm)
