@@ -56,6 +56,7 @@ class ModelRunner:
             )
         out = self.model(batch)
         self.last_draft_hidden = out.draft_hidden
+        self.last_argmax = out.argmax
         return out.logits
 
     # ---- prefix state ------------------------------------------------------------------------

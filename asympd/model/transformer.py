@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from asympd.config import ModelConfig
+from asympd.kv.batch import BatchSegment, PagedBatch
+from asympd.kv.paged_cache import PagedKVCache
 from asympd.model.attention import Attention, SegmentView, SequenceKV
 from asympd.model.engram import Engram
 from asympd.model.moe import MoE
@@ -59,6 +61,8 @@ class Chunk:
 class ForwardOutput:
     logits: list[torch.Tensor | None]  # per chunk, fp32 [rows, vocab]
     draft_hidden: list[torch.Tensor | None]  # per chunk, [rows, n_targets * dim] (DSpark input)
+    # per chunk, each logits row's argmax (first maximum), fetched with one host copy for the step
+    argmax: list[list[int] | None] = dataclasses.field(default_factory=list)
 
 
 class Block(torch.nn.Module):
@@ -128,6 +132,9 @@ class Transformer(torch.nn.Module):
         self.norm, self.head = norm, head
         self.hasher = hasher
         self.max_depth = Depth.ENCODER_KV if role == "prefill" else Depth.ALL
+        # True: a step whose chunks all live in one paged cache runs each layer once over all of
+        # them (kv/batch.py); False: the per-sequence reference path (also used for other caches)
+        self.batched = True
 
     @property
     def device(self) -> torch.device:
@@ -146,7 +153,7 @@ class Transformer(torch.nn.Module):
     def forward(self, chunks: list[Chunk]) -> ForwardOutput:
         cfg = self.cfg
         if not chunks:
-            return ForwardOutput([], [])
+            return ForwardOutput([], [], [])
         for c in chunks:
             if c.depth > self.max_depth:
                 raise ValueError(f"the {self.role} role cannot run rows at depth {c.depth.name}")
@@ -170,6 +177,7 @@ class Transformer(torch.nn.Module):
             for e, lid in enumerate(cfg.engram_layer_ids):
                 if self.blocks[lid] is not None and self.blocks[lid].engram is not None:
                     fetched[lid] = self.blocks[lid].engram.fetch(hashes[:, e], self.device)
+        batch = self._paged_batch(ordered) if self.batched else None
         shared: list[dict[str, Any]] = [{} for _ in ordered]
         targets = {lid: i for i, lid in enumerate(cfg.dspark_target_layer_ids)} if cfg.dspark_block_size else {}
         hidden: list[list[torch.Tensor]] = [[] for _ in ordered]
@@ -204,16 +212,21 @@ class Transformer(torch.nn.Module):
                 )
 
             if full:
-                h[:n_full], pre[:n_full] = block(h[:n_full], pre[:n_full], [view(i) for i in full])
+                segs = batch.rows_view(0, len(full), decoder=layer > k) if batch else [view(i) for i in full]
+                h[:n_full], pre[:n_full] = block(h[:n_full], pre[:n_full], segs)
             if path:
                 lo = offsets[path[0]]
                 x = block.attn_input(h[lo:n_rows], pre[lo:n_rows])
-                segs = [view(i) for i in path]
-                for s in segs:
-                    s.lo, s.hi = s.lo - lo, s.hi - lo
-                block.attn.kv_path(x, segs)
+                if batch:
+                    block.attn.kv_path(x, batch.rows_view(path[0], path[-1] + 1, decoder=False))
+                else:
+                    segs = [view(i) for i in path]
+                    for s in segs:
+                        s.lo, s.hi = s.lo - lo, s.hi - lo
+                    block.attn.kv_path(x, segs)
 
         logits: list[torch.Tensor | None] = [None] * len(chunks)
+        argmax: list[list[int] | None] = [None] * len(chunks)
         draft_hidden: list[torch.Tensor | None] = [None] * len(chunks)
         wanted: list[tuple[int, range]] = []  # (chunk, its rows that need logits)
         for i, c in enumerate(ordered):
@@ -225,10 +238,27 @@ class Transformer(torch.nn.Module):
         if wanted:  # one head GEMM for the whole step (rows are batch-invariant on CPU too, see linear)
             rows = torch.tensor([r for _, rr in wanted for r in rr], device=self.device)
             x = rms_norm(hc_pre(h[rows], pre[rows]), self.norm, cfg.norm_eps)
-            out = lm_head(x, self.head).split([len(rr) for _, rr in wanted])
-            for (i, _), lg in zip(wanted, out, strict=True):
-                logits[order[i]] = lg
-        return ForwardOutput(logits, draft_hidden)
+            head = lm_head(x, self.head)
+            sizes = [len(rr) for _, rr in wanted]
+            ids = head.argmax(dim=-1).tolist()  # the step's one sync: greedy tokens for every row
+            at = 0
+            for (i, _), lg, n in zip(wanted, head.split(sizes), sizes, strict=True):
+                logits[order[i]], argmax[order[i]] = lg, ids[at : at + n]
+                at += n
+        return ForwardOutput(logits, draft_hidden, argmax)
+
+    @staticmethod
+    def _paged_batch(ordered: list[Chunk]) -> PagedBatch | None:
+        """The step as one :class:`PagedBatch` when every chunk is a view of the same paged cache."""
+        views = [c.kv for c in ordered]
+        caches = {id(getattr(v, "cache", None)) for v in views}  # duck-typed: EP's mirrored views pass
+        if len(caches) != 1 or not isinstance(getattr(views[0], "cache", None), PagedKVCache):
+            return None
+        segs = [
+            BatchSegment(v.block_table, v.slot, c.start, len(c.token_ids), c.encoder_floor, c.floor, c.write_global)
+            for c, v in zip(ordered, views, strict=True)
+        ]
+        return PagedBatch(views[0].cache, segs)
 
     def resident_bytes(self) -> int:
         """Bytes of every weight this role holds on its device (Engram tables only where they are on it:
