@@ -36,15 +36,16 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk], wants_logits: list[str]) -> list[torch.Tensor | None]:
         """One forward over every scheduled chunk; logits per chunk as ``wants_logits`` asks."""
         batch = []
+        hashes = self.model.hasher is not None and bool(self.cfg.engram_layer_ids)
         for sc, want in zip(chunks, wants_logits, strict=True):
             req = sc.request
             ph = sc.phase
             ids = req.all_token_ids if ph is not None else req.all_token_ids + req.spec_draft  # drafts verified
-            history = torch.tensor(ids, dtype=torch.long)
+            history = torch.tensor(ids, dtype=torch.long) if hashes else None  # only Engram looks back
             batch.append(
                 Chunk(
                     kv=self._view(req),
-                    token_ids=history[sc.lo : sc.hi],
+                    token_ids=history[sc.lo : sc.hi] if hashes else torch.tensor(ids[sc.lo : sc.hi], dtype=torch.long),
                     start=sc.lo,
                     history=history,
                     depth=ph.depth if ph else Depth.ALL,

@@ -94,29 +94,28 @@ class DSparkProposer:
         q_rows: dict[int, list[torch.Tensor]] = {i: [] for i in drafting}
 
         def sample(step: int, logits: torch.Tensor) -> torch.Tensor:
-            out = []
-            for row, i in zip(logits, drafting, strict=True):
+            out = logits.argmax(dim=-1)  # greedy rows (and rows past a request's drafts): no randomness
+            for j, i in enumerate(drafting):
                 it = items[i]
-                if step >= it.num_drafts or it.params.greedy:
-                    out.append(int(torch.argmax(row)))  # greedy (or unused): no randomness drawn
-                    continue
-                q = processed_probs(row, it.params).cpu()
-                q_rows[i].append(q)
-                out.append(_draw(q, it.generator))
-            return torch.tensor(out, dtype=torch.long)
+                if step < it.num_drafts and not it.params.greedy:
+                    q = processed_probs(logits[j], it.params).cpu()
+                    q_rows[i].append(q)
+                    out[j] = _draw(q, it.generator)
+            return out
 
         draft = self.drafter.draft(segments, k, sample)  # k = 0: seed the windows only
         proposals = [Proposal([]) for _ in items]
         if draft is None:
             return proposals
+        tokens, confidence = draft.tokens.tolist(), draft.confidence.float().cpu()  # one copy each
         for j, i in enumerate(drafting):
             n = items[i].num_drafts
-            conf = draft.confidence[j, :n].float().cpu()
+            conf = confidence[j, :n]
             if self.confidence_threshold is not None:
                 low = (torch.sigmoid(conf) < self.confidence_threshold).nonzero()
                 n = int(low[0]) if low.numel() else n
             probs = torch.stack(q_rows[i][:n]) if q_rows[i] and n else None
-            proposals[i] = Proposal(draft.tokens[j, :n].tolist(), probs, conf[:n])
+            proposals[i] = Proposal(tokens[j][:n], probs, conf[:n])
         return proposals
 
 

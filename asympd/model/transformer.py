@@ -45,7 +45,7 @@ class Chunk:
     kv: SequenceKV
     token_ids: torch.Tensor  # [q] the rows' tokens
     start: int  # position of the first row
-    history: torch.Tensor  # the sequence's token ids, at least start + q of them (Engram looks back)
+    history: torch.Tensor | None  # the sequence's ids, at least start + q of them (Engram looks back; else unused)
     depth: Depth = Depth.ALL
     floor: int = 0  # window floor for layers above K
     encoder_floor: int = 0  # window floor for layers up to K
@@ -173,6 +173,8 @@ class Transformer(torch.nn.Module):
         if cfg.engram_layer_ids and self.hasher is not None:
             # hashed on the host; each Engram gathers its rows where its table lives and starts moving
             # them now, so a host-memory table's copy overlaps the layers before it
+            if any(c.history is None for c in ordered):
+                raise ValueError("this model has Engram layers: every chunk needs its history")
             hashes = torch.cat([self.hasher.hash_ids(c.history, c.start, len(c.token_ids)) for c in ordered])
             for e, lid in enumerate(cfg.engram_layer_ids):
                 if self.blocks[lid] is not None and self.blocks[lid].engram is not None:
@@ -180,7 +182,9 @@ class Transformer(torch.nn.Module):
         batch = self._paged_batch(ordered) if self.batched else None
         shared: list[dict[str, Any]] = [{} for _ in ordered]
         targets = {lid: i for i, lid in enumerate(cfg.dspark_target_layer_ids)} if cfg.dspark_block_size else {}
-        hidden: list[list[torch.Tensor]] = [[] for _ in ordered]
+        hidden: list[torch.Tensor] = []  # per target layer, [rows_all, dim]
+        n_all = sum(c.depth is Depth.ALL for c in ordered)
+        rows_all = offsets[n_all]
         k = cfg.last_kv_source
 
         for layer in range(cfg.n_layers):
@@ -193,10 +197,8 @@ class Transformer(torch.nn.Module):
             n_rows = offsets[(path or full)[-1] + 1]
             if layer in fetched:
                 h[:n_rows] = block.engram(h[:n_rows], fetched[layer][:n_rows])
-            if layer in targets:
-                for i in full:
-                    if ordered[i].depth is Depth.ALL:
-                        hidden[i].append(h[offsets[i] : offsets[i + 1]].float().mean(dim=1).to(self.dtype))
+            if layer in targets and rows_all:  # one op for every Depth.ALL row (a prefix of the batch)
+                hidden.append(h[:rows_all].float().mean(dim=1).to(self.dtype))
 
             def view(i: int, layer: int = layer) -> SegmentView:
                 c = ordered[i]
@@ -229,9 +231,10 @@ class Transformer(torch.nn.Module):
         argmax: list[list[int] | None] = [None] * len(chunks)
         draft_hidden: list[torch.Tensor | None] = [None] * len(chunks)
         wanted: list[tuple[int, range]] = []  # (chunk, its rows that need logits)
+        all_hidden = torch.cat(hidden, dim=-1) if hidden else None
         for i, c in enumerate(ordered):
-            if hidden[i]:  # every Depth.ALL row, whatever logits it asked for: the drafter is seeded from them
-                draft_hidden[order[i]] = torch.cat(hidden[i], dim=-1)
+            if all_hidden is not None and i < n_all:  # every Depth.ALL row: the drafter is seeded from them
+                draft_hidden[order[i]] = all_hidden[offsets[i] : offsets[i + 1]]
             if c.depth is Depth.ALL and c.logits != "none":
                 lo = offsets[i + 1] - 1 if c.logits == "last" else offsets[i]
                 wanted.append((i, range(lo, offsets[i + 1])))
