@@ -148,7 +148,24 @@ def time_layers(model, specs, logit_rows: int, device, reps: int) -> dict[str, A
             per_layer.append(timed(lambda b=block: step_block(b, h, pre, state)))
         head = timed(lambda: lm_head(x, model.head)) if logit_rows else 0.0
     total = sum(per_layer) + head
-    return {"layers_ms": [round(t, 3) for t in per_layer], "head_ms": round(head, 3), "sum_ms": round(total, 3)}
+    out = {"layers_ms": [round(t, 3) for t in per_layer], "head_ms": round(head, 3), "sum_ms": round(total, 3)}
+    if device.type == "cuda" and state.rows <= 4096:
+        # the same layers back to back, eager and as one CUDA-graph replay: what graphs would take off
+        from bench.common import time_cuda
+
+        def stack():
+            x, p = h, pre
+            for layer in range(cfg.n_layers):
+                x, p = step_block(model.blocks[layer], x, p, state)
+            return x
+
+        with torch.inference_mode():
+            eager = time_cuda(stack, iters=reps)
+            graph = time_cuda(stack, iters=reps, graph=True)
+        out.update(stack_eager_ms=round(eager["ms"], 3), stack_graph_ms=round(graph["ms"], 3), graph_mode=graph["mode"])
+        if "graph_error" in graph:
+            out["graph_error"] = graph["graph_error"]
+    return out
 
 
 def decode_case(model, cfg, device, b: int, k: int, ctx: int, steps: int, batched: bool = True) -> dict[str, Any]:

@@ -37,15 +37,19 @@ class ModelRunner:
         """One forward over every scheduled chunk; logits per chunk as ``wants_logits`` asks."""
         batch = []
         hashes = self.model.hasher is not None and bool(self.cfg.engram_layer_ids)
-        for sc, want in zip(chunks, wants_logits, strict=True):
+        # a decode chunk verifies the request's drafts: its rows are [newest token, drafts]
+        seqs = [sc.request.all_token_ids + (sc.request.spec_draft if sc.phase is None else []) for sc in chunks]
+        # every chunk's rows from one host tensor (views of it), not one small tensor per request
+        flat = [t for sc, ids in zip(chunks, seqs, strict=True) for t in ids[sc.lo : sc.hi]]
+        rows = torch.tensor(flat, dtype=torch.long).split([sc.hi - sc.lo for sc in chunks])
+        for sc, want, ids, token_ids in zip(chunks, wants_logits, seqs, rows, strict=True):
             req = sc.request
             ph = sc.phase
-            ids = req.all_token_ids if ph is not None else req.all_token_ids + req.spec_draft  # drafts verified
             history = torch.tensor(ids, dtype=torch.long) if hashes else None  # only Engram looks back
             batch.append(
                 Chunk(
                     kv=self._view(req),
-                    token_ids=history[sc.lo : sc.hi] if hashes else torch.tensor(ids[sc.lo : sc.hi], dtype=torch.long),
+                    token_ids=token_ids,
                     start=sc.lo,
                     history=history,
                     depth=ph.depth if ph else Depth.ALL,

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from asympd.config import ModelConfig
 from asympd.kv.batch import BatchRows, BatchSegment, PagedBatch, find_positions
-from asympd.kv.paged_cache import PagedKVCache
+from asympd.kv.paged_cache import PagedKVCache, PagedSequenceKV
 from asympd.model.attention import Attention, SequenceKV, rotations
 from asympd.model.ops import QLinear, apply_rope, hc_pre, linear, lm_head, rms_norm
 from asympd.model.quant import fp8_qdq
@@ -268,10 +268,12 @@ class DSpark(torch.nn.Module):
 
     @staticmethod
     def _batch_caches(batch: DraftBatch) -> None:
-        """Address every segment's window slots at once when they all live in one paged cache."""
+        """Address every segment's window slots at once when they all live in one paged cache. Only
+        plain paged views qualify: writes through any other view (EP's mirrored ones, which replay
+        the drafter's writes on the other ranks) must go through it."""
         views = [s.kv for s in batch.segments]
-        cache = getattr(views[0], "cache", None) if views else None
-        if not isinstance(cache, PagedKVCache) or any(getattr(v, "cache", None) is not cache for v in views):
+        cache = views[0].cache if views and type(views[0]) is PagedSequenceKV else None
+        if cache is None or any(type(v) is not PagedSequenceKV or v.cache is not cache for v in views):
             return
         batch.cache = cache
         with_rows = [s for s in batch.segments if s.main_hi > s.main_lo]

@@ -17,6 +17,7 @@ prefix of the batch.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import dataclass
 from enum import IntEnum
@@ -187,9 +188,12 @@ class Transformer(torch.nn.Module):
         rows_all = offsets[n_all]
         k = cfg.last_kv_source
 
+        runs = [self._layers_run(c.depth) for c in ordered]
+        deeper = [-n for n, _ in runs]  # ascending: chunks are ordered deepest first
+        kv_path_only = [i for i, r in enumerate(runs) if r == (k, True)]
         for layer in range(cfg.n_layers):
-            full = [i for i, c in enumerate(ordered) if self._layers_run(c.depth)[0] > layer]
-            path = [i for i, c in enumerate(ordered) if layer == k and self._layers_run(c.depth) == (k, True)]
+            full = range(bisect.bisect_left(deeper, -layer))  # the chunks that run this layer in full
+            path = kv_path_only if layer == k else []
             if not full and not path:
                 break
             block = self.blocks[layer]
