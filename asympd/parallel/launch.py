@@ -65,6 +65,8 @@ class RankSpec:
     device: str = "cpu"  # "cpu", or "cuda": rank r then uses cuda:r of this host
     dtype: str = "float32"
     threads: int | None = None  # torch intra-op threads per rank (None: rank 0's count)
+    parallel: str = "ep"  # ep: experts sharded, rank 0's steps replayed; cp: P's prefix split (cp_engine.py)
+    weights: str = "reference"  # the weight layout (EP shards the reference MoE's stacked experts)
 
 
 def backend_for(device: str) -> str:

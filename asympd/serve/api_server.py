@@ -41,6 +41,7 @@ from asympd.engine.request import RequestOutput
 from asympd.engine.sampling import SamplingParams
 from asympd.model.loader import load_model
 from asympd.parallel import launch_ep
+from asympd.parallel.cp_engine import CPPrefillEngine, launch_cp
 from asympd.serve import protocol as P
 from asympd.serve.async_engine import Aborted, AsyncEngine, EngineDeadError, Failed, RequestStream
 from asympd.serve.config import ServeConfig
@@ -91,10 +92,11 @@ class WorkerServer:
         self.ep = None  # expert parallel: ranks 1..ep-1 load while this process does (asympd.parallel)
         if cfg.ep > 1:
             self.ep = launch_ep(model_role, cfg.checkpoint, cfg.ep, cfg.device, cfg.dtype, cfg.threads)
+        cp = launch_cp(cfg.checkpoint, cfg.cp, cfg.device, cfg.dtype, cfg.threads, cfg.weights) if cfg.cp > 1 else None
         weights = cfg.weights if cfg.ep == 1 else "reference"  # EP shards the reference MoE's stacked experts
         model = load_model(cfg.checkpoint, model_role, cfg.device, cfg.dtype, weights)
         cfg.engine.eos_token_id = eos_id(self.tokenizer)
-        self.engine = LLMEngine(model, cfg.engine)
+        self.engine: Any = LLMEngine(model, cfg.engine) if cp is None else CPPrefillEngine(model, cfg.engine, cp)
         if self.ep is not None:
             self.ep.attach(self.engine)  # shards this rank's experts: resident bytes are rank 0's
         self.resident_bytes = model.resident_bytes()
@@ -155,6 +157,8 @@ class WorkerServer:
         self.aengine.stop()
         if self.ep is not None:
             self.ep.close()
+        if isinstance(self.engine, CPPrefillEngine):
+            self.engine.close()
         self.text_pool.shutdown(wait=False, cancel_futures=True)
 
     def info(self, internal: bool = True) -> dict[str, Any]:
@@ -177,6 +181,8 @@ class WorkerServer:
             "has_tokenizer": self.tokenizer is not None,
             "ep": c.ep,
             "ep_pids": self.ep.group.pids() if self.ep is not None else [],
+            "cp": c.cp,
+            "cp_pids": self.engine.group.pids() if isinstance(self.engine, CPPrefillEngine) else [],
             "memory": self.memory(),
         }
         if internal:
@@ -190,7 +196,7 @@ class WorkerServer:
         return {
             "weights_layout": getattr(self.engine.model, "weights", None),
             "weights_bytes": self.resident_bytes,
-            "kv_cache_bytes": self.engine.cache.nbytes(),
+            "kv_cache_bytes": self.engine.cache.nbytes() if self.engine.cache is not None else 0,
             "device_allocated_bytes": torch.cuda.memory_allocated(device) if device.type == "cuda" else None,
         }
 
