@@ -43,6 +43,7 @@ from asympd.model.loader import load_model
 from asympd.parallel import launch_ep
 from asympd.parallel.cp_engine import CPPrefillEngine, launch_cp
 from asympd.serve import protocol as P
+from asympd.serve import streaming
 from asympd.serve.async_engine import Aborted, AsyncEngine, EngineDeadError, Failed, RequestStream
 from asympd.serve.config import ServeConfig
 from asympd.serve.detokenize import OutputTracker
@@ -113,7 +114,7 @@ class WorkerServer:
             self.fingerprint,
             self.model_cfg,
             self.secret,
-            cfg.transport,
+            cfg.transport or ("tcp" if cfg.engine.stream_prefix else None),  # NIXL has no stream op
             {
                 "device": cfg.device,
                 "host": cfg.transfer_host or cfg.host,
@@ -129,6 +130,7 @@ class WorkerServer:
         # ids aborted recently: a request that arrives after its own abort (the router gave up on a
         # slow P and aborted it before P even read the request) is refused instead of being run
         self._aborted: OrderedDict[str, float] = OrderedDict()
+        self.background: set[asyncio.Task] = set()  # streamed prefixes being pushed (P) or pulled (D)
 
     @property
     def transport_name(self) -> str:
@@ -312,6 +314,8 @@ class WorkerServer:
                 'kv_transfer_params={"do_remote_decode": true}',
                 param="kv_transfer_params",
             )
+        if streaming.streams(self, len(ids)):  # answer now, push the prefix as it is computed
+            return await streaming.answer_early(self, kind, rid, ids, params, t_arrival)
         t_add = time.perf_counter()
         stream = await self._add(rid, ids, params)
         out = await until_disconnect(request, stream.result())
@@ -378,7 +382,10 @@ class WorkerServer:
         timings: dict[str, Any] = {"prefill_path": "local"}
         kv = req.kv_transfer_params
         got = None
-        if self.cfg.role == "decode" and kv is not None and kv.get("do_remote_prefill"):
+        streamed = self.cfg.role == "decode" and streaming.is_streamed(kv)
+        if streamed:
+            self.handoff.check_stream(kv)
+        elif self.cfg.role == "decode" and kv is not None and kv.get("do_remote_prefill"):
             got = await until_disconnect(request, self.handoff.receive(kv, ids, timings, self.metrics))
         state = got.state if got is not None else None
         tracker = OutputTracker(
@@ -392,8 +399,12 @@ class WorkerServer:
         kw: dict[str, Any] = {"prefix_state": state, "first_token": got.first_token if state is not None else None}
         if state is not None and got.first_logprobs is not None and _ENGINE_TAKES_FIRST_LOGPROBS:
             kw["first_token_logprobs"] = got.first_logprobs
+        if streamed:
+            kw = {"prefix_stream": True}
         t_add = time.perf_counter()
         stream = await self._add(rid, ids, params, **kw)
+        if streamed:
+            streaming.start_pull(self, rid, kv, ids, timings)
         chat = req.output() if kind == "chat" else None
         ctx = _Ctx(kind, req, rid, ids, t_arrival, t_add, timings, tracker, int(time.time()), chat)
         if req.stream or progress:
