@@ -50,7 +50,7 @@ def test_serve_cp2_answers_like_cp1(tiny_ckpt, tmp_path):
     finally:
         stop_all(procs)
     assert p2.proc is not None and p2.proc.returncode in (0, -signal.SIGTERM)
-    assert "rank" not in p2.log_path.read_text()  # rank 1 got stop and exited 0 (nothing killed)
+    assert "CP rank" not in p2.log_path.read_text()  # rank 1 got stop and exited 0 (nothing killed)
     assert not any(os.path.exists(f"/proc/{p}") for p in info["cp_pids"])
 
 

@@ -54,6 +54,8 @@ def test_streamed_tokens_equal_whole_handover(cluster):
         assert t["stream_slices"] == -(-split // CHUNK)  # one slice per prefill chunk
         # the same packed global KV crossed, in slices (each with its own header and open pair)
         assert t["transfer_bytes"] >= w["asympd_timings"]["transfer_bytes"] - 8 * len(ids)
+        if split >= 8 * CHUNK:  # P answered the router before computing, D pulled while P computed
+            assert t["prefill_rtt_s"] < t["transfer_s"], t
     wait_idle([cluster["p_stream"], cluster["decode"]])
 
 
