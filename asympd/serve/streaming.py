@@ -108,6 +108,7 @@ async def push_slices(server: WorkerServer, rid: str, stream: RequestStream, t_a
 
 def start_pull(server: WorkerServer, rid: str, kv: dict[str, Any], ids: list[int], timings: dict[str, Any]) -> None:
     """Pull the slices of ``rid``'s streamed prefix in the background (its request is queued)."""
+    timings["prefill_rtt_s"] = kv.get("prefill_rtt_s")  # the router's P call: part of the TTFT
     task = asyncio.create_task(pull_slices(server, rid, kv, ids, timings))
     server.background.add(task)
     task.add_done_callback(server.background.discard)
