@@ -276,6 +276,72 @@ def random_tensors(cfg, names_filter, device: torch.device, seed: int = 0) -> di
     return out
 
 
+# ---- a step's caches, for timing layers through the engine's own batched path ---------------------
+
+
+class StepState:
+    """A step of ``specs`` (dicts: n sequences of q rows from position ``start``; optional floor,
+    encoder_floor, write_global) over a paged cache filled with random values: every sequence's
+    blocks cover its context, its windows hold the W rows before ``start``, its open compressor
+    groups the rows since the last full group. ``step_block`` runs a layer on it exactly as the
+    engine does (``Block.forward`` over a ``PagedBatch``); running a layer again rewrites the same
+    rows, so it can be timed repeatedly or captured in a CUDA graph."""
+
+    def __init__(self, cfg, specs, dtype, device, generator=None, block_size: int = 64, spec_slack: int = 4):
+        from asympd.kv.batch import BatchSegment, PagedBatch
+        from asympd.kv.paged_cache import PagedKVCache
+        from asympd.kv.spec import KVCacheSpec
+
+        self.cfg, self.specs = cfg, [dict(s) for s in specs]
+        seqs = [(sp, i) for sp in self.specs for i in range(sp["n"])]
+        blocks = [-(-(sp["start"] + sp["q"]) // block_size) for sp, _ in seqs]
+        spec = KVCacheSpec.from_config(cfg, block_size, spec_slack, dtype)
+        self.cache = cache = PagedKVCache(spec, max(1, sum(blocks)), len(seqs), device)
+        for pool in cache.pools.values():
+            pool.normal_(generator=generator)
+        cache.window_kv.normal_(generator=generator)
+        segments, first = [], 0
+        for slot, ((sp, _), nb) in enumerate(zip(seqs, blocks, strict=True)):
+            start = sp["start"]
+            for rows in cache.windows.values():
+                self._fill(rows, slot, start, rows.capacity, device)
+            for layer, rows in cache.pairs.items():
+                for b in rows.bufs[:-1]:
+                    b[slot].normal_(generator=generator)
+                self._fill(rows, slot, start, start % cfg.ratio(layer), device)
+            segments.append(
+                BatchSegment(
+                    list(range(first, first + nb)),
+                    slot,
+                    start,
+                    sp["q"],
+                    sp.get("encoder_floor", 0),
+                    sp.get("floor", 0),
+                    sp.get("write_global", True),
+                )
+            )
+            first += nb
+        self.batch = PagedBatch(cache, segments)
+        self.rows = self.batch.num_rows
+
+    @staticmethod
+    def _fill(rows, slot: int, start: int, n: int, device) -> None:
+        n = min(n, start, rows.capacity)
+        rows.pos[slot].fill_(-1)
+        rows.pos[slot, :n] = torch.arange(start - n, start, device=device)
+        rows.length[slot], rows.last[slot] = n, start - 1 if n else -1
+
+
+def step_block(block, h: torch.Tensor, pre: torch.Tensor, state: StepState, kv_path_only: bool = False):
+    """One layer over the step, through the product's path. ``kv_path_only``: the prefill role's last
+    KV source (its KV path alone; h and pre come back unchanged)."""
+    view = state.batch.rows_view(0, len(state.batch.h_rows), decoder=block.layer > block.cfg.last_kv_source)
+    if kv_path_only:
+        block.attn.kv_path(block.attn_input(h, pre), view)
+        return h, pre
+    return block(h, pre, view)
+
+
 # ---- floors ---------------------------------------------------------------------------------------
 
 D_BYTES = {"bf16": 2, "fp8": 1}

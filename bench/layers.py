@@ -77,8 +77,8 @@ def kind_counts(cfg) -> dict[str, int]:
 
 def build(cfg, device: torch.device, experts_modes: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Blocks of each kind (sharing one MoE) and the MoE variants."""
-    from asympd.model.cuda_ops import FastAttention, FastMoE
-    from asympd.model.loader import _attention, _moe, _Reader
+    from asympd.model.cuda_ops import CUDA_KERNELS, FastMoE
+    from asympd.model.loader import LAYOUTS, _attention, _moe, _Reader
     from asympd.model.transformer import Block
 
     kinds = layer_kinds(cfg)
@@ -94,7 +94,7 @@ def build(cfg, device: torch.device, experts_modes: tuple[str, ...]) -> tuple[di
 
     t0 = time.time()
     tensors = random_tensors(cfg, keep, device)
-    r = _Reader(tensors, torch.bfloat16, device)
+    r = _Reader(tensors, torch.bfloat16, device, LAYOUTS["dequantized"])
     moe = _moe(cfg, moe_layer, r, f"layers.{moe_layer}.ffn.")
     for name in [n for n in tensors if ".ffn.experts." in n]:
         del tensors[name]
@@ -111,7 +111,7 @@ def build(cfg, device: torch.device, experts_modes: tuple[str, ...]) -> tuple[di
     for kind, layer in kinds.items():
         p = f"layers.{layer}."
         attn = _attention(cfg, layer, r, p + "attn.", True)
-        attn.__class__ = FastAttention
+        attn.kernels = CUDA_KERNELS
         attn.freqs = attn.freqs.to(device)
         w: dict[str, Any] = {
             "attn_norm": r.vector(p + "attn_norm.weight"),
@@ -125,7 +125,7 @@ def build(cfg, device: torch.device, experts_modes: tuple[str, ...]) -> tuple[di
         blocks[kind] = Block(cfg, layer, w)
     del tensors
     # the same switches accelerate() makes for a loaded model: fused-kernel dispatch and the
-    # activation-quantizing linears (FastMoE / FastAttention were set above)
+    # activation-quantizing linears (FastMoE and the attention kernels were set above)
     from asympd.model.cuda_ops import FastQLinear, install_kernels, kernels_enabled
     from asympd.model.ops import CUDA_FAST, QLinear
 
@@ -199,22 +199,17 @@ class Steps:
         self.kinds = layer_kinds(cfg)
 
     def groups(self, specs):
-        from asympd.model.cuda_batched import random_groups_state
+        from bench.common import StepState
 
-        sources = sorted(
-            {self.cfg.kv_source_of(i) for i in self.kinds.values() if self.cfg.kv_source_of(i) is not None}
-        )
-        return random_groups_state(
-            self.cfg, specs, list(self.kinds.values()), torch.bfloat16, self.device, self.gen, sources=sources
-        )
+        return StepState(self.cfg, specs, torch.bfloat16, self.device, self.gen)
 
     def run(self, specs, kinds: list[str], *, kv_path: bool = False, graph: bool | None = None, iters: int = 6):
         """{kind: timing}. Index sources run once first so reuse layers find their selections."""
-        from asympd.model.cuda_batched import group_block_forward
+        from bench.common import step_block as group_block_forward
 
         cfg, blocks = self.cfg, self.built["blocks"]
         groups = self.groups(specs)
-        rows = sum(g.rows for g in groups)
+        rows = groups.rows
         h, pre = step_inputs(cfg, rows, self.device, self.gen)
         with torch.inference_mode():
             need = set()
@@ -233,7 +228,7 @@ class Steps:
                 t = self.timer(fn, graph=(not big) if graph is None else graph, iters=iters if not big else 4)
                 t["rows"] = rows
                 if self.ceil is not None:
-                    gspecs = [dict(n=g.n, q=g.q, start=g.start) for g in groups]
+                    gspecs = [dict(n=g["n"], q=g["q"], start=g["start"]) for g in groups.specs]
                     layer = self.kinds[kind]
                     if kv_path:
                         work = {"flops": 2 * rows * cfg.dim * cfg.head_dim, "bytes": rows * cfg.dim * 2 * 2}
@@ -253,11 +248,11 @@ class Steps:
 
     def stack(self, specs, kinds: list[str], iters: int = 6) -> dict[str, Any]:
         """The listed kinds run back to back in one timed call vs the sum of each alone."""
-        from asympd.model.cuda_batched import group_block_forward
+        from bench.common import step_block as group_block_forward
 
         cfg, blocks = self.cfg, self.built["blocks"]
         groups = self.groups(specs)
-        rows = sum(g.rows for g in groups)
+        rows = groups.rows
         h, pre = step_inputs(cfg, rows, self.device, self.gen)
         with torch.inference_mode():
 
@@ -532,7 +527,7 @@ def main() -> None:
 
     # -- FP8 variants of one layer kind: speed and deviation from the bf16 path ------------------------
     def variants():
-        from asympd.model.cuda_batched import group_block_forward
+        from bench.common import step_block as group_block_forward
 
         if "fp8" not in built["moe"]:
             if not small:
@@ -554,7 +549,7 @@ def main() -> None:
         )
         for specs in cases:
             groups = steps.groups(specs)
-            rows = sum(g.rows for g in groups)
+            rows = groups.rows
             h, pre = step_inputs(cfg, rows, device, steps.gen)
             row = {"specs": specs, "rows": rows}
             with torch.inference_mode():

@@ -73,7 +73,7 @@ def attention_gemms() -> list[dict[str, Any]]:
 
 def main() -> None:
     from asympd.config import v41_flash
-    from asympd.model.cuda_batched import group_block_forward
+    from bench.common import step_block as group_block_forward
     from bench.layers import Steps, Timer, build, step_inputs
 
     started = time.time()
@@ -91,7 +91,7 @@ def main() -> None:
     with torch.inference_mode():
         for name, (specs, kind) in cases.items():
             groups = steps.groups(specs)
-            rows = sum(g.rows for g in groups)
+            rows = groups.rows
             h, pre = step_inputs(cfg, rows, device, steps.gen)
             group_block_forward(built["blocks"]["dec_src"], h, pre, groups)
             block = built["blocks"][kind]

@@ -332,8 +332,11 @@ class LLMEngine:
         chunks = [c for c in sched.chunks if c.request.status is Status.RUNNING]
         wants = [self._wants_logits(c) for c in chunks]
         logits = self.runner.execute(chunks, wants) if chunks else []
-        for sc, lg in zip(chunks, logits, strict=True):
-            outputs.extend(self._apply(sc, lg))
+        argmax = self.runner.last_argmax if chunks else []
+        self._rollbacks: list[tuple[str, int, int]] = []
+        for sc, lg, am in zip(chunks, logits, argmax, strict=True):
+            outputs.extend(self._apply(sc, lg, am))
+        rollback(self.runner.cache, self.blocks, self._rollbacks)
         if self.proposer is not None and chunks:
             self._draft(chunks, self.runner.last_draft_hidden)
         return outputs
@@ -353,7 +356,7 @@ class LLMEngine:
             return "last"
         return "none"
 
-    def _apply(self, sc: ScheduledChunk, logits: torch.Tensor | None) -> list[RequestOutput]:
+    def _apply(self, sc: ScheduledChunk, logits: torch.Tensor | None, argmax: list[int] | None) -> list[RequestOutput]:
         req = sc.request
         if sc.phase is not None:
             self.counters["prompt_tokens"] += sc.num_rows
@@ -365,20 +368,22 @@ class LLMEngine:
                 if req.in_prompt:
                     req.cursor = req.phases[req.phase_index].lo
                 else:
-                    return self._prompt_done(req, logits)
+                    return self._prompt_done(req, logits, argmax)
             return []
         if req.spec_draft:
-            return self._verify(sc, logits)
-        return self._append_token(req, logits[-1])
+            return self._verify(sc, logits, argmax)
+        return self._append_token(req, logits[-1], argmax[-1])
 
-    def _prompt_done(self, req: Request, logits: torch.Tensor | None) -> list[RequestOutput]:
+    def _prompt_done(
+        self, req: Request, logits: torch.Tensor | None, argmax: list[int] | None = None
+    ) -> list[RequestOutput]:
         if req.imported is not None and self.config.enable_prefix_caching:
             self.blocks.commit_cached(
                 req.request_id, req.prompt_token_ids, req.import_len, self.fingerprint + req.cache_salt
             )
         if self.config.role == "prefill":
             if logits is not None:
-                tok = self._sample(req, logits[-1])
+                tok = self._sample(req, logits[-1], argmax[-1] if argmax else None)
                 req.output_token_ids.append(tok)
                 req.first_token_time = time.monotonic()
             req.exported = self.runner.export_prefix(
@@ -398,7 +403,7 @@ class LLMEngine:
             return [self._finish(req, Status.FINISHED_EXPORTED, free=False)]
         req.image_embeds.clear()  # the prompt is done: its image rows are in the cache now
         if logits is not None:
-            return self._append_token(req, logits[-1])
+            return self._append_token(req, logits[-1], argmax[-1] if argmax else None)
         new = req.output_token_ids[req.num_reported :]  # symmetric D: P's first token, unless already sent
         if new:
             reason = self._stop_reason(req)
@@ -407,11 +412,15 @@ class LLMEngine:
             return [self._output(req, new, finished=False)]
         return []
 
-    def _sample(self, req: Request, logits: torch.Tensor) -> int:
-        adjusted = adjust_logits(
-            logits, req.params, req.prompt_token_ids, req.output_token_ids, self.config.eos_token_id
-        )
-        tok = sample(adjusted, req.params, req.generator)
+    def _sample(self, req: Request, logits: torch.Tensor, argmax: int | None = None) -> int:
+        """The next token; ``argmax``: the raw logits' argmax, already on the host (greedy needs no more)."""
+        if argmax is not None and req.params.greedy and not req.params.adjusts_logits:
+            tok = argmax
+        else:
+            adjusted = adjust_logits(
+                logits, req.params, req.prompt_token_ids, req.output_token_ids, self.config.eos_token_id
+            )
+            tok = sample(adjusted, req.params, req.generator)
         if req.params.logprobs is not None:
             req.logprobs.append(top_logprobs(logits, tok, req.params.logprobs))
         return tok
@@ -424,8 +433,8 @@ class LLMEngine:
             return Status.FINISHED_LENGTH
         return None
 
-    def _append_token(self, req: Request, logits: torch.Tensor) -> list[RequestOutput]:
-        tok = self._sample(req, logits)
+    def _append_token(self, req: Request, logits: torch.Tensor, argmax: int | None = None) -> list[RequestOutput]:
+        tok = self._sample(req, logits, argmax)
         req.output_token_ids.append(tok)
         self.counters["generation_tokens"] += 1
         if req.first_token_time is None:
@@ -437,13 +446,13 @@ class LLMEngine:
 
     # ---- speculative decoding ----------------------------------------------------------------
 
-    def _verify(self, sc: ScheduledChunk, logits: torch.Tensor) -> list[RequestOutput]:
+    def _verify(self, sc: ScheduledChunk, logits: torch.Tensor, argmax: list[int] | None) -> list[RequestOutput]:
         """Accept a prefix of the drafts (greedy or rejection sampling), emit it plus one more token,
         and roll back whatever the rejected rows wrote."""
         req = sc.request
         drafts, q = req.spec_draft, req.spec_draft_probs
         req.spec_draft, req.spec_draft_probs = [], None
-        tokens, accepted = verify(logits, drafts, q, req.params, req.generator)
+        tokens, accepted = verify(logits, drafts, q, req.params, req.generator, argmax)
         req.spec_proposed += len(drafts)
         req.spec_accepted += accepted
         req.spec_steps += 1
@@ -461,7 +470,7 @@ class LLMEngine:
             if reason is not None:
                 return [self._finish(req, reason, new=new)]
         keep = len(req.all_token_ids) - 1  # positions whose KV stays: the newest token is not computed yet
-        rollback(self.runner.view(req), self.blocks, req.request_id, keep, sc.hi)
+        self._rollbacks.append((req.request_id, keep, sc.hi))  # applied for the whole step at once
         return [self._output(req, new, finished=False)]
 
     def _num_drafts(self, req: Request) -> int:

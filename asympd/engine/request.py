@@ -27,7 +27,7 @@ class Status(enum.Enum):
         return self not in (Status.WAITING, Status.RUNNING)
 
 
-@dataclass
+@dataclass(eq=False)  # an entity: identity, not field-by-field (the scheduler tests membership per step)
 class Request:
     request_id: str
     prompt_token_ids: list[int]

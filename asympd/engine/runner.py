@@ -38,15 +38,20 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk], wants_logits: list[str]) -> list[torch.Tensor | None]:
         """One forward over every scheduled chunk; logits per chunk as ``wants_logits`` asks."""
         batch = []
-        for sc, want in zip(chunks, wants_logits, strict=True):
+        hashes = self.model.hasher is not None and bool(self.cfg.engram_layer_ids)
+        # a decode chunk verifies the request's drafts: its rows are [newest token, drafts]
+        seqs = [sc.request.all_token_ids + (sc.request.spec_draft if sc.phase is None else []) for sc in chunks]
+        # every chunk's rows from one host tensor (views of it), not one small tensor per request
+        flat = [t for sc, ids in zip(chunks, seqs, strict=True) for t in ids[sc.lo : sc.hi]]
+        rows = torch.tensor(flat, dtype=torch.long).split([sc.hi - sc.lo for sc in chunks])
+        for sc, want, ids, token_ids in zip(chunks, wants_logits, seqs, rows, strict=True):
             req = sc.request
             ph = sc.phase
-            ids = req.all_token_ids if ph is not None else req.all_token_ids + req.spec_draft  # drafts verified
-            history = torch.tensor(ids, dtype=torch.long)
+            history = torch.tensor(ids, dtype=torch.long) if hashes else None  # only Engram looks back
             batch.append(
                 Chunk(
                     kv=self._view(req),
-                    token_ids=history[sc.lo : sc.hi],
+                    token_ids=token_ids,
                     start=sc.lo,
                     history=history,
                     depth=ph.depth if ph else Depth.ALL,
@@ -59,6 +64,7 @@ class ModelRunner:
             )
         out = self.model(batch)
         self.last_draft_hidden = out.draft_hidden
+        self.last_argmax = out.argmax
         return out.logits
 
     # ---- images ------------------------------------------------------------------------------
@@ -124,11 +130,14 @@ class ModelRunner:
         bt = self.blocks.block_table(req.request_id)
         view = self._view(req)
         ckv, idx, pair_kv, pair_score = {}, {}, {}, {}
+        # fp4: the entries stay on the cache's device, where to_buffers packs them (the host gets the
+        # packed bytes, 3.6x fewer than bf16); unpacked: the host copy is made here
+        host = (lambda t: t) if kv_format == "fp4" else (lambda t: t.cpu())
         for layer in self.cfg.kv_source_layers:
             r = self.cfg.ratio(layer)
             n, first = s // r, start // r
-            ckv[layer] = self.cache.read_entries(f"ckv.{layer}", bt, n - first, first).cpu()
-            idx[layer] = self.cache.read_entries(f"idx.{layer}", bt, n - first, first).cpu()
+            ckv[layer] = host(self.cache.read_entries(f"ckv.{layer}", bt, n - first, first))
+            idx[layer] = host(self.cache.read_entries(f"idx.{layer}", bt, n - first, first))
             if r > 1 and s % r:
                 kv, score, pos = view.pending(layer)
                 keep = (pos >= n * r) & (pos < s)

@@ -94,40 +94,44 @@ class DSparkProposer:
         q_rows: dict[int, list[torch.Tensor]] = {i: [] for i in drafting}
 
         def sample(step: int, logits: torch.Tensor) -> torch.Tensor:
-            out = []
-            for row, i in zip(logits, drafting, strict=True):
+            out = logits.argmax(dim=-1)  # greedy rows (and rows past a request's drafts): no randomness
+            for j, i in enumerate(drafting):
                 it = items[i]
-                if step >= it.num_drafts or it.params.greedy:
-                    out.append(int(torch.argmax(row)))  # greedy (or unused): no randomness drawn
-                    continue
-                q = processed_probs(row, it.params).cpu()
-                q_rows[i].append(q)
-                out.append(_draw(q, it.generator))
-            return torch.tensor(out, dtype=torch.long)
+                if step < it.num_drafts and not it.params.greedy:
+                    q = processed_probs(logits[j], it.params).cpu()
+                    q_rows[i].append(q)
+                    out[j] = _draw(q, it.generator)
+            return out
 
         draft = self.drafter.draft(segments, k, sample)  # k = 0: seed the windows only
         proposals = [Proposal([]) for _ in items]
         if draft is None:
             return proposals
+        tokens, confidence = draft.tokens.tolist(), draft.confidence.float().cpu()  # one copy each
         for j, i in enumerate(drafting):
             n = items[i].num_drafts
-            conf = draft.confidence[j, :n].float().cpu()
+            conf = confidence[j, :n]
             if self.confidence_threshold is not None:
                 low = (torch.sigmoid(conf) < self.confidence_threshold).nonzero()
                 n = int(low[0]) if low.numel() else n
             probs = torch.stack(q_rows[i][:n]) if q_rows[i] and n else None
-            proposals[i] = Proposal(draft.tokens[j, :n].tolist(), probs, conf[:n])
+            proposals[i] = Proposal(tokens[j][:n], probs, conf[:n])
         return proposals
 
 
 # ---- verification ---------------------------------------------------------------------------------
 
 
-def greedy_accept(target_logits: torch.Tensor, drafts: list[int]) -> tuple[list[int], int]:
+def greedy_accept(
+    target_logits: torch.Tensor, drafts: list[int], argmax: list[int] | None = None
+) -> tuple[list[int], int]:
     """Rows ``[k+1, vocab]``: accept drafts while each is its row's argmax (first maximum, as the
     plain sampler picks), then emit the argmax of the first row not matched (or of the last row).
-    Returns (emitted tokens, number of drafts accepted)."""
-    target = torch.argmax(target_logits[: len(drafts) + 1], dim=-1).tolist()
+    ``argmax``: the rows' argmax if already computed. Returns (emitted tokens, drafts accepted)."""
+    if argmax is not None:
+        target = argmax[: len(drafts) + 1]
+    else:
+        target = torch.argmax(target_logits[: len(drafts) + 1], dim=-1).tolist()
     a = 0
     while a < len(drafts) and drafts[a] == target[a]:
         a += 1
@@ -172,10 +176,11 @@ def verify(
     draft_probs: torch.Tensor | None,
     params: SamplingParams,
     generator: torch.Generator | None,
+    argmax: list[int] | None = None,
 ) -> tuple[list[int], int]:
     """Target logits of rows ``[t, d1..dk]`` -> (emitted tokens: accepted drafts + one more, accepted)."""
-    if params.greedy:
-        return greedy_accept(logits, drafts)
+    if params.greedy:  # drafting is off for requests whose logits are adjusted: raw argmax
+        return greedy_accept(logits, drafts, argmax)
     if draft_probs is None or draft_probs.size(0) != len(drafts):
         raise ValueError("sampled verification needs the distribution each draft was drawn from")
     return rejection_sample(lambda i: processed_probs(logits[i], params), draft_probs, drafts, generator)
@@ -184,14 +189,15 @@ def verify(
 # ---- rollback and statistics ----------------------------------------------------------------------
 
 
-def rollback(kv: SequenceKV, blocks: Any, seq_id: Any, num_tokens: int, written: int) -> None:
-    """Keep positions ``< num_tokens`` after a step that wrote rows up to ``written``: windows and open
-    compressor groups cut by position, blocks past the end released (so after every decode step the
-    block table covers exactly the accepted positions)."""
-    if num_tokens < written:
-        kv.truncate(num_tokens)
-    if num_tokens < blocks.num_tokens(seq_id):
-        blocks.truncate(seq_id, num_tokens)
+def rollback(cache: Any, blocks: Any, cuts: list[tuple[Any, int, int]]) -> None:
+    """After a verify step, keep positions ``< num_tokens`` of each ``(seq_id, num_tokens, written)``
+    whose step wrote rows up to ``written``: windows and open compressor groups cut by position (one
+    host sync for the whole step), blocks past the end released (so the block table covers exactly
+    the accepted positions)."""
+    cache.truncate([(blocks.slot(sid), n) for sid, n, written in cuts if n < written])
+    for sid, n, _ in cuts:
+        if n < blocks.num_tokens(sid):
+            blocks.truncate(sid, n)
 
 
 def spec_metrics(proposed: int, accepted: int, steps: int) -> dict[str, float]:

@@ -184,6 +184,27 @@ class PagedKVCache:
             rows.reset(slot)
         self._slot_owner[slot] = None
 
+    def truncate(self, cuts: Sequence[tuple[int, int]]) -> None:
+        """Drop every window and pending row at position >= n, for each ``(slot, n)``; one host sync
+        for all of them (a speculative step rolls back many requests at once)."""
+        if not cuts:
+            return
+        slots = torch.tensor([s for s, _ in cuts], device=self.device)
+        limit = torch.tensor([n for _, n in cuts], device=self.device).view(-1, 1, 1)
+        groups = [*self.windows.values(), *self.pairs.values()]
+        pos = [self.window_pos[slots], *(rows.pos[slots].unsqueeze(1) for rows in self.pairs.values())]
+        # rows are ascending and empty rows hold -1: kept rows are those with 0 <= pos < n
+        kept = [(p >= 0) & (p < limit) for p in pos]
+        counts = torch.cat([k.sum(-1) for k in kept], 1)
+        lasts = torch.cat([torch.where(k, p, -1).amax(-1) for k, p in zip(kept, pos, strict=True)], 1)
+        self.window_pos[slots] = pos[0].masked_fill(pos[0] >= limit, -1)
+        for rows, p in zip(self.pairs.values(), pos[1:], strict=True):
+            rows.pos[slots] = p.squeeze(1).masked_fill(p.squeeze(1) >= limit.view(-1, 1), -1)
+        all_counts, all_lasts = torch.stack([counts, lasts]).tolist()  # the one sync
+        for (slot, _), cs, ls in zip(cuts, all_counts, all_lasts, strict=True):
+            for g, n, last in zip(groups, cs, ls, strict=True):
+                g.length[slot], g.last[slot] = n, last
+
     # ---- paged gather / scatter -----------------------------------------------------------------
 
     def _rows(self, group: CacheGroup, block_table: Sequence[int] | Tensor, start: int, n: int) -> Tensor:
@@ -274,14 +295,4 @@ class PagedSequenceKV(SequenceKV):
         self.cache.pairs[layer].append(self.slot, (kv, score, positions))
 
     def truncate(self, num_tokens: int) -> None:
-        c, s = self.cache, self.slot
-        groups = [*c.windows.values(), *c.pairs.values()]
-        pos = [c.window_pos[s], *(rows.pos[s].unsqueeze(0) for rows in c.pairs.values())]  # [groups, cap]
-        # rows are ascending and empty rows hold -1: kept rows are those with 0 <= pos < num_tokens
-        kept = [(p >= 0) & (p < num_tokens) for p in pos]
-        counts = torch.cat([k.sum(-1) for k in kept])
-        lasts = torch.cat([torch.where(k, p, -1).amax(-1) for k, p in zip(kept, pos, strict=True)])
-        for p in pos:
-            p.masked_fill_(p >= num_tokens, -1)
-        for g, n, last in zip(groups, *torch.stack([counts, lasts]).tolist(), strict=True):  # one sync
-            g.length[s], g.last[s] = n, last
+        self.cache.truncate([(self.slot, num_tokens)])

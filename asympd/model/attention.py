@@ -14,13 +14,17 @@ position j*r; a query at position i sees entries 0 .. (i+1)//r - 1.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from asympd.config import ModelConfig
+from asympd.kv.batch import BatchRows, find_positions
+from asympd.kv.spec import GroupKind
 from asympd.model.ops import QLinear, apply_rope, ordered_sum, rms_norm, rope_frequencies, stable_topk
 from asympd.model.quant import fp4_qdq, fp8_qdq
 
@@ -106,7 +110,33 @@ def select_candidate_blocks(
     return keep.unsqueeze(-1).expand(*keep.shape, block).flatten(-2)[..., :n]
 
 
+def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_h weights[..., m, h] * relu(q[..., m, h, :] . keys[..., n, :]) -> fp32 [..., m, n]: per-head
+    scores in the model dtype, weighted and summed in it, as the reference. q [..., m, h, d],
+    keys [..., n, d] with the same leading dims (none: one sequence's rows)."""
+    *lead, m, h, d = q.shape
+    s = torch.matmul(q.reshape(*lead, m * h, d), keys.transpose(-1, -2)).relu()
+    return (s.view(*lead, m, h, -1) * weights.unsqueeze(-1)).sum(dim=-2).float()
+
+
+@dataclass(frozen=True)
+class AttentionKernels:
+    """The device-specific pieces of attention (the model's math is the same on every device):
+    the reference's functions by default, the CUDA ones from ``cuda_ops.CUDA_KERNELS``."""
+
+    sparse_attention: Callable[..., torch.Tensor] = sparse_attention
+    topk: Callable[[torch.Tensor, int], torch.Tensor] = stable_topk
+    indexer_scores: Callable[..., torch.Tensor] = indexer_scores
+    row_chunk: int = 2048  # query rows per gathered-key tile
+    score_bytes: int = 1 << 30  # indexer score tile budget
+
+
+REFERENCE_KERNELS = AttentionKernels()
+
+
 class Attention(torch.nn.Module):
+    kernels: AttentionKernels = REFERENCE_KERNELS
+
     def __init__(self, cfg: ModelConfig, layer: int, w: dict[str, Any], round_probs: bool):
         super().__init__()
         self.cfg, self.layer = cfg, layer
@@ -138,8 +168,10 @@ class Attention(torch.nn.Module):
 
     # ---- the KV path: all the prefill worker runs of the last KV source ------------------------
 
-    def kv_path(self, x: torch.Tensor, segs: list[SegmentView]) -> None:
+    def kv_path(self, x: torch.Tensor, segs: list[SegmentView] | BatchRows) -> None:
         """Compress these rows into the shared KV and index keys (x: the normed layer input)."""
+        if isinstance(segs, BatchRows):
+            return self._write_compressed_batched(segs, x)
         for seg in segs:
             if seg.write_global:
                 self._write_compressed(seg, x[seg.lo : seg.hi])
@@ -197,33 +229,34 @@ class Attention(torch.nn.Module):
         q = fp4_qdq(apply_rope(q, rot, cfg.rope_head_dim), 32)
         keys = seg.kv.read_index_keys(self.source, n).to(q.dtype)
         weights = self.idx_weights(x) * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
-        scores = torch.einsum("mhd,nd->mhn", q, keys).relu()
-        scores = (scores * weights.unsqueeze(-1)).sum(dim=1).float()
+        scores = self.kernels.indexer_scores(q, keys, weights)
         scores = scores.masked_fill(torch.arange(n, device=scores.device) >= visible.unsqueeze(-1), float("-inf"))
         if self.is_candidate_source:
             seg.shared["candidates"] = select_candidate_blocks(
-                scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size
+                scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size, topk=self.kernels.topk
             )
         elif self.uses_candidates:
             scores = scores.masked_fill(~seg.shared["candidates"], float("-inf"))
-        idx = stable_topk(scores, min(cfg.index_topk, n)).sort(dim=-1).values
+        idx = self.kernels.topk(scores, min(cfg.index_topk, n)).sort(dim=-1).values
         return torch.where(idx < visible.unsqueeze(-1), idx, -1)
 
     # ---- the full layer ----------------------------------------------------------------------
 
-    def project(self, x: torch.Tensor, segs: list[SegmentView]) -> tuple[torch.Tensor, ...]:
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(rotations, q latent, rotated queries, rotated FP8-rounded window KV) of every row."""
         cfg = self.cfg
-        rot = rotations(self.freqs, torch.cat([s.positions for s in segs]))
+        rot = rotations(self.freqs, positions)
         qr = rms_norm(self.wq_a(x), self.q_norm, cfg.norm_eps)
         q = apply_rope(self.wq_b(qr).unflatten(-1, (cfg.n_heads, cfg.head_dim)), rot, cfg.rope_head_dim)
         kv = rms_norm(self.wkv(x), self.kv_norm, cfg.norm_eps)
         kv = fp8_qdq(apply_rope(kv, rot, cfg.rope_head_dim), 32)
         return rot, qr, q, kv
 
-    def forward(self, x: torch.Tensor, segs: list[SegmentView]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segs: list[SegmentView] | BatchRows) -> torch.Tensor:
+        if isinstance(segs, BatchRows):
+            return self._forward_batched(x, segs)
         cfg = self.cfg
-        rot, qr, q, kv = self.project(x, segs)
+        rot, qr, q, kv = self.project(x, torch.cat([s.positions for s in segs]))
         outs = []
         for seg in segs:
             sl = slice(seg.lo, seg.hi)
@@ -233,7 +266,7 @@ class Attention(torch.nn.Module):
                     self._write_compressed(seg, x[sl])
                 entries, valid = self._compressed_keys(seg, x[sl], qr[sl])
                 keys, mask = torch.cat([keys, entries.to(keys.dtype)], dim=1), torch.cat([mask, valid], dim=1)
-            outs.append(sparse_attention(q[sl], keys, mask, self.attn_sink, self.scale, self.round_probs))
+            outs.append(self.kernels.sparse_attention(q[sl], keys, mask, self.attn_sink, self.scale, self.round_probs))
         o = apply_rope(torch.cat(outs), rot, cfg.rope_head_dim, inverse=True)
         # wo_a is block-diagonal over output groups: each group projects only its own heads
         o = self.wo_a.grouped(o.reshape(o.size(0), cfg.o_groups, -1))
@@ -279,6 +312,155 @@ class Attention(torch.nn.Module):
         if entries is None:
             return x.new_zeros(*sel.shape, self.cfg.head_dim), torch.zeros_like(sel, dtype=torch.bool)
         return entries[sel.clamp_min(0)], sel >= 0
+
+    # ---- the batched path: every sequence of a step at once, straight from the paged caches ------
+
+    def _forward_batched(self, x: torch.Tensor, view: BatchRows) -> torch.Tensor:
+        """``forward`` for a whole step: the same per-row math (each query's window as W fixed slots,
+        then its ``index_topk`` selected entries), with no loop over sequences."""
+        cfg = self.cfg
+        rot, qr, q, kv = self.project(x, view.positions)
+        win = view.window_index(self.layer, cfg.window_size)
+        sel = None
+        if self.ratio:
+            if self.is_source:
+                self._write_compressed_batched(view, x)
+            sel = self._selection_batched(view, x, qr, rot)
+        out = torch.empty_like(q)
+        step = self.kernels.row_chunk
+        for r0 in range(0, x.size(0), step):
+            r1 = min(x.size(0), r0 + step)
+            keys, mask = win.gather(kv, r0, r1), win.visible[r0:r1]
+            if sel is not None:
+                s = sel[r0:r1]
+                seg = view.row_seg[r0:r1].unsqueeze(-1).expand_as(s)
+                ent = view.gather_entries(GroupKind.COMPRESSED, self.source, seg, s).to(keys.dtype)
+                keys, mask = torch.cat([keys, ent], dim=1), torch.cat([mask, s >= 0], dim=1)
+            out[r0:r1] = self.kernels.sparse_attention(
+                q[r0:r1], keys, mask, self.attn_sink, self.scale, self.round_probs
+            )
+        view.append_window(self.layer, kv)  # after the reads: the slots are rewritten in place
+        o = apply_rope(out, rot, cfg.rope_head_dim, inverse=True)
+        o = self.wo_a.grouped(o.reshape(o.size(0), cfg.o_groups, -1))
+        return self.wo_b(o.flatten(1))
+
+    def _write_compressed_batched(self, view: BatchRows, x: torch.Tensor) -> None:
+        """``_write_compressed`` for every segment that writes global KV."""
+        cfg, r = self.cfg, self.ratio
+        wg, start, n_rows = view.host("write_global"), view.host("start"), view.host("rows")
+        if not wg.any():
+            return
+        if r == 1:
+            rows = None if wg.all() else view.take_rows(wg)
+            xs = x if rows is None else x[rows]
+            latent = rms_norm(self.comp_wkv(xs), self.comp_norm, cfg.norm_eps)
+            seg = view.row_seg if rows is None else view.row_seg[rows]
+            entry = view.positions if rows is None else view.positions[rows]
+        else:
+            xf = x.float()
+            kv, score = self.comp_wkv(xf), self.comp_wgate(xf)
+            groups = np.where(wg, (start + n_rows) // r - start // r, 0)
+            seg = entry = latent = None
+            if groups.sum():
+
+                def groups_of() -> np.ndarray:  # (segment, entry) of each group the step completes
+                    seg_h = np.repeat(np.arange(len(groups)), groups)
+                    first = np.concatenate([[0], np.cumsum(groups)[:-1]])
+                    return np.stack([seg_h, start[seg_h] // r + np.arange(len(seg_h)) - first[seg_h]])
+
+                seg, entry = view.batch.host_index(("groups", view.s0, view.s1, r), groups_of)
+                kv_g, score_g = self._group_rows(view, kv, score, seg, entry)
+                weights = torch.exp(score_g - score_g.amax(dim=1, keepdim=True))  # softmax over the group
+                pooled = ordered_sum(kv_g * (weights / ordered_sum(weights, 1, keepdim=True)), 1)
+                latent = rms_norm(pooled.to(x.dtype), self.comp_norm, cfg.norm_eps)
+            view.append_pending(self.layer, kv, score)  # after the reads of the open groups
+            if latent is None:
+                return
+        rot = rotations(self.freqs, entry * r)
+        k = rms_norm(self.idx_wk(latent), self.idx_k_norm, cfg.norm_eps)
+        k = fp4_qdq(apply_rope(k, rot, cfg.rope_head_dim), 32)
+        entries = fp4_qdq(apply_rope(latent, rot, cfg.rope_head_dim), 16, e4m3_scale=True)
+        view.write_entries(self.layer, seg, entry, entries, k)
+
+    def _group_rows(
+        self, view: BatchRows, kv: torch.Tensor, score: torch.Tensor, seg: torch.Tensor, entry: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The raw (kv, score) rows of each completed group [G, ratio, head_dim], fp32: positions
+        from the segment's start are this step's rows, earlier ones the slot's pending rows."""
+        r = self.ratio
+        pos = entry.unsqueeze(-1) * r + torch.arange(r, device=kv.device)
+        start = view.seg("start")[seg].unsqueeze(-1)
+        fresh = pos >= start
+        new = (view.seg("lo")[seg].unsqueeze(-1) + pos - start).clamp_min(0)
+        fkv, fscore, fpos, base = view.pair_base(self.layer)
+        stored = view.slot_positions(fpos, base, view.batch.cache.pairs[self.layer].capacity)
+        old = base[seg].unsqueeze(-1) + find_positions(stored[seg], pos)[0]
+        pick = fresh.unsqueeze(-1)
+
+        def rows(fresh_rows: torch.Tensor, kept_rows: torch.Tensor) -> torch.Tensor:
+            a = fresh_rows[new.flatten()].view(*new.shape, -1)
+            return torch.where(pick, a, kept_rows[old.flatten()].view_as(a).float())
+
+        return rows(kv, fkv), rows(score, fscore)
+
+    def _selection_batched(self, view: BatchRows, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """``selection`` for every row: [rows, index_topk] entry ids, -1 unused. Segments with the
+        same row count are scored together against their index keys padded to the longest."""
+        cfg, r = self.cfg, self.ratio
+        key = f"selection.{r}"
+        m = x.size(0)
+        if not self.is_index_source:
+            return view.shared[key][:m]
+        out = torch.full((m, cfg.index_topk), -1, dtype=torch.long, device=x.device)
+        hi, hd = cfg.index_n_heads, cfg.index_head_dim
+        qi = self.idx_wq_b(qr).unflatten(-1, (hi, hd))
+        qi = fp4_qdq(apply_rope(qi, rot, cfg.rope_head_dim), 32)
+        wts = self.idx_weights(x) * (hd**-0.5 * hi**-0.5)
+        visible = (view.positions + 1) // r
+        n_tot = (view.host("start") + view.host("rows")) // r
+        kern = self.kernels
+        for q, segs_h, segs in view.uniform_groups():
+            n = int(n_tot[segs_h].max())
+            if n == 0:
+                continue
+            rows = view.seg("lo")[segs].unsqueeze(-1) + torch.arange(q, device=x.device)  # [ns, q]
+            cols = torch.arange(n, device=x.device)
+            keys = view.gather_entries(
+                GroupKind.INDEX, self.source, segs.unsqueeze(-1).expand(-1, n), cols.expand(len(segs_h), n)
+            ).to(qi.dtype)
+            kk = min(cfg.index_topk, n)
+            cand = None
+            if self.is_candidate_source:
+                cand = torch.empty(len(segs_h), q, n, dtype=torch.bool, device=x.device)
+            per_row = hi * n * qi.element_size() * 2
+            tile = max(1, kern.score_bytes // per_row)
+            seg_step = max(1, tile // q)
+            row_step = q if seg_step > 1 else min(q, tile)
+            for s0 in range(0, len(segs_h), seg_step):
+                s1 = min(len(segs_h), s0 + seg_step)
+                for a in range(0, q, row_step):
+                    b = min(q, a + row_step)
+                    rr = rows[s0:s1, a:b]
+                    s = kern.indexer_scores(qi[rr], keys[s0:s1], wts[rr])  # [ns, rows, n]
+                    vis = visible[rr]
+                    s.masked_fill_(cols >= vis.unsqueeze(-1), float("-inf"))
+                    if cand is not None:
+                        c = select_candidate_blocks(
+                            s.flatten(0, 1),
+                            vis.flatten(),
+                            cfg.candidate_topk_blocks,
+                            cfg.candidate_block_size,
+                            topk=kern.topk,
+                        )
+                        cand[s0:s1, a:b] = c.view(s1 - s0, b - a, n)
+                    elif self.uses_candidates:
+                        s.masked_fill_(~view.shared[f"candidates.{q}"][s0:s1, a:b, :n], float("-inf"))
+                    idx = kern.topk(s, kk).sort(dim=-1).values
+                    out[rr.flatten(), :kk] = torch.where(idx < vis.unsqueeze(-1), idx, -1).flatten(0, 1)
+            if cand is not None:
+                view.shared[f"candidates.{q}"] = cand
+        view.shared[key] = out
+        return out
 
 
 def make_attention_weights(w: dict[str, torch.Tensor], quantized: set[str]) -> dict[str, Any]:

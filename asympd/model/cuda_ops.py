@@ -1,7 +1,7 @@
 """CUDA fast paths of the same model: the functions the CPU reference computes, arranged for a GPU.
 
-The loader builds these modules directly for a CUDA device (``FastAttention``, ``FastQLinear``,
-``FastMoE``; ``packed.py`` for the packed layouts). ``accelerate(model)`` converts an already built
+The loader builds these modules directly for a CUDA device (``FastQLinear``, ``FastMoE``, and
+attention's ``CUDA_KERNELS``; ``packed.py`` for the packed layouts). ``accelerate(model)`` converts an already built
 reference model in place, for tests and benchmarks that compare the two on one device. The CPU path
 is never touched (CPU stays the numerical reference).
 
@@ -23,11 +23,11 @@ What changes, and what it costs in numerics (``docs/performance.md`` has the mea
   ``torch._scaled_mm`` (rowwise). The 32x32 tile scales do not map onto rowwise scaling, so the
   weights are requantized (lossy for tiles far below their row's largest tile) and activations
   are quantized per token. Off by default; measured in ``bench/layers.py``.
-- Attention (``FastAttention``): the reference per-sequence loop, with every per-row stage chunked
-  over rows so a 16K-row chunk at 64K context fits in memory; the indexer's top-k is a radix
-  ``torch.topk`` instead of a full stable sort (identical except for exact score ties at the k-th
-  place); the latent attention is two batched GEMMs in bf16 with fp32 outputs (``bmm(...,
-  out_dtype=float32)``: bf16 operands are exact in fp32, so the products are the reference's).
+- Attention (``CUDA_KERNELS``: the same ``Attention`` class with other kernels): the indexer's
+  top-k is a radix ``torch.topk`` instead of a full stable sort (identical except for exact score
+  ties at the k-th place, which the packed key below also decides by lowest index); the latent
+  attention is two batched GEMMs in bf16 with fp32 outputs (``bmm(..., out_dtype=float32)``: bf16
+  operands are exact in fp32, so the products are the reference's).
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ import torch.nn.functional as F
 
 from asympd.model import cuda_kernels as K
 from asympd.model import ops
-from asympd.model.attention import Attention, SegmentView, rotations, select_candidate_blocks
+from asympd.model.attention import AttentionKernels
 from asympd.model.gemm_kernels import moe_blocks
 from asympd.model.moe import MoE
-from asympd.model.ops import QLinear, apply_rope, linear, stable_elementwise
+from asympd.model.ops import QLinear, linear, stable_elementwise
 from asympd.model.packed import FP8TileLinear, PackedExperts, moe_block_m
-from asympd.model.quant import FP8_MAX, fp4_qdq, fp8_qdq, pow2_scale
+from asympd.model.quant import FP8_MAX, fp8_qdq, pow2_scale
 
 # ---- capability probes (run once per device, outside any graph capture) ------------------------
 
@@ -528,96 +528,16 @@ def fast_sparse_attention(
     return (out / denom.unsqueeze(-1)).to(q.dtype)
 
 
-def fast_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
-    """``attention.select_candidate_blocks`` with the radix top-k."""
-    return select_candidate_blocks(scores, visible, topk_blocks, block, topk=fast_topk)
-
-
 def indexer_scores(qi: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """sum_h w[m,h] * relu(q[m,h] . k[n]) -> fp32 [m, n], with the reference's dtypes: per-head
-    scores rounded to the model dtype, weighted and summed in it."""
-    s = torch.matmul(qi, keys.t()).relu_()  # [m, h, n]
-    return (s.mul_(w.unsqueeze(-1))).sum(dim=1).float()
+    """``attention.indexer_scores`` with the elementwise passes in place (one score tensor, not three)."""
+    *lead, m, h, d = qi.shape
+    s = torch.matmul(qi.reshape(*lead, m * h, d), keys.transpose(-1, -2)).relu_()
+    return s.view(*lead, m, h, -1).mul_(w.unsqueeze(-1)).sum(dim=-2).float()
 
 
-class FastAttention(Attention):
-    """The reference attention with per-row stages chunked and the fast kernels above."""
-
-    row_chunk = 2048  # rows per gathered-key batch (2048 x 640 keys x 512 x 2 B = 1.3 GB)
-    score_bytes = 1 << 30  # indexer score tile budget
-
-    def forward(self, x: torch.Tensor, segs: list[SegmentView]) -> torch.Tensor:
-        cfg = self.cfg
-        rot, qr, q, kv = self.project(x, segs)
-        outs = []
-        for seg in segs:
-            sl = slice(seg.lo, seg.hi)
-            m = seg.hi - seg.lo
-            all_kv, win_idx, win_valid = self._window_index(seg, kv[sl])
-            sel = entries = None
-            if self.ratio:
-                if self.is_source and seg.write_global:
-                    self._write_compressed(seg, x[sl])
-                sel, entries = self.selection(seg, x[sl], qr[sl])
-            qs = q[sl]
-            for r0 in range(0, m, self.row_chunk):
-                r1 = min(m, r0 + self.row_chunk)
-                keys, mask = all_kv[win_idx[r0:r1]], win_valid[r0:r1]
-                if sel is not None:
-                    s = sel[r0:r1]
-                    if entries is None:
-                        ent = keys.new_zeros(r1 - r0, s.size(1), cfg.head_dim)
-                    else:
-                        ent = entries[s.clamp_min(0)].to(keys.dtype)
-                    keys, mask = torch.cat([keys, ent], dim=1), torch.cat([mask, s >= 0], dim=1)
-                outs.append(fast_sparse_attention(qs[r0:r1], keys, mask, self.attn_sink, self.scale, self.round_probs))
-        o = apply_rope(torch.cat(outs), rot, cfg.rope_head_dim, inverse=True)
-        o = self.wo_a.grouped(o.reshape(o.size(0), cfg.o_groups, -1))
-        return self.wo_b(o.flatten(1))
-
-    def _window_index(self, seg: SegmentView, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``_window_keys`` without materialising the gathered keys: (rows, slot index, valid)."""
-        w = self.cfg.window_size
-        pos = seg.positions
-        prev_kv, prev_pos = seg.kv.window(self.layer)
-        keep = prev_pos < seg.start
-        all_kv = torch.cat([prev_kv[keep].to(kv.dtype), kv])
-        all_pos = torch.cat([prev_pos[keep].to(pos.device), pos])
-        seg.kv.append_window(self.layer, seg.positions, kv)
-        want = pos.unsqueeze(-1) - w + 1 + torch.arange(w, device=kv.device)
-        idx = torch.searchsorted(all_pos, want).clamp_max(all_pos.numel() - 1)
-        valid = (all_pos[idx] == want) & (want >= seg.floor) & (want >= 0)
-        return all_kv, idx, valid
-
-    def _select(self, seg, x, qr, visible, n) -> torch.Tensor:
-        cfg = self.cfg
-        m = x.size(0)
-        if n == 0:
-            return torch.empty(m, 0, dtype=torch.long, device=x.device)
-        rot = rotations(self.freqs, seg.positions)
-        qi = self.idx_wq_b(qr).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
-        qi = fp4_qdq(apply_rope(qi, rot, cfg.rope_head_dim), 32)
-        keys = seg.kv.read_index_keys(self.source, n).to(qi.dtype)
-        wts = self.idx_weights(x) * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
-        kk = min(cfg.index_topk, n)
-        out = torch.empty(m, kk, dtype=torch.long, device=x.device)
-        cand = torch.empty(m, n, dtype=torch.bool, device=x.device) if self.is_candidate_source else None
-        step = max(1, min(m, self.score_bytes // (cfg.index_n_heads * n * qi.element_size() * 2)))
-        cols = torch.arange(n, device=x.device)
-        for r0 in range(0, m, step):
-            r1 = min(m, r0 + step)
-            vis = visible[r0:r1]
-            s = indexer_scores(qi[r0:r1], keys, wts[r0:r1])
-            s.masked_fill_(cols >= vis.unsqueeze(-1), float("-inf"))
-            if cand is not None:
-                cand[r0:r1] = fast_candidate_blocks(s, vis, cfg.candidate_topk_blocks, cfg.candidate_block_size)
-            elif self.uses_candidates:
-                s.masked_fill_(~seg.shared["candidates"][r0:r1], float("-inf"))
-            idx = fast_topk(s, kk).sort(dim=-1).values
-            out[r0:r1] = torch.where(idx < vis.unsqueeze(-1), idx, -1)
-        if cand is not None:
-            seg.shared["candidates"] = cand
-        return out
+CUDA_KERNELS = AttentionKernels(
+    sparse_attention=fast_sparse_attention, topk=fast_topk, indexer_scores=indexer_scores
+)
 
 
 # ---- conversion -------------------------------------------------------------------------------
@@ -645,8 +565,7 @@ def accelerate(model: Any, *, experts: str | None = None, linears: str = "bf16")
             if type(mod) is QLinear:
                 mod.__class__ = FastQLinear
         attn = block.attn
-        if type(attn) is Attention:
-            attn.__class__ = FastAttention
+        attn.kernels = CUDA_KERNELS
         attn.freqs = attn.freqs.to(device)
         if linears == "fp8":
             for name in ("wq_a", "wq_b", "wkv", "wo_b", "idx_wq_b"):
@@ -675,14 +594,14 @@ def fast_path_info(device: torch.device) -> dict[str, Any]:
     return {
         "caps": caps(device),
         "torch": torch.__version__,
-        "row_chunk": FastAttention.row_chunk,
+        "row_chunk": CUDA_KERNELS.row_chunk,
         "ops_fast": sorted(ops.CUDA_FAST),
     }
 
 
 __all__ = [
+    "CUDA_KERNELS",
     "FP8Linear",
-    "FastAttention",
     "FastMoE",
     "accelerate",
     "bmm_f32",

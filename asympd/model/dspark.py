@@ -37,7 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from asympd.config import ModelConfig
-from asympd.model.attention import Attention, SequenceKV, rotations, sparse_attention
+from asympd.kv.batch import BatchRows, BatchSegment, PagedBatch, find_positions
+from asympd.kv.paged_cache import PagedKVCache, PagedSequenceKV
+from asympd.model.attention import Attention, SequenceKV, rotations
 from asympd.model.ops import QLinear, apply_rope, hc_pre, linear, lm_head, rms_norm
 from asympd.model.quant import fp8_qdq
 from asympd.model.transformer import Block
@@ -70,6 +72,11 @@ class DraftBatch:
     segments: list[DraftSegment]
     main_x: torch.Tensor | None  # [M, dim]: every segment's main rows, flattened
     main_pos: torch.Tensor | None  # [M]
+    # when every segment's cache is a view of one paged cache: the main rows as one batch (those
+    # segments that have any) and the drafting segments' slots, so no layer loops over sequences
+    main_batch: BatchRows | None = None
+    slots: torch.Tensor | None = None
+    cache: PagedKVCache | None = None
 
     @property
     def drafting(self) -> list[DraftSegment]:
@@ -103,6 +110,9 @@ class DSparkAttention(Attention):
         if batch.main_x is None:
             return
         kv = self._kv(batch.main_x, rotations(self.freqs, batch.main_pos))
+        if batch.main_batch is not None:
+            batch.main_batch.append_window(self.layer, kv)
+            return
         for seg in batch.segments:
             rows = slice(seg.main_lo, seg.main_hi)
             if seg.main_hi > seg.main_lo:
@@ -128,16 +138,45 @@ class DSparkAttention(Attention):
         qr = rms_norm(self.wq_a(x), self.q_norm, cfg.norm_eps)
         q = apply_rope(self.wq_b(qr).unflatten(-1, (cfg.n_heads, cfg.head_dim)), rot, cfg.rope_head_dim)
         kv = self._kv(x, rot)
+        if batch.slots is not None:
+            o = self._attend_batched(q, kv, positions.view(len(segs), -1)[:, 0], batch)
+            o = apply_rope(o, rot, cfg.rope_head_dim, inverse=True)
+            o = self.wo_a.grouped(o.reshape(o.size(0), cfg.o_groups, -1))
+            return self.wo_b(o.flatten(1))
         outs = []
         for seg in segs:
             n = seg.hi - seg.lo
             win_kv, win_valid = self._window(seg, kv)
             keys = torch.cat([win_kv, kv[seg.lo : seg.hi]]).unsqueeze(0).expand(n, -1, -1)
             mask = torch.cat([win_valid, win_valid.new_ones(n)]).unsqueeze(0).expand(n, -1)
-            outs.append(sparse_attention(q[seg.lo : seg.hi], keys, mask, self.attn_sink, self.scale, self.round_probs))
+            outs.append(
+                self.kernels.sparse_attention(
+                    q[seg.lo : seg.hi], keys, mask, self.attn_sink, self.scale, self.round_probs
+                )
+            )
         o = apply_rope(torch.cat(outs), rot, cfg.rope_head_dim, inverse=True)
         o = self.wo_a.grouped(o.reshape(o.size(0), cfg.o_groups, -1))
         return self.wo_b(o.flatten(1))
+
+    def _attend_batched(
+        self, q: torch.Tensor, kv: torch.Tensor, block_start: torch.Tensor, batch: DraftBatch
+    ) -> torch.Tensor:
+        """``forward``'s attention for every drafting segment at once: each block row sees the W main
+        rows before its block (found by position in the segment's window slot) and the whole block."""
+        w, n = self.cfg.window_size, block_start.numel()
+        cache = batch.cache
+        cap = cache.windows[self.layer].capacity
+        base = (batch.slots * cache.window_kv.size(1) + self.layer) * cap
+        want = block_start.unsqueeze(-1) - w + torch.arange(w, device=q.device)
+        idx, found = find_positions(BatchRows.slot_positions(cache.window_pos.view(-1), base, cap), want)
+        win = cache.window_kv.view(-1, cache.window_kv.size(-1))[(base.unsqueeze(-1) + idx).flatten()]
+        block = kv.view(n, -1, kv.size(-1))
+        b = block.size(1)
+        keys = torch.cat([win.view(n, w, -1).to(kv.dtype), block], dim=1)
+        mask = torch.cat([found & (want >= 0), found.new_ones(n, b)], dim=1)
+        keys = keys.unsqueeze(1).expand(n, b, *keys.shape[1:]).reshape(n * b, *keys.shape[1:])
+        mask = mask.unsqueeze(1).expand(n, b, -1).reshape(n * b, -1)
+        return self.kernels.sparse_attention(q, keys, mask, self.attn_sink, self.scale, self.round_probs)
 
 
 class DSpark(torch.nn.Module):
@@ -206,6 +245,7 @@ class DSpark(torch.nn.Module):
             self.main_x(torch.cat(hidden)) if hidden else None,
             torch.cat(positions) if positions else None,
         )
+        self._batch_caches(batch)
         for block in self.blocks:
             block.attn.append_main(batch)
         drafting = batch.drafting
@@ -225,6 +265,23 @@ class DSpark(torch.nn.Module):
         x = hc_pre(h, pre)
         logits = lm_head(rms_norm(x, self.norm, cfg.norm_eps), self.head)
         return x, logits
+
+    @staticmethod
+    def _batch_caches(batch: DraftBatch) -> None:
+        """Address every segment's window slots at once when they all live in one paged cache. Only
+        plain paged views qualify: writes through any other view (EP's mirrored ones, which replay
+        the drafter's writes on the other ranks) must go through it."""
+        views = [s.kv for s in batch.segments]
+        cache = views[0].cache if views and type(views[0]) is PagedSequenceKV else None
+        if cache is None or any(type(v) is not PagedSequenceKV or v.cache is not cache for v in views):
+            return
+        batch.cache = cache
+        with_rows = [s for s in batch.segments if s.main_hi > s.main_lo]
+        if with_rows:
+            segs = [BatchSegment(s.kv.block_table, s.kv.slot, s.main_start, s.main_hi - s.main_lo) for s in with_rows]
+            batch.main_batch = PagedBatch(cache, segs).rows_view(0, len(segs), decoder=False)
+        slots = [s.kv.slot for s in batch.drafting]
+        batch.slots = torch.tensor(slots, dtype=torch.int64).to(cache.device, non_blocking=True) if slots else None
 
     @torch.inference_mode()
     def draft(

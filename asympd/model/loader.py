@@ -115,10 +115,7 @@ class _Reader:
 def _attention(
     cfg: ModelConfig, layer: int, r: _Reader, prefix: str, round_probs: bool, cls: type[Attention] | None = None
 ) -> Attention:
-    if cls is None:
-        from asympd.model.cuda_ops import FastAttention
-
-        cls = FastAttention if r.kernels else Attention
+    cls = cls or Attention
     w: dict[str, Any] = {}
     for name in ATTN_MATRICES:
         if not r.has(prefix + name):
@@ -133,6 +130,10 @@ def _attention(
         if prefix + name in r.t:
             w[name.removesuffix(".weight")] = r.vector(prefix + name)
     attn = cls(cfg, layer, w, round_probs)
+    if r.kernels:
+        from asympd.model.cuda_ops import CUDA_KERNELS
+
+        attn.kernels = CUDA_KERNELS
     attn.freqs = attn.freqs.to(r.device)  # RoPE tables beside the weights (no copy per step)
     return attn
 

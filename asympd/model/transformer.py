@@ -21,6 +21,7 @@ into an n-gram nor writes into them (the reference's token mask).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import dataclass
 from enum import IntEnum
@@ -30,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from asympd.config import ModelConfig
+from asympd.kv.batch import BatchSegment, PagedBatch
+from asympd.kv.paged_cache import PagedKVCache
 from asympd.model.attention import Attention, SegmentView, SequenceKV
 from asympd.model.engram import Engram
 from asympd.model.moe import MoE
@@ -57,7 +60,7 @@ class Chunk:
     kv: SequenceKV
     token_ids: torch.Tensor  # [q] the rows' tokens
     start: int  # position of the first row
-    history: torch.Tensor  # the sequence's token ids, at least start + q of them (Engram looks back)
+    history: torch.Tensor | None  # the sequence's ids, at least start + q of them (Engram looks back; else unused)
     depth: Depth = Depth.ALL
     floor: int = 0  # window floor for layers above K
     encoder_floor: int = 0  # window floor for layers up to K
@@ -74,6 +77,8 @@ class Chunk:
 class ForwardOutput:
     logits: list[torch.Tensor | None]  # per chunk, fp32 [rows, vocab]
     draft_hidden: list[torch.Tensor | None]  # per chunk, [rows, n_targets * dim] (DSpark input)
+    # per chunk, each logits row's argmax (first maximum), fetched with one host copy for the step
+    argmax: list[list[int] | None] = dataclasses.field(default_factory=list)
 
 
 class Block(torch.nn.Module):
@@ -147,6 +152,9 @@ class Transformer(torch.nn.Module):
         self.hasher = hasher
         self.vision: Any = None  # a VisionTower when loaded with the vision tensors (loader.build_model)
         self.max_depth = Depth.ENCODER_KV if role == "prefill" else Depth.ALL
+        # True: a step whose chunks all live in one paged cache runs each layer once over all of
+        # them (kv/batch.py); False: the per-sequence reference path (also used for other caches)
+        self.batched = True
 
     @property
     def device(self) -> torch.device:
@@ -165,7 +173,7 @@ class Transformer(torch.nn.Module):
     def forward(self, chunks: list[Chunk]) -> ForwardOutput:
         cfg = self.cfg
         if not chunks:
-            return ForwardOutput([], [])
+            return ForwardOutput([], [], [])
         for c in chunks:
             if c.depth > self.max_depth:
                 raise ValueError(f"the {self.role} role cannot run rows at depth {c.depth.name}")
@@ -192,6 +200,8 @@ class Transformer(torch.nn.Module):
         if cfg.engram_layer_ids and self.hasher is not None:
             # hashed on the host; each Engram gathers its rows where its table lives and starts moving
             # them now, so a host-memory table's copy overlaps the layers before it
+            if any(c.history is None for c in ordered):
+                raise ValueError("this model has Engram layers: every chunk needs its history")
             hashes = torch.cat(
                 [
                     self.hasher.hash_ids(
@@ -203,14 +213,20 @@ class Transformer(torch.nn.Module):
             for e, lid in enumerate(cfg.engram_layer_ids):
                 if self.blocks[lid] is not None and self.blocks[lid].engram is not None:
                     fetched[lid] = self.blocks[lid].engram.fetch(hashes[:, e], self.device)
+        batch = self._paged_batch(ordered) if self.batched else None
         shared: list[dict[str, Any]] = [{} for _ in ordered]
         targets = {lid: i for i, lid in enumerate(cfg.dspark_target_layer_ids)} if cfg.dspark_block_size else {}
-        hidden: list[list[torch.Tensor]] = [[] for _ in ordered]
+        hidden: list[torch.Tensor] = []  # per target layer, [rows_all, dim]
+        n_all = sum(c.depth is Depth.ALL for c in ordered)
+        rows_all = offsets[n_all]
         k = cfg.last_kv_source
 
+        runs = [self._layers_run(c.depth) for c in ordered]
+        deeper = [-n for n, _ in runs]  # ascending: chunks are ordered deepest first
+        kv_path_only = [i for i, r in enumerate(runs) if r == (k, True)]
         for layer in range(cfg.n_layers):
-            full = [i for i, c in enumerate(ordered) if self._layers_run(c.depth)[0] > layer]
-            path = [i for i, c in enumerate(ordered) if layer == k and self._layers_run(c.depth) == (k, True)]
+            full = range(bisect.bisect_left(deeper, -layer))  # the chunks that run this layer in full
+            path = kv_path_only if layer == k else []
             if not full and not path:
                 break
             block = self.blocks[layer]
@@ -219,10 +235,8 @@ class Transformer(torch.nn.Module):
             if layer in fetched:
                 text = None if vl is None else ~vl[:n_rows]
                 h[:n_rows] = block.engram(h[:n_rows], fetched[layer][:n_rows], text)
-            if layer in targets:
-                for i in full:
-                    if ordered[i].depth is Depth.ALL:
-                        hidden[i].append(h[offsets[i] : offsets[i + 1]].float().mean(dim=1).to(self.dtype))
+            if layer in targets and rows_all:  # one op for every Depth.ALL row (a prefix of the batch)
+                hidden.append(h[:rows_all].float().mean(dim=1).to(self.dtype))
 
             def view(i: int, layer: int = layer) -> SegmentView:
                 c = ordered[i]
@@ -238,32 +252,55 @@ class Transformer(torch.nn.Module):
                 )
 
             if full:
+                segs = batch.rows_view(0, len(full), decoder=layer > k) if batch else [view(i) for i in full]
                 rows_vl = None if vl is None else vl[:n_full]
-                h[:n_full], pre[:n_full] = block(h[:n_full], pre[:n_full], [view(i) for i in full], rows_vl)
+                h[:n_full], pre[:n_full] = block(h[:n_full], pre[:n_full], segs, rows_vl)
             if path:
                 lo = offsets[path[0]]
                 x = block.attn_input(h[lo:n_rows], pre[lo:n_rows])
-                segs = [view(i) for i in path]
-                for s in segs:
-                    s.lo, s.hi = s.lo - lo, s.hi - lo
-                block.attn.kv_path(x, segs)
+                if batch:
+                    block.attn.kv_path(x, batch.rows_view(path[0], path[-1] + 1, decoder=False))
+                else:
+                    segs = [view(i) for i in path]
+                    for s in segs:
+                        s.lo, s.hi = s.lo - lo, s.hi - lo
+                    block.attn.kv_path(x, segs)
 
         logits: list[torch.Tensor | None] = [None] * len(chunks)
+        argmax: list[list[int] | None] = [None] * len(chunks)
         draft_hidden: list[torch.Tensor | None] = [None] * len(chunks)
         wanted: list[tuple[int, range]] = []  # (chunk, its rows that need logits)
+        all_hidden = torch.cat(hidden, dim=-1) if hidden else None
         for i, c in enumerate(ordered):
-            if hidden[i]:  # every Depth.ALL row, whatever logits it asked for: the drafter is seeded from them
-                draft_hidden[order[i]] = torch.cat(hidden[i], dim=-1)
+            if all_hidden is not None and i < n_all:  # every Depth.ALL row: the drafter is seeded from them
+                draft_hidden[order[i]] = all_hidden[offsets[i] : offsets[i + 1]]
             if c.depth is Depth.ALL and c.logits != "none":
                 lo = offsets[i + 1] - 1 if c.logits == "last" else offsets[i]
                 wanted.append((i, range(lo, offsets[i + 1])))
         if wanted:  # one head GEMM for the whole step (rows are batch-invariant on CPU too, see linear)
             rows = torch.tensor([r for _, rr in wanted for r in rr], device=self.device)
             x = rms_norm(hc_pre(h[rows], pre[rows]), self.norm, cfg.norm_eps)
-            out = lm_head(x, self.head).split([len(rr) for _, rr in wanted])
-            for (i, _), lg in zip(wanted, out, strict=True):
-                logits[order[i]] = lg
-        return ForwardOutput(logits, draft_hidden)
+            head = lm_head(x, self.head)
+            sizes = [len(rr) for _, rr in wanted]
+            ids = head.argmax(dim=-1).tolist()  # the step's one sync: greedy tokens for every row
+            at = 0
+            for (i, _), lg, n in zip(wanted, head.split(sizes), sizes, strict=True):
+                logits[order[i]], argmax[order[i]] = lg, ids[at : at + n]
+                at += n
+        return ForwardOutput(logits, draft_hidden, argmax)
+
+    @staticmethod
+    def _paged_batch(ordered: list[Chunk]) -> PagedBatch | None:
+        """The step as one :class:`PagedBatch` when every chunk is a view of the same paged cache."""
+        views = [c.kv for c in ordered]
+        caches = {id(getattr(v, "cache", None)) for v in views}  # duck-typed: EP's mirrored views pass
+        if len(caches) != 1 or not isinstance(getattr(views[0], "cache", None), PagedKVCache):
+            return None
+        segs = [
+            BatchSegment(v.block_table, v.slot, c.start, len(c.token_ids), c.encoder_floor, c.floor, c.write_global)
+            for c, v in zip(ordered, views, strict=True)
+        ]
+        return PagedBatch(views[0].cache, segs)
 
     def resident_bytes(self) -> int:
         """Bytes of every weight this role holds on its device (Engram tables only where they are on it:

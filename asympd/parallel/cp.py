@@ -18,6 +18,9 @@ whole global KV of [0, s) and the open groups at s: its export is the PrefixStat
 what one rank exports (the model is bit-exact under any chunking of the rows).
 
 A rank computing its slice in several chunks receives in its first chunk and sends in its last.
+Slice r need not be process rank r: ``order`` names the ranks in slice order (a server puts its own
+rank 0 last, so the process that publishes is the one that exports). The exchanged tensors live on
+the ranks' devices (gloo on CPU, NCCL between GPUs).
 """
 
 from __future__ import annotations
@@ -45,9 +48,19 @@ class CPSequenceKV(DenseSequenceKV):
     """One rank's cache of one sequence, receiving layer l from the previous rank on its first touch
     of layer l and sending layer l to the next when it moves past it (see the module docstring)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, rank: int, world: int, group=None) -> None:
-        super().__init__(cfg, dtype=dtype)
-        self.cfg, self.rank, self.world, self.group = cfg, rank, world, group
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        position: int,
+        world: int,
+        peers: tuple[int | None, int | None] = (None, None),
+        group=None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(cfg, dtype=dtype, device=device)
+        self.cfg, self.position, self.world, self.group = cfg, position, world, group
+        self.prev, self.next = peers  # the ranks (in ``group``) of slices position - 1 and + 1
         self.last_layer = cfg.last_kv_source
         self.current = -1  # the layer this forward is in
         self.recv = self.send = False
@@ -56,7 +69,8 @@ class CPSequenceKV(DenseSequenceKV):
 
     def begin(self, recv: bool, send: bool) -> None:
         """Before a forward: whether it receives (the slice's first chunk) and sends (its last)."""
-        self.current, self.recv, self.send = -1, recv and self.rank > 0, send and self.rank < self.world - 1
+        self.current = -1
+        self.recv, self.send = recv and self.position > 0, send and self.position < self.world - 1
 
     def end(self) -> None:
         """After a forward: send what is left, through the last layer."""
@@ -83,20 +97,21 @@ class CPSequenceKV(DenseSequenceKV):
 
     def _send(self, layer: int) -> None:
         parts = self._parts(layer)
-        dist.send(torch.tensor([p.shape[0] for p in parts], dtype=torch.int64), self.rank + 1, self.group)
+        rows = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64, device=self.device)
+        dist.send(rows, group=self.group, group_dst=self.next)
         for p in parts:
             if p.numel():
-                dist.send(p.contiguous(), self.rank + 1, self.group)
+                dist.send(p.contiguous(), group=self.group, group_dst=self.next)
 
     def _recv(self, layer: int) -> None:
         like = self._parts(layer)
-        rows = torch.empty(len(like), dtype=torch.int64)
-        dist.recv(rows, self.rank - 1, self.group)
+        rows = torch.empty(len(like), dtype=torch.int64, device=self.device)
+        dist.recv(rows, group=self.group, group_src=self.prev)
         got = []
         for p, n in zip(like, rows.tolist(), strict=True):
-            t = torch.empty((n, *p.shape[1:]), dtype=p.dtype)
+            t = torch.empty((n, *p.shape[1:]), dtype=p.dtype, device=p.device)
             if n:
-                dist.recv(t, self.rank - 1, self.group)
+                dist.recv(t, group=self.group, group_src=self.prev)
             got.append(t)
         kv, pos, *rest = got
         super().append_window(layer, pos, kv)
@@ -146,11 +161,16 @@ def cp_prefill(
     boundary_policy: str = "carry",
     kv_format: str = "fp4",
     group=None,
+    order: Sequence[int] | None = None,
 ) -> PrefixState | None:
-    """This rank's part of P's prefix [0, ``split``) of ``token_ids``; the last rank returns the
-    PrefixState (the others None). ``bounds``: the N + 1 slice boundaries (default: near-equal);
-    ``chunk``: the most rows per forward within a slice (default: the whole slice)."""
+    """This rank's part of P's prefix [0, ``split``) of ``token_ids``; the rank of the last slice
+    returns the PrefixState (the others None). ``bounds``: the N + 1 slice boundaries (default:
+    near-equal); ``chunk``: the most rows per forward within a slice (default: the whole slice);
+    ``order``: the ranks of ``group`` in slice order (default: rank r computes slice r)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    order = list(order) if order is not None else list(range(world))
+    if sorted(order) != list(range(world)):
+        raise ValueError(f"slice order {order} must name each of the {world} ranks once")
     bounds = list(bounds) if bounds is not None else slice_bounds(split, world)
     if (
         len(bounds) != world + 1
@@ -159,19 +179,42 @@ def cp_prefill(
         or any(a >= b for a, b in zip(bounds, bounds[1:], strict=False))
     ):
         raise ValueError(f"slice bounds {bounds} must rise strictly from 0 to split {split} over {world} ranks")
-    cfg = model.cfg
+    position = order.index(rank)
+    peers = (order[position - 1] if position else None, order[position + 1] if position + 1 < world else None)
+    kv = CPSequenceKV(model.cfg, model.dtype, position, world, peers, group, model.device)
     history = torch.as_tensor(list(token_ids), dtype=torch.long)
-    kv = CPSequenceKV(cfg, model.dtype, rank, world, group)
-    lo, hi = bounds[rank], bounds[rank + 1]
+    _compute(model, kv, history, bounds[position], bounds[position + 1], chunk)
+    if position != world - 1:
+        return None
+    return export(kv, model.cfg, history, split, fingerprint, mode, boundary_policy, kv_format)
+
+
+def local_prefill(
+    model: Transformer,
+    token_ids: Sequence[int],
+    split: int,
+    *,
+    fingerprint: str,
+    chunk: int | None = None,
+    mode: str = "asymmetric",
+    boundary_policy: str = "carry",
+    kv_format: str = "fp4",
+) -> PrefixState:
+    """P's prefix on this rank alone (a prefix shorter than the CP group, or none at all)."""
+    kv = CPSequenceKV(model.cfg, model.dtype, 0, 1, device=model.device)
+    history = torch.as_tensor(list(token_ids), dtype=torch.long)
+    if split:
+        _compute(model, kv, history, 0, split, chunk)
+    return export(kv, model.cfg, history, split, fingerprint, mode, boundary_policy, kv_format)
+
+
+def _compute(model: Transformer, kv: CPSequenceKV, history: Tensor, lo: int, hi: int, chunk: int | None) -> None:
     step = chunk or hi - lo
     for a in range(lo, hi, step):
         b = min(a + step, hi)
         kv.begin(recv=a == lo, send=b == hi)
         model([Chunk(kv, history[a:b], a, history, Depth.ENCODER_KV, logits="none")])
         kv.end()
-    if rank != world - 1:
-        return None
-    return export(kv, cfg, history, split, fingerprint, mode, boundary_policy, kv_format)
 
 
 def export(

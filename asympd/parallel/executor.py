@@ -42,7 +42,7 @@ from asympd.model.transformer import Chunk, Transformer
 from asympd.parallel.ep import shard_moe
 from asympd.parallel.launch import RankGroup
 
-CACHE_WRITES = frozenset({"reset_slot", "import_compressed", "import_index_keys", "write_entries"})
+CACHE_WRITES = frozenset({"reset_slot", "import_compressed", "import_index_keys", "write_entries", "truncate"})
 VIEW_WRITES = frozenset({"append_window", "append_pending", "write_compressed", "write_index_keys", "truncate"})
 
 

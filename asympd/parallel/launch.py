@@ -1,4 +1,4 @@
-"""Starting the ranks of one expert-parallel worker from the worker itself.
+"""Starting the ranks of one expert- or context-parallel worker from the worker itself.
 
 Rank 0 is the calling process (it runs the engine); ranks 1..N-1 are child processes running
 ``python -m asympd.parallel.worker`` with torchrun's environment contract (``RANK``, ``WORLD_SIZE``,
@@ -65,6 +65,8 @@ class RankSpec:
     device: str = "cpu"  # "cpu", or "cuda": rank r then uses cuda:r of this host
     dtype: str = "float32"
     threads: int | None = None  # torch intra-op threads per rank (None: rank 0's count)
+    parallel: str = "ep"  # ep: experts sharded, rank 0's steps replayed; cp: P's prefix split (cp_engine.py)
+    weights: str = "reference"  # the weight layout (EP shards the reference MoE's stacked experts)
 
 
 def backend_for(device: str) -> str:
@@ -95,6 +97,7 @@ class RankGroup:
         if d.type == "cuda" and d.index not in (None, 0):
             raise ValueError(f"device {spec.device!r}: rank r runs on cuda:r; pick GPUs with CUDA_VISIBLE_DEVICES")
         self.world_size, self.spec, self.host = world_size, spec, host
+        self.kind = spec.parallel.upper()  # EP or CP, in messages
         self.rank = 0
         self.device = rank_device(spec.device, 0)
         self.backend = backend_for(spec.device)
@@ -138,9 +141,9 @@ class RankGroup:
         while not self.store.check(keys):
             for rank, p in enumerate(self.procs, start=1):
                 if p.poll() is not None:
-                    raise RuntimeError(f"EP rank {rank} exited with status {p.returncode} while starting")
+                    raise RuntimeError(f"{self.kind} rank {rank} exited with status {p.returncode} while starting")
             if time.monotonic() > end:
-                raise TimeoutError(f"EP ranks not ready after {timeout:.0f} s")
+                raise TimeoutError(f"{self.kind} ranks not ready after {timeout:.0f} s")
             time.sleep(0.02)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -153,9 +156,9 @@ class RankGroup:
         for rank, p in enumerate(self.procs, start=1):
             try:
                 if p.wait(max(0.0, end - time.monotonic())) != 0:
-                    log.warning("EP rank %d exited with status %s", rank, p.returncode)
+                    log.warning("%s rank %d exited with status %s", self.kind, rank, p.returncode)
             except subprocess.TimeoutExpired:
-                log.warning("EP rank %d did not stop within %.0f s: killing it", rank, timeout)
+                log.warning("%s rank %d did not stop within %.0f s: killing it", self.kind, rank, timeout)
         self.kill()
 
     def kill(self) -> None:

@@ -1,8 +1,9 @@
-"""``python -m asympd.parallel.worker``: one non-zero rank of an expert-parallel worker.
+"""``python -m asympd.parallel.worker``: one non-zero rank of an expert- or context-parallel worker.
 
 Started by rank 0 (``asympd.parallel.launch.RankGroup``) with torchrun's environment contract plus
-``ASYMPD_DIST_SPEC`` (checkpoint, role, device, dtype, threads). It loads its shard, reports ready
-in the store, joins the groups, and replays rank 0's messages until ``stop``.
+``ASYMPD_DIST_SPEC`` (checkpoint, role, device, dtype, threads, ep or cp). It loads its model (EP:
+its shard of the experts), reports ready in the store, joins the groups, and follows rank 0's
+messages until ``stop``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def _exit_with_parent() -> None:
 
 def main() -> int:
     from asympd.model.loader import load_model
+    from asympd.parallel.cp_engine import serve_cp_rank
     from asympd.parallel.ep import shard_moe
     from asympd.parallel.executor import serve_rank
     from asympd.parallel.launch import SPEC_ENV, RankSpec, backend_for, dtype_of, join_groups, rank_device
@@ -45,14 +47,18 @@ def main() -> int:
         torch.cuda.set_device(device)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
     # EP shards the reference MoE's stacked experts: packed experts are not sharded yet
-    model = load_model(spec.checkpoint, spec.role, device, dtype_of(spec.dtype), weights="reference")
+    model = load_model(spec.checkpoint, spec.role, device, dtype_of(spec.dtype), weights=spec.weights)
     if getattr(model, "drafter", None) is not None:
         model.drafter = None  # the drafter runs on rank 0 only
-    shard_moe(model, rank, world)
+    if spec.parallel == "ep":
+        shard_moe(model, rank, world)
     store.set(f"ready/{rank}", "1")
     control = join_groups(backend_for(spec.device), store, rank, world)
     try:
-        serve_rank(model, control, device)
+        if spec.parallel == "cp":
+            serve_cp_rank(model, control)
+        else:
+            serve_rank(model, control, device)
     finally:
         dist.destroy_process_group()
     return 0

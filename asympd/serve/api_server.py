@@ -42,7 +42,9 @@ from asympd.engine.request import RequestOutput
 from asympd.engine.sampling import SamplingParams
 from asympd.model.loader import load_model
 from asympd.parallel import launch_ep
+from asympd.parallel.cp_engine import CPPrefillEngine, launch_cp
 from asympd.serve import protocol as P
+from asympd.serve import streaming
 from asympd.serve.async_engine import Aborted, AsyncEngine, EngineDeadError, Failed, RequestStream
 from asympd.serve.config import ServeConfig
 from asympd.serve.detokenize import OutputTracker
@@ -93,10 +95,11 @@ class WorkerServer:
         self.ep = None  # expert parallel: ranks 1..ep-1 load while this process does (asympd.parallel)
         if cfg.ep > 1:
             self.ep = launch_ep(model_role, cfg.checkpoint, cfg.ep, cfg.device, cfg.dtype, cfg.threads)
+        cp = launch_cp(cfg.checkpoint, cfg.cp, cfg.device, cfg.dtype, cfg.threads, cfg.weights) if cfg.cp > 1 else None
         weights = cfg.weights if cfg.ep == 1 else "reference"  # EP shards the reference MoE's stacked experts
         model = load_model(cfg.checkpoint, model_role, cfg.device, cfg.dtype, weights)
         cfg.engine.eos_token_id = eos_id(self.tokenizer)
-        self.engine = LLMEngine(model, cfg.engine)
+        self.engine: Any = LLMEngine(model, cfg.engine) if cp is None else CPPrefillEngine(model, cfg.engine, cp)
         if self.ep is not None:
             self.ep.attach(self.engine)  # shards this rank's experts: resident bytes are rank 0's
         self.resident_bytes = model.resident_bytes()
@@ -113,7 +116,7 @@ class WorkerServer:
             self.fingerprint,
             self.model_cfg,
             self.secret,
-            cfg.transport,
+            cfg.transport or ("tcp" if cfg.engine.stream_prefix else None),  # NIXL has no stream op
             {
                 "device": cfg.device,
                 "host": cfg.transfer_host or cfg.host,
@@ -129,6 +132,7 @@ class WorkerServer:
         # ids aborted recently: a request that arrives after its own abort (the router gave up on a
         # slow P and aborted it before P even read the request) is refused instead of being run
         self._aborted: OrderedDict[str, float] = OrderedDict()
+        self.background: set[asyncio.Task] = set()  # streamed prefixes being pushed (P) or pulled (D)
 
     @property
     def transport_name(self) -> str:
@@ -157,6 +161,8 @@ class WorkerServer:
         self.aengine.stop()
         if self.ep is not None:
             self.ep.close()
+        if isinstance(self.engine, CPPrefillEngine):
+            self.engine.close()
         self.text_pool.shutdown(wait=False, cancel_futures=True)
 
     def info(self, internal: bool = True) -> dict[str, Any]:
@@ -179,6 +185,8 @@ class WorkerServer:
             "has_tokenizer": self.tokenizer is not None,
             "ep": c.ep,
             "ep_pids": self.ep.group.pids() if self.ep is not None else [],
+            "cp": c.cp,
+            "cp_pids": self.engine.group.pids() if isinstance(self.engine, CPPrefillEngine) else [],
             "memory": self.memory(),
         }
         if internal:
@@ -192,7 +200,7 @@ class WorkerServer:
         return {
             "weights_layout": getattr(self.engine.model, "weights", None),
             "weights_bytes": self.resident_bytes,
-            "kv_cache_bytes": self.engine.cache.nbytes(),
+            "kv_cache_bytes": self.engine.cache.nbytes() if self.engine.cache is not None else 0,
             "device_allocated_bytes": torch.cuda.memory_allocated(device) if device.type == "cuda" else None,
         }
 
@@ -320,8 +328,10 @@ class WorkerServer:
                 'kv_transfer_params={"do_remote_decode": true}',
                 param="kv_transfer_params",
             )
+        if streaming.streams(self, len(ids)):  # answer now, push the prefix as it is computed
+            return await streaming.answer_early(self, kind, rid, ids, params, t_arrival)
         t_add = time.perf_counter()
-        stream = await self._add(rid, ids, params, images=images or None)
+        stream = await self._add(rid, ids, params, **({"images": images} if images else {}))
         out = await until_disconnect(request, stream.result())
         if isinstance(out, Aborted):
             raise P.APIError("the request was aborted", 499)
@@ -387,7 +397,10 @@ class WorkerServer:
         timings: dict[str, Any] = {"prefill_path": "local"}
         kv = req.kv_transfer_params
         got = None
-        if self.cfg.role == "decode" and kv is not None and kv.get("do_remote_prefill"):
+        streamed = self.cfg.role == "decode" and streaming.is_streamed(kv)
+        if streamed:
+            self.handoff.check_stream(kv)
+        elif self.cfg.role == "decode" and kv is not None and kv.get("do_remote_prefill"):
             got = await until_disconnect(request, self.handoff.receive(kv, ids, timings, self.metrics))
         state = got.state if got is not None else None
         tracker = OutputTracker(
@@ -399,11 +412,16 @@ class WorkerServer:
             min_tokens=params.min_tokens,
         )
         kw: dict[str, Any] = {"prefix_state": state, "first_token": got.first_token if state is not None else None}
-        kw["images"] = images or None
+        if images:
+            kw["images"] = images
         if state is not None and got.first_logprobs is not None and _ENGINE_TAKES_FIRST_LOGPROBS:
             kw["first_token_logprobs"] = got.first_logprobs
+        if streamed:
+            kw = {"prefix_stream": True}
         t_add = time.perf_counter()
         stream = await self._add(rid, ids, params, **kw)
+        if streamed:
+            streaming.start_pull(self, rid, kv, ids, timings)
         chat = req.output() if kind == "chat" else None
         ctx = _Ctx(kind, req, rid, ids, t_arrival, t_add, timings, tracker, int(time.time()), chat)
         if req.stream or progress:

@@ -131,6 +131,11 @@ class AsyncEngine:
         """Thread-safe: abort a request wherever it is (waiting, running, held for transfer)."""
         self._cmds.put(("abort", request_id))
 
+    def fail(self, request_id: str, message: str) -> None:
+        """Thread-safe: abort a request and end its stream with ``Failed(message)`` (a streamed
+        prefix that broke off)."""
+        self._cmds.put(("fail", request_id, message))
+
     def release_transfer(self, request_id: str) -> None:
         """Thread-safe: a prefill worker's exported prefix was acked or expired; free its blocks."""
         self._cmds.put(("release", request_id))
@@ -187,6 +192,12 @@ class AsyncEngine:
             stream = self._streams.pop(rid, None)
             if stream is not None:
                 self._deliver(stream, Aborted("aborted"))
+        elif op == "fail":
+            _, rid, message = cmd
+            self.engine.abort_request(rid)
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                self._deliver(stream, Failed(message))
         elif op == "release":
             self.engine.release_transfer(cmd[1])
         elif op == "call":

@@ -14,6 +14,7 @@ from typing import Any
 from asympd.engine import modes
 from asympd.engine.engine import EngineConfig
 from asympd.engine.scheduler import SchedulerConfig
+from asympd.parallel.cp_engine import check_cp
 from asympd.serve.http import DEFAULT_MAX_BODY_BYTES
 from asympd.transfer.prefix_state import KV_FORMATS
 
@@ -47,6 +48,7 @@ class ServeConfig:
     advertise_host: str | None = None  # P: address D should connect to (default: the bind address)
     threads: int | None = None
     ep: int = 1  # expert-parallel ranks (one process each, started by this worker); docs/parallel.md
+    cp: int = 1  # prefill worker: context-parallel ranks its prefixes are split over (parallel/cp_engine.py)
     tp: int = 1  # only 1: attention is replicated
     max_images: int = 8  # image parts per chat request (docs/vision.md)
     max_image_bytes: int = 4 << 20  # each image, encoded (the body limit bounds them all)
@@ -68,6 +70,17 @@ class ServeConfig:
         if self.ep < 1:
             raise ValueError(f"--ep must be >= 1, got {self.ep}")
         modes.check_role_mode(e.role, e.mode)
+        check_cp(self.cp, e.role, e.mode)
+        if e.stream_prefix and e.role != "prefill":
+            raise ValueError("--stream-prefix is a prefill worker's setting (the decode worker follows what P sends)")
+        if e.stream_prefix and self.transport == "nixl":
+            raise ValueError("--stream-prefix needs --transport tcp: the NIXL transport has no stream operation")
+        if e.stream_prefix and self.cp > 1:
+            raise ValueError(
+                f"--stream-prefix with --cp {self.cp}: a context-parallel prefill exports its prefix whole"
+            )
+        if self.cp > 1 and self.ep > 1:
+            raise ValueError(f"--cp {self.cp} with --ep {self.ep}: a worker runs one kind of parallelism")
         if self.on_prefill_failure not in ("recompute", "fail"):
             raise ValueError(f"unknown --on-prefill-failure {self.on_prefill_failure!r}: recompute or fail")
         if self.transport not in (None, "nixl", "tcp", "auto"):
@@ -122,7 +135,11 @@ _HELP = {
     "transfer_port": "prefill worker: data-plane port (0: any)",
     "advertise_host": "prefill worker: address decode workers connect to",
     "threads": "torch intra-op threads",
+    "stream_prefix": "prefill worker: answer the router at once and stream the prefix to the decode worker "
+    "by chunk as it is computed (TCP transport; asympd/serve/streaming.py)",
     "ep": "expert-parallel ranks: this worker starts ep-1 more processes (docs/parallel.md)",
+    "cp": "prefill worker: split each prefix over cp context-parallel ranks (cp-1 more processes; "
+    "docs/prefix-transfer.md)",
     "tp": "tensor parallel attention: only 1 (attention is replicated)",
     "dtype": "auto: bfloat16 on CUDA, float32 on CPU",
     "weights": "auto: packed-experts on CUDA (MXFP4 experts as released), dequantized on CPU",
@@ -142,9 +159,7 @@ _CHOICES = {
     "kv_wire_format": KV_FORMATS,
 }
 _CLI_DEFAULTS = {"mode": None, "num_spec_tokens": 0}  # mode None: derived from the role
-# nested, or read from the checkpoint; stream_prefix: the HTTP handover ships whole states (the
-# streamed one runs through the offline LLM and the TCP transport's streams)
-_NOT_FLAGS = {"engine", "scheduler", "eos_token_id", "stream_prefix"}
+_NOT_FLAGS = {"engine", "scheduler", "eos_token_id"}  # nested, or read from the checkpoint
 _DUPLICATE = {(SchedulerConfig, "num_spec_tokens")}  # EngineConfig.num_spec_tokens is the flag
 
 

@@ -6,6 +6,11 @@ P publishes each state under a random transfer id, sealed with the deployment se
 (``state_mac`` travels in ``kv_transfer_params``, which only the router, holding the internal
 credential, can pass on to D). D refuses a state whose tag, prompt or shape is wrong, or whose
 transfer id it already took (a replay), before the engine sees it.
+
+Streamed (P's ``--stream-prefix``): P opens a stream and answers the router at once; it pushes each
+slice as its chunked prefill finishes it, sealed under (transfer id, slice index), and the tag
+travels with the slice on the data plane. D queues the request, pulls the slices while P computes,
+checks each tag before the engine imports the slice, and the request runs when the last is in.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +31,15 @@ from asympd.transfer import PrefixState, PrefixStateError, TransferError, Transp
 from asympd.transfer.seal import new_transfer_id, seal, verify
 
 log = logging.getLogger("asympd.serve")
+# D: the most it waits for one slice of a streamed prefix: P's queue and one prefill chunk come first
+# (P's lease TTL bounds the whole stream)
+STREAM_WAIT_S = 120.0
+
+
+def slice_id(transfer_id: str, index: int) -> str:
+    """What slice ``index`` of a streamed transfer is sealed under: a slice cannot be replayed at
+    another index or in another transfer."""
+    return f"{transfer_id}#{index}"
 
 
 @dataclass
@@ -62,6 +76,7 @@ class Handoff:
         self._lock = threading.Lock()
         self._tid_of: dict[str, str] = {}  # P: request id -> transfer id of its published state
         self._rid_of: dict[str, str] = {}
+        self._pushed: dict[str, int] = {}  # P: transfer id of a stream -> slices pushed so far
         self._taken: OrderedDict[str, None] = OrderedDict()  # D: transfer ids already fetched
         self.pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="asympd-fetch")
         self.name = "none"
@@ -102,9 +117,37 @@ class Handoff:
             raise
         return {**params, "state_mac": tag}
 
+    def open_stream(self, rid: str) -> dict[str, Any]:
+        """Open a streamed prefix for request ``rid`` (transfer/stream.py); the params D needs exist
+        before any slice does, so P can answer the router at once and D fetch while P computes."""
+        assert self.publisher is not None
+        if not hasattr(self.publisher, "open_stream"):
+            raise TransferError(f"the {self.publisher.name} transport cannot stream a prefix: use --transport tcp")
+        tid = new_transfer_id()
+        with self._lock:
+            self._tid_of[rid], self._rid_of[tid] = tid, rid
+            self._pushed[tid] = 0
+        try:
+            return self.publisher.open_stream(tid)
+        except BaseException:
+            self._forget(tid)
+            raise
+
+    def push(self, rid: str, piece: PrefixState, last: bool) -> None:
+        """The next slice of ``rid``'s stream, sealed as slice ``index`` of its transfer."""
+        with self._lock:
+            tid = self._tid_of.get(rid)
+            index = self._pushed.get(tid, 0) if tid is not None else 0
+            if tid is not None:
+                self._pushed[tid] = index + 1
+        if tid is None:
+            raise TransferError(f"request {rid} has no open prefix stream (released, expired or aborted)")
+        self.publisher.push(tid, piece, last, tag=seal(self.secret, slice_id(tid, index), piece))
+
     def _forget(self, tid: str) -> str | None:
         with self._lock:
             rid = self._rid_of.pop(tid, None)
+            self._pushed.pop(tid, None)
             if rid is not None:
                 self._tid_of.pop(rid, None)
         return rid
@@ -159,6 +202,28 @@ class Handoff:
         verify(self.secret, tid, state, kv.get("state_mac"), ids)
         state.validate(self.model_cfg, self.fingerprint)
         return state
+
+    def check_stream(self, kv: dict[str, Any]) -> None:
+        """D, before it queues a streamed request: the params name a stream it may take (once)."""
+        missing = [k for k in ("host", "port", "transfer_id") if k not in kv]
+        if missing:
+            raise P.APIError(f"bad kv_transfer_params: missing {', '.join(missing)}", param="kv_transfer_params")
+        try:
+            self._take(str(kv["transfer_id"]))
+        except PrefixStateError as e:
+            raise P.APIError(f"bad prefix state: {e}", param="kv_transfer_params") from None
+
+    def fetch_slices(self, kv: dict[str, Any], ids: list[int]) -> Iterator[PrefixState]:
+        """Blocking, D: the authenticated slices of the stream ``kv`` names, each as P pushes it
+        (the engine checks their order and shape as it imports them); acked after the last."""
+        tid = str(kv["transfer_id"])
+        fetcher = self._fetcher(str(kv.get("transport", "tcp")))
+        if not hasattr(fetcher, "fetch_stream"):
+            raise TransferError(f"the {fetcher.name} transport cannot stream a prefix")
+        pieces = fetcher.fetch_stream(kv, self.fingerprint, timeout=STREAM_WAIT_S, ack=True, with_tags=True)
+        for index, (piece, tag) in enumerate(pieces):
+            verify(self.secret, slice_id(tid, index), piece, tag, ids if piece.start == 0 else [])
+            yield piece
 
     async def receive(self, kv: dict[str, Any], ids: list[int], timings: dict[str, Any], metrics: Any) -> Received:
         """P's prefix for this request, or an empty ``Received`` under ``recompute`` when the prefill

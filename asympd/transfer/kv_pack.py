@@ -14,6 +14,11 @@ reproduces the values exactly, which is all the receiver needs. Values that are 
 Layouts (per entry of width d): codes uint8 [d/2], even element in the low nibble (as the checkpoint
 packs FP4); scales [d/16] float8_e4m3fn (main KV) or [d/32] float8_e8m0fnu (index keys). For
 V4.1-Flash (head_dim 512, index_head_dim 128) that is 256 + 32 = 288 B and 64 + 4 = 68 B per entry.
+
+Both directions are torch ops on the tensor's own device (the lookup tables follow it): on a GPU, P
+packs in device memory and only the packed buffers, 3.6x smaller than bf16, cross PCIe to the host
+(or go to NIXL as device memory); a receiver holding the buffers on a GPU unpacks there. The only
+host synchronizations are the per-pass "which blocks are left" and the error checks.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from asympd.config import ModelConfig
-from asympd.model.quant import E2M1_VALUES, FP4_TABLE, pack_fp4, unpack_fp4
+from asympd.model.quant import E2M1_VALUES, FP4_TABLE, _on, pack_fp4, unpack_fp4
 
 
 class KVPackError(ValueError):
@@ -55,13 +60,14 @@ _CANDIDATES = E2M1_VALUES[1:].flip(0).tolist()
 
 
 def pack(values: torch.Tensor, fmt: FP4Format) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, d] cache values -> (codes uint8 [n, d/2], scales [n, d/block]); lossless or KVPackError."""
+    """[n, d] cache values -> (codes uint8 [n, d/2], scales [n, d/block]) on ``values``' device;
+    lossless or KVPackError."""
     n, d = values.shape
     if d % fmt.block:
         raise KVPackError(f"width {d} is not a multiple of the {fmt.name} block {fmt.block}")
     g = values.detach().float().reshape(-1, fmt.block)  # [n * G, b]
     amax = g.abs().amax(-1)
-    table, grid = FP4_TABLE.to(g.device), E2M1_VALUES.to(g.device)
+    table, grid = _on(FP4_TABLE, g.device), _on(E2M1_VALUES, g.device)
     scale = torch.full_like(amax, float("nan"))
     codes = torch.zeros(g.shape, dtype=torch.uint8, device=g.device)
     todo = torch.arange(g.size(0), device=g.device)
@@ -96,7 +102,8 @@ def _grid_codes(q: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
 
 
 def unpack(codes: torch.Tensor, scales: torch.Tensor, fmt: FP4Format) -> torch.Tensor:
-    """(codes uint8 [n, d/2], scales [n, d/block]) -> fp32 [n, d]; malformed input is KVPackError."""
+    """(codes uint8 [n, d/2], scales [n, d/block]) -> fp32 [n, d] on their device; malformed input is
+    KVPackError."""
     if codes.dim() != 2 or scales.dim() != 2:
         raise KVPackError(f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} must be 2-D")
     if scales.dtype != fmt.scale_dtype:

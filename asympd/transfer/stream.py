@@ -109,10 +109,11 @@ class SliceFeed:
     def __init__(self, fingerprint: str) -> None:
         self.fingerprint = fingerprint
         self.slices: list[PrefixState] = []
+        self.tags: list[str | None] = []  # each slice's authentication tag (transfer.seal), if sealed
         self.done = False  # the last slice is in
         self._cv = threading.Condition()
 
-    def push(self, piece: PrefixState, last: bool = False) -> None:
+    def push(self, piece: PrefixState, last: bool = False, tag: str | None = None) -> None:
         with self._cv:
             if self.done:
                 raise PrefixStateError("the stream already ended with its last slice")
@@ -122,17 +123,18 @@ class SliceFeed:
             if piece.start != upto:
                 raise PrefixStateError(f"slice [{piece.start}, {piece.split}) does not continue [0, {upto})")
             self.slices.append(piece)
+            self.tags.append(tag)
             self.done = last
             self._cv.notify_all()
 
-    def wait(self, index: int, timeout: float) -> tuple[PrefixState, bool] | None:
-        """Slice ``index`` and whether it is the last, or None if it is not pushed within ``timeout``
-        (or never will be: the stream ended before it)."""
+    def wait(self, index: int, timeout: float) -> tuple[PrefixState, bool, str | None] | None:
+        """Slice ``index``, whether it is the last, and its tag; or None if it is not pushed within
+        ``timeout`` (or never will be: the stream ended before it)."""
         with self._cv:
             self._cv.wait_for(lambda: len(self.slices) > index or self.done, timeout)
             if len(self.slices) <= index:
                 return None
-            return self.slices[index], self.done and index == len(self.slices) - 1
+            return self.slices[index], self.done and index == len(self.slices) - 1, self.tags[index]
 
     @property
     def nbytes(self) -> int:

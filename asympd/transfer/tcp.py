@@ -280,7 +280,8 @@ class PrefixStateServer(ControlServer):
                 why = "the stream ended before it" if feed.done else f"not pushed within {wait_s:.3g} s"
                 send_msg(conn, {"ok": False, "error": f"slice {index} of {tid!r}: {why}"})
                 return
-            self._send_state(conn, tid, got[0], {"last": got[1]})
+            piece, last, tag = got
+            self._send_state(conn, tid, piece, {"last": last, **({"state_mac": tag} if tag else {})})
 
     def _ack(self, conn: socket.socket, msg: dict[str, Any]) -> None:
         send_msg(conn, {"ok": True, "released": self.leases.ack(str(msg.get("transfer_id")))})
@@ -399,10 +400,11 @@ def fetch_stream(
     ack: bool = True,
     metrics: TransferMetrics | None = None,
     secret: bytes | None = None,
-) -> Iterator[PrefixState]:
+    with_tags: bool = False,
+) -> Iterator[PrefixState] | Iterator[tuple[PrefixState, str | None]]:
     """D: the slices of a streamed prefix, each as soon as P has pushed it (``timeout``: the most to
     wait for any one slice), over one connection; acked after the last. The caller checks them
-    (engine.LLMEngine.import_slice)."""
+    (engine.LLMEngine.import_slice); ``with_tags``: (slice, the tag P sealed it with) pairs."""
     where = f"{host}:{port}"
     deadline = Deadline(timeout)
     sock = guarded(lambda: connect(host, port, fingerprint, deadline), deadline, where)
@@ -423,7 +425,7 @@ def fetch_stream(
                 metrics.record(TransferRecord("tcp", "recv", transfer_id, nbytes, time.perf_counter() - t0))
             last = bool(reply.get("last"))
             index += 1
-            yield piece
+            yield (piece, reply.get("state_mac")) if with_tags else piece
         if ack:
             guarded(
                 lambda: request(sock, {"op": "ack", "transfer_id": transfer_id}, deadline, where, secret),
@@ -507,20 +509,25 @@ class TcpTransport(Transport):
             "stream": True,
         }
 
-    def push(self, transfer_id: str, piece: PrefixState, last: bool = False) -> None:
-        """P: the next slice of a stream opened with ``open_stream``."""
+    def push(self, transfer_id: str, piece: PrefixState, last: bool = False, tag: str | None = None) -> None:
+        """P: the next slice of a stream opened with ``open_stream`` (``tag``: its seal, sent with it)."""
         feed = self.server.leases.get(transfer_id) if self.server is not None else None
         if not isinstance(feed, SliceFeed):
             raise TransferError(f"no open stream {transfer_id!r} (never opened, acked or expired)")
-        feed.push(piece, last)
+        feed.push(piece, last, tag)
 
     def fetch_stream(
-        self, params: dict[str, Any], fingerprint: str, timeout: float = 30.0, ack: bool = True
-    ) -> Iterator[PrefixState]:
+        self,
+        params: dict[str, Any],
+        fingerprint: str,
+        timeout: float = 30.0,
+        ack: bool = True,
+        with_tags: bool = False,
+    ) -> Iterator[PrefixState] | Iterator[tuple[PrefixState, str | None]]:
         """D: the slices of a stream as P pushes them (see ``fetch_stream``)."""
         check_params(params, self.name)
         host, port, tid = params["host"], params["port"], params["transfer_id"]
-        return fetch_stream(host, port, tid, fingerprint, timeout, ack, self.metrics, self.secret)
+        return fetch_stream(host, port, tid, fingerprint, timeout, ack, self.metrics, self.secret, with_tags)
 
     def fetch(self, params: dict[str, Any], fingerprint: str, timeout: float = 30.0, ack: bool = True) -> PrefixState:
         check_params(params, self.name)

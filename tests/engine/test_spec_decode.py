@@ -265,16 +265,18 @@ def test_rejected_rows_are_never_read(tiny_ckpt, monkeypatch, mode, semantics, p
     original = engine_module.rollback
     poisoned = []
 
-    def rollback_and_poison(kv, blocks, seq_id, num_tokens, written):
-        original(kv, blocks, seq_id, num_tokens, written)
-        cfg = kv.cache.spec.cfg
-        for layer in cfg.kv_source_layers:
-            for name in (f"ckv.{layer}", f"idx.{layer}"):
-                g = kv.cache.spec.group(name)
-                start, cap = num_tokens // g.ratio, len(kv.block_table) * g.entries_per_block
-                if cap > start:
-                    kv.cache.write_entries(name, kv.block_table, start, torch.full((cap - start, g.width), math.nan))
-                    poisoned.append(cap - start)
+    def rollback_and_poison(cache, blocks, cuts):
+        original(cache, blocks, cuts)
+        cfg = cache.spec.cfg
+        for seq_id, num_tokens, _ in cuts:
+            table = blocks.block_table(seq_id)
+            for layer in cfg.kv_source_layers:
+                for name in (f"ckv.{layer}", f"idx.{layer}"):
+                    g = cache.spec.group(name)
+                    start, cap = num_tokens // g.ratio, len(table) * g.entries_per_block
+                    if cap > start:
+                        cache.write_entries(name, table, start, torch.full((cap - start, g.width), math.nan))
+                        poisoned.append(cap - start)
 
     monkeypatch.setattr(engine_module, "rollback", rollback_and_poison)
     want = baseline(tiny_ckpt, mode, semantics, policy)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from asympd import LLM, SamplingParams
 from asympd.config import tiny
-from asympd.model.attention import SegmentView, rotations
+from asympd.model.attention import rotations
 from asympd.model.checkpoint import write_checkpoint
 from asympd.model.ops import apply_rope, hc_post, hc_pre, linear, rms_norm
 from asympd.model.quant import fp4_qdq
@@ -77,7 +77,7 @@ def dense_attention(attn, x, pos, floors, entries) -> torch.Tensor:
     """One layer's attention over dense masks: window keys (i - W, i] above the row's floor, plus
     every visible compressed entry; the sink joins the softmax denominator."""
     cfg = attn.cfg
-    rot, _, q, kv = attn.project(x, [SegmentView(None, 0, len(pos), int(pos[0]))])
+    rot, _, q, kv = attn.project(x, pos)
     assert torch.equal(pos, torch.arange(int(pos[0]), int(pos[0]) + len(pos)))
     i, j = pos.unsqueeze(1), pos.unsqueeze(0)
     keys, mask = kv.double(), (j <= i) & (j > i - cfg.window_size) & (j >= floors.unsqueeze(1))

@@ -160,6 +160,23 @@ def test_truncated_or_misscaled_packed_buffers_are_refused():
             PrefixState.from_buffers(*_tamper(state, name, fn))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_packing_on_the_device_gives_the_host_bytes():
+    """On a GPU the state's ckv/idx are packed where they live (the runner keeps them there under
+    fp4): the packed buffers stay on the device until the D2H copy, and the blob is the host's."""
+    state = packed_state()
+    on_gpu = state.to("cuda")
+    _, buffers = on_gpu.to_buffers()
+    assert all(b.is_cuda for b in buffers if b.numel())
+    assert on_gpu.serialize() == state.serialize()
+    for fmt, values in ((NVFP4, state.ckv[1]), (MXFP4, state.idx[3])):
+        codes, scales = pack(values.cuda(), fmt)
+        want = pack(values, fmt)
+        assert torch.equal(codes.cpu(), want[0])
+        assert torch.equal(scales.cpu().view(torch.uint8), want[1].view(torch.uint8))
+        assert torch.equal(bits(unpack(codes, scales, fmt).cpu()), bits(unpack(*want, fmt)))
+
+
 # ---- through the engines ----------------------------------------------------------------------------
 
 

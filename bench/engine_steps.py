@@ -1,0 +1,377 @@
+"""The engine vs its kernels: a step of the real ``LLMEngine`` against the same step's layers alone.
+
+One device call. A true-width V4.1 model of reduced depth (bench/p_throughput.py's three layers: a
+ratio-2 index source like L2, the last KV source with the candidate pool like L20, a ratio-1 reuse
+layer like L21; plus one DSpark draft block), every layer's experts aliasing one store so bytes and
+FLOPs per layer stay real. Weights in the CUDA default layout (MXFP4 experts packed).
+
+For each case the engine is driven to the step's shape, then steps are timed end to end (host wall
+clock around ``engine.step()``, synchronised: scheduling, the forward, sampling, drafting, rollback,
+output bookkeeping). In the same run the step's layers are timed alone on a ``PagedBatch`` of the
+same shape (``bench.common.StepState`` + ``step_block``: the engine's own layer path, CUDA events,
+eager like the engine) plus the LM head on the rows that need logits. The ratio engine ÷ layers is
+what the engine adds on top of its kernels (target ≤ 1.2). The per-sequence reference path
+(``model.batched = False``) is timed on the small decode cases in the same run for the speed-up.
+
+Cases: decode of B = 16 / 64 / 256 requests × (1 + k) rows, k = 0 and 3, at ~1K context; a decode
+step of 64 requests (k = 0) on the decode worker of asymmetric P/D admitting 1 and 4 bounded prefills
+(W rows each, prefix imported from the prefill worker); colocated prefill of 32 × 1K and 2 × 16K
+prompts (one step each at a 32K-token budget).
+
+``--smoke``: the tiny config on CPU (plumbing only). Writes ``engine_steps.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from bench.common import StepState, log, record, step_block
+
+K_SPEC = 3
+
+
+def config(smoke: bool):
+    from asympd.config import tiny, v41_flash
+
+    base = tiny() if smoke else v41_flash()
+    return base.replace(
+        n_layers=3,
+        n_mtp_layers=1,
+        compress_ratios=(2, 1, 1, 0),
+        kv_source_layers=(0, 1),
+        index_source_layers=(0, 1),
+        candidate_source_layer=1,
+        engram_layer_ids=(),
+        engram_num_embeddings=(),
+        dspark_target_layer_ids=(0, 1, 2),
+        vision_n_layers=0,
+        max_seq_len=1 << 16,
+    )
+
+
+def tensors_for(cfg, device):
+    from bench.common import random_tensors
+
+    def keep(name: str) -> bool:  # layers 1.. alias layer 0's experts (same bytes, one copy)
+        return not (name.startswith("layers.") and ".ffn.experts." in name and not name.startswith("layers.0."))
+
+    t = random_tensors(cfg, keep, device)
+    for name in [n for n in t if n.startswith("layers.0.ffn.experts.")]:
+        for layer in range(1, cfg.n_layers):
+            t[name.replace("layers.0.", f"layers.{layer}.", 1)] = t[name]
+    return t
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Timed:
+    """Wall time of the engine's step and of its parts (forward, drafting), synchronised."""
+
+    def __init__(self, eng, device):
+        self.eng, self.device = eng, device
+        self.parts: dict[str, float] = {}
+        for obj, name, key in ((eng.runner, "execute", "forward_ms"), (eng, "_draft", "draft_ms")):
+            setattr(obj, name, self._wrap(getattr(obj, name), key))
+
+    def _wrap(self, fn, key):
+        def inner(*a, **k):
+            sync(self.device)
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            sync(self.device)
+            self.parts[key] = self.parts.get(key, 0.0) + (time.perf_counter() - t) * 1e3
+            return out
+
+        return inner
+
+    def step(self) -> dict[str, float]:
+        self.parts = {}
+        sync(self.device)
+        t = time.perf_counter()
+        self.eng.step()
+        sync(self.device)
+        return {"step_ms": (time.perf_counter() - t) * 1e3, **self.parts}
+
+    def close(self) -> None:
+        self.eng.runner.__dict__.pop("execute", None)
+        self.eng.__dict__.pop("_draft", None)
+
+
+def median_parts(rows: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({k for r in rows for k in r})
+    return {k: round(statistics.median(r.get(k, 0.0) for r in rows), 3) for k in keys}
+
+
+def time_layers(model, specs, logit_rows: int, device, reps: int) -> dict[str, Any]:
+    """The step's layers alone: each layer over a PagedBatch of the same shape, plus the head."""
+    from asympd.model.ops import lm_head
+
+    cfg = model.cfg
+    g = torch.Generator(device=device).manual_seed(3)
+    state = StepState(cfg, specs, model.dtype, device, g)
+    h = torch.randn(state.rows, cfg.hc_mult, cfg.dim, generator=g, device=device).to(model.dtype)
+    pre = torch.softmax(torch.randn(state.rows, cfg.hc_mult, generator=g, device=device), -1)
+    x = torch.randn(logit_rows, cfg.dim, generator=g, device=device).to(model.dtype)
+
+    def timed(fn) -> float:
+        for _ in range(2):
+            fn()
+        out = []
+        for _ in range(reps):
+            sync(device)
+            t = time.perf_counter()
+            if device.type == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                out.append(a.elapsed_time(b))
+            else:
+                fn()
+                out.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(out)
+
+    per_layer = []
+    with torch.inference_mode():
+        for layer in range(cfg.n_layers):
+            block = model.blocks[layer]
+            per_layer.append(timed(lambda b=block: step_block(b, h, pre, state)))
+        head = timed(lambda: lm_head(x, model.head)) if logit_rows else 0.0
+    total = sum(per_layer) + head
+    out = {"layers_ms": [round(t, 3) for t in per_layer], "head_ms": round(head, 3), "sum_ms": round(total, 3)}
+    if device.type == "cuda" and state.rows <= 4096:
+        # the same layers back to back, eager and as one CUDA-graph replay: what graphs would take off
+        from bench.common import time_cuda
+
+        def stack():
+            x, p = h, pre
+            for layer in range(cfg.n_layers):
+                x, p = step_block(model.blocks[layer], x, p, state)
+            return x
+
+        with torch.inference_mode():
+            eager = time_cuda(stack, iters=reps)
+            graph = time_cuda(stack, iters=reps, graph=True)
+        out.update(stack_eager_ms=round(eager["ms"], 3), stack_graph_ms=round(graph["ms"], 3), graph_mode=graph["mode"])
+        if "graph_error" in graph:
+            out["graph_error"] = graph["graph_error"]
+    return out
+
+
+def decode_case(model, cfg, device, b: int, k: int, ctx: int, steps: int, batched: bool = True) -> dict[str, Any]:
+    from asympd.engine.engine import EngineConfig, LLMEngine
+    from asympd.engine.sampling import SamplingParams
+    from asympd.engine.scheduler import SchedulerConfig
+
+    model.batched = batched
+    sc = SchedulerConfig(max_num_seqs=b, max_num_batched_tokens=max(b * (1 + k), 32768))
+    kv_bytes = int(b * (ctx + 64 + steps * (k + 1)) * 3500 * 1.3) + (64 << 20)
+    eng = LLMEngine(model, EngineConfig(num_spec_tokens=k, kv_cache_bytes=kv_bytes, scheduler=sc))
+    eng.config.enable_prefix_caching = False
+    gen = torch.Generator().manual_seed(b * 10 + k)
+    params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+    for i in range(b):
+        eng.add_request(f"d{i}", torch.randint(3, cfg.vocab_size, (ctx,), generator=gen).tolist(), params)
+    t = Timed(eng, device)
+    guard = 0
+    while any(r.in_prompt for r in eng.requests.values()) or not all(r.output_token_ids for r in eng.requests.values()):
+        t.step()
+        guard += 1
+        assert guard < 1000
+    for _ in range(2):  # first decode steps (drafting starts)
+        t.step()
+    rows = [t.step() for _ in range(steps)]
+    t.close()
+    out = {"case": f"decode B={b} k={k}", "requests": b, "rows": b * (1 + k), "context": ctx, "batched": batched}
+    out.update(median_parts(rows))
+    out["step_ms_all"] = [round(r["step_ms"], 2) for r in rows]
+    del eng
+    gc.collect()
+    return out
+
+
+def admission_case(models, cfg, device, b: int, admit: int, ctx: int, prompt: int, reps: int) -> dict[str, Any]:
+    """D (asymmetric, k = 0) decoding ``b`` requests, then a step that also admits ``admit`` requests
+    whose prefix P computed: their bounded prefill of W rows runs in that step."""
+    from asympd.engine.engine import EngineConfig, LLMEngine
+    from asympd.engine.sampling import SamplingParams
+    from asympd.engine.scheduler import SchedulerConfig
+    from asympd.transfer.prefix_state import PrefixState
+
+    p_model, d_model = models
+    sc = SchedulerConfig(max_num_seqs=b + admit * reps + 4, max_num_batched_tokens=32768)
+    per_tok = 3500 * 1.3
+    kv = int((b * (ctx + 64) + admit * reps * (prompt + 64)) * per_tok) + (64 << 20)
+    d = LLMEngine(d_model, EngineConfig(role="decode", mode="asymmetric", kv_cache_bytes=kv, scheduler=sc))
+    p = LLMEngine(
+        p_model,
+        EngineConfig(
+            role="prefill",
+            mode="asymmetric",
+            kv_cache_bytes=int(prompt * per_tok * 2) + (64 << 20),
+            scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32768),
+        ),
+    )
+    d.config.enable_prefix_caching = p.config.enable_prefix_caching = False
+    gen = torch.Generator().manual_seed(77 + admit)
+    params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+
+    def exported(rid: str, n: int) -> tuple[list[int], PrefixState]:
+        ids = torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist()
+        p.add_request(rid, ids, params)
+        while True:
+            for o in p.step():
+                if o.finished:
+                    state = o.prefix_state
+                    p.release_transfer(rid)
+                    return ids, PrefixState.deserialize(state.serialize())
+
+    for i in range(b):
+        ids, st = exported(f"base{i}", ctx)
+        d.add_request(f"base{i}", ids, params, prefix_state=st)
+    t = Timed(d, device)
+    while not all(r.output_token_ids for r in d.requests.values()):
+        t.step()
+    t.step()
+    plain, admitting = [], []
+    for r in range(reps):
+        staged = [exported(f"new{r}.{j}", prompt) for j in range(admit)]
+        plain.append(t.step())
+        for j, (ids, st) in enumerate(staged):
+            d.add_request(f"new{r}.{j}", ids, params, prefix_state=st)
+        admitting.append(t.step())
+    t.close()
+    out = {
+        "case": f"decode B={b} + {admit} bounded prefills",
+        "requests": b,
+        "admitted": admit,
+        "rows": b + admit * cfg.window_size,
+        "context": ctx,
+        "prompt": prompt,
+    }
+    out.update(median_parts(admitting))
+    out["decode_only_step_ms"] = median_parts(plain)["step_ms"]
+    gc.collect()
+    return out
+
+
+def prefill_case(model, cfg, device, count: int, n: int, reps: int) -> dict[str, Any]:
+    from asympd.engine.engine import EngineConfig, LLMEngine
+    from asympd.engine.sampling import SamplingParams
+    from asympd.engine.scheduler import SchedulerConfig
+
+    sc = SchedulerConfig(max_num_seqs=count, max_num_batched_tokens=count * n)
+    eng = LLMEngine(model, EngineConfig(kv_cache_bytes=int(count * (n + 64) * 3500 * 1.3) + (64 << 20), scheduler=sc))
+    eng.config.enable_prefix_caching = False
+    gen = torch.Generator().manual_seed(n + count)
+    t = Timed(eng, device)
+    rows = []
+    for r in range(reps + 1):
+        for i in range(count):
+            ids = torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist()
+            eng.add_request(f"p{r}.{i}", ids, SamplingParams(max_tokens=1, temperature=0))
+        res = t.step()  # the whole batch of prompts in one step (and their first tokens)
+        while eng.has_unfinished_requests():
+            eng.step()
+        if r:  # the first is warm-up
+            rows.append(res)
+    t.close()
+    out = {"case": f"prefill {count} x {n}", "requests": count, "rows": count * n}
+    out.update(median_parts(rows))
+    out["tokens_per_s"] = round(count * n / (out["step_ms"] / 1e3))
+    del eng
+    gc.collect()
+    return out
+
+
+def main() -> None:
+    from asympd.model.loader import build_model
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="tiny config on CPU: plumbing only")
+    args = ap.parse_args()
+    started = time.time()
+    smoke = args.smoke
+    device = torch.device("cpu" if smoke else "cuda")
+    dtype = torch.float32 if smoke else torch.bfloat16
+    cfg = config(smoke)
+    w = cfg.window_size
+    t0 = time.time()
+    tensors = tensors_for(cfg, device)
+    full = build_model(cfg, tensors, "full", dtype=dtype, device=device)
+    res: dict[str, Any] = {
+        "config": "reduced 3 layers + 1 DSpark block at V4.1 widths" if not smoke else "tiny (smoke)",
+        "layers": {"0": "ratio-2 index source", "1": "last KV source, candidate pool", "2": "ratio-1 reuse"},
+        "build_s": round(time.time() - t0, 1),
+        "cases": [],
+    }
+    ctx = 96 if smoke else 1024
+    steps = 3 if smoke else 8
+    decode_b = [2, 4] if smoke else [16, 64, 256]
+
+    def add(case: dict[str, Any], specs, logit_rows: int) -> None:
+        iso = time_layers(full, specs, logit_rows, device, reps=3 if smoke else 10)
+        case.update(iso)
+        case["engine_over_layers"] = round(case["step_ms"] / iso["sum_ms"], 3)
+        case["forward_over_layers"] = round(case.get("forward_ms", 0.0) / iso["sum_ms"], 3)
+        res["cases"].append(case)
+        log({k: v for k, v in case.items() if k not in ("step_ms_all",)})
+
+    for k in (0, K_SPEC):
+        for b in decode_b:
+            case = decode_case(full, cfg, device, b, k, ctx, steps)
+            start = ctx + 2  # about where the timed steps run
+            add(case, [dict(n=b, q=1 + k, start=start)], b * (1 + k))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    # the per-sequence path it replaced, same run (small batches: it is slow)
+    for b in decode_b[:2]:
+        ref = decode_case(full, cfg, device, b, 0, ctx, 3, batched=False)
+        new = next(c for c in res["cases"] if c["case"] == f"decode B={b} k=0")
+        res.setdefault("per_sequence_path", []).append(
+            {
+                "case": ref["case"],
+                "step_ms": ref["step_ms"],
+                "batched_step_ms": new["step_ms"],
+                "speedup": round(ref["step_ms"] / new["step_ms"], 2),
+            }
+        )
+        log(res["per_sequence_path"][-1])
+    full.batched = True
+    # the decode worker admitting bounded prefills (its prefix from the prefill worker)
+    p_model = build_model(cfg, tensors, "prefill", dtype=dtype, device=device)
+    d_model = build_model(cfg, tensors, "decode", dtype=dtype, device=device)
+    prompt = 3 * w if smoke else 4096
+    b = 4 if smoke else 64
+    for admit in (1, 4):
+        case = admission_case((p_model, d_model), cfg, device, b, admit, ctx, prompt, reps=2 if smoke else 4)
+        specs = [
+            dict(n=b, q=1, start=ctx + 3),
+            dict(n=admit, q=w, start=prompt - w, floor=prompt - w, encoder_floor=prompt - w),
+        ]
+        add(case, specs, b + admit)
+    del p_model, d_model
+    gc.collect()
+    # colocated prefill, one step per batch of prompts
+    for count, n in ((4, 48), (2, 100)) if smoke else ((32, 1024), (2, 16384)):
+        case = prefill_case(full, cfg, device, count, n, reps=1 if smoke else 2)
+        add(case, [dict(n=count, q=n, start=0)], count)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if device.type == "cuda":
+        res["max_allocated_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+    record("engine_steps_smoke" if smoke else "engine_steps", res, started)
+
+
+if __name__ == "__main__":
+    main()

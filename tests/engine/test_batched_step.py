@@ -1,0 +1,116 @@
+"""The batched step (every layer once over all of a step's sequences, straight from the paged cache:
+kv/batch.py) against the per-sequence reference path it replaced, on the same workloads: the same
+tokens and logprobs, and the same cache bytes and host bookkeeping afterwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asympd import LLM, SamplingParams
+from asympd.engine.scheduler import SchedulerConfig
+from asympd.kv.batch import BatchSegment, PagedBatch, find_positions
+from asympd.kv.paged_cache import PagedKVCache
+from asympd.kv.spec import KVCacheSpec
+from tests.util import random_prompts
+
+LENGTHS = [3, 17, 40, 61, 100]  # tiny: window 16, ratios 2 and 1; a 24-row budget chunks the long ones
+
+
+def _engines(llm: LLM) -> list:
+    return [e for e in (llm.prefill, llm.engine) if e is not None]
+
+
+def _run(ckpt: str, mode: str, batched: bool, spec: int) -> tuple[list, list[dict[str, torch.Tensor]]]:
+    sem = "split" if mode == "colocated" else "full"
+    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24)
+    llm = LLM(ckpt, mode, sem, scheduler=sched, num_spec_tokens=spec)
+    for e in _engines(llm):
+        e.runner.model.batched = batched
+    params = [SamplingParams(max_tokens=10, temperature=0, logprobs=2) for _ in LENGTHS]
+    params[1] = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, logprobs=1)
+    outs = llm.generate(prompt_token_ids=random_prompts(LENGTHS, seed=3), sampling_params=params)
+    result = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    caches = []
+    for e in _engines(llm):
+        c = e.runner.cache
+        state = {f"pool.{k}": v.clone() for k, v in c.pools.items()}
+        for layer, rows in {**{f"swa.{k}": v for k, v in c.windows.items()}, **c.pairs}.items():
+            state[f"{layer}.length"] = torch.from_numpy(rows.length.copy())
+            state[f"{layer}.last"] = torch.from_numpy(rows.last.copy())
+            live = rows.pos >= 0  # rows past a slot's length are free space, whatever they hold
+            state[f"{layer}.pos"] = rows.pos.clone()
+            for i, b in enumerate(rows.bufs[:-1]):
+                state[f"{layer}.buf{i}"] = b * live.unsqueeze(-1)
+        caches.append(state)
+    return result, caches
+
+
+@pytest.mark.parametrize(("mode", "spec"), [("colocated", 2), ("asymmetric", 2), ("symmetric", 0)])
+def test_batched_step_equals_the_per_sequence_path(tiny_ckpt, mode, spec):
+    """Mixed steps (chunked prefills beside decodes, speculative verify rows and their rollback, a
+    seeded sampled request): tokens, logprobs and every cache byte match the reference path."""
+    want_out, want_cache = _run(tiny_ckpt, mode, batched=False, spec=spec)
+    got_out, got_cache = _run(tiny_ckpt, mode, batched=True, spec=spec)
+    assert got_out == want_out
+    for want, got in zip(want_cache, got_cache, strict=True):
+        assert want.keys() == got.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+
+
+def test_find_positions_searches_across_a_gap():
+    """An imported prefix can leave a gap in a slot's positions: the lookup searches, never assumes
+    position - first."""
+    stored = torch.tensor([[3, 4, 5, 9, 10, -1, -1]])
+    idx, found = find_positions(stored, torch.tensor([[4, 9, 10, 6, 11, -1]]))
+    assert idx[found].tolist() == [1, 3, 4]
+    assert found.tolist() == [[True, True, True, False, False, False]]
+
+
+def test_paged_batch_lays_out_rows_and_rejects_an_empty_step(tiny_ckpt):
+    from asympd.config import tiny
+
+    cfg = tiny()
+    cache = PagedKVCache(KVCacheSpec.from_config(cfg, 16, spec_slack=2), 8, 4)
+    batch = PagedBatch(cache, [BatchSegment([1], 2, 5, 3), BatchSegment([0, 4], 0, 30, 2, floor=14)])
+    assert batch.positions.tolist() == [5, 6, 7, 30, 31]
+    assert batch.row_seg.tolist() == [0, 0, 0, 1, 1]
+    assert batch.block_table.tolist() == [[1, 0], [0, 4]]
+    view = batch.rows_view(1, 2, decoder=True)
+    assert (view.r0, view.num_rows) == (3, 2)
+    assert view.seg("floor").tolist() == [14]
+    assert view.seg("lo").tolist() == [0]
+    with pytest.raises(ValueError, match="at least one segment"):
+        PagedBatch(cache, [])
+
+
+def test_truncating_many_slots_at_once_equals_one_by_one(tiny_ckpt):
+    """The speculative rollback of a whole step is one call (one host sync)."""
+    from asympd.config import tiny
+
+    cfg = tiny()
+    spec = KVCacheSpec.from_config(cfg, 16, spec_slack=3)
+
+    def filled() -> PagedKVCache:
+        cache = PagedKVCache(spec, 8, 3)
+        for slot, n in ((0, 20), (1, 7), (2, 12)):
+            view = cache.view(slot, [slot], slot)
+            pos = torch.arange(n)
+            for layer in cache.windows:
+                view.append_window(layer, pos, torch.randn(n, cfg.head_dim, generator=torch.Generator().manual_seed(n)))
+            for layer in cache.pairs:
+                view.append_pending(layer, pos, torch.ones(n, cfg.head_dim), torch.ones(n, cfg.head_dim))
+        return cache
+
+    a, b = filled(), filled()
+    cuts = [(0, 18), (2, 11), (1, 7)]
+    a.truncate(cuts)
+    for slot, n in cuts:
+        b.view(slot, [slot], slot).truncate(n)
+    assert torch.equal(a.window_pos, b.window_pos)
+    for la, lb in zip([*a.windows.values(), *a.pairs.values()], [*b.windows.values(), *b.pairs.values()], strict=True):
+        assert la.length.tolist() == lb.length.tolist() and la.last.tolist() == lb.last.tolist()
+        assert torch.equal(la.pos, lb.pos)
+    assert a.windows[0].length.tolist() == [17, 7, 11]  # slot 0 held positions 1..19 (capacity 19)
+    assert a.windows[0].last.tolist() == [17, 6, 10]

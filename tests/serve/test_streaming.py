@@ -1,0 +1,111 @@
+"""``asympd serve --role prefill --stream-prefix`` through real processes: P answers the router at
+once and pushes the prefix by chunk while it computes, D imports each slice as it arrives. The tokens
+equal those of a P that hands the state over whole (same decode worker), for completions, SSE and
+chat; D reports the slices; a stream that cannot be read fails D's request with the reason and
+leaves no block held anywhere."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from asympd.serve.procs import stop_all
+from tests.serve.cluster import INTERNAL, router_proc, start_all, stream, wait_idle, wait_router, worker
+from tests.util import random_prompts
+
+W, CHUNK = 16, 16  # the tiny preset's window; P's prefill chunk (--max-num-batched-tokens)
+# N <= W (the router skips P), split 1 (one slice), 29 (odd: the open pair), 74 and 184 (many slices)
+LENGTHS = [5, W + 1, 45, 90, 200]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_ckpt, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("stream-logs")
+    chunk = ["--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "4"]
+    p_stream = worker("p-stream", tiny_ckpt, "prefill", "asymmetric", logs, "--stream-prefix", *chunk)
+    p_whole = worker("p-whole", tiny_ckpt, "prefill", "asymmetric", logs, *chunk)
+    d = worker("d", tiny_ckpt, "decode", "asymmetric", logs)
+    procs = [p_stream, p_whole, d]
+    try:
+        ups, upw, ud = start_all(procs)
+        routers = [router_proc(f"router-{n}", [u], [ud], logs) for n, u in (("stream", ups), ("whole", upw))]
+        procs += routers
+        rs, rw = start_all(routers)
+        wait_router(rs)
+        wait_router(rw)
+        yield {"stream": rs, "whole": rw, "p_stream": ups, "p_whole": upw, "decode": ud}
+    finally:
+        stop_all(procs)
+
+
+def test_streamed_tokens_equal_whole_handover(cluster):
+    for ids in random_prompts(LENGTHS, seed=43):
+        body = {"prompt": ids, "max_tokens": 5, "temperature": 0, "return_token_ids": True}
+        got = {k: httpx.post(f"{cluster[k]}/v1/completions", json=body, timeout=60).json() for k in ("stream", "whole")}
+        s, w = got["stream"], got["whole"]
+        assert s["choices"][0]["token_ids"] == w["choices"][0]["token_ids"], len(ids)
+        assert len(s["choices"][0]["token_ids"]) == 5
+        t = s["asympd_timings"]
+        if len(ids) <= W:
+            assert t["prefill_path"] == "local"
+            continue
+        split = len(ids) - W
+        assert t["prefill_path"] == "remote-stream"
+        assert t["stream_slices"] == -(-split // CHUNK)  # one slice per prefill chunk
+        # the same packed global KV crossed, in slices (each with its own header and open pair)
+        assert t["transfer_bytes"] >= w["asympd_timings"]["transfer_bytes"] - 8 * len(ids)
+        if split >= 8 * CHUNK:  # P answered the router before computing, D pulled while P computed
+            assert t["prefill_rtt_s"] < t["transfer_s"], t
+    wait_idle([cluster["p_stream"], cluster["decode"]])
+
+
+def test_streamed_sse_and_chat_equal_whole(cluster):
+    ids = random_prompts([120], seed=44)[0]
+    body = {"prompt": ids, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    with httpx.Client(timeout=60) as c:
+        s, w = (stream(c, f"{cluster[k]}/v1/completions", body) for k in ("stream", "whole"))
+        assert s["token_ids"] == w["token_ids"] and len(s["token_ids"]) == 6 and s["done"]
+        assert s["timings"]["prefill_path"] == "remote-stream"
+        chat = {"messages": [{"role": "user", "content": "stream the prefix " * 12}], "max_tokens": 4}
+        chat["temperature"] = 0
+        a, b = (c.post(f"{cluster[k]}/v1/chat/completions", json=chat).json() for k in ("stream", "whole"))
+        assert a["choices"][0]["message"] == b["choices"][0]["message"]
+    wait_idle([cluster["p_stream"], cluster["decode"]])
+
+
+def test_a_stream_that_cannot_be_read_fails_with_the_reason(cluster):
+    """D given a streamed transfer P never opened: the request fails with the reason, nothing held."""
+    ids = random_prompts([60], seed=45)[0]
+    r = httpx.post(
+        f"{cluster['p_stream']}/v1/completions",
+        json={"prompt": ids, "max_tokens": 2, "kv_transfer_params": {"do_remote_decode": True}},
+        headers=INTERNAL,
+        timeout=30,
+    )
+    kv = r.json()["kv_transfer_params"]
+    assert kv["stream"] is True and kv["split"] == 60 - W
+    bogus = {**kv, "transfer_id": "xfer-" + "0" * 32}
+    r = httpx.post(
+        f"{cluster['decode']}/v1/completions",
+        json={"prompt": ids, "max_tokens": 2, "kv_transfer_params": bogus},
+        headers=INTERNAL,
+        timeout=30,
+    )
+    assert r.status_code == 500
+    assert "the streamed prefix from the prefill worker failed" in r.json()["error"]["message"]
+    assert "unknown streamed transfer id" in r.json()["error"]["message"]
+    r = httpx.post(  # the real stream, twice: the second is a replay
+        f"{cluster['decode']}/v1/completions",
+        json={"prompt": ids, "max_tokens": 2, "kv_transfer_params": kv},
+        headers=INTERNAL,
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    r = httpx.post(
+        f"{cluster['decode']}/v1/completions",
+        json={"prompt": ids, "max_tokens": 2, "kv_transfer_params": kv},
+        headers=INTERNAL,
+        timeout=30,
+    )
+    assert r.status_code == 400 and "already used" in r.json()["error"]["message"]
+    wait_idle([cluster["p_stream"], cluster["decode"]])
