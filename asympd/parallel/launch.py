@@ -65,6 +65,7 @@ class RankSpec:
     device: str = "cpu"  # "cpu", or "cuda": rank r then uses cuda:r of this host
     dtype: str = "float32"
     threads: int | None = None  # torch intra-op threads per rank (None: rank 0's count)
+    weights: str = "auto"  # the loader's weight layout (asympd.model.loader.LAYOUTS)
 
 
 def backend_for(device: str) -> str:

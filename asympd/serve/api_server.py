@@ -90,13 +90,13 @@ class WorkerServer:
         model_role = modes.model_role(cfg.role, cfg.mode)
         self.ep = None  # expert parallel: ranks 1..ep-1 load while this process does (asympd.parallel)
         if cfg.ep > 1:
-            self.ep = launch_ep(model_role, cfg.checkpoint, cfg.ep, cfg.device, cfg.dtype, cfg.threads)
-        weights = cfg.weights if cfg.ep == 1 else "reference"  # EP shards the reference MoE's stacked experts
-        model = load_model(cfg.checkpoint, model_role, cfg.device, cfg.dtype, weights)
+            self.ep = launch_ep(model_role, cfg.checkpoint, cfg.ep, cfg.device, cfg.dtype, cfg.threads, cfg.weights)
+        ep = (0, cfg.ep) if cfg.ep > 1 else None  # rank 0 reads its own experts only
+        model = load_model(cfg.checkpoint, model_role, cfg.device, cfg.dtype, cfg.weights, ep=ep)
         cfg.engine.eos_token_id = eos_id(self.tokenizer)
         self.engine = LLMEngine(model, cfg.engine)
         if self.ep is not None:
-            self.ep.attach(self.engine)  # shards this rank's experts: resident bytes are rank 0's
+            self.ep.attach(self.engine)  # resident bytes are rank 0's
         self.resident_bytes = model.resident_bytes()
         self.model_cfg = self.engine.cfg
         self.fingerprint = self.engine.fingerprint

@@ -73,7 +73,6 @@ def test_flags_land_in_the_nested_configs():
         (["--tp", "2"], "tensor parallel"),
         (["--max-body-bytes", "10"], "max-body-bytes"),
         (["--max-num-seqs", "0"], "must be positive"),
-        (["--ep", "2", "--weights", "packed-experts"], "expert parallelism runs the reference MoE"),
     ],
 )
 def test_bad_settings_are_refused(argv, needle):
