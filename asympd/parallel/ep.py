@@ -132,7 +132,10 @@ class EPMoE(torch.nn.Module):
         # first expert of every rank, then E: searchsorted over sorted ids cuts them by owner
         self.register_buffer(
             "bounds",
-            torch.tensor([expert_range(moe.n_experts, r, world)[0] for r in range(world)] + [moe.n_experts]),
+            torch.tensor(
+                [expert_range(moe.n_experts, r, world)[0] for r in range(world)] + [moe.n_experts],
+                device=moe.gate.device,
+            ),
             persistent=False,
         )
 
@@ -159,8 +162,7 @@ class EPMoE(torch.nn.Module):
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # by expert, then (token, slot): grouped by owner
         sorted_ids = flat[order]
-        bounds = self.bounds.to(sorted_ids.device)
-        counts = torch.searchsorted(sorted_ids, bounds).diff()
+        counts = torch.searchsorted(sorted_ids, self.bounds).diff()
         payload = _pack(x[order // k], sorted_ids, weights.reshape(-1)[order])
         recv, recv_counts = exchange(payload, counts, self.group)
         rx, rids, rw = _unpack(recv, dim, x.dtype)

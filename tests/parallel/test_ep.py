@@ -20,7 +20,7 @@ from asympd.config import tiny
 from asympd.engine.llm import LLM
 from asympd.engine.sampling import SamplingParams
 from asympd.model.checkpoint import write_checkpoint
-from asympd.parallel import ParallelLLM, ep_resident_gb, expert_range
+from asympd.parallel import EPMoE, ParallelLLM, ep_resident_gb, expert_range
 from asympd.serve.api_server import ServeConfig
 from asympd.serve.procs import stop_all
 from tests.parallel.ranks import moe_rank
@@ -72,17 +72,17 @@ def test_expert_ranges_cover_every_expert_once():
 
 
 @pytest.mark.parametrize(
-    ("world", "weights", "dtypes", "n_layers"),
+    ("world", "cases"),
     [
-        (2, "dequantized", ("float32", "bfloat16"), 7),
-        (3, "dequantized", ("float32",), 7),  # 8 experts over 3 ranks: 2 + 3 + 3
-        # MXFP4 experts through the grouped GEMM (Triton's interpreter on CPU: slow, so one layer)
-        (3, "packed-experts", ("bfloat16",), 1),
+        (2, [("dequantized", ("float32", "bfloat16"), 7)]),
+        # 8 experts over 3 ranks: 2 + 3 + 3; MXFP4 experts through the grouped GEMM (Triton's
+        # interpreter on CPU: slow, so one layer)
+        (3, [("dequantized", ("float32",), 7), ("packed-experts", ("bfloat16",), 1)]),
     ],
 )
-def test_moe_is_bit_exact_over_ranks(ep_ckpt, world, weights, dtypes, n_layers):
+def test_moe_is_bit_exact_over_ranks(ep_ckpt, world, cases):
     init = f"tcp://127.0.0.1:{_free_port()}"
-    mp.spawn(moe_rank, args=(world, init, ep_ckpt, weights, dtypes, n_layers), nprocs=world, join=True)
+    mp.spawn(moe_rank, args=(world, init, ep_ckpt, cases), nprocs=world, join=True)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -121,6 +121,27 @@ def test_colocated(ep_ckpt, semantics):
     with ParallelLLM(ep_ckpt, "colocated", semantics, ep=2) as llm:
         assert _tokens(llm, prompts) == want
         _assert_caches_equal(llm)
+
+
+def test_colocated_packed_experts(ep_ckpt):
+    """The CUDA default layout (MXFP4 experts through the grouped GEMM) over 2 ranks: each rank
+    built with its own packed experts only, the tokens and caches of 1 rank."""
+    prompts = random_prompts([W + 3], seed=26)
+    params = SamplingParams(max_tokens=3, temperature=0)
+    want = _tokens(LLM(ep_ckpt, "colocated", weights="packed-experts"), prompts, params)
+    with ParallelLLM(ep_ckpt, "colocated", ep=2, weights="packed-experts") as llm:
+        moe = next(b.ffn for b in llm.engine.model.blocks if b is not None and b.ffn is not None)
+        assert isinstance(moe, EPMoE) and moe.moe.experts == "mxfp4" and moe.moe.w13.n_experts == 4
+        assert _tokens(llm, prompts, params) == want
+        _assert_caches_equal(llm)
+
+
+def test_sharding_a_model_that_holds_every_expert_is_refused(ep_ckpt):
+    from asympd.model.loader import load_model
+    from asympd.parallel import shard_moe
+
+    with pytest.raises(ValueError, match=r"owns experts \[0, 4\) but the MoE holds \[0, 8\)"):
+        shard_moe(load_model(ep_ckpt, "full"), 0, 2)
 
 
 def _exported(llm: LLM, prompts: list[list[int]]) -> dict[str, object]:
