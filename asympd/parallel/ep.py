@@ -157,7 +157,11 @@ class EPMoE(torch.nn.Module):
         """The layer for this rank's own tokens ``x`` (steps 2-5 above): every rank calls it at
         once, each with its own tokens. Returns ``[len(x), dim]`` in x's dtype."""
         m, dim = self.moe, x.size(-1)
-        weights, ids = m.route(x)
+        if x.size(0):
+            weights, ids = m.route(x)
+        else:  # fewer rows than ranks: this rank only serves its experts (no empty kernel launches)
+            ids = torch.empty(0, m.topk, dtype=torch.long, device=x.device)
+            weights = torch.empty(0, m.topk, dtype=torch.float32, device=x.device)
         t, k = ids.shape
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # by expert, then (token, slot): grouped by owner
@@ -171,7 +175,7 @@ class EPMoE(torch.nn.Module):
         slots = torch.empty_like(back)
         slots[order] = back
         y = combine_slots(slots.view(t, k, dim), ids)
-        return (y + m.shared(x)).to(x.dtype)
+        return (y + m.shared(x)).to(x.dtype) if t else y.to(x.dtype)
 
     def gather(self, y: torch.Tensor, t: int) -> torch.Tensor:
         """Every rank's ``local`` rows -> all ``t`` rows on every rank (shares padded to one size)."""

@@ -1,5 +1,6 @@
-"""Expert parallelism on CPU: 2 gloo ranks give the bits of 1 rank (MoE, P, D, colocated), every
-rank's KV cache stays identical, and ``asympd serve --ep 2`` serves and stops cleanly.
+"""Expert parallelism on CPU: 2 or 3 gloo ranks, each reading only its own experts and exchanging
+tokens by all-to-all, give the bits of 1 rank (MoE, P, D, colocated; dequantized and packed MXFP4
+experts), every rank's KV cache stays identical, and ``asympd serve --ep 2`` serves and stops cleanly.
 
 The checkpoint routes each token to 3 experts (the tiny preset routes to 2): with two experts the
 sum is the same in either order, with three only the reference's ascending-expert order gives the
@@ -21,6 +22,7 @@ from asympd.engine.llm import LLM
 from asympd.engine.sampling import SamplingParams
 from asympd.model.checkpoint import write_checkpoint
 from asympd.parallel import EPMoE, ParallelLLM, ep_resident_gb, expert_range
+from asympd.parallel.ep import wire_bytes
 from asympd.serve.api_server import ServeConfig
 from asympd.serve.procs import stop_all
 from tests.parallel.ranks import moe_rank
@@ -203,6 +205,15 @@ def test_closed_executor_refuses_work(ep_ckpt):
     assert not any(os.path.exists(f"/proc/{p}") for p in pids)
     with pytest.raises(RuntimeError, match="closed"):
         _tokens(llm, [[5, 6, 7]])
+
+
+def test_wire_bytes_per_token_at_v41_widths():
+    """The figures docs/parallel.md tabulates: bytes one rank sends per token of the step."""
+    assert wire_bytes(5120, 6, 1, 2, "allreduce") == 122880
+    assert round(wire_bytes(5120, 6, 1, 2, "alltoall")) == 35852  # 3.4x fewer
+    assert round(wire_bytes(5120, 6, 1, 8, "alltoall")) == 22405
+    with pytest.raises(ValueError, match="comm must be one of alltoall, allreduce"):
+        wire_bytes(5120, 6, 1, 2, "broadcast")
 
 
 def test_tp_is_refused():
