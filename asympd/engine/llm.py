@@ -109,7 +109,9 @@ class LLM:
         self.slices: dict[str, list[tuple[int, int]]] = {}  # streamed request -> [start, split) of each slice
         self._secret = secrets.token_bytes(32)  # seals the prefix states this process hands itself
 
-    def _load_model(self, engine_role: str, checkpoint: str | Path, role: str, device: str, dtype, weights: str):
+    def _load_model(
+        self, engine_role: str, checkpoint: str | Path, role: str, device: str, dtype: torch.dtype, weights: str
+    ):
         """The model of the ``engine_role`` engine (``ParallelLLM`` loads its sharded engine's share)."""
         return load_model(checkpoint, role, device, dtype, weights)
 

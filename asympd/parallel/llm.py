@@ -62,7 +62,9 @@ class ParallelLLM(LLM):
             self.executor.close()
             raise
 
-    def _load_model(self, engine_role: str, checkpoint: str | Path, role: str, device: str, dtype, weights: str):
+    def _load_model(
+        self, engine_role: str, checkpoint: str | Path, role: str, device: str, dtype: torch.dtype, weights: str
+    ):
         """Rank 0's share of the sharded engine's model (its experts only); the other engine whole."""
         ep = (0, self.ep) if self.ep > 1 and engine_role == self.sharded_engine else None
         return load_model(checkpoint, role, device, dtype, weights, ep=ep)
