@@ -66,7 +66,7 @@ class RankSpec:
     dtype: str = "float32"
     threads: int | None = None  # torch intra-op threads per rank (None: rank 0's count)
     parallel: str = "ep"  # ep: experts sharded, rank 0's steps replayed; cp: P's prefix split (cp_engine.py)
-    weights: str = "reference"  # the weight layout (EP shards the reference MoE's stacked experts)
+    weights: str = "auto"  # the loader's weight layout (asympd.model.loader.LAYOUTS)
 
 
 def backend_for(device: str) -> str:
