@@ -55,7 +55,8 @@ def launch_ep(
     """Start ranks 1..ep-1 of a worker whose model has role ``engine_role`` (they load while the
     caller builds its own model, ``load_model(..., ep=(0, ep))``, and engine); then
     ``executor.attach(engine)``."""
-    return DistributedExecutor(RankGroup(ep, RankSpec(checkpoint, engine_role, device, dtype, threads, weights)))
+    spec = RankSpec(checkpoint, engine_role, device, dtype, threads, weights=weights)
+    return DistributedExecutor(RankGroup(ep, spec))
 
 
 def __getattr__(name: str):  # ParallelLLM pulls in the engine; import it on first use

@@ -68,6 +68,10 @@ class RankSpec:
     parallel: str = "ep"  # ep: experts sharded, rank 0's steps replayed; cp: P's prefix split (cp_engine.py)
     weights: str = "auto"  # the loader's weight layout (asympd.model.loader.LAYOUTS)
 
+    def __post_init__(self) -> None:
+        if self.parallel not in ("ep", "cp"):
+            raise ValueError(f"parallel must be 'ep' or 'cp', got {self.parallel!r}")
+
 
 def backend_for(device: str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
