@@ -189,3 +189,55 @@ def test_sparse_attention_paged_matches_reference(round_probs):
     assert float((got - want).norm() / want.norm()) < tol
     assert torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max()))
     assert torch.equal(got[6], torch.zeros(h, d))
+
+
+def test_indexer_on_the_tiny_checkpoint(tiny_ckpt, monkeypatch):
+    """Every index layer of a tiny-checkpoint prefill and decode step (fp32, paged KV through a
+    shuffled block table): the kernel selects exactly what ``Attention._select`` does, the candidate
+    source's pool included; re-index layers get the reference's candidates."""
+    from asympd.kv import KVCacheSpec, PagedKVCache
+    from asympd.model.attention import Attention, rotations
+    from asympd.model.loader import load_model
+    from asympd.model.ops import apply_rope
+    from asympd.model.transformer import Chunk
+
+    model = load_model(tiny_ckpt, "full", dtype=torch.float32)
+    cfg = model.cfg
+    spec = KVCacheSpec.from_config(cfg, block_size=8, spec_slack=0, dtype=torch.float32)
+    cache = PagedKVCache(spec, num_blocks=16, max_seqs=1)
+    table = [11, 3, 14, 0, 7, 9, 2, 5]
+    kv = cache.view("a", table, slot=0)
+    calls = []
+    original = Attention._select
+
+    def checked(self, seg, x, qr, visible, n):
+        sel = original(self, seg, x, qr, visible, n)
+        rot = rotations(self.freqs, seg.positions)
+        q = self.idx_wq_b(qr).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
+        q = fp4_qdq(apply_rope(q, rot, cfg.rope_head_dim), 32)
+        w = self.idx_weights(x) * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
+        pool = cache.pools[f"idx.{self.source}"]
+        tables = torch.tensor([table], dtype=torch.int32)
+        k = cfg.index_topk
+        want = F.pad(sel, (0, k - sel.size(1)), value=-1)
+        if self.is_candidate_source:
+            got, cand = AK.indexer_topk_candidates(
+                q, w, pool, tables, visible, k, cfg.candidate_topk_blocks, cfg.candidate_block_size
+            )
+            expanded = cand.repeat_interleave(cfg.candidate_block_size, 1)[:, :n]
+            assert torch.equal(expanded, seg.shared["candidates"][:, : expanded.size(1)])
+        elif self.uses_candidates:
+            got = AK.indexer_topk(q, w, pool, tables, visible, k, candidates=seg.shared["candidates"])
+        else:
+            got = AK.indexer_topk(q, w, pool, tables, visible, k)
+        assert torch.equal(got, want), f"layer {self.layer}"
+        calls.append((self.layer, x.size(0), n))
+        return sel
+
+    monkeypatch.setattr(Attention, "_select", checked)
+    ids = torch.randint(0, cfg.vocab_size, (41,), generator=torch.Generator().manual_seed(5))
+    model([Chunk(kv, ids[:40], 0, ids)])
+    model([Chunk(kv, ids[40:], 40, ids)])
+    layers = {layer for layer, _, _ in calls}
+    assert cfg.candidate_source_layer in layers and any(layer > cfg.candidate_source_layer for layer in layers)
+    assert (cfg.candidate_source_layer, 40, 40) in calls and (cfg.candidate_source_layer, 1, 41) in calls
