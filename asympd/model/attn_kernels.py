@@ -63,6 +63,34 @@ _EMPTY = -(2**63) + 1  # below every real key (the key of -inf is about -2**63 +
 if AVAILABLE:
 
     @triton.jit
+    def _indicator(n_dims: tl.constexpr, j: tl.constexpr):
+        """0 / 1 along the j-th innermost axis of a [2] * n_dims hypercube."""
+        return tl.reshape(tl.arange(0, 2), [1] * (n_dims - j - 1) + [2] + [1] * j)
+
+    @triton.jit
+    def _compare_swap(h, flip, i: tl.constexpr, n_dims: tl.constexpr):
+        """Order the pairs along the i-th innermost axis: ascending, descending where ``flip``.
+        Min and max over a size-2 axis (the interpreter runs those natively, unlike xor-sums)."""
+        lo = tl.min(h, axis=n_dims - 1 - i, keep_dims=True)
+        hi = tl.max(h, axis=n_dims - 1 - i, keep_dims=True)
+        return tl.where((_indicator(n_dims, i) ^ flip) != 0, hi, lo)
+
+    @triton.jit
+    def _bitonic(x, LOG_ROWS: tl.constexpr, LOG_N: tl.constexpr, DESC: tl.constexpr, MERGE_ONLY: tl.constexpr):
+        """Sort each row of x [2**LOG_ROWS, 2**LOG_N]. ``MERGE_ONLY``: the rows are already bitonic
+        (LOG_N compare-swap rounds instead of LOG_N * (LOG_N + 1) / 2)."""
+        n_dims: tl.constexpr = LOG_ROWS + LOG_N
+        h = tl.reshape(x, [2] * n_dims)
+        if not MERGE_ONLY:
+            for stage in tl.static_range(1, LOG_N):
+                flip = _indicator(n_dims, stage)  # alternate directions: bitonic runs of 2**(stage + 1)
+                for i in tl.static_range(stage):
+                    h = _compare_swap(h, flip, stage - 1 - i, n_dims)
+        for i in tl.static_range(LOG_N):
+            h = _compare_swap(h, DESC, LOG_N - 1 - i, n_dims)
+        return tl.reshape(h, x.shape)
+
+    @triton.jit
     def _score_keys(
         q,
         w,
@@ -165,6 +193,8 @@ if AVAILABLE:
         D: tl.constexpr,
         BM: tl.constexpr,
         KP: tl.constexpr,
+        LOG_BM: tl.constexpr,
+        LOG_KP: tl.constexpr,
         HAS_CAND: tl.constexpr,
         CAND_BLOCK: tl.constexpr,
         BMAX: tl.constexpr,
@@ -307,14 +337,14 @@ if AVAILABLE:
             if tl.max(tl.sum((cand > thresh[:, None]).to(tl.int32), axis=1), axis=0) > 0:
                 # best descending against the tile ascending: the elementwise max holds the KP best
                 # of both (a bitonic sequence), sorted again for the next round
-                cand = tl.sort(cand, dim=1, descending=False)
-                best = tl.sort(tl.maximum(best, cand), dim=1, descending=True)
+                cand = _bitonic(cand, LOG_BM, LOG_KP, 0, False)
+                best = _bitonic(tl.maximum(best, cand), LOG_BM, LOG_KP, 1, True)
             e0 += KP
         # the first K keys are the selection: their indices ascending, then -1
         j = tl.arange(0, KP)
         real = (best > -9223372036854775807) & (j[None, :] < K)
         idx = tl.where(real, 0x7FFFFFFF - (best & 0x7FFFFFFF), 0x7FFFFFFF)
-        idx = tl.sort(idx, dim=1, descending=False)
+        idx = _bitonic(idx, LOG_BM, LOG_KP, 0, False)
         idx = tl.where(idx == 0x7FFFFFFF, -1, idx)
         tl.store(
             out_ptr + rows.to(tl.int64)[:, None] * K + j[None, :],
@@ -453,9 +483,11 @@ def indexer_topk(
     candidates: torch.Tensor | None = None,
     candidate_block: int = 1,
     block_max: int = 0,
-    rows_per_tile: int = 4,
+    rows_per_tile: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The k best index entries per row (module docstring has the contract)."""
+    """The k best index entries per row (module docstring has the contract). ``rows_per_tile``: rows
+    of one sequence scored per program (a power of two; default 4 on CUDA, where the GEMM then
+    has 4 * H rows, and 16 under the interpreter, where fewer programs run faster)."""
     rows, n_heads, hd = q.shape
     if w.shape != (rows, n_heads):
         raise ValueError(f"w of shape {tuple(w.shape)}, expected {(rows, n_heads)}")
@@ -490,14 +522,17 @@ def indexer_topk(
     if candidates is not None:
         cand = candidates.to(device=dev, dtype=torch.uint8).contiguous()
     if rows:
-        bm = rows_per_tile
+        bm = rows_per_tile or (4 if q.is_cuda else 16)
+        if bm & (bm - 1):
+            raise ValueError(f"rows_per_tile must be a power of two, got {bm}")
         row0, count = row_tiles(seqs, tables.size(0), bm)
         _indexer_topk_kernel[(row0.numel(),)](
             q, w, key_pool, tables, seqs, row0, count, vis, cand, bmax, out,
             q.stride(0), q.stride(1), w.stride(0), key_pool.stride(0), key_pool.stride(1), tables.stride(0),
             cand.stride(0), bmax.stride(0) if block_max else 0, n_bmax, key_pool.size(1), k,
-            H=n_heads, D=hd, BM=bm, KP=kp, HAS_CAND=candidates is not None, CAND_BLOCK=candidate_block,
-            BMAX=block_max, ROUND_BF16=q.dtype == torch.bfloat16, DOT_F32=dot_f32,
+            H=n_heads, D=hd, BM=bm, KP=kp, LOG_BM=bm.bit_length() - 1, LOG_KP=kp.bit_length() - 1,
+            HAS_CAND=candidates is not None, CAND_BLOCK=candidate_block, BMAX=block_max,
+            ROUND_BF16=q.dtype == torch.bfloat16, DOT_F32=dot_f32,
             num_warps=8,
         )  # fmt: skip
     return (out, bmax) if block_max else out
@@ -514,7 +549,7 @@ def indexer_topk_candidates(
     block: int,
     *,
     row_seq: torch.Tensor | None = None,
-    rows_per_tile: int = 4,
+    rows_per_tile: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The candidate source's selection and its candidate pool as a block mask [rows, nb]: the
     ``topk_blocks`` blocks of ``block`` entries with the best entry, the newest visible block
