@@ -340,12 +340,10 @@ if AVAILABLE:
                 cand = _bitonic(cand, LOG_BM, LOG_KP, 0, False)
                 best = _bitonic(tl.maximum(best, cand), LOG_BM, LOG_KP, 1, True)
             e0 += KP
-        # the first K keys are the selection: their indices ascending, then -1
+        # the first K keys are the selection; the wrapper sorts their indices (a [rows, K] sort)
         j = tl.arange(0, KP)
         real = (best > -9223372036854775807) & (j[None, :] < K)
         idx = tl.where(real, 0x7FFFFFFF - (best & 0x7FFFFFFF), 0x7FFFFFFF)
-        idx = _bitonic(idx, LOG_BM, LOG_KP, 0, False)
-        idx = tl.where(idx == 0x7FFFFFFF, -1, idx)
         tl.store(
             out_ptr + rows.to(tl.int64)[:, None] * K + j[None, :],
             idx,
@@ -535,6 +533,8 @@ def indexer_topk(
             ROUND_BF16=q.dtype == torch.bfloat16, DOT_F32=dot_f32,
             num_warps=8,
         )  # fmt: skip
+    out = out.sort(dim=1).values
+    out.masked_fill_(out == 0x7FFFFFFF, -1)
     return (out, bmax) if block_max else out
 
 
