@@ -200,6 +200,7 @@ if AVAILABLE:
         BMAX: tl.constexpr,
         ROUND_BF16: tl.constexpr,
         DOT_F32: tl.constexpr,
+        TL_SORT: tl.constexpr,
     ):
         BN: tl.constexpr = KP // 4  # four score tiles make one merge tile of KP keys
         tile = tl.program_id(0)
@@ -337,8 +338,12 @@ if AVAILABLE:
             if tl.max(tl.sum((cand > thresh[:, None]).to(tl.int32), axis=1), axis=0) > 0:
                 # best descending against the tile ascending: the elementwise max holds the KP best
                 # of both (a bitonic sequence), sorted again for the next round
-                cand = _bitonic(cand, LOG_BM, LOG_KP, 0, False)
-                best = _bitonic(tl.maximum(best, cand), LOG_BM, LOG_KP, 1, True)
+                if TL_SORT:  # Triton's own sort (xor-sum compare-swaps, full sorts): the fallback
+                    cand = tl.sort(cand, dim=1, descending=False)
+                    best = tl.sort(tl.maximum(best, cand), dim=1, descending=True)
+                else:
+                    cand = _bitonic(cand, LOG_BM, LOG_KP, 0, False)
+                    best = _bitonic(tl.maximum(best, cand), LOG_BM, LOG_KP, 1, True)
             e0 += KP
         # the first K keys are the selection; the wrapper sorts their indices (a [rows, K] sort)
         j = tl.arange(0, KP)
@@ -482,10 +487,15 @@ def indexer_topk(
     candidate_block: int = 1,
     block_max: int = 0,
     rows_per_tile: int | None = None,
+    sort_impl: str = "bitonic",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The k best index entries per row (module docstring has the contract). ``rows_per_tile``: rows
     of one sequence scored per program (a power of two; default 4 on CUDA, where the GEMM then
-    has 4 * H rows, and 16 under the interpreter, where fewer programs run faster)."""
+    has 4 * H rows, and 16 under the interpreter, where fewer programs run faster). ``sort_impl``:
+    ``bitonic`` (this module's sort: a full sort of each merge tile, then one bitonic merge) or
+    ``triton`` (``tl.sort`` twice; same result, kept as a fallback and for comparison)."""
+    if sort_impl not in ("bitonic", "triton"):
+        raise ValueError(f"sort_impl must be 'bitonic' or 'triton', got {sort_impl!r}")
     rows, n_heads, hd = q.shape
     if w.shape != (rows, n_heads):
         raise ValueError(f"w of shape {tuple(w.shape)}, expected {(rows, n_heads)}")
@@ -530,7 +540,7 @@ def indexer_topk(
             cand.stride(0), bmax.stride(0) if block_max else 0, n_bmax, key_pool.size(1), k,
             H=n_heads, D=hd, BM=bm, KP=kp, LOG_BM=bm.bit_length() - 1, LOG_KP=kp.bit_length() - 1,
             HAS_CAND=candidates is not None, CAND_BLOCK=candidate_block, BMAX=block_max,
-            ROUND_BF16=q.dtype == torch.bfloat16, DOT_F32=dot_f32,
+            ROUND_BF16=q.dtype == torch.bfloat16, DOT_F32=dot_f32, TL_SORT=sort_impl == "triton",
             num_warps=8,
         )  # fmt: skip
     out = out.sort(dim=1).values
@@ -550,6 +560,7 @@ def indexer_topk_candidates(
     *,
     row_seq: torch.Tensor | None = None,
     rows_per_tile: int | None = None,
+    sort_impl: str = "bitonic",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The candidate source's selection and its candidate pool as a block mask [rows, nb]: the
     ``topk_blocks`` blocks of ``block`` entries with the best entry, the newest visible block
@@ -557,7 +568,16 @@ def indexer_topk_candidates(
     from asympd.model.cuda_ops import fast_topk  # radix on CUDA, the stable sort elsewhere
 
     sel, bmax = indexer_topk(
-        q, w, key_pool, block_tables, n_visible, k, row_seq=row_seq, block_max=block, rows_per_tile=rows_per_tile
+        q,
+        w,
+        key_pool,
+        block_tables,
+        n_visible,
+        k,
+        row_seq=row_seq,
+        block_max=block,
+        rows_per_tile=rows_per_tile,
+        sort_impl=sort_impl,
     )
     vis_blocks = (n_visible.to(bmax.device, torch.int64) + block - 1).div(block, rounding_mode="floor")
     if bmax.size(1) == 0:

@@ -114,6 +114,9 @@ def test_indexer_topk_ties_go_to_the_lowest_index():
     # k above the 64-wide merge tile: a full 512-wide state
     got = AK.indexer_topk(q, w, pool, tables, vis, 100)
     assert torch.equal(got, ref_select(q, w, keys, vis, 100)[0])
+    # Triton's own sort, the fallback, selects the same (two rows: it is slow in the interpreter)
+    got = AK.indexer_topk(q[:2], w[:2], pool, tables, vis[:2], k, rows_per_tile=2, sort_impl="triton")
+    assert torch.equal(got, want[:2])
 
 
 def test_candidate_source_and_reindex_layer():
