@@ -166,6 +166,54 @@ if AVAILABLE:
         )
 
     @triton.jit
+    def _merge_tile(
+        best, q, w, kpool_ptr, table_ptr, vis, cand_ptr, bmax_ptr, s_cr, s_br, n_bmax, rows, rmask, e0, n_max, s_kb,
+        s_ke, EPB, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, KP: tl.constexpr, LOG_BM: tl.constexpr,
+        LOG_KP: tl.constexpr, HAS_CAND: tl.constexpr, CAND_BLOCK: tl.constexpr, BMAX: tl.constexpr,
+        ROUND_BF16: tl.constexpr, DOT_F32: tl.constexpr, TL_SORT: tl.constexpr,
+    ):  # fmt: skip
+        """Entries e0 .. e0+KP-1 (four score tiles) merged into the running top-KP keys."""
+        BN: tl.constexpr = KP // 4
+        s0, v0 = _score_keys(
+            q, w, kpool_ptr, table_ptr, vis, cand_ptr, s_cr, rows, rmask, e0, n_max, s_kb, s_ke, EPB,
+            H, D, BM, BN, HAS_CAND, CAND_BLOCK, ROUND_BF16, DOT_F32,
+        )  # fmt: skip
+        s1, v1 = _score_keys(
+            q, w, kpool_ptr, table_ptr, vis, cand_ptr, s_cr, rows, rmask, e0 + BN, n_max, s_kb, s_ke, EPB,
+            H, D, BM, BN, HAS_CAND, CAND_BLOCK, ROUND_BF16, DOT_F32,
+        )  # fmt: skip
+        s2, v2 = _score_keys(
+            q, w, kpool_ptr, table_ptr, vis, cand_ptr, s_cr, rows, rmask, e0 + 2 * BN, n_max, s_kb, s_ke, EPB,
+            H, D, BM, BN, HAS_CAND, CAND_BLOCK, ROUND_BF16, DOT_F32,
+        )  # fmt: skip
+        s3, v3 = _score_keys(
+            q, w, kpool_ptr, table_ptr, vis, cand_ptr, s_cr, rows, rmask, e0 + 3 * BN, n_max, s_kb, s_ke, EPB,
+            H, D, BM, BN, HAS_CAND, CAND_BLOCK, ROUND_BF16, DOT_F32,
+        )  # fmt: skip
+        if BMAX > 0:  # block maxima of the candidate source, from the same scores
+            _store_block_max(s0, v0, bmax_ptr, rows, rmask, e0, s_br, n_bmax, BM, BN, BMAX)
+            _store_block_max(s1, v1, bmax_ptr, rows, rmask, e0 + BN, s_br, n_bmax, BM, BN, BMAX)
+            _store_block_max(s2, v2, bmax_ptr, rows, rmask, e0 + 2 * BN, s_br, n_bmax, BM, BN, BMAX)
+            _store_block_max(s3, v3, bmax_ptr, rows, rmask, e0 + 3 * BN, s_br, n_bmax, BM, BN, BMAX)
+        k0 = _keys_of(s0, v0, e0, BN)
+        k1 = _keys_of(s1, v1, e0 + BN, BN)
+        k2 = _keys_of(s2, v2, e0 + 2 * BN, BN)
+        k3 = _keys_of(s3, v3, e0 + 3 * BN, BN)
+        # the merge tile's order does not matter: every key carries its index
+        cand = tl.reshape(tl.join(tl.join(k0, k1), tl.join(k2, k3)), (BM, KP))
+        thresh = tl.min(best, axis=1)
+        if tl.max(tl.sum((cand > thresh[:, None]).to(tl.int32), axis=1), axis=0) > 0:
+            if TL_SORT:  # Triton's own sort (xor-sum compare-swaps, full sorts): the fallback
+                cand = tl.sort(cand, dim=1, descending=False)
+                best = tl.sort(tl.maximum(best, cand), dim=1, descending=True)
+            else:
+                # best descending against the tile ascending: the elementwise max holds the KP best
+                # of both (a bitonic sequence), so one bitonic merge sorts it
+                cand = _bitonic(cand, LOG_BM, LOG_KP, 0, False)
+                best = _bitonic(tl.maximum(best, cand), LOG_BM, LOG_KP, 1, True)
+        return best
+
+    @triton.jit
     def _indexer_topk_kernel(
         q_ptr,
         w_ptr,
@@ -201,8 +249,8 @@ if AVAILABLE:
         ROUND_BF16: tl.constexpr,
         DOT_F32: tl.constexpr,
         TL_SORT: tl.constexpr,
+        PIPELINE: tl.constexpr,
     ):
-        BN: tl.constexpr = KP // 4  # four score tiles make one merge tile of KP keys
         tile = tl.program_id(0)
         row0 = tl.load(tile_row0_ptr + tile)
         nrows = tl.load(tile_rows_ptr + tile)
@@ -225,126 +273,22 @@ if AVAILABLE:
         )
         w = tl.load(w_ptr + qrow.to(tl.int64) * s_wr + mh % H, mask=qmask, other=0.0).to(tl.float32)
         best = tl.full((BM, KP), -9223372036854775807, tl.int64)  # sorted descending
-        e0 = 0
-        while e0 < n_max:
-            s0, v0 = _score_keys(
-                q,
-                w,
-                kpool_ptr,
-                table_ptr,
-                vis,
-                cand_ptr,
-                s_cr,
-                rows,
-                rmask,
-                e0,
-                n_max,
-                s_kb,
-                s_ke,
-                EPB,
-                H,
-                D,
-                BM,
-                BN,
-                HAS_CAND,
-                CAND_BLOCK,
-                ROUND_BF16,
-                DOT_F32,
-            )
-            s1, v1 = _score_keys(
-                q,
-                w,
-                kpool_ptr,
-                table_ptr,
-                vis,
-                cand_ptr,
-                s_cr,
-                rows,
-                rmask,
-                e0 + BN,
-                n_max,
-                s_kb,
-                s_ke,
-                EPB,
-                H,
-                D,
-                BM,
-                BN,
-                HAS_CAND,
-                CAND_BLOCK,
-                ROUND_BF16,
-                DOT_F32,
-            )
-            s2, v2 = _score_keys(
-                q,
-                w,
-                kpool_ptr,
-                table_ptr,
-                vis,
-                cand_ptr,
-                s_cr,
-                rows,
-                rmask,
-                e0 + 2 * BN,
-                n_max,
-                s_kb,
-                s_ke,
-                EPB,
-                H,
-                D,
-                BM,
-                BN,
-                HAS_CAND,
-                CAND_BLOCK,
-                ROUND_BF16,
-                DOT_F32,
-            )
-            s3, v3 = _score_keys(
-                q,
-                w,
-                kpool_ptr,
-                table_ptr,
-                vis,
-                cand_ptr,
-                s_cr,
-                rows,
-                rmask,
-                e0 + 3 * BN,
-                n_max,
-                s_kb,
-                s_ke,
-                EPB,
-                H,
-                D,
-                BM,
-                BN,
-                HAS_CAND,
-                CAND_BLOCK,
-                ROUND_BF16,
-                DOT_F32,
-            )
-            if BMAX > 0:  # block maxima of the candidate source, from the same scores
-                _store_block_max(s0, v0, bmax_ptr, rows, rmask, e0, s_br, n_bmax, BM, BN, BMAX)
-                _store_block_max(s1, v1, bmax_ptr, rows, rmask, e0 + BN, s_br, n_bmax, BM, BN, BMAX)
-                _store_block_max(s2, v2, bmax_ptr, rows, rmask, e0 + 2 * BN, s_br, n_bmax, BM, BN, BMAX)
-                _store_block_max(s3, v3, bmax_ptr, rows, rmask, e0 + 3 * BN, s_br, n_bmax, BM, BN, BMAX)
-            k0 = _keys_of(s0, v0, e0, BN)
-            k1 = _keys_of(s1, v1, e0 + BN, BN)
-            k2 = _keys_of(s2, v2, e0 + 2 * BN, BN)
-            k3 = _keys_of(s3, v3, e0 + 3 * BN, BN)
-            # the merge tile's order does not matter: every key carries its index
-            cand = tl.reshape(tl.join(tl.join(k0, k1), tl.join(k2, k3)), (BM, KP))
-            thresh = tl.min(best, axis=1)
-            if tl.max(tl.sum((cand > thresh[:, None]).to(tl.int32), axis=1), axis=0) > 0:
-                # best descending against the tile ascending: the elementwise max holds the KP best
-                # of both (a bitonic sequence), sorted again for the next round
-                if TL_SORT:  # Triton's own sort (xor-sum compare-swaps, full sorts): the fallback
-                    cand = tl.sort(cand, dim=1, descending=False)
-                    best = tl.sort(tl.maximum(best, cand), dim=1, descending=True)
-                else:
-                    cand = _bitonic(cand, LOG_BM, LOG_KP, 0, False)
-                    best = _bitonic(tl.maximum(best, cand), LOG_BM, LOG_KP, 1, True)
-            e0 += KP
+        if PIPELINE:  # a counted loop, so Triton pipelines the key loads
+            for e0 in range(0, n_max, KP):
+                best = _merge_tile(
+                    best, q, w, kpool_ptr, table_ptr, vis, cand_ptr, bmax_ptr, s_cr, s_br, n_bmax, rows, rmask, e0,
+                    n_max, s_kb, s_ke, EPB, H, D, BM, KP, LOG_BM, LOG_KP, HAS_CAND, CAND_BLOCK, BMAX, ROUND_BF16,
+                    DOT_F32, TL_SORT,
+                )  # fmt: skip
+        else:  # the interpreter cannot take a tensor as a range bound
+            e0 = 0
+            while e0 < n_max:
+                best = _merge_tile(
+                    best, q, w, kpool_ptr, table_ptr, vis, cand_ptr, bmax_ptr, s_cr, s_br, n_bmax, rows, rmask, e0,
+                    n_max, s_kb, s_ke, EPB, H, D, BM, KP, LOG_BM, LOG_KP, HAS_CAND, CAND_BLOCK, BMAX, ROUND_BF16,
+                    DOT_F32, TL_SORT,
+                )  # fmt: skip
+                e0 += KP
         # the first K keys are the selection; the wrapper sorts their indices (a [rows, K] sort)
         j = tl.arange(0, KP)
         real = (best > -9223372036854775807) & (j[None, :] < K)
@@ -397,10 +341,10 @@ if AVAILABLE:
         s_or,
         s_oh,
         NH,
-        W,
-        KSEL,
         EPB,
         scale,
+        W: tl.constexpr,
+        KSEL: tl.constexpr,
         D: tl.constexpr,
         BH: tl.constexpr,
         BN: tl.constexpr,
@@ -416,17 +360,14 @@ if AVAILABLE:
         lsum = tl.zeros((BH,), tl.float32)
         acc = tl.zeros((BH, D), tl.float32)
         n = tl.arange(0, BN)
-        j0 = 0
-        while j0 < W:
+        for j0 in range(0, W, BN):  # W and KSEL are the model's: constant bounds, pipelined loads
             j = j0 + n
             wi = tl.load(widx_ptr + row * s_wir + j, mask=j < W, other=-1).to(tl.int64)
             valid = wi >= 0
             kv = tl.load(win_ptr + wi[:, None] * s_wn + d[None, :], mask=valid[:, None], other=0.0)
             m, lsum, acc = _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS, DOT_F32)
-            j0 += BN
         table_ptr = tables_ptr + tl.load(row_seq_ptr + row).to(tl.int64) * s_ts
-        j0 = 0
-        while j0 < KSEL:
+        for j0 in range(0, KSEL, BN):
             j = j0 + n
             e = tl.load(sel_ptr + row * s_sr + j, mask=j < KSEL, other=-1).to(tl.int64)
             valid = e >= 0
@@ -435,7 +376,6 @@ if AVAILABLE:
                 pool_ptr + (blk * s_pb + (e % EPB) * s_pe)[:, None] + d[None, :], mask=valid[:, None], other=0.0
             )
             m, lsum, acc = _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS, DOT_F32)
-            j0 += BN
         sink = tl.load(sink_ptr + h, mask=hmask, other=0.0).to(tl.float32)
         out = acc / (lsum + tl.exp(sink - m))[:, None]
         tl.store(
@@ -505,6 +445,11 @@ def indexer_topk(
         raise ValueError("index heads and head dim must be powers of two")
     if k <= 0:
         raise ValueError(f"k must be positive, got {k}")
+    if n_visible.shape != (rows,) or block_tables.dim() != 2:
+        raise ValueError(
+            f"n_visible {tuple(n_visible.shape)} / block_tables {tuple(block_tables.shape)}: "
+            f"expected [{rows}] / [S, blocks]"
+        )
     dev = q.device
     kp = max(64, _next_pow2(k))
     if block_max and (block_max & (block_max - 1) or block_max > kp // 4):
@@ -541,6 +486,7 @@ def indexer_topk(
             H=n_heads, D=hd, BM=bm, KP=kp, LOG_BM=bm.bit_length() - 1, LOG_KP=kp.bit_length() - 1,
             HAS_CAND=candidates is not None, CAND_BLOCK=candidate_block, BMAX=block_max,
             ROUND_BF16=q.dtype == torch.bfloat16, DOT_F32=dot_f32, TL_SORT=sort_impl == "triton",
+            PIPELINE=q.is_cuda,
             num_warps=8,
         )  # fmt: skip
     out = out.sort(dim=1).values
@@ -610,6 +556,8 @@ def sparse_attention_paged(
         )
     if window_idx.dim() != 2 or window_idx.size(0) != rows or sel.dim() != 2 or sel.size(0) != rows:
         raise ValueError(f"window_idx {tuple(window_idx.shape)} / sel {tuple(sel.shape)} for {rows} rows")
+    if window_idx.is_floating_point() or sel.is_floating_point() or block_tables.dim() != 2:
+        raise ValueError("window_idx and sel must be integer tensors and block_tables [S, blocks]")
     dev = q.device
     out = torch.empty_like(q)
     if rows == 0:
@@ -631,7 +579,7 @@ def sparse_attention_paged(
         q, window_kv, widx, sel, ckv_pool, tables, seqs, sink.float().contiguous(), out,
         q.stride(0), q.stride(1), window_kv.stride(0), widx.stride(0), sel.stride(0),
         ckv_pool.stride(0), ckv_pool.stride(1), tables.stride(0), out.stride(0), out.stride(1),
-        n_heads, widx.size(1), sel.size(1), ckv_pool.size(1), float(scale),
+        n_heads, ckv_pool.size(1), float(scale), W=widx.size(1), KSEL=sel.size(1),
         D=d, BH=block_h, BN=block_n, ROUND_PROBS=bool(round_probs), DOT_F32=dot_f32,
         num_warps=4 if d <= 128 else 8,
     )  # fmt: skip

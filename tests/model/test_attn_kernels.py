@@ -159,6 +159,22 @@ def test_indexer_bad_input():
         AK.indexer_topk(q, torch.zeros(2, 4), torch.zeros(3, 4, 16), tables, torch.tensor([1, 2]), 8)
     with pytest.raises(ValueError, match="k must be positive"):
         AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 0)
+    with pytest.raises(ValueError, match="n_visible"):
+        AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2, 3]), 8)
+    with pytest.raises(ValueError, match="rows_per_tile"):
+        AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, rows_per_tile=3)
+    with pytest.raises(ValueError, match="row_seq"):
+        AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, row_seq=torch.zeros(3))
+    qa, win = torch.zeros(2, 4, 64), torch.zeros(5, 64)
+    ckv, sink = torch.zeros(3, 4, 64), torch.zeros(4)
+    with pytest.raises(ValueError, match="for 2 rows"):
+        AK.sparse_attention_paged(qa, win, torch.zeros(3, 16), torch.zeros(2, 8), ckv, tables, sink, 0.1, False)
+    with pytest.raises(ValueError, match="integer tensors"):
+        AK.sparse_attention_paged(qa, win, torch.zeros(2, 16), torch.zeros(2, 8), ckv, tables, sink, 0.1, False)
+    with pytest.raises(ValueError, match="head_dim"):
+        AK.sparse_attention_paged(
+            qa, win, torch.zeros(2, 16), torch.zeros(2, 8), ckv[..., :32], tables, sink, 0.1, False
+        )
 
 
 @pytest.mark.parametrize("round_probs", [False, True])
