@@ -257,7 +257,7 @@ def run_cell(cell: Cell, run, ceil, res: dict[str, Any], iters: int, sweep: bool
         row["unfused"] = run(lambda r=r, kind=kind, ce=cand_e: unfused_select(cell, r, kind, ce), iters)
         configs = [{}]
         if sweep:  # the default first; Triton's sort as the fallback should the bitonic one fail
-            configs += [{"rows_per_tile": 8}, {"sort_impl": "triton"}]
+            configs += [{"rows_per_tile": 8}, {"block_n": 64}, {"sort_impl": "triton"}]
         best = None
         for kw in configs:
             try:

@@ -166,52 +166,45 @@ if AVAILABLE:
         )
 
     @triton.jit
-    def _merge_tile(
-        best, q, w, kpool_ptr, table_ptr, vis, cand_ptr, bmax_ptr, s_cr, s_br, n_bmax, rows, rmask, e0, n_max, s_kb,
-        s_ke, EPB, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, KP: tl.constexpr, LOG_BM: tl.constexpr,
-        LOG_KP: tl.constexpr, HAS_CAND: tl.constexpr, CAND_BLOCK: tl.constexpr, BMAX: tl.constexpr,
-        ROUND_BF16: tl.constexpr, DOT_F32: tl.constexpr, TL_SORT: tl.constexpr,
+    def _scan_tile(
+        best, thresh, cnt, bufp, q, w, kpool_ptr, table_ptr, vis, cand_ptr, bmax_ptr, s_cr, s_br, n_bmax, rows,
+        rmask, e0, n_max, s_kb, s_ke, EPB, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        KP: tl.constexpr, LOG_BM: tl.constexpr, LOG_KP: tl.constexpr, HAS_CAND: tl.constexpr,
+        CAND_BLOCK: tl.constexpr, BMAX: tl.constexpr, ROUND_BF16: tl.constexpr, DOT_F32: tl.constexpr,
+        TL_SORT: tl.constexpr,
     ):  # fmt: skip
-        """Entries e0 .. e0+KP-1 (four score tiles) merged into the running top-KP keys."""
-        BN: tl.constexpr = KP // 4
-        s0, v0 = _score_keys(
+        """Score entries e0 .. e0+BN-1; keys above the row's threshold join its candidate buffer
+        (KP slots in global memory, L2-resident); a buffer that would overflow, and the last one
+        (the scan runs one all-invisible tile past n_max), is merged into the running top-KP."""
+        s, v = _score_keys(
             q, w, kpool_ptr, table_ptr, vis, cand_ptr, s_cr, rows, rmask, e0, n_max, s_kb, s_ke, EPB,
             H, D, BM, BN, HAS_CAND, CAND_BLOCK, ROUND_BF16, DOT_F32,
         )  # fmt: skip
-        s1, v1 = _score_keys(
-            q, w, kpool_ptr, table_ptr, vis, cand_ptr, s_cr, rows, rmask, e0 + BN, n_max, s_kb, s_ke, EPB,
-            H, D, BM, BN, HAS_CAND, CAND_BLOCK, ROUND_BF16, DOT_F32,
-        )  # fmt: skip
-        s2, v2 = _score_keys(
-            q, w, kpool_ptr, table_ptr, vis, cand_ptr, s_cr, rows, rmask, e0 + 2 * BN, n_max, s_kb, s_ke, EPB,
-            H, D, BM, BN, HAS_CAND, CAND_BLOCK, ROUND_BF16, DOT_F32,
-        )  # fmt: skip
-        s3, v3 = _score_keys(
-            q, w, kpool_ptr, table_ptr, vis, cand_ptr, s_cr, rows, rmask, e0 + 3 * BN, n_max, s_kb, s_ke, EPB,
-            H, D, BM, BN, HAS_CAND, CAND_BLOCK, ROUND_BF16, DOT_F32,
-        )  # fmt: skip
         if BMAX > 0:  # block maxima of the candidate source, from the same scores
-            _store_block_max(s0, v0, bmax_ptr, rows, rmask, e0, s_br, n_bmax, BM, BN, BMAX)
-            _store_block_max(s1, v1, bmax_ptr, rows, rmask, e0 + BN, s_br, n_bmax, BM, BN, BMAX)
-            _store_block_max(s2, v2, bmax_ptr, rows, rmask, e0 + 2 * BN, s_br, n_bmax, BM, BN, BMAX)
-            _store_block_max(s3, v3, bmax_ptr, rows, rmask, e0 + 3 * BN, s_br, n_bmax, BM, BN, BMAX)
-        k0 = _keys_of(s0, v0, e0, BN)
-        k1 = _keys_of(s1, v1, e0 + BN, BN)
-        k2 = _keys_of(s2, v2, e0 + 2 * BN, BN)
-        k3 = _keys_of(s3, v3, e0 + 3 * BN, BN)
-        # the merge tile's order does not matter: every key carries its index
-        cand = tl.reshape(tl.join(tl.join(k0, k1), tl.join(k2, k3)), (BM, KP))
-        thresh = tl.min(best, axis=1)
-        if tl.max(tl.sum((cand > thresh[:, None]).to(tl.int32), axis=1), axis=0) > 0:
+            _store_block_max(s, v, bmax_ptr, rows, rmask, e0, s_br, n_bmax, BM, BN, BMAX)
+        keys = _keys_of(s, v, e0, BN)
+        take = keys > thresh[:, None]
+        n_take = tl.sum(take.to(tl.int32), axis=1)
+        if (tl.max(cnt + n_take, axis=0) > KP) | (e0 >= n_max):
+            tl.debug_barrier()  # the buffer's stores are visible to every thread
+            j = tl.arange(0, KP)
+            cand = tl.load(bufp + j[None, :], mask=j[None, :] < cnt[:, None], other=-9223372036854775807)
+            tl.debug_barrier()  # read before anyone refills it
             if TL_SORT:  # Triton's own sort (xor-sum compare-swaps, full sorts): the fallback
                 cand = tl.sort(cand, dim=1, descending=False)
                 best = tl.sort(tl.maximum(best, cand), dim=1, descending=True)
             else:
-                # best descending against the tile ascending: the elementwise max holds the KP best
-                # of both (a bitonic sequence), so one bitonic merge sorts it
+                # best descending against the candidates ascending: the elementwise max holds the
+                # KP best of both (a bitonic sequence), so one bitonic merge sorts it
                 cand = _bitonic(cand, LOG_BM, LOG_KP, 0, False)
                 best = _bitonic(tl.maximum(best, cand), LOG_BM, LOG_KP, 1, True)
-        return best
+            thresh = tl.min(best, axis=1)  # keys at or below it can no longer enter
+            cnt = tl.zeros_like(cnt)
+            take = keys > thresh[:, None]
+            n_take = tl.sum(take.to(tl.int32), axis=1)
+        pos = cnt[:, None] + tl.cumsum(take.to(tl.int32), axis=1) - 1
+        tl.store(bufp + pos, keys, mask=take)
+        return best, thresh, cnt + n_take
 
     @triton.jit
     def _indexer_topk_kernel(
@@ -225,6 +218,7 @@ if AVAILABLE:
         vis_ptr,
         cand_ptr,
         bmax_ptr,
+        buf_ptr,
         out_ptr,
         s_qr,
         s_qh,
@@ -240,6 +234,7 @@ if AVAILABLE:
         H: tl.constexpr,
         D: tl.constexpr,
         BM: tl.constexpr,
+        BN: tl.constexpr,
         KP: tl.constexpr,
         LOG_BM: tl.constexpr,
         LOG_KP: tl.constexpr,
@@ -273,22 +268,25 @@ if AVAILABLE:
         )
         w = tl.load(w_ptr + qrow.to(tl.int64) * s_wr + mh % H, mask=qmask, other=0.0).to(tl.float32)
         best = tl.full((BM, KP), -9223372036854775807, tl.int64)  # sorted descending
+        thresh = tl.full((BM,), -9223372036854775807, tl.int64)
+        cnt = tl.zeros((BM,), tl.int32)
+        bufp = buf_ptr + tile.to(tl.int64) * (BM * KP) + r[:, None] * KP
         if PIPELINE:  # a counted loop, so Triton pipelines the key loads
-            for e0 in range(0, n_max, KP):
-                best = _merge_tile(
-                    best, q, w, kpool_ptr, table_ptr, vis, cand_ptr, bmax_ptr, s_cr, s_br, n_bmax, rows, rmask, e0,
-                    n_max, s_kb, s_ke, EPB, H, D, BM, KP, LOG_BM, LOG_KP, HAS_CAND, CAND_BLOCK, BMAX, ROUND_BF16,
-                    DOT_F32, TL_SORT,
+            for e0 in range(0, n_max + BN, BN):
+                best, thresh, cnt = _scan_tile(
+                    best, thresh, cnt, bufp, q, w, kpool_ptr, table_ptr, vis, cand_ptr, bmax_ptr, s_cr, s_br, n_bmax,
+                    rows, rmask, e0, n_max, s_kb, s_ke, EPB, H, D, BM, BN, KP, LOG_BM, LOG_KP, HAS_CAND, CAND_BLOCK,
+                    BMAX, ROUND_BF16, DOT_F32, TL_SORT,
                 )  # fmt: skip
         else:  # the interpreter cannot take a tensor as a range bound
             e0 = 0
-            while e0 < n_max:
-                best = _merge_tile(
-                    best, q, w, kpool_ptr, table_ptr, vis, cand_ptr, bmax_ptr, s_cr, s_br, n_bmax, rows, rmask, e0,
-                    n_max, s_kb, s_ke, EPB, H, D, BM, KP, LOG_BM, LOG_KP, HAS_CAND, CAND_BLOCK, BMAX, ROUND_BF16,
-                    DOT_F32, TL_SORT,
+            while e0 < n_max + BN:
+                best, thresh, cnt = _scan_tile(
+                    best, thresh, cnt, bufp, q, w, kpool_ptr, table_ptr, vis, cand_ptr, bmax_ptr, s_cr, s_br, n_bmax,
+                    rows, rmask, e0, n_max, s_kb, s_ke, EPB, H, D, BM, BN, KP, LOG_BM, LOG_KP, HAS_CAND, CAND_BLOCK,
+                    BMAX, ROUND_BF16, DOT_F32, TL_SORT,
                 )  # fmt: skip
-                e0 += KP
+                e0 += BN
         # the first K keys are the selection; the wrapper sorts their indices (a [rows, K] sort)
         j = tl.arange(0, KP)
         real = (best > -9223372036854775807) & (j[None, :] < K)
@@ -428,12 +426,15 @@ def indexer_topk(
     block_max: int = 0,
     rows_per_tile: int | None = None,
     sort_impl: str = "bitonic",
+    block_n: int = 128,
+    num_warps: int = 8,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The k best index entries per row (module docstring has the contract). ``rows_per_tile``: rows
     of one sequence scored per program (a power of two; default 4 on CUDA, where the GEMM then
     has 4 * H rows, and 16 under the interpreter, where fewer programs run faster). ``sort_impl``:
     ``bitonic`` (this module's sort: a full sort of each merge tile, then one bitonic merge) or
-    ``triton`` (``tl.sort`` twice; same result, kept as a fallback and for comparison)."""
+    ``triton`` (``tl.sort`` twice; same result, kept as a fallback and for comparison).
+    ``block_n``: entries scored per step (the GEMM's N)."""
     if sort_impl not in ("bitonic", "triton"):
         raise ValueError(f"sort_impl must be 'bitonic' or 'triton', got {sort_impl!r}")
     rows, n_heads, hd = q.shape
@@ -451,9 +452,12 @@ def indexer_topk(
             f"expected [{rows}] / [S, blocks]"
         )
     dev = q.device
-    kp = max(64, _next_pow2(k))
-    if block_max and (block_max & (block_max - 1) or block_max > kp // 4):
-        raise ValueError(f"block_max must be a power of two <= {kp // 4}, got {block_max}")
+    kp = max(16, _next_pow2(k))
+    bn = min(kp, block_n)
+    if bn < 16 or bn & (bn - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if block_max and (block_max & (block_max - 1) or block_max > bn):
+        raise ValueError(f"block_max must be a power of two <= {bn}, got {block_max}")
     if candidates is not None and (candidates.dim() != 2 or candidates.size(0) != rows):
         raise ValueError(f"candidates of shape {tuple(candidates.shape)}, expected [{rows}, blocks]")
     seqs = _row_seq(row_seq, rows, dev)
@@ -479,15 +483,16 @@ def indexer_topk(
         if bm & (bm - 1):
             raise ValueError(f"rows_per_tile must be a power of two, got {bm}")
         row0, count = row_tiles(seqs, tables.size(0), bm)
+        buf = torch.empty(row0.numel(), bm, kp, dtype=torch.int64, device=dev)  # candidate buffers
         _indexer_topk_kernel[(row0.numel(),)](
-            q, w, key_pool, tables, seqs, row0, count, vis, cand, bmax, out,
+            q, w, key_pool, tables, seqs, row0, count, vis, cand, bmax, buf, out,
             q.stride(0), q.stride(1), w.stride(0), key_pool.stride(0), key_pool.stride(1), tables.stride(0),
             cand.stride(0), bmax.stride(0) if block_max else 0, n_bmax, key_pool.size(1), k,
-            H=n_heads, D=hd, BM=bm, KP=kp, LOG_BM=bm.bit_length() - 1, LOG_KP=kp.bit_length() - 1,
+            H=n_heads, D=hd, BM=bm, BN=bn, KP=kp, LOG_BM=bm.bit_length() - 1, LOG_KP=kp.bit_length() - 1,
             HAS_CAND=candidates is not None, CAND_BLOCK=candidate_block, BMAX=block_max,
             ROUND_BF16=q.dtype == torch.bfloat16, DOT_F32=dot_f32, TL_SORT=sort_impl == "triton",
             PIPELINE=q.is_cuda,
-            num_warps=8,
+            num_warps=num_warps,
         )  # fmt: skip
     out = out.sort(dim=1).values
     out.masked_fill_(out == 0x7FFFFFFF, -1)
@@ -545,6 +550,7 @@ def sparse_attention_paged(
     row_seq: torch.Tensor | None = None,
     block_h: int = 16,
     block_n: int = 32,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Sparse latent attention over window rows and selected pool entries (module docstring)."""
     rows, n_heads, d = q.shape
@@ -581,7 +587,7 @@ def sparse_attention_paged(
         ckv_pool.stride(0), ckv_pool.stride(1), tables.stride(0), out.stride(0), out.stride(1),
         n_heads, ckv_pool.size(1), float(scale), W=widx.size(1), KSEL=sel.size(1),
         D=d, BH=block_h, BN=block_n, ROUND_PROBS=bool(round_probs), DOT_F32=dot_f32,
-        num_warps=4 if d <= 128 else 8,
+        num_warps=num_warps or (4 if d <= 128 else 8),
     )  # fmt: skip
     return out
 
