@@ -10,8 +10,8 @@ One table per sequence rather than per row lets a program score several rows of 
 against one key tile (the indexer's GEMM has ``rows_per_tile * heads`` rows instead of ``heads``).
 
 ``indexer_topk(q, w, key_pool, block_tables, n_visible, k, *, row_seq=None, candidates=None,
-candidate_block=1, block_max=0) -> sel [rows, k] int64`` (or ``(sel, block_scores)`` when
-``block_max``):
+candidate_block=1, block_max=0, rows_per_tile=None, block_n=128) -> sel [rows, k] int64`` (or
+``(sel, block_scores)`` when ``block_max``):
     q [rows, H, hd] (already FP4-rounded), w [rows, H] (head weights with their scale folded in),
     key_pool [num_blocks, epb, hd]. score(row, e) = sum_h w * relu(q_h . key_e) for e <
     n_visible[row]; the k best per row, ties to the lowest entry index, as ``ops.stable_topk``
@@ -22,13 +22,21 @@ candidate_block=1, block_max=0) -> sel [rows, k] int64`` (or ``(sel, block_score
     ``block_max`` > 0 also returns the max score of every ``block_max`` entries [rows,
     ceil(max n_visible / block_max)] fp32 (-inf beyond a row's visible entries), from the same pass.
     Nothing of size [rows, entries] is written except those block maxima (1/block of it).
+    How: a program takes ``rows_per_tile`` rows of one sequence and walks the entries in tiles of
+    ``block_n``: one GEMM ([rows x H, hd] x [hd, block_n]), relu, the head weights, the sum over
+    heads, then each score becomes its key. Keys above the row's threshold (the smallest of its
+    running top-k) are appended to a per-row buffer of k slots in global memory (L2-resident);
+    only when a buffer would overflow, and once at the end, is it sorted (bitonic) and merged into
+    the running top-k (best descending vs buffer ascending: the elementwise max is bitonic, one
+    bitonic merge sorts it). With scores in no particular order a row merges about
+    ln(n / k) + 1 times instead of once per tile.
     bf16 inputs follow the reference's bf16 roundings (per-head score, weighted score, the sum);
     fp32 inputs compute in fp32 (IEEE dots).
 ``indexer_topk_candidates(..., k, topk_blocks, block) -> (sel, candidates [rows, nb] bool)``:
     the candidate source (L20): its own top-k plus ``attention.select_candidate_blocks`` at block
     level (the newest visible block pinned), from the kernel's block maxima.
 ``sparse_attention_paged(q, window_kv, window_idx, sel, ckv_pool, block_tables, sink, scale,
-round_probs, *, row_seq=None) -> [rows, h, d]`` in q's dtype:
+round_probs, *, row_seq=None, block_h=16, block_n=32) -> [rows, h, d]`` in q's dtype:
     q [rows, h, d]; window_kv [n_w, d] with window_idx [rows, W] (row of window_kv, -1 = not
     visible; ``FastAttention._window_index``'s ``where(valid, idx, -1)``); sel [rows, k] entry ids
     of ckv_pool [num_blocks, epb, d] (-1 = unused). Online softmax (K = V) over the window rows then
@@ -36,7 +44,8 @@ round_probs, *, row_seq=None) -> [rows, h, d]`` in q's dtype:
     denominator; a row with nothing visible gives zeros. fp32 logits; with ``round_probs`` the
     probabilities go to bf16 before the value product, as in the reference, except that each is
     rounded relative to the running max rather than the final one (FlashMLA's order): a rescale by
-    a power-of-e factor after rounding, within one bf16 ulp of the reference's value.
+    a power-of-e factor after rounding, within about one bf16 ulp of the reference's value. One
+    program per (row, ``block_h`` heads), keys in tiles of ``block_n`` rows.
 
 With ``TRITON_INTERPRET=1`` both run on CPU tensors (the tests); dots are then fp32 (the
 interpreter's bf16 dot is wrong, see ``gemm_kernels._dot_f32``).
