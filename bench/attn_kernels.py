@@ -66,8 +66,11 @@ class Cell:
         self.tables = order.view(seqs, nb).to(torch.int32)
         dt = torch.bfloat16
         hd, d = cfg.index_head_dim, cfg.head_dim
-        self.idx_pool = fp4_qdq(torch.randn(seqs * nb, self.epb, hd, device=device, generator=gen), 32).to(dt)
-        self.ckv_pool = (torch.randn(seqs * nb, self.epb, d, device=device, generator=gen) * 0.5).to(dt)
+        self.idx_pool = torch.empty(seqs * nb, self.epb, hd, device=device, dtype=dt)
+        for b0 in range(0, seqs * nb, 1024):  # FP4-rounded keys, a slab at a time (fp32 temporaries)
+            part = self.idx_pool[b0 : b0 + 1024]
+            part.copy_(fp4_qdq(torch.randn(part.shape, device=device, generator=gen), 32))
+        self.ckv_pool = torch.randn(seqs * nb, self.epb, d, device=device, generator=gen, dtype=dt) * 0.5
         self.row_seq = torch.arange(seqs, device=device).repeat_interleave(q).to(torch.int32)
         self.pos = (ctx - q + torch.arange(q, device=device)).repeat(seqs)
         h, ih = cfg.n_heads, cfg.index_n_heads
@@ -78,7 +81,7 @@ class Cell:
         # each sequence's window: its last ctx positions' raw rows (q + W - 1 of them), flattened
         w = cfg.window_size
         self.win_rows = q + w - 1
-        self.window_kv = (torch.randn(seqs * self.win_rows, d, device=device, generator=gen) * 0.5).to(dt)
+        self.window_kv = torch.randn(seqs * self.win_rows, d, device=device, generator=gen, dtype=dt) * 0.5
         slot = torch.arange(q, device=device)[:, None] + torch.arange(w, device=device)[None, :]
         base = (torch.arange(seqs, device=device) * self.win_rows).repeat_interleave(q)[:, None]
         wpos = self.pos[:, None] - w + 1 + torch.arange(w, device=device)[None, :]

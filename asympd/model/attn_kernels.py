@@ -32,9 +32,10 @@ candidate_block=1, block_max=0, rows_per_tile=None, block_n=128) -> sel [rows, k
     ln(n / k) + 1 times instead of once per tile.
     bf16 inputs follow the reference's bf16 roundings (per-head score, weighted score, the sum);
     fp32 inputs compute in fp32 (IEEE dots).
-``indexer_topk_candidates(..., k, topk_blocks, block) -> (sel, candidates [rows, nb] bool)``:
-    the candidate source (L20): its own top-k plus ``attention.select_candidate_blocks`` at block
-    level (the newest visible block pinned), from the kernel's block maxima.
+``indexer_topk_candidates(..., k, topk_blocks, block, *, max_entries=None) -> (sel, cand)``:
+    the candidate source (L20): its own top-k, and its pool as a block mask cand [rows, nb] bool:
+    ``attention.select_candidate_blocks`` at block level (the newest visible block pinned) on the
+    kernel's block maxima. Re-index layers pass cand with ``candidate_block=block``.
 ``sparse_attention_paged(q, window_kv, window_idx, sel, ckv_pool, block_tables, sink, scale,
 round_probs, *, row_seq=None, block_h=16, block_n=32) -> [rows, h, d]`` in q's dtype:
     q [rows, h, d]; window_kv [n_w, d] with window_idx [rows, W] (row of window_kv, -1 = not
@@ -433,6 +434,7 @@ def indexer_topk(
     candidates: torch.Tensor | None = None,
     candidate_block: int = 1,
     block_max: int = 0,
+    max_entries: int | None = None,
     rows_per_tile: int | None = None,
     sort_impl: str = "bitonic",
     block_n: int = 128,
@@ -443,7 +445,8 @@ def indexer_topk(
     has 4 * H rows, and 16 under the interpreter, where fewer programs run faster). ``sort_impl``:
     ``bitonic`` (this module's sort: a full sort of each merge tile, then one bitonic merge) or
     ``triton`` (``tl.sort`` twice; same result, kept as a fallback and for comparison).
-    ``block_n``: entries scored per step (the GEMM's N)."""
+    ``block_n``: entries scored per step (the GEMM's N). ``max_entries``: a bound on n_visible the
+    caller knows (its sequences' entry counts), so the block maxima are sized without a sync."""
     if sort_impl not in ("bitonic", "triton"):
         raise ValueError(f"sort_impl must be 'bitonic' or 'triton', got {sort_impl!r}")
     rows, n_heads, hd = q.shape
@@ -481,8 +484,9 @@ def indexer_topk(
     n_bmax = 0
     bmax = out
     if block_max:
-        # one sync to size the block scores (the candidate source runs once a step)
-        n_bmax = -(-int(vis.max()) // block_max) if rows else 0
+        # sized from the caller's bound, else one sync (the candidate source runs once a step)
+        n = max_entries if max_entries is not None else (int(vis.max()) if rows else 0)
+        n_bmax = -(-n // block_max)
         bmax = torch.full((rows, n_bmax), float("-inf"), dtype=torch.float32, device=dev)
     cand = out
     if candidates is not None:
@@ -519,6 +523,7 @@ def indexer_topk_candidates(
     block: int,
     *,
     row_seq: torch.Tensor | None = None,
+    max_entries: int | None = None,
     rows_per_tile: int | None = None,
     sort_impl: str = "bitonic",
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -536,6 +541,7 @@ def indexer_topk_candidates(
         k,
         row_seq=row_seq,
         block_max=block,
+        max_entries=max_entries,
         rows_per_tile=rows_per_tile,
         sort_impl=sort_impl,
     )

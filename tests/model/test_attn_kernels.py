@@ -132,8 +132,13 @@ def test_candidate_source_and_reindex_layer():
     vis = torch.cat([s[3] for s in segs])
     row_seq = torch.cat([torch.full((s[1].size(0),), i) for i, s in enumerate(segs)])
     sel, cand = AK.indexer_topk_candidates(q, w, pool, tables, vis, k, topk_blocks, block, row_seq=row_seq)
-    nb = cand.size(1)
-    assert nb == -(-int(vis.max()) // block)
+    assert cand.size(1) == -(-int(vis.max()) // block)
+    # sized from the caller's entry count instead (no sync): the same selection and pool, wider
+    sel_n, cand_n = AK.indexer_topk_candidates(
+        q, w, pool, tables, vis, k, topk_blocks, block, row_seq=row_seq, max_entries=61
+    )
+    assert torch.equal(sel_n, sel) and cand_n.size(1) == 16 and torch.equal(cand_n[:, : cand.size(1)], cand)
+    assert not cand_n[:, cand.size(1) :].any()
     q2 = fp4_grid(g, q.size(0), heads, hd)  # the re-index layer's own queries
     sel2 = AK.indexer_topk(q2, w, pool, tables, vis, k, row_seq=row_seq, candidates=cand, candidate_block=block)
     lo = 0
