@@ -159,7 +159,7 @@ def fused_select(cell: Cell, r: int, kind: str, cand_blocks: torch.Tensor | None
     args = (cell.qi, cell.w, cell.idx_pool, cell.tables, cell.visible(r), k)
     if kind == "cand_source":
         return AK.indexer_topk_candidates(
-            *args, cfg.candidate_topk_blocks, cfg.candidate_block_size, row_seq=cell.row_seq, **kw
+            *args, cfg.candidate_topk_blocks, cfg.candidate_block_size, row_seq=cell.row_seq, max_entries=cell.ctx, **kw
         )
     if cand_blocks is not None:
         sel = AK.indexer_topk(
