@@ -184,6 +184,7 @@ def test_indexer_bad_input():
         )
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # exp(sink + 1e30): the empty row
 @pytest.mark.parametrize("round_probs", [False, True])
 def test_sparse_attention_paged_matches_reference(round_probs):
     """fp32 throughout; tolerance 1e-5 relative (summation order and the online rescaling; with
