@@ -268,3 +268,11 @@ def test_indexer_on_the_tiny_checkpoint(tiny_ckpt, monkeypatch):
     layers = {layer for layer, _, _ in calls}
     assert cfg.candidate_source_layer in layers and any(layer > cfg.candidate_source_layer for layer in layers)
     assert (cfg.candidate_source_layer, 40, 40) in calls and (cfg.candidate_source_layer, 1, 41) in calls
+
+
+def test_row_tiles_cover_each_sequence_without_straddling():
+    row_seq = torch.tensor([0, 0, 0, 0, 0, 0, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+    row0, count = AK.row_tiles(row_seq, n_seqs=3, bm=4)
+    assert row0.numel() == 4 + 3  # a bound known without a sync; spare tiles are empty
+    tiles = [(int(a), int(c)) for a, c in zip(row0, count, strict=True) if c > 0]
+    assert tiles == [(0, 4), (4, 2), (6, 1), (7, 4), (11, 4), (15, 1)]
