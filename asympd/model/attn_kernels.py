@@ -68,8 +68,6 @@ except Exception:  # pragma: no cover - depends on the install
 
 AVAILABLE = triton is not None
 
-_EMPTY = -(2**63) + 1  # below every real key (the key of -inf is about -2**63 + 2**55)
-
 if AVAILABLE:
 
     @triton.jit
@@ -155,7 +153,8 @@ if AVAILABLE:
 
     @triton.jit
     def _keys_of(s, visible, e0, BN: tl.constexpr):
-        """Scores -> int64 keys ordered as the stable descending sort (score, then lower index)."""
+        """Scores -> int64 keys ordered as the stable descending sort (score, then lower index).
+        Invisible entries get -2**63 + 1, below every real key (-inf's is about -2**63 + 2**55)."""
         e = e0 + tl.arange(0, BN)
         s = tl.where(s == 0.0, 0.0, s)  # -0 and +0 are one value
         bits = s.to(tl.int32, bitcast=True)
