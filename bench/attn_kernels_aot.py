@@ -3,7 +3,8 @@ machine, no GPU needed: registers, spills (stack bytes), shared memory, whether 
 wgmma, and the compile time, for the configs bench/attn_kernels.py sweeps at true V4.1 shapes.
 Uses the ptxas and cuobjdump that Triton's wheel carries. A quick check before spending device time.
 
-    python -m bench.attn_kernels_aot            # JSON to bench/results/attn_kernels_aot.json
+    TRITON_CACHE_DIR=$(mktemp -d) python -m bench.attn_kernels_aot   # JSON to bench/results/
+(a fresh cache, or the compile times are cache hits)
 """
 
 from __future__ import annotations
