@@ -1,6 +1,6 @@
 """The fused indexer and sparse attention kernels (asympd/model/attn_kernels.py) against today's
 unfused CUDA functions (cuda_ops.indexer_scores + fast_topk, fast_sparse_attention over gathered
-keys, arranged as FastAttention runs them), at true V4.1-Flash shapes, in one run.
+keys, arranged as the per-sequence path ran them), at true V4.1-Flash shapes, in one run.
 
 Cells: prefill chunks of 4K and 16K rows ending at 16K and 48K context (one sequence), decode of
 256 sequences x 4 rows at 64K context. Kinds: ``index_r2`` (the ratio-2 index sources L2/8/14),
@@ -97,7 +97,7 @@ class Cell:
         return pool.view(-1, pool.size(-1)).index_select(0, rows)
 
 
-# ---- today's path (FastAttention's per-sequence loops, its functions) -----------------------------
+# ---- the unfused path (per-sequence loops over the CUDA_KERNELS functions) -----------------------------
 
 
 def unfused_select(cell: Cell, r: int, kind: str, cand: list[torch.Tensor] | None):
@@ -113,7 +113,7 @@ def unfused_select(cell: Cell, r: int, kind: str, cand: list[torch.Tensor] | Non
         kk = min(k, n)
         sel = torch.empty(m, kk, dtype=torch.long, device=cell.device)
         cmask = torch.empty(m, n, dtype=torch.bool, device=cell.device) if kind == "cand_source" else None
-        step = max(1, min(m, cuda_ops.FastAttention.score_bytes // (cfg.index_n_heads * n * 2 * 2)))
+        step = max(1, min(m, cuda_ops.CUDA_KERNELS.score_bytes // (cfg.index_n_heads * n * 2 * 2)))
         cols = torch.arange(n, device=cell.device)
         for r0 in range(0, m, step):
             r1 = min(m, r0 + step)
@@ -135,7 +135,7 @@ def unfused_select(cell: Cell, r: int, kind: str, cand: list[torch.Tensor] | Non
 
 def unfused_attention(cell: Cell, r: int, sel: torch.Tensor) -> torch.Tensor:
     cfg, outs = cell.cfg, []
-    chunk = cuda_ops.FastAttention.row_chunk
+    chunk = cuda_ops.CUDA_KERNELS.row_chunk
     scale = cfg.head_dim**-0.5
     for s in range(cell.seqs):
         lo = s * cell.q

@@ -39,7 +39,7 @@ candidate_block=1, block_max=0, rows_per_tile=None, block_n=128) -> sel [rows, k
 ``sparse_attention_paged(q, window_kv, window_idx, sel, ckv_pool, block_tables, sink, scale,
 round_probs, *, row_seq=None, block_h=16, block_n=32) -> [rows, h, d]`` in q's dtype:
     q [rows, h, d]; window_kv [n_w, d] with window_idx [rows, W] (row of window_kv, -1 = not
-    visible; ``FastAttention._window_index``'s ``where(valid, idx, -1)``); sel [rows, k] entry ids
+    visible; the batched path's window index with -1 where not visible); sel [rows, k] entry ids
     of ckv_pool [num_blocks, epb, d] (-1 = unused). Online softmax (K = V) over the window rows then
     the selected entries, read straight from the pool through the block table; the sink joins the
     denominator; a row with nothing visible gives zeros. fp32 logits; with ``round_probs`` the
