@@ -33,6 +33,7 @@ if not torch.cuda.is_available():
 
 from asympd.model import attn_kernels as AK  # noqa: E402
 from asympd.model import cuda_ops  # noqa: E402
+from asympd.model.attention import select_candidate_blocks  # noqa: E402
 from asympd.model.quant import fp4_qdq  # noqa: E402
 from bench.common import ceilings, log, record, time_cuda  # noqa: E402
 
@@ -121,8 +122,8 @@ def unfused_select(cell: Cell, r: int, kind: str, cand: list[torch.Tensor] | Non
             sc = cuda_ops.indexer_scores(qi[r0:r1], keys, wts[r0:r1])
             sc.masked_fill_(cols >= v.unsqueeze(-1), float("-inf"))
             if cmask is not None:
-                cmask[r0:r1] = cuda_ops.fast_candidate_blocks(
-                    sc, v, cfg.candidate_topk_blocks, cfg.candidate_block_size
+                cmask[r0:r1] = select_candidate_blocks(
+                    sc, v, cfg.candidate_topk_blocks, cfg.candidate_block_size, topk=cuda_ops.fast_topk
                 )
             elif cand is not None:
                 sc.masked_fill_(~cand[s][r0:r1], float("-inf"))
