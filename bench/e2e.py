@@ -91,10 +91,11 @@ def defaults(tiny: bool) -> dict[str, Any]:
             kv_cache_gb=0.0625,
             p_step_tokens=2048,
             start_timeout=120.0,
+            budget_s=1800.0,
         )
     return dict(
         rates="2,4,8",
-        num_prompts=48,
+        num_prompts=32,
         input_len=2048,
         output_len=64,
         range_ratio=0.5,
@@ -104,7 +105,8 @@ def defaults(tiny: bool) -> dict[str, Any]:
         calib_batch=16,
         kv_cache_gb=8.0,
         p_step_tokens=16384,
-        start_timeout=600.0,
+        start_timeout=300.0,
+        budget_s=450.0,  # a device call is <= 8 minutes: no new mode or rate starts after this
     )
 
 
@@ -355,8 +357,8 @@ async def _one(client: httpx.AsyncClient, url: str, ids: list[int], max_tokens: 
 
 
 def calibrate(url: str, lengths: list[int], tokens: int, batch: int, vocab: int, seed: int) -> dict[str, Any]:
-    """Lone requests at each length (twice: the first of each is kept, both are recorded), then
-    ``batch`` requests at once at the shortest length."""
+    """Lone requests at each length (three each: the fits take medians), then ``batch`` requests
+    at once at the shortest length."""
     import numpy as np
 
     rng = np.random.default_rng(seed + 1000)
@@ -369,7 +371,7 @@ def calibrate(url: str, lengths: list[int], tokens: int, batch: int, vocab: int,
             await _one(client, url, ids(lengths[0]), 2)  # warm-up (first CUDA/Triton calls)
             lone = []
             for n in lengths:
-                for _ in range(2):
+                for _ in range(3):
                     lone.append(await _one(client, url, ids(n), tokens))
             together = await asyncio.gather(*(_one(client, url, ids(lengths[0]), tokens) for _ in range(batch)))
         return {"lone": lone, "batch": {"size": batch, "requests": list(together)}}
@@ -474,9 +476,10 @@ def run_rate(args, dep: Deployment, ckpt: str, rate: float, work: Path) -> dict[
     return out
 
 
-def run_mode(args, mode: str, ckpt: str, vocab: int, work: Path) -> dict[str, Any]:
+def run_mode(args, mode: str, ckpt: str, vocab: int, work: Path, out: dict[str, Any], save) -> None:
+    """One deployment into ``out``: start, calibrate, each rate (``save()`` after each), stop."""
     dep = Deployment(args, mode, ckpt, work)
-    out: dict[str, Any] = {"placement": dep.placement}
+    out["placement"] = dep.placement
     try:
         out["startup_s"] = round(dep.start(), 1)
         out["workers"] = {w.name: worker_info(u) for w, u in zip(dep.workers, dep.urls, strict=True)}
@@ -488,8 +491,13 @@ def run_mode(args, mode: str, ckpt: str, vocab: int, work: Path) -> dict[str, An
         out["calibration"]["wall_s"] = round(time.perf_counter() - t, 1)
         out["runs"] = []
         for rate in args.rate_list:
+            if time.time() > args.deadline:
+                out.setdefault("skipped_rates", []).append(rate)
+                log(f"{mode} @ {rate:g} req/s: skipped (--budget-s {args.budget_s:g} spent)")
+                continue
             r = run_rate(args, dep, ckpt, rate, work)
             out["runs"].append(r)
+            save()
             log(
                 f"{mode} @ {rate:g} req/s: {r['completed']} done, TTFT p50 {r['median_ttft_ms']:.0f} ms, "
                 f"ITL p50 {r['median_itl_ms']:.1f} ms, goodput {r['request_goodput']:.2f} req/s, "
@@ -501,7 +509,6 @@ def run_mode(args, mode: str, ckpt: str, vocab: int, work: Path) -> dict[str, An
         log(f"{mode} failed:\n{out['error']}")
     finally:
         dep.stop()
-    return out
 
 
 # ---- main -------------------------------------------------------------------------------------------------
@@ -552,6 +559,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--checkpoint", default=None, help="use this checkpoint instead of writing one")
     ap.add_argument("--start-timeout", type=float, default=None)
     ap.add_argument("--run-timeout", type=float, default=900.0, help="seconds for one bench serve run")
+    ap.add_argument("--budget-s", type=float, default=None, help="no mode or rate starts after this many seconds")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default=None, help="result name (default e2e_tiny / e2e_h200x{gpus})")
     args = ap.parse_args(argv)
@@ -581,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"missing Python packages for the servers: {', '.join(missing)}")
         return 2
     started = time.time()
+    args.deadline = started + args.budget_s
     work = Path(tempfile.mkdtemp(prefix="asympd_e2e_"))
     try:
         ckpt, model = make_checkpoint(args, work)
@@ -622,12 +631,21 @@ def main(argv: list[str] | None = None) -> int:
             "kv_cache_gb_per_worker": args.kv_cache_gb,
             "modes": {},
         }
-        for mode in args.mode_list:
-            data["modes"][mode] = run_mode(args, mode, ckpt, vocab, work)
+
+        def save() -> Path:
             data["headline"] = headline(data["modes"])
-            path = record(args.name, data, started)
-        log(f"wrote {path}")
-        return 1 if any("error" in m for m in data["modes"].values()) else 0
+            return record(args.name, data, started)
+
+        for mode in args.mode_list:
+            if time.time() > args.deadline:
+                data["modes"][mode] = {"skipped": f"--budget-s {args.budget_s:g} spent before it started"}
+                log(f"{mode}: skipped (--budget-s {args.budget_s:g} spent)")
+                continue
+            data["modes"][mode] = {}
+            run_mode(args, mode, ckpt, vocab, work, data["modes"][mode], save)
+            save()
+        log(f"wrote {save()}")
+        return 1 if any("error" in m or "skipped" in m for m in data["modes"].values()) else 0
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
