@@ -56,7 +56,7 @@ import torch  # noqa: E402
 from bench.common import ROOT, log, record  # noqa: E402
 
 MODES = ("asymmetric", "symmetric-split", "symmetric-windows", "colocated")
-NEEDED = ("fastapi", "uvicorn", "httpx", "prometheus_client", "tokenizers", "tqdm")
+NEEDED = ("fastapi", "starlette", "pydantic", "uvicorn", "httpx", "prometheus_client", "tokenizers", "tqdm")
 POLICIES = {"cap-4": (4, 512), "cap-8": (8, 1024), "admit-all": (None, None)}  # asympd.plan.planner.POLICIES
 SUMMARY_FIELDS = (
     "completed",
@@ -86,8 +86,8 @@ def defaults(tiny: bool) -> dict[str, Any]:
             range_ratio=0.5,
             slo_ttft_ms=3000.0,
             slo_itl_ms=1000.0,
-            calib_tokens=6,
-            calib_batch=4,
+            calib_tokens=10,
+            calib_batch=6,
             kv_cache_gb=0.0625,
             p_step_tokens=2048,
             start_timeout=120.0,
@@ -156,6 +156,8 @@ def write_on_device(cfg, out: Path, device: torch.device, seed: int = 0) -> Path
         del tensors
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / ck.INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the servers need the memory this process cached
     return out
 
 
@@ -213,6 +215,11 @@ def worker_args(args: argparse.Namespace, role: str, mode: str, ckpt: str) -> li
     return a
 
 
+def python_path() -> str:
+    """The repo first, then whatever the caller had (carried wheels on the device image)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
 class Deployment:
     """The processes of one mode: P and D (or colocated workers) and the router."""
 
@@ -220,7 +227,7 @@ class Deployment:
         from asympd.serve.procs import ServerProcess
 
         self.mode, self.args = mode, args
-        self.env = base = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+        self.env = base = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": python_path()}
         if not args.gpus:
             base["OMP_NUM_THREADS"] = "1"
 
@@ -368,7 +375,10 @@ def calibrate(url: str, lengths: list[int], tokens: int, batch: int, vocab: int,
 
     async def go() -> dict[str, Any]:
         async with httpx.AsyncClient(timeout=httpx.Timeout(900.0)) as client:
-            await _one(client, url, ids(lengths[0]), 2)  # warm-up (first CUDA/Triton calls)
+            # warm-up: the first CUDA calls and Triton compilations of these shapes stay out of the fits
+            for n in lengths:
+                await _one(client, url, ids(n), 2)
+            await asyncio.gather(*(_one(client, url, ids(lengths[0]), 2) for _ in range(batch)))
             lone = []
             for n in lengths:
                 for _ in range(3):
@@ -421,7 +431,7 @@ def bench_serve(args: argparse.Namespace, url: str, ckpt: str, rate: float, path
     ]
     if args.max_concurrency:
         cmd += ["--max-concurrency", str(args.max_concurrency)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": python_path()}
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.run_timeout)
     if not path.is_file():
         raise RuntimeError(f"asympd bench serve wrote no result (exit {p.returncode}): {p.stderr[-1500:]}")
@@ -467,6 +477,13 @@ def run_rate(args, dep: Deployment, ckpt: str, rate: float, work: Path) -> dict[
     out["transfer_bytes_per_request"] = out["transfer_bytes_total"] / n_tr if n_tr else 0.0
     out["transfer_s_per_request"] = moved("asympd_transfer_seconds_total", "decode") / n_tr if n_tr else 0.0
     out["preemptions"] = moved("asympd_num_preemptions_total")
+    # busy time (the sum of engine step durations): prompt tokens per second of P's compute
+    for role in sorted(set(dep.roles)):
+        busy = moved("asympd_engine_step_seconds_sum", role)
+        out[f"{role}_busy_s"] = busy
+        out[f"{role}_busy_fraction"] = busy / dur / dep.roles.count(role)
+    p_busy = out[f"{p_side}_busy_s"]
+    out["prompt_tokens_per_p_busy_s"] = res["total_input_tokens"] / p_busy if p_busy else None
     gpus = max(1, args.gpus) if args.gpus else 1
     out["gpus"] = gpus
     out["request_goodput_per_gpu"] = (res.get("request_goodput") or 0.0) / gpus
@@ -530,6 +547,7 @@ def headline(modes: dict[str, Any]) -> list[dict[str, Any]]:
                     "tpot_p50_ms": r["median_tpot_ms"],
                     "goodput_req_per_s_per_gpu": r["request_goodput_per_gpu"],
                     "p_prompt_rows_per_gpu_s": r["p_prompt_rows_per_gpu_s"],
+                    "prompt_tokens_per_p_busy_s": r["prompt_tokens_per_p_busy_s"],
                     "transfer_bytes_per_request": r["transfer_bytes_per_request"],
                 }
             )

@@ -136,7 +136,27 @@ def _d_first_steps(cfg: ModelConfig, mode: str, n: int, semantics: str, budget: 
     return rows, sum(-(-(p.hi - p.lo) // budget) for p in phases)
 
 
-def fit_steps(cfg: ModelConfig, mode: str, cal: dict[str, Any], d_budget: int, semantics: str) -> MeasuredSteps:
+def _steps_and_rows(points: list[tuple[int, int, float]]) -> tuple[float, float]:
+    """(per step, per row) with time = steps * a + rows * b: where every probe ran the same number
+    of steps, a line in rows (its intercept shared out over the steps), else least squares."""
+    ks = {k for k, _, _ in points}
+    if len(ks) == 1:
+        intercept, slope = _line([(rows, y) for _, rows, y in points])
+        return intercept / ks.pop(), slope
+    skk = sum(k * k for k, _, _ in points)
+    srr = sum(r * r for _, r, _ in points)
+    skr = sum(k * r for k, r, _ in points)
+    sky = sum(k * y for k, _, y in points)
+    sry = sum(r * y for _, r, y in points)
+    det = skk * srr - skr * skr
+    if det == 0:
+        return 0.0, max(0.0, sry / srr)
+    return max(0.0, (sky * srr - sry * skr) / det), max(0.0, (sry * skk - sky * skr) / det)
+
+
+def fit_steps(
+    cfg: ModelConfig, mode: str, cal: dict[str, Any], d_budget: int, semantics: str, p_budget: int = 16384
+) -> MeasuredSteps:
     """Step times from the calibration of one deployment (see bench/e2e.py ``calibrate``)."""
     lone = cal["lone"]
     gaps = [g for r in lone for g in r["gaps_s"][1:]]  # the first gap can hold a replay or a flush
@@ -154,12 +174,14 @@ def fit_steps(cfg: ModelConfig, mode: str, cal: dict[str, Any], d_budget: int, s
     if mode != "colocated":
         for r in lone:
             t = r["timings"]
-            p_rows = r["prompt_len"] - (cfg.window_size if mode == "asymmetric" else 0)
+            phases = modes.prefill_plan(cfg, r["prompt_len"], mode).phases
+            p_rows = sum(p.hi - p.lo for p in phases)
             if t.get("prefill_s") is not None and p_rows > 0:
-                p_points.append((p_rows, t["prefill_s"] * 1e3))
+                p_steps = sum(-(-(p.hi - p.lo) // p_budget) for p in phases)
+                p_points.append((p_steps, p_rows, t["prefill_s"] * 1e3))
             if t.get("transfer_s") is not None:
                 move_points.append((r["prompt_len"], t["transfer_s"] * 1e3))
-    p_step, p_row = _line(p_points) if p_points else (0.0, 0.0)
+    p_step, p_row = _steps_and_rows(p_points) if p_points else (0.0, 0.0)
     move, move_row = _line(move_points) if move_points else (0.0, 0.0)
     return MeasuredSteps(p_step, p_row, d_step, d_seq, _median(per_row), move, move_row)
 
@@ -287,7 +309,7 @@ def validate_e2e(result: dict[str, Any], seed: int = 0) -> dict[str, Any]:
             continue
         replicas = sum(1 for w in m["workers"].values() if w["role"] == "colocated") or 1
         kw = dict(replicas=replicas, p_step_tokens=p_tokens, policy=policy, colocated_semantics=sem, seed=seed)
-        steps = fit_steps(cfg, mode, m["calibration"], d_budget, sem)
+        steps = fit_steps(cfg, mode, m["calibration"], d_budget, sem, p_tokens)
         steps.ttft_offset_ms = _ttft_offset(cfg, mode, steps, m["calibration"], **kw)
         out["modes"][mode] = {"steps_ms": asdict(steps)}
         for run in m["runs"]:

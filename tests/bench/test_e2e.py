@@ -63,6 +63,9 @@ def test_result_fields_and_counts(result):
             assert 0 < ttft <= e2el and len(itls) == n_out - 1  # one chunk per token (return_token_ids)
         assert run["request_goodput"] is not None and run["request_goodput"] <= run["request_throughput"]
         assert math.isclose(run["request_goodput_per_gpu"], run["request_goodput"])
+        side = "colocated" if mode == "colocated" else "prefill"  # busy time from the step histogram
+        assert 0 < run[f"{side}_busy_s"] and 0 < run[f"{side}_busy_fraction"] <= 1
+        assert run["prompt_tokens_per_p_busy_s"] == pytest.approx(sum(lens) / run[f"{side}_busy_s"])
         split = [split_point(tiny(), n, "carry") for n in lens]
         if mode == "asymmetric":  # P computes [0, N - W), D the rest; one prefix moved per request
             assert run["p_prompt_rows_computed"] == sum(split)
