@@ -40,6 +40,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -554,6 +555,23 @@ def headline(modes: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+RATIO_KEYS = ("prompt_tokens_per_p_busy_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+              "goodput_req_per_s_per_gpu")  # fmt: skip
+
+
+def ratios(rows: list[dict[str, Any]], base: str = "symmetric-split") -> list[dict[str, Any]]:
+    """Asymmetric / ``base`` (the strongest symmetric baseline) per rate, measured in the same run."""
+    by = {(r["mode"], r["rate"]): r for r in rows}
+    out = []
+    for (mode, rate), a in sorted(by.items()):
+        b = by.get((base, rate))
+        if mode != "asymmetric" or b is None:
+            continue
+        q = {k: a[k] / b[k] if a.get(k) and b.get(k) else None for k in RATIO_KEYS}
+        out.append({"rate": rate, "over": base, **q})
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="the tiny checkpoint on CPU")
@@ -606,6 +624,8 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         log(f"missing Python packages for the servers: {', '.join(missing)}")
         return 2
+    # SIGTERM (a device call's time limit, kill PID) unwinds: servers stopped, load generator killed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.time()
     args.deadline = started + args.budget_s
     work = Path(tempfile.mkdtemp(prefix="asympd_e2e_"))
@@ -652,6 +672,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def save() -> Path:
             data["headline"] = headline(data["modes"])
+            data["asymmetric_over_symmetric_split"] = ratios(data["headline"])
             return record(args.name, data, started)
 
         for mode in args.mode_list:
