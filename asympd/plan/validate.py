@@ -278,11 +278,66 @@ def _ttft_offset(cfg: ModelConfig, mode: str, steps: MeasuredSteps, cal: dict[st
     return _median(resid) * 1e3
 
 
+def _validate_mode(
+    out: dict[str, Any],
+    mode: str,
+    m: dict[str, Any],
+    cfg: ModelConfig,
+    slo: dict[str, float],
+    kw: dict[str, Any],
+    d_budget: int,
+) -> None:
+    if "calibration" not in m or not m.get("runs"):
+        out["modes"][mode] = {"skipped": (m.get("error") or m.get("skipped") or "no calibration or runs")[-300:]}
+        return
+    """One mode's rows (and fitted steps) into ``out``."""
+    kw = {**kw, "replicas": sum(1 for w in m["workers"].values() if w["role"] == "colocated") or 1}
+    steps = fit_steps(cfg, mode, m["calibration"], d_budget, kw["colocated_semantics"], kw["p_step_tokens"])
+    steps.ttft_offset_ms = _ttft_offset(cfg, mode, steps, m["calibration"], **kw)
+    out["modes"][mode] = {"steps_ms": asdict(steps)}
+    for run in m["runs"]:
+        req = run["requests"]
+        ok = [i for i, e in enumerate(req["errors"]) if not e]
+        arrivals = [Arrival(i, req["start_times"][i], req["input_lens"][i], req["output_lens"][i]) for i in ok]
+        sim = simulate_deployment(cfg, mode, steps, arrivals, **kw)
+        ttft = [sim.ttft_s[i] for i in ok if i in sim.ttft_s]
+        itl = [g for i in ok for g in sim.gaps_s[i]]
+        good = [
+            i
+            for i in ok
+            if i in sim.ttft_s
+            and sim.ttft_s[i] * 1e3 <= slo["ttft_ms"]
+            and max(sim.gaps_s[i], default=0.0) * 1e3 <= slo["itl_ms"]
+        ]
+        duration = max(sim.done_s.values(), default=0.0) + steps.ttft_offset_ms / 1e3
+        predicted = {
+            "ttft_p50_ms": _median(ttft) * 1e3,
+            "itl_p50_ms": _median(itl) * 1e3,
+            "goodput_req_s": len(good) / duration if duration > 0 else 0.0,
+        }
+        measured = {
+            "ttft_p50_ms": run["median_ttft_ms"],
+            "itl_p50_ms": run["median_itl_ms"],
+            "goodput_req_s": run["request_goodput"] or 0.0,
+        }
+        ratio = {k: predicted[k] / measured[k] if measured[k] else math.nan for k in predicted}
+        out["rows"].append(
+            {
+                "mode": mode,
+                "rate": run["request_rate"],
+                "requests": len(ok),
+                "measured": measured,
+                "predicted": predicted,
+                "ratio": ratio,
+                "within_target": all(abs(r - 1) <= TARGET for r in ratio.values()),
+            }
+        )
+
+
 def validate_e2e(result: dict[str, Any], seed: int = 0) -> dict[str, Any]:
     """Predicted vs measured TTFT p50, ITL p50 and request goodput for every mode and rate of a
     ``bench/e2e.py`` result, the prediction made on the same arrivals (send times, prompt and
     output lengths as measured) with step times fitted to the result's own calibration."""
-    from asympd.config import ModelConfig
     from asympd.engine.scheduler import SchedulerConfig
 
     try:
@@ -293,6 +348,8 @@ def validate_e2e(result: dict[str, Any], seed: int = 0) -> dict[str, Any]:
         modes_in = result["modes"]
     except (KeyError, TypeError) as e:
         raise ValidationError(f"not a bench/e2e.py result: missing {e}") from None
+    except ValueError as e:  # ConfigError included
+        raise ValidationError(f"the result's model_config is invalid: {e}") from None
     d_budget = policy[1] or SchedulerConfig().max_num_batched_tokens
     out: dict[str, Any] = {
         "source": {k: result.get(k) for k in ("benchmark", "commit", "source_digest", "utc")},
@@ -304,51 +361,11 @@ def validate_e2e(result: dict[str, Any], seed: int = 0) -> dict[str, Any]:
         "rows": [],
     }
     for mode, m in modes_in.items():
-        if "calibration" not in m or not m.get("runs"):
-            out["modes"][mode] = {"skipped": m.get("error", "no calibration or runs")[-300:]}
-            continue
-        replicas = sum(1 for w in m["workers"].values() if w["role"] == "colocated") or 1
-        kw = dict(replicas=replicas, p_step_tokens=p_tokens, policy=policy, colocated_semantics=sem, seed=seed)
-        steps = fit_steps(cfg, mode, m["calibration"], d_budget, sem, p_tokens)
-        steps.ttft_offset_ms = _ttft_offset(cfg, mode, steps, m["calibration"], **kw)
-        out["modes"][mode] = {"steps_ms": asdict(steps)}
-        for run in m["runs"]:
-            req = run["requests"]
-            ok = [i for i, e in enumerate(req["errors"]) if not e]
-            arrivals = [Arrival(i, req["start_times"][i], req["input_lens"][i], req["output_lens"][i]) for i in ok]
-            sim = simulate_deployment(cfg, mode, steps, arrivals, **kw)
-            ttft = [sim.ttft_s[i] for i in ok if i in sim.ttft_s]
-            itl = [g for i in ok for g in sim.gaps_s[i]]
-            good = [
-                i
-                for i in ok
-                if i in sim.ttft_s
-                and sim.ttft_s[i] * 1e3 <= slo["ttft_ms"]
-                and max(sim.gaps_s[i], default=0.0) * 1e3 <= slo["itl_ms"]
-            ]
-            duration = max(sim.done_s.values(), default=0.0) + steps.ttft_offset_ms / 1e3
-            predicted = {
-                "ttft_p50_ms": _median(ttft) * 1e3,
-                "itl_p50_ms": _median(itl) * 1e3,
-                "goodput_req_s": len(good) / duration if duration > 0 else 0.0,
-            }
-            measured = {
-                "ttft_p50_ms": run["median_ttft_ms"],
-                "itl_p50_ms": run["median_itl_ms"],
-                "goodput_req_s": run["request_goodput"] or 0.0,
-            }
-            ratio = {k: predicted[k] / measured[k] if measured[k] else math.nan for k in predicted}
-            out["rows"].append(
-                {
-                    "mode": mode,
-                    "rate": run["request_rate"],
-                    "requests": len(ok),
-                    "measured": measured,
-                    "predicted": predicted,
-                    "ratio": ratio,
-                    "within_target": all(abs(r - 1) <= TARGET for r in ratio.values()),
-                }
-            )
+        kw = dict(p_step_tokens=p_tokens, policy=policy, colocated_semantics=sem, seed=seed)
+        try:
+            _validate_mode(out, mode, m, cfg, slo, kw, d_budget)
+        except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
+            raise ValidationError(f"mode {mode!r} of the result is malformed: {type(e).__name__}: {e}") from None
     return out
 
 

@@ -98,6 +98,9 @@ def test_validate_reads_the_result(result, tmp_path):
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(v["rows"]))
     with pytest.raises(ValidationError, match="not a bench/e2e.py result"):
         validate_e2e({"modes": {}})
+    broken = {**result, "modes": {"asymmetric": {**result["modes"]["asymmetric"], "workers": None}}}
+    with pytest.raises(ValidationError, match="mode 'asymmetric' of the result is malformed"):
+        validate_e2e(broken)
 
 
 def test_write_on_device_is_the_released_layout(tmp_path):
