@@ -104,10 +104,10 @@ class WorkerServer:
         self.model_cfg = self.engine.cfg
         self.fingerprint = self.engine.fingerprint
         self.max_prompt_chars = self.model_cfg.max_seq_len * _max_token_chars(self.tokenizer)
-        self.aengine = AsyncEngine(self.engine)
         self.metrics = ServerMetrics(
             static={"role": cfg.role, "mode": cfg.mode, "model": self.model_name, "resident_bytes": self.resident_bytes}
         )
+        self.aengine = AsyncEngine(self.engine, on_step=lambda dt, _outputs: self.metrics.step.observe(dt))
         self.text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="asympd-text")
         self.handoff = Handoff(
             cfg.role,
