@@ -37,8 +37,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from asympd.model import attn_kernels, ops
 from asympd.model import cuda_kernels as K
-from asympd.model import ops
 from asympd.model.attention import AttentionKernels
 from asympd.model.gemm_kernels import moe_blocks
 from asympd.model.moe import MoE, combine_slots
@@ -335,9 +335,11 @@ class FastMoE(MoE):
         moe.inter = w2.weight.size(-1) * 2
         moe.shared_inter = s2.in_features if isinstance(s2, FP8TileLinear) else s2.size(1)
         moe.experts = "mxfp4"
-        moe.gate_bf16 = gate["weight"].to(torch.bfloat16) if torch.equal(
-            gate["weight"].to(torch.bfloat16).float(), gate["weight"]
-        ) else None
+        moe.gate_bf16 = (
+            gate["weight"].to(torch.bfloat16)
+            if torch.equal(gate["weight"].to(torch.bfloat16).float(), gate["weight"])
+            else None
+        )
         return moe
 
     def convert(self, experts: str = "bf16", chunk: int = 32) -> None:
@@ -561,7 +563,10 @@ def indexer_scores(qi: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> tor
 
 
 CUDA_KERNELS = AttentionKernels(
-    sparse_attention=fast_sparse_attention, topk=fast_topk, indexer_scores=indexer_scores
+    sparse_attention=fast_sparse_attention,
+    topk=fast_topk,
+    indexer_scores=indexer_scores,
+    fused_indexer=attn_kernels.AVAILABLE,
 )
 
 
