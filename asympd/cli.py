@@ -95,10 +95,11 @@ def _plan(args: argparse.Namespace) -> int:
     from asympd.plan.command import run
     from asympd.plan.planner import PlanError
     from asympd.plan.steps import PlanInputError
+    from asympd.plan.validate import ValidationError
 
     try:
         return run(args)
-    except (PlanError, PlanInputError) as e:
+    except (PlanError, PlanInputError, ValidationError) as e:
         raise UsageError(str(e)) from e
 
 

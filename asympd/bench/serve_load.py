@@ -518,6 +518,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens (vLLM and SGLang honour it)")
+    p.add_argument(
+        "--extra-body",
+        default=None,
+        metavar="JSON",
+        help="merged into every request body, e.g. '{\"return_token_ids\": true}' (one chunk per token on asympd)",
+    )
     p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS", help="SLOs, e.g. ttft:500 itl:50")
     p.add_argument("--metric-percentiles", default="90,99", help="comma-separated, besides the median")
     p.add_argument("--seed", type=int, default=0)
@@ -642,6 +648,14 @@ def run(args: argparse.Namespace) -> int:
     extra: dict[str, Any] = {"temperature": args.temperature}
     if args.ignore_eos:
         extra["ignore_eos"] = True
+    if args.extra_body:
+        try:
+            more = json.loads(args.extra_body)
+        except json.JSONDecodeError as e:
+            raise BenchError(f"--extra-body is not JSON: {e}") from None
+        if not isinstance(more, dict):
+            raise BenchError(f"--extra-body must be a JSON object, got {args.extra_body!r}")
+        extra.update(more)
     cfg = LoadConfig(
         url=base + args.endpoint,
         model=model,

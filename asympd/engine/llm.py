@@ -96,7 +96,7 @@ class LLM:
         self.prefill: LLMEngine | None = None
 
         def engine(role: str) -> LLMEngine:
-            model = load_model(checkpoint, modes.model_role(role, mode), device, dtype, weights)
+            model = self._load_model(role, checkpoint, modes.model_role(role, mode), device, dtype, weights)
             return LLMEngine(model, config(role), detok)
 
         if mode == "colocated":
@@ -111,6 +111,12 @@ class LLM:
         self.transfer_bytes: dict[str, int] = {}  # request -> size of the serialized prefix state it moved
         self.slices: dict[str, list[tuple[int, int]]] = {}  # streamed request -> [start, split) of each slice
         self._secret = secrets.token_bytes(32)  # seals the prefix states this process hands itself
+
+    def _load_model(
+        self, engine_role: str, checkpoint: str | Path, role: str, device: str, dtype: torch.dtype, weights: str
+    ):
+        """The model of the ``engine_role`` engine (``ParallelLLM`` loads its sharded engine's share)."""
+        return load_model(checkpoint, role, device, dtype, weights)
 
     def generate(
         self,

@@ -129,6 +129,7 @@ class AttentionKernels:
     indexer_scores: Callable[..., torch.Tensor] = indexer_scores
     row_chunk: int = 2048  # query rows per gathered-key tile
     score_bytes: int = 1 << 30  # indexer score tile budget
+    fused_indexer: bool = False  # the batched path scores and selects in one kernel (attn_kernels.py)
 
 
 REFERENCE_KERNELS = AttentionKernels()
@@ -419,6 +420,10 @@ class Attention(torch.nn.Module):
         visible = (view.positions + 1) // r
         n_tot = (view.host("start") + view.host("rows")) // r
         kern = self.kernels
+        if kern.fused_indexer:
+            out = self._select_fused(view, qi, wts, visible, int(n_tot.max()))
+            view.shared[key] = out
+            return out
         for q, segs_h, segs in view.uniform_groups():
             n = int(n_tot[segs_h].max())
             if n == 0:
@@ -461,6 +466,30 @@ class Attention(torch.nn.Module):
                 view.shared[f"candidates.{q}"] = cand
         view.shared[key] = out
         return out
+
+    def _select_fused(
+        self, view: BatchRows, qi: torch.Tensor, wts: torch.Tensor, visible: torch.Tensor, n_max: int
+    ) -> torch.Tensor:
+        """``_selection_batched`` in one Triton kernel per layer: every row scored against its own
+        sequence's index keys straight from the paged pool, the top-k kept on the fly (the score
+        tensor is never written); the candidate pool travels down as a block mask."""
+        from asympd.model import attn_kernels
+
+        cfg = self.cfg
+        pool = view.batch.cache.pools[f"{GroupKind.INDEX.value}.{self.source}"]
+        tables, seqs = view.seg("block_table"), view.row_seg
+        if self.is_candidate_source:
+            sel, cand = attn_kernels.indexer_topk_candidates(
+                qi, wts, pool, tables, visible, cfg.index_topk, cfg.candidate_topk_blocks,
+                cfg.candidate_block_size, row_seq=seqs, max_entries=n_max,
+            )  # fmt: skip
+            view.shared["candidates.blocks"] = cand
+            return sel
+        cand = view.shared["candidates.blocks"][: qi.size(0)] if self.uses_candidates else None
+        return attn_kernels.indexer_topk(
+            qi, wts, pool, tables, visible, cfg.index_topk, row_seq=seqs, candidates=cand,
+            candidate_block=cfg.candidate_block_size if cand is not None else 1, max_entries=n_max,
+        )  # fmt: skip
 
 
 def make_attention_weights(w: dict[str, torch.Tensor], quantized: set[str]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import math
 import shutil
 import struct
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,9 +150,16 @@ def _check_known(name: str, where: str, schema_names: set[str]) -> None:
 
 
 def load_tensors(
-    ckpt_dir: str | Path, cfg: ModelConfig, role: str, *, device: str = "cpu", vision: bool | None = None
+    ckpt_dir: str | Path,
+    cfg: ModelConfig,
+    role: str,
+    *,
+    device: str = "cpu",
+    keep: Callable[[str], bool] | None = None,
+    vision: bool | None = None,
 ) -> tuple[dict[str, torch.Tensor], LoadReport]:
-    """The tensors ``role`` needs, in storage dtypes, validated against the schema.
+    """The tensors ``role`` needs, in storage dtypes, validated against the schema; ``keep``: of
+    those, only the names it accepts (an expert-parallel rank's share, ``parallel.ep.rank_tensors``).
 
     Every tensor name of the checkpoint (the index's weight map, or the single file's header) must
     be in the schema or be a vision tensor (skipped). Only shards holding a needed tensor are
@@ -165,7 +173,7 @@ def load_tensors(
         raise CheckpointError(f"checkpoint directory {str(d)!r} does not exist")
     if vision is None:
         vision = cfg.vision_n_layers > 0
-    needed = role_schema(cfg, role, vision)
+    needed = [s for s in role_schema(cfg, role, vision) if keep is None or keep(s.name)]
     schema_names = {s.name for s in checkpoint_schema(cfg)}
     files, indexed = _tensor_files(d)
     for name, fname in files.items():

@@ -37,11 +37,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from asympd.model import attn_kernels, ops
 from asympd.model import cuda_kernels as K
-from asympd.model import ops
 from asympd.model.attention import AttentionKernels
 from asympd.model.gemm_kernels import moe_blocks
-from asympd.model.moe import MoE
+from asympd.model.moe import MoE, combine_slots
 from asympd.model.ops import QLinear, linear, stable_elementwise
 from asympd.model.packed import FP8TileLinear, PackedExperts, moe_block_m
 from asympd.model.quant import FP8_MAX, fp8_qdq, pow2_scale
@@ -300,7 +300,9 @@ class FastMoE(MoE):
     """Routed experts as grouped GEMMs over expert-sorted tokens; the shared expert as before.
 
     ``experts``: ``mxfp4`` (as released, the loader's default on CUDA: ``packed.PackedExperts`` and
-    the MXFP4 grouped GEMM), ``bf16`` (dequantized, ``torch._grouped_mm``) or ``fp8`` (rowwise)."""
+    the MXFP4 grouped GEMM), ``bf16`` (dequantized, ``torch._grouped_mm``) or ``fp8`` (rowwise).
+    ``routed`` is the same grouped GEMM over any contiguous expert range ``[lo, hi)``, so an
+    expert-parallel rank (``asympd.parallel.ep``) runs its received rows through it too."""
 
     experts = "bf16"
     inexact_rows = 0
@@ -315,12 +317,17 @@ class FastMoE(MoE):
         w2: PackedExperts,
         s13: FP8TileLinear | torch.Tensor,
         s2: FP8TileLinear | torch.Tensor,
+        experts: tuple[int, int] | None = None,
     ) -> FastMoE:
         """Routed experts as stored (MXFP4); the shared expert as FP8 tiles or dequantized (``s13``
-        holds w1 and w3 stacked; the MoE quantizes its input once for both)."""
+        holds w1 and w3 stacked; the MoE quantizes its input once for both). ``experts=(lo, hi)``:
+        ``w13``/``w2`` hold those experts only (expert parallelism)."""
         moe = cls.__new__(cls)
         torch.nn.Module.__init__(moe)
         moe.n_experts, moe.topk = cfg.moe_shape(layer)
+        moe.lo, moe.hi = experts or (0, moe.n_experts)
+        if w13.n_experts != moe.hi - moe.lo:
+            raise ValueError(f"{w13.n_experts} packed experts for the range [{moe.lo}, {moe.hi})")
         moe.score_func, moe.route_scale, moe.limit = cfg.score_func, cfg.route_scale, cfg.swiglu_limit
         moe.gate, moe.bias = gate["weight"], gate["bias"]
         moe.bias_vl = gate.get("bias_vl")  # vision: image-span rows route with it (MoE.route_bias)
@@ -329,9 +336,11 @@ class FastMoE(MoE):
         moe.inter = w2.weight.size(-1) * 2
         moe.shared_inter = s2.in_features if isinstance(s2, FP8TileLinear) else s2.size(1)
         moe.experts = "mxfp4"
-        moe.gate_bf16 = gate["weight"].to(torch.bfloat16) if torch.equal(
-            gate["weight"].to(torch.bfloat16).float(), gate["weight"]
-        ) else None
+        moe.gate_bf16 = (
+            gate["weight"].to(torch.bfloat16)
+            if torch.equal(gate["weight"].to(torch.bfloat16).float(), gate["weight"])
+            else None
+        )
         return moe
 
     def convert(self, experts: str = "bf16", chunk: int = 32) -> None:
@@ -421,11 +430,29 @@ class FastMoE(MoE):
     def forward(self, x: torch.Tensor, vl: torch.Tensor | None = None) -> torch.Tensor:
         if getattr(self, "w13", None) is None:
             return super().forward(x, vl)
-        if self.experts == "mxfp4":
-            return self._forward_mxfp4(x, vl)
-        t, k, n_exp = x.size(0), self.topk, self.w13.size(0)
         weights, ids = self.route(x, vl)
-        flat = ids.reshape(-1)
+        xq = self._quantize(x)  # the routed experts' and the shared expert's input
+        y = combine_slots(self.routed(x, ids, weights, xq), ids)
+        return (y + self.shared(x, xq)).to(x.dtype)
+
+    def _quantize(self, x: torch.Tensor) -> torch.Tensor:
+        return qdq32(x if self.experts == "mxfp4" else x.to(self.s13.dtype))
+
+    def routed(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, xq: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``MoE.routed`` as grouped GEMMs: slot outputs ``[T, s, dim]`` for ids in ``[lo, hi)``
+        (not checked: no host synchronisation); ``xq`` is ``_quantize(x)`` where the caller has it."""
+        if getattr(self, "w13", None) is None:
+            return super().routed(x, ids, weights)
+        if ids.numel() == 0:  # an expert-parallel rank that received no rows
+            return x.new_zeros(*ids.shape, x.size(-1))
+        if xq is None:
+            xq = self._quantize(x)
+        if self.experts == "mxfp4":
+            return self._routed_mxfp4(x, xq, ids, weights)
+        t, k, n_exp = ids.size(0), ids.size(1), self.w13.size(0)
+        flat = ids.reshape(-1) - self.lo
         order = torch.argsort(flat, stable=True)  # by expert, then by token: the reference's order
         token = order // k
         counts = torch.zeros(n_exp, dtype=torch.int64, device=x.device)
@@ -434,7 +461,6 @@ class FastMoE(MoE):
         w_sorted = weights.reshape(-1)[order]
         inter = self.inter
         fused = self._fused(x)
-        xq = qdq32(x.to(self.s13.dtype))  # also the shared expert's input
         if self.experts == "fp8":
             x8, xs = rowwise_fp8(x)
             gu = self._grouped(x8[token], self.w13, offs, xs[token], self.w13_scale)
@@ -449,40 +475,42 @@ class FastMoE(MoE):
         else:
             h = self._swiglu_f32(gu, inter) * w_sorted.unsqueeze(-1)
             out = self._grouped(qdq32(h.to(self.w2f.dtype)), self.w2f, offs)
-        # combine: slot s of token t sits at position inv[t * k + s] of the expert-sorted rows
+        # slot s of token t sits at position inv[t * k + s] of the expert-sorted rows
         inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
-        y = out.index_select(0, inv).view(t, k, -1).sum(1, dtype=torch.float32)
-        return self._add_shared(y, xq, fused).to(x.dtype)
+        return out.index_select(0, inv).view(t, k, -1)
 
-    def _add_shared(self, y: torch.Tensor, xq: torch.Tensor, fused: bool) -> torch.Tensor:
-        """y + the shared expert of the already quantized input xq (fp32)."""
+    def shared(self, x: torch.Tensor, xq: torch.Tensor | None = None) -> torch.Tensor:
+        """The shared expert of ``x`` (already quantized: ``xq``), fp32."""
+        if getattr(self, "w13", None) is None:
+            return super().shared(x)
+        if xq is None:
+            xq = self._quantize(x)
         sg = _mm(xq, self.s13)
-        if fused and sg.dtype == torch.bfloat16:
+        if self._fused(x) and sg.dtype == torch.bfloat16:
             hs = K.swiglu_qdq(sg, None, self.limit, sg.dtype)
         else:
             hs = qdq32(self._swiglu_f32(sg, self.shared_inter).to(sg.dtype))
-        return y + _mm(hs, self.s2).float()
+        return _mm(hs, self.s2).float()
 
-    def _forward_mxfp4(self, x: torch.Tensor, vl: torch.Tensor | None = None) -> torch.Tensor:
+    def _routed_mxfp4(
+        self, x: torch.Tensor, xq: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         """Routed experts straight from the packed FP4 operands: rows sorted by expert and cut
         into M-blocks on the device; the GEMMs expand FP4 in registers (``gemm_kernels``)."""
-        t, k = x.size(0), self.topk
-        weights, ids = self.route(x, vl)
-        flat = ids.reshape(-1)
-        bm = moe_block_m(flat.numel(), self.w13.n_experts)
-        order, *blocks = moe_blocks(flat, self.w13.n_experts, bm)
-        fused = self._fused(x)
-        xq = qdq32(x)  # also the shared expert's input
+        t, k = ids.shape
+        flat = ids.reshape(-1) - self.lo
+        n_exp = self.w13.n_experts
+        bm = moe_block_m(flat.numel(), n_exp)
+        order, *blocks = moe_blocks(flat, n_exp, bm)
         gu = self.w13.matmul(xq, blocks, flat.numel(), bm, a_rows=order // k)
         w_sorted = weights.reshape(-1)[order]
-        if fused:
+        if self._fused(x):
             h = K.swiglu_qdq(gu, w_sorted, self.limit, torch.bfloat16)
         else:
             h = qdq32((self._swiglu_f32(gu, self.inter) * w_sorted.unsqueeze(-1)).to(x.dtype))
         out = self.w2f.matmul(h, blocks, flat.numel(), bm, a_rows=None)
         inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
-        y = out.index_select(0, inv).view(t, k, -1).sum(1, dtype=torch.float32)
-        return self._add_shared(y, xq, fused).to(x.dtype)
+        return out.index_select(0, inv).view(t, k, -1)
 
     @staticmethod
     def _fused(x: torch.Tensor) -> bool:
@@ -536,7 +564,10 @@ def indexer_scores(qi: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> tor
 
 
 CUDA_KERNELS = AttentionKernels(
-    sparse_attention=fast_sparse_attention, topk=fast_topk, indexer_scores=indexer_scores
+    sparse_attention=fast_sparse_attention,
+    topk=fast_topk,
+    indexer_scores=indexer_scores,
+    fused_indexer=attn_kernels.AVAILABLE,
 )
 
 

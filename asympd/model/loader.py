@@ -5,7 +5,7 @@ Weight layouts (``weights=``), all the same function:
   fit bf16) and their GEMM inputs keep the reference's FP8 activation quantization at run time;
 - ``packed``: FP8 matrices and MXFP4 experts stay as stored and run through the Triton GEMMs of
   ``gemm_kernels`` (``packed.py``), so a role holds exactly the bytes ``asympd memory`` counts;
-- ``reference``: the CPU reference modules, on any device (expert parallelism shards them today);
+- ``reference``: the CPU reference modules, on any device;
 - ``packed-experts`` (the default on CUDA): MXFP4 experts packed (97 % of a layer's bytes, and the
   packed MoE is the faster one at decode sizes), the FP8 attention/shared-expert matrices expanded to
   bf16 (2 % of the bytes; cuBLAS on bf16 beats the FP8-tile kernel at most sizes measured,
@@ -28,7 +28,7 @@ from asympd.model.attention import Attention
 from asympd.model.dspark import DSpark, DSparkAttention
 from asympd.model.dtypes import resolve_dtype
 from asympd.model.engram import Engram
-from asympd.model.moe import MoE
+from asympd.model.moe import MoE, expert_range
 from asympd.model.ops import QLinear
 from asympd.model.packed import FP8TileLinear, PackedExperts
 from asympd.model.quant import dequant_fp4, dequant_fp8_tiles
@@ -86,10 +86,10 @@ class _Reader:
             return FastQLinear(w, quantized)
         return QLinear(w, quantized)
 
-    def fp4_experts(self, prefix: str, n_experts: int, projs: tuple[str, ...]) -> PackedExperts:
-        """Every expert's packed projection(s), ``projs`` stacked along the output dim."""
+    def fp4_experts(self, prefix: str, experts: range, projs: tuple[str, ...]) -> PackedExperts:
+        """The packed projection(s) of ``experts``, ``projs`` stacked along the output dim."""
         parts = []
-        for e in range(n_experts):
+        for e in experts:
             names = [f"{prefix}experts.{e}.{p}" for p in projs]
             parts.append(
                 (
@@ -138,8 +138,10 @@ def _attention(
     return attn
 
 
-def _moe(cfg: ModelConfig, layer: int, r: _Reader, prefix: str) -> MoE:
+def _moe(cfg: ModelConfig, layer: int, r: _Reader, prefix: str, ep: tuple[int, int] | None = None) -> MoE:
+    """``ep=(rank, world)``: only that rank's routed experts (``expert_range``), as loaded."""
     n_exp, _ = cfg.moe_shape(layer)
+    lo, hi = expert_range(n_exp, *ep) if ep else (0, n_exp)
     if r.packed:
         from asympd.model.cuda_ops import FastMoE
 
@@ -160,8 +162,9 @@ def _moe(cfg: ModelConfig, layer: int, r: _Reader, prefix: str) -> MoE:
         }
         if r.has(prefix + "gate.bias_vl"):
             gate["bias_vl"] = r.vector(prefix + "gate.bias_vl", torch.float32)
-        w13 = r.fp4_experts(prefix, n_exp, ("w1", "w3"))
-        return FastMoE.packed(cfg, layer, gate, w13, r.fp4_experts(prefix, n_exp, ("w2",)), s13, s2)
+        w13 = r.fp4_experts(prefix, range(lo, hi), ("w1", "w3"))
+        w2 = r.fp4_experts(prefix, range(lo, hi), ("w2",))
+        return FastMoE.packed(cfg, layer, gate, w13, w2, s13, s2, (lo, hi))
     w: dict[str, torch.Tensor] = {
         "gate.weight": r.vector(prefix + "gate.weight", torch.float32),
         "gate.bias": r.vector(prefix + "gate.bias", torch.float32),
@@ -169,15 +172,15 @@ def _moe(cfg: ModelConfig, layer: int, r: _Reader, prefix: str) -> MoE:
     if r.has(prefix + "gate.bias_vl"):  # read with the vision tower: image-span rows route with it
         w["gate.bias_vl"] = r.vector(prefix + "gate.bias_vl", torch.float32)
     for proj in ("w1", "w2", "w3"):
-        w[f"experts.{proj}"] = torch.stack([r.matrix(f"{prefix}experts.{e}.{proj}")[0] for e in range(n_exp)])
+        w[f"experts.{proj}"] = torch.stack([r.matrix(f"{prefix}experts.{e}.{proj}")[0] for e in range(lo, hi)])
         w[f"shared_experts.{proj}"] = r.matrix(f"{prefix}shared_experts.{proj}")[0]
     if r.kernels:  # routed experts as one bf16 grouped-GEMM operand (the dequantized layout on CUDA)
         from asympd.model.cuda_ops import FastMoE
 
-        moe = FastMoE(cfg, layer, w)
+        moe = FastMoE(cfg, layer, w, (lo, hi))
         moe.convert("bf16")
         return moe
-    return MoE(cfg, layer, w)
+    return MoE(cfg, layer, w, (lo, hi))
 
 
 def build_model(
@@ -189,10 +192,12 @@ def build_model(
     device: str | torch.device = "cpu",
     hasher: Any | None = None,
     weights: str = "auto",
+    ep: tuple[int, int] | None = None,
 ) -> Transformer:
     """The model of ``role`` from storage-format tensors (as ``load_tensors`` returns them).
     ``weights``: ``packed`` | ``packed-experts`` | ``dequantized`` | ``auto`` (packed-experts on CUDA,
-    dequantized elsewhere)."""
+    dequantized elsewhere). ``ep=(rank, world)``: every backbone MoE holds that rank's routed
+    experts only (``tensors`` need hold no others); the drafter is built where its tensors are."""
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
     device = torch.device(device)
@@ -217,7 +222,7 @@ def build_model(
             for sub in ("attn", "ffn"):
                 for part in ("fn", "base", "scale"):
                     w[f"hc_{sub}_{part}"] = r.vector(f"{p}hc_{sub}_{part}", torch.float32)
-            w["ffn"] = _moe(cfg, layer, r, p + "ffn.")
+            w["ffn"] = _moe(cfg, layer, r, p + "ffn.", ep)
         if layer in cfg.engram_layer_ids:
             e = p + "engram."
             tables = {n: (r.host_table if packed else r.raw)(e + n) for n in ("embed.weight", "embed.scale")}
@@ -274,8 +279,7 @@ LAYOUTS = {
 
 def resolve_weights(weights: str, device: torch.device) -> Layout:
     """The layout ``weights`` names on ``device``. ``auto``: packed-experts on CUDA, dequantized
-    elsewhere. ``reference`` keeps the CPU reference modules on CUDA too (what expert parallelism
-    shards today)."""
+    elsewhere. ``reference`` keeps the CPU reference modules on CUDA too."""
     if weights == "auto":
         weights = "packed-experts" if device.type == "cuda" else "dequantized"
     if weights not in LAYOUTS:
@@ -329,16 +333,24 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str = "auto",
     weights: str = "auto",
+    ep: tuple[int, int] | None = None,
     vision: bool | None = None,
 ) -> Transformer:
-    """Load a role from a checkpoint directory; ``.load_report`` says what was read. ``vision``
-    (default: whether the config has a tower) also reads the vision tower and the VL gate biases."""
+    """Load a role from a checkpoint directory; ``.load_report`` says what was read.
+    ``ep=(rank, world)``: rank ``rank`` of an expert-parallel worker, which reads only its own
+    routed experts (and, past rank 0, no drafter: it runs on rank 0). ``vision`` (default: whether
+    the config has a tower) also reads the vision tower and the VL gate biases."""
     from asympd.model.checkpoint import load_config, load_tensors
 
     dtype = resolve_dtype(dtype, device)
 
     cfg = load_config(checkpoint)
-    tensors, report = load_tensors(checkpoint, cfg, role, vision=vision)
+    keep = None
+    if ep is not None:
+        from asympd.parallel.ep import rank_tensors
+
+        keep = rank_tensors(cfg, *ep)
+    tensors, report = load_tensors(checkpoint, cfg, role, keep=keep, vision=vision)
     hasher = None
     if cfg.engram_layer_ids:
         from asympd.model.engram_hash import NgramHasher, compressed_token_map
@@ -352,7 +364,7 @@ def load_model(
                 f"{cfg.engram_compressed_vocab_size}: every Engram hash would change"
             )
         hasher = NgramHasher(cfg, token_map)
-    model = build_model(cfg, tensors, role, dtype=dtype, device=device, hasher=hasher, weights=weights)
+    model = build_model(cfg, tensors, role, dtype=dtype, device=device, hasher=hasher, weights=weights, ep=ep)
     model.load_report = report
     model.checkpoint = str(checkpoint)
     return model

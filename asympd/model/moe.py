@@ -1,5 +1,12 @@
 """Mixture of experts: sqrt-softplus routing (the bias picks experts, the unbiased scores weight
-them), FP4 routed experts with clamped SwiGLU, and one FP8 shared expert every token takes."""
+them), FP4 routed experts with clamped SwiGLU, and one FP8 shared expert every token takes.
+
+A layer is three steps, each a method, so expert parallelism (``asympd.parallel.ep``) can run the
+middle one on another rank: ``route`` (token -> k experts and weights), ``routed`` (each routed
+(token, slot) row through its expert, for the contiguous range of experts this module holds) and
+``combine_slots`` + ``shared``. The combine adds each token's k slot outputs in ascending expert id
+as a chain from +0, which is the order the reference accumulates in and does not depend on which
+rank computed which expert: any expert-parallel degree gives the single-rank bits."""
 
 from __future__ import annotations
 
@@ -33,10 +40,39 @@ def swiglu(
     return linear(fp8_qdq(h.to(x.dtype), 32), w2)
 
 
+def expert_range(n_experts: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank ``rank``'s experts ``[lo, hi)``: ``[r*E/ep, (r+1)*E/ep)``, rounded down (contiguous
+    and ascending in rank, so the owners of ascending experts are ascending ranks)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} outside a world of {world}")
+    return rank * n_experts // world, (rank + 1) * n_experts // world
+
+
+def combine_slots(out: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[T, dim]`` from the slot outputs ``out [T, k, dim]`` of tokens routed to ``ids [T, k]``:
+    on CPU each token's slots added in ascending expert id as a chain from +0, the reference's order
+    (so where each expert ran does not change a bit); on CUDA one fp32 sum (the GPU path is the
+    reference's function up to summation order anyway)."""
+    if out.is_cuda:
+        return out.sum(1, dtype=torch.float32)
+    order = torch.argsort(ids, dim=1, stable=True)
+    y = torch.zeros(out.size(0), out.size(-1), dtype=torch.float32, device=out.device)
+    tokens = torch.arange(out.size(0), device=out.device)
+    for s in range(ids.size(1)):
+        y += out[tokens, order[:, s]].float()
+    return y
+
+
 class MoE(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, w: dict[str, torch.Tensor]):
+    """``experts=(lo, hi)``: the module holds routed experts ``[lo, hi)`` only (expert parallelism;
+    ``w["experts.*"]`` stacked over that range); routing always covers all ``n_experts``."""
+
+    def __init__(
+        self, cfg: ModelConfig, layer: int, w: dict[str, torch.Tensor], experts: tuple[int, int] | None = None
+    ):
         super().__init__()
         self.n_experts, self.topk = cfg.moe_shape(layer)
+        self.lo, self.hi = experts or (0, self.n_experts)
         self.score_func, self.route_scale, self.limit = cfg.score_func, cfg.route_scale, cfg.swiglu_limit
         self.gate = w["gate.weight"].float()
         self.bias = w["gate.bias"].float()
@@ -67,13 +103,25 @@ class MoE(torch.nn.Module):
             return self.bias
         return torch.where(vl.to(self.bias.device).unsqueeze(-1), self.bias_vl, self.bias)
 
+    def routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Slot outputs ``[T, s, dim]`` in x's dtype: ``weights[t, j] * expert_{ids[t, j]}(x[t])``.
+        Every id must be one this module holds. Each expert runs once, over its rows in token order:
+        the rows the single-rank layer batches for it, wherever the tokens came from."""
+        if ids.numel() and (int(ids.min()) < self.lo or int(ids.max()) >= self.hi):
+            raise ValueError(f"expert ids outside the experts [{self.lo}, {self.hi}) this module holds")
+        out = x.new_zeros(*ids.shape, x.size(-1))
+        for e in torch.unique(ids).tolist():
+            rows, slot = torch.where(ids == e)
+            j = e - self.lo
+            out[rows, slot] = swiglu(x[rows], self.w1[j], self.w3[j], self.w2[j], self.limit, weights[rows, slot, None])
+        return out
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert, fp32."""
+        return swiglu(x, self.s1, self.s3, self.s2, self.limit).float()
+
     def forward(self, x: torch.Tensor, vl: torch.Tensor | None = None) -> torch.Tensor:
         weights, ids = self.route(x, vl)
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in torch.unique(ids).tolist():  # ascending: the reference's accumulation order
-            rows, slot = torch.where(ids == e)
-            y[rows] += swiglu(
-                x[rows], self.w1[e], self.w3[e], self.w2[e], self.limit, weights[rows, slot, None]
-            ).float()
-        y += swiglu(x, self.s1, self.s3, self.s2, self.limit).float()
+        y = combine_slots(self.routed(x, ids, weights), ids)
+        y += self.shared(x)
         return y.to(x.dtype)

@@ -66,7 +66,11 @@ class RankSpec:
     dtype: str = "float32"
     threads: int | None = None  # torch intra-op threads per rank (None: rank 0's count)
     parallel: str = "ep"  # ep: experts sharded, rank 0's steps replayed; cp: P's prefix split (cp_engine.py)
-    weights: str = "reference"  # the weight layout (EP shards the reference MoE's stacked experts)
+    weights: str = "auto"  # the loader's weight layout (asympd.model.loader.LAYOUTS)
+
+    def __post_init__(self) -> None:
+        if self.parallel not in ("ep", "cp"):
+            raise ValueError(f"parallel must be 'ep' or 'cp', got {self.parallel!r}")
 
 
 def backend_for(device: str) -> str:

@@ -10,6 +10,7 @@ import torch
 from asympd.engine import modes
 from asympd.engine.llm import LLM
 from asympd.model.dtypes import resolve_dtype
+from asympd.model.loader import load_model
 from asympd.parallel.executor import DistributedExecutor
 from asympd.parallel.launch import RankGroup, RankSpec
 
@@ -46,12 +47,13 @@ class ParallelLLM(LLM):
         role = model_role(mode, shard)
         dtype = resolve_dtype(dtype, device)
         self.executor: DistributedExecutor | None = None
+        self.ep = ep
+        self.sharded_engine = shard if mode != "colocated" else "colocated"
         if ep == 1:
             super().__init__(checkpoint, mode, prefill_semantics, device=device, dtype=dtype, **kwargs)
             return
-        if kwargs.setdefault("weights", "reference") != "reference":
-            raise ValueError("expert parallelism runs the reference MoE (packed experts are not sharded yet)")
-        spec = RankSpec(str(checkpoint), role, device, str(dtype).removeprefix("torch."))
+        weights = kwargs.get("weights", "auto")
+        spec = RankSpec(str(checkpoint), role, device, str(dtype).removeprefix("torch."), weights=weights)
         self.executor = DistributedExecutor(RankGroup(ep, spec))  # children load while we do
         try:
             super().__init__(checkpoint, mode, prefill_semantics, device=device, dtype=dtype, **kwargs)
@@ -59,6 +61,13 @@ class ParallelLLM(LLM):
         except BaseException:
             self.executor.close()
             raise
+
+    def _load_model(
+        self, engine_role: str, checkpoint: str | Path, role: str, device: str, dtype: torch.dtype, weights: str
+    ):
+        """Rank 0's share of the sharded engine's model (its experts only); the other engine whole."""
+        ep = (0, self.ep) if self.ep > 1 and engine_role == self.sharded_engine else None
+        return load_model(checkpoint, role, device, dtype, weights, ep=ep)
 
     def close(self) -> None:
         if self.executor is not None:

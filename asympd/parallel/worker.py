@@ -46,12 +46,13 @@ def main() -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
-    # EP shards the reference MoE's stacked experts: packed experts are not sharded yet
-    model = load_model(spec.checkpoint, spec.role, device, dtype_of(spec.dtype), weights=spec.weights)
-    if getattr(model, "drafter", None) is not None:
-        model.drafter = None  # the drafter runs on rank 0 only
-    if spec.parallel == "ep":
+    if spec.parallel == "ep":  # this rank's experts only, and no drafter (it runs on rank 0)
+        model = load_model(spec.checkpoint, spec.role, device, dtype_of(spec.dtype), spec.weights, ep=(rank, world))
         shard_moe(model, rank, world)
+    else:  # CP: the whole prefill role on every rank
+        model = load_model(spec.checkpoint, spec.role, device, dtype_of(spec.dtype), weights=spec.weights)
+        if getattr(model, "drafter", None) is not None:
+            model.drafter = None
     store.set(f"ready/{rank}", "1")
     control = join_groups(backend_for(spec.device), store, rank, world)
     try:

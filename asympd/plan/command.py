@@ -21,8 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt-len", default=DEFAULT_PROMPT, help="N or N:weight,N:weight,... (tokens)")
     p.add_argument("--output-len", default="256", help="N or N:weight,... (tokens)")
     p.add_argument("--rate", type=float, help="requests/s (Poisson); required without a timed --traffic")
-    p.add_argument("--slo-ttft-p99", type=float, required=True, help="seconds")
-    p.add_argument("--slo-itl-p99", type=float, required=True, help="milliseconds between a request's steps")
+    p.add_argument("--slo-ttft-p99", type=float, help="seconds (required unless --validate)")
+    p.add_argument("--slo-itl-p99", type=float, help="ms between a request's steps (required unless --validate)")
     p.add_argument("--mode", default="all", help=f"all | {' | '.join(PLANNED_MODES)}")
     p.add_argument("--requests", type=int, default=300, help="requests simulated")
     p.add_argument("--reserve-gb", type=float, default=DEFAULT_RESERVE_GB)
@@ -30,9 +30,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", default=None, help="write a PNG of GPUs and goodput per mode here")
+    p.add_argument(
+        "--validate",
+        default=None,
+        metavar="RESULT.json",
+        help="instead of planning: the prediction for a bench/e2e.py result's deployments against its measurements",
+    )
+    p.add_argument("--validate-out", default=None, metavar="JSON", help="with --validate: write the table here too")
 
 
 def build_request(args: argparse.Namespace) -> PlanRequest:
+    missing = [f for f in ("slo_ttft_p99", "slo_itl_p99") if getattr(args, f) is None]
+    if missing:
+        raise PlanError(f"--{missing[0].replace('_', '-')} is required (unless --validate)")
     if args.requests < 10:
         raise PlanError(f"--requests must be at least 10, got {args.requests}")
     modes = PLANNED_MODES if args.mode == "all" else tuple(m.strip() for m in args.mode.split(","))
@@ -79,6 +89,10 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.validate:
+        from asympd.plan.validate import run_validation
+
+        return run_validation(args.validate, args.json, args.validate_out)
     result = Planner(build_request(args), results_dir=args.results).plan()
     if args.plot:
         plot(result, args.plot)

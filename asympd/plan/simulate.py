@@ -65,11 +65,13 @@ class _SimRequest(Request):
         return range(len(self.prompt_token_ids) + len(self.output_token_ids))
 
 
-def _scheduler(cfg: ModelConfig, sc: SchedulerConfig, num_blocks: int, arrivals: list[Arrival]) -> Scheduler:
+def _scheduler(
+    cfg: ModelConfig, sc: SchedulerConfig, num_blocks: int, arrivals: list[Arrival], num_spec: int = NUM_SPEC
+) -> Scheduler:
     # blocks beyond what every request at once could hold never bind: leave them out (same result, faster)
-    demand = sum(-(-(a.prompt_len + a.output_len + 1 + NUM_SPEC) // BLOCK_SIZE) for a in arrivals)
+    demand = sum(-(-(a.prompt_len + a.output_len + 1 + num_spec) // BLOCK_SIZE) for a in arrivals)
     num_blocks = min(num_blocks, demand + 1)
-    spec = KVCacheSpec.from_config(cfg, block_size=BLOCK_SIZE, spec_slack=NUM_SPEC)
+    spec = KVCacheSpec.from_config(cfg, block_size=BLOCK_SIZE, spec_slack=num_spec)
     blocks = BlockManager(spec, num_blocks=num_blocks, max_seqs=sc.max_num_seqs, enable_prefix_caching=False)
     return Scheduler(sc, blocks)
 
@@ -82,9 +84,10 @@ def run_prefill(
     num_blocks: int,
     arrivals: list[Arrival],
     max_num_seqs: int = 64,
+    step_tokens: int = P_STEP_TOKENS,
 ) -> ReplicaRun:
-    """One P replica: prompts packed up to the 16K-token step budget, exported when done."""
-    sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=P_STEP_TOKENS)
+    """One P replica: prompts packed up to the step budget (16K tokens, as measured), exported when done."""
+    sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=step_tokens)
     sched = _scheduler(cfg, sc, num_blocks, arrivals)
     run = ReplicaRun()
     pending = sorted(arrivals, key=lambda a: (a.time_s, a.index))
@@ -150,17 +153,25 @@ def run_decode(
     max_new_admissions: int | None,
     admission_token_budget: int | None,
     seed: int,
+    *,
+    num_spec: int = NUM_SPEC,
+    max_num_batched_tokens: int | None = None,
+    colocated_semantics: str = "full",
 ) -> ReplicaRun:
     """One D replica: requests arrive with their prefix at ``time_s``; D admits them under the
-    policy, runs their bounded prefill (asymmetric: the first token) and decodes ``output_len``."""
+    policy, runs their bounded prefill (asymmetric: the first token) and decodes ``output_len``.
+
+    ``num_spec`` 0 is a worker without speculative decoding (one token per step); mode
+    ``colocated`` is a colocated worker computing whole prompts (``colocated_semantics``)."""
     sc = SchedulerConfig(
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max(max_num_seqs * (1 + NUM_SPEC), 2048) + (admission_token_budget or 2048),
+        max_num_batched_tokens=max_num_batched_tokens
+        or max(max_num_seqs * (1 + num_spec), 2048) + (admission_token_budget or 2048),
         max_new_admissions=max_new_admissions,
         admission_token_budget=admission_token_budget,
-        num_spec_tokens=NUM_SPEC,
+        num_spec_tokens=num_spec,
     )
-    sched = _scheduler(cfg, sc, num_blocks, arrivals)
+    sched = _scheduler(cfg, sc, num_blocks, arrivals, num_spec)
     rng = random.Random(seed)
     run = ReplicaRun()
     pending = sorted(arrivals, key=lambda a: (a.time_s, a.index))
@@ -172,13 +183,16 @@ def run_decode(
         while i < len(pending) and pending[i].time_s <= t:
             a = pending[i]
             i += 1
-            plan = modes.decode_plan(cfg, a.prompt_len, mode)
+            if mode == "colocated":
+                plan = modes.DecodePlan(0, modes.colocated_phases(cfg, a.prompt_len, colocated_semantics), False)
+            else:
+                plan = modes.decode_plan(cfg, a.prompt_len, mode)
             rid = str(a.index)
             req = _SimRequest(
                 rid, [0] * a.prompt_len, SamplingParams(max_tokens=a.output_len), plan.phases, arrival_time=a.time_s
             )
-            req.spec_enabled = True
-            req.spec_draft = [0] * NUM_SPEC
+            req.spec_enabled = num_spec > 0
+            req.spec_draft = [0] * num_spec
             if plan.first_token_from_prefill:  # the first token came from P with the prefix
                 req.output_token_ids.append(0)
                 run.first_token_s[a.index] = a.time_s
@@ -198,6 +212,8 @@ def run_decode(
         dec = [c for c in out.chunks if c.phase is None]
         rows = sum(c.num_rows for c in out.chunks if c.phase is not None)
         if not out.chunks:
+            if any(r.status is Status.RUNNING and not r.in_prompt for r in sched.running):
+                continue  # admitted with nothing to compute (symmetric-windows): decodes next step
             t = pending[i].time_s if i < len(pending) else t
             if i >= len(pending) and sched.has_work:
                 raise RuntimeError("decode scheduler made no progress")
@@ -222,7 +238,7 @@ def run_decode(
                         run.first_token_s[a.index] = t
                         last[rid] = t
                 continue
-            k = rng.choices(ACCEPT_TOKENS, cum_weights=ACCEPT_CUM)[0]
+            k = rng.choices(ACCEPT_TOKENS, cum_weights=ACCEPT_CUM)[0] if num_spec else 1
             k = min(k, a.output_len - len(req.output_token_ids))
             req.output_token_ids.extend([0] * k)
             gaps[rid].append(t - last[rid])

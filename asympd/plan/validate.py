@@ -11,13 +11,17 @@ against a GPU.
 from __future__ import annotations
 
 import json
+import math
 import random
+import statistics
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from asympd.config import v41_flash
+from asympd.config import ModelConfig, v41_flash
+from asympd.engine import modes
 from asympd.plan.gpus import GPUS
-from asympd.plan.simulate import Arrival, run_decode
+from asympd.plan.simulate import Arrival, run_decode, run_prefill
 from asympd.plan.steps import RESULTS_DIR, StepModel, load_results
 
 BENCH_POLICIES = {"admit-all": (None, None), "cap-4": (4, 512), "cap-8": (8, 1024)}
@@ -69,5 +73,348 @@ def validate_admission(
     return out
 
 
+# ---- the end-to-end study (bench/e2e.py) ------------------------------------------------------------
+
+TARGET = 0.15  # issue 18: within 15 % of the measured TTFT p50, ITL p50 and goodput
+
+
+class ValidationError(ValueError):
+    """An end-to-end result the validation cannot read."""
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares (intercept, slope), both >= 0; through the origin where x does not vary."""
+    xs = {x for x, _ in points}
+    if len(xs) < 2:
+        x = max(xs) or 1.0
+        return 0.0, max(0.0, _median([y for _, y in points]) / x)
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    slope = max(0.0, slope)
+    return max(0.0, my - slope * mx), slope
+
+
+@dataclass
+class MeasuredSteps:
+    """``StepModel``'s interface with step times fitted to an end-to-end result's own calibration
+    (lone requests and one batch, through the same servers): the planner's simulator then runs on
+    the measured machine instead of the H200 tables. Times in ms."""
+
+    p_step_ms: float  # P: fixed cost of a step
+    p_row_ms: float  # P: per prompt row
+    d_step_ms: float  # D: a decode step of one request
+    d_seq_ms: float  # D: per further request in the step
+    d_row_ms: float  # D: per bounded-prefill (or colocated prompt) row
+    move_ms: float  # P -> D: fixed cost of one prefix move
+    move_row_ms: float  # P -> D: per prompt token
+    ttft_offset_ms: float = 0.0  # client TTFT minus the simulated one, lone requests (HTTP, router, streaming)
+
+    def prefill_ms(self, mode: str, chunks: list[tuple[int, int]], gpus: int) -> float:
+        rows = sum(r for r, _ in chunks)
+        return self.p_step_ms + self.p_row_ms * rows if rows else 0.0
+
+    def decode_ms(self, batch: int, prefill_rows: int, gpus: int) -> float:
+        return self.d_step_ms + self.d_seq_ms * max(batch - 1, 0) + self.d_row_ms * prefill_rows
+
+    def move_for(self, prompt_len: int) -> float:
+        return self.move_ms + self.move_row_ms * prompt_len
+
+
+def _d_first_steps(cfg: ModelConfig, mode: str, n: int, semantics: str, budget: int) -> tuple[int, int]:
+    """(rows, steps) D runs for a lone request before its first token comes out, chunked as the
+    scheduler chunks them (per phase, at most ``budget`` rows a step)."""
+    if mode == "colocated":
+        phases = modes.colocated_phases(cfg, n, semantics)
+    else:
+        phases = modes.decode_plan(cfg, n, mode).phases
+    rows = sum(p.hi - p.lo for p in phases)
+    return rows, sum(-(-(p.hi - p.lo) // budget) for p in phases)
+
+
+def _steps_and_rows(points: list[tuple[int, int, float]]) -> tuple[float, float]:
+    """(per step, per row) with time = steps * a + rows * b: where every probe ran the same number
+    of steps, a line in rows (its intercept shared out over the steps), else least squares."""
+    ks = {k for k, _, _ in points}
+    if len(ks) == 1:
+        intercept, slope = _line([(rows, y) for _, rows, y in points])
+        return intercept / ks.pop(), slope
+    skk = sum(k * k for k, _, _ in points)
+    srr = sum(r * r for _, r, _ in points)
+    skr = sum(k * r for k, r, _ in points)
+    sky = sum(k * y for k, _, y in points)
+    sry = sum(r * y for _, r, y in points)
+    det = skk * srr - skr * skr
+    if det == 0:
+        return 0.0, max(0.0, sry / srr)
+    return max(0.0, (sky * srr - sry * skr) / det), max(0.0, (sry * skk - sky * skr) / det)
+
+
+def fit_steps(
+    cfg: ModelConfig, mode: str, cal: dict[str, Any], d_budget: int, semantics: str, p_budget: int = 16384
+) -> MeasuredSteps:
+    """Step times from the calibration of one deployment (see bench/e2e.py ``calibrate``)."""
+    lone = cal["lone"]
+    gaps = [g for r in lone for g in r["gaps_s"][1:]]  # the first gap can hold a replay or a flush
+    d_step = _median(gaps) * 1e3
+    batch = cal["batch"]
+    steady = [g for r in batch["requests"] for g in r["gaps_s"][2:]]
+    d_seq = max(0.0, (_median(steady) * 1e3 - d_step) / max(batch["size"] - 1, 1)) if steady else 0.0
+    per_row = []
+    for r in lone:
+        rows, steps = _d_first_steps(cfg, mode, r["prompt_len"], semantics, d_budget)
+        first = r["timings"].get("decode_first_step_s")
+        if rows and first is not None:
+            per_row.append(max(0.0, first * 1e3 - steps * d_step) / rows)
+    p_points, move_points = [], []
+    if mode != "colocated":
+        for r in lone:
+            t = r["timings"]
+            phases = modes.prefill_plan(cfg, r["prompt_len"], mode).phases
+            p_rows = sum(p.hi - p.lo for p in phases)
+            if t.get("prefill_s") is not None and p_rows > 0:
+                p_steps = sum(-(-(p.hi - p.lo) // p_budget) for p in phases)
+                p_points.append((p_steps, p_rows, t["prefill_s"] * 1e3))
+            if t.get("transfer_s") is not None:
+                move_points.append((r["prompt_len"], t["transfer_s"] * 1e3))
+    p_step, p_row = _steps_and_rows(p_points) if p_points else (0.0, 0.0)
+    move, move_row = _line(move_points) if move_points else (0.0, 0.0)
+    return MeasuredSteps(p_step, p_row, d_step, d_seq, _median(per_row), move, move_row)
+
+
+@dataclass
+class Simulated:
+    ttft_s: dict[int, float]
+    gaps_s: dict[int, list[float]]
+    done_s: dict[int, float]
+
+
+def simulate_deployment(
+    cfg: ModelConfig,
+    mode: str,
+    steps: MeasuredSteps,
+    arrivals: list[Arrival],
+    *,
+    replicas: int,
+    p_step_tokens: int,
+    policy: tuple[int | None, int | None],
+    colocated_semantics: str,
+    seed: int = 0,
+) -> Simulated:
+    """The planner's simulator on one measured deployment: 1 P + 1 D, or ``replicas`` colocated
+    workers (round-robin), no speculative decoding, the workers' default scheduler limits."""
+    from asympd.engine.scheduler import SchedulerConfig
+
+    sc = SchedulerConfig()
+    cap, budget = policy
+    many = 1 << 24
+    if mode == "colocated":
+        runs = [
+            run_decode(
+                cfg,
+                steps,
+                "colocated",
+                1,
+                many,
+                arrivals[r::replicas],
+                sc.max_num_seqs,
+                cap,
+                budget,
+                seed,
+                num_spec=0,
+                max_num_batched_tokens=sc.max_num_batched_tokens,
+                colocated_semantics=colocated_semantics,
+            )  # fmt: skip
+            for r in range(replicas)
+        ]
+    else:
+        p = run_prefill(cfg, steps, mode, 1, many, arrivals, sc.max_num_seqs, step_tokens=p_step_tokens)
+        at_d = [
+            Arrival(a.index, p.done_s[a.index] + steps.move_for(a.prompt_len) / 1e3, a.prompt_len, a.output_len)
+            for a in arrivals
+            if a.index in p.done_s
+        ]
+        runs = [
+            run_decode(
+                cfg,
+                steps,
+                mode,
+                1,
+                many,
+                at_d,
+                sc.max_num_seqs,
+                cap,
+                budget,
+                seed,
+                num_spec=0,
+                max_num_batched_tokens=sc.max_num_batched_tokens,
+            )  # fmt: skip
+        ]
+    start = {a.index: a.time_s for a in arrivals}
+    out = Simulated({}, {a.index: [] for a in arrivals}, {})
+    for run in runs:
+        for i, t in run.first_token_s.items():
+            out.ttft_s[i] = t - start[i] + steps.ttft_offset_ms / 1e3
+        for g, i in zip(run.itl_s, run.itl_request, strict=True):
+            out.gaps_s[i].append(g)
+        out.done_s.update(run.done_s)
+    return out
+
+
+def _ttft_offset(cfg: ModelConfig, mode: str, steps: MeasuredSteps, cal: dict[str, Any], **kw: Any) -> float:
+    """Median of (client TTFT - simulated TTFT) over the lone calibration requests, each simulated
+    alone: what the step model does not see (HTTP hops, the router, streaming)."""
+    resid = []
+    for r in cal["lone"]:
+        if r["ttft_s"] is None:
+            continue
+        sim = simulate_deployment(cfg, mode, steps, [Arrival(0, 0.0, r["prompt_len"], 2)], **kw)
+        if 0 in sim.ttft_s:
+            resid.append(r["ttft_s"] - sim.ttft_s[0])
+    return _median(resid) * 1e3
+
+
+def _validate_mode(
+    out: dict[str, Any],
+    mode: str,
+    m: dict[str, Any],
+    cfg: ModelConfig,
+    slo: dict[str, float],
+    kw: dict[str, Any],
+    d_budget: int,
+) -> None:
+    if "calibration" not in m or not m.get("runs"):
+        out["modes"][mode] = {"skipped": (m.get("error") or m.get("skipped") or "no calibration or runs")[-300:]}
+        return
+    """One mode's rows (and fitted steps) into ``out``."""
+    kw = {**kw, "replicas": sum(1 for w in m["workers"].values() if w["role"] == "colocated") or 1}
+    steps = fit_steps(cfg, mode, m["calibration"], d_budget, kw["colocated_semantics"], kw["p_step_tokens"])
+    steps.ttft_offset_ms = _ttft_offset(cfg, mode, steps, m["calibration"], **kw)
+    out["modes"][mode] = {"steps_ms": asdict(steps)}
+    for run in m["runs"]:
+        req = run["requests"]
+        ok = [i for i, e in enumerate(req["errors"]) if not e]
+        arrivals = [Arrival(i, req["start_times"][i], req["input_lens"][i], req["output_lens"][i]) for i in ok]
+        sim = simulate_deployment(cfg, mode, steps, arrivals, **kw)
+        ttft = [sim.ttft_s[i] for i in ok if i in sim.ttft_s]
+        itl = [g for i in ok for g in sim.gaps_s[i]]
+        good = [
+            i
+            for i in ok
+            if i in sim.ttft_s
+            and sim.ttft_s[i] * 1e3 <= slo["ttft_ms"]
+            and max(sim.gaps_s[i], default=0.0) * 1e3 <= slo["itl_ms"]
+        ]
+        duration = max(sim.done_s.values(), default=0.0) + steps.ttft_offset_ms / 1e3
+        predicted = {
+            "ttft_p50_ms": _median(ttft) * 1e3,
+            "itl_p50_ms": _median(itl) * 1e3,
+            "goodput_req_s": len(good) / duration if duration > 0 else 0.0,
+        }
+        measured = {
+            "ttft_p50_ms": run["median_ttft_ms"],
+            "itl_p50_ms": run["median_itl_ms"],
+            "goodput_req_s": run["request_goodput"] or 0.0,
+        }
+        ratio = {k: predicted[k] / measured[k] if measured[k] else math.nan for k in predicted}
+        out["rows"].append(
+            {
+                "mode": mode,
+                "rate": run["request_rate"],
+                "requests": len(ok),
+                "measured": measured,
+                "predicted": predicted,
+                "ratio": ratio,
+                "within_target": all(abs(r - 1) <= TARGET for r in ratio.values()),
+            }
+        )
+
+
+def validate_e2e(result: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+    """Predicted vs measured TTFT p50, ITL p50 and request goodput for every mode and rate of a
+    ``bench/e2e.py`` result, the prediction made on the same arrivals (send times, prompt and
+    output lengths as measured) with step times fitted to the result's own calibration."""
+    from asympd.engine.scheduler import SchedulerConfig
+
+    try:
+        cfg = ModelConfig.from_dict(result["model"]["model_config"])
+        slo = result["slo"]
+        policy = (result["d_policy"]["max_new_admissions"], result["d_policy"]["admission_token_budget"])
+        p_tokens, sem = result["p_step_tokens"], result["colocated_semantics"]
+        modes_in = result["modes"]
+    except (KeyError, TypeError) as e:
+        raise ValidationError(f"not a bench/e2e.py result: missing {e}") from None
+    except ValueError as e:  # ConfigError included
+        raise ValidationError(f"the result's model_config is invalid: {e}") from None
+    d_budget = policy[1] or SchedulerConfig().max_num_batched_tokens
+    out: dict[str, Any] = {
+        "source": {k: result.get(k) for k in ("benchmark", "commit", "source_digest", "utc")},
+        "device": (result.get("device") or {}).get("gpu") or "cpu",
+        "model_depth": result["model"].get("depth"),
+        "slo": slo,
+        "target": TARGET,
+        "modes": {},
+        "rows": [],
+    }
+    for mode, m in modes_in.items():
+        kw = dict(p_step_tokens=p_tokens, policy=policy, colocated_semantics=sem, seed=seed)
+        try:
+            _validate_mode(out, mode, m, cfg, slo, kw, d_budget)
+        except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
+            raise ValidationError(f"mode {mode!r} of the result is malformed: {type(e).__name__}: {e}") from None
+    return out
+
+
+def format_validation(v: dict[str, Any]) -> str:
+    lines = [
+        f"planner vs measured ({v['source'].get('benchmark')}, {v['device']}, depth {v['model_depth']}, "
+        f"commit {str(v['source'].get('commit'))[:12]}); SLO TTFT {v['slo']['ttft_ms']:g} ms, "
+        f"ITL {v['slo']['itl_ms']:g} ms; target +-{v['target']:.0%}",
+        f"{'mode':<18}{'req/s':>6}{'TTFT p50 ms meas/pred':>24}{'ITL p50 ms meas/pred':>24}"
+        f"{'goodput req/s meas/pred':>26}  ok",
+    ]
+    lines.append("-" * len(lines[-1]))
+    for r in v["rows"]:
+        m, p, q = r["measured"], r["predicted"], r["ratio"]
+        cells = [
+            f"{m[k]:>8.1f}/{p[k]:<7.1f}({q[k]:.2f})".rjust(w)
+            for k, w in (("ttft_p50_ms", 24), ("itl_p50_ms", 24), ("goodput_req_s", 26))
+        ]
+        lines.append(f"{r['mode']:<18}{r['rate']:>6g}{''.join(cells)}  {'yes' if r['within_target'] else 'no'}")
+    for mode, m in v["modes"].items():
+        if "skipped" in m:
+            lines.append(f"{mode}: skipped ({m['skipped'].strip().splitlines()[-1] if m['skipped'] else ''})")
+        else:
+            s = m["steps_ms"]
+            lines.append(
+                f"{mode}: fitted steps (ms) P {s['p_step_ms']:.1f} + {s['p_row_ms']:.4f}/row; D {s['d_step_ms']:.1f}"
+                f" + {s['d_seq_ms']:.2f}/request + {s['d_row_ms']:.4f}/prefill row; move {s['move_ms']:.1f} +"
+                f" {s['move_row_ms']:.5f}/token; TTFT offset {s['ttft_offset_ms']:.1f}"
+            )
+    return "\n".join(lines)
+
+
+def run_validation(path: str, as_json: bool = False, out: str | None = None) -> int:
+    """``asympd plan --validate RESULT.json``: print (and optionally write) the table; exit 0 when
+    every row is within the target, 1 otherwise."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValidationError(f"cannot read {path!r}: {e}") from None
+    v = validate_e2e(result)
+    print(json.dumps(v, indent=2) if as_json else format_validation(v))
+    if out:
+        Path(out).write_text(json.dumps(v, indent=1) + "\n")
+    return 0 if v["rows"] and all(r["within_target"] for r in v["rows"]) else 1
+
+
 if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) > 1:
+        sys.exit(run_validation(sys.argv[1], "--json" in sys.argv))
     print(json.dumps(validate_admission(), indent=2))

@@ -94,22 +94,22 @@ class WorkerServer:
         model_role = modes.model_role(cfg.role, cfg.mode)
         self.ep = None  # expert parallel: ranks 1..ep-1 load while this process does (asympd.parallel)
         if cfg.ep > 1:
-            self.ep = launch_ep(model_role, cfg.checkpoint, cfg.ep, cfg.device, cfg.dtype, cfg.threads)
+            self.ep = launch_ep(model_role, cfg.checkpoint, cfg.ep, cfg.device, cfg.dtype, cfg.threads, cfg.weights)
         cp = launch_cp(cfg.checkpoint, cfg.cp, cfg.device, cfg.dtype, cfg.threads, cfg.weights) if cfg.cp > 1 else None
-        weights = cfg.weights if cfg.ep == 1 else "reference"  # EP shards the reference MoE's stacked experts
-        model = load_model(cfg.checkpoint, model_role, cfg.device, cfg.dtype, weights)
+        ep = (0, cfg.ep) if cfg.ep > 1 else None  # rank 0 reads its own experts only
+        model = load_model(cfg.checkpoint, model_role, cfg.device, cfg.dtype, cfg.weights, ep=ep)
         cfg.engine.eos_token_id = eos_id(self.tokenizer)
         self.engine: Any = LLMEngine(model, cfg.engine) if cp is None else CPPrefillEngine(model, cfg.engine, cp)
         if self.ep is not None:
-            self.ep.attach(self.engine)  # shards this rank's experts: resident bytes are rank 0's
+            self.ep.attach(self.engine)  # resident bytes are rank 0's
         self.resident_bytes = model.resident_bytes()
         self.model_cfg = self.engine.cfg
         self.fingerprint = self.engine.fingerprint
         self.max_prompt_chars = self.model_cfg.max_seq_len * _max_token_chars(self.tokenizer)
-        self.aengine = AsyncEngine(self.engine)
         self.metrics = ServerMetrics(
             static={"role": cfg.role, "mode": cfg.mode, "model": self.model_name, "resident_bytes": self.resident_bytes}
         )
+        self.aengine = AsyncEngine(self.engine, on_step=lambda dt, _outputs: self.metrics.step.observe(dt))
         self.text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="asympd-text")
         self.handoff = Handoff(
             cfg.role,

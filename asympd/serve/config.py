@@ -93,11 +93,6 @@ class ServeConfig:
             self.dtype = str(resolve_dtype("auto", self.device)).removeprefix("torch.")
         if self.weights not in WEIGHTS:
             raise ValueError(f"unknown weights {self.weights!r}: {', '.join(WEIGHTS)}")
-        if self.ep > 1 and self.weights not in ("auto", "reference"):
-            raise ValueError(
-                f"--ep {self.ep} with --weights {self.weights}: expert parallelism runs the reference MoE "
-                "(sharding packed experts is not implemented yet); use --weights auto or reference"
-            )
         if self.max_body_bytes < 1024:
             raise ValueError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
         if e.role == "prefill":

@@ -151,6 +151,8 @@ class ServerMetrics:
         self.prefill_compute = hist(
             "asympd_prefill_compute_seconds", "Prefill worker: request added to prefix exported."
         )
+        # its _sum is the engine's busy time: prompt tokens per busy second is a worker's capacity
+        self.step = hist("asympd_engine_step_seconds", "Duration of each engine step.")
         self.requests = Counter(
             "asympd_request", "Finished requests, by finish reason.", ["finished_reason"], registry=r
         )

@@ -114,3 +114,35 @@ def test_truncating_many_slots_at_once_equals_one_by_one(tiny_ckpt):
         assert torch.equal(la.pos, lb.pos)
     assert a.windows[0].length.tolist() == [17, 7, 11]  # slot 0 held positions 1..19 (capacity 19)
     assert a.windows[0].last.tolist() == [17, 6, 10]
+
+
+def test_the_fused_indexer_selects_what_the_batched_path_does(tiny_ckpt, monkeypatch):
+    """The batched step with the fused Triton indexer (attn_kernels.py; under Triton's interpreter
+    here, fp32) gives the same tokens and every cache byte as with the reference's functions."""
+    import dataclasses
+
+    from asympd.model import attn_kernels
+    from asympd.model.attention import REFERENCE_KERNELS
+
+    def run(fused: bool):
+        llm = LLM(tiny_ckpt, "colocated", "split", scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=40))
+        if fused:
+            kernels = dataclasses.replace(REFERENCE_KERNELS, fused_indexer=True)
+            for block in llm.engine.runner.model.blocks:
+                block.attn.kernels = kernels
+        outs = llm.generate(
+            prompt_token_ids=random_prompts([30, 57], seed=5),
+            sampling_params=SamplingParams(max_tokens=4, temperature=0),
+        )
+        return [o.outputs[0].token_ids for o in outs], {k: v.clone() for k, v in llm.engine.runner.cache.pools.items()}
+
+    calls = []
+    original = attn_kernels.indexer_topk
+    monkeypatch.setattr(attn_kernels, "indexer_topk", lambda *a, **k: calls.append(1) or original(*a, **k))
+    want_tokens, want_pools = run(False)
+    assert not calls
+    got_tokens, got_pools = run(True)
+    assert calls  # the fused kernel did the selecting
+    assert got_tokens == want_tokens
+    for name, pool in want_pools.items():
+        assert torch.equal(got_pools[name], pool), name

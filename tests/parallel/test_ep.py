@@ -1,5 +1,6 @@
-"""Expert parallelism on CPU: 2 gloo ranks give the bits of 1 rank (MoE, P, D, colocated), every
-rank's KV cache stays identical, and ``asympd serve --ep 2`` serves and stops cleanly.
+"""Expert parallelism on CPU: 2 or 3 gloo ranks, each reading only its own experts and exchanging
+tokens by all-to-all, give the bits of 1 rank (MoE, P, D, colocated; dequantized and packed MXFP4
+experts), every rank's KV cache stays identical, and ``asympd serve --ep 2`` serves and stops cleanly.
 
 The checkpoint routes each token to 3 experts (the tiny preset routes to 2): with two experts the
 sum is the same in either order, with three only the reference's ascending-expert order gives the
@@ -20,7 +21,8 @@ from asympd.config import tiny
 from asympd.engine.llm import LLM
 from asympd.engine.sampling import SamplingParams
 from asympd.model.checkpoint import write_checkpoint
-from asympd.parallel import ParallelLLM, ep_resident_gb, expert_range
+from asympd.parallel import EPMoE, ParallelLLM, ep_resident_gb, expert_range
+from asympd.parallel.ep import wire_bytes
 from asympd.serve.api_server import ServeConfig
 from asympd.serve.procs import stop_all
 from tests.parallel.ranks import moe_rank
@@ -71,8 +73,47 @@ def test_expert_ranges_cover_every_expert_once():
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
 
 
-def test_moe_is_bit_exact_over_two_ranks(ep_ckpt):
-    mp.spawn(moe_rank, args=(2, f"tcp://127.0.0.1:{_free_port()}", ep_ckpt), nprocs=2, join=True)
+@pytest.mark.parametrize(
+    ("world", "cases"),
+    [
+        (2, [("dequantized", ("float32", "bfloat16"), 7)]),
+        # 8 experts over 3 ranks: 2 + 3 + 3; MXFP4 experts through the grouped GEMM (Triton's
+        # interpreter on CPU: slow, so one layer)
+        (3, [("dequantized", ("float32",), 7), ("packed-experts", ("bfloat16",), 1)]),
+    ],
+)
+def test_moe_is_bit_exact_over_ranks(ep_ckpt, world, cases):
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    mp.spawn(moe_rank, args=(world, init, ep_ckpt, cases), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_rank_reads_only_its_experts(ep_ckpt, world):
+    """The tensors (and bytes) rank r reads: the role's, less the routed experts outside its range,
+    less the drafter past rank 0; every expert is read by exactly one rank."""
+    from asympd.model.checkpoint import load_config
+    from asympd.model.loader import load_model
+    from asympd.model.schema import role_schema
+
+    cfg = load_config(ep_ckpt)
+    size = {s.name: s.nbytes for s in role_schema(cfg, "full", vision=True)}
+    expert_names = {n for n in size if n.startswith("layers.") and ".ffn.experts." in n}
+    single = load_model(ep_ckpt, "full").load_report
+    assert set(single.tensors_read) == set(size)
+    seen: list[str] = []
+    for rank in range(world):
+        report = load_model(ep_ckpt, "full", ep=(rank, world)).load_report
+        names = set(report.tensors_read)
+        lo, hi = expert_range(cfg.n_routed_experts, rank, world)
+        mine = {n for n in expert_names if lo <= int(n.split(".")[4]) < hi}  # layers.L.ffn.experts.E.*
+        want = (set(size) - expert_names) | mine
+        if rank > 0:
+            want = {n for n in want if not n.startswith("mtp.")}
+        assert names == want
+        assert report.bytes_read == sum(size[n] for n in want)
+        assert report.bytes_read < single.bytes_read
+        seen += sorted(names & expert_names)
+    assert sorted(seen) == sorted(expert_names)  # each expert read once over the ranks
 
 
 @pytest.mark.parametrize("semantics", ["full", "split"])
@@ -82,6 +123,27 @@ def test_colocated(ep_ckpt, semantics):
     with ParallelLLM(ep_ckpt, "colocated", semantics, ep=2) as llm:
         assert _tokens(llm, prompts) == want
         _assert_caches_equal(llm)
+
+
+def test_colocated_packed_experts(ep_ckpt):
+    """The CUDA default layout (MXFP4 experts through the grouped GEMM) over 2 ranks: each rank
+    built with its own packed experts only, the tokens and caches of 1 rank."""
+    prompts = random_prompts([W + 3], seed=26)
+    params = SamplingParams(max_tokens=3, temperature=0)
+    want = _tokens(LLM(ep_ckpt, "colocated", weights="packed-experts"), prompts, params)
+    with ParallelLLM(ep_ckpt, "colocated", ep=2, weights="packed-experts") as llm:
+        moe = next(b.ffn for b in llm.engine.model.blocks if b is not None and b.ffn is not None)
+        assert isinstance(moe, EPMoE) and moe.moe.experts == "mxfp4" and moe.moe.w13.n_experts == 4
+        assert _tokens(llm, prompts, params) == want
+        _assert_caches_equal(llm)
+
+
+def test_sharding_a_model_that_holds_every_expert_is_refused(ep_ckpt):
+    from asympd.model.loader import load_model
+    from asympd.parallel import shard_moe
+
+    with pytest.raises(ValueError, match=r"owns experts \[0, 4\) but the MoE holds \[0, 8\)"):
+        shard_moe(load_model(ep_ckpt, "full"), 0, 2)
 
 
 def _exported(llm: LLM, prompts: list[list[int]]) -> dict[str, object]:
@@ -143,6 +205,15 @@ def test_closed_executor_refuses_work(ep_ckpt):
     assert not any(os.path.exists(f"/proc/{p}") for p in pids)
     with pytest.raises(RuntimeError, match="closed"):
         _tokens(llm, [[5, 6, 7]])
+
+
+def test_wire_bytes_per_token_at_v41_widths():
+    """The figures docs/parallel.md tabulates: bytes one rank sends per token of the step."""
+    assert wire_bytes(5120, 6, 1, 2, "allreduce") == 122880
+    assert round(wire_bytes(5120, 6, 1, 2, "alltoall")) == 35852  # 3.4x fewer
+    assert round(wire_bytes(5120, 6, 1, 8, "alltoall")) == 22405
+    with pytest.raises(ValueError, match="comm must be one of alltoall, allreduce"):
+        wire_bytes(5120, 6, 1, 2, "broadcast")
 
 
 def test_tp_is_refused():

@@ -73,7 +73,6 @@ def test_flags_land_in_the_nested_configs():
         (["--tp", "2"], "tensor parallel"),
         (["--max-body-bytes", "10"], "max-body-bytes"),
         (["--max-num-seqs", "0"], "must be positive"),
-        (["--ep", "2", "--weights", "packed-experts"], "expert parallelism runs the reference MoE"),
         (["--role", "prefill", "--cp", "0"], "--cp must be >= 1, got 0"),
         (["--cp", "2"], "--cp 2 splits a prefill worker's prefix over ranks: it needs --role prefill, not colocated"),
         (["--role", "decode", "--cp", "2"], "it needs --role prefill, not decode"),

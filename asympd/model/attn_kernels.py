@@ -1,0 +1,609 @@
+"""Fused Triton kernels for the lightning indexer and the sparse latent attention, reading the
+paged caches in place. Pure functions: the engine's batched path calls them; the CPU reference
+(``attention.Attention._select``, ``attention.sparse_attention``) defines what they compute.
+
+Rows are query rows flattened across sequences. Paged pools are ``[num_blocks, epb, width]`` as in
+``kv/paged_cache.py``: entry ``e`` of a sequence is row ``e % epb`` of block ``table[e // epb]``.
+Sequences are named by ``row_seq [rows]`` (int, which row of ``block_tables [S, max_blocks]`` a row
+reads; rows of one sequence must be contiguous; ``None`` = every row reads ``block_tables[0]``).
+One table per sequence rather than per row lets a program score several rows of one sequence
+against one key tile (the indexer's GEMM has ``rows_per_tile * heads`` rows instead of ``heads``).
+
+``indexer_topk(q, w, key_pool, block_tables, n_visible, k, *, row_seq=None, candidates=None,
+candidate_block=1, block_max=0, rows_per_tile=None, block_n=128) -> sel [rows, k] int64`` (or
+``(sel, block_scores)`` when ``block_max``):
+    q [rows, H, hd] (already FP4-rounded), w [rows, H] (head weights with their scale folded in),
+    key_pool [num_blocks, epb, hd]. score(row, e) = sum_h w * relu(q_h . key_e) for e <
+    n_visible[row]; the k best per row, ties to the lowest entry index, as ``ops.stable_topk``
+    (a 64-bit key: the score's order-preserving bits above, the reversed index below).
+    ``sel`` holds the chosen entries ascending, then -1 in unused slots: ``Attention._select``'s
+    output padded to k. ``candidates`` [rows, >= ceil(n / candidate_block)] bool restricts a
+    re-index layer to the candidate pool (other entries score -inf, as the reference masks them).
+    ``block_max`` > 0 also returns the max score of every ``block_max`` entries [rows,
+    ceil(max n_visible / block_max)] fp32 (-inf beyond a row's visible entries), from the same pass.
+    Nothing of size [rows, entries] is written except those block maxima (1/block of it).
+    How: a program takes ``rows_per_tile`` rows of one sequence and walks the entries in tiles of
+    ``block_n``: one GEMM ([rows x H, hd] x [hd, block_n]), relu, the head weights, the sum over
+    heads, then each score becomes its key. Keys above the row's threshold (the smallest of its
+    running top-k) are appended to a per-row buffer of k slots in global memory (L2-resident);
+    only when a buffer would overflow, and once at the end, is it sorted (bitonic) and merged into
+    the running top-k (best descending vs buffer ascending: the elementwise max is bitonic, one
+    bitonic merge sorts it). With scores in no particular order a row merges about
+    ln(n / k) + 1 times instead of once per tile.
+    bf16 inputs follow the reference's bf16 roundings (per-head score, weighted score, the sum);
+    fp32 inputs compute in fp32 (IEEE dots).
+``indexer_topk_candidates(..., k, topk_blocks, block, *, max_entries=None) -> (sel, cand)``:
+    the candidate source (L20): its own top-k, and its pool as a block mask cand [rows, nb] bool:
+    ``attention.select_candidate_blocks`` at block level (the newest visible block pinned) on the
+    kernel's block maxima. Re-index layers pass cand with ``candidate_block=block``.
+``sparse_attention_paged(q, window_kv, window_idx, sel, ckv_pool, block_tables, sink, scale,
+round_probs, *, row_seq=None, block_h=16, block_n=32) -> [rows, h, d]`` in q's dtype:
+    q [rows, h, d]; window_kv [n_w, d] with window_idx [rows, W] (row of window_kv, -1 = not
+    visible; the batched path's window index with -1 where not visible); sel [rows, k] entry ids
+    of ckv_pool [num_blocks, epb, d] (-1 = unused). Online softmax (K = V) over the window rows then
+    the selected entries, read straight from the pool through the block table; the sink joins the
+    denominator; a row with nothing visible gives zeros. fp32 logits; with ``round_probs`` the
+    probabilities go to bf16 before the value product, as in the reference, except that each is
+    rounded relative to the running max rather than the final one (FlashMLA's order): a rescale by
+    a power-of-e factor after rounding, within about one bf16 ulp of the reference's value. One
+    program per (row, ``block_h`` heads), keys in tiles of ``block_n`` rows.
+
+With ``TRITON_INTERPRET=1`` both run on CPU tensors (the tests); dots are then fp32 (the
+interpreter's bf16 dot is wrong, see ``gemm_kernels._dot_f32``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asympd.model.attention import select_candidate_blocks
+from asympd.model.gemm_kernels import _dot_f32
+
+try:  # Triton ships with CUDA builds of torch; on CPU-only installs it is optional (tests use it)
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+AVAILABLE = triton is not None
+
+if AVAILABLE:
+
+    @triton.jit
+    def _indicator(n_dims: tl.constexpr, j: tl.constexpr):
+        """0 / 1 along the j-th innermost axis of a [2] * n_dims hypercube."""
+        return tl.reshape(tl.arange(0, 2), [1] * (n_dims - j - 1) + [2] + [1] * j)
+
+    @triton.jit
+    def _compare_swap(h, flip, i: tl.constexpr, n_dims: tl.constexpr):
+        """Order the pairs along the i-th innermost axis: ascending, descending where ``flip``.
+        Min and max over a size-2 axis (the interpreter runs those natively, unlike xor-sums)."""
+        lo = tl.min(h, axis=n_dims - 1 - i, keep_dims=True)
+        hi = tl.max(h, axis=n_dims - 1 - i, keep_dims=True)
+        return tl.where((_indicator(n_dims, i) ^ flip) != 0, hi, lo)
+
+    @triton.jit
+    def _bitonic(x, LOG_ROWS: tl.constexpr, LOG_N: tl.constexpr, DESC: tl.constexpr, MERGE_ONLY: tl.constexpr):
+        """Sort each row of x [2**LOG_ROWS, 2**LOG_N]. ``MERGE_ONLY``: the rows are already bitonic
+        (LOG_N compare-swap rounds instead of LOG_N * (LOG_N + 1) / 2)."""
+        n_dims: tl.constexpr = LOG_ROWS + LOG_N
+        h = tl.reshape(x, [2] * n_dims)
+        if not MERGE_ONLY:
+            for stage in tl.static_range(1, LOG_N):
+                flip = _indicator(n_dims, stage)  # alternate directions: bitonic runs of 2**(stage + 1)
+                for i in tl.static_range(stage):
+                    h = _compare_swap(h, flip, stage - 1 - i, n_dims)
+        for i in tl.static_range(LOG_N):
+            h = _compare_swap(h, DESC, LOG_N - 1 - i, n_dims)
+        return tl.reshape(h, x.shape)
+
+    @triton.jit
+    def _score_keys(
+        q,
+        w,
+        kpool_ptr,
+        table_ptr,
+        vis,
+        cand_ptr,
+        s_cr,
+        rows,
+        rmask,
+        e0,
+        n_max,
+        s_kb,
+        s_ke,
+        EPB,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        HAS_CAND: tl.constexpr,
+        CAND_BLOCK: tl.constexpr,
+        ROUND_BF16: tl.constexpr,
+        DOT_F32: tl.constexpr,
+    ):
+        """Scores of entries e0 .. e0+BN-1 for the tile's BM rows: ([BM, BN] fp32 with -inf on
+        masked candidates, [BM, BN] visible)."""
+        e = e0 + tl.arange(0, BN)
+        emask = e < n_max
+        blk = tl.load(table_ptr + e // EPB, mask=emask, other=0).to(tl.int64)
+        d = tl.arange(0, D)
+        kp = kpool_ptr + blk[:, None] * s_kb + (e % EPB).to(tl.int64)[:, None] * s_ke + d[None, :]
+        keys = tl.load(kp, mask=emask[:, None], other=0.0)
+        if DOT_F32:
+            s = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(keys.to(q.dtype)))
+        if ROUND_BF16:
+            s = s.to(tl.bfloat16).to(tl.float32)
+        s = tl.maximum(s, 0.0) * w[:, None]
+        if ROUND_BF16:
+            s = s.to(tl.bfloat16).to(tl.float32)
+        s = tl.sum(tl.reshape(s, (BM, H, BN)), axis=1)
+        if ROUND_BF16:
+            s = s.to(tl.bfloat16).to(tl.float32)
+        visible = rmask[:, None] & (e[None, :] < vis[:, None])
+        if HAS_CAND:
+            c = tl.load(
+                cand_ptr + rows.to(tl.int64)[:, None] * s_cr + (e // CAND_BLOCK)[None, :], mask=visible, other=0
+            )
+            s = tl.where(c != 0, s, float("-inf"))
+        return s, visible
+
+    @triton.jit
+    def _keys_of(s, visible, e0, BN: tl.constexpr):
+        """Scores -> int64 keys ordered as the stable descending sort (score, then lower index).
+        Invisible entries get -2**63 + 1, below every real key (-inf's is about -2**63 + 2**55)."""
+        e = e0 + tl.arange(0, BN)
+        s = tl.where(s == 0.0, 0.0, s)  # -0 and +0 are one value
+        bits = s.to(tl.int32, bitcast=True)
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        key = (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - e).to(tl.int64)[None, :]
+        return tl.where(visible, key, -9223372036854775807)
+
+    @triton.jit
+    def _store_block_max(
+        s, visible, bmax_ptr, rows, rmask, e0, s_br, n_bmax, BM: tl.constexpr, BN: tl.constexpr, BMAX: tl.constexpr
+    ):
+        """Max score of each BMAX entries (-inf where none is visible)."""
+        NB: tl.constexpr = BN // BMAX
+        bm = tl.max(tl.reshape(tl.where(visible, s, float("-inf")), (BM, NB, BMAX)), axis=2)
+        b = e0 // BMAX + tl.arange(0, NB)
+        tl.store(
+            bmax_ptr + rows.to(tl.int64)[:, None] * s_br + b[None, :], bm, mask=rmask[:, None] & (b[None, :] < n_bmax)
+        )
+
+    @triton.jit
+    def _scan_tile(
+        best, thresh, cnt, bufp, q, w, kpool_ptr, table_ptr, vis, cand_ptr, bmax_ptr, s_cr, s_br, n_bmax, rows,
+        rmask, e0, n_max, s_kb, s_ke, EPB, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        KP: tl.constexpr, LOG_BM: tl.constexpr, LOG_KP: tl.constexpr, HAS_CAND: tl.constexpr,
+        CAND_BLOCK: tl.constexpr, BMAX: tl.constexpr, ROUND_BF16: tl.constexpr, DOT_F32: tl.constexpr,
+        TL_SORT: tl.constexpr,
+    ):  # fmt: skip
+        """Score entries e0 .. e0+BN-1; keys above the row's threshold join its candidate buffer
+        (KP slots in global memory, L2-resident); a buffer that would overflow, and the last one
+        (the scan runs one all-invisible tile past n_max), is merged into the running top-KP."""
+        s, v = _score_keys(
+            q, w, kpool_ptr, table_ptr, vis, cand_ptr, s_cr, rows, rmask, e0, n_max, s_kb, s_ke, EPB,
+            H, D, BM, BN, HAS_CAND, CAND_BLOCK, ROUND_BF16, DOT_F32,
+        )  # fmt: skip
+        if BMAX > 0:  # block maxima of the candidate source, from the same scores
+            _store_block_max(s, v, bmax_ptr, rows, rmask, e0, s_br, n_bmax, BM, BN, BMAX)
+        keys = _keys_of(s, v, e0, BN)
+        take = keys > thresh[:, None]
+        n_take = tl.sum(take.to(tl.int32), axis=1)
+        if (tl.max(cnt + n_take, axis=0) > KP) | (e0 >= n_max):
+            tl.debug_barrier()  # the buffer's stores are visible to every thread
+            j = tl.arange(0, KP)
+            cand = tl.load(bufp + j[None, :], mask=j[None, :] < cnt[:, None], other=-9223372036854775807)
+            tl.debug_barrier()  # read before anyone refills it
+            if TL_SORT:  # Triton's own sort (xor-sum compare-swaps, full sorts): the fallback
+                cand = tl.sort(cand, dim=1, descending=False)
+                best = tl.sort(tl.maximum(best, cand), dim=1, descending=True)
+            else:
+                # best descending against the candidates ascending: the elementwise max holds the
+                # KP best of both (a bitonic sequence), so one bitonic merge sorts it
+                cand = _bitonic(cand, LOG_BM, LOG_KP, 0, False)
+                best = _bitonic(tl.maximum(best, cand), LOG_BM, LOG_KP, 1, True)
+            thresh = tl.min(best, axis=1)  # keys at or below it can no longer enter
+            cnt = tl.zeros_like(cnt)
+            take = keys > thresh[:, None]
+            n_take = tl.sum(take.to(tl.int32), axis=1)
+        pos = cnt[:, None] + tl.cumsum(take.to(tl.int32), axis=1) - 1
+        tl.store(bufp + pos, keys, mask=take)
+        return best, thresh, cnt + n_take
+
+    @triton.jit
+    def _indexer_topk_kernel(
+        q_ptr,
+        w_ptr,
+        kpool_ptr,
+        tables_ptr,
+        row_seq_ptr,
+        tile_row0_ptr,
+        tile_rows_ptr,
+        vis_ptr,
+        cand_ptr,
+        bmax_ptr,
+        buf_ptr,
+        out_ptr,
+        s_qr,
+        s_qh,
+        s_wr,
+        s_kb,
+        s_ke,
+        s_ts,
+        s_cr,
+        s_br,
+        n_bmax,
+        EPB,
+        K,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        KP: tl.constexpr,
+        LOG_BM: tl.constexpr,
+        LOG_KP: tl.constexpr,
+        HAS_CAND: tl.constexpr,
+        CAND_BLOCK: tl.constexpr,
+        BMAX: tl.constexpr,
+        ROUND_BF16: tl.constexpr,
+        DOT_F32: tl.constexpr,
+        TL_SORT: tl.constexpr,
+        PIPELINE: tl.constexpr,
+    ):
+        tile = tl.program_id(0)
+        row0 = tl.load(tile_row0_ptr + tile)
+        nrows = tl.load(tile_rows_ptr + tile)
+        r = tl.arange(0, BM)
+        rows = row0 + r
+        rmask = r < nrows
+        vis = tl.load(vis_ptr + rows, mask=rmask, other=0).to(tl.int32)
+        n_max = tl.max(vis, axis=0)
+        seq = tl.load(row_seq_ptr + row0).to(tl.int64)
+        table_ptr = tables_ptr + seq * s_ts
+        # queries as one [BM * H, D] operand: every head of every row against the same keys
+        mh = tl.arange(0, BM * H)
+        qrow = row0 + mh // H
+        qmask = (mh // H) < nrows
+        d = tl.arange(0, D)
+        q = tl.load(
+            q_ptr + qrow.to(tl.int64)[:, None] * s_qr + (mh % H)[:, None] * s_qh + d[None, :],
+            mask=qmask[:, None],
+            other=0.0,
+        )
+        w = tl.load(w_ptr + qrow.to(tl.int64) * s_wr + mh % H, mask=qmask, other=0.0).to(tl.float32)
+        best = tl.full((BM, KP), -9223372036854775807, tl.int64)  # sorted descending
+        thresh = tl.full((BM,), -9223372036854775807, tl.int64)
+        cnt = tl.zeros((BM,), tl.int32)
+        bufp = buf_ptr + tile.to(tl.int64) * (BM * KP) + r[:, None] * KP
+        if PIPELINE:  # a counted loop, so Triton pipelines the key loads
+            for e0 in range(0, n_max + BN, BN):
+                best, thresh, cnt = _scan_tile(
+                    best, thresh, cnt, bufp, q, w, kpool_ptr, table_ptr, vis, cand_ptr, bmax_ptr, s_cr, s_br, n_bmax,
+                    rows, rmask, e0, n_max, s_kb, s_ke, EPB, H, D, BM, BN, KP, LOG_BM, LOG_KP, HAS_CAND, CAND_BLOCK,
+                    BMAX, ROUND_BF16, DOT_F32, TL_SORT,
+                )  # fmt: skip
+        else:  # the interpreter cannot take a tensor as a range bound
+            e0 = 0
+            while e0 < n_max + BN:
+                best, thresh, cnt = _scan_tile(
+                    best, thresh, cnt, bufp, q, w, kpool_ptr, table_ptr, vis, cand_ptr, bmax_ptr, s_cr, s_br, n_bmax,
+                    rows, rmask, e0, n_max, s_kb, s_ke, EPB, H, D, BM, BN, KP, LOG_BM, LOG_KP, HAS_CAND, CAND_BLOCK,
+                    BMAX, ROUND_BF16, DOT_F32, TL_SORT,
+                )  # fmt: skip
+                e0 += BN
+        # the first K keys are the selection; the wrapper sorts their indices (a [rows, K] sort)
+        j = tl.arange(0, KP)
+        real = (best > -9223372036854775807) & (j[None, :] < K)
+        idx = tl.where(real, 0x7FFFFFFF - (best & 0x7FFFFFFF), 0x7FFFFFFF)
+        tl.store(
+            out_ptr + rows.to(tl.int64)[:, None] * K + j[None, :],
+            idx,
+            mask=rmask[:, None] & (j[None, :] < K),
+        )
+
+    @triton.jit
+    def _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS: tl.constexpr, DOT_F32: tl.constexpr):
+        """One online-softmax step over a key tile kv [BN, D] (K = V)."""
+        if DOT_F32:
+            logits = tl.dot(q.to(tl.float32), tl.trans(kv.to(tl.float32)), input_precision="ieee")
+        else:
+            logits = tl.dot(q, tl.trans(kv))
+        logits = tl.where(valid[None, :], logits * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(logits, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(logits - m_new[:, None])
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        if ROUND_PROBS and not DOT_F32:  # bf16 probabilities and values, fp32 accumulation
+            pv = tl.dot(p.to(tl.bfloat16), kv)
+        else:
+            if ROUND_PROBS:
+                p = p.to(tl.bfloat16).to(tl.float32)
+            pv = tl.dot(p, kv.to(tl.float32), input_precision="ieee")
+        return m_new, lsum, acc * alpha[:, None] + pv
+
+    @triton.jit
+    def _sparse_attn_kernel(
+        q_ptr,
+        win_ptr,
+        widx_ptr,
+        sel_ptr,
+        pool_ptr,
+        tables_ptr,
+        row_seq_ptr,
+        sink_ptr,
+        out_ptr,
+        s_qr,
+        s_qh,
+        s_wn,
+        s_wir,
+        s_sr,
+        s_pb,
+        s_pe,
+        s_ts,
+        s_or,
+        s_oh,
+        NH,
+        EPB,
+        scale,
+        W: tl.constexpr,
+        KSEL: tl.constexpr,
+        D: tl.constexpr,
+        BH: tl.constexpr,
+        BN: tl.constexpr,
+        ROUND_PROBS: tl.constexpr,
+        DOT_F32: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1) * BH + tl.arange(0, BH)
+        hmask = h < NH
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + row * s_qr + h[:, None] * s_qh + d[None, :], mask=hmask[:, None], other=0.0)
+        m = tl.full((BH,), -1e30, tl.float32)  # the reference clamps the max at -1e30
+        lsum = tl.zeros((BH,), tl.float32)
+        acc = tl.zeros((BH, D), tl.float32)
+        n = tl.arange(0, BN)
+        for j0 in range(0, W, BN):  # W and KSEL are the model's: constant bounds, pipelined loads
+            j = j0 + n
+            wi = tl.load(widx_ptr + row * s_wir + j, mask=j < W, other=-1).to(tl.int64)
+            valid = wi >= 0
+            kv = tl.load(win_ptr + wi[:, None] * s_wn + d[None, :], mask=valid[:, None], other=0.0)
+            m, lsum, acc = _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS, DOT_F32)
+        table_ptr = tables_ptr + tl.load(row_seq_ptr + row).to(tl.int64) * s_ts
+        for j0 in range(0, KSEL, BN):
+            j = j0 + n
+            e = tl.load(sel_ptr + row * s_sr + j, mask=j < KSEL, other=-1).to(tl.int64)
+            valid = e >= 0
+            blk = tl.load(table_ptr + e // EPB, mask=valid, other=0).to(tl.int64)
+            kv = tl.load(
+                pool_ptr + (blk * s_pb + (e % EPB) * s_pe)[:, None] + d[None, :], mask=valid[:, None], other=0.0
+            )
+            m, lsum, acc = _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS, DOT_F32)
+        sink = tl.load(sink_ptr + h, mask=hmask, other=0.0).to(tl.float32)
+        out = acc / (lsum + tl.exp(sink - m))[:, None]
+        tl.store(
+            out_ptr + row * s_or + h[:, None] * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty), mask=hmask[:, None]
+        )
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _row_seq(row_seq: torch.Tensor | None, rows: int, device: torch.device) -> torch.Tensor:
+    if row_seq is None:
+        return torch.zeros(rows, dtype=torch.int32, device=device)
+    if row_seq.shape != (rows,):
+        raise ValueError(f"row_seq of shape {tuple(row_seq.shape)} for {rows} rows")
+    return row_seq.to(device=device, dtype=torch.int32).contiguous()
+
+
+def row_tiles(row_seq: torch.Tensor, n_seqs: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tiles of at most ``bm`` consecutive rows of one sequence: (first row [T], rows [T]), T an
+    upper bound known without a device sync (spare tiles have 0 rows and do nothing)."""
+    rows = row_seq.numel()
+    dev = row_seq.device
+    r = torch.arange(rows, device=dev)
+    new = torch.ones(rows, dtype=torch.bool, device=dev)
+    new[1:] = row_seq[1:] != row_seq[:-1]
+    seg_start = torch.cummax(torch.where(new, r, 0), 0).values
+    start = (r - seg_start) % bm == 0
+    tile_id = torch.cumsum(start, 0) - 1
+    n_tiles = max(1, min(rows, -(-rows // bm) + n_seqs))
+    row0 = torch.zeros(n_tiles, dtype=torch.int64, device=dev)
+    row0.scatter_reduce_(0, tile_id, r, "amin", include_self=False)
+    count = torch.zeros(n_tiles, dtype=torch.int32, device=dev)
+    count.scatter_add_(0, tile_id, torch.ones(rows, dtype=torch.int32, device=dev))
+    return row0, count
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    key_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    n_visible: torch.Tensor,
+    k: int,
+    *,
+    row_seq: torch.Tensor | None = None,
+    candidates: torch.Tensor | None = None,
+    candidate_block: int = 1,
+    block_max: int = 0,
+    max_entries: int | None = None,
+    rows_per_tile: int | None = None,
+    sort_impl: str = "bitonic",
+    block_n: int = 128,
+    num_warps: int = 8,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The k best index entries per row (module docstring has the contract). ``rows_per_tile``: rows
+    of one sequence scored per program (a power of two; default 4 on CUDA, where the GEMM then
+    has 4 * H rows, and 16 under the interpreter, where fewer programs run faster). ``sort_impl``:
+    ``bitonic`` (this module's sort: a full sort of each merge tile, then one bitonic merge) or
+    ``triton`` (``tl.sort`` twice; same result, kept as a fallback and for comparison).
+    ``block_n``: entries scored per step (the GEMM's N). ``max_entries``: a bound on n_visible the
+    caller knows (its sequences' entry counts), so the block maxima are sized without a sync."""
+    if sort_impl not in ("bitonic", "triton"):
+        raise ValueError(f"sort_impl must be 'bitonic' or 'triton', got {sort_impl!r}")
+    rows, n_heads, hd = q.shape
+    if w.shape != (rows, n_heads):
+        raise ValueError(f"w of shape {tuple(w.shape)}, expected {(rows, n_heads)}")
+    if key_pool.dim() != 3 or key_pool.size(-1) != hd:
+        raise ValueError(f"key_pool of shape {tuple(key_pool.shape)}, expected [blocks, epb, {hd}]")
+    if hd & (hd - 1) or n_heads & (n_heads - 1):
+        raise ValueError("index heads and head dim must be powers of two")
+    if k <= 0:
+        raise ValueError(f"k must be positive, got {k}")
+    if n_visible.shape != (rows,) or block_tables.dim() != 2:
+        raise ValueError(
+            f"n_visible {tuple(n_visible.shape)} / block_tables {tuple(block_tables.shape)}: "
+            f"expected [{rows}] / [S, blocks]"
+        )
+    dev = q.device
+    kp = max(16, _next_pow2(k))
+    bn = min(kp, block_n)
+    if bn < 16 or bn & (bn - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if block_max and (block_max & (block_max - 1) or block_max > bn):
+        raise ValueError(f"block_max must be a power of two <= {bn}, got {block_max}")
+    if candidates is not None and (candidates.dim() != 2 or candidates.size(0) != rows):
+        raise ValueError(f"candidates of shape {tuple(candidates.shape)}, expected [{rows}, blocks]")
+    seqs = _row_seq(row_seq, rows, dev)
+    tables = block_tables.to(device=dev, dtype=torch.int32).contiguous()
+    vis = n_visible.to(device=dev, dtype=torch.int32).contiguous()
+    q = q.contiguous()
+    w = w.contiguous()
+    if key_pool.stride(-1) != 1:
+        key_pool = key_pool.contiguous()
+    dot_f32 = _dot_f32(q) or q.dtype != key_pool.dtype
+    out = torch.empty(rows, k, dtype=torch.int64, device=dev)
+    n_bmax = 0
+    bmax = out
+    if block_max:
+        # sized from the caller's bound, else one sync (the candidate source runs once a step)
+        n = max_entries if max_entries is not None else (int(vis.max()) if rows else 0)
+        n_bmax = -(-n // block_max)
+        bmax = torch.full((rows, n_bmax), float("-inf"), dtype=torch.float32, device=dev)
+    cand = out
+    if candidates is not None:
+        cand = candidates.to(device=dev, dtype=torch.uint8).contiguous()
+    if rows:
+        bm = rows_per_tile or (4 if q.is_cuda else 16)
+        if bm & (bm - 1):
+            raise ValueError(f"rows_per_tile must be a power of two, got {bm}")
+        row0, count = row_tiles(seqs, tables.size(0), bm)
+        buf = torch.empty(row0.numel(), bm, kp, dtype=torch.int64, device=dev)  # candidate buffers
+        _indexer_topk_kernel[(row0.numel(),)](
+            q, w, key_pool, tables, seqs, row0, count, vis, cand, bmax, buf, out,
+            q.stride(0), q.stride(1), w.stride(0), key_pool.stride(0), key_pool.stride(1), tables.stride(0),
+            cand.stride(0), bmax.stride(0) if block_max else 0, n_bmax, key_pool.size(1), k,
+            H=n_heads, D=hd, BM=bm, BN=bn, KP=kp, LOG_BM=bm.bit_length() - 1, LOG_KP=kp.bit_length() - 1,
+            HAS_CAND=candidates is not None, CAND_BLOCK=candidate_block, BMAX=block_max,
+            ROUND_BF16=q.dtype == torch.bfloat16, DOT_F32=dot_f32, TL_SORT=sort_impl == "triton",
+            PIPELINE=q.is_cuda,
+            num_warps=num_warps,
+        )  # fmt: skip
+    out = out.sort(dim=1).values
+    out.masked_fill_(out == 0x7FFFFFFF, -1)
+    return (out, bmax) if block_max else out
+
+
+def indexer_topk_candidates(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    key_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    n_visible: torch.Tensor,
+    k: int,
+    topk_blocks: int,
+    block: int,
+    *,
+    row_seq: torch.Tensor | None = None,
+    max_entries: int | None = None,
+    rows_per_tile: int | None = None,
+    sort_impl: str = "bitonic",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidate source's selection and its candidate pool as a block mask [rows, nb]: the
+    ``topk_blocks`` blocks of ``block`` entries with the best entry, the newest visible block
+    always kept (``select_candidate_blocks`` on the kernel's block maxima)."""
+    from asympd.model.cuda_ops import fast_topk  # radix on CUDA, the stable sort elsewhere
+
+    sel, bmax = indexer_topk(
+        q,
+        w,
+        key_pool,
+        block_tables,
+        n_visible,
+        k,
+        row_seq=row_seq,
+        block_max=block,
+        max_entries=max_entries,
+        rows_per_tile=rows_per_tile,
+        sort_impl=sort_impl,
+    )
+    vis_blocks = (n_visible.to(bmax.device, torch.int64) + block - 1).div(block, rounding_mode="floor")
+    if bmax.size(1) == 0:
+        return sel, torch.zeros_like(bmax, dtype=torch.bool)
+    return sel, select_candidate_blocks(bmax, vis_blocks, topk_blocks, 1, topk=fast_topk)
+
+
+def sparse_attention_paged(
+    q: torch.Tensor,
+    window_kv: torch.Tensor,
+    window_idx: torch.Tensor,
+    sel: torch.Tensor,
+    ckv_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    round_probs: bool,
+    *,
+    row_seq: torch.Tensor | None = None,
+    block_h: int = 16,
+    block_n: int = 32,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Sparse latent attention over window rows and selected pool entries (module docstring)."""
+    rows, n_heads, d = q.shape
+    if d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two, got {d}")
+    if window_kv.dim() != 2 or window_kv.size(-1) != d or ckv_pool.dim() != 3 or ckv_pool.size(-1) != d:
+        raise ValueError(
+            f"window_kv {tuple(window_kv.shape)} / ckv_pool {tuple(ckv_pool.shape)} do not match head_dim {d}"
+        )
+    if window_idx.dim() != 2 or window_idx.size(0) != rows or sel.dim() != 2 or sel.size(0) != rows:
+        raise ValueError(f"window_idx {tuple(window_idx.shape)} / sel {tuple(sel.shape)} for {rows} rows")
+    if window_idx.is_floating_point() or sel.is_floating_point() or block_tables.dim() != 2:
+        raise ValueError("window_idx and sel must be integer tensors and block_tables [S, blocks]")
+    dev = q.device
+    out = torch.empty_like(q)
+    if rows == 0:
+        return out
+    seqs = _row_seq(row_seq, rows, dev)
+    tables = block_tables.to(device=dev, dtype=torch.int32).contiguous()
+    q = q.contiguous()
+    widx, sel = window_idx.contiguous(), sel.contiguous()
+    if window_kv.stride(-1) != 1:
+        window_kv = window_kv.contiguous()
+    if ckv_pool.stride(-1) != 1:
+        ckv_pool = ckv_pool.contiguous()
+    kv_dtype = ckv_pool.dtype
+    if window_kv.dtype != kv_dtype:
+        window_kv = window_kv.to(kv_dtype)
+    dot_f32 = _dot_f32(q) or kv_dtype != torch.bfloat16 or q.dtype != kv_dtype or not round_probs
+    grid = (rows, triton.cdiv(n_heads, block_h))
+    _sparse_attn_kernel[grid](
+        q, window_kv, widx, sel, ckv_pool, tables, seqs, sink.float().contiguous(), out,
+        q.stride(0), q.stride(1), window_kv.stride(0), widx.stride(0), sel.stride(0),
+        ckv_pool.stride(0), ckv_pool.stride(1), tables.stride(0), out.stride(0), out.stride(1),
+        n_heads, ckv_pool.size(1), float(scale), W=widx.size(1), KSEL=sel.size(1),
+        D=d, BH=block_h, BN=block_n, ROUND_PROBS=bool(round_probs), DOT_F32=dot_f32,
+        num_warps=num_warps or (4 if d <= 128 else 8),
+    )  # fmt: skip
+    return out
+
+
+__all__ = ["AVAILABLE", "indexer_topk", "indexer_topk_candidates", "row_tiles", "sparse_attention_paged"]

@@ -1,0 +1,103 @@
+"""Compile the fused attention kernels (asympd/model/attn_kernels.py) for Hopper (sm_90) on any
+machine, no GPU needed: registers, spills (stack bytes), shared memory, whether the GEMMs became
+wgmma, and the compile time, for the configs bench/attn_kernels.py sweeps at true V4.1 shapes.
+Uses the ptxas and cuobjdump that Triton's wheel carries. A quick check before spending device time.
+
+    TRITON_CACHE_DIR=$(mktemp -d) python -m bench.attn_kernels_aot   # JSON to bench/results/
+(a fresh cache, or the compile times are cache hits)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import time
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from asympd.config import v41_flash
+from asympd.model import attn_kernels as AK
+from bench.common import log, record
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+INDEXER_ARGS = [
+    ("q_ptr", "*bf16"), ("w_ptr", "*bf16"), ("kpool_ptr", "*bf16"), ("tables_ptr", "*i32"), ("row_seq_ptr", "*i32"),
+    ("tile_row0_ptr", "*i64"), ("tile_rows_ptr", "*i32"), ("vis_ptr", "*i32"), ("cand_ptr", "*u8"),
+    ("bmax_ptr", "*fp32"), ("buf_ptr", "*i64"), ("out_ptr", "*i64"), ("s_qr", "i32"), ("s_qh", "i32"),
+    ("s_wr", "i32"), ("s_kb", "i32"), ("s_ke", "i32"), ("s_ts", "i32"), ("s_cr", "i32"), ("s_br", "i32"),
+    ("n_bmax", "i32"), ("EPB", "i32"), ("K", "i32"),
+]  # fmt: skip
+ATTN_ARGS = [
+    ("q_ptr", "*bf16"), ("win_ptr", "*bf16"), ("widx_ptr", "*i64"), ("sel_ptr", "*i64"), ("pool_ptr", "*bf16"),
+    ("tables_ptr", "*i32"), ("row_seq_ptr", "*i32"), ("sink_ptr", "*fp32"), ("out_ptr", "*bf16"), ("s_qr", "i32"),
+    ("s_qh", "i32"), ("s_wn", "i32"), ("s_wir", "i32"), ("s_sr", "i32"), ("s_pb", "i32"), ("s_pe", "i32"),
+    ("s_ts", "i32"), ("s_or", "i32"), ("s_oh", "i32"), ("NH", "i32"), ("EPB", "i32"), ("scale", "fp32"),
+]  # fmt: skip
+
+
+def compile_report(fn, args: list[tuple[str, str]], constexprs: dict[str, Any], num_warps: int) -> dict[str, Any]:
+    sig = dict(args) | {name: "constexpr" for name in constexprs}
+    t0 = time.time()
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=TARGET,
+                       options={"num_warps": num_warps})  # fmt: skip
+    out: dict[str, Any] = {"compile_s": round(time.time() - t0, 1), "shared_bytes": k.metadata.shared}
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    for field in usage.split():
+        name, _, value = field.partition(":")
+        if name in ("REG", "STACK", "LOCAL") and value.isdigit():
+            out[name.lower()] = int(value)
+    ptx = k.asm["ptx"]
+    out["wgmma"] = ptx.count("wgmma.mma_async")
+    out["mma_sync"] = ptx.count("mma.sync")
+    return out
+
+
+def main() -> None:
+    started = time.time()
+    cfg = v41_flash()
+    rows: list[dict[str, Any]] = []
+    kp = 1 << max(4, (cfg.index_topk - 1).bit_length())
+    for kind, cand, bmax in (
+        ("index", False, 0),
+        ("cand_source", False, cfg.candidate_block_size),
+        ("reindex", True, 0),
+    ):
+        for bm, bn, tl_sort in ((4, 128, False), (8, 128, False), (4, 64, False), (4, 128, True)):
+            cons = dict(
+                H=cfg.index_n_heads, D=cfg.index_head_dim, BM=bm, BN=bn, KP=kp, LOG_BM=bm.bit_length() - 1,
+                LOG_KP=kp.bit_length() - 1, HAS_CAND=cand, CAND_BLOCK=cfg.candidate_block_size, BMAX=bmax,
+                ROUND_BF16=True, DOT_F32=False, TL_SORT=tl_sort, PIPELINE=True,
+            )  # fmt: skip
+            row = {"kernel": "indexer_topk", "kind": kind, "rows_per_tile": bm, "block_n": bn, "tl_sort": tl_sort}
+            try:
+                row |= compile_report(AK._indexer_topk_kernel, INDEXER_ARGS, cons, 8)
+            except Exception as e:  # keep going: the report says which config failed
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(row)
+            log(row)
+    for bh, bn in ((16, 32), (16, 64), (32, 32), (32, 64), (64, 16)):
+        cons = dict(W=cfg.window_size, KSEL=cfg.index_topk, D=cfg.head_dim, BH=bh, BN=bn, ROUND_PROBS=True,
+                    DOT_F32=False)  # fmt: skip
+        row = {"kernel": "sparse_attention_paged", "block_h": bh, "block_n": bn}
+        try:
+            row |= compile_report(AK._sparse_attn_kernel, ATTN_ARGS, cons, 8)
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(row)
+        log(row)
+    log(
+        "wrote", record("attn_kernels_aot", {"target": "sm_90", "triton": triton.__version__, "kernels": rows}, started)
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""The fused indexer and sparse attention kernels (asympd/model/attn_kernels.py) against the CPU
+reference, through the Triton interpreter on tiny shapes, keys in shuffled paged pools."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from asympd.model import attn_kernels as AK
+from asympd.model.attention import select_candidate_blocks, sparse_attention
+from asympd.model.ops import stable_topk
+from asympd.model.quant import fp4_qdq
+
+pytestmark = [
+    pytest.mark.skipif(not AK.AVAILABLE, reason="needs triton"),
+    # CPU tensors through Triton's interpreter (tests/conftest.py sets it where there is no GPU); on a
+    # GPU machine bench/attn_kernels.py checks the compiled kernels against the unfused path
+    pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests: CPU only"),
+]
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def fp4_grid(g: torch.Generator, *shape: int) -> torch.Tensor:
+    """Signed e2m1 values: every product and sum of the tests' sizes is exact in fp32, so scores do
+    not depend on summation order and ties are common."""
+    v = E2M1[torch.randint(0, 8, shape, generator=g)]
+    return torch.where(torch.rand(shape, generator=g) < 0.5, -v, v)
+
+
+def paged(entries: list[torch.Tensor], epb: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's entries [n_s, width] in a shared pool of shuffled blocks: (pool, tables)."""
+    need = [-(-e.size(0) // epb) for e in entries]
+    total = sum(need) + 3  # spare blocks hold garbage a wrong read would pick up
+    order = torch.randperm(total, generator=g)
+    width = entries[0].size(1)
+    pool = torch.randn(total, epb, width, generator=g) * 100
+    tables = torch.zeros(len(entries), max(need), dtype=torch.int32)
+    used = 0
+    for s, e in enumerate(entries):
+        blocks = order[used : used + need[s]]
+        used += need[s]
+        tables[s, : need[s]] = blocks.to(torch.int32)
+        for i in range(e.size(0)):
+            pool[blocks[i // epb], i % epb] = e[i]
+    return pool, tables
+
+
+def ref_select(q, w, keys, visible, k, cand=None):
+    """``Attention._select`` on given inputs (fp32): the selection padded to k with -1, the scores."""
+    n = keys.size(0)
+    scores = torch.einsum("mhd,nd->mhn", q, keys).relu()
+    scores = (scores * w.unsqueeze(-1)).sum(dim=1).float()
+    scores = scores.masked_fill(torch.arange(n) >= visible.unsqueeze(-1), float("-inf"))
+    if cand is not None:
+        scores = scores.masked_fill(~cand, float("-inf"))
+    idx = stable_topk(scores, min(k, n)).sort(dim=-1).values
+    idx = torch.where(idx < visible.unsqueeze(-1), idx, -1)
+    return F.pad(idx, (0, k - idx.size(1)), value=-1), scores
+
+
+def segments(g, lens_rows, heads, hd, values):
+    """Per sequence (entries n, rows m, first visible count): keys, q, w, causal visible counts."""
+    out = []
+    for n, m, v0 in lens_rows:
+        keys = values(g, n, hd)
+        q = values(g, m, heads, hd)
+        w = torch.randint(-16, 17, (m, heads), generator=g).float() / 8
+        vis = torch.clamp(torch.arange(v0, v0 + m), max=n)
+        out.append((keys, q, w, vis))
+    return out
+
+
+@pytest.mark.parametrize("values", ["grid", "fp4"])
+def test_indexer_topk_matches_reference(values):
+    g = torch.Generator().manual_seed(1)
+    heads, hd, k, epb = 4, 32, 8, 4
+    if values == "grid":
+        gen = fp4_grid
+    else:  # the release's FP4 rounding of Gaussian data: real scales, sums need not be exact
+
+        def gen(g, *shape):
+            return fp4_qdq(torch.randn(*shape, generator=g), 32)
+
+    segs = segments(g, [(37, 9, 28), (5, 3, 2), (70, 6, 0)], heads, hd, gen)
+    pool, tables = paged([s[0] for s in segs], epb, g)
+    q = torch.cat([s[1] for s in segs])
+    w = torch.cat([s[2] for s in segs])
+    vis = torch.cat([s[3] for s in segs])
+    row_seq = torch.cat([torch.full((s[1].size(0),), i) for i, s in enumerate(segs)])
+    got = AK.indexer_topk(q, w, pool, tables, vis, k, row_seq=row_seq)
+    want = torch.cat([ref_select(s[1], s[2], s[0], s[3], k)[0] for s in segs])
+    assert got.dtype == torch.int64 and got.shape == (q.size(0), k)
+    assert torch.equal(got, want)
+    # rows with fewer visible entries than k end in -1; a row seeing nothing selects nothing
+    assert (got[9 + 3 + 0] == -1).all() and got[9, :2].tolist() == [0, 1] and (got[9, 2:] == -1).all()
+
+
+def test_indexer_topk_ties_go_to_the_lowest_index():
+    g = torch.Generator().manual_seed(2)
+    heads, hd, k, epb, n, m = 4, 32, 8, 8, 150, 5
+    keys = fp4_grid(g, n, hd)
+    keys[::3] = keys[0]  # every third entry scores exactly like entry 0
+    keys[40:60] = 0  # a run of zero scores
+    q = fp4_grid(g, m, heads, hd)
+    q[1] = 0  # a row where every score is 0: entries 0..k-1
+    w = torch.randint(-16, 17, (m, heads), generator=g).float() / 8
+    w[2] = -1  # a row where every score is <= 0: the zeros win, lowest first
+    vis = torch.tensor([150, 150, 150, 97, 64])
+    pool, tables = paged([keys], epb, g)
+    got = AK.indexer_topk(q, w, pool, tables, vis, k, rows_per_tile=4)  # the CUDA default
+    want, scores = ref_select(q, w, keys, vis, k)
+    assert torch.equal(got, want)
+    assert got[1].tolist() == list(range(k))
+    # the tie at the k-th place is real in the crafted rows
+    kth = scores.sort(dim=-1, descending=True).values[:, k - 1 : k + 1]
+    assert (kth[:, 0] == kth[:, 1]).any()
+    # k above the 64-wide merge tile: a full 512-wide state
+    want100 = ref_select(q, w, keys, vis, 100)[0]
+    assert torch.equal(AK.indexer_topk(q, w, pool, tables, vis, 100), want100)
+    # many small score tiles buffered between merges
+    assert torch.equal(AK.indexer_topk(q, w, pool, tables, vis, 100, block_n=16), want100)
+    # Triton's own sort, the fallback, selects the same (two rows: it is slow in the interpreter)
+    got = AK.indexer_topk(q[:2], w[:2], pool, tables, vis[:2], k, rows_per_tile=2, sort_impl="triton")
+    assert torch.equal(got, want[:2])
+
+
+def test_candidate_source_and_reindex_layer():
+    """L20 picks its top-k and the candidate blocks; a re-index layer chooses within them."""
+    g = torch.Generator().manual_seed(3)
+    heads, hd, k, epb, block, topk_blocks = 4, 32, 8, 8, 4, 3
+    segs = segments(g, [(61, 7, 40), (23, 4, 9)], heads, hd, fp4_grid)
+    pool, tables = paged([s[0] for s in segs], epb, g)
+    q = torch.cat([s[1] for s in segs])
+    w = torch.cat([s[2] for s in segs])
+    vis = torch.cat([s[3] for s in segs])
+    row_seq = torch.cat([torch.full((s[1].size(0),), i) for i, s in enumerate(segs)])
+    sel, cand = AK.indexer_topk_candidates(q, w, pool, tables, vis, k, topk_blocks, block, row_seq=row_seq)
+    assert cand.size(1) == -(-int(vis.max()) // block)
+    # sized from the caller's entry count instead (no sync): the same selection and pool, wider
+    sel_n, cand_n = AK.indexer_topk_candidates(
+        q, w, pool, tables, vis, k, topk_blocks, block, row_seq=row_seq, max_entries=61
+    )
+    assert torch.equal(sel_n, sel) and cand_n.size(1) == 16 and torch.equal(cand_n[:, : cand.size(1)], cand)
+    assert not cand_n[:, cand.size(1) :].any()
+    q2 = fp4_grid(g, q.size(0), heads, hd)  # the re-index layer's own queries
+    sel2 = AK.indexer_topk(q2, w, pool, tables, vis, k, row_seq=row_seq, candidates=cand, candidate_block=block)
+    lo = 0
+    for keys, qs, ws, v in segs:
+        m, n = qs.size(0), keys.size(0)
+        want, scores = ref_select(qs, ws, keys, v, k)
+        want_cand = select_candidate_blocks(scores, v, topk_blocks, block)  # [m, n] per entry
+        assert torch.equal(sel[lo : lo + m], want)
+        got_cand = cand[lo : lo + m].repeat_interleave(block, 1)[:, :n]
+        assert torch.equal(got_cand, want_cand[:, : got_cand.size(1)])
+        assert not want_cand[:, got_cand.size(1) :].any()
+        want2, _ = ref_select(q2[lo : lo + m], ws, keys, v, k, cand=want_cand)
+        assert torch.equal(sel2[lo : lo + m], want2)
+        lo += m
+    # the pool is the newest block plus topk_blocks - 1 others wherever there are more blocks
+    assert (cand.sum(1) <= topk_blocks).all() and cand.sum(1).max() == topk_blocks
+
+
+def test_indexer_bad_input():
+    q = torch.zeros(2, 4, 32)
+    pool, tables = torch.zeros(3, 4, 32), torch.zeros(1, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="w of shape"):
+        AK.indexer_topk(q, torch.zeros(2, 3), pool, tables, torch.tensor([1, 2]), 8)
+    with pytest.raises(ValueError, match="key_pool"):
+        AK.indexer_topk(q, torch.zeros(2, 4), torch.zeros(3, 4, 16), tables, torch.tensor([1, 2]), 8)
+    with pytest.raises(ValueError, match="k must be positive"):
+        AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 0)
+    with pytest.raises(ValueError, match="n_visible"):
+        AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2, 3]), 8)
+    with pytest.raises(ValueError, match="rows_per_tile"):
+        AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, rows_per_tile=3)
+    with pytest.raises(ValueError, match="row_seq"):
+        AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, row_seq=torch.zeros(3))
+    qa, win = torch.zeros(2, 4, 64), torch.zeros(5, 64)
+    ckv, sink = torch.zeros(3, 4, 64), torch.zeros(4)
+    with pytest.raises(ValueError, match="for 2 rows"):
+        AK.sparse_attention_paged(qa, win, torch.zeros(3, 16), torch.zeros(2, 8), ckv, tables, sink, 0.1, False)
+    with pytest.raises(ValueError, match="integer tensors"):
+        AK.sparse_attention_paged(qa, win, torch.zeros(2, 16), torch.zeros(2, 8), ckv, tables, sink, 0.1, False)
+    with pytest.raises(ValueError, match="head_dim"):
+        AK.sparse_attention_paged(
+            qa, win, torch.zeros(2, 16), torch.zeros(2, 8), ckv[..., :32], tables, sink, 0.1, False
+        )
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # exp(sink + 1e30): the empty row
+@pytest.mark.parametrize("round_probs", [False, True])
+def test_sparse_attention_paged_matches_reference(round_probs):
+    """fp32 throughout; tolerance 1e-5 relative (summation order and the online rescaling; with
+    round_probs the bf16 rounding happens against the running max: 1e-2)."""
+    g = torch.Generator().manual_seed(4)
+    h, d, win, k, epb = 4, 64, 16, 8, 4
+    ns, ms = [30, 9], [5, 3]
+    entries = [torch.randn(n, d, generator=g) for n in ns]
+    pool, tables = paged(entries, epb, g)
+    rows = sum(ms)
+    q = torch.randn(rows, h, d, generator=g)
+    window_kv = torch.randn(40, d, generator=g)
+    widx = torch.randint(0, 40, (rows, win), generator=g)
+    widx[torch.rand(rows, win, generator=g) < 0.3] = -1
+    row_seq = torch.tensor([0] * ms[0] + [1] * ms[1])
+    sel = torch.stack([torch.randperm(ns[int(s)], generator=g)[:k] for s in row_seq])
+    sel[torch.rand(rows, k, generator=g) < 0.25] = -1
+    sel[5] = -1  # a row that sees window rows only
+    widx[6], sel[6] = -1, -1  # a row that sees nothing: zeros
+    sink = torch.randn(h, generator=g)
+    scale = d**-0.5
+    got = AK.sparse_attention_paged(q, window_kv, widx, sel, pool, tables, sink, scale, round_probs, row_seq=row_seq)
+    ent = torch.stack([entries[int(s)][sel[i].clamp_min(0)] for i, s in enumerate(row_seq)])
+    keys = torch.cat([window_kv[widx.clamp_min(0)], ent], dim=1)
+    mask = torch.cat([widx >= 0, sel >= 0], dim=1)
+    want = sparse_attention(q, keys, mask, sink, scale, round_probs)
+    tol = 1e-2 if round_probs else 1e-5
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert float((got - want).norm() / want.norm()) < tol
+    assert torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max()))
+    assert torch.equal(got[6], torch.zeros(h, d))
+
+
+def test_indexer_on_the_tiny_checkpoint(tiny_ckpt, monkeypatch):
+    """Every index layer of a tiny-checkpoint prefill and decode step (fp32, paged KV through a
+    shuffled block table): the kernel selects exactly what ``Attention._select`` does, the candidate
+    source's pool included; re-index layers get the reference's candidates."""
+    from asympd.kv import KVCacheSpec, PagedKVCache
+    from asympd.model.attention import Attention, rotations
+    from asympd.model.loader import load_model
+    from asympd.model.ops import apply_rope
+    from asympd.model.transformer import Chunk
+
+    model = load_model(tiny_ckpt, "full", dtype=torch.float32)
+    model.batched = False  # the per-sequence path: its _select is the reference each selection is checked against
+    cfg = model.cfg
+    spec = KVCacheSpec.from_config(cfg, block_size=8, spec_slack=0, dtype=torch.float32)
+    cache = PagedKVCache(spec, num_blocks=16, max_seqs=1)
+    table = [11, 3, 14, 0, 7, 9, 2, 5]
+    kv = cache.view("a", table, slot=0)
+    calls = []
+    original = Attention._select
+
+    def checked(self, seg, x, qr, visible, n):
+        sel = original(self, seg, x, qr, visible, n)
+        rot = rotations(self.freqs, seg.positions)
+        q = self.idx_wq_b(qr).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
+        q = fp4_qdq(apply_rope(q, rot, cfg.rope_head_dim), 32)
+        w = self.idx_weights(x) * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
+        pool = cache.pools[f"idx.{self.source}"]
+        tables = torch.tensor([table], dtype=torch.int32)
+        k = cfg.index_topk
+        want = F.pad(sel, (0, k - sel.size(1)), value=-1)
+        if self.is_candidate_source:
+            got, cand = AK.indexer_topk_candidates(
+                q, w, pool, tables, visible, k, cfg.candidate_topk_blocks, cfg.candidate_block_size
+            )
+            expanded = cand.repeat_interleave(cfg.candidate_block_size, 1)[:, :n]
+            assert torch.equal(expanded, seg.shared["candidates"][:, : expanded.size(1)])
+        elif self.uses_candidates:
+            got = AK.indexer_topk(q, w, pool, tables, visible, k, candidates=seg.shared["candidates"])
+        else:
+            got = AK.indexer_topk(q, w, pool, tables, visible, k)
+        assert torch.equal(got, want), f"layer {self.layer}"
+        calls.append((self.layer, x.size(0), n))
+        return sel
+
+    monkeypatch.setattr(Attention, "_select", checked)
+    ids = torch.randint(0, cfg.vocab_size, (41,), generator=torch.Generator().manual_seed(5))
+    model([Chunk(kv, ids[:40], 0, ids)])
+    model([Chunk(kv, ids[40:], 40, ids)])
+    layers = {layer for layer, _, _ in calls}
+    assert cfg.candidate_source_layer in layers and any(layer > cfg.candidate_source_layer for layer in layers)
+    assert (cfg.candidate_source_layer, 40, 40) in calls and (cfg.candidate_source_layer, 1, 41) in calls
+
+
+def test_row_tiles_cover_each_sequence_without_straddling():
+    row_seq = torch.tensor([0, 0, 0, 0, 0, 0, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+    row0, count = AK.row_tiles(row_seq, n_seqs=3, bm=4)
+    assert row0.numel() == 4 + 3  # a bound known without a sync; spare tiles are empty
+    tiles = [(int(a), int(c)) for a, c in zip(row0, count, strict=True) if c > 0]
+    assert tiles == [(0, 4), (4, 2), (6, 1), (7, 4), (11, 4), (15, 1)]
