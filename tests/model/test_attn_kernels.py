@@ -234,6 +234,7 @@ def test_indexer_on_the_tiny_checkpoint(tiny_ckpt, monkeypatch):
     from asympd.model.transformer import Chunk
 
     model = load_model(tiny_ckpt, "full", dtype=torch.float32)
+    model.batched = False  # the per-sequence path: its _select is the reference each selection is checked against
     cfg = model.cfg
     spec = KVCacheSpec.from_config(cfg, block_size=8, spec_slack=0, dtype=torch.float32)
     cache = PagedKVCache(spec, num_blocks=16, max_seqs=1)
