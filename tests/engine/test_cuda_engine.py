@@ -53,3 +53,15 @@ def test_speculation_keeps_the_greedy_tokens_on_cuda(tiny_ckpt, dtype):
         assert spec == plain
     else:
         assert rate > 0.5
+
+
+def test_images_through_asymmetric_pd_on_cuda(tiny_ckpt):
+    """Image rows (the vision tower, ``gate.bias_vl`` in the CUDA MoE) on the GPU in fp32: asymmetric
+    P->D gives colocated ``split``'s greedy tokens with images at the start, in the middle, inside
+    the last W and straddling the split."""
+    from tests.engine.test_vision import run
+
+    params = SamplingParams(max_tokens=6, temperature=0)
+    want = run(LLM(tiny_ckpt, "colocated", "split", device="cuda", dtype=torch.float32), params)
+    got = run(LLM(tiny_ckpt, "asymmetric", device="cuda", dtype=torch.float32), params)
+    assert {c: o.token_ids for c, o in got.items()} == {c: o.token_ids for c, o in want.items()}
