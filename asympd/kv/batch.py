@@ -7,10 +7,11 @@ every layer touches every sequence's caches with a handful of tensor ops whateve
 position, row count, floors and block table; each row's segment and position), and
 :class:`BatchRows` is the slice of it one layer runs (deeper layers run a prefix of the rows).
 
-Addressing never leaves the device: window and open-group rows are found from the positions stored
-in the slots (rows are kept contiguous in position, oldest first, so position p sits at index
-``p - first``), compressed entries and index keys through the block tables. The host only mirrors
-row counts, arithmetically, as :class:`~asympd.kv.paged_cache.PagedKVCache` does.
+Addressing never leaves the device: window and open-group rows are found by searching the positions
+stored in the slots (ascending, oldest first; an imported prefix may leave a gap below the rows
+computed here), compressed entries and index keys through the block tables. The host only mirrors
+row counts, arithmetically, as :class:`~asympd.kv.paged_cache.PagedKVCache` does (that arithmetic
+assumes the rows at and after a step's first position are contiguous, which appends keep true).
 """
 
 from __future__ import annotations
