@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from bench.common import StepState, log, record, step_block, time_cuda
+from bench.common import StepState, log, record, step_block
 
 K_SPEC = 3
 
@@ -123,15 +123,22 @@ def time_layers(model, specs, logit_rows: int, device, reps: int) -> dict[str, A
     x = torch.randn(logit_rows, cfg.dim, generator=g, device=device).to(model.dtype)
 
     def timed(fn) -> float:
-        """Median ms: CUDA events on the GPU (bench.common.time_cuda, eager), wall clock on CPU."""
-        if device.type == "cuda":
-            return time_cuda(fn, iters=reps)["ms"]
-        fn()
+        for _ in range(2):
+            fn()
         out = []
         for _ in range(reps):
+            sync(device)
             t = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t) * 1e3)
+            if device.type == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                out.append(a.elapsed_time(b))
+            else:
+                fn()
+                out.append((time.perf_counter() - t) * 1e3)
         return statistics.median(out)
 
     per_layer = []
@@ -144,6 +151,8 @@ def time_layers(model, specs, logit_rows: int, device, reps: int) -> dict[str, A
     out = {"layers_ms": [round(t, 3) for t in per_layer], "head_ms": round(head, 3), "sum_ms": round(total, 3)}
     if device.type == "cuda" and state.rows <= 4096:
         # the same layers back to back, eager and as one CUDA-graph replay: what graphs would take off
+        from bench.common import time_cuda
+
         def stack():
             x, p = h, pre
             for layer in range(cfg.n_layers):

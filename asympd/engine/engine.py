@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from asympd.config import ModelConfig
 from asympd.engine import modes
 from asympd.engine.request import CompletionOutput, Request, RequestOutput, Status
 from asympd.engine.runner import ModelRunner
@@ -33,6 +34,24 @@ from asympd.transfer.stream import PrefixStream
 
 class RequestError(ValueError):
     """A request the engine refuses (bad input): maps to HTTP 400."""
+
+
+def check_prompt(cfg: ModelConfig, ids: list[int], params: SamplingParams) -> None:
+    """Refuse an empty prompt, out-of-range ids, bad sampling parameters, or a request longer than
+    the model's context, with RequestError (every engine checks a prompt the same way)."""
+    if not ids:
+        raise RequestError("the prompt is empty")
+    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise RequestError(f"prompt token ids out of range [0, {cfg.vocab_size}): {bad[:8]}")
+    try:
+        params.validate(cfg.vocab_size)
+    except ValueError as e:
+        raise RequestError(str(e)) from e
+    if len(ids) + params.max_tokens > cfg.max_seq_len:
+        raise RequestError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len {cfg.max_seq_len}"
+        )
 
 
 STREAM_MODES = ("asymmetric", "encoder-only")  # P exports the global KV only: no windows, no first token
@@ -175,20 +194,7 @@ class LLMEngine:
         if request_id in self.requests or request_id in self.held:
             raise RequestError(f"request id {request_id!r} is already in use")
         ids = list(prompt_token_ids)
-        if not ids:
-            raise RequestError("the prompt is empty")
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise RequestError(f"prompt token ids out of range [0, {self.cfg.vocab_size}): {bad[:8]}")
-        try:
-            params.validate(self.cfg.vocab_size)
-        except ValueError as e:
-            raise RequestError(str(e)) from e
-        if len(ids) + params.max_tokens > self.cfg.max_seq_len:
-            raise RequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_seq_len {self.cfg.max_seq_len}"
-            )
+        check_prompt(self.cfg, ids, params)
         need = self.spec.blocks_for_tokens(len(ids) + params.max_tokens + 1 + self.config.scheduler.num_spec_tokens)
         if need > self.blocks.num_blocks:
             raise RequestError(

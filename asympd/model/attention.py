@@ -412,7 +412,6 @@ class Attention(torch.nn.Module):
         m = x.size(0)
         if not self.is_index_source:
             return view.shared[key][:m]
-        out = torch.full((m, cfg.index_topk), -1, dtype=torch.long, device=x.device)
         hi, hd = cfg.index_n_heads, cfg.index_head_dim
         qi = self.idx_wq_b(qr).unflatten(-1, (hi, hd))
         qi = fp4_qdq(apply_rope(qi, rot, cfg.rope_head_dim), 32)
@@ -424,6 +423,7 @@ class Attention(torch.nn.Module):
             out = self._select_fused(view, qi, wts, visible, int(n_tot.max()))
             view.shared[key] = out
             return out
+        out = torch.full((m, cfg.index_topk), -1, dtype=torch.long, device=x.device)
         for q, segs_h, segs in view.uniform_groups():
             n = int(n_tot[segs_h].max())
             if n == 0:

@@ -26,7 +26,7 @@ from typing import Any
 import torch.distributed as dist
 
 from asympd.engine import modes
-from asympd.engine.engine import EngineConfig, RequestError, checkpoint_id
+from asympd.engine.engine import EngineConfig, RequestError, check_prompt, checkpoint_id
 from asympd.engine.request import CompletionOutput, RequestOutput, Status
 from asympd.engine.sampling import SamplingParams
 from asympd.model.transformer import Transformer
@@ -86,21 +86,7 @@ class CPPrefillEngine:
         ids = list(prompt_token_ids)
         if any(r == request_id for r, _, _ in self.waiting):
             raise RequestError(f"request id {request_id!r} is already in use")
-        if not ids:
-            raise RequestError("the prompt is empty")
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise RequestError(f"prompt token ids out of range [0, {self.cfg.vocab_size}): {bad[:8]}")
-        params = params or SamplingParams()
-        try:
-            params.validate(self.cfg.vocab_size)
-        except ValueError as e:
-            raise RequestError(str(e)) from e
-        if len(ids) + params.max_tokens > self.cfg.max_seq_len:
-            raise RequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_seq_len {self.cfg.max_seq_len}"
-            )
+        check_prompt(self.cfg, ids, params or SamplingParams())
         self.waiting.append((request_id, ids, time.monotonic()))
 
     def abort_request(self, request_id: str) -> None:
