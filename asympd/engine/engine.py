@@ -26,6 +26,7 @@ from asympd.engine.spec_decode import DraftRequest, DSparkProposer, Proposer, ro
 from asympd.kv.block_manager import BlockManager
 from asympd.kv.paged_cache import PagedKVCache
 from asympd.kv.spec import KVCacheSpec
+from asympd.model.cuda_graphs import DecodeGraphs
 from asympd.model.transformer import Transformer
 from asympd.model.vision import ImageInput, check_spans
 from asympd.transfer.prefix_state import KV_FORMATS, PrefixState, PrefixStateError, model_fingerprint
@@ -81,6 +82,9 @@ class EngineConfig:
     # prefill worker: hand the prefix over in slices as its chunked prefill advances (each chunk's
     # finished global KV), so that the transfer overlaps the compute (asymmetric, encoder-only)
     stream_prefix: bool = False
+    # decoding workers on CUDA replay decode/verify steps as CUDA graphs (model/cuda_graphs.py);
+    # True runs every step eagerly (vLLM's flag)
+    enforce_eager: bool = False
 
     def validate(self) -> None:
         modes.check_role_mode(self.role, self.mode)
@@ -155,10 +159,13 @@ class LLMEngine:
         )
         num_blocks = self.config.num_blocks or max(1, self.config.kv_cache_bytes // self.spec.bytes_per_block)
         self.blocks = BlockManager(self.spec, num_blocks, sc.max_num_seqs, self.config.enable_prefix_caching)
-        self.cache = PagedKVCache(self.spec, num_blocks, sc.max_num_seqs, device=model.device)
+        decodes = self.config.role != "prefill"  # a decoding worker's cache has room for padded graph rows
+        self.cache = PagedKVCache(self.spec, num_blocks, sc.max_num_seqs, device=model.device, scratch=decodes)
         self.fingerprint = model_fingerprint(self.cfg, checkpoint_id(getattr(model, "checkpoint", None)), model.dtype)
         self.scheduler = Scheduler(sc, self.blocks, prefix_cache_key=self.fingerprint)
         self.runner = ModelRunner(model, self.cache, self.blocks)
+        if decodes and model.device.type == "cuda" and model.batched and not self.config.enforce_eager:
+            self.runner.graphs = DecodeGraphs(model, self.cache, max_batch=sc.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # prefill worker: exported, blocks kept until released
         self.counters = {

@@ -10,6 +10,7 @@ from asympd.engine.request import Request
 from asympd.engine.scheduler import ScheduledChunk
 from asympd.kv.block_manager import BlockManager
 from asympd.kv.paged_cache import PagedKVCache
+from asympd.model.cuda_graphs import DecodeGraphs
 from asympd.model.transformer import Chunk, ChunkImages, Depth, Transformer
 from asympd.model.vision import span_mask
 from asympd.transfer.prefix_state import PrefixState
@@ -20,6 +21,7 @@ class ModelRunner:
     def __init__(self, model: Transformer, cache: PagedKVCache, blocks: BlockManager):
         self.model, self.cache, self.blocks = model, cache, blocks
         self.cfg = model.cfg
+        self.graphs: DecodeGraphs | None = None  # decode steps replayed as CUDA graphs (the engine sets it)
 
     def _view(self, req: Request):
         rid = req.request_id
@@ -62,7 +64,7 @@ class ModelRunner:
                     images=self._chunk_images(req, sc.lo, sc.hi, len(ids)) if req.images else None,
                 )
             )
-        out = self.model(batch)
+        out = self.model(batch, graphs=self.graphs)
         self.last_draft_hidden = out.draft_hidden
         self.last_argmax = out.argmax
         return out.logits

@@ -45,39 +45,16 @@ class BatchSegment:
 class PagedBatch:
     """The step's segments, laid out row after row in the given order."""
 
-    def __init__(self, cache: PagedKVCache, segments: Sequence[BatchSegment]) -> None:
+    def __init__(self, cache: PagedKVCache, segments: Sequence[BatchSegment], *, width: int | None = None) -> None:
+        """``width``: block-table columns (default: the longest table), fixed for a captured step."""
         if not segments:
             raise ValueError("a batch needs at least one segment")
         self.cache, self.device = cache, cache.device
         n = len(segments)
-        self.h_start = np.array([s.start for s in segments], dtype=np.int64)
-        self.h_rows = np.array([s.rows for s in segments], dtype=np.int64)
-        self.h_slot = np.array([s.slot for s in segments], dtype=np.int64)
-        self.h_wg = np.array([s.write_global for s in segments], dtype=bool)
-        self.h_lo = np.concatenate([[0], np.cumsum(self.h_rows)]).astype(np.int64)
-        width = max(1, max(len(s.block_table) for s in segments))
-        table = np.zeros((n, width), dtype=np.int64)
-        for i, s in enumerate(segments):
-            table[i, : len(s.block_table)] = np.asarray(s.block_table, dtype=np.int64)
-        floors = np.array([[s.encoder_floor, s.floor] for s in segments], dtype=np.int64).T
-        total = int(self.h_lo[-1])
-        row_seg = np.repeat(np.arange(n, dtype=np.int64), self.h_rows)
-        positions = self.h_start[row_seg] + np.arange(total, dtype=np.int64) - self.h_lo[row_seg]
+        flat = self._host_layout(segments, width)
         # one host-to-device copy for everything the layers address
-        flat = np.concatenate(
-            [
-                self.h_start,
-                self.h_rows,
-                self.h_slot,
-                self.h_wg.astype(np.int64),
-                self.h_lo,
-                floors.ravel(),
-                table.ravel(),
-                row_seg,
-                positions,
-            ]
-        )
-        d = torch.from_numpy(flat).to(self.device, non_blocking=True)
+        self._flat = d = torch.from_numpy(flat).to(self.device, non_blocking=True)
+        total, width = self.num_rows, self.width
         sizes = [n, n, n, n, n + 1, 2 * n, n * width, total, total]
         (self.start, self.rows, self.slot, wg, self.lo, floors_d, table_d, self.row_seg, self.positions) = d.split(
             sizes
@@ -85,9 +62,55 @@ class PagedBatch:
         self.write_global = wg.bool()
         self.floors = floors_d.view(2, n)
         self.block_table = table_d.view(n, width)
-        self.num_rows = total
         self.shared: dict[str, Any] = {}  # per-row selections handed down the stack (rows from 0)
         self._memo: dict[Any, Tensor] = {}
+        # A captured step (model/cuda_graphs.py) replays the device work of its first run, so nothing
+        # the layers do may depend on host values that change between steps:
+        # - ``max_context`` bounds every segment's start + rows; key counts come from it;
+        # - ``fixed_groups``: every segment writes ceil(rows / ratio) compressor groups, those that
+        #   did not complete into the cache's scratch block;
+        # - ``mirror_log`` (a list): host row-count updates are logged, to be applied per step.
+        self.max_context: int | None = None
+        self.fixed_groups = False
+        self.mirror_log: list[tuple[Any, int, int, np.ndarray | None]] | None = None
+
+    def _host_layout(self, segments: Sequence[BatchSegment], width: int | None) -> np.ndarray:
+        """Set the host arrays and return the flat int64 layout the device copy holds."""
+        n = len(segments)
+        self.h_start = np.array([s.start for s in segments], dtype=np.int64)
+        self.h_rows = np.array([s.rows for s in segments], dtype=np.int64)
+        self.h_slot = np.array([s.slot for s in segments], dtype=np.int64)
+        self.h_wg = np.array([s.write_global for s in segments], dtype=bool)
+        self.h_lo = np.concatenate([[0], np.cumsum(self.h_rows)]).astype(np.int64)
+        longest = max(1, max(len(s.block_table) for s in segments))
+        if width is not None and width < longest:
+            raise ValueError(f"a block table of {longest} blocks does not fit a batch of width {width}")
+        self.width = width = width or longest
+        table = np.zeros((n, width), dtype=np.int64)
+        for i, s in enumerate(segments):
+            table[i, : len(s.block_table)] = np.asarray(s.block_table, dtype=np.int64)
+        floors = np.array([[s.encoder_floor, s.floor] for s in segments], dtype=np.int64).T
+        self.num_rows = total = int(self.h_lo[-1])
+        row_seg = np.repeat(np.arange(n, dtype=np.int64), self.h_rows)
+        positions = self.h_start[row_seg] + np.arange(total, dtype=np.int64) - self.h_lo[row_seg]
+        parts = [self.h_start, self.h_rows, self.h_slot, self.h_wg.astype(np.int64), self.h_lo]
+        return np.concatenate([*parts, floors.ravel(), table.ravel(), row_seg, positions])
+
+    def load(self, segments: Sequence[BatchSegment]) -> None:
+        """Overwrite the device metadata in place with another step of the same layout (segment
+        count, rows per segment, width): what a captured step's replay reads."""
+        shape = (len(self.h_rows), self.num_rows, self.width)
+        rows = self.h_rows.copy()
+        flat = self._host_layout(segments, self.width)
+        if (len(self.h_rows), self.num_rows, self.width) != shape or not np.array_equal(rows, self.h_rows):
+            raise ValueError("load: the new segments do not have this batch's layout")
+        self._flat.copy_(torch.from_numpy(flat), non_blocking=True)
+
+    def entry_bound(self, ratio: int, view: BatchRows) -> int:
+        """How many compressed entries the view's rows may see at most (a key-count bound)."""
+        if self.max_context is not None:
+            return self.max_context // ratio
+        return int(((view.host("start") + view.host("rows")) // ratio).max())
 
     def host_index(self, key: Any, make: Any) -> Tensor:
         """A device copy of the host array ``make()``, made once per batch: the layers of a step ask
@@ -238,13 +261,10 @@ class BatchRows:
 
     def _mirror(self, rows: Any, taken: np.ndarray | None) -> None:
         """Host row counts after an append, from host values only (rows are contiguous in position)."""
-        slots, start, n = self.host("slot"), self.host("start"), self.host("rows")
-        if taken is not None:
-            slots, start, n = slots[taken], start[taken], n[taken]
-        length, last = rows.length[slots], rows.last[slots]
-        dropped = np.clip(last - start + 1, 0, length)
-        rows.length[slots] = np.minimum(rows.capacity, length - dropped + n)
-        rows.last[slots] = start + n - 1
+        if self.batch.mirror_log is not None:
+            self.batch.mirror_log.append((rows, self.s0, self.s1, taken))
+            return
+        mirror_rows(rows, self.host("slot"), self.host("start"), self.host("rows"), taken)
 
     # ---- paged groups ------------------------------------------------------------------------
 
@@ -259,12 +279,21 @@ class BatchRows:
         g = self.batch.cache.spec.group(name)
         return self.batch.cache.pools[name].view(-1, g.width)
 
-    def write_entries(self, layer: int, seg: Tensor, entry: Tensor, ckv: Tensor, keys: Tensor) -> None:
-        """Store compressed entries and index keys of a KV source (one row per (seg, entry))."""
+    def write_entries(
+        self, layer: int, seg: Tensor, entry: Tensor, ckv: Tensor, keys: Tensor, valid: Tensor | None = None
+    ) -> None:
+        """Store compressed entries and index keys of a KV source (one row per (seg, entry)); rows
+        not ``valid`` go to the cache's scratch block."""
         for kind, val in ((GroupKind.COMPRESSED, ckv), (GroupKind.INDEX, keys)):
             name = f"{kind.value}.{layer}"
             pool = self.pool(name)
-            pool.index_copy_(0, self.pool_rows(name, seg, entry), val.to(pool.dtype))
+            rows = self.pool_rows(name, seg, entry)
+            if valid is not None:
+                scratch = self.batch.cache.scratch_block
+                if scratch is None:
+                    raise RuntimeError("masked entry writes need a cache built with scratch=True")
+                rows = torch.where(valid, rows, scratch * self.batch.cache.spec.group(name).entries_per_block)
+            pool.index_copy_(0, rows, val.to(pool.dtype))
 
     def gather_entries(self, kind: GroupKind, layer: int, seg: Tensor, entry: Tensor) -> Tensor:
         """Entries (clamped at 0; mask them yourself) of a paged group, shaped ``entry.shape + [width]``."""
@@ -291,6 +320,17 @@ class BatchRows:
             return np.concatenate([np.arange(a, a + k) for a, k, t in zip(lo, n, take, strict=True) if t])
 
         return self.batch.host_index(("rows", self.s0, self.s1), rows)
+
+
+def mirror_rows(rows: Any, slots: np.ndarray, start: np.ndarray, n: np.ndarray, taken: np.ndarray | None) -> None:
+    """A slot group's host row counts after each slot got ``n`` rows from position ``start``
+    (those ``taken`` marks, default all)."""
+    if taken is not None:
+        slots, start, n = slots[taken], start[taken], n[taken]
+    length, last = rows.length[slots], rows.last[slots]
+    dropped = np.clip(last - start + 1, 0, length)
+    rows.length[slots] = np.minimum(rows.capacity, length - dropped + n)
+    rows.last[slots] = start + n - 1
 
 
 def find_positions(stored: Tensor, want: Tensor) -> tuple[Tensor, Tensor]:

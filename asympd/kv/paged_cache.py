@@ -137,28 +137,42 @@ class _SlotRows:
 class PagedKVCache:
     """Owns every KV tensor of one worker: the paged pools and the request slots."""
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, max_seqs: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        max_seqs: int,
+        device: torch.device | str = "cpu",
+        *,
+        scratch: bool = False,
+    ) -> None:
+        """``scratch``: one more block and slot that no request ever gets (``scratch_block``,
+        ``scratch_slot``): a step captured at a padded batch size sends its padding rows' writes
+        there, and the writes of compressor groups that did not complete (model/cuda_graphs.py)."""
         self.spec = spec
         self.num_blocks = num_blocks
         self.max_seqs = max_seqs
         self.device = dev = torch.device(device)
+        self.scratch_block = num_blocks if scratch else None
+        self.scratch_slot = max_seqs if scratch else None
+        n_blocks, n_slots = num_blocks + scratch, max_seqs + scratch
         self.pools: dict[str, Tensor] = {
-            g.name: torch.zeros(num_blocks, g.entries_per_block, g.width, dtype=g.dtype, device=dev)
+            g.name: torch.zeros(n_blocks, g.entries_per_block, g.width, dtype=g.dtype, device=dev)
             for g in spec.paged_groups
         }
         cfg, cap, n_win = spec.cfg, spec.window_capacity, len(spec.window_layers)
-        self.window_kv = torch.zeros(max_seqs, n_win, cap, cfg.head_dim, dtype=spec.dtype, device=dev)
-        self.window_pos = torch.full((max_seqs, n_win, cap), -1, dtype=torch.int64, device=dev)
+        self.window_kv = torch.zeros(n_slots, n_win, cap, cfg.head_dim, dtype=spec.dtype, device=dev)
+        self.window_pos = torch.full((n_slots, n_win, cap), -1, dtype=torch.int64, device=dev)
         self.windows: dict[int, _SlotRows] = {
             layer: _SlotRows((self.window_kv[:, i], self.window_pos[:, i]), (spec.dtype, torch.int64))
             for i, layer in enumerate(spec.window_layers)
         }
         self.pairs: dict[int, _SlotRows] = {}
         for g in spec.pair_groups:
-            kv = torch.zeros(max_seqs, g.capacity, g.width, dtype=PAIR_DTYPE, device=dev)
-            pos = torch.full((max_seqs, g.capacity), -1, dtype=torch.int64, device=dev)
+            kv = torch.zeros(n_slots, g.capacity, g.width, dtype=PAIR_DTYPE, device=dev)
+            pos = torch.full((n_slots, g.capacity), -1, dtype=torch.int64, device=dev)
             self.pairs[g.layer] = _SlotRows((kv, torch.zeros_like(kv), pos), (PAIR_DTYPE, PAIR_DTYPE, torch.int64))
-        self._slot_owner: list[Any] = [None] * max_seqs
+        self._slot_owner: list[Any] = [None] * n_slots
 
     def nbytes(self) -> int:
         tensors = [*self.pools.values(), self.window_kv, self.window_pos]

@@ -362,14 +362,18 @@ class Attention(torch.nn.Module):
             kv, score = self.comp_wkv(xf), self.comp_wgate(xf)
             groups = np.where(wg, (start + n_rows) // r - start // r, 0)
             seg = entry = latent = None
-            if groups.sum():
+            if view.batch.fixed_groups:  # a captured step: the same groups' shape whatever the positions
+                seg, entry, valid = self._fixed_groups(view)
+                groups = None
+            if groups is None or groups.sum():
 
                 def groups_of() -> np.ndarray:  # (segment, entry) of each group the step completes
                     seg_h = np.repeat(np.arange(len(groups)), groups)
                     first = np.concatenate([[0], np.cumsum(groups)[:-1]])
                     return np.stack([seg_h, start[seg_h] // r + np.arange(len(seg_h)) - first[seg_h]])
 
-                seg, entry = view.batch.host_index(("groups", view.s0, view.s1, r), groups_of)
+                if seg is None:
+                    seg, entry = view.batch.host_index(("groups", view.s0, view.s1, r), groups_of)
                 kv_g, score_g = self._group_rows(view, kv, score, seg, entry)
                 weights = torch.exp(score_g - score_g.amax(dim=1, keepdim=True))  # softmax over the group
                 pooled = ordered_sum(kv_g * (weights / ordered_sum(weights, 1, keepdim=True)), 1)
@@ -381,7 +385,19 @@ class Attention(torch.nn.Module):
         k = rms_norm(self.idx_wk(latent), self.idx_k_norm, cfg.norm_eps)
         k = fp4_qdq(apply_rope(k, rot, cfg.rope_head_dim), 32)
         entries = fp4_qdq(apply_rope(latent, rot, cfg.rope_head_dim), 16, e4m3_scale=True)
-        view.write_entries(self.layer, seg, entry, entries, k)
+        view.write_entries(self.layer, seg, entry, entries, k, valid if view.batch.fixed_groups and r > 1 else None)
+
+    def _fixed_groups(self, view: BatchRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(segment, entry, valid) of ceil(rows / ratio) groups per segment from each one's first
+        open group: every group the step can complete, plus ones it did not (``valid`` False)."""
+        r = self.ratio
+        n_groups = -(-int(view.host("rows").max()) // r)
+        n_seg = view.s1 - view.s0
+        seg = torch.arange(n_seg, device=view.device).repeat_interleave(n_groups)
+        start, rows = view.seg("start")[seg], view.seg("rows")[seg]
+        entry = start // r + torch.arange(n_groups, device=view.device).repeat(n_seg)
+        valid = ((entry + 1) * r <= start + rows) & view.seg("write_global")[seg]
+        return seg, entry, valid
 
     def _group_rows(
         self, view: BatchRows, kv: torch.Tensor, score: torch.Tensor, seg: torch.Tensor, entry: torch.Tensor
@@ -392,7 +408,8 @@ class Attention(torch.nn.Module):
         pos = entry.unsqueeze(-1) * r + torch.arange(r, device=kv.device)
         start = view.seg("start")[seg].unsqueeze(-1)
         fresh = pos >= start
-        new = (view.seg("lo")[seg].unsqueeze(-1) + pos - start).clamp_min(0)
+        # clamped: a group the step does not complete (fixed_groups) reads past the segment's rows
+        new = (view.seg("lo")[seg].unsqueeze(-1) + pos - start).clamp(0, max(kv.size(0) - 1, 0))
         fkv, fscore, fpos, base = view.pair_base(self.layer)
         stored = view.slot_positions(fpos, base, view.batch.cache.pairs[self.layer].capacity)
         old = base[seg].unsqueeze(-1) + find_positions(stored[seg], pos)[0]
@@ -420,12 +437,12 @@ class Attention(torch.nn.Module):
         n_tot = (view.host("start") + view.host("rows")) // r
         kern = self.kernels
         if kern.fused_indexer:
-            out = self._select_fused(view, qi, wts, visible, int(n_tot.max()))
+            out = self._select_fused(view, qi, wts, visible, view.batch.entry_bound(r, view))
             view.shared[key] = out
             return out
         out = torch.full((m, cfg.index_topk), -1, dtype=torch.long, device=x.device)
         for q, segs_h, segs in view.uniform_groups():
-            n = int(n_tot[segs_h].max())
+            n = int(n_tot[segs_h].max()) if view.batch.max_context is None else view.batch.entry_bound(r, view)
             if n == 0:
                 continue
             rows = view.seg("lo")[segs].unsqueeze(-1) + torch.arange(q, device=x.device)  # [ns, q]

@@ -129,6 +129,19 @@ class Block(torch.nn.Module):
         return h, ffn_pre
 
 
+def batch_segments(ordered: list[Chunk]) -> list[BatchSegment] | None:
+    """The step's chunks as :class:`PagedBatch` segments, or None unless every chunk is a view of
+    the same paged cache."""
+    views = [c.kv for c in ordered]
+    caches = {id(getattr(v, "cache", None)) for v in views}  # duck-typed: EP's mirrored views pass
+    if len(caches) != 1 or not isinstance(getattr(views[0], "cache", None), PagedKVCache):
+        return None
+    return [
+        BatchSegment(v.block_table, v.slot, c.start, len(c.token_ids), c.encoder_floor, c.floor, c.write_global)
+        for c, v in zip(ordered, views, strict=True)
+    ]
+
+
 class Transformer(torch.nn.Module):
     """The backbone of one role. The prefill role holds layers below K as blocks and layer K as a
     KV path only; it cannot run ``Depth.THROUGH_SOURCE`` or ``Depth.ALL`` rows."""
@@ -170,8 +183,9 @@ class Transformer(torch.nn.Module):
         return self.cfg.n_layers, False
 
     @torch.inference_mode()
-    def forward(self, chunks: list[Chunk]) -> ForwardOutput:
-        cfg = self.cfg
+    def forward(self, chunks: list[Chunk], graphs: Any = None) -> ForwardOutput:
+        """``graphs``: a :class:`~asympd.model.cuda_graphs.DecodeGraphs` for this cache; the steps it
+        takes (decode and verify) are replayed as CUDA graphs."""
         if not chunks:
             return ForwardOutput([], [], [])
         for c in chunks:
@@ -185,6 +199,66 @@ class Transformer(torch.nn.Module):
         for c in ordered:
             offsets.append(offsets[-1] + len(c.token_ids))
         tokens = torch.cat([c.token_ids for c in ordered]).to(self.device)
+        fetched = self._fetch_engram(ordered)
+        if graphs is not None and self.batched:
+            out = graphs.run(ordered, order, tokens, fetched)
+            if out is not None:
+                return out
+        h, pre, vl = self._embed(tokens, ordered, offsets)
+        batch = None
+        if self.batched and (segs := batch_segments(ordered)) is not None:
+            batch = PagedBatch(ordered[0].kv.cache, segs)
+        hidden = self._layers(h, pre, [c.depth for c in ordered], offsets, batch, fetched, vl, ordered)
+
+        logits: list[torch.Tensor | None] = [None] * len(chunks)
+        argmax: list[list[int] | None] = [None] * len(chunks)
+        draft_hidden: list[torch.Tensor | None] = [None] * len(chunks)
+        wanted: list[tuple[int, range]] = []  # (chunk, its rows that need logits)
+        n_all = sum(c.depth is Depth.ALL for c in ordered)
+        all_hidden = torch.cat(hidden, dim=-1) if hidden else None
+        for i, c in enumerate(ordered):
+            if all_hidden is not None and i < n_all:  # every Depth.ALL row: the drafter is seeded from them
+                draft_hidden[order[i]] = all_hidden[offsets[i] : offsets[i + 1]]
+            if c.depth is Depth.ALL and c.logits != "none":
+                lo = offsets[i + 1] - 1 if c.logits == "last" else offsets[i]
+                wanted.append((i, range(lo, offsets[i + 1])))
+        if wanted:  # one head GEMM for the whole step (rows are batch-invariant on CPU too, see linear)
+            rows = torch.tensor([r for _, rr in wanted for r in rr], device=self.device)
+            head = self.logits(h, pre, rows)
+            sizes = [len(rr) for _, rr in wanted]
+            ids = head.argmax(dim=-1).tolist()  # the step's one sync: greedy tokens for every row
+            at = 0
+            for (i, _), lg, n in zip(wanted, head.split(sizes), sizes, strict=True):
+                logits[order[i]], argmax[order[i]] = lg, ids[at : at + n]
+                at += n
+        return ForwardOutput(logits, draft_hidden, argmax)
+
+    def _fetch_engram(self, ordered: list[Chunk]) -> dict[int, Any]:
+        """Each Engram layer's looked-up rows, in flight to the device (hashed on the host; a
+        host-memory table's copy overlaps the layers before it)."""
+        cfg = self.cfg
+        if not cfg.engram_layer_ids or self.hasher is None:
+            return {}
+        if any(c.history is None for c in ordered):
+            raise ValueError("this model has Engram layers: every chunk needs its history")
+        hashes = torch.cat(
+            [
+                self.hasher.hash_ids(c.history, c.start, len(c.token_ids), None if c.images is None else c.images.text)
+                for c in ordered
+            ]
+        )
+        fetched: dict[int, Any] = {}
+        for e, lid in enumerate(cfg.engram_layer_ids):
+            if self.blocks[lid] is not None and self.blocks[lid].engram is not None:
+                fetched[lid] = self.blocks[lid].engram.fetch(hashes[:, e], self.device)
+        return fetched
+
+    def _embed(
+        self, tokens: torch.Tensor, ordered: list[Chunk], offsets: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(the hc copies of every row's embedding [rows, hc, dim], the first collapse's mix, the
+        image-span rows or None)."""
+        cfg = self.cfg
         h = F.embedding(tokens, self.embed).to(self.dtype)
         vl = None  # [rows] bool: image-span rows
         if any(c.images is not None for c in ordered):
@@ -196,32 +270,29 @@ class Transformer(torch.nn.Module):
         h = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)
         pre = torch.zeros(h.size(0), cfg.hc_mult, dtype=torch.float32, device=self.device)
         pre[:, 0] = 1.0  # the first collapse just takes copy 0
-        fetched: dict[int, Any] = {}
-        if cfg.engram_layer_ids and self.hasher is not None:
-            # hashed on the host; each Engram gathers its rows where its table lives and starts moving
-            # them now, so a host-memory table's copy overlaps the layers before it
-            if any(c.history is None for c in ordered):
-                raise ValueError("this model has Engram layers: every chunk needs its history")
-            hashes = torch.cat(
-                [
-                    self.hasher.hash_ids(
-                        c.history, c.start, len(c.token_ids), None if c.images is None else c.images.text
-                    )
-                    for c in ordered
-                ]
-            )
-            for e, lid in enumerate(cfg.engram_layer_ids):
-                if self.blocks[lid] is not None and self.blocks[lid].engram is not None:
-                    fetched[lid] = self.blocks[lid].engram.fetch(hashes[:, e], self.device)
-        batch = self._paged_batch(ordered) if self.batched else None
-        shared: list[dict[str, Any]] = [{} for _ in ordered]
+        return h, pre, vl
+
+    def _layers(
+        self,
+        h: torch.Tensor,
+        pre: torch.Tensor,
+        depths: list[Depth],
+        offsets: list[int],
+        batch: PagedBatch | None,
+        fetched: dict[int, Any],
+        vl: torch.Tensor | None,
+        ordered: list[Chunk] | None,
+    ) -> list[torch.Tensor]:
+        """Run the stack in place over ``h``/``pre`` (rows ordered deepest first); returns the DSpark
+        targets' hidden states of the Depth.ALL rows. Without ``batch`` each chunk of ``ordered`` is
+        its own segment (the per-sequence reference path)."""
+        cfg = self.cfg
+        shared: list[dict[str, Any]] = [{} for _ in depths]
         targets = {lid: i for i, lid in enumerate(cfg.dspark_target_layer_ids)} if cfg.dspark_block_size else {}
         hidden: list[torch.Tensor] = []  # per target layer, [rows_all, dim]
-        n_all = sum(c.depth is Depth.ALL for c in ordered)
-        rows_all = offsets[n_all]
+        rows_all = offsets[sum(d is Depth.ALL for d in depths)]
         k = cfg.last_kv_source
-
-        runs = [self._layers_run(c.depth) for c in ordered]
+        runs = [self._layers_run(d) for d in depths]
         deeper = [-n for n, _ in runs]  # ascending: chunks are ordered deepest first
         kv_path_only = [i for i, r in enumerate(runs) if r == (k, True)]
         for layer in range(cfg.n_layers):
@@ -265,42 +336,12 @@ class Transformer(torch.nn.Module):
                     for s in segs:
                         s.lo, s.hi = s.lo - lo, s.hi - lo
                     block.attn.kv_path(x, segs)
+        return hidden
 
-        logits: list[torch.Tensor | None] = [None] * len(chunks)
-        argmax: list[list[int] | None] = [None] * len(chunks)
-        draft_hidden: list[torch.Tensor | None] = [None] * len(chunks)
-        wanted: list[tuple[int, range]] = []  # (chunk, its rows that need logits)
-        all_hidden = torch.cat(hidden, dim=-1) if hidden else None
-        for i, c in enumerate(ordered):
-            if all_hidden is not None and i < n_all:  # every Depth.ALL row: the drafter is seeded from them
-                draft_hidden[order[i]] = all_hidden[offsets[i] : offsets[i + 1]]
-            if c.depth is Depth.ALL and c.logits != "none":
-                lo = offsets[i + 1] - 1 if c.logits == "last" else offsets[i]
-                wanted.append((i, range(lo, offsets[i + 1])))
-        if wanted:  # one head GEMM for the whole step (rows are batch-invariant on CPU too, see linear)
-            rows = torch.tensor([r for _, rr in wanted for r in rr], device=self.device)
-            x = rms_norm(hc_pre(h[rows], pre[rows]), self.norm, cfg.norm_eps)
-            head = lm_head(x, self.head)
-            sizes = [len(rr) for _, rr in wanted]
-            ids = head.argmax(dim=-1).tolist()  # the step's one sync: greedy tokens for every row
-            at = 0
-            for (i, _), lg, n in zip(wanted, head.split(sizes), sizes, strict=True):
-                logits[order[i]], argmax[order[i]] = lg, ids[at : at + n]
-                at += n
-        return ForwardOutput(logits, draft_hidden, argmax)
-
-    @staticmethod
-    def _paged_batch(ordered: list[Chunk]) -> PagedBatch | None:
-        """The step as one :class:`PagedBatch` when every chunk is a view of the same paged cache."""
-        views = [c.kv for c in ordered]
-        caches = {id(getattr(v, "cache", None)) for v in views}  # duck-typed: EP's mirrored views pass
-        if len(caches) != 1 or not isinstance(getattr(views[0], "cache", None), PagedKVCache):
-            return None
-        segs = [
-            BatchSegment(v.block_table, v.slot, c.start, len(c.token_ids), c.encoder_floor, c.floor, c.write_global)
-            for c, v in zip(ordered, views, strict=True)
-        ]
-        return PagedBatch(views[0].cache, segs)
+    def logits(self, h: torch.Tensor, pre: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of ``rows`` of the final hidden state."""
+        x = rms_norm(hc_pre(h[rows], pre[rows]), self.norm, self.cfg.norm_eps)
+        return lm_head(x, self.head)
 
     def resident_bytes(self) -> int:
         """Bytes of every weight this role holds on its device (Engram tables only where they are on it:

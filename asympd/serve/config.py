@@ -138,6 +138,7 @@ _HELP = {
     "tp": "tensor parallel attention: only 1 (attention is replicated)",
     "dtype": "auto: bfloat16 on CUDA, float32 on CPU",
     "weights": "auto: packed-experts on CUDA (MXFP4 experts as released), dequantized on CPU",
+    "enforce_eager": "run every step eagerly (default on CUDA: decode and verify steps replay CUDA graphs)",
     "max_images": "image parts accepted in one chat request (400 above it)",
     "max_image_bytes": "largest encoded image accepted (400 above it)",
     "allow_image_urls": "fetch http(s) image_url parts (default: only data: URLs are accepted)",

@@ -12,6 +12,7 @@ from asympd.engine.scheduler import SchedulerConfig
 from asympd.kv.batch import BatchSegment, PagedBatch, find_positions
 from asympd.kv.paged_cache import PagedKVCache
 from asympd.kv.spec import KVCacheSpec
+from asympd.model.cuda_graphs import BATCH_SIZES, DecodeGraphs
 from tests.util import random_prompts
 
 LENGTHS = [3, 17, 40, 61, 100]  # tiny: window 16, ratios 2 and 1; a 24-row budget chunks the long ones
@@ -21,12 +22,19 @@ def _engines(llm: LLM) -> list:
     return [e for e in (llm.prefill, llm.engine) if e is not None]
 
 
-def _run(ckpt: str, mode: str, batched: bool, spec: int) -> tuple[list, list[dict[str, torch.Tensor]]]:
+def _run(
+    ckpt: str, mode: str, batched: bool, spec: int, graphs: list | None = None
+) -> tuple[list, list[dict[str, torch.Tensor]]]:
+    """``graphs``: give each decoding engine the static (graph) decode path without capture, and
+    collect its DecodeGraphs here."""
     sem = "split" if mode == "colocated" else "full"
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24)
     llm = LLM(ckpt, mode, sem, scheduler=sched, num_spec_tokens=spec)
     for e in _engines(llm):
         e.runner.model.batched = batched
+        if graphs is not None and e.config.role != "prefill":
+            e.runner.graphs = DecodeGraphs(e.runner.model, e.runner.cache, capture=False)
+            graphs.append(e.runner.graphs)
     params = [SamplingParams(max_tokens=10, temperature=0, logprobs=2) for _ in LENGTHS]
     params[1] = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, logprobs=1)
     outs = llm.generate(prompt_token_ids=random_prompts(LENGTHS, seed=3), sampling_params=params)
@@ -34,14 +42,15 @@ def _run(ckpt: str, mode: str, batched: bool, spec: int) -> tuple[list, list[dic
     caches = []
     for e in _engines(llm):
         c = e.runner.cache
-        state = {f"pool.{k}": v.clone() for k, v in c.pools.items()}
+        n, s = c.num_blocks, c.max_seqs  # the scratch block and slot (padding rows) hold anything
+        state = {f"pool.{k}": v[:n].clone() for k, v in c.pools.items()}
         for layer, rows in {**{f"swa.{k}": v for k, v in c.windows.items()}, **c.pairs}.items():
-            state[f"{layer}.length"] = torch.from_numpy(rows.length.copy())
-            state[f"{layer}.last"] = torch.from_numpy(rows.last.copy())
-            live = rows.pos >= 0  # rows past a slot's length are free space, whatever they hold
-            state[f"{layer}.pos"] = rows.pos.clone()
+            state[f"{layer}.length"] = torch.from_numpy(rows.length[:s].copy())
+            state[f"{layer}.last"] = torch.from_numpy(rows.last[:s].copy())
+            live = rows.pos[:s] >= 0  # rows past a slot's length are free space, whatever they hold
+            state[f"{layer}.pos"] = rows.pos[:s].clone()
             for i, b in enumerate(rows.bufs[:-1]):
-                state[f"{layer}.buf{i}"] = b * live.unsqueeze(-1)
+                state[f"{layer}.buf{i}"] = b[:s] * live.unsqueeze(-1)
         caches.append(state)
     return result, caches
 
@@ -57,6 +66,26 @@ def test_batched_step_equals_the_per_sequence_path(tiny_ckpt, mode, spec):
         assert want.keys() == got.keys()
         for name in want:
             assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.parametrize(("mode", "spec"), [("colocated", 2), ("asymmetric", 0)])
+def test_graph_decode_path_equals_the_eager_step(tiny_ckpt, mode, spec):
+    """The path decode steps take as CUDA graphs (model/cuda_graphs.py: requests padded to a
+    captured batch size onto the scratch slot and block, key counts padded to a power of two,
+    ceil(rows / ratio) compressor groups written with the incomplete ones sent to scratch, host row
+    counts replayed from a log), run here without capture over the same static buffers step after
+    step: tokens, logprobs and every cache byte equal the eager batched step's."""
+    want_out, want_cache = _run(tiny_ckpt, mode, batched=True, spec=spec)
+    graphs: list = []
+    got_out, got_cache = _run(tiny_ckpt, mode, batched=True, spec=spec, graphs=graphs)
+    assert got_out == want_out
+    for want, got in zip(want_cache, got_cache, strict=True):
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+    (g,) = graphs
+    assert g.stats["first"] >= 2, g.stats  # decode steps took the static path at two padded sizes ...
+    assert g.stats["replayed"] >= 2, g.stats  # ... and again over the same buffers
+    assert all(k.segments in BATCH_SIZES for k in g.graphs)
 
 
 def test_find_positions_searches_across_a_gap():

@@ -1,0 +1,235 @@
+"""Decode steps replayed as CUDA graphs.
+
+At decode sizes a step is bound by kernel launches, not by the GPU: the layer stack of a 16-request
+step replays as one graph in a quarter of its eager time (docs/performance.md §11). A step qualifies
+when every chunk is a decode or verify chunk: every layer, the same 1 + k rows per request, logits
+for the last or for every row, no image rows, all in one paged cache. Other steps (prefill chunks,
+bounded prefills mixed in) run eagerly.
+
+A graph replays the device work of the run it was captured from, so that run must not depend on
+anything that changes between steps (kv/batch.py: ``PagedBatch.max_context``, ``fixed_groups``,
+``mirror_log``). Each graph is keyed by:
+
+- the number of requests, padded up to one of ``BATCH_SIZES`` (as vLLM pads): padding segments
+  run on the cache's scratch slot and scratch block, their rows computed and thrown away;
+- rows per request and which rows need logits;
+- the context bound, a power of two (key counts of the indexer are padded to it; entries past a
+  row's visible ones are masked as they are eagerly), and the block-table width (a power of two,
+  covering the context bound).
+
+The step's metadata, tokens and Engram rows are copied into the graph's static inputs; the host's
+row counts of windows and open groups, updated in Python while a layer runs eagerly, are logged
+during capture and applied per step with the step's own values. The first step of a shape runs
+eagerly over the static buffers (its result is the step's), then is captured.
+
+``capture=False`` runs the same static path without graphs (every replay re-runs the layers over
+the static buffers): the CPU suite checks the padding, the fixed group writes and the replayed host
+bookkeeping against the eager path with it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from asympd.kv.batch import BatchSegment, PagedBatch, mirror_rows
+from asympd.kv.paged_cache import PagedKVCache
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+MIN_CONTEXT = 1024
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    segments: int  # requests, padded
+    rows: int  # rows per request (1 + drafts)
+    logits: str  # "last" | "all"
+    context: int  # bound on start + rows, a power of two
+    width: int  # block-table columns, a power of two
+
+
+@dataclass
+class _Static:
+    """One captured step: its static inputs, outputs and what the host replays after it."""
+
+    batch: PagedBatch
+    tokens: torch.Tensor
+    fetched: dict[int, Any]
+    run: Any  # the body: () -> (logits, argmax, hidden)
+    graph: torch.cuda.CUDAGraph | None = None
+    outputs: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None = None
+    mirror_log: list[Any] = dataclasses.field(default_factory=list)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class DecodeGraphs:
+    """The CUDA graphs of one model and cache (``capture=False``: the static path, eagerly)."""
+
+    def __init__(self, model: Any, cache: PagedKVCache, *, max_batch: int = BATCH_SIZES[-1], capture: bool = True):
+        if cache.scratch_block is None:
+            raise ValueError("CUDA graphs need a cache built with scratch=True (padding rows write there)")
+        if capture and cache.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the cache is on {cache.device}")
+        self.model, self.cache, self.capture = model, cache, capture
+        self.sizes = [b for b in BATCH_SIZES if b < max_batch] + [max_batch]
+        self.graphs: dict[GraphKey, _Static] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        # steps: replayed (or re-run over the static buffers), run eagerly before a capture, not taken
+        self.stats = {"captured": 0, "replayed": 0, "first": 0, "eager": 0}
+
+    # ---- which steps qualify -------------------------------------------------------------------
+
+    def key(self, ordered: list[Any], segs: list[BatchSegment]) -> GraphKey | None:
+        from asympd.model.transformer import Depth
+
+        c0 = ordered[0]
+        q = len(c0.token_ids)
+        if len(ordered) > self.sizes[-1] or c0.logits not in ("last", "all"):
+            return None
+        for c in ordered:
+            if (
+                c.depth is not Depth.ALL
+                or c.images is not None
+                or not c.write_global
+                or len(c.token_ids) != q
+                or c.logits != c0.logits
+                or getattr(c.kv, "cache", None) is not self.cache
+            ):
+                return None
+        context = max(MIN_CONTEXT, _pow2(max(s.start + s.rows for s in segs)))
+        # the tables cover the context bound: padded key counts address real (masked) entries
+        width = max(_pow2(max(len(s.block_table) for s in segs)), -(-context // self.cache.spec.block_size))
+        b = self.sizes[bisect.bisect_left(self.sizes, len(ordered))]
+        return GraphKey(b, q, c0.logits, context, width)
+
+    # ---- a step ----------------------------------------------------------------------------------
+
+    def run(self, ordered: list[Any], order: list[int], tokens: torch.Tensor, fetched: dict[int, Any]) -> Any:
+        """The step's ForwardOutput, or None when it does not qualify (the caller runs it eagerly)."""
+        from asympd.model.transformer import batch_segments
+
+        segs = batch_segments(ordered)
+        key = None if segs is None else self.key(ordered, segs)
+        if key is None:
+            self.stats["eager"] += 1
+            return None
+        n = len(ordered)
+        cache = self.cache
+        pad = BatchSegment([cache.scratch_block] * key.width, cache.scratch_slot, 0, key.rows)
+        padded = segs + [pad] * (key.segments - n)
+        st = self.graphs.get(key)
+        first = st is None
+        if first:
+            st = self.graphs[key] = self._build(key, padded, fetched)
+        else:
+            st.batch.load(padded)
+        rows = n * key.rows
+        st.tokens[:rows].copy_(tokens, non_blocking=True)
+        for lid, f in fetched.items():
+            if f.stream is not None:
+                torch.cuda.current_stream(f.rows.device).wait_stream(f.stream)
+            st.fetched[lid].rows[:rows].copy_(f.rows)
+            st.fetched[lid].scales[:rows].copy_(f.scales)
+        if first or not self.capture:
+            outputs, log = self._eager(st)
+            self.stats["first" if first else "replayed"] += 1
+        else:
+            st.graph.replay()
+            outputs, log = st.outputs, st.mirror_log
+            self.stats["replayed"] += 1
+        b = st.batch
+        for rows_obj, s0, s1, taken in log:  # the host row counts, with this step's values
+            s1 = min(s1, n)
+            if s0 < s1:
+                mirror_rows(rows_obj, b.h_slot[s0:s1], b.h_start[s0:s1], b.h_rows[s0:s1], taken)
+        result = self._output(ordered, order, key, outputs)
+        if first and self.capture:
+            self._capture(st)
+        return result
+
+    def _build(self, key: GraphKey, padded: list[BatchSegment], fetched: dict[int, Any]) -> _Static:
+        model = self.model
+        batch = PagedBatch(self.cache, padded, width=key.width)
+        batch.max_context, batch.fixed_groups = key.context, True
+        total = key.segments * key.rows
+        tokens = torch.zeros(total, dtype=torch.long, device=model.device)
+        static_fetched = {
+            lid: dataclasses.replace(
+                f,
+                rows=f.rows.new_zeros(total, *f.rows.shape[1:]),
+                scales=f.scales.new_zeros(total, *f.scales.shape[1:]),
+                stream=None,
+            )
+            for lid, f in fetched.items()
+        }
+        offsets = list(range(0, total + 1, key.rows))
+        if key.logits == "last":
+            wanted = torch.arange(key.rows - 1, total, key.rows, device=model.device)
+        else:
+            wanted = torch.arange(total, device=model.device)
+        from asympd.model.transformer import Depth
+
+        depths = [Depth.ALL] * key.segments
+
+        def body() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+            batch.shared.clear()
+            h, pre, _ = model._embed(tokens, [], offsets)
+            hidden = model._layers(h, pre, depths, offsets, batch, static_fetched, None, None)
+            logits = model.logits(h, pre, wanted)
+            return logits, logits.argmax(dim=-1), hidden
+
+        return _Static(batch, tokens, static_fetched, body)
+
+    def _eager(self, st: _Static) -> tuple[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]], list[Any]]:
+        """Run the static step's layers now (on a side stream before a capture, as torch asks:
+        lazily made workspaces must exist before the capture)."""
+        st.batch.mirror_log = []
+        if self.capture:
+            side = torch.cuda.Stream(self.cache.device)
+            side.wait_stream(torch.cuda.current_stream(self.cache.device))
+            with torch.cuda.stream(side):
+                outputs = st.run()
+            torch.cuda.current_stream(self.cache.device).wait_stream(side)
+        else:
+            outputs = st.run()
+        log, st.batch.mirror_log = st.batch.mirror_log, None
+        return outputs, log
+
+    def _capture(self, st: _Static) -> None:
+        """Record the step's device work. Capturing runs no kernel, so the cache is not touched."""
+        torch.cuda.synchronize(self.cache.device)
+        st.graph = torch.cuda.CUDAGraph()
+        st.batch.mirror_log = []
+        with torch.cuda.graph(st.graph, pool=self.pool):
+            st.outputs = st.run()
+        st.mirror_log, st.batch.mirror_log = st.batch.mirror_log, None
+        self.stats["captured"] += 1
+
+    def _output(self, ordered: list[Any], order: list[int], key: GraphKey, outputs: Any) -> Any:
+        """The step's ForwardOutput from the (static) outputs: copies, since the next replay
+        overwrites them."""
+        from asympd.model.transformer import ForwardOutput
+
+        logits, argmax, hidden = outputs
+        n = len(ordered)
+        per = 1 if key.logits == "last" else key.rows
+        logits = logits[: n * per].clone()
+        ids = argmax[: n * per].tolist()  # the step's one sync
+        out_logits: list[Any] = [None] * n
+        out_argmax: list[Any] = [None] * n
+        out_hidden: list[Any] = [None] * n
+        all_hidden = torch.cat(hidden, dim=-1)[: n * key.rows].clone() if hidden else None
+        for i in range(n):
+            j = order[i]
+            out_logits[j] = logits[i * per : (i + 1) * per]
+            out_argmax[j] = ids[i * per : (i + 1) * per]
+            if all_hidden is not None:
+                out_hidden[j] = all_hidden[i * key.rows : (i + 1) * key.rows]
+        return ForwardOutput(out_logits, out_hidden, out_argmax)
