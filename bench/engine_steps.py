@@ -7,7 +7,9 @@ FLOPs per layer stay real. Weights in the CUDA default layout (MXFP4 experts pac
 
 For each case the engine is driven to the step's shape, then steps are timed end to end (host wall
 clock around ``engine.step()``, synchronised: scheduling, the forward, sampling, drafting, rollback,
-output bookkeeping). In the same run the step's layers are timed alone on a ``PagedBatch`` of the
+output bookkeeping). Decode steps run as the engine runs them by default on CUDA (replayed CUDA
+graphs, model/cuda_graphs.py) and, in the same run, with ``enforce_eager`` (``eager_*`` fields).
+In the same run the step's layers are timed alone on a ``PagedBatch`` of the
 same shape (``bench.common.StepState`` + ``step_block``: the engine's own layer path, CUDA events,
 eager like the engine) plus the LM head on the rows that need logits. The ratio engine ÷ layers is
 what the engine adds on top of its kernels (target ≤ 1.2). The per-sequence reference path
@@ -168,7 +170,10 @@ def time_layers(model, specs, logit_rows: int, device, reps: int) -> dict[str, A
     return out
 
 
-def decode_case(model, cfg, device, b: int, k: int, ctx: int, steps: int, batched: bool = True) -> dict[str, Any]:
+def decode_case(
+    model, cfg, device, b: int, k: int, ctx: int, steps: int, batched: bool = True, eager: bool = False
+) -> dict[str, Any]:
+    """``eager``: the engine with ``enforce_eager`` (no CUDA graphs; they are on by default on CUDA)."""
     from asympd.engine.engine import EngineConfig, LLMEngine
     from asympd.engine.sampling import SamplingParams
     from asympd.engine.scheduler import SchedulerConfig
@@ -176,7 +181,7 @@ def decode_case(model, cfg, device, b: int, k: int, ctx: int, steps: int, batche
     model.batched = batched
     sc = SchedulerConfig(max_num_seqs=b, max_num_batched_tokens=max(b * (1 + k), 32768))
     kv_bytes = int(b * (ctx + 64 + steps * (k + 1)) * 3500 * 1.3) + (64 << 20)
-    eng = LLMEngine(model, EngineConfig(num_spec_tokens=k, kv_cache_bytes=kv_bytes, scheduler=sc))
+    eng = LLMEngine(model, EngineConfig(num_spec_tokens=k, kv_cache_bytes=kv_bytes, scheduler=sc, enforce_eager=eager))
     eng.config.enable_prefix_caching = False
     gen = torch.Generator().manual_seed(b * 10 + k)
     params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
@@ -194,6 +199,8 @@ def decode_case(model, cfg, device, b: int, k: int, ctx: int, steps: int, batche
     t.close()
     out = {"case": f"decode B={b} k={k}", "requests": b, "rows": b * (1 + k), "context": ctx, "batched": batched}
     out.update(median_parts(rows))
+    graphs = eng.runner.graphs
+    out["cuda_graphs"] = None if graphs is None else dict(graphs.stats, shapes=len(graphs.graphs))
     out["step_ms_all"] = [round(r["step_ms"], 2) for r in rows]
     del eng
     gc.collect()
@@ -330,6 +337,11 @@ def main() -> None:
     for k in (0, K_SPEC):
         for b in decode_b:
             case = decode_case(full, cfg, device, b, k, ctx, steps)
+            if device.type == "cuda":  # the same steps without CUDA graphs, same run
+                eager = decode_case(full, cfg, device, b, k, ctx, steps, eager=True)
+                parts = ("step_ms", "forward_ms", "draft_ms")
+                case.update({f"eager_{key}": eager[key] for key in parts if key in eager})
+                case["graph_speedup"] = round(eager["step_ms"] / case["step_ms"], 2)
             start = ctx + 2  # about where the timed steps run
             add(case, [dict(n=b, q=1 + k, start=start)], b * (1 + k))
             if device.type == "cuda":

@@ -64,6 +64,7 @@ class LLM:
         weights: str = "auto",
         kv_wire_format: str = "fp4",
         stream_prefix: bool = False,
+        enforce_eager: bool = False,
     ):
         """``num_spec_tokens`` > 0 turns on speculative decoding with the checkpoint's DSpark draft
         blocks in the engine that decodes (the colocated engine, or D); the prefill worker never drafts.
@@ -71,7 +72,8 @@ class LLM:
         ``weights``: packed-experts (the CUDA default), packed or dequantized (the CPU default).
         ``kv_wire_format``: how P's global KV crosses to D (fp4: the released cache formats).
         ``stream_prefix``: P hands its prefix over in slices as each prefill chunk finishes, and D
-        writes each into its cache as it arrives (asymmetric, encoder-only)."""
+        writes each into its cache as it arrives (asymmetric, encoder-only). ``enforce_eager``: no
+        CUDA graphs (by default decode and verify steps replay them on CUDA)."""
         self.mode = mode
         self.tokenizer = load_tokenizer(checkpoint)
         detok = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer else None
@@ -91,6 +93,7 @@ class LLM:
                 spec_confidence_threshold=spec_confidence_threshold,
                 kv_wire_format=kv_wire_format,
                 stream_prefix=stream_prefix and role == "prefill",
+                enforce_eager=enforce_eager,
             )
 
         self.prefill: LLMEngine | None = None
