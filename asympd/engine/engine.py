@@ -26,7 +26,7 @@ from asympd.engine.spec_decode import DraftRequest, DSparkProposer, Proposer, ro
 from asympd.kv.block_manager import BlockManager
 from asympd.kv.paged_cache import PagedKVCache
 from asympd.kv.spec import KVCacheSpec
-from asympd.model.cuda_graphs import DecodeGraphs
+from asympd.model.cuda_graphs import DecodeGraphs, DraftGraphs
 from asympd.model.transformer import Transformer
 from asympd.model.vision import ImageInput, check_spans
 from asympd.transfer.prefix_state import KV_FORMATS, PrefixState, PrefixStateError, model_fingerprint
@@ -166,6 +166,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache, self.blocks)
         if decodes and model.device.type == "cuda" and model.batched and not self.config.enforce_eager:
             self.runner.graphs = DecodeGraphs(model, self.cache, max_batch=sc.max_num_seqs)
+            if isinstance(self.proposer, DSparkProposer):
+                self.proposer.graphs = DraftGraphs(self.proposer.drafter, self.cache, max_batch=sc.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # prefill worker: exported, blocks kept until released
         self.counters = {

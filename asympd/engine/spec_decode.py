@@ -75,6 +75,7 @@ class DSparkProposer:
     def __init__(self, drafter: Any, confidence_threshold: float | None = None):
         self.drafter = drafter
         self.confidence_threshold = confidence_threshold
+        self.graphs: Any = None  # a cuda_graphs.DraftGraphs: the blocks' forward replayed (the engine sets it)
 
     def __call__(self, items: list[DraftRequest]) -> list[Proposal]:
         from asympd.model.dspark import DraftSegment
@@ -103,7 +104,7 @@ class DSparkProposer:
                     out[j] = _draw(q, it.generator)
             return out
 
-        draft = self.drafter.draft(segments, k, sample)  # k = 0: seed the windows only
+        draft = self.drafter.draft(segments, k, sample, self.graphs)  # k = 0: seed the windows only
         proposals = [Proposal([]) for _ in items]
         if draft is None:
             return proposals

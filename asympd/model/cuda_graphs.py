@@ -191,14 +191,7 @@ class DecodeGraphs:
         """Run the static step's layers now (on a side stream before a capture, as torch asks:
         lazily made workspaces must exist before the capture)."""
         st.batch.mirror_log = []
-        if self.capture:
-            side = torch.cuda.Stream(self.cache.device)
-            side.wait_stream(torch.cuda.current_stream(self.cache.device))
-            with torch.cuda.stream(side):
-                outputs = st.run()
-            torch.cuda.current_stream(self.cache.device).wait_stream(side)
-        else:
-            outputs = st.run()
+        outputs = _side_stream_run(st.run, self.cache.device) if self.capture else st.run()
         log, st.batch.mirror_log = st.batch.mirror_log, None
         return outputs, log
 
@@ -233,3 +226,97 @@ class DecodeGraphs:
             if all_hidden is not None:
                 out_hidden[j] = all_hidden[i * key.rows : (i + 1) * key.rows]
         return ForwardOutput(out_logits, out_hidden, out_argmax)
+
+
+@dataclass
+class _StaticDraft:
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    run: Any
+    graph: torch.cuda.CUDAGraph | None = None
+    outputs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class DraftGraphs:
+    """The DSpark blocks' forward (model/dspark.py ``blocks_forward``) as CUDA graphs, keyed by the
+    drafting request count padded to ``BATCH_SIZES``. Only that part is captured: seeding the
+    windows with each request's accepted rows (a varying number per request) and the Markov loop
+    run eagerly. The blocks only read the cache (windows by position), so padding requests just
+    read the scratch slot. ``capture=False``: the static path without graphs (CPU tests)."""
+
+    def __init__(self, drafter: Any, cache: PagedKVCache, *, max_batch: int = BATCH_SIZES[-1], capture: bool = True):
+        if cache.scratch_slot is None:
+            raise ValueError("draft graphs need a cache built with scratch=True (padding rows read there)")
+        if capture and cache.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the cache is on {cache.device}")
+        self.drafter, self.cache, self.capture = drafter, cache, capture
+        self.sizes = [b for b in BATCH_SIZES if b < max_batch] + [max_batch]
+        self.graphs: dict[int, _StaticDraft] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.stats = {"captured": 0, "replayed": 0, "first": 0, "eager": 0}
+
+    def run(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slots: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(x, logits) of the real rows (views of the static outputs), or None: run it eagerly."""
+        n = len(slots)
+        if n > self.sizes[-1]:
+            self.stats["eager"] += 1
+            return None
+        from asympd.model.dspark import DraftBatch
+
+        b = self.drafter.block_size
+        n_pad = self.sizes[bisect.bisect_left(self.sizes, n)]
+        st = self.graphs.get(n_pad)
+        first = st is None
+        if first:
+            dev = self.cache.device
+            st = _StaticDraft(
+                torch.zeros(n_pad * b, dtype=torch.long, device=dev),
+                torch.arange(b, device=dev).repeat(n_pad),
+                torch.full((n_pad,), self.cache.scratch_slot, dtype=torch.long, device=dev),
+                None,
+            )
+            batch = DraftBatch([], None, None, slots=st.slots, cache=self.cache, block_pos=st.positions)
+            batch.segments = [_Drafting()] * n_pad  # only their count matters on the batched path
+            st.run = lambda: self.drafter.blocks_forward(st.tokens, batch)
+            self.graphs[n_pad] = st
+        st.tokens[: n * b].copy_(tokens, non_blocking=True)
+        st.positions[: n * b].copy_(positions, non_blocking=True)
+        st.slots[:n].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
+        if first or not self.capture:
+            outputs = _side_stream_run(st.run, self.cache.device) if self.capture else st.run()
+            self.stats["first" if first else "replayed"] += 1
+        else:
+            st.graph.replay()
+            outputs = st.outputs
+            self.stats["replayed"] += 1
+        if first and self.capture:
+            torch.cuda.synchronize(self.cache.device)
+            st.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(st.graph, pool=self.pool):
+                st.outputs = st.run()
+            self.stats["captured"] += 1
+            # this call's outputs (made on the side stream): copies on the current one
+            outputs = tuple(t.clone() for t in outputs)
+        x, logits = outputs
+        return x[: n * b], logits[: n * b]
+
+
+@dataclass
+class _Drafting:
+    """A padding row's stand-in for a DraftSegment (drafting, so ``DraftBatch.drafting`` counts it)."""
+
+    block_start: int = 0
+
+
+def _side_stream_run(fn: Any, device: torch.device) -> Any:
+    """Run ``fn`` on a side stream (torch's advice before a capture: lazily made workspaces must
+    exist first), ordered after and before the current stream's work."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        out = fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    return out

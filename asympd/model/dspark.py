@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +78,7 @@ class DraftBatch:
     main_batch: BatchRows | None = None
     slots: torch.Tensor | None = None
     cache: PagedKVCache | None = None
+    block_pos: torch.Tensor | None = None  # [n * block_size] positions of the drafting segments' block rows
 
     @property
     def drafting(self) -> list[DraftSegment]:
@@ -133,7 +135,7 @@ class DSparkAttention(Attention):
     def forward(self, x: torch.Tensor, batch: DraftBatch) -> torch.Tensor:  # type: ignore[override]
         cfg = self.cfg
         segs = batch.drafting
-        positions = torch.cat([torch.arange(s.block_start, s.block_start + s.hi - s.lo, device=x.device) for s in segs])
+        positions = batch.block_pos
         rot = rotations(self.freqs, positions)
         qr = rms_norm(self.wq_a(x), self.q_norm, cfg.norm_eps)
         q = apply_rope(self.wq_b(qr).unflatten(-1, (cfg.n_heads, cfg.head_dim)), rot, cfg.rope_head_dim)
@@ -227,11 +229,13 @@ class DSpark(torch.nn.Module):
     # ---- forward ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, segments: list[DraftSegment]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def forward(self, segments: list[DraftSegment], graphs: Any = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Seed every segment's windows with its main rows, then run the blocks of the drafting ones.
         Returns (collapsed block outputs [R, dim], base logits [R, vocab] fp32), R = block rows of the
-        drafting segments in order, or None when no segment drafts."""
-        cfg, dev = self.cfg, self.device
+        drafting segments in order, or None when no segment drafts. ``graphs``: a
+        :class:`~asympd.model.cuda_graphs.DraftGraphs`, which replays the blocks' part as a CUDA
+        graph (the outputs are then its static buffers: use them before the next draft)."""
+        dev = self.device
         hidden, positions, m = [], [], 0
         for s in segments:
             rows = 0 if s.main_hidden is None else s.main_hidden.size(0)
@@ -251,14 +255,29 @@ class DSpark(torch.nn.Module):
         drafting = batch.drafting
         if not drafting:
             return None
+        b = self.block_size
         tokens = []
         for i, s in enumerate(drafting):
-            s.lo, s.hi = i * self.block_size, (i + 1) * self.block_size
+            s.lo, s.hi = i * b, (i + 1) * b
             tokens.append(s.first_token)
-            tokens.extend([self.noise_token_id] * (self.block_size - 1))
-        h = F.embedding(torch.tensor(tokens, device=dev), self.embed).to(self.dtype)
+            tokens.extend([self.noise_token_id] * (b - 1))
+        starts = torch.tensor([s.block_start for s in drafting], dtype=torch.long)
+        positions = (starts.unsqueeze(-1) + torch.arange(b)).flatten()
+        tokens_t = torch.tensor(tokens, dtype=torch.long)
+        if graphs is not None and batch.slots is not None:
+            out = graphs.run(tokens_t, positions, [s.kv.slot for s in drafting])
+            if out is not None:
+                return out
+        batch.block_pos = positions.to(dev, non_blocking=True)
+        return self.blocks_forward(tokens_t.to(dev, non_blocking=True), batch)
+
+    def blocks_forward(self, tokens: torch.Tensor, batch: DraftBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft blocks over the drafting segments' block rows (their windows already seeded):
+        (collapsed outputs [R, dim], base logits [R, vocab] fp32). No host work: graph-capturable."""
+        cfg = self.cfg
+        h = F.embedding(tokens, self.embed).to(self.dtype)
         h = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)
-        pre = torch.zeros(h.size(0), cfg.hc_mult, dtype=torch.float32, device=dev)
+        pre = torch.zeros(h.size(0), cfg.hc_mult, dtype=torch.float32, device=self.device)
         pre[:, 0] = 1.0
         for block in self.blocks:
             h, pre = block(h, pre, batch)
@@ -289,13 +308,14 @@ class DSpark(torch.nn.Module):
         segments: list[DraftSegment],
         num_drafts: int,
         sample: Callable[[int, torch.Tensor], torch.Tensor],
+        graphs: Any = None,
     ) -> Draft | None:
         """Seed, run the blocks, then draft ``num_drafts`` (<= block size) tokens per drafting segment
         through the Markov head: ``sample(i, logits [n, vocab]) -> tokens [n]`` picks draft ``i+1``
         of every drafting segment from its biased row ``i``."""
         if not 0 <= num_drafts <= self.block_size:
             raise ValueError(f"num_drafts={num_drafts} must be within the DSpark block size {self.block_size}")
-        out = self.forward(segments)
+        out = self.forward(segments, graphs)
         if out is None:
             return None
         x, logits = out

@@ -195,13 +195,16 @@ class WorkerServer:
 
     def memory(self) -> dict[str, Any]:
         """Device memory beside the weights: the weight layout and bytes, the KV pool, and on a GPU what
-        the allocator holds in all (weights + KV + workspace; nothing is graph-captured yet)."""
+        the allocator holds in all (weights + KV + workspace + the CUDA graphs' pool), with the
+        decode-step shapes captured so far."""
         device = torch.device(self.cfg.device)
+        graphs = getattr(getattr(self.engine, "runner", None), "graphs", None)
         return {
             "weights_layout": getattr(self.engine.model, "weights", None),
             "weights_bytes": self.resident_bytes,
             "kv_cache_bytes": self.engine.cache.nbytes() if self.engine.cache is not None else 0,
             "device_allocated_bytes": torch.cuda.memory_allocated(device) if device.type == "cuda" else None,
+            "cuda_graphs": None if graphs is None else {"shapes": len(graphs.graphs), **graphs.stats},
         }
 
     # ---- request parsing -----------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from asympd.engine.scheduler import SchedulerConfig
 from asympd.kv.batch import BatchSegment, PagedBatch, find_positions
 from asympd.kv.paged_cache import PagedKVCache
 from asympd.kv.spec import KVCacheSpec
-from asympd.model.cuda_graphs import BATCH_SIZES, DecodeGraphs
+from asympd.model.cuda_graphs import BATCH_SIZES, DecodeGraphs, DraftGraphs
 from tests.util import random_prompts
 
 LENGTHS = [3, 17, 40, 61, 100]  # tiny: window 16, ratios 2 and 1; a 24-row budget chunks the long ones
@@ -35,10 +35,15 @@ def _run(
         if graphs is not None and e.config.role != "prefill":
             e.runner.graphs = DecodeGraphs(e.runner.model, e.runner.cache, capture=False)
             graphs.append(e.runner.graphs)
+            if e.proposer is not None:
+                e.proposer.graphs = DraftGraphs(e.proposer.drafter, e.runner.cache, capture=False)
+                graphs.append(e.proposer.graphs)
     params = [SamplingParams(max_tokens=10, temperature=0, logprobs=2) for _ in LENGTHS]
     params[1] = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, logprobs=1)
     outs = llm.generate(prompt_token_ids=random_prompts(LENGTHS, seed=3), sampling_params=params)
     result = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    # drafts do not change greedy tokens, only how many are accepted: compare those counts too
+    result += [{k: v for k, v in e.counters.items() if k.startswith("spec_")} for e in _engines(llm)]
     caches = []
     for e in _engines(llm):
         c = e.runner.cache
@@ -74,7 +79,8 @@ def test_graph_decode_path_equals_the_eager_step(tiny_ckpt, mode, spec):
     captured batch size onto the scratch slot and block, key counts padded to a power of two,
     ceil(rows / ratio) compressor groups written with the incomplete ones sent to scratch, host row
     counts replayed from a log), run here without capture over the same static buffers step after
-    step: tokens, logprobs and every cache byte equal the eager batched step's."""
+    step: tokens, logprobs and every cache byte equal the eager batched step's. With speculation the
+    drafter's blocks take their static path too (DraftGraphs)."""
     want_out, want_cache = _run(tiny_ckpt, mode, batched=True, spec=spec)
     graphs: list = []
     got_out, got_cache = _run(tiny_ckpt, mode, batched=True, spec=spec, graphs=graphs)
@@ -82,9 +88,11 @@ def test_graph_decode_path_equals_the_eager_step(tiny_ckpt, mode, spec):
     for want, got in zip(want_cache, got_cache, strict=True):
         for name in want:
             assert torch.equal(got[name], want[name]), name
-    (g,) = graphs
-    assert g.stats["first"] >= 2, g.stats  # decode steps took the static path at two padded sizes ...
-    assert g.stats["replayed"] >= 2, g.stats  # ... and again over the same buffers
+    assert len(graphs) == (2 if spec else 1)  # the decode steps', and the drafter's blocks'
+    for g in graphs:
+        assert g.stats["first"] >= 2, g.stats  # the static path at two padded sizes ...
+        assert g.stats["replayed"] >= 2, g.stats  # ... and again over the same buffers
+    g = graphs[0]
     assert all(k.segments in BATCH_SIZES for k in g.graphs)
 
 

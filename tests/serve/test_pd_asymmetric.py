@@ -234,6 +234,7 @@ def test_models_health_metrics(cluster, client):
         mem = info["memory"]
         assert mem["weights_layout"] == "dequantized" and mem["weights_bytes"] == info["resident_bytes"]
         assert mem["kv_cache_bytes"] > 0 and mem["device_allocated_bytes"] is None
+        assert mem["cuda_graphs"] is None  # CPU: every step eager
     assert p_info["fingerprint"] == d_info["fingerprint"]
     m = metrics(cluster["decode"])
     for name in (
