@@ -55,6 +55,7 @@ def check_prompt(cfg: ModelConfig, ids: list[int], params: SamplingParams) -> No
         )
 
 
+CUDA_GRAPH_MODES = ("full_and_piecewise", "full")
 STREAM_MODES = ("asymmetric", "encoder-only")  # P exports the global KV only: no windows, no first token
 
 
@@ -85,6 +86,9 @@ class EngineConfig:
     # decoding workers on CUDA replay decode/verify steps as CUDA graphs (model/cuda_graphs.py);
     # True runs every step eagerly (vLLM's flag)
     enforce_eager: bool = False
+    # full_and_piecewise: other steps (prefill chunks, bounded prefills beside decodes) replay their
+    # layers' parts around attention as piecewise graphs; full: those steps run eagerly
+    cuda_graph_mode: str = "full_and_piecewise"
 
     def validate(self) -> None:
         modes.check_role_mode(self.role, self.mode)
@@ -94,6 +98,8 @@ class EngineConfig:
             raise ValueError(f"unknown boundary policy {self.boundary_policy!r}")
         if self.kv_wire_format not in KV_FORMATS:
             raise ValueError(f"unknown kv_wire_format {self.kv_wire_format!r}; expected one of {', '.join(KV_FORMATS)}")
+        if self.cuda_graph_mode not in CUDA_GRAPH_MODES:
+            raise ValueError(f"unknown cuda_graph_mode {self.cuda_graph_mode!r}; expected one of {CUDA_GRAPH_MODES}")
         if self.stream_prefix and self.mode not in STREAM_MODES:
             raise ValueError(f"stream_prefix needs mode {' or '.join(STREAM_MODES)}, not {self.mode!r}")
         if self.num_spec_tokens is not None and self.num_spec_tokens < 0:
@@ -165,7 +171,8 @@ class LLMEngine:
         self.scheduler = Scheduler(sc, self.blocks, prefix_cache_key=self.fingerprint)
         self.runner = ModelRunner(model, self.cache, self.blocks)
         if decodes and model.device.type == "cuda" and model.batched and not self.config.enforce_eager:
-            self.runner.graphs = DecodeGraphs(model, self.cache, max_batch=sc.max_num_seqs)
+            piecewise = self.config.cuda_graph_mode == "full_and_piecewise"
+            self.runner.graphs = DecodeGraphs(model, self.cache, max_batch=sc.max_num_seqs, piecewise=piecewise)
             if isinstance(self.proposer, DSparkProposer):
                 self.proposer.graphs = DraftGraphs(self.proposer.drafter, self.cache, max_batch=sc.max_num_seqs)
         self.requests: dict[str, Request] = {}

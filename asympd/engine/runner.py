@@ -64,7 +64,7 @@ class ModelRunner:
                     images=self._chunk_images(req, sc.lo, sc.hi, len(ids)) if req.images else None,
                 )
             )
-        out = self.model(batch, graphs=self.graphs)
+        out = self.model(batch) if self.graphs is None else self.model(batch, graphs=self.graphs)
         self.last_draft_hidden = out.draft_hidden
         self.last_argmax = out.argmax
         return out.logits

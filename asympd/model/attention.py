@@ -256,7 +256,6 @@ class Attention(torch.nn.Module):
     def forward(self, x: torch.Tensor, segs: list[SegmentView] | BatchRows) -> torch.Tensor:
         if isinstance(segs, BatchRows):
             return self._forward_batched(x, segs)
-        cfg = self.cfg
         rot, qr, q, kv = self.project(x, torch.cat([s.positions for s in segs]))
         outs = []
         for seg in segs:
@@ -268,7 +267,12 @@ class Attention(torch.nn.Module):
                 entries, valid = self._compressed_keys(seg, x[sl], qr[sl])
                 keys, mask = torch.cat([keys, entries.to(keys.dtype)], dim=1), torch.cat([mask, valid], dim=1)
             outs.append(self.kernels.sparse_attention(q[sl], keys, mask, self.attn_sink, self.scale, self.round_probs))
-        o = apply_rope(torch.cat(outs), rot, cfg.rope_head_dim, inverse=True)
+        return self.output(torch.cat(outs), rot)
+
+    def output(self, out: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """The attention output [rows, heads, head_dim] un-rotated and projected back to dim."""
+        cfg = self.cfg
+        o = apply_rope(out, rot, cfg.rope_head_dim, inverse=True)
         # wo_a is block-diagonal over output groups: each group projects only its own heads
         o = self.wo_a.grouped(o.reshape(o.size(0), cfg.o_groups, -1))
         return self.wo_b(o.flatten(1))
@@ -319,8 +323,15 @@ class Attention(torch.nn.Module):
     def _forward_batched(self, x: torch.Tensor, view: BatchRows) -> torch.Tensor:
         """``forward`` for a whole step: the same per-row math (each query's window as W fixed slots,
         then its ``index_topk`` selected entries), with no loop over sequences."""
-        cfg = self.cfg
         rot, qr, q, kv = self.project(x, view.positions)
+        return self.output(self.core(x, rot, qr, q, kv, view), rot)
+
+    def core(
+        self, x: torch.Tensor, rot: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, view: BatchRows
+    ) -> torch.Tensor:
+        """The part of the batched forward that reads and writes the caches (between ``project`` and
+        ``output``): [rows, heads, head_dim], still rotated. Piecewise CUDA graphs run it eagerly."""
+        cfg = self.cfg
         win = view.window_index(self.layer, cfg.window_size)
         sel = None
         if self.ratio:
@@ -341,9 +352,7 @@ class Attention(torch.nn.Module):
                 q[r0:r1], keys, mask, self.attn_sink, self.scale, self.round_probs
             )
         view.append_window(self.layer, kv)  # after the reads: the slots are rewritten in place
-        o = apply_rope(out, rot, cfg.rope_head_dim, inverse=True)
-        o = self.wo_a.grouped(o.reshape(o.size(0), cfg.o_groups, -1))
-        return self.wo_b(o.flatten(1))
+        return out
 
     def _write_compressed_batched(self, view: BatchRows, x: torch.Tensor) -> None:
         """``_write_compressed`` for every segment that writes global KV."""

@@ -72,7 +72,16 @@ def _pow2(n: int) -> int:
 class DecodeGraphs:
     """The CUDA graphs of one model and cache (``capture=False``: the static path, eagerly)."""
 
-    def __init__(self, model: Any, cache: PagedKVCache, *, max_batch: int = BATCH_SIZES[-1], capture: bool = True):
+    def __init__(
+        self,
+        model: Any,
+        cache: PagedKVCache,
+        *,
+        max_batch: int = BATCH_SIZES[-1],
+        capture: bool = True,
+        piecewise: bool = True,
+    ):
+        """``piecewise``: the steps that do not qualify run as :class:`PiecewiseGraphs` (else eagerly)."""
         if cache.scratch_block is None:
             raise ValueError("CUDA graphs need a cache built with scratch=True (padding rows write there)")
         if capture and cache.device.type != "cuda":
@@ -83,6 +92,7 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         # steps: replayed (or re-run over the static buffers), run eagerly before a capture, not taken
         self.stats = {"captured": 0, "replayed": 0, "first": 0, "eager": 0}
+        self.piecewise = PiecewiseGraphs(cache.device, capture=capture) if piecewise else None
 
     # ---- which steps qualify -------------------------------------------------------------------
 
@@ -320,3 +330,105 @@ def _side_stream_run(fn: Any, device: torch.device) -> Any:
         out = fn()
     torch.cuda.current_stream(device).wait_stream(side)
     return out
+
+
+PIECE_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+class _Piece:
+    """One captured piece: a function of static input buffers that copies its results into static
+    output buffers (so only those persist; its intermediates' pool memory is free for the next)."""
+
+    def __init__(self, fn: Any, outs: list[torch.Tensor], pool: Any, capture: bool, device: torch.device):
+        self.fn, self.outs, self.graph = fn, outs, None
+        if capture:
+            _side_stream_run(self._run, device)  # warm-up: Triton compiles, workspaces
+            torch.cuda.synchronize(device)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self._run()
+
+    def _run(self) -> None:
+        for buf, t in zip(self.outs, self.fn(), strict=True):
+            buf.copy_(t)
+
+    def __call__(self) -> None:
+        if self.graph is None:
+            self._run()
+        else:
+            self.graph.replay()
+
+
+class PiecewiseGraphs:
+    """Steps that do not qualify for a whole-step graph (prefill chunks, bounded prefills beside
+    decodes) as piecewise graphs, vLLM's way: per layer, everything before attention's cache work
+    (the hc mixes, the norm, the q/kv projections) and everything after it (the output projection,
+    the hc update, the MoE) is replayed at the step's row count padded to ``PIECE_ROWS``; the cache
+    work (window and compressed-KV reads and writes, the indexer, the sparse attention) runs eagerly
+    on the real rows. The pieces touch no cache, so padding rows only cost their FLOPs. Buffers are
+    per padded row count, shared by every layer. ``capture=False``: the same pieces without graphs."""
+
+    def __init__(self, device: torch.device, *, capture: bool = True, max_rows: int = PIECE_ROWS[-1]):
+        self.device, self.capture = device, capture
+        self.sizes = [r for r in PIECE_ROWS if r < max_rows] + [max_rows]
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.buffers: dict[int, dict[str, torch.Tensor]] = {}
+        self.pieces: dict[tuple[int, str, int], _Piece] = {}
+        # pieces captured; layer runs through the pieces; layer runs too large for them (eager)
+        self.stats = {"captured": 0, "blocks": 0, "eager": 0}
+
+    def block(self, block: Any, h: torch.Tensor, pre: torch.Tensor, view: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``block(h, pre, view)`` with its two pieces replayed; returns (h, next pre-mix) of the real rows
+        (views of the buffers: copy them out before the next layer)."""
+        n = h.size(0)
+        if n > self.sizes[-1]:
+            self.stats["eager"] += 1
+            return block(h, pre, view)
+        t = self.sizes[bisect.bisect_left(self.sizes, n)]
+        buf = self.buffers.get(t)
+        if buf is None:
+            buf = self.buffers[t] = {
+                "h": h.new_zeros(t, *h.shape[1:]),
+                "pre": pre.new_zeros(t, *pre.shape[1:]),
+                "pos": torch.zeros(t, dtype=torch.long, device=h.device),
+            }
+        buf["h"][:n].copy_(h)
+        buf["pre"][:n].copy_(pre)
+        buf["pos"][:n].copy_(view.positions)
+        attn = block.attn
+
+        def before() -> list[torch.Tensor]:
+            mixes = block._mixes(buf["h"], "attn")
+            x = block.attn_input(buf["h"], buf["pre"])
+            return [*mixes, x, *attn.project(x, buf["pos"])]
+
+        a = self._piece(
+            block.layer, "before", t, before, buf, ("attn_pre", "attn_post", "attn_comb", "x", "rot", "qr", "q", "kv")
+        )
+        a()
+        out = attn.core(*(buf[k][:n] for k in ("x", "rot", "qr", "q", "kv")), view)
+        if "o" not in buf:
+            buf["o"] = out.new_zeros(t, *out.shape[1:])
+        buf["o"][:n].copy_(out)
+
+        def after() -> list[torch.Tensor]:
+            y = attn.output(buf["o"], buf["rot"])
+            return list(block.after_attention(y, buf["h"], (buf["attn_pre"], buf["attn_post"], buf["attn_comb"])))
+
+        b = self._piece(block.layer, "after", t, after, buf, ("h_out", "pre_out"))
+        b()
+        self.stats["blocks"] += 1
+        return buf["h_out"][:n], buf["pre_out"][:n]
+
+    def _piece(
+        self, layer: int, name: str, t: int, fn: Any, buf: dict[str, torch.Tensor], outs: tuple[str, ...]
+    ) -> _Piece:
+        key = (layer, name, t)
+        piece = self.pieces.get(key)
+        if piece is None:
+            if any(k not in buf for k in outs):  # the first layer at this size: buffers shaped like its results
+                for k, v in zip(outs, fn(), strict=True):
+                    buf.setdefault(k, torch.zeros_like(v))
+            piece = self.pieces[key] = _Piece(fn, [buf[k] for k in outs], self.pool, self.capture, self.device)
+            self.stats["captured"] += self.capture
+        return piece

@@ -118,9 +118,19 @@ class Block(torch.nn.Module):
         self, h: torch.Tensor, pre: torch.Tensor, segs: list[SegmentView], vl: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``vl`` ([rows] bool, optional): image-span rows, routed with the VL gate bias."""
-        residual = h
-        attn_pre, attn_post, attn_comb = self._mixes(h, "attn")
+        mixes = self._mixes(h, "attn")
         x = self.attn(self.attn_input(h, pre), segs)
+        return self.after_attention(x, h, mixes, vl)
+
+    def after_attention(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        mixes: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        vl: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention output ``x`` into the hc copies, then the FFN sublayer: (h, next pre-mix)."""
+        attn_pre, attn_post, attn_comb = mixes
         h = hc_post(x, residual, attn_post, attn_comb)
         residual = h
         ffn_pre, ffn_post, ffn_comb = self._mixes(h, "ffn")
@@ -208,7 +218,8 @@ class Transformer(torch.nn.Module):
         batch = None
         if self.batched and (segs := batch_segments(ordered)) is not None:
             batch = PagedBatch(ordered[0].kv.cache, segs)
-        hidden = self._layers(h, pre, [c.depth for c in ordered], offsets, batch, fetched, vl, ordered)
+        pieces = getattr(graphs, "piecewise", None) if batch is not None and vl is None else None
+        hidden = self._layers(h, pre, [c.depth for c in ordered], offsets, batch, fetched, vl, ordered, pieces)
 
         logits: list[torch.Tensor | None] = [None] * len(chunks)
         argmax: list[list[int] | None] = [None] * len(chunks)
@@ -282,10 +293,12 @@ class Transformer(torch.nn.Module):
         fetched: dict[int, Any],
         vl: torch.Tensor | None,
         ordered: list[Chunk] | None,
+        pieces: Any = None,
     ) -> list[torch.Tensor]:
         """Run the stack in place over ``h``/``pre`` (rows ordered deepest first); returns the DSpark
         targets' hidden states of the Depth.ALL rows. Without ``batch`` each chunk of ``ordered`` is
-        its own segment (the per-sequence reference path)."""
+        its own segment (the per-sequence reference path). ``pieces``: a
+        :class:`~asympd.model.cuda_graphs.PiecewiseGraphs` that runs the full layers."""
         cfg = self.cfg
         shared: list[dict[str, Any]] = [{} for _ in depths]
         targets = {lid: i for i, lid in enumerate(cfg.dspark_target_layer_ids)} if cfg.dspark_block_size else {}
@@ -325,7 +338,10 @@ class Transformer(torch.nn.Module):
             if full:
                 segs = batch.rows_view(0, len(full), decoder=layer > k) if batch else [view(i) for i in full]
                 rows_vl = None if vl is None else vl[:n_full]
-                h[:n_full], pre[:n_full] = block(h[:n_full], pre[:n_full], segs, rows_vl)
+                if pieces is not None:
+                    h[:n_full], pre[:n_full] = pieces.block(block, h[:n_full], pre[:n_full], segs)
+                else:
+                    h[:n_full], pre[:n_full] = block(h[:n_full], pre[:n_full], segs, rows_vl)
             if path:
                 lo = offsets[path[0]]
                 x = block.attn_input(h[lo:n_rows], pre[lo:n_rows])

@@ -203,13 +203,17 @@ class DistributedExecutor:
             self.group.join()
         self.outbox = _Outbox(self.group.control, self.group.device)
         cache: PagedKVCache = engine.cache
-        hello = ("hello", model.role, cache.spec, cache.num_blocks, cache.max_seqs)
+        hello = ("hello", model.role, cache.spec, cache.num_blocks, cache.max_seqs, cache.scratch_block is not None)
         with self.lock:
             self._send(hello)
         proxy = _CacheProxy(cache, self)
         engine.cache = proxy
         engine.runner.cache = proxy
         engine.runner.model = _ModelProxy(engine.runner.model, self)
+        # CUDA graphs replay rank 0's work alone; the ranks' forwards meet in collectives every step
+        engine.runner.graphs = None
+        if getattr(engine.proposer, "graphs", None) is not None:
+            engine.proposer.graphs = None
         self.engine = engine
         return engine
 
@@ -318,10 +322,10 @@ def serve_rank(model: Transformer, control: Any, device: torch.device) -> None:
             if kind == "stop":
                 return
             if kind == "hello":
-                _, role, spec, num_blocks, max_seqs = op
+                _, role, spec, num_blocks, max_seqs, scratch = op
                 if role != model.role or spec.cfg != model.cfg:
                     raise RuntimeError(f"rank 0 runs a {role} model of another config than this rank's {model.role}")
-                cache = PagedKVCache(spec, num_blocks, max_seqs, device=device)
+                cache = PagedKVCache(spec, num_blocks, max_seqs, device=device, scratch=scratch)
                 continue
             assert cache is not None, "a message before hello"
             if kind == "claim":

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asympd.engine import modes
-from asympd.engine.engine import EngineConfig
+from asympd.engine.engine import CUDA_GRAPH_MODES, EngineConfig
 from asympd.engine.scheduler import SchedulerConfig
 from asympd.parallel.cp_engine import check_cp
 from asympd.serve.http import DEFAULT_MAX_BODY_BYTES
@@ -138,6 +138,8 @@ _HELP = {
     "tp": "tensor parallel attention: only 1 (attention is replicated)",
     "dtype": "auto: bfloat16 on CUDA, float32 on CPU",
     "weights": "auto: packed-experts on CUDA (MXFP4 experts as released), dequantized on CPU",
+    "cuda_graph_mode": "full_and_piecewise: steps that are not pure decode replay piecewise graphs around "
+    "attention; full: they run eagerly",
     "enforce_eager": "run every step eagerly (default on CUDA: decode and verify steps replay CUDA graphs)",
     "max_images": "image parts accepted in one chat request (400 above it)",
     "max_image_bytes": "largest encoded image accepted (400 above it)",
@@ -153,6 +155,7 @@ _CHOICES = {
     "dtype": DTYPES,
     "weights": WEIGHTS,
     "kv_wire_format": KV_FORMATS,
+    "cuda_graph_mode": CUDA_GRAPH_MODES,
 }
 _CLI_DEFAULTS = {"mode": None, "num_spec_tokens": 0}  # mode None: derived from the role
 _NOT_FLAGS = {"engine", "scheduler", "eos_token_id"}  # nested, or read from the checkpoint

@@ -80,7 +80,8 @@ def test_graph_decode_path_equals_the_eager_step(tiny_ckpt, mode, spec):
     ceil(rows / ratio) compressor groups written with the incomplete ones sent to scratch, host row
     counts replayed from a log), run here without capture over the same static buffers step after
     step: tokens, logprobs and every cache byte equal the eager batched step's. With speculation the
-    drafter's blocks take their static path too (DraftGraphs)."""
+    drafter's blocks take their static path too (DraftGraphs), and the other steps run each layer's
+    parts around attention as padded pieces (PiecewiseGraphs)."""
     want_out, want_cache = _run(tiny_ckpt, mode, batched=True, spec=spec)
     graphs: list = []
     got_out, got_cache = _run(tiny_ckpt, mode, batched=True, spec=spec, graphs=graphs)
@@ -93,6 +94,8 @@ def test_graph_decode_path_equals_the_eager_step(tiny_ckpt, mode, spec):
         assert g.stats["first"] >= 2, g.stats  # the static path at two padded sizes ...
         assert g.stats["replayed"] >= 2, g.stats  # ... and again over the same buffers
     g = graphs[0]
+    # the other steps (prefill chunks beside decodes) ran their layers as padded pieces
+    assert g.piecewise.stats["blocks"] >= 10 and not g.piecewise.stats["eager"], g.piecewise.stats
     assert all(k.segments in BATCH_SIZES for k in g.graphs)
 
 
