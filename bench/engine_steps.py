@@ -8,7 +8,9 @@ FLOPs per layer stay real. Weights in the CUDA default layout (MXFP4 experts pac
 For each case the engine is driven to the step's shape, then steps are timed end to end (host wall
 clock around ``engine.step()``, synchronised: scheduling, the forward, sampling, drafting, rollback,
 output bookkeeping). Decode steps run as the engine runs them by default on CUDA (replayed CUDA
-graphs, model/cuda_graphs.py) and, in the same run, with ``enforce_eager`` (``eager_*`` fields).
+graphs, model/cuda_graphs.py) and, in the same run, with ``enforce_eager`` (``eager_*`` fields); the
+steps admitting bounded prefills with piecewise graphs (the default), with whole-step graphs only
+(``full_*``: the mixed step eager) and all eager (``eager_*``).
 In the same run the step's layers are timed alone on a ``PagedBatch`` of the
 same shape (``bench.common.StepState`` + ``step_block``: the engine's own layer path, CUDA events,
 eager like the engine) plus the LM head on the rows that need logits. The ratio engine ÷ layers is
@@ -207,9 +209,12 @@ def decode_case(
     return out
 
 
-def admission_case(models, cfg, device, b: int, admit: int, ctx: int, prompt: int, reps: int) -> dict[str, Any]:
+def admission_case(
+    models, cfg, device, b: int, admit: int, ctx: int, prompt: int, reps: int, graphs: str = "full_and_piecewise"
+) -> dict[str, Any]:
     """D (asymmetric, k = 0) decoding ``b`` requests, then a step that also admits ``admit`` requests
-    whose prefix P computed: their bounded prefill of W rows runs in that step."""
+    whose prefix P computed: their bounded prefill of W rows runs in that step. ``graphs``: D's
+    ``cuda_graph_mode``, or "eager" (``enforce_eager``)."""
     from asympd.engine.engine import EngineConfig, LLMEngine
     from asympd.engine.sampling import SamplingParams
     from asympd.engine.scheduler import SchedulerConfig
@@ -219,7 +224,8 @@ def admission_case(models, cfg, device, b: int, admit: int, ctx: int, prompt: in
     sc = SchedulerConfig(max_num_seqs=b + admit * reps + 4, max_num_batched_tokens=32768)
     per_tok = 3500 * 1.3
     kv = int((b * (ctx + 64) + admit * reps * (prompt + 64)) * per_tok) + (64 << 20)
-    d = LLMEngine(d_model, EngineConfig(role="decode", mode="asymmetric", kv_cache_bytes=kv, scheduler=sc))
+    mode = {"enforce_eager": True} if graphs == "eager" else {"cuda_graph_mode": graphs}
+    d = LLMEngine(d_model, EngineConfig(role="decode", mode="asymmetric", kv_cache_bytes=kv, scheduler=sc, **mode))
     p = LLMEngine(
         p_model,
         EngineConfig(
@@ -367,6 +373,10 @@ def main() -> None:
     b = 4 if smoke else 64
     for admit in (1, 4):
         case = admission_case((p_model, d_model), cfg, device, b, admit, ctx, prompt, reps=2 if smoke else 4)
+        if device.type == "cuda":  # the mixed step with whole-step graphs only, and all eager: same run
+            for other in ("full", "eager"):
+                o = admission_case((p_model, d_model), cfg, device, b, admit, ctx, prompt, reps=4, graphs=other)
+                case[f"{other}_step_ms"], case[f"{other}_decode_only_step_ms"] = o["step_ms"], o["decode_only_step_ms"]
         specs = [
             dict(n=b, q=1, start=ctx + 3),
             dict(n=admit, q=w, start=prompt - w, floor=prompt - w, encoder_floor=prompt - w),
