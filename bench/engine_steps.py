@@ -9,8 +9,9 @@ For each case the engine is driven to the step's shape, then steps are timed end
 clock around ``engine.step()``, synchronised: scheduling, the forward, sampling, drafting, rollback,
 output bookkeeping). Decode steps run as the engine runs them by default on CUDA (replayed CUDA
 graphs, model/cuda_graphs.py) and, in the same run, with ``enforce_eager`` (``eager_*`` fields); the
-steps admitting bounded prefills with piecewise graphs (the default), with whole-step graphs only
-(``full_*``: the mixed step eager) and all eager (``eager_*``).
+steps admitting bounded prefills as the engine runs them by default (whole-step graphs for the
+decode steps, the mixed step eager), with piecewise graphs for the mixed step
+(``full_and_piecewise_*``) and all eager (``eager_*``).
 In the same run the step's layers are timed alone on a ``PagedBatch`` of the
 same shape (``bench.common.StepState`` + ``step_block``: the engine's own layer path, CUDA events,
 eager like the engine) plus the LM head on the rows that need logits. The ratio engine ÷ layers is
@@ -210,7 +211,7 @@ def decode_case(
 
 
 def admission_case(
-    models, cfg, device, b: int, admit: int, ctx: int, prompt: int, reps: int, graphs: str = "full_and_piecewise"
+    models, cfg, device, b: int, admit: int, ctx: int, prompt: int, reps: int, graphs: str = "full"
 ) -> dict[str, Any]:
     """D (asymmetric, k = 0) decoding ``b`` requests, then a step that also admits ``admit`` requests
     whose prefix P computed: their bounded prefill of W rows runs in that step. ``graphs``: D's
@@ -373,8 +374,8 @@ def main() -> None:
     b = 4 if smoke else 64
     for admit in (1, 4):
         case = admission_case((p_model, d_model), cfg, device, b, admit, ctx, prompt, reps=2 if smoke else 4)
-        if device.type == "cuda":  # the mixed step with whole-step graphs only, and all eager: same run
-            for other in ("full", "eager"):
+        if device.type == "cuda":  # the mixed step with piecewise graphs, and all eager: same run
+            for other in ("full_and_piecewise", "eager"):
                 o = admission_case((p_model, d_model), cfg, device, b, admit, ctx, prompt, reps=4, graphs=other)
                 case[f"{other}_step_ms"], case[f"{other}_decode_only_step_ms"] = o["step_ms"], o["decode_only_step_ms"]
         specs = [

@@ -55,7 +55,7 @@ def check_prompt(cfg: ModelConfig, ids: list[int], params: SamplingParams) -> No
         )
 
 
-CUDA_GRAPH_MODES = ("full_and_piecewise", "full")
+CUDA_GRAPH_MODES = ("full", "full_and_piecewise")
 STREAM_MODES = ("asymmetric", "encoder-only")  # P exports the global KV only: no windows, no first token
 
 
@@ -86,9 +86,10 @@ class EngineConfig:
     # decoding workers on CUDA replay decode/verify steps as CUDA graphs (model/cuda_graphs.py);
     # True runs every step eagerly (vLLM's flag)
     enforce_eager: bool = False
-    # full_and_piecewise: other steps (prefill chunks, bounded prefills beside decodes) replay their
-    # layers' parts around attention as piecewise graphs; full: those steps run eagerly
-    cuda_graph_mode: str = "full_and_piecewise"
+    # full: other steps (prefill chunks, bounded prefills beside decodes) run eagerly; full_and_piecewise:
+    # they replay their layers' parts around attention as piecewise graphs (measured no faster on an
+    # H200, docs/performance.md §11, hence not the default)
+    cuda_graph_mode: str = "full"
 
     def validate(self) -> None:
         modes.check_role_mode(self.role, self.mode)

@@ -79,7 +79,7 @@ class DecodeGraphs:
         *,
         max_batch: int = BATCH_SIZES[-1],
         capture: bool = True,
-        piecewise: bool = True,
+        piecewise: bool = False,
     ):
         """``piecewise``: the steps that do not qualify run as :class:`PiecewiseGraphs` (else eagerly)."""
         if cache.scratch_block is None:

@@ -138,8 +138,8 @@ _HELP = {
     "tp": "tensor parallel attention: only 1 (attention is replicated)",
     "dtype": "auto: bfloat16 on CUDA, float32 on CPU",
     "weights": "auto: packed-experts on CUDA (MXFP4 experts as released), dequantized on CPU",
-    "cuda_graph_mode": "full_and_piecewise: steps that are not pure decode replay piecewise graphs around "
-    "attention; full: they run eagerly",
+    "cuda_graph_mode": "full: steps that are not pure decode/verify run eagerly; full_and_piecewise: they "
+    "replay piecewise graphs around attention",
     "enforce_eager": "run every step eagerly (default on CUDA: decode and verify steps replay CUDA graphs)",
     "max_images": "image parts accepted in one chat request (400 above it)",
     "max_image_bytes": "largest encoded image accepted (400 above it)",

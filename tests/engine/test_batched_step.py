@@ -33,7 +33,7 @@ def _run(
     for e in _engines(llm):
         e.runner.model.batched = batched
         if graphs is not None and e.config.role != "prefill":
-            e.runner.graphs = DecodeGraphs(e.runner.model, e.runner.cache, capture=False)
+            e.runner.graphs = DecodeGraphs(e.runner.model, e.runner.cache, capture=False, piecewise=True)
             graphs.append(e.runner.graphs)
             if e.proposer is not None:
                 e.proposer.graphs = DraftGraphs(e.proposer.drafter, e.runner.cache, capture=False)
