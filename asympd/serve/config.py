@@ -55,6 +55,7 @@ class ServeConfig:
     max_image_bytes: int = 4 << 20  # each image, encoded (the body limit bounds them all)
     allow_image_urls: bool = False  # fetch http(s) image URLs (off: data URLs only)
     admission_policy: str = DEFAULT_POLICY  # decode/colocated: fills the admission settings left unset
+    benchmark_shared_experts: bool = False  # load a checkpoint whose layers share layer 0's experts (bench only)
 
     @property
     def role(self) -> str:
@@ -81,6 +82,8 @@ class ServeConfig:
             raise ValueError(
                 f"--stream-prefix with --cp {self.cp}: a context-parallel prefill exports its prefix whole"
             )
+        if self.benchmark_shared_experts and (self.ep > 1 or self.cp > 1):
+            raise ValueError("--benchmark-shared-experts runs on one rank: not with --ep or --cp")
         if self.cp > 1 and self.ep > 1:
             raise ValueError(f"--cp {self.cp} with --ep {self.ep}: a worker runs one kind of parallelism")
         if self.on_prefill_failure not in ("recompute", "fail"):
@@ -151,6 +154,8 @@ _HELP = {
     "max_images": "image parts accepted in one chat request (400 above it)",
     "max_image_bytes": "largest encoded image accepted (400 above it)",
     "allow_image_urls": "fetch http(s) image_url parts (default: only data: URLs are accepted)",
+    "benchmark_shared_experts": "benchmarks only: load a checkpoint whose layers share layer 0's routed experts "
+    "(bench/e2e.py --depth 40; asympd/model/shared_experts.py); such a checkpoint is refused without it",
 }
 _CHOICES = {
     "role": modes.ROLES,
