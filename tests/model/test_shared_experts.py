@@ -66,6 +66,8 @@ def test_loads_as_every_layer_holding_layer_0s_experts(shared_ckpt, tiny_ckpt, r
             if name.replace("layers.0.", f"layers.{layer}.", 1) in tensors:
                 tensors[name.replace("layers.0.", f"layers.{layer}.", 1)] = tensors[name]
     ref = build_model(cfg, tensors, role, hasher=model.hasher)
+    one = sum(t.numel() * t.element_size() for t in (moes[0].w1, moes[0].w2, moes[0].w3))
+    assert ref.resident_bytes() - model.resident_bytes() == one * (len(moes) - 1)  # counted (and held) once
     if role == "full":
         ids = torch.tensor(random_prompts([29], seed=3)[0])
         assert torch.equal(logits(model, ids), logits(ref, ids))
