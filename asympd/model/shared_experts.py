@@ -7,7 +7,9 @@ layer 0's experts, built once (the same device tensors), so each layer still rea
 weights per step while the device holds one copy. The outputs are not any real model's, so the
 loader refuses the checkpoint unless asked (``load_model(..., shared_experts=True)``,
 ``asympd serve --benchmark-shared-experts``), and refuses the flag on a checkpoint without the marker.
-Draft blocks (``mtp.*``) keep their own experts.
+Draft blocks (``mtp.*``) keep their own experts. One copy holds in the packed layouts (the CUDA
+default) and on CPU; the dequantized layout on CUDA converts each layer's experts to its own bf16
+operand, so there the copies come back.
 """
 
 from __future__ import annotations
