@@ -1,8 +1,8 @@
 """End to end through real servers: one deployment per mode, the same traffic, one JSON (issue 16).
 
-For each mode -- asymmetric, symmetric-split (the strongest symmetric baseline), symmetric-windows,
-colocated -- the script starts the product's own processes (``asympd serve --role prefill|decode|
-colocated`` and ``asympd router``, through ``asympd.serve.procs``), then
+For each mode -- asymmetric, symmetric-split and symmetric-windows (the strongest symmetric
+baselines), encoder-only, colocated -- the script starts the product's own processes (``asympd
+serve --role prefill|decode|colocated`` and ``asympd router``, through ``asympd.serve.procs``), then
 
 1. calibrates: a few lone requests and one batch through the router, streamed, with the servers'
    ``asympd_timings`` (P compute, transfer, D's first step) and the client's token gaps -- the
@@ -18,16 +18,25 @@ Model. GPU (default): V4.1-Flash at true width and reduced depth -- the 3 layers
 the candidate pool, a ratio-1 reuse layer like L21; no Engram, no draft blocks) -- written in the
 released format (shards, index, both config layouts, tokenizer files) with each tensor drawn on
 the GPU in its storage format (``bench.common.random_tensors``); every layer holds its own experts
-(7.2 GB each on disk and on the GPU: true bytes per layer). ``--tiny``: the tiny checkpoint
-(``asympd make-checkpoint --config tiny``), on CPU.
+(7.2 GB each on disk and on the GPU: true bytes per layer). ``--depth 40``: the real 40-layer
+schedule (``true_depth``: Engram layers 1 and 14 with tables of 4.8M rows, no draft blocks), every
+layer's routed experts layer 0's, stored and held once (asympd/model/shared_experts.py; the servers
+get ``--benchmark-shared-experts``). ``--tiny``: the tiny checkpoint, on CPU.
 
 Placement. Two GPUs: P on GPU 0, D on GPU 1 (``CUDA_VISIBLE_DEVICES`` per process), colocated one
 worker per GPU behind the router, so every mode uses both. One GPU: everything on it.
 
-    python bench/e2e.py [--tiny] [--modes asymmetric,colocated] [--rates 2,4,8] [--num-prompts 48]
+    python bench/e2e.py [--tiny | --depth 40] [--modes asymmetric,colocated] [--rates 2,4,8] [--name N]
+    python bench/e2e.py --merge part1.json part2.json -o e2e_h200x1.json
 
-Writes ``e2e_tiny.json`` / ``e2e_h200x{1,2}.json`` (``--name``) to ``$ASYMPD_OUT`` or
-``bench/results`` after each mode, so a later failure keeps the earlier modes. The servers need
+One device call is at most 600 s, so the five modes run as ``--modes`` subsets of one command,
+each its own JSON; ``--merge`` checks that the parts are one study (commit, model, traffic,
+settings, GPU) and recomputes the headline: asymmetric / the strongest symmetric baseline per rate.
+A mode or rate starts only if its predicted time (``predict_mode_s``) ends before ``--budget-s``;
+each mode's wall time is printed and recorded.
+
+Writes ``e2e_tiny.json`` / ``e2e_h200x{1,2}[_depth40].json`` (``--name``) to ``$ASYMPD_OUT`` or
+``bench/results`` after each rate, so a later failure keeps the earlier ones. The servers need
 fastapi, uvicorn, httpx, prometheus-client, tokenizers and tqdm where they run.
 """
 
@@ -54,11 +63,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
+from asympd.serve.admission import DEFAULT_POLICY, POLICIES  # noqa: E402
 from bench.common import ROOT, log, record  # noqa: E402
 
-MODES = ("asymmetric", "symmetric-split", "symmetric-windows", "colocated")
+MODES = ("asymmetric", "symmetric-split", "symmetric-windows", "encoder-only", "colocated")
+SYMMETRIC = ("symmetric-split", "symmetric-windows")  # the baselines the headline divides by (the strongest)
 NEEDED = ("fastapi", "starlette", "pydantic", "uvicorn", "httpx", "prometheus_client", "tokenizers", "tqdm")
-POLICIES = {"cap-4": (4, 512), "cap-8": (8, 1024), "admit-all": (None, None)}  # asympd.plan.planner.POLICIES
 SUMMARY_FIELDS = (
     "completed",
     "failed",
@@ -76,8 +86,10 @@ PER_REQUEST = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "e2e
 # ---- settings -------------------------------------------------------------------------------------
 
 
-def defaults(tiny: bool) -> dict[str, Any]:
-    """Traffic and server settings per scale (each overridable on the command line)."""
+def defaults(tiny: bool, depth: int = 3) -> dict[str, Any]:
+    """Traffic and server settings per scale (each overridable on the command line). ``step_s``:
+    the decode step the time budget assumes (``predict_rate_s``); ``startup_s``: a deployment's
+    start before one has been measured (the 3-layer H200 run: 18-111 s, symmetric P the slowest)."""
     if tiny:
         return dict(
             rates="4,8",
@@ -93,6 +105,26 @@ def defaults(tiny: bool) -> dict[str, Any]:
             p_step_tokens=2048,
             start_timeout=120.0,
             budget_s=1800.0,
+            step_s=0.05,
+            startup_s=20.0,
+        )
+    if depth == 40:  # eager 40-layer steps: decode ~0.3 s, a bounded prefill in a step ~0.9 s (docs §10)
+        return dict(
+            rates="0.5,1,2",
+            num_prompts=16,
+            input_len=2048,
+            output_len=16,
+            range_ratio=0.5,
+            slo_ttft_ms=5000.0,
+            slo_itl_ms=600.0,
+            calib_tokens=6,
+            calib_batch=8,
+            kv_cache_gb=8.0,
+            p_step_tokens=16384,
+            start_timeout=400.0,
+            budget_s=520.0,
+            step_s=0.35,
+            startup_s=150.0,
         )
     return dict(
         rates="2,4,8",
@@ -107,7 +139,9 @@ def defaults(tiny: bool) -> dict[str, Any]:
         kv_cache_gb=8.0,
         p_step_tokens=16384,
         start_timeout=300.0,
-        budget_s=450.0,  # a device call is <= 8 minutes: no new mode or rate starts after this
+        budget_s=520.0,  # a device call is <= 600 s: nothing starts that is predicted to end after this
+        step_s=0.05,
+        startup_s=120.0,
     )
 
 
@@ -118,25 +152,53 @@ def reduced_v41():
     return reduced_config().replace(max_seq_len=1 << 16)
 
 
+ENGRAM_VOCAB = 200_000  # --depth 40: 4.8M rows per Engram table instead of 384M (2.5 GB, not 203 GB)
+
+
+def true_depth(base=None, engram_vocab: int = ENGRAM_VOCAB):
+    """V4.1-Flash's own layer schedule (default ``v41_flash()``: 40 layers, their compress ratios,
+    KV/index sources, candidate pool and Engram layers 1 and 14) at its widths, without draft blocks
+    or vision, and with Engram tables of fewer rows: the released 203 GB cannot live in the device
+    machine's 128 GiB host memory. A lookup still moves the same bytes (one row per hash head); only
+    the hash modulus is smaller."""
+    from asympd.config import v41_flash
+    from asympd.model.engram_hash import engram_num_embeddings
+
+    base = base or v41_flash()
+    cfg = base.replace(
+        vision_n_layers=0,
+        n_mtp_layers=0,
+        compress_ratios=base.compress_ratios[: base.n_layers],
+        max_seq_len=1 << 16,
+        engram_vocab_size=engram_vocab,
+    )
+    return cfg.replace(engram_num_embeddings=engram_num_embeddings(cfg))
+
+
 # ---- the checkpoint ---------------------------------------------------------------------------------
 
 
-def write_on_device(cfg, out: Path, device: torch.device, seed: int = 0) -> Path:
+def write_on_device(cfg, out: Path, device: torch.device, seed: int = 0, shared_experts: bool = False) -> Path:
     """``write_checkpoint``'s file set and layout, each shard's tensors drawn on ``device`` in their
-    storage formats (drawing 22 GB of FP4 codes on the CPU takes minutes; on a GPU, seconds)."""
+    storage formats (drawing 22 GB of FP4 codes on the CPU takes minutes; on a GPU, seconds).
+    ``shared_experts``: layer 0's routed experts only, and the marker that makes the loader give
+    them to every layer (asympd/model/shared_experts.py; ``--depth 40``)."""
     from asympd.model import checkpoint as ck
+    from asympd.model.engram_hash import compressed_token_map
     from asympd.model.schema import checkpoint_schema
+    from asympd.model.shared_experts import is_aliased, write_marker
     from asympd.model.tiny_tokenizer import write_tiny_tokenizer
     from asympd.release_config import write_config_files
     from bench.common import random_tensors
 
-    if cfg.engram_layer_ids:
-        raise ValueError("write_on_device writes no Engram tables: use asympd make-checkpoint")
     out.mkdir(parents=True, exist_ok=False)
-    write_tiny_tokenizer(out / ck.TOKENIZER_FILE, cfg.vocab_size)
+    tok = write_tiny_tokenizer(out / ck.TOKENIZER_FILE, cfg.vocab_size)
+    if cfg.engram_layer_ids:  # the hash multipliers derive from the tokenizer's compressed vocabulary
+        cfg = cfg.replace(engram_compressed_vocab_size=compressed_token_map(tok)[1])
     write_config_files(cfg, out)
     ck._write_tokenizer_files(out)
-    shards = ck._plan_shards(ck._units(checkpoint_schema(cfg)), ck.DEFAULT_SHARD_BYTES)
+    specs = [s for s in checkpoint_schema(cfg) if not (shared_experts and is_aliased(s.name, 0))]
+    shards = ck._plan_shards(ck._units(specs), ck.DEFAULT_SHARD_BYTES)
     weight_map: dict[str, str] = {}
     total = 0
     for i, shard in enumerate(shards):
@@ -157,6 +219,8 @@ def write_on_device(cfg, out: Path, device: torch.device, seed: int = 0) -> Path
         del tensors
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / ck.INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    if shared_experts:
+        write_marker(out, 0)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the servers need the memory this process cached
     return out
@@ -165,6 +229,7 @@ def write_on_device(cfg, out: Path, device: torch.device, seed: int = 0) -> Path
 def make_checkpoint(args: argparse.Namespace, work: Path) -> tuple[str, dict[str, Any]]:
     from asympd.config import tiny
     from asympd.model.checkpoint import load_config, write_checkpoint
+    from asympd.model.shared_experts import MARKER
 
     t = time.perf_counter()
     if args.checkpoint:
@@ -174,19 +239,31 @@ def make_checkpoint(args: argparse.Namespace, work: Path) -> tuple[str, dict[str
         path = write_checkpoint(tiny(), work / "ckpt", seed=0, verbose=False)
         how = "asympd make-checkpoint --config tiny (write_checkpoint)"
     else:
-        path = write_on_device(reduced_v41(), work / "ckpt", torch.device("cuda"))
+        cfg = true_depth() if args.depth == 40 else reduced_v41()
+        path = write_on_device(cfg, work / "ckpt", torch.device("cuda"), shared_experts=args.depth == 40)
         how = "bench/e2e.py write_on_device: released layout, tensors drawn on the GPU"
+    args.shared_experts = (path / MARKER).is_file()  # the workers must be told (--benchmark-shared-experts)
     cfg = load_config(path)
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    if args.shared_experts:
+        storage = "every layer's routed experts are layer 0's, stored and held once (shared_experts.py)"
+    else:
+        storage = "each layer its own experts (no sharing): true bytes per layer"
     info = {
-        "checkpoint": "tiny" if args.tiny else "v41-flash widths, reduced depth",
+        "checkpoint": "tiny" if args.tiny else f"v41-flash widths, {'true' if args.depth == 40 else 'reduced'} depth",
         "depth": cfg.n_layers,
         "mtp_layers": cfg.n_mtp_layers,
         "kv_source_layers": list(cfg.kv_source_layers),
         "last_kv_source": cfg.last_kv_source,
         "dim": cfg.dim,
         "n_routed_experts": cfg.n_routed_experts,
-        "expert_storage": "each layer its own experts (no sharing): true bytes per layer",
+        "expert_storage": storage,
+        "engram_layers": list(cfg.engram_layer_ids),
+        "engram_table_rows": list(cfg.engram_num_embeddings),
+        "engram_rows_note": "reduced from ~384M per table (203 GB: more than the host's 128 GiB); same bytes "
+        "per lookup, smaller hash modulus"
+        if args.depth == 40
+        else None,
         "checkpoint_bytes": size,
         "written_by": how,
         "write_s": round(time.perf_counter() - t, 1),
@@ -205,12 +282,12 @@ def worker_args(args: argparse.Namespace, role: str, mode: str, ckpt: str) -> li
         a += ["--device", "cuda"]
     else:
         a += ["--threads", "1"]
-    cap, budget = POLICIES[args.policy]
     if role == "prefill":
         a += ["--max-num-batched-tokens", str(args.p_step_tokens)]
-    else:  # D and colocated: the admission policy under test
-        if cap is not None:
-            a += ["--max-new-admissions", str(cap), "--admission-token-budget", str(budget)]
+    else:  # D and colocated: the admission policy under test (`asympd serve`'s default is cap-4)
+        a += ["--admission-policy", args.policy]
+    if args.shared_experts:
+        a += ["--benchmark-shared-experts"]
     if role == "colocated":
         a += ["--prefill-semantics", args.colocated_semantics]
     return a
@@ -494,10 +571,25 @@ def run_rate(args, dep: Deployment, ckpt: str, rate: float, work: Path) -> dict[
     return out
 
 
+def predict_rate_s(args: argparse.Namespace, rate: float) -> float:
+    """Seconds one rate takes: the arrivals, then the last request's output at ``step_s`` a step
+    (1.5x: batching), plus the /metrics scrapes and the load generator's start."""
+    return args.num_prompts / rate + 1.5 * args.output_len * args.step_s + 4.0
+
+
+def predict_mode_s(args: argparse.Namespace, seen: list[dict[str, Any]]) -> float:
+    """Seconds one more mode takes: the slowest start and calibration measured so far (or the
+    scale's guess), plus every rate."""
+    startup = max([m["startup_s"] for m in seen if "startup_s" in m] or [args.startup_s])
+    calib = max([m["calibration"]["wall_s"] for m in seen if "calibration" in m] or [15.0])
+    return startup + calib + sum(predict_rate_s(args, r) for r in args.rate_list)
+
+
 def run_mode(args, mode: str, ckpt: str, vocab: int, work: Path, out: dict[str, Any], save) -> None:
     """One deployment into ``out``: start, calibrate, each rate (``save()`` after each), stop."""
     dep = Deployment(args, mode, ckpt, work)
     out["placement"] = dep.placement
+    t_mode = time.perf_counter()
     try:
         out["startup_s"] = round(dep.start(), 1)
         out["workers"] = {w.name: worker_info(u) for w, u in zip(dep.workers, dep.urls, strict=True)}
@@ -509,11 +601,14 @@ def run_mode(args, mode: str, ckpt: str, vocab: int, work: Path, out: dict[str, 
         out["calibration"]["wall_s"] = round(time.perf_counter() - t, 1)
         out["runs"] = []
         for rate in args.rate_list:
-            if time.time() > args.deadline:
+            if time.time() + predict_rate_s(args, rate) > args.deadline:
                 out.setdefault("skipped_rates", []).append(rate)
-                log(f"{mode} @ {rate:g} req/s: skipped (--budget-s {args.budget_s:g} spent)")
+                log(f"{mode} @ {rate:g} req/s: skipped (predicted {predict_rate_s(args, rate):.0f} s, past --budget-s)")
                 continue
+            t_rate = time.perf_counter()
             r = run_rate(args, dep, ckpt, rate, work)
+            r["wall_s"] = round(time.perf_counter() - t_rate, 1)
+            r["predicted_wall_s"] = round(predict_rate_s(args, rate), 1)
             out["runs"].append(r)
             save()
             log(
@@ -527,6 +622,12 @@ def run_mode(args, mode: str, ckpt: str, vocab: int, work: Path, out: dict[str, 
         log(f"{mode} failed:\n{out['error']}")
     finally:
         dep.stop()
+        out["wall_s"] = round(time.perf_counter() - t_mode, 1)
+        rates = ", ".join(f"{r['request_rate']:g}: {r['wall_s']:.0f} s" for r in out.get("runs", []))
+        log(
+            f"{mode}: {out['wall_s']:.0f} s wall (startup {out.get('startup_s', '-')} s, calibration "
+            f"{out.get('calibration', {}).get('wall_s', '-')} s, rates {rates or '-'})"
+        )
 
 
 # ---- main -------------------------------------------------------------------------------------------------
@@ -572,9 +673,114 @@ def ratios(rows: list[dict[str, Any]], base: str = "symmetric-split") -> list[di
     return out
 
 
+LOWER_IS_BETTER = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+
+
+def over_strongest(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Asymmetric / the strongest symmetric baseline, per rate and metric: the best value either
+    symmetric variant reached at that rate (lowest latency, highest throughput), and which one it was.
+    The most favourable comparison for the baseline, so a ratio that still favours asymmetric holds
+    against both. A rate without asymmetric or without any symmetric run has no row."""
+    by = {(r["mode"], r["rate"]): r for r in rows}
+    out = []
+    for rate in sorted({r["rate"] for r in rows if r["mode"] == "asymmetric"}):
+        a = by[("asymmetric", rate)]
+        base = [by[(m, rate)] for m in SYMMETRIC if (m, rate) in by]
+        if not base:
+            continue
+        row: dict[str, Any] = {"rate": rate, "baselines": [b["mode"] for b in base]}
+        for k in RATIO_KEYS:
+            vals = [b for b in base if b.get(k)]
+            if not vals or not a.get(k):
+                row[k], row[f"{k}_over"] = None, None
+                continue
+            best = (min if k in LOWER_IS_BETTER else max)(vals, key=lambda b: b[k])
+            row[k], row[f"{k}_over"] = a[k] / best[k], best["mode"]
+        out.append(row)
+    return out
+
+
+def summarize(data: dict[str, Any]) -> None:
+    """The per-rate table and both ratio tables, recomputed from ``data["modes"]``."""
+    data["headline"] = headline(data["modes"])
+    data["asymmetric_over_symmetric_split"] = ratios(data["headline"])
+    data["asymmetric_over_strongest_symmetric"] = over_strongest(data["headline"])
+
+
+# ---- merging parts ----------------------------------------------------------------------------------------
+
+# what must agree for parts to be one study (the model, the traffic, the deployment settings, the code)
+SAME = ("commit", "source_digest", "gpus", "placement", "traffic", "slo", "d_policy", "p_step_tokens",
+        "colocated_semantics", "kv_cache_gb_per_worker")  # fmt: skip
+SAME_MODEL = ("checkpoint", "depth", "expert_storage", "model_config")
+
+
+class MergeError(ValueError):
+    """Parts that cannot be one study: different code, model, traffic or settings, or a mode twice."""
+
+
+def merge(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """One result from the ``(file, result)`` parts of a study split over device calls (``--modes``
+    subsets of the same command): modes united, the headline and its ratios recomputed across parts."""
+    if len(parts) < 2:
+        raise MergeError("--merge needs at least two parts")
+    first_file, first = parts[0]
+    for f, part in parts:
+        if not isinstance(part, dict) or not isinstance(part.get("modes"), dict) or "model" not in part:
+            raise MergeError(f"{f}: not a bench/e2e.py result")
+    for f, part in parts[1:]:
+        for k in SAME:
+            if part.get(k) != first.get(k):
+                raise MergeError(f"{f} differs from {first_file} in {k!r}: {part.get(k)!r} != {first.get(k)!r}")
+        for k in SAME_MODEL:
+            if part["model"].get(k) != first["model"].get(k):
+                raise MergeError(f"{f} differs from {first_file} in the model's {k!r}")
+        gpu, gpu0 = (part.get("device") or {}).get("gpu"), (first.get("device") or {}).get("gpu")
+        if gpu != gpu0:
+            raise MergeError(f"{f} ran on {gpu!r}, {first_file} on {gpu0!r}")
+    modes: dict[str, Any] = {}
+    for f, part in parts:
+        for mode, m in part["modes"].items():
+            if "skipped" in m:
+                continue  # another part may have run it
+            if mode in modes:
+                raise MergeError(f"mode {mode!r} is in two parts (the second: {f})")
+            modes[mode] = {**m, "part": f}
+    merged = {k: v for k, v in first.items() if k not in ("modes", "command", "utc", "wall_s")}
+    merged["parts"] = [
+        {
+            "file": f,
+            "command": p.get("command"),
+            "utc": p.get("utc"),
+            "wall_s": p.get("wall_s"),
+            "modes": list(p["modes"]),
+        }
+        for f, p in parts
+    ]
+    merged["modes"] = {m: modes[m] for m in MODES if m in modes}
+    summarize(merged)
+    return merged
+
+
+def merge_files(paths: list[str], out: str) -> Path:
+    parts = []
+    for p in paths:
+        try:
+            parts.append((Path(p).name, json.loads(Path(p).read_text())))
+        except (OSError, ValueError) as e:
+            raise MergeError(f"{p}: cannot read a JSON result: {e}") from e
+    merged = merge(parts)
+    merged["benchmark"] = Path(out).stem
+    merged["merged_by"] = "python bench/e2e.py --merge " + " ".join(paths) + f" -o {out}"
+    merged["utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    Path(out).write_text(json.dumps(merged, indent=1, default=str))
+    return Path(out)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="the tiny checkpoint on CPU")
+    ap.add_argument("--depth", type=int, default=3, choices=(3, 40), help="40: the true layer schedule, shared experts")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--rates", default=None, help="request rates, req/s (Poisson), comma-separated")
     ap.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (bench serve)")
@@ -585,7 +791,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--len-dist", default="uniform", choices=("uniform", "lognormal"))
     ap.add_argument("--slo-ttft-ms", type=float, default=None)
     ap.add_argument("--slo-itl-ms", type=float, default=None)
-    ap.add_argument("--policy", default="cap-4", choices=list(POLICIES), help="D (and colocated) admission")
+    ap.add_argument("--policy", default=DEFAULT_POLICY, choices=list(POLICIES), help="D (and colocated) admission")
     ap.add_argument("--colocated-semantics", default="split", choices=("full", "decoder-replay", "split"))
     ap.add_argument("--calib-tokens", type=int, default=None)
     ap.add_argument("--calib-batch", type=int, default=None)
@@ -597,9 +803,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--run-timeout", type=float, default=900.0, help="seconds for one bench serve run")
     ap.add_argument("--budget-s", type=float, default=None, help="no mode or rate starts after this many seconds")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--name", default=None, help="result name (default e2e_tiny / e2e_h200x{gpus})")
+    ap.add_argument("--step-s", type=float, default=None, help="decode step the time budget assumes")
+    ap.add_argument("--startup-s", type=float, default=None, help="deployment start assumed before one is measured")
+    ap.add_argument("--name", default=None, help="result name (default e2e_tiny / e2e_h200x{gpus}[_depth40])")
+    ap.add_argument("--merge", nargs="+", metavar="PART", help="merge part results (one run split over calls)")
+    ap.add_argument("-o", "--out", default=None, help="--merge: the merged JSON's path")
     args = ap.parse_args(argv)
-    for k, v in defaults(args.tiny).items():
+    if args.merge:
+        if not args.out:
+            ap.error("--merge needs -o OUT.json")
+        return args
+    if args.tiny and args.depth != 3:
+        ap.error("--depth 40 is the true-width model on a GPU; --tiny has its own 7-layer schedule")
+    for k, v in defaults(args.tiny, args.depth).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.gpus is None:
@@ -614,12 +830,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.rate_list or any(not r > 0 for r in args.rate_list):
         ap.error(f"--rates must be positive numbers, got {args.rates!r}")
     if args.name is None:
-        args.name = "e2e_tiny" if args.tiny else f"e2e_h200x{args.gpus}"
+        args.name = "e2e_tiny" if args.tiny else f"e2e_h200x{args.gpus}" + ("_depth40" if args.depth == 40 else "")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        try:
+            path = merge_files(args.merge, args.out)
+        except MergeError as e:
+            log(f"cannot merge: {e}")
+            return 2
+        data = json.loads(path.read_text())
+        log(f"wrote {path}: modes {', '.join(data['modes'])}")
+        for r in data["asymmetric_over_strongest_symmetric"]:
+            q = {k: r[k] if r[k] is not None else float("nan") for k in RATIO_KEYS}
+            log(
+                f"  {r['rate']:g} req/s: P tokens per busy s x{q['prompt_tokens_per_p_busy_s']:.2f}, "
+                f"ITL p99 x{q['itl_p99_ms']:.2f}, goodput per GPU x{q['goodput_req_per_s_per_gpu']:.2f}"
+            )
+        return 0
     missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
     if missing:
         log(f"missing Python packages for the servers: {', '.join(missing)}")
@@ -671,14 +902,14 @@ def main(argv: list[str] | None = None) -> int:
         }
 
         def save() -> Path:
-            data["headline"] = headline(data["modes"])
-            data["asymmetric_over_symmetric_split"] = ratios(data["headline"])
+            summarize(data)
             return record(args.name, data, started)
 
         for mode in args.mode_list:
-            if time.time() > args.deadline:
-                data["modes"][mode] = {"skipped": f"--budget-s {args.budget_s:g} spent before it started"}
-                log(f"{mode}: skipped (--budget-s {args.budget_s:g} spent)")
+            want = predict_mode_s(args, list(data["modes"].values()))
+            if time.time() + want > args.deadline:
+                data["modes"][mode] = {"skipped": f"predicted {want:.0f} s would end past --budget-s {args.budget_s:g}"}
+                log(f"{mode}: skipped (predicted {want:.0f} s, past --budget-s {args.budget_s:g})")
                 continue
             data["modes"][mode] = {}
             run_mode(args, mode, ckpt, vocab, work, data["modes"][mode], save)

@@ -458,8 +458,11 @@ def write_checkpoint(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     *,
     verbose: bool = True,
+    shared_experts: bool = False,
 ) -> Path:
     """Write a random-weight checkpoint of ``cfg`` in the released layout; returns ``out_dir``.
+    ``shared_experts``: a benchmark checkpoint holding layer 0's routed experts only, for every
+    layer (``shared_experts.py``; the loader refuses it unless asked).
 
     Files, as the release ships them: ``model-0000i-of-0000N.safetensors`` shards,
     ``model.safetensors.index.json``, the root ``config.json`` (Transformers layout) and
@@ -476,6 +479,10 @@ def write_checkpoint(
     if out.is_dir() and any(out.glob("model*.safetensors*")):
         raise CheckpointError(f"{str(out)!r} already holds a checkpoint; choose an empty directory")
     specs = checkpoint_schema(cfg)
+    if shared_experts:
+        from asympd.model.shared_experts import is_aliased
+
+        specs = [s for s in specs if not is_aliased(s.name, 0)]
     total = sum(s.nbytes for s in specs)
     free = _free_bytes(out)
     margin = 64 << 20  # tokenizer, config, headers
@@ -531,4 +538,8 @@ def write_checkpoint(
         say(f"[{i + 1}/{len(shards)}] {fname}  {written / 1e9:.3f}/{total / 1e9:.3f} GB")
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    if shared_experts:
+        from asympd.model.shared_experts import write_marker
+
+        write_marker(out, 0)
     return out

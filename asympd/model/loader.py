@@ -17,6 +17,7 @@ model keeps its stored bf16 values and accumulates in fp32: the same products); 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,8 @@ from asympd.model.ops import QLinear
 from asympd.model.packed import FP8TileLinear, PackedExperts
 from asympd.model.quant import dequant_fp4, dequant_fp8_tiles
 from asympd.model.schema import ROLES
+from asympd.model.shared_experts import alias, is_aliased
+from asympd.model.shared_experts import source_layer as shared_source_layer
 from asympd.model.transformer import Block, Transformer
 from asympd.model.vision import VisionTower
 
@@ -55,10 +58,29 @@ class _Reader:
     """Takes tensors out of the loaded dict by name, dequantizing by storage dtype (or, ``packed``,
     keeping FP8 matrices and FP4 experts as stored)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, layout: Layout):
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        layout: Layout,
+        shared_experts: int | None = None,
+    ):
         self.t, self.dtype, self.device = tensors, dtype, device
         self.packed, self.packed_linears = layout.experts, layout.linears
         self.kernels = layout.kernels and device.type == "cuda"  # build the CUDA modules (cuda_ops.py)
+        self.shared_experts = shared_experts  # benchmark checkpoints: the layer all routed experts are
+        self._built: dict[tuple, Any] = {}
+
+    def experts(self, prefix: str, key: tuple, make: Callable[[str], Any]) -> Any:
+        """``make(prefix)``'s routed-expert operand; where layers share experts (shared_experts.py),
+        built once from the source layer and handed to every layer."""
+        prefix = alias(prefix, self.shared_experts)
+        if self.shared_experts is None:
+            return make(prefix)
+        if (prefix, *key) not in self._built:
+            self._built[(prefix, *key)] = make(prefix)
+        return self._built[(prefix, *key)]
 
     def has(self, name: str) -> bool:
         return f"{name}.weight" in self.t or name in self.t
@@ -162,8 +184,8 @@ def _moe(cfg: ModelConfig, layer: int, r: _Reader, prefix: str, ep: tuple[int, i
         }
         if r.has(prefix + "gate.bias_vl"):
             gate["bias_vl"] = r.vector(prefix + "gate.bias_vl", torch.float32)
-        w13 = r.fp4_experts(prefix, range(lo, hi), ("w1", "w3"))
-        w2 = r.fp4_experts(prefix, range(lo, hi), ("w2",))
+        w13 = r.experts(prefix, (lo, hi, "w13"), lambda p: r.fp4_experts(p, range(lo, hi), ("w1", "w3")))
+        w2 = r.experts(prefix, (lo, hi, "w2"), lambda p: r.fp4_experts(p, range(lo, hi), ("w2",)))
         return FastMoE.packed(cfg, layer, gate, w13, w2, s13, s2, (lo, hi))
     w: dict[str, torch.Tensor] = {
         "gate.weight": r.vector(prefix + "gate.weight", torch.float32),
@@ -171,8 +193,12 @@ def _moe(cfg: ModelConfig, layer: int, r: _Reader, prefix: str, ep: tuple[int, i
     }
     if r.has(prefix + "gate.bias_vl"):  # read with the vision tower: image-span rows route with it
         w["gate.bias_vl"] = r.vector(prefix + "gate.bias_vl", torch.float32)
+
+    def stack(p: str, proj: str) -> torch.Tensor:
+        return torch.stack([r.matrix(f"{p}experts.{e}.{proj}")[0] for e in range(lo, hi)])
+
     for proj in ("w1", "w2", "w3"):
-        w[f"experts.{proj}"] = torch.stack([r.matrix(f"{prefix}experts.{e}.{proj}")[0] for e in range(lo, hi)])
+        w[f"experts.{proj}"] = r.experts(prefix, (lo, hi, proj), lambda p, proj=proj: stack(p, proj))
         w[f"shared_experts.{proj}"] = r.matrix(f"{prefix}shared_experts.{proj}")[0]
     if r.kernels:  # routed experts as one bf16 grouped-GEMM operand (the dequantized layout on CUDA)
         from asympd.model.cuda_ops import FastMoE
@@ -193,8 +219,11 @@ def build_model(
     hasher: Any | None = None,
     weights: str = "auto",
     ep: tuple[int, int] | None = None,
+    shared_experts: int | None = None,
 ) -> Transformer:
     """The model of ``role`` from storage-format tensors (as ``load_tensors`` returns them).
+    ``shared_experts``: benchmark checkpoints only (``shared_experts.py``): every backbone layer
+    gets this layer's routed experts, built once.
     ``weights``: ``packed`` | ``packed-experts`` | ``dequantized`` | ``auto`` (packed-experts on CUDA,
     dequantized elsewhere). ``ep=(rank, world)``: every backbone MoE holds that rank's routed
     experts only (``tensors`` need hold no others); the drafter is built where its tensors are."""
@@ -203,7 +232,7 @@ def build_model(
     device = torch.device(device)
     layout = resolve_weights(weights, device)
     packed = layout.experts
-    r = _Reader(tensors, dtype, device, layout)
+    r = _Reader(tensors, dtype, device, layout, shared_experts)
     round_probs = dtype == torch.bfloat16
     k = cfg.last_kv_source
     n_full = k if role == "prefill" else cfg.n_layers
@@ -335,21 +364,28 @@ def load_model(
     weights: str = "auto",
     ep: tuple[int, int] | None = None,
     vision: bool | None = None,
+    shared_experts: bool = False,
 ) -> Transformer:
     """Load a role from a checkpoint directory; ``.load_report`` says what was read.
     ``ep=(rank, world)``: rank ``rank`` of an expert-parallel worker, which reads only its own
     routed experts (and, past rank 0, no drafter: it runs on rank 0). ``vision`` (default: whether
-    the config has a tower) also reads the vision tower and the VL gate biases."""
+    the config has a tower) also reads the vision tower and the VL gate biases. ``shared_experts``:
+    allow a benchmark checkpoint whose layers share layer 0's routed experts (``shared_experts.py``;
+    refused otherwise)."""
     from asympd.model.checkpoint import load_config, load_tensors
 
     dtype = resolve_dtype(dtype, device)
 
     cfg = load_config(checkpoint)
+    source = shared_source_layer(checkpoint, shared_experts)
     keep = None
     if ep is not None:
         from asympd.parallel.ep import rank_tensors
 
         keep = rank_tensors(cfg, *ep)
+    if source is not None:
+        keep_rank = keep
+        keep = lambda n: not is_aliased(n, source) and (keep_rank is None or keep_rank(n))  # noqa: E731
     tensors, report = load_tensors(checkpoint, cfg, role, keep=keep, vision=vision)
     hasher = None
     if cfg.engram_layer_ids:
@@ -364,7 +400,9 @@ def load_model(
                 f"{cfg.engram_compressed_vocab_size}: every Engram hash would change"
             )
         hasher = NgramHasher(cfg, token_map)
-    model = build_model(cfg, tensors, role, dtype=dtype, device=device, hasher=hasher, weights=weights, ep=ep)
+    model = build_model(
+        cfg, tensors, role, dtype=dtype, device=device, hasher=hasher, weights=weights, ep=ep, shared_experts=source
+    )
     model.load_report = report
     model.checkpoint = str(checkpoint)
     return model

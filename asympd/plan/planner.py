@@ -25,12 +25,8 @@ from asympd.plan.gpus import GPUSpec, gpu_spec
 from asympd.plan.memory import DEFAULT_RESERVE_GB, PARTS, compressed_kv_bytes_per_token, memory_report
 from asympd.plan.simulate import BLOCK_SIZE, Arrival, ReplicaRun, run_decode, run_prefill
 from asympd.plan.steps import PLANNED_MODES, StepModel, load_results
+from asympd.serve.admission import POLICIES  # D admission: (max_new_admissions, admission_token_budget)
 
-POLICIES = {  # D admission: (max_new_admissions, admission_token_budget); cap-4 is the engine's chosen one
-    "cap-4": (4, 512),
-    "cap-8": (8, 1024),
-    "admit-all": (None, None),
-}
 D_MAX_SEQS = 512  # the largest decode batch measured (d_admission.json)
 MAX_ROUNDS = 14
 P_SIZES_TRIED = 2  # GPUs per P replica: the fewest that fit and the next EP degree (shorter long prompts)

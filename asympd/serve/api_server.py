@@ -97,7 +97,8 @@ class WorkerServer:
             self.ep = launch_ep(model_role, cfg.checkpoint, cfg.ep, cfg.device, cfg.dtype, cfg.threads, cfg.weights)
         cp = launch_cp(cfg.checkpoint, cfg.cp, cfg.device, cfg.dtype, cfg.threads, cfg.weights) if cfg.cp > 1 else None
         ep = (0, cfg.ep) if cfg.ep > 1 else None  # rank 0 reads its own experts only
-        model = load_model(cfg.checkpoint, model_role, cfg.device, cfg.dtype, cfg.weights, ep=ep)
+        shared = cfg.benchmark_shared_experts  # benchmark checkpoints only (asympd/model/shared_experts.py)
+        model = load_model(cfg.checkpoint, model_role, cfg.device, cfg.dtype, cfg.weights, ep=ep, shared_experts=shared)
         cfg.engine.eos_token_id = eos_id(self.tokenizer)
         self.engine: Any = LLMEngine(model, cfg.engine) if cp is None else CPPrefillEngine(model, cfg.engine, cp)
         if self.ep is not None:

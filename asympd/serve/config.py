@@ -15,6 +15,7 @@ from asympd.engine import modes
 from asympd.engine.engine import CUDA_GRAPH_MODES, EngineConfig
 from asympd.engine.scheduler import SchedulerConfig
 from asympd.parallel.cp_engine import check_cp
+from asympd.serve.admission import DEFAULT_POLICY, POLICIES, policy_settings
 from asympd.serve.http import DEFAULT_MAX_BODY_BYTES
 from asympd.transfer.prefix_state import KV_FORMATS
 
@@ -53,6 +54,8 @@ class ServeConfig:
     max_images: int = 8  # image parts per chat request (docs/vision.md)
     max_image_bytes: int = 4 << 20  # each image, encoded (the body limit bounds them all)
     allow_image_urls: bool = False  # fetch http(s) image URLs (off: data URLs only)
+    admission_policy: str = DEFAULT_POLICY  # decode/colocated: fills the admission settings left unset
+    benchmark_shared_experts: bool = False  # load a checkpoint whose layers share layer 0's experts (bench only)
 
     @property
     def role(self) -> str:
@@ -79,6 +82,8 @@ class ServeConfig:
             raise ValueError(
                 f"--stream-prefix with --cp {self.cp}: a context-parallel prefill exports its prefix whole"
             )
+        if self.benchmark_shared_experts and (self.ep > 1 or self.cp > 1):
+            raise ValueError("--benchmark-shared-experts runs on one rank: not with --ep or --cp")
         if self.cp > 1 and self.ep > 1:
             raise ValueError(f"--cp {self.cp} with --ep {self.ep}: a worker runs one kind of parallelism")
         if self.on_prefill_failure not in ("recompute", "fail"):
@@ -95,8 +100,13 @@ class ServeConfig:
             raise ValueError(f"unknown weights {self.weights!r}: {', '.join(WEIGHTS)}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
+        cap, budget = policy_settings(self.admission_policy)
         if e.role == "prefill":
             e.num_spec_tokens = 0  # a prefill worker never drafts
+        else:  # the recommended D admission policy, unless a setting is given explicitly (serve/admission.py)
+            s = e.scheduler
+            s.max_new_admissions = cap if s.max_new_admissions is None else s.max_new_admissions
+            s.admission_token_budget = budget if s.admission_token_budget is None else s.admission_token_budget
         e.validate()
         e.scheduler.validate()
         return self
@@ -121,8 +131,11 @@ _HELP = {
     "served_model_name": "default: the --checkpoint argument",
     "max_body_bytes": "largest request body accepted (413 above it)",
     "num_spec_tokens": "decoding workers: DSpark drafts verified per request per step (0: off)",
-    "max_new_admissions": "new requests admitted per step (Sarathi-style cap; default: no cap)",
-    "admission_token_budget": "prompt rows per step for prefills and bounded prefills (default: the step budget)",
+    "max_new_admissions": "new requests admitted per step (Sarathi-style cap; default: --admission-policy's)",
+    "admission_token_budget": "prompt rows per step for prefills and bounded prefills (default: "
+    "--admission-policy's; none: the step budget)",
+    "admission_policy": "decode and colocated workers: cap-4 = at most 4 new requests and 512 prompt rows per "
+    "step (what docs/performance.md §6 recommends); admit-all = no cap; the two flags above override it",
     "num_blocks": "KV blocks (overrides --kv-cache-bytes)",
     "transfer_timeout": "decode worker: seconds for one fetch",
     "transfer_ttl": "prefill worker: seconds an unfetched prefix state keeps its blocks",
@@ -144,6 +157,8 @@ _HELP = {
     "max_images": "image parts accepted in one chat request (400 above it)",
     "max_image_bytes": "largest encoded image accepted (400 above it)",
     "allow_image_urls": "fetch http(s) image_url parts (default: only data: URLs are accepted)",
+    "benchmark_shared_experts": "benchmarks only: load a checkpoint whose layers share layer 0's routed experts "
+    "(bench/e2e.py --depth 40; asympd/model/shared_experts.py); such a checkpoint is refused without it",
 }
 _CHOICES = {
     "role": modes.ROLES,
@@ -156,6 +171,7 @@ _CHOICES = {
     "weights": WEIGHTS,
     "kv_wire_format": KV_FORMATS,
     "cuda_graph_mode": CUDA_GRAPH_MODES,
+    "admission_policy": tuple(POLICIES),
 }
 _CLI_DEFAULTS = {"mode": None, "num_spec_tokens": 0}  # mode None: derived from the role
 _NOT_FLAGS = {"engine", "scheduler", "eos_token_id"}  # nested, or read from the checkpoint

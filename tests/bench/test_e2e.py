@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 from bench.e2e import write_on_device  # noqa: E402
 from bench.p_throughput import reduced_config  # noqa: E402
 
-MODES = ("asymmetric", "colocated")
+MODES = ("asymmetric", "encoder-only", "colocated")
 PROMPTS = 4
 LATENCY = [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p90", "p99")]
 
@@ -71,9 +71,16 @@ def test_result_fields_and_counts(result):
             assert run["p_prompt_rows_computed"] == sum(split)
             assert run["d_prompt_rows_computed"] == sum(n - s for n, s in zip(lens, split, strict=True))
             assert run["transfers"] == sum(n > window for n in lens) and run["transfer_bytes_per_request"] > 0
+        elif mode == "encoder-only":  # P computes every row, D replays the last W; every prefix moved
+            assert run["p_prompt_rows_computed"] == sum(lens)
+            assert run["d_prompt_rows_computed"] == sum(min(n, window) for n in lens)
+            assert run["transfers"] == PROMPTS and run["transfer_bytes_per_request"] > 0
         else:
             assert run["p_prompt_rows_computed"] == sum(lens) and run["transfers"] == 0
     assert {(r["mode"], r["rate"]) for r in result["headline"]} == {(m, 20) for m in MODES}
+    assert result["asymmetric_over_strongest_symmetric"] == []  # no symmetric mode in this run
+    for m in result["modes"].values():  # per-mode wall time and the prediction the budget used
+        assert m["wall_s"] >= m["startup_s"] + m["calibration"]["wall_s"] and m["runs"][0]["predicted_wall_s"] > 0
 
 
 def test_validate_reads_the_result(result, tmp_path):
@@ -116,3 +123,141 @@ def test_write_on_device_is_the_released_layout(tmp_path):
     for role in ("prefill", "full"):
         model = load_model(str(path), role, "cpu", torch.float32)
         assert model.resident_bytes() > 0
+
+
+def test_write_on_device_true_depth_shared_experts(tmp_path):
+    """``--depth 40``'s writer on the tiny schedule (Engram layers included): layer 0's experts only,
+    the marker, and a checkpoint the servers load only with --benchmark-shared-experts."""
+    from asympd.model.checkpoint import CheckpointError, load_config
+    from asympd.model.loader import load_model
+    from asympd.model.shared_experts import MARKER
+    from bench.e2e import true_depth
+
+    cfg = true_depth(tiny(), engram_vocab=tiny().engram_vocab_size)
+    assert cfg.n_mtp_layers == 0 and cfg.engram_layer_ids == tiny().engram_layer_ids
+    assert cfg.engram_num_embeddings == tiny().engram_num_embeddings  # rows follow engram_vocab_size
+    path = write_on_device(cfg, tmp_path / "ckpt", torch.device("cpu"), shared_experts=True)
+    assert (path / MARKER).is_file() and load_config(path).n_layers == cfg.n_layers
+    names = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "layers.0.ffn.experts.0.w1.weight" in names and "layers.1.ffn.experts.0.w1.weight" not in names
+    with pytest.raises(CheckpointError, match="benchmark checkpoint"):
+        load_model(str(path), "full", "cpu", torch.float32)
+    for role in ("prefill", "full"):
+        model = load_model(str(path), role, "cpu", torch.float32, shared_experts=True)
+        assert model.hasher is not None and model.blocks[1].ffn.w1 is model.blocks[0].ffn.w1
+
+
+# ---- merging parts of a study split over device calls (no servers: hand-made parts) ----------------
+
+
+def _run(rate: float, tput: float, itl99: float, goodput: float) -> dict:
+    return {
+        "request_rate": rate,
+        "median_ttft_ms": 200.0,
+        "p99_ttft_ms": 400.0,
+        "median_itl_ms": itl99 / 2,
+        "p99_itl_ms": itl99,
+        "median_tpot_ms": itl99 / 2,
+        "request_goodput_per_gpu": goodput,
+        "p_prompt_rows_per_gpu_s": tput,
+        "prompt_tokens_per_p_busy_s": tput,
+        "transfer_bytes_per_request": 1000.0,
+    }
+
+
+def _part(modes: dict[str, list[dict]], **over) -> dict:
+    return {
+        "benchmark": "e2e_h200x1_part",
+        "commit": "abc1234",
+        "source_digest": "d1",
+        "command": "python bench/e2e.py --gpus 1 --modes ...",
+        "device": {"gpu": "NVIDIA H200"},
+        "utc": "2026-12-01T06:00:00Z",
+        "wall_s": 500.0,
+        "gpus": 1,
+        "placement": "P, D and colocated on GPU 0",
+        "model": {"checkpoint": "v41", "depth": 3, "expert_storage": "own", "model_config": {"n_layers": 3}},
+        "traffic": {"rates": [2.0, 4.0], "num_prompts_per_rate": 32},
+        "slo": {"ttft_ms": 2000.0, "itl_ms": 100.0},
+        "d_policy": {"name": "cap-4"},
+        "p_step_tokens": 16384,
+        "colocated_semantics": "split",
+        "kv_cache_gb_per_worker": 8.0,
+        "modes": {m: {"runs": runs} for m, runs in modes.items()},
+        **over,
+    }
+
+
+PART1 = _part(
+    {
+        "asymmetric": [_run(2, 1200, 50, 1.5), _run(4, 2400, 80, 2.8)],
+        "symmetric-split": [_run(2, 1000, 40, 1.4), _run(4, 2000, 90, 2.0)],
+    }
+)
+PART2 = _part(
+    {
+        "symmetric-windows": [_run(2, 1100, 60, 1.2), _run(4, 1600, 70, 2.5)],
+        "encoder-only": [_run(2, 900, 45, 1.3), _run(4, 1900, 85, 2.4)],
+        "colocated": [_run(2, 800, 55, 1.4)],
+    }
+)
+PART2["modes"]["asymmetric"] = {"skipped": "predicted 200 s would end past --budget-s 520"}
+
+
+def test_merge_recomputes_the_ratios_over_the_strongest_symmetric(tmp_path):
+    from bench.e2e import merge
+
+    merged = merge([("part1.json", PART1), ("part2.json", PART2)])
+    assert list(merged["modes"]) == ["asymmetric", "symmetric-split", "symmetric-windows", "encoder-only", "colocated"]
+    assert merged["modes"]["colocated"]["part"] == "part2.json" and merged["commit"] == "abc1234"
+    assert [p["file"] for p in merged["parts"]] == ["part1.json", "part2.json"]
+    assert len(merged["headline"]) == 9
+    r2, r4 = merged["asymmetric_over_strongest_symmetric"]
+    assert r2["rate"] == 2 and r2["baselines"] == ["symmetric-split", "symmetric-windows"]
+    # per metric, the better symmetric variant: higher throughput / goodput, lower latency
+    assert (r2["prompt_tokens_per_p_busy_s"], r2["prompt_tokens_per_p_busy_s_over"]) == (
+        1200 / 1100,
+        "symmetric-windows",
+    )
+    assert (r2["itl_p99_ms"], r2["itl_p99_ms_over"]) == (50 / 40, "symmetric-split")
+    assert (r2["goodput_req_per_s_per_gpu"], r2["goodput_req_per_s_per_gpu_over"]) == (1.5 / 1.4, "symmetric-split")
+    assert (r4["prompt_tokens_per_p_busy_s"], r4["itl_p99_ms"], r4["goodput_req_per_s_per_gpu"]) == (
+        2400 / 2000,
+        80 / 70,
+        2.8 / 2.5,
+    )
+    assert r4["itl_p99_ms_over"] == "symmetric-windows"
+    (s2, s4) = merged["asymmetric_over_symmetric_split"]
+    assert (s2["itl_p99_ms"], s4["goodput_req_per_s_per_gpu"]) == (50 / 40, 2.8 / 2.0)
+
+
+def test_merge_refuses_parts_of_different_studies(tmp_path):
+    from bench.e2e import MergeError, merge
+
+    with pytest.raises(MergeError, match="part2.json differs from part1.json in 'commit': 'zzz' != 'abc1234'"):
+        merge([("part1.json", PART1), ("part2.json", {**PART2, "commit": "zzz"})])
+    other = {**PART2, "traffic": {"rates": [2.0, 4.0], "num_prompts_per_rate": 16}}
+    with pytest.raises(MergeError, match="differs from part1.json in 'traffic'"):
+        merge([("part1.json", PART1), ("part2.json", other)])
+    deeper = {**PART2, "model": {**PART2["model"], "depth": 40}}
+    with pytest.raises(MergeError, match="differs from part1.json in the model's 'depth'"):
+        merge([("part1.json", PART1), ("part2.json", deeper)])
+    with pytest.raises(MergeError, match="mode 'asymmetric' is in two parts"):
+        merge([("part1.json", PART1), ("again.json", PART1)])
+    with pytest.raises(MergeError, match="x.json: not a bench/e2e.py result"):
+        merge([("part1.json", PART1), ("x.json", {"modes": []})])
+
+
+def test_merge_command(tmp_path):
+    a, b, out = tmp_path / "p1.json", tmp_path / "p2.json", tmp_path / "e2e_h200x1.json"
+    a.write_text(json.dumps(PART1))
+    b.write_text(json.dumps(PART2))
+    cmd = [sys.executable, "bench/e2e.py", "--merge", str(a), str(b), "-o", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    merged = json.loads(out.read_text())
+    assert merged["benchmark"] == "e2e_h200x1" and merged["merged_by"].startswith("python bench/e2e.py --merge")
+    assert "2 req/s: P tokens per busy s x1.09, ITL p99 x1.25, goodput per GPU x1.07" in p.stdout
+    b.write_text(json.dumps({**PART2, "source_digest": "other"}))
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "cannot merge: p2.json differs from p1.json in 'source_digest'" in p.stdout

@@ -88,3 +88,29 @@ def test_bad_settings_are_refused(argv, needle):
 def test_unknown_choice_is_a_usage_error():
     with pytest.raises(UsageError, match="invalid choice"):
         build_parser().parse_args(["serve", "--checkpoint", "C", "--role", "both"])
+
+
+def test_admission_default_is_the_recommended_policy():
+    """docs/performance.md §6 recommends cap-4 for D (admission_policy.json): `asympd serve` runs it
+    unless told otherwise; P is never capped; explicit flags and admit-all override it."""
+    import json
+    from pathlib import Path
+
+    from asympd.serve.admission import DEFAULT_POLICY, POLICIES
+
+    study = json.loads((Path(__file__).resolve().parents[2] / "bench/results/admission_policy.json").read_text())
+    assert study["scenarios"]["poisson"]["cap-4"]["policy"] == {"max_new_admissions": 4, "admission_token_budget": 512}
+    assert DEFAULT_POLICY == "cap-4" and POLICIES[DEFAULT_POLICY] == (4, 512)
+    for role in ("decode", "colocated"):
+        s = _parse("--role", role).resolve().engine.scheduler
+        assert (s.max_new_admissions, s.admission_token_budget) == (4, 512)
+    s = _parse("--role", "prefill").resolve().engine.scheduler
+    assert (s.max_new_admissions, s.admission_token_budget) == (None, None)
+    s = _parse("--role", "decode", "--admission-policy", "admit-all").resolve().engine.scheduler
+    assert (s.max_new_admissions, s.admission_token_budget) == (None, None)
+    s = _parse("--role", "decode", "--max-new-admissions", "2").resolve().engine.scheduler
+    assert (s.max_new_admissions, s.admission_token_budget) == (2, 512)
+    with pytest.raises(UsageError, match="invalid choice"):
+        build_parser().parse_args(["serve", "--checkpoint", "C", "--admission-policy", "cap-3"])
+    with pytest.raises(ValueError, match="unknown admission policy 'cap-3'"):
+        ServeConfig("C", admission_policy="cap-3").resolve()
