@@ -22,6 +22,9 @@ row counts of windows and open groups, updated in Python while a layer runs eage
 during capture and applied per step with the step's own values. The first step of a shape runs
 eagerly over the static buffers (its result is the step's), then is captured.
 
+Captures are thread-local (``capture_error_mode="thread_local"``): in a server, other threads (the
+prefix transfers) keep using the GPU while the engine's thread captures.
+
 ``capture=False`` runs the same static path without graphs (every replay re-runs the layers over
 the static buffers): the CPU suite checks the padding, the fixed group writes and the replayed host
 bookkeeping against the eager path with it.
@@ -210,7 +213,7 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.cache.device)
         st.graph = torch.cuda.CUDAGraph()
         st.batch.mirror_log = []
-        with torch.cuda.graph(st.graph, pool=self.pool):
+        with torch.cuda.graph(st.graph, pool=self.pool, capture_error_mode="thread_local"):
             st.outputs = st.run()
         st.mirror_log, st.batch.mirror_log = st.batch.mirror_log, None
         self.stats["captured"] += 1
@@ -305,7 +308,7 @@ class DraftGraphs:
         if first and self.capture:
             torch.cuda.synchronize(self.cache.device)
             st.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(st.graph, pool=self.pool):
+            with torch.cuda.graph(st.graph, pool=self.pool, capture_error_mode="thread_local"):
                 st.outputs = st.run()
             self.stats["captured"] += 1
             # this call's outputs (made on the side stream): copies on the current one
@@ -345,7 +348,7 @@ class _Piece:
             _side_stream_run(self._run, device)  # warm-up: Triton compiles, workspaces
             torch.cuda.synchronize(device)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
+            with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
                 self._run()
 
     def _run(self) -> None:
