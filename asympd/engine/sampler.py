@@ -52,12 +52,17 @@ class Drawn:
 # ---- the batched primitives (all on the rows' device) ---------------------------------------------
 
 
+def _to(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A small host list on the device, queued without waiting for the device (host->device only)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def batched_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """``processed_probs`` for every row ``[R, vocab]`` (temperature > 0) at once: per-row
     temperature, top-k and top-p as tensors, one sort for the rows that filter (none when no row
     does). A row's result does not depend on the other rows (seeded sampling is batch-invariant)."""
     r, v = logits.shape
-    temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
+    temp = _to([p.temperature for p in params], logits.device, torch.float32)
     x = logits.float() / temp[:, None]
     probs = torch.softmax(x, dim=-1)
     ks = [p.top_k if p.top_k and 0 < p.top_k < v else v for p in params]
@@ -65,24 +70,30 @@ def batched_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     rows = [i for i in range(r) if ks[i] < v or tops[i] < 1.0]
     if not rows:
         return probs
-    idx = torch.tensor(rows, device=logits.device)
+    idx = _to(rows, logits.device)
     sx, order = torch.sort(x[idx], dim=-1, descending=True, stable=True)
-    k = torch.tensor([ks[i] for i in rows], device=logits.device)
+    k = _to([ks[i] for i in rows], logits.device)
     kth = sx.gather(1, (k - 1)[:, None])
     sp = torch.softmax(sx.masked_fill(sx < kth, float("-inf")), dim=-1)
-    top_p = torch.tensor([tops[i] if tops[i] < 1.0 else float("inf") for i in rows], device=logits.device)
+    top_p = _to([tops[i] if tops[i] < 1.0 else float("inf") for i in rows], logits.device, torch.float32)
     sp = sp.masked_fill(sp.cumsum(-1) - sp > top_p[:, None], 0.0)  # the smallest prefix reaching top_p
     sp = sp / sp.sum(-1, keepdim=True)
     probs[idx] = torch.zeros_like(sp).scatter_(1, order, sp)
     return probs
 
 
-def _row(generator: torch.Generator, n: int, device: torch.device, kind: str) -> torch.Tensor:
-    """n uniforms or Exp(1) draws from a request's generator, on the generator's device (the
-    engine creates it on the model's) and moved host->device only when that differs."""
-    t = torch.empty(n, device=generator.device)
-    t = t.uniform_(generator=generator) if kind == "uniform" else t.exponential_(generator=generator)
-    return t.to(device)
+def _fill(t: torch.Tensor, generator: torch.Generator, kind: str) -> None:
+    """Fill ``t`` with uniforms or Exp(1) draws from a request's generator: in place when the
+    generator lives on ``t``'s device (the engine creates it on the model's), else drawn where it
+    lives and copied over (host->device)."""
+    if generator.device != t.device:
+        src = torch.empty(t.shape, device=generator.device)
+        _fill(src, generator, kind)
+        t.copy_(src)
+    elif kind == "uniform":
+        t.uniform_(generator=generator)
+    else:
+        t.exponential_(generator=generator)
 
 
 def _noise(generators: list[torch.Generator | None], n: int, device: torch.device, kind: str) -> torch.Tensor:
@@ -93,10 +104,10 @@ def _noise(generators: list[torch.Generator | None], n: int, device: torch.devic
         return out.uniform_() if kind == "uniform" else out.exponential_()
     if shared:
         block = torch.empty(len(shared), n, device=device)
-        out[torch.tensor(shared, device=device)] = block.uniform_() if kind == "uniform" else block.exponential_()
+        out[_to(shared, device)] = block.uniform_() if kind == "uniform" else block.exponential_()
     for i, g in enumerate(generators):
         if g is not None:
-            out[i] = _row(g, n, device, kind)
+            _fill(out[i], g, kind)
     return out
 
 
@@ -127,14 +138,14 @@ def rejection_batch(
     for i, g in enumerate(generators):  # each request draws exactly its k_b uniforms
         n = num_drafts[i] if g is not None else 0
         if n:
-            u[i, :n] = _row(g, n, target.device, "uniform").to(target.dtype)
+            _fill(u[i, :n], g, "uniform")
     shared = [i for i, g in enumerate(generators) if g is None]
     if shared and k:
-        rows = torch.tensor(shared, device=target.device)
+        rows = _to(shared, target.device)
         u[rows] = _noise([None] * len(shared), k, target.device, "uniform").to(target.dtype)
     d = drafts[:, :, None]
     p_d, q_d = target[:, :k].gather(2, d).squeeze(2), draft[:, :k].gather(2, d).squeeze(2)
-    live = torch.arange(k, device=target.device)[None, :] < torch.tensor(num_drafts, device=target.device)[:, None]
+    live = torch.arange(k, device=target.device)[None, :] < _to(num_drafts, target.device)[:, None]
     accepted = ((u * q_d < p_d) & live).long().cumprod(dim=1).sum(dim=1)
     at = torch.arange(b, device=target.device)
     p_a = target[at, accepted]
@@ -269,7 +280,7 @@ def _verify(jobs: list[SampleJob], verify: list[int], host: _HostCopy) -> tuple[
     for n, (i, p) in enumerate(zip(verify, probs.split([x + 1 for x in ks]), strict=True)):
         target[n, : ks[n] + 1] = p
         draft[n, : ks[n]] = jobs[i].draft_probs.to(device, torch.float32)
-    drafts = torch.tensor([jobs[i].drafts + [0] * (k - ks[n]) for n, i in enumerate(verify)], device=device)
+    drafts = _to([jobs[i].drafts + [0] * (k - ks[n]) for n, i in enumerate(verify)], device)
     accepted, extra = rejection_batch(target, draft, drafts, ks, [jobs[i].generator for i in verify])
     slot = host.add(torch.stack([accepted, extra], dim=1))
     pos = torch.arange(k + 1, device=device)[None, :]
@@ -302,7 +313,7 @@ def _logprobs(
     rows = [len(jobs[i].drafts) + 1 if jobs[i].drafts else 1 for i in asked]
     # tokens already on the host (greedy) go over in one host->device copy, padded to the rows
     known = [t for n, i in zip(rows, asked, strict=True) for t in (out[i].tokens + [0] * n)[:n]]
-    known_t = torch.tensor(known, dtype=torch.long, device=device).split(rows)
+    known_t = _to(known, device).split(rows)
     tokens = torch.cat([row_tokens.get(i, kt) for i, kt in zip(asked, known_t, strict=True)])
     lp = torch.log_softmax(torch.cat([jobs[i].logits[-n:] for n, i in zip(rows, asked, strict=True)]).float(), dim=-1)
     top = min(max(jobs[i].params.logprobs for i in asked), lp.size(-1))
@@ -319,7 +330,7 @@ def _logprobs(
         host.add(lp.gather(1, tokens[:, None])),
         values,
         ids,
-        host.add(lp[torch.tensor(whole, device=device)]) if whole else None,
+        host.add(lp[_to(whole, device)]) if whole else None,
     )
 
 

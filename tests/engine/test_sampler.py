@@ -218,3 +218,18 @@ def test_a_seeded_request_gives_the_same_tokens_alone_and_in_a_batch(llm):
         assert alone.logprobs == together[i].outputs[0].logprobs
     lps = together[0].outputs[0].logprobs
     assert all(math.isfinite(x) and x <= 0 for d in lps for x in d.values())
+
+
+def test_sampled_speculation_reports_a_logprob_per_emitted_token(tiny_ckpt):
+    """Rejection-sampled verify steps: one logprob dict per emitted token (accepted drafts and the
+    extra one), the same alone and in a batch."""
+    llm = LLM(tiny_ckpt, num_spec_tokens=3, scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
+    prompts = random_prompts([9, 30, 17], seed=83)
+    params = [SamplingParams(max_tokens=8, temperature=0.8, seed=7 + i, logprobs=3, ignore_eos=True) for i in range(3)]
+    together = [o.outputs[0] for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert llm.engine.stats()["spec_steps"] > 0
+    for p, sp, got in zip(prompts, params, together, strict=True):
+        alone = llm.generate(prompt_token_ids=[p], sampling_params=[sp])[0].outputs[0]
+        assert (alone.token_ids, alone.logprobs) == (got.token_ids, got.logprobs)
+        assert len(got.logprobs) == len(got.token_ids) == 8
+        assert all(list(d)[0] == t and 3 <= len(d) <= 4 for d, t in zip(got.logprobs, got.token_ids, strict=True))
