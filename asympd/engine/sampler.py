@@ -196,66 +196,60 @@ class _HostCopy:
 
 
 def sample_step(jobs: list[SampleJob]) -> list[Drawn]:
-    """Every job of a step: greedy and sampled tokens, DSpark verification, logprobs; one
-    device->host copy in all (the greedy argmax comes from the model's own copy)."""
+    """Every job of a step: greedy and sampled tokens, DSpark verification, logprobs; one sort
+    (``batched_probs`` over the sampled and verified rows together) and one device->host copy in
+    all (the greedy argmax comes from the model's own copy)."""
     if not jobs:
         return []
     out = [Drawn([]) for _ in jobs]
     host = _HostCopy()
     row_tokens: dict[int, torch.Tensor] = {}  # job -> its rows' tokens on the device (for logprobs)
-
-    # plain samples: greedy rows known on the host, the rest drawn in one batch
-    on_device = []
-    for i, j in enumerate(jobs):
-        if j.drafts:
-            continue
-        if j.params.greedy and not j.params.adjusts_logits and j.argmax is not None:
-            out[i].tokens = [j.argmax[-1]]
-        else:
-            on_device.append(i)
-    greedy = [i for i in on_device if jobs[i].params.greedy]
-    sampled = [i for i in on_device if not jobs[i].params.greedy]
-    plain_slot = None
-    if on_device:
-        rows = torch.stack(
-            [
-                adjust_logits(
-                    jobs[i].logits[-1], jobs[i].params, jobs[i].prompt_ids, jobs[i].output_ids, jobs[i].eos
-                ).float()
-                for i in greedy + sampled
-            ]
-        )
-        parts = [rows[: len(greedy)].argmax(dim=-1)] if greedy else []
-        if sampled:
-            probs = batched_probs(rows[len(greedy) :], [jobs[i].params for i in sampled])
-            parts.append(race(probs, [jobs[i].generator for i in sampled]))
-        toks = torch.cat(parts)
-        plain_slot = host.add(toks)
-        for n, i in enumerate(greedy + sampled):
-            row_tokens[i] = toks[n : n + 1]
-
-    # verification: greedy on the host's argmax, sampled by rejection on the device
-    verify = []
+    greedy, sampled, verify = [], [], []  # plain greedy rows on the device, plain sampled, sampled verify
     for i, j in enumerate(jobs):
         if not j.drafts:
-            continue
-        if j.params.greedy:  # drafting is off for requests whose logits are adjusted: raw argmax
+            if j.params.greedy and not j.params.adjusts_logits and j.argmax is not None:
+                out[i].tokens = [j.argmax[-1]]
+            else:
+                (greedy if j.params.greedy else sampled).append(i)
+        elif j.params.greedy:  # drafting is off for requests whose logits are adjusted: raw argmax
             out[i].tokens, out[i].accepted = greedy_accept(j.logits, j.drafts, j.argmax)
         elif j.draft_probs is None or j.draft_probs.size(0) != len(j.drafts):
             raise ValueError("sampled verification needs the distribution each draft was drawn from")
         else:
             verify.append(i)
-    verify_slot = None
+
+    plain = greedy + sampled
+    adjusted = [
+        adjust_logits(jobs[i].logits[-1], jobs[i].params, jobs[i].prompt_ids, jobs[i].output_ids, jobs[i].eos)
+        for i in plain
+    ]
+    ks = [len(jobs[i].drafts) for i in verify]
+    to_probs = adjusted[len(greedy) :] + [jobs[i].logits[: k + 1] for i, k in zip(verify, ks, strict=True)]
+    probs = None
+    if to_probs:
+        params = [jobs[i].params for i in sampled] + [
+            jobs[i].params for i, k in zip(verify, ks, strict=True) for _ in range(k + 1)
+        ]
+        probs = batched_probs(torch.cat([x.float().reshape(-1, x.size(-1)) for x in to_probs]), params)
+
+    plain_slot = verify_slot = None
+    if plain:
+        parts = [torch.stack(adjusted[: len(greedy)]).float().argmax(dim=-1)] if greedy else []
+        if sampled:
+            parts.append(race(probs[: len(sampled)], [jobs[i].generator for i in sampled]))
+        toks = torch.cat(parts)
+        plain_slot = host.add(toks)
+        for n, i in enumerate(plain):
+            row_tokens[i] = toks[n : n + 1]
     if verify:
-        verify_slot, tokens = _verify(jobs, verify, host)
-        for n, i in enumerate(verify):
-            row_tokens[i] = tokens[n, : len(jobs[i].drafts) + 1]
+        verify_slot, tokens = _verify(jobs, verify, probs[len(sampled) :], host)
+        for n, (i, k) in enumerate(zip(verify, ks, strict=True)):
+            row_tokens[i] = tokens[n, : k + 1]
 
     lp_slots = _logprobs(jobs, row_tokens, out, host)
     fetched = host.fetch()
-
     if plain_slot is not None:
-        for i, t in zip(greedy + sampled, fetched[plain_slot], strict=True):
+        for i, t in zip(plain, fetched[plain_slot], strict=True):
             out[i].tokens = [int(t)]
     if verify_slot is not None:
         vals = fetched[verify_slot]
@@ -267,14 +261,13 @@ def sample_step(jobs: list[SampleJob]) -> list[Drawn]:
     return out
 
 
-def _verify(jobs: list[SampleJob], verify: list[int], host: _HostCopy) -> tuple[int, torch.Tensor]:
-    """Rejection sampling for the step's sampled verify jobs; the host slot of (accepted, extra)
-    pairs and every job's row tokens ``[B, K+1]`` (accepted drafts, then the extra token)."""
-    device, v = jobs[verify[0]].logits.device, jobs[verify[0]].logits.size(-1)
+def _verify(jobs: list[SampleJob], verify: list[int], probs: torch.Tensor, host: _HostCopy) -> tuple[int, torch.Tensor]:
+    """Rejection sampling for the step's sampled verify jobs (``probs``: their rows' processed
+    distributions, in order); the host slot of (accepted, extra) pairs and every job's row tokens
+    ``[B, K+1]`` (accepted drafts, then the extra token)."""
+    device, v = probs.device, probs.size(-1)
     ks = [len(jobs[i].drafts) for i in verify]
     k, b = max(ks), len(verify)
-    rows = torch.cat([jobs[i].logits[: ks[n] + 1] for n, i in enumerate(verify)])
-    probs = batched_probs(rows, [jobs[i].params for n, i in enumerate(verify) for _ in range(ks[n] + 1)])
     target = torch.zeros(b, k + 1, v, device=device)
     draft = torch.zeros(b, k + 1, v, device=device)
     for n, (i, p) in enumerate(zip(verify, probs.split([x + 1 for x in ks]), strict=True)):

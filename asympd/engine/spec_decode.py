@@ -10,8 +10,9 @@ One step of a request, after its bounded-prefill first step:
    ``[N-W, N)`` are exactly a full window.
 2. **verify**: one target forward over rows ``[t, d1..dk]`` at positions ``p..p+k`` with all logits,
    batched with other requests' prefills and decodes. Greedy: accept while ``d_i`` is the argmax of
-   row ``i-1``, then emit that row's argmax. Sampled: rejection sampling (``rejection_sample``), which
-   emits tokens distributed exactly as sampling the target one token at a time would.
+   row ``i-1``, then emit that row's argmax. Sampled: rejection sampling, which emits tokens
+   distributed exactly as sampling the target one token at a time would (``sampler.rejection_batch``
+   for every sampled request of the step at once, on the device; ``rejection_sample`` for one).
 3. **rollback**: rows past the accepted ones leave no visible trace. Windows and the compressor's
    open-group history are cut by position (``SequenceKV.truncate``), blocks past the end are released
    (``BlockManager.truncate``). Compressed entries / index keys of groups the rejected rows completed

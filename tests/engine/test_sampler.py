@@ -158,6 +158,14 @@ class HostCopies:
             monkeypatch.setattr(torch.Tensor, name, counted)
 
 
+def sorts(jobs: list[SampleJob]) -> int:
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "sort", lambda *a, _sort=torch.sort, **k: calls.append(1) or _sort(*a, **k))
+        sample_step(jobs)
+    return len(calls)
+
+
 @pytest.mark.parametrize("b", [2, 9])
 def test_a_step_of_sampled_requests_copies_to_the_host_once(b):
     v, k = 64, 2
@@ -165,7 +173,8 @@ def test_a_step_of_sampled_requests_copies_to_the_host_once(b):
     q = torch.softmax(torch.randn(b, k, v, generator=seeded(9)), dim=-1)
     jobs = [SampleJob(logits[i, -1:], SamplingParams(temperature=0.8, logprobs=5, seed=i), seeded(i)) for i in range(b)]
     jobs += [
-        SampleJob(logits[i], SamplingParams(temperature=0.8, logprobs=5), None, None, [1, 2], q[i]) for i in range(b)
+        SampleJob(logits[i], SamplingParams(temperature=0.8, top_k=10, logprobs=5), None, None, [1, 2], q[i])
+        for i in range(b)
     ]
     jobs += [
         SampleJob(logits[i, -1:], SamplingParams(temperature=0.5, top_p=0.9, top_k=7, logprobs=-1)) for i in range(b)
@@ -174,6 +183,7 @@ def test_a_step_of_sampled_requests_copies_to_the_host_once(b):
         copies = HostCopies(mp)
         out = sample_step(jobs)
     assert copies.count == 1
+    assert sorts(jobs) == 1 and sorts(jobs[:b]) == 0  # one sort for every filtering row, none without
     assert all(len(d.logprobs) == len(d.tokens) for d in out)
     assert [len(d.logprobs[0]) for d in out[-b:]] == [v] * b
 
