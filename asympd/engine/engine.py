@@ -20,9 +20,10 @@ from asympd.config import ModelConfig
 from asympd.engine import modes
 from asympd.engine.request import CompletionOutput, Request, RequestOutput, Status
 from asympd.engine.runner import ModelRunner
-from asympd.engine.sampling import SamplingParams, adjust_logits, sample, top_logprobs
+from asympd.engine.sampler import Drawn, SampleJob, sample_step
+from asympd.engine.sampling import SamplingParams
 from asympd.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from asympd.engine.spec_decode import DraftRequest, DSparkProposer, Proposer, rollback, spec_metrics, verify
+from asympd.engine.spec_decode import DraftRequest, DSparkProposer, Proposer, rollback, spec_metrics
 from asympd.kv.block_manager import BlockManager
 from asympd.kv.paged_cache import PagedKVCache
 from asympd.kv.spec import KVCacheSpec
@@ -230,6 +231,8 @@ class LLMEngine:
         if prefix_state is not None and not isinstance(prefix_state, PrefixStream):
             self._check_image_state(prefix_state, ids, images)
         req = self._plan_request(request_id, ids, params, prefix_state, first_token)
+        if params.seed is not None:  # the sampler draws a seeded request's noise where its logits are
+            req.generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
         req.images = images
         req.awaiting_import = prefix_stream
         req.spec_enabled = self.proposer is not None and not params.adjusts_logits  # drafts assume raw logits
@@ -355,10 +358,10 @@ class LLMEngine:
         chunks = [c for c in sched.chunks if c.request.status is Status.RUNNING]
         wants = [self._wants_logits(c) for c in chunks]
         logits = self.runner.execute(chunks, wants) if chunks else []
-        argmax = self.runner.last_argmax if chunks else []
+        drawn = self._draw(chunks, logits, self.runner.last_argmax) if chunks else []
         self._rollbacks: list[tuple[str, int, int]] = []
-        for sc, lg, am in zip(chunks, logits, argmax, strict=True):
-            outputs.extend(self._apply(sc, lg, am))
+        for sc, lg, d in zip(chunks, logits, drawn, strict=True):
+            outputs.extend(self._apply(sc, lg, d))
         rollback(self.runner.cache, self.blocks, self._rollbacks)
         if self.proposer is not None and chunks:
             self._draft(chunks, self.runner.last_draft_hidden)
@@ -379,7 +382,38 @@ class LLMEngine:
             return "last"
         return "none"
 
-    def _apply(self, sc: ScheduledChunk, logits: torch.Tensor | None, argmax: list[int] | None) -> list[RequestOutput]:
+    def _draw(
+        self, chunks: list[ScheduledChunk], logits: list[torch.Tensor | None], argmax: list[list[int] | None]
+    ) -> list[Drawn | None]:
+        """Every token the step samples, verifies or reports logprobs for, in one batched pass on
+        the model's device (asympd.engine.sampler): a chunk with logits samples from its last row,
+        or verifies its drafts."""
+        jobs, at = [], []
+        for n, (sc, lg, am) in enumerate(zip(chunks, logits, argmax, strict=True)):
+            if lg is None:
+                continue
+            req = sc.request
+            verifying = sc.phase is None and bool(req.spec_draft)
+            jobs.append(
+                SampleJob(
+                    lg if verifying else lg[-1:],
+                    req.params,
+                    req.generator,
+                    am,
+                    list(req.spec_draft) if verifying else [],
+                    req.spec_draft_probs if verifying else None,
+                    req.prompt_token_ids,
+                    req.output_token_ids,
+                    self.config.eos_token_id,
+                )
+            )
+            at.append(n)
+        drawn: list[Drawn | None] = [None] * len(chunks)
+        for n, d in zip(at, sample_step(jobs), strict=True):
+            drawn[n] = d
+        return drawn
+
+    def _apply(self, sc: ScheduledChunk, logits: torch.Tensor | None, drawn: Drawn | None) -> list[RequestOutput]:
         req = sc.request
         if sc.phase is not None:
             self.counters["prompt_tokens"] += sc.num_rows
@@ -391,22 +425,20 @@ class LLMEngine:
                 if req.in_prompt:
                     req.cursor = req.phases[req.phase_index].lo
                 else:
-                    return self._prompt_done(req, logits, argmax)
+                    return self._prompt_done(req, drawn)
             return []
         if req.spec_draft:
-            return self._verify(sc, logits, argmax)
-        return self._append_token(req, logits[-1], argmax[-1])
+            return self._verify(sc, drawn)
+        return self._append_token(req, drawn)
 
-    def _prompt_done(
-        self, req: Request, logits: torch.Tensor | None, argmax: list[int] | None = None
-    ) -> list[RequestOutput]:
+    def _prompt_done(self, req: Request, drawn: Drawn | None) -> list[RequestOutput]:
         if req.imported is not None and self.config.enable_prefix_caching:
             self.blocks.commit_cached(
                 req.request_id, req.prompt_token_ids, req.import_len, self.fingerprint + req.cache_salt
             )
         if self.config.role == "prefill":
-            if logits is not None:
-                tok = self._sample(req, logits[-1], argmax[-1] if argmax else None)
+            if drawn is not None:
+                tok = self._sample(req, drawn)
                 req.output_token_ids.append(tok)
                 req.first_token_time = time.monotonic()
             req.exported = self.runner.export_prefix(
@@ -425,8 +457,8 @@ class LLMEngine:
             self.held[req.request_id] = req
             return [self._finish(req, Status.FINISHED_EXPORTED, free=False)]
         req.image_embeds.clear()  # the prompt is done: its image rows are in the cache now
-        if logits is not None:
-            return self._append_token(req, logits[-1], argmax[-1] if argmax else None)
+        if drawn is not None:
+            return self._append_token(req, drawn)
         new = req.output_token_ids[req.num_reported :]  # symmetric D: P's first token, unless already sent
         if new:
             reason = self._stop_reason(req)
@@ -435,18 +467,10 @@ class LLMEngine:
             return [self._output(req, new, finished=False)]
         return []
 
-    def _sample(self, req: Request, logits: torch.Tensor, argmax: int | None = None) -> int:
-        """The next token; ``argmax``: the raw logits' argmax, already on the host (greedy needs no more)."""
-        if argmax is not None and req.params.greedy and not req.params.adjusts_logits:
-            tok = argmax
-        else:
-            adjusted = adjust_logits(
-                logits, req.params, req.prompt_token_ids, req.output_token_ids, self.config.eos_token_id
-            )
-            tok = sample(adjusted, req.params, req.generator)
-        if req.params.logprobs is not None:
-            req.logprobs.append(top_logprobs(logits, tok, req.params.logprobs))
-        return tok
+    def _sample(self, req: Request, drawn: Drawn) -> int:
+        """The token the step's sampler drew for the request (and its logprobs, if asked)."""
+        req.logprobs.extend(drawn.logprobs)
+        return drawn.tokens[0]
 
     def _stop_reason(self, req: Request) -> Status | None:
         tok, p = req.output_token_ids[-1], req.params
@@ -456,8 +480,8 @@ class LLMEngine:
             return Status.FINISHED_LENGTH
         return None
 
-    def _append_token(self, req: Request, logits: torch.Tensor, argmax: int | None = None) -> list[RequestOutput]:
-        tok = self._sample(req, logits, argmax)
+    def _append_token(self, req: Request, drawn: Drawn) -> list[RequestOutput]:
+        tok = self._sample(req, drawn)
         req.output_token_ids.append(tok)
         self.counters["generation_tokens"] += 1
         if req.first_token_time is None:
@@ -469,13 +493,13 @@ class LLMEngine:
 
     # ---- speculative decoding ----------------------------------------------------------------
 
-    def _verify(self, sc: ScheduledChunk, logits: torch.Tensor, argmax: list[int] | None) -> list[RequestOutput]:
-        """Accept a prefix of the drafts (greedy or rejection sampling), emit it plus one more token,
-        and roll back whatever the rejected rows wrote."""
+    def _verify(self, sc: ScheduledChunk, drawn: Drawn) -> list[RequestOutput]:
+        """Accept a prefix of the drafts (the sampler's greedy or rejection test), emit it plus one
+        more token, and roll back whatever the rejected rows wrote."""
         req = sc.request
-        drafts, q = req.spec_draft, req.spec_draft_probs
+        drafts = req.spec_draft
         req.spec_draft, req.spec_draft_probs = [], None
-        tokens, accepted = verify(logits, drafts, q, req.params, req.generator, argmax)
+        tokens, accepted = drawn.tokens, drawn.accepted
         req.spec_proposed += len(drafts)
         req.spec_accepted += accepted
         req.spec_steps += 1
@@ -485,7 +509,7 @@ class LLMEngine:
         new: list[int] = []
         for i, tok in enumerate(tokens):
             if req.params.logprobs is not None:
-                req.logprobs.append(top_logprobs(logits[i], tok, req.params.logprobs))
+                req.logprobs.append(drawn.logprobs[i])
             req.output_token_ids.append(tok)
             new.append(tok)
             self.counters["generation_tokens"] += 1

@@ -7,7 +7,8 @@ token's count in the output) and the presence penalty (once per token in the out
 Then greedy when temperature is 0; otherwise temperature, top-k, top-p, and a draw from a
 per-request generator when a seed is given (so a seeded request samples the same tokens whatever
 else is in the batch). Log-probabilities are of the model's raw distribution (before any of
-this), as vLLM reports them by default.
+this), as vLLM reports them by default. The engine does all of it batched over a step on the
+model's device (``asympd.engine.sampler``); ``processed_probs`` is the one-row reference.
 """
 
 from __future__ import annotations
@@ -121,23 +122,3 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
         probs = probs / probs.sum()
     return probs
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    if params.greedy:
-        return int(torch.argmax(logits))  # first maximum: deterministic ties
-    probs = processed_probs(logits, params)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
-
-
-def top_logprobs(logits: torch.Tensor, token: int, n: int) -> dict[int, float]:
-    """The sampled token's log-probability plus the top-n (n = -1: every token)."""
-    lp = torch.log_softmax(logits.float(), dim=-1).cpu()
-    if n == -1:
-        return {i: float(v) for i, v in enumerate(lp.tolist())}
-    out = {token: float(lp[token])}
-    if n > 0:
-        vals, ids = torch.topk(lp, min(n, lp.numel()))
-        for i, v in zip(ids.tolist(), vals.tolist(), strict=True):
-            out.setdefault(i, float(v))
-    return out

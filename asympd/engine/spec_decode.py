@@ -10,8 +10,9 @@ One step of a request, after its bounded-prefill first step:
    ``[N-W, N)`` are exactly a full window.
 2. **verify**: one target forward over rows ``[t, d1..dk]`` at positions ``p..p+k`` with all logits,
    batched with other requests' prefills and decodes. Greedy: accept while ``d_i`` is the argmax of
-   row ``i-1``, then emit that row's argmax. Sampled: rejection sampling (``rejection_sample``), which
-   emits tokens distributed exactly as sampling the target one token at a time would.
+   row ``i-1``, then emit that row's argmax. Sampled: rejection sampling, which emits tokens
+   distributed exactly as sampling the target one token at a time would (``sampler.rejection_batch``
+   for every sampled request of the step at once, on the device; ``rejection_sample`` for one).
 3. **rollback**: rows past the accepted ones leave no visible trace. Windows and the compressor's
    open-group history are cut by position (``SequenceKV.truncate``), blocks past the end are released
    (``BlockManager.truncate``). Compressed entries / index keys of groups the rejected rows completed
@@ -30,8 +31,11 @@ from typing import Any, Protocol
 
 import torch
 
-from asympd.engine.sampling import SamplingParams, processed_probs
+from asympd.engine.sampler import batched_probs, greedy_accept, race, rejection_batch
+from asympd.engine.sampling import SamplingParams
 from asympd.model.attention import SequenceKV
+
+__all__ = ["greedy_accept", "rejection_sample"]  # greedy_accept lives with the batched sampler
 
 
 @dataclass
@@ -59,10 +63,6 @@ class Proposal:
 
 class Proposer(Protocol):
     def __call__(self, items: list[DraftRequest]) -> list[Proposal]: ...
-
-
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
 class DSparkProposer:
@@ -95,13 +95,17 @@ class DSparkProposer:
         q_rows: dict[int, list[torch.Tensor]] = {i: [] for i in drafting}
 
         def sample(step: int, logits: torch.Tensor) -> torch.Tensor:
-            out = logits.argmax(dim=-1)  # greedy rows (and rows past a request's drafts): no randomness
-            for j, i in enumerate(drafting):
-                it = items[i]
-                if step < it.num_drafts and not it.params.greedy:
-                    q = processed_probs(logits[j], it.params).cpu()
-                    q_rows[i].append(q)
-                    out[j] = _draw(q, it.generator)
+            """Draft ``step + 1`` of every drafting request, on the device: greedy rows (and rows past
+            a request's drafts) take the argmax, sampled rows one batched draw; their q rows stay
+            on the device for verification."""
+            out = logits.argmax(dim=-1)
+            rows = [j for j, i in enumerate(drafting) if step < items[i].num_drafts and not items[i].params.greedy]
+            if rows:
+                idx = torch.tensor(rows, device=logits.device)
+                q = batched_probs(logits[idx], [items[drafting[j]].params for j in rows])
+                out[idx] = race(q, [items[drafting[j]].generator for j in rows])
+                for n, j in enumerate(rows):
+                    q_rows[drafting[j]].append(q[n])
             return out
 
         draft = self.drafter.draft(segments, k, sample, self.graphs)  # k = 0: seed the windows only
@@ -123,22 +127,6 @@ class DSparkProposer:
 # ---- verification ---------------------------------------------------------------------------------
 
 
-def greedy_accept(
-    target_logits: torch.Tensor, drafts: list[int], argmax: list[int] | None = None
-) -> tuple[list[int], int]:
-    """Rows ``[k+1, vocab]``: accept drafts while each is its row's argmax (first maximum, as the
-    plain sampler picks), then emit the argmax of the first row not matched (or of the last row).
-    ``argmax``: the rows' argmax if already computed. Returns (emitted tokens, drafts accepted)."""
-    if argmax is not None:
-        target = argmax[: len(drafts) + 1]
-    else:
-        target = torch.argmax(target_logits[: len(drafts) + 1], dim=-1).tolist()
-    a = 0
-    while a < len(drafts) and drafts[a] == target[a]:
-        a += 1
-    return drafts[:a] + [target[a]], a
-
-
 def rejection_sample(
     target_probs: Callable[[int], torch.Tensor] | torch.Tensor,
     draft_probs: torch.Tensor,
@@ -154,37 +142,17 @@ def rejection_sample(
     ``P(emit x) = q(x) min(1, p(x)/q(x)) + (1 - sum_y min(p(y), q(y))) * max(0, p(x)-q(x)) / Z
     = min(p, q)(x) + max(0, p(x)-q(x)) = p(x)``, since ``Z = sum max(0, p-q) = 1 - sum min(p, q)``;
     by induction each emitted token is distributed as the target's given the tokens before it.
+    One request through the batched ``rejection_batch`` (the engine calls that for the whole step).
     Returns (emitted tokens, number of drafts accepted)."""
     rows = target_probs if callable(target_probs) else target_probs.__getitem__
-    out: list[int] = []
-    for i, d in enumerate(drafts):
-        p, q = rows(i).cpu(), draft_probs[i].cpu()
-        u = float(torch.rand((), generator=generator))
-        if u * float(q[d]) < float(p[d]):
-            out.append(d)
-            continue
-        residual = (p - q).clamp_min(0)
-        total = float(residual.sum())
-        out.append(_draw(residual / total if total > 0 else p, generator))
-        return out, i
-    out.append(_draw(rows(len(drafts)).cpu(), generator))
-    return out, len(drafts)
-
-
-def verify(
-    logits: torch.Tensor,
-    drafts: list[int],
-    draft_probs: torch.Tensor | None,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    argmax: list[int] | None = None,
-) -> tuple[list[int], int]:
-    """Target logits of rows ``[t, d1..dk]`` -> (emitted tokens: accepted drafts + one more, accepted)."""
-    if params.greedy:  # drafting is off for requests whose logits are adjusted: raw argmax
-        return greedy_accept(logits, drafts, argmax)
-    if draft_probs is None or draft_probs.size(0) != len(drafts):
-        raise ValueError("sampled verification needs the distribution each draft was drawn from")
-    return rejection_sample(lambda i: processed_probs(logits[i], params), draft_probs, drafts, generator)
+    k = len(drafts)
+    target = torch.stack([rows(i) for i in range(k + 1)])
+    draft = torch.zeros_like(target)
+    draft[:k] = draft_probs[:k].to(target)
+    d = torch.tensor([drafts], dtype=torch.long, device=target.device)
+    accepted, extra = rejection_batch(target[None], draft[None], d, [k], [generator])
+    a = int(accepted[0])
+    return drafts[:a] + [int(extra[0])], a
 
 
 # ---- rollback and statistics ----------------------------------------------------------------------

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from asympd import LLM, SamplingParams
 from asympd.config import tiny
 from asympd.engine.modes import Phase, colocated_phases, decode_plan, prefill_plan, split_point
-from asympd.engine.sampling import processed_probs, sample, top_logprobs
+from asympd.engine.sampling import processed_probs
 from asympd.model.transformer import Depth
 from tests.util import random_prompts
 
@@ -25,22 +23,6 @@ def test_processed_probs_top_k_and_top_p():
     assert torch.allclose(p, torch.tensor([0.625, 0.375, 0.0, 0.0]))
     p = processed_probs(logits, SamplingParams(temperature=1.0, top_p=0.81))
     assert torch.allclose(p, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
-
-
-def test_seeded_sampling_is_reproducible_and_greedy_takes_first_max():
-    logits = torch.randn(100)
-    params = SamplingParams(temperature=1.0, seed=7)
-    draws = [sample(logits, params, torch.Generator().manual_seed(7)) for _ in range(2)]
-    assert draws[0] == draws[1]
-    assert sample(torch.tensor([1.0, 3.0, 3.0]), SamplingParams(temperature=0), None) == 1
-
-
-def test_top_logprobs_shapes():
-    logits = torch.randn(10)
-    assert len(top_logprobs(logits, 3, -1)) == 10
-    lp = top_logprobs(logits, 3, 2)
-    assert 3 in lp and len(lp) <= 3
-    assert math.isclose(sum(math.exp(v) for v in top_logprobs(logits, 0, -1).values()), 1.0, rel_tol=1e-5)
 
 
 def test_stop_tokens_max_tokens_and_logprobs_through_the_engine(tiny_ckpt):
