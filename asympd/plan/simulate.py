@@ -222,6 +222,7 @@ class DecodeEngine(_Engine):
         max_num_batched_tokens: int | None = None,
         colocated_semantics: str = "full",
         expected: list[Arrival] | None = None,
+        first_token_with_first_step: bool = False,
     ):
         sc = SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -231,7 +232,9 @@ class DecodeEngine(_Engine):
             admission_token_budget=admission_token_budget,
             num_spec_tokens=num_spec,
         )
-        # ``expected``: every request that will arrive (pushed later), for sizing the block pool
+        # ``expected``: every request that will arrive (pushed later), for sizing the block pool.
+        # ``first_token_with_first_step``: P's first token reaches the client with D's first output
+        # for the request (the server's behaviour), not when the prefix arrives
         super().__init__(_scheduler(cfg, sc, num_blocks, expected or arrivals, num_spec), arrivals)
         self.cfg, self.steps, self.mode, self.gpus = cfg, steps, mode, gpus
         self.num_spec, self.semantics = num_spec, colocated_semantics
@@ -240,6 +243,8 @@ class DecodeEngine(_Engine):
         self._last: dict[str, float] = {}
         self._gaps: dict[str, list[float]] = {}
         self._chunks: list = []
+        self._late_first = first_token_with_first_step
+        self._unsent: dict[str, Request] = {}  # P's first token, held until D first outputs the request
 
     def add(self, a: Arrival) -> None:
         if self.mode == "colocated":
@@ -254,8 +259,11 @@ class DecodeEngine(_Engine):
         req.spec_draft = [0] * self.num_spec
         if plan.first_token_from_prefill:  # the first token came from P with the prefix
             req.output_token_ids.append(0)
-            self.run.first_token_s[a.index] = a.time_s
-            self._last[rid] = a.time_s
+            if self._late_first:
+                self._unsent[rid] = req
+            else:
+                self.run.first_token_s[a.index] = a.time_s
+                self._last[rid] = a.time_s
         self._info[rid] = a
         self._gaps[rid] = []
         self.sched.add(req)
@@ -269,6 +277,11 @@ class DecodeEngine(_Engine):
         for req, why in out.failed:
             self.run.failed[int(req.request_id)] = why
         self.run.preemptions += len(out.preempted)
+        for rid, req in list(self._unsent.items()):
+            if req.status is Status.RUNNING and not req.in_prompt:  # admitted with nothing to compute
+                del self._unsent[rid]
+                self.run.first_token_s[self._info[rid].index] = at
+                self._last[rid] = at
         if not out.chunks:
             if any(r.status is Status.RUNNING and not r.in_prompt for r in self.sched.running):
                 return None  # admitted with nothing to compute (symmetric-windows): decodes next step
@@ -292,6 +305,10 @@ class DecodeEngine(_Engine):
                 continue
             rid = req.request_id
             a = self._info[rid]
+            held = self._unsent.pop(rid, None) is not None
+            if held:
+                run.first_token_s[a.index] = t
+                self._last[rid] = t
             if c.phase is not None:
                 req.cursor = c.hi
                 if req.cursor == c.phase.hi:
@@ -304,9 +321,10 @@ class DecodeEngine(_Engine):
             k = self.rng.choices(ACCEPT_TOKENS, cum_weights=ACCEPT_CUM)[0] if self.num_spec else 1
             k = min(k, a.output_len - len(req.output_token_ids))
             req.output_token_ids.extend([0] * k)
-            self._gaps[rid].append(t - self._last[rid])
-            run.itl_s.append(t - self._last[rid])
-            run.itl_request.append(a.index)
+            if not held:  # tokens that go out with the held first one make no gap
+                self._gaps[rid].append(t - self._last[rid])
+                run.itl_s.append(t - self._last[rid])
+                run.itl_request.append(a.index)
             self._last[rid] = t
             if len(req.output_token_ids) >= a.output_len:
                 req.status = Status.FINISHED_LENGTH

@@ -21,7 +21,7 @@ from typing import Any
 from asympd.config import ModelConfig, v41_flash
 from asympd.engine import modes
 from asympd.plan.gpus import GPUS
-from asympd.plan.simulate import Arrival, run_decode, run_prefill
+from asympd.plan.simulate import Arrival, DecodeEngine, PrefillEngine, run_decode, run_engines
 from asympd.plan.steps import RESULTS_DIR, StepModel, load_results
 
 BENCH_POLICIES = {"admit-all": (None, None), "cap-4": (4, 512), "cap-8": (8, 1024)}
@@ -112,6 +112,7 @@ class MeasuredSteps:
     d_row_ms: float  # D: per bounded-prefill (or colocated prompt) row
     move_ms: float  # P -> D: fixed cost of one prefix move
     move_row_ms: float  # P -> D: per prompt token
+    handoff_ms: float = 0.0  # P answering the router once the prefix is ready: prefill_rtt - prefill_s
     ttft_offset_ms: float = 0.0  # client TTFT minus the simulated one, lone requests (HTTP, router, streaming)
 
     def prefill_ms(self, mode: str, chunks: list[tuple[int, int]], gpus: int) -> float:
@@ -183,7 +184,46 @@ def fit_steps(
                 move_points.append((r["prompt_len"], t["transfer_s"] * 1e3))
     p_step, p_row = _steps_and_rows(p_points) if p_points else (0.0, 0.0)
     move, move_row = _line(move_points) if move_points else (0.0, 0.0)
-    return MeasuredSteps(p_step, p_row, d_step, d_seq, _median(per_row), move, move_row)
+    handoff = [
+        (r["timings"]["prefill_rtt_s"] - r["timings"]["prefill_s"]) * 1e3
+        for r in lone
+        if r["timings"].get("prefill_rtt_s") is not None and r["timings"].get("prefill_s") is not None
+    ]
+    return MeasuredSteps(p_step, p_row, d_step, d_seq, _median(per_row), move, move_row, max(0.0, _median(handoff)))
+
+
+def _decoder(
+    cfg: ModelConfig,
+    mode: str,
+    steps: MeasuredSteps,
+    arr: list[Arrival],
+    policy: tuple[int | None, int | None],
+    semantics: str,
+    seed: int = 0,
+    expected: list[Arrival] | None = None,
+) -> DecodeEngine:
+    """A D (or colocated) worker as the e2e study runs it: no speculative decoding, the default
+    scheduler limits, P's first token sent with D's first output for the request."""
+    from asympd.engine.scheduler import SchedulerConfig
+
+    sc = SchedulerConfig()
+    return DecodeEngine(
+        cfg,
+        steps,
+        mode,
+        1,
+        1 << 24,
+        arr,
+        sc.max_num_seqs,
+        policy[0],
+        policy[1],
+        seed,
+        num_spec=0,
+        max_num_batched_tokens=sc.max_num_batched_tokens,
+        colocated_semantics=semantics,
+        expected=expected,
+        first_token_with_first_step=True,  # as served: lone decode_first_step_s is one step, not 0
+    )
 
 
 @dataclass
@@ -204,56 +244,37 @@ def simulate_deployment(
     policy: tuple[int | None, int | None],
     colocated_semantics: str,
     seed: int = 0,
+    shared_gpu: bool = False,
 ) -> Simulated:
     """The planner's simulator on one measured deployment: 1 P + 1 D, or ``replicas`` colocated
-    workers (round-robin), no speculative decoding, the workers' default scheduler limits."""
+    workers (round-robin), no speculative decoding, the workers' default scheduler limits.
+    ``shared_gpu``: every worker on one GPU, their steps serialised on it (``run_engines``)."""
     from asympd.engine.scheduler import SchedulerConfig
 
-    sc = SchedulerConfig()
-    cap, budget = policy
-    many = 1 << 24
     if mode == "colocated":
-        runs = [
-            run_decode(
-                cfg,
-                steps,
-                "colocated",
-                1,
-                many,
-                arrivals[r::replicas],
-                sc.max_num_seqs,
-                cap,
-                budget,
-                seed,
-                num_spec=0,
-                max_num_batched_tokens=sc.max_num_batched_tokens,
-                colocated_semantics=colocated_semantics,
-            )  # fmt: skip
+        engines = [
+            _decoder(cfg, mode, steps, arrivals[r::replicas], policy, colocated_semantics, seed)
             for r in range(replicas)
         ]
+        run_engines(engines, [0 if shared_gpu else r for r in range(replicas)])
+        runs = [e.run for e in engines]
     else:
-        p = run_prefill(cfg, steps, mode, 1, many, arrivals, sc.max_num_seqs, step_tokens=p_step_tokens)
-        at_d = [
-            Arrival(a.index, p.done_s[a.index] + steps.move_for(a.prompt_len) / 1e3, a.prompt_len, a.output_len)
-            for a in arrivals
-            if a.index in p.done_s
-        ]
-        runs = [
-            run_decode(
-                cfg,
-                steps,
-                mode,
-                1,
-                many,
-                at_d,
-                sc.max_num_seqs,
-                cap,
-                budget,
-                seed,
-                num_spec=0,
-                max_num_batched_tokens=sc.max_num_batched_tokens,
-            )  # fmt: skip
-        ]
+        sc = SchedulerConfig()
+        p = PrefillEngine(cfg, steps, mode, 1, 1 << 24, arrivals, sc.max_num_seqs, step_tokens=p_step_tokens)
+        d = _decoder(cfg, mode, steps, [], policy, colocated_semantics, seed, expected=arrivals)
+        by_index = {a.index: a for a in arrivals}
+        free = {"handoff": 0.0, "link": 0.0}
+
+        def to_d(_: int, i: int, t: float) -> None:
+            """P's answer, then D's fetch: each one request at a time (P answers from one event loop
+            and a small pool; the prefix crosses one TCP link), so a burst of exports queues."""
+            a = by_index[i]
+            t = free["handoff"] = max(t, free["handoff"]) + steps.handoff_ms / 1e3
+            t = free["link"] = max(t, free["link"]) + steps.move_for(a.prompt_len) / 1e3
+            d.push(Arrival(i, t, a.prompt_len, a.output_len))
+
+        run_engines([p, d], [0, 0] if shared_gpu else [0, 1], to_d)
+        runs = [d.run]
     start = {a.index: a.time_s for a in arrivals}
     out = Simulated({}, {a.index: [] for a in arrivals}, {})
     for run in runs:
@@ -265,16 +286,17 @@ def simulate_deployment(
     return out
 
 
-def _ttft_offset(cfg: ModelConfig, mode: str, steps: MeasuredSteps, cal: dict[str, Any], **kw: Any) -> float:
-    """Median of (client TTFT - simulated TTFT) over the lone calibration requests, each simulated
-    alone: what the step model does not see (HTTP hops, the router, streaming)."""
+def _ttft_offset(cal: dict[str, Any]) -> float:
+    """What no engine step holds, measured directly on the lone requests: client TTFT minus the
+    servers' own parts (P's round trip as the router saw it, D's fetch, D's add to first token),
+    i.e. the client -> router -> D hops and the first chunk's way back. The median, in ms."""
     resid = []
     for r in cal["lone"]:
-        if r["ttft_s"] is None:
+        t = r.get("timings") or {}
+        if r.get("ttft_s") is None or t.get("decode_first_step_s") is None:
             continue
-        sim = simulate_deployment(cfg, mode, steps, [Arrival(0, 0.0, r["prompt_len"], 2)], **kw)
-        if 0 in sim.ttft_s:
-            resid.append(r["ttft_s"] - sim.ttft_s[0])
+        server = (t.get("prefill_rtt_s") or 0.0) + (t.get("transfer_s") or 0.0) + t["decode_first_step_s"]
+        resid.append(r["ttft_s"] - server)
     return _median(resid) * 1e3
 
 
@@ -293,7 +315,7 @@ def _validate_mode(
     """One mode's rows (and fitted steps) into ``out``."""
     kw = {**kw, "replicas": sum(1 for w in m["workers"].values() if w["role"] == "colocated") or 1}
     steps = fit_steps(cfg, mode, m["calibration"], d_budget, kw["colocated_semantics"], kw["p_step_tokens"])
-    steps.ttft_offset_ms = _ttft_offset(cfg, mode, steps, m["calibration"], **kw)
+    steps.ttft_offset_ms = _ttft_offset(m["calibration"])
     out["modes"][mode] = {"steps_ms": asdict(steps)}
     for run in m["runs"]:
         req = run["requests"]
@@ -360,8 +382,10 @@ def validate_e2e(result: dict[str, Any], seed: int = 0) -> dict[str, Any]:
         "modes": {},
         "rows": [],
     }
+    shared = result.get("gpus") == 1  # bench/e2e.py --gpus 1: every worker of a mode on one GPU
+    out["placement"] = "shared" if shared else "separate"
     for mode, m in modes_in.items():
-        kw = dict(p_step_tokens=p_tokens, policy=policy, colocated_semantics=sem, seed=seed)
+        kw = dict(p_step_tokens=p_tokens, policy=policy, colocated_semantics=sem, seed=seed, shared_gpu=shared)
         try:
             _validate_mode(out, mode, m, cfg, slo, kw, d_budget)
         except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
