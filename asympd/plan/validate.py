@@ -113,14 +113,21 @@ class MeasuredSteps:
     move_ms: float  # P -> D: fixed cost of one prefix move
     move_row_ms: float  # P -> D: per prompt token
     handoff_ms: float = 0.0  # P answering the router once the prefix is ready: prefill_rtt - prefill_s
-    ttft_offset_ms: float = 0.0  # client TTFT minus the simulated one, lone requests (HTTP, router, streaming)
+    ttft_offset_ms: float = 0.0  # client TTFT minus the servers' parts, lone requests (HTTP hops, router)
+    d_pre_ms: float = 0.0  # D: fixed cost of a step's prompt-row path
 
     def prefill_ms(self, mode: str, chunks: list[tuple[int, int]], gpus: int) -> float:
         rows = sum(r for r, _ in chunks)
         return self.p_step_ms + self.p_row_ms * rows if rows else 0.0
 
     def decode_ms(self, batch: int, prefill_rows: int, gpus: int) -> float:
-        return self.d_step_ms + self.d_seq_ms * max(batch - 1, 0) + self.d_row_ms * prefill_rows
+        """A D step runs its decode rows and its prompt rows as two paths, one after the other
+        (launch-bound on a small model: lone prompt-only steps cost less than a decode step, a
+        calibration batch's mixed steps about the sum), so each path's cost counts only when the
+        step has rows of its kind."""
+        decode = self.d_step_ms + self.d_seq_ms * (batch - 1) if batch else 0.0
+        prompt = self.d_pre_ms + self.d_row_ms * prefill_rows if prefill_rows else 0.0
+        return decode + prompt
 
     def move_for(self, prompt_len: int) -> float:
         return self.move_ms + self.move_row_ms * prompt_len
@@ -152,7 +159,12 @@ def _steps_and_rows(points: list[tuple[int, int, float]]) -> tuple[float, float]
     det = skk * srr - skr * skr
     if det == 0:
         return 0.0, max(0.0, sry / srr)
-    return max(0.0, (sky * srr - sry * skr) / det), max(0.0, (sry * skk - sky * skr) / det)
+    a, b = (sky * srr - sry * skr) / det, (sry * skk - sky * skr) / det
+    if b < 0:  # rows cost nothing measurable: all of it per step, refitted
+        return max(0.0, sky / skk), 0.0
+    if a < 0:
+        return 0.0, sry / srr
+    return a, b
 
 
 def fit_steps(
@@ -165,12 +177,16 @@ def fit_steps(
     batch = cal["batch"]
     steady = [g for r in batch["requests"] for g in r["gaps_s"][2:]]
     d_seq = max(0.0, (_median(steady) * 1e3 - d_step) / max(batch["size"] - 1, 1)) if steady else 0.0
-    per_row = []
+    first_points = []  # a lone request's first token: prompt-only steps of D's own
     for r in lone:
         rows, steps = _d_first_steps(cfg, mode, r["prompt_len"], semantics, d_budget)
         first = r["timings"].get("decode_first_step_s")
         if rows and first is not None:
-            per_row.append(max(0.0, first * 1e3 - steps * d_step) / rows)
+            first_points.append((steps, rows, first * 1e3))
+    if len({rows for _, rows, _ in first_points}) == 1:  # one row count: all of it is the step's
+        d_pre, d_row = _median([y / k for k, _, y in first_points]), 0.0
+    else:
+        d_pre, d_row = _steps_and_rows(first_points) if first_points else (0.0, 0.0)
     p_points, move_points = [], []
     if mode != "colocated":
         for r in lone:
@@ -189,7 +205,8 @@ def fit_steps(
         for r in lone
         if r["timings"].get("prefill_rtt_s") is not None and r["timings"].get("prefill_s") is not None
     ]
-    return MeasuredSteps(p_step, p_row, d_step, d_seq, _median(per_row), move, move_row, max(0.0, _median(handoff)))
+    handoff_ms = max(0.0, _median(handoff))
+    return MeasuredSteps(p_step, p_row, d_step, d_seq, d_row, move, move_row, handoff_ms, d_pre_ms=d_pre)
 
 
 def _decoder(
@@ -416,7 +433,8 @@ def format_validation(v: dict[str, Any]) -> str:
             s = m["steps_ms"]
             lines.append(
                 f"{mode}: fitted steps (ms) P {s['p_step_ms']:.1f} + {s['p_row_ms']:.4f}/row; D {s['d_step_ms']:.1f}"
-                f" + {s['d_seq_ms']:.2f}/request + {s['d_row_ms']:.4f}/prefill row; move {s['move_ms']:.1f} +"
+                f" + {s['d_seq_ms']:.2f}/request, prompt rows {s['d_pre_ms']:.1f} + {s['d_row_ms']:.4f}/row;"
+                f" move {s['move_ms']:.1f} +"
                 f" {s['move_row_ms']:.5f}/token; TTFT offset {s['ttft_offset_ms']:.1f}"
             )
     return "\n".join(lines)
