@@ -50,7 +50,8 @@ class ReplicaRun:
     mean_itl_s: dict[int, float] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
     steps: int = 0
-    busy_s: float = 0.0
+    busy_s: float = 0.0  # its steps' own durations
+    wall_s: float = 0.0  # issue to end of each step: with a shared GPU, the wait for it too
     max_batch: int = 0
     preemptions: int = 0
 
@@ -369,6 +370,7 @@ def run_engines(
             continue
         start = max(at, free.get(gpu_of[k], 0.0))
         free[gpu_of[k]] = start + dt
+        engines[k].run.wall_s += start + dt - at
         engines[k].finish(start + dt)
         drain(k)
     stuck = [k for k, e in enumerate(engines) if e.has_work]

@@ -14,7 +14,7 @@ import json
 import math
 import random
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -248,6 +248,7 @@ class Simulated:
     ttft_s: dict[int, float]
     gaps_s: dict[int, list[float]]
     done_s: dict[int, float]
+    step_s: dict[str, dict[str, float]] = field(default_factory=dict)  # role: {"compute", "wall"} seconds
 
 
 def simulate_deployment(
@@ -275,6 +276,7 @@ def simulate_deployment(
         ]
         run_engines(engines, [0 if shared_gpu else r for r in range(replicas)])
         runs = [e.run for e in engines]
+        roles = {"colocated": runs}
     else:
         sc = SchedulerConfig()
         p = PrefillEngine(cfg, steps, mode, 1, 1 << 24, arrivals, sc.max_num_seqs, step_tokens=p_step_tokens)
@@ -292,8 +294,12 @@ def simulate_deployment(
 
         run_engines([p, d], [0, 0] if shared_gpu else [0, 1], to_d)
         runs = [d.run]
+        roles = {"prefill": [p.run], "decode": [d.run]}
     start = {a.index: a.time_s for a in arrivals}
     out = Simulated({}, {a.index: [] for a in arrivals}, {})
+    out.step_s = {
+        role: {"compute": sum(r.busy_s for r in rs), "wall": sum(r.wall_s for r in rs)} for role, rs in roles.items()
+    }
     for run in runs:
         for i, t in run.first_token_s.items():
             out.ttft_s[i] = t - start[i] + steps.ttft_offset_ms / 1e3
@@ -317,6 +323,40 @@ def _ttft_offset(cal: dict[str, Any]) -> float:
     return _median(resid) * 1e3
 
 
+def _batch_check(cfg: ModelConfig, mode: str, steps: MeasuredSteps, m: dict[str, Any], kw: dict[str, Any]) -> dict:
+    """Not fitted, for reading a miss: the calibration batch (every request sent at once)
+    simulated, against its client TTFT; and the servers' own parts, lone vs in the batch
+    (medians, ms): what a burst does to each."""
+    cal = m["calibration"]
+    reqs = cal["batch"].get("requests") or []
+    if not reqs or any("prompt_len" not in r for r in reqs):
+        return {}
+    arr = [
+        Arrival(i, 0.0, r["prompt_len"], (r.get("usage") or {}).get("completion_tokens") or len(r["gaps_s"]) + 1)
+        for i, r in enumerate(reqs)
+    ]
+    sim = simulate_deployment(cfg, mode, steps, arr, **kw)
+
+    def parts(rs: list[dict[str, Any]]) -> dict[str, float]:
+        t = [r.get("timings") or {} for r in rs]
+        out = {"decode_first_step": _median([x["decode_first_step_s"] * 1e3 for x in t if "decode_first_step_s" in x])}
+        if mode != "colocated":
+            out["prefill"] = _median([x["prefill_s"] * 1e3 for x in t if x.get("prefill_s") is not None])
+            out["p_answer"] = _median(
+                [(x["prefill_rtt_s"] - x["prefill_s"]) * 1e3 for x in t if x.get("prefill_rtt_s") is not None]
+            )
+            out["transfer"] = _median([x["transfer_s"] * 1e3 for x in t if x.get("transfer_s") is not None])
+        return out
+
+    return {
+        "ttft_p50_ms": {
+            "measured": _median([r["ttft_s"] * 1e3 for r in reqs if r.get("ttft_s") is not None]),
+            "predicted": _median([t * 1e3 for t in sim.ttft_s.values()]),
+        },
+        "server_parts_p50_ms": {"lone": parts(cal["lone"]), "batch": parts(reqs)},
+    }
+
+
 def _validate_mode(
     out: dict[str, Any],
     mode: str,
@@ -333,7 +373,7 @@ def _validate_mode(
     kw = {**kw, "replicas": sum(1 for w in m["workers"].values() if w["role"] == "colocated") or 1}
     steps = fit_steps(cfg, mode, m["calibration"], d_budget, kw["colocated_semantics"], kw["p_step_tokens"])
     steps.ttft_offset_ms = _ttft_offset(m["calibration"])
-    out["modes"][mode] = {"steps_ms": asdict(steps)}
+    out["modes"][mode] = {"steps_ms": asdict(steps), "batch_check": _batch_check(cfg, mode, steps, m, kw)}
     for run in m["runs"]:
         req = run["requests"]
         ok = [i for i, e in enumerate(req["errors"]) if not e]
@@ -360,6 +400,8 @@ def _validate_mode(
             "goodput_req_s": run["request_goodput"] or 0.0,
         }
         ratio = {k: predicted[k] / measured[k] if measured[k] else math.nan for k in predicted}
+        # not validated, for reading a miss: the engines' step seconds (their step-duration counters)
+        steps_s = {role: {**s, "measured": run.get(f"{role}_busy_s")} for role, s in sim.step_s.items()}
         out["rows"].append(
             {
                 "mode": mode,
@@ -369,6 +411,7 @@ def _validate_mode(
                 "predicted": predicted,
                 "ratio": ratio,
                 "within_target": all(abs(r - 1) <= TARGET for r in ratio.values()),
+                "engine_step_s": steps_s,
             }
         )
 
@@ -414,7 +457,7 @@ def format_validation(v: dict[str, Any]) -> str:
     lines = [
         f"planner vs measured ({v['source'].get('benchmark')}, {v['device']}, depth {v['model_depth']}, "
         f"commit {str(v['source'].get('commit'))[:12]}); SLO TTFT {v['slo']['ttft_ms']:g} ms, "
-        f"ITL {v['slo']['itl_ms']:g} ms; target +-{v['target']:.0%}",
+        f"ITL {v['slo']['itl_ms']:g} ms; target +-{v['target']:.0%}; placement {v.get('placement', 'separate')}",
         f"{'mode':<18}{'req/s':>6}{'TTFT p50 ms meas/pred':>24}{'ITL p50 ms meas/pred':>24}"
         f"{'goodput req/s meas/pred':>26}  ok",
     ]
