@@ -575,9 +575,10 @@ def _why(best: Deployment | None, deps: list[Deployment]) -> dict[str, Any]:
         m = d.memory.get("p", {})
         return f"its P holds the {m.get('role')} role, {m.get('weights_gb_per_gpu', 0):.0f} GB per GPU"
 
+    pair = ", each P on a D replica's GPUs" if best.placement == "shared" else ""
     why = (
         f"{best.mode}: {best.total_gpus} GPUs ({best.p_replicas} P x {best.p_gpus} + {best.d_replicas} D x "
-        f"{best.d_gpus}, D admission {best.d_policy}), goodput {best.goodput_tokens_per_s_per_gpu:.0f} "
+        f"{best.d_gpus}{pair}, D admission {best.d_policy}), goodput {best.goodput_tokens_per_s_per_gpu:.0f} "
         f"tokens/s per GPU; {p_side(best)}"
     )
     for d in others:
