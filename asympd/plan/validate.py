@@ -1,11 +1,11 @@
-"""The planner's simulator against what was measured or simulated before it existed.
+"""The planner's simulator against what was measured.
 
-The end-to-end study the issue names (P and D serving V4.1-Flash on H200s) does not exist yet, so
-this replays the one closed-loop result there is: ``bench/results/admission_policy.json`` (the D
-worker on one-GPU-equivalent H200 step times, Poisson arrivals, each admission policy) through
-``asympd.plan.simulate.run_decode`` and reports the ratios. It checks that the planner's D model
-(step table, scheduler use, speculative tokens) reproduces the benchmark's; it is not a check
-against a GPU.
+Two checks. ``validate_e2e`` (``asympd plan --validate``) replays a ``bench/e2e.py`` result: the
+same arrivals through the same engines and scheduler, with step times fitted to the result's own
+calibration and the result's placement (one GPU: P and D steps queue on it), against the measured
+TTFT p50, ITL p50 and goodput. ``validate_admission`` replays ``bench/results/admission_policy.json``
+(the D worker on one-GPU-equivalent H200 step times) and checks that the planner's D model
+reproduces that benchmark's; it is not a check against a GPU.
 """
 
 from __future__ import annotations
