@@ -4,7 +4,9 @@ Nothing here reimplements scheduling: each step asks the real scheduler what to 
 rows first, admission cap and token budget, blocks reserved at admission, preemption when blocks run
 out), takes its duration from ``StepModel`` and advances the requests as the engine would. A
 prefill-worker replica exports a request when its last P phase is done; a decode-worker replica
-makes 1-4 tokens per decode step (speculative decoding, mean 2.8).
+makes 1-4 tokens per decode step (speculative decoding, mean 2.8). Each replica is an engine that
+issues its next step when the previous one ends; ``run_engines`` gives every GPU one server, so
+engines placed on the same GPU (P and D sharing it) take their steps one at a time.
 """
 
 from __future__ import annotations
