@@ -8,7 +8,16 @@ from typing import Any
 
 from asympd.plan.gpus import GPUS
 from asympd.plan.memory import DEFAULT_RESERVE_GB
-from asympd.plan.planner import PlanError, Planner, PlanRequest, format_plan, load_traffic, parse_dist, poisson_arrivals
+from asympd.plan.planner import (
+    PLACEMENTS,
+    PlanError,
+    Planner,
+    PlanRequest,
+    format_plan,
+    load_traffic,
+    parse_dist,
+    poisson_arrivals,
+)
 from asympd.plan.steps import PLANNED_MODES
 
 DEFAULT_PROMPT = "1024:0.4,4096:0.3,16384:0.2,65536:0.1"  # the mix of docs/performance.md
@@ -24,6 +33,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft-p99", type=float, help="seconds (required unless --validate)")
     p.add_argument("--slo-itl-p99", type=float, help="ms between a request's steps (required unless --validate)")
     p.add_argument("--mode", default="all", help=f"all | {' | '.join(PLANNED_MODES)}")
+    p.add_argument(
+        "--placement",
+        default="separate",
+        choices=PLACEMENTS,
+        help="separate: P and D replicas on GPUs of their own; shared: each P replica on a D replica's GPUs",
+    )
     p.add_argument("--requests", type=int, default=300, help="requests simulated")
     p.add_argument("--reserve-gb", type=float, default=DEFAULT_RESERVE_GB)
     p.add_argument("--results", default=None, help="bench results directory (default: bench/results)")
@@ -58,7 +73,15 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
         arrivals = poisson_arrivals(prompt, output, args.rate, args.requests, args.seed)
         rate = args.rate
     return PlanRequest(
-        args.gpu, arrivals, rate, args.slo_ttft_p99, args.slo_itl_p99, modes, reserve_gb=args.reserve_gb, seed=args.seed
+        args.gpu,
+        arrivals,
+        rate,
+        args.slo_ttft_p99,
+        args.slo_itl_p99,
+        modes,
+        reserve_gb=args.reserve_gb,
+        seed=args.seed,
+        placement=args.placement,
     )
 
 

@@ -23,14 +23,24 @@ from asympd.engine.modes import PREFILL_MODEL_ROLE
 from asympd.model.schema import ROLE_PARTS, checkpoint_schema
 from asympd.plan.gpus import GPUSpec, gpu_spec
 from asympd.plan.memory import DEFAULT_RESERVE_GB, PARTS, compressed_kv_bytes_per_token, memory_report
-from asympd.plan.simulate import BLOCK_SIZE, Arrival, ReplicaRun, run_decode, run_prefill
-from asympd.plan.steps import PLANNED_MODES, StepModel, load_results
+from asympd.plan.simulate import (
+    BLOCK_SIZE,
+    Arrival,
+    DecodeEngine,
+    PrefillEngine,
+    ReplicaRun,
+    run_decode,
+    run_engines,
+    run_prefill,
+)
+from asympd.plan.steps import P_STEP_TOKENS, PLANNED_MODES, StepModel, load_results
 from asympd.serve.admission import POLICIES  # D admission: (max_new_admissions, admission_token_budget)
 
 D_MAX_SEQS = 512  # the largest decode batch measured (d_admission.json)
 MAX_ROUNDS = 14
 P_SIZES_TRIED = 2  # GPUs per P replica: the fewest that fit and the next EP degree (shorter long prompts)
 D_SIZES_TRIED = 3  # GPUs per D replica: the fewest that fit and the next two EP degrees
+PLACEMENTS = ("separate", "shared")  # shared: each P replica on the GPUs of one D replica
 
 
 class PlanError(ValueError):
@@ -153,6 +163,7 @@ class Deployment:
     mode: str
     feasible: bool
     binding: str | None = None  # why not feasible: the constraint that could not be met
+    placement: str = "separate"  # shared: P replica r runs on D replica r's GPUs (p_gpus == d_gpus)
     p_replicas: int = 0
     p_gpus: int = 0  # per replica (= EP degree)
     d_replicas: int = 0
@@ -193,6 +204,7 @@ class PlanRequest:
     reserve_gb: float = DEFAULT_RESERVE_GB
     seed: int = 0
     warmup_fraction: float = 0.1
+    placement: str = "separate"
 
 
 class Planner:
@@ -210,6 +222,8 @@ class Planner:
                 raise PlanError(
                     f"mode {m!r} has no measured prefill-worker step times; plannable: {', '.join(PLANNED_MODES)}"
                 )
+        if req.placement not in PLACEMENTS:
+            raise PlanError(f"placement must be one of {', '.join(PLACEMENTS)}, got {req.placement!r}")
         self.req = req
         self.cfg = cfg or v41_flash()
         self.gpu = gpu_spec(req.gpu)
@@ -249,6 +263,8 @@ class Planner:
     # ---- one deployment, simulated ----------------------------------------------------------
 
     def evaluate(self, mode: str, n_p: int, g_p: int, n_d: int, g_d: int, policy: str) -> dict[str, Any]:
+        if self.req.placement == "shared":
+            return self._evaluate_shared(mode, n_d, g_d, policy)
         cfg, arr = self.cfg, self.req.arrivals
         p_role = PREFILL_MODEL_ROLE[mode]
         p_blocks = blocks_for(
@@ -279,6 +295,54 @@ class Planner:
             self.per_token,
         )
         d = run_decode(cfg, self.steps, mode, g_d, d_blocks, mine, D_MAX_SEQS, cap, budget, self.req.seed)
+        return self._summary(p_runs, d, mine)
+
+    def _shared_blocks(self, p_role: str, g: int, p_need: int) -> tuple[int, int]:
+        """(P blocks, D blocks) for a P and a D replica on the same ``g`` GPUs: both roles' weights
+        on every GPU; P keeps KV for one full step of prompts (or its longest prompt), D the rest."""
+        pm, dm = self.mem[p_role], self.mem["decode"]
+        hbm = self.gpu.memory_gb * 1e9 - self.req.reserve_gb * 1e9
+        room = g * (hbm - pm.per_gpu_bytes(g) - dm.per_gpu_bytes(g))
+        p_room = 64 * pm.swa_bytes_per_request + math.ceil(max(P_STEP_TOKENS, p_need) / BLOCK_SIZE) * (
+            BLOCK_SIZE * self.per_token
+        )
+        if room <= p_room:
+            return 0, 0
+        return blocks_for(p_room, 64, pm, self.per_token), blocks_for(room - p_room, D_MAX_SEQS, dm, self.per_token)
+
+    def _pair_fits(self, p_role: str, g: int, p_need: int, d_need: int) -> bool:
+        p_blocks, d_blocks = self._shared_blocks(p_role, g, p_need)
+        return p_blocks * BLOCK_SIZE >= p_need and d_blocks * BLOCK_SIZE >= d_need
+
+    def _evaluate_shared(self, mode: str, n: int, g: int, policy: str) -> dict[str, Any]:
+        """Pair 0 of ``n`` (P replica r on D replica r's ``g`` GPUs, arrivals round-robin over the
+        pairs): P's and D's steps queue on the same GPUs (``run_engines``), so a D step waits for
+        the P step in progress and the other way round."""
+        cfg, arr = self.cfg, self.req.arrivals
+        longest = max(a.prompt_len for a in arr)
+        p_blocks, d_blocks = self._shared_blocks(PREFILL_MODEL_ROLE[mode], g, longest + 1)
+        mine_p = arr[0::n]
+        cap, budget = POLICIES[policy]
+        p = PrefillEngine(cfg, self.steps, mode, g, p_blocks, mine_p)
+        d = DecodeEngine(
+            cfg, self.steps, mode, g, d_blocks, [], D_MAX_SEQS, cap, budget, self.req.seed, expected=mine_p
+        )
+        by_index = {a.index: a for a in mine_p}
+        mine: list[Arrival] = []
+
+        def hand_over(_: int, i: int, t: float) -> None:
+            a = by_index[i]
+            moved = 0.0 if t == a.time_s else self.steps.transfer_ms(a.prompt_len * self.per_token) / 1e3
+            mine.append(Arrival(i, t + moved, a.prompt_len, a.output_len))
+            d.push(mine[-1])
+
+        run_engines([p, d], [0, 0], hand_over)
+        return self._summary([p.run], d.run, mine)
+
+    def _summary(self, p_runs: list[ReplicaRun], d: ReplicaRun, mine: list[Arrival]) -> dict[str, Any]:
+        """TTFT, ITL, SLO attainment and load of D replica ``d`` (its arrivals ``mine``), the
+        first ``warmup_fraction`` of requests left out."""
+        arr = self.req.arrivals
         start = {a.index: a.time_s for a in arr}
         skip = int(len(arr) * self.req.warmup_fraction)
         counted = [a.index for a in mine if a.index >= skip and a.index in d.first_token_s]
@@ -361,9 +425,22 @@ class Planner:
         )
         best: Deployment | None = None
         last_fail: Deployment | None = None
-        for g_p, g_d, policy in itertools.product(p_options[:P_SIZES_TRIED], d_options[:D_SIZES_TRIED], POLICIES):
+        sizes = list(itertools.product(p_options[:P_SIZES_TRIED], d_options[:D_SIZES_TRIED]))
+        if req.placement == "shared":  # a P and a D replica on the same GPUs
+            both = [g for g in self.degrees if self._pair_fits(p_role, g, longest + 1, longest_total)]
+            if not both:
+                dep.binding = (
+                    f"memory: a {p_role}-role P replica and a decode replica do not fit together on "
+                    f"{max(self.degrees)} {self.gpu.name} (placement shared)"
+                )
+                return dep
+            sizes = [(g, g) for g in both[:D_SIZES_TRIED]]
+        for (g_p, g_d), policy in itertools.product(sizes, POLICIES):
             n_p = max(1, math.ceil(p_work / span / g_p))
-            d = self._search(mode, g_p, n_p, g_d, self._d_start(g_d, span), policy)
+            n_d = self._d_start(g_d, span)
+            if req.placement == "shared":
+                n_p = n_d = max(n_p, n_d)
+            d = self._search(mode, g_p, n_p, g_d, n_d, policy)
             if d.feasible and (
                 best is None or (d.total_gpus, d.ttft_ms["p99"]) < (best.total_gpus, best.ttft_ms["p99"])
             ):
@@ -391,9 +468,11 @@ class Planner:
     def _search(self, mode: str, g_p: int, n_p: int, g_d: int, n_d: int, policy: str) -> Deployment:
         req = self.req
         cap, budget = POLICIES[policy]
+        shared = req.placement == "shared"
         dep = Deployment(
             mode,
             False,
+            placement=req.placement,
             p_gpus=g_p,
             d_gpus=g_d,
             d_policy=policy,
@@ -406,7 +485,7 @@ class Planner:
         for _ in range(MAX_ROUNDS):
             r = self.evaluate(mode, n_p, g_p, n_d, g_d, policy)
             dep.p_replicas, dep.d_replicas = n_p, n_d
-            dep.total_gpus = n_p * g_p + n_d * g_d
+            dep.total_gpus = n_d * g_d if shared else n_p * g_p + n_d * g_d
             dep.ttft_ms, dep.itl_ms, dep.ttft_p99_split_ms = r["ttft_ms"], r["itl_ms"], r["ttft_p99_split_ms"]
             dep.slo_attainment = r["attainment"]
             dep.p_busy, dep.d_max_batch, dep.d_preemptions = r["p_busy"], r["d_max_batch"], r["d_preemptions"]
@@ -416,6 +495,12 @@ class Planner:
                 "p": self._memory_info(PREFILL_MODEL_ROLE[mode], g_p, 64),
                 "d": self._memory_info("decode", g_d, D_MAX_SEQS),
             }
+            if shared:
+                longest = max(a.prompt_len for a in req.arrivals)
+                p_blocks, d_blocks = self._shared_blocks(PREFILL_MODEL_ROLE[mode], g_d, longest + 1)
+                for side, blocks in (("p", p_blocks), ("d", d_blocks)):
+                    dep.memory[side].update(kv_blocks=blocks, kv_tokens=blocks * BLOCK_SIZE, shares_gpus=True)
+                    dep.memory[side].pop("kv_room_gb_per_gpu", None)
             itl_ok = r["itl_ms"]["p99"] <= req.slo_itl_p99_ms
             ttft_ok = r["ttft_ms"]["p99"] <= req.slo_ttft_p99_s * 1e3
             dep.rounds.append(
@@ -440,10 +525,13 @@ class Planner:
                     dep.binding += " (more D replicas do not lower it"
                     if mode != "asymmetric":  # P made the first token: the next one waits for D's replay step
                         dep.binding += "; the gap after P's first token spans D's admission and replay step"
+                    if shared:
+                        dep.binding += "; on shared GPUs a D step waits for the P step in progress"
                     dep.binding += ")"
                     break
                 prev_itl = r["itl_ms"]["p99"]
                 n_d += max(1, n_d // 4)
+                n_p = n_d if shared else n_p
             else:
                 split = r["ttft_p99_split_ms"]
                 side = "P" if split["p_side"] >= split["d_side"] else "D"
@@ -455,6 +543,8 @@ class Planner:
                     n_p += max(1, n_p // 4)
                 else:
                     n_d += max(1, n_d // 4)
+                if shared:  # pairs: one more of each
+                    n_p = n_d = max(n_p, n_d)
         dep.binding = f"{dep.binding}; gave up at {dep.total_gpus} GPUs"
         return dep
 
@@ -481,9 +571,10 @@ def _why(best: Deployment | None, deps: list[Deployment]) -> dict[str, Any]:
         m = d.memory.get("p", {})
         return f"its P holds the {m.get('role')} role, {m.get('weights_gb_per_gpu', 0):.0f} GB per GPU"
 
+    pair = ", each P on a D replica's GPUs" if best.placement == "shared" else ""
     why = (
         f"{best.mode}: {best.total_gpus} GPUs ({best.p_replicas} P x {best.p_gpus} + {best.d_replicas} D x "
-        f"{best.d_gpus}, D admission {best.d_policy}), goodput {best.goodput_tokens_per_s_per_gpu:.0f} "
+        f"{best.d_gpus}{pair}, D admission {best.d_policy}), goodput {best.goodput_tokens_per_s_per_gpu:.0f} "
         f"tokens/s per GPU; {p_side(best)}"
     )
     for d in others:

@@ -4,13 +4,17 @@ Nothing here reimplements scheduling: each step asks the real scheduler what to 
 rows first, admission cap and token budget, blocks reserved at admission, preemption when blocks run
 out), takes its duration from ``StepModel`` and advances the requests as the engine would. A
 prefill-worker replica exports a request when its last P phase is done; a decode-worker replica
-makes 1-4 tokens per decode step (speculative decoding, mean 2.8).
+makes 1-4 tokens per decode step (speculative decoding, mean 2.8). Each replica is an engine that
+issues its next step when the previous one ends; ``run_engines`` gives every GPU one server, so
+engines placed on the same GPU (P and D sharing it) take their steps one at a time.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from asympd.config import ModelConfig
@@ -48,7 +52,8 @@ class ReplicaRun:
     mean_itl_s: dict[int, float] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
     steps: int = 0
-    busy_s: float = 0.0
+    busy_s: float = 0.0  # its steps' own durations
+    wall_s: float = 0.0  # issue to end of each step: with a shared GPU, the wait for it too
     max_batch: int = 0
     preemptions: int = 0
 
@@ -76,6 +81,305 @@ def _scheduler(
     return Scheduler(sc, blocks)
 
 
+class _Engine:
+    """One engine replica as the simulator drives it: it issues its next step when the previous one
+    ends (or, idle, when a request arrives); the driver decides when the step gets its GPU.
+
+    ``issue`` asks the real scheduler for the step at the issue time and returns its duration
+    (None when nothing ran); ``finish`` applies the step at its end time. ``exports`` collects
+    (request index, time) of requests handed on (P: the prefix is ready)."""
+
+    def __init__(self, sched: Scheduler, arrivals: list[Arrival]):
+        self.sched = sched
+        self.run = ReplicaRun()
+        self.exports: list[tuple[int, float]] = []
+        self.t = 0.0
+        self._pending = [(a.time_s, a.index, a) for a in arrivals]
+        heapq.heapify(self._pending)
+        self._stalled = False  # the scheduler had work but ran nothing: wait for an arrival
+        self._dt = 0.0
+
+    def push(self, a: Arrival) -> None:
+        heapq.heappush(self._pending, (a.time_s, a.index, a))
+
+    def next_issue(self) -> float | None:
+        if self.sched.has_work and not self._stalled:
+            return self.t
+        if self._pending:
+            return max(self.t, self._pending[0][0])
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return self.sched.has_work or bool(self._pending)
+
+    def _admit_until(self, t: float) -> None:
+        while self._pending and self._pending[0][0] <= t:
+            self._stalled = False
+            self.add(heapq.heappop(self._pending)[2])
+
+    def add(self, a: Arrival) -> None:
+        raise NotImplementedError
+
+    def issue(self, at: float) -> float | None:
+        raise NotImplementedError
+
+    def finish(self, end: float) -> None:
+        raise NotImplementedError
+
+
+class PrefillEngine(_Engine):
+    """One P replica: prompts packed up to the step budget (16K tokens, as measured), exported when done."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        steps: StepModel,
+        mode: str,
+        gpus: int,
+        num_blocks: int,
+        arrivals: list[Arrival],
+        max_num_seqs: int = 64,
+        step_tokens: int = P_STEP_TOKENS,
+    ):
+        sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=step_tokens)
+        super().__init__(_scheduler(cfg, sc, num_blocks, arrivals), arrivals)
+        self.cfg, self.steps, self.mode, self.gpus = cfg, steps, mode, gpus
+        self._lengths: dict[str, int] = {}
+        self._chunks: list = []
+
+    def add(self, a: Arrival) -> None:
+        if modes.skips_prefill(self.mode, a.prompt_len, self.cfg.window_size):
+            self.run.done_s[a.index] = a.time_s  # N <= W: P has nothing to compute
+            self.exports.append((a.index, a.time_s))
+            return
+        plan = modes.prefill_plan(self.cfg, a.prompt_len, self.mode)
+        req = _SimRequest(
+            str(a.index),
+            [0] * a.prompt_len,
+            SamplingParams(max_tokens=1),
+            plan.phases,
+            sample_after_prompt=False,
+            arrival_time=a.time_s,
+        )
+        self._lengths[req.request_id] = a.prompt_len
+        self.sched.add(req)
+
+    def issue(self, at: float) -> float | None:
+        self.t = at
+        self._admit_until(at)
+        if not self.sched.has_work:
+            return None
+        out = self.sched.schedule()
+        for req, why in out.failed:
+            self.run.failed[int(req.request_id)] = why
+        if not out.chunks:
+            if self.sched.has_work and not self._pending:
+                raise RuntimeError("prefill scheduler made no progress")  # cannot happen: blocks are freed
+            self._stalled = True
+            return None
+        self._chunks = out.chunks
+        self.run.max_batch = max(self.run.max_batch, len(out.chunks))
+        self.run.preemptions += len(out.preempted)
+        chunks = [(c.num_rows, self._lengths[c.request.request_id]) for c in out.chunks]
+        self._dt = self.steps.prefill_ms(self.mode, chunks, self.gpus) / 1e3
+        return self._dt
+
+    def finish(self, end: float) -> None:
+        self.t = end
+        self.run.steps += 1
+        self.run.busy_s += self._dt
+        for c in self._chunks:
+            req = c.request
+            req.cursor = c.hi
+            if req.cursor == c.phase.hi:
+                req.phase_index += 1
+            if not req.in_prompt:
+                self.run.done_s[int(req.request_id)] = end
+                self.exports.append((int(req.request_id), end))
+                req.status = Status.FINISHED_EXPORTED
+                self.sched.remove(req)
+
+
+class DecodeEngine(_Engine):
+    """One D replica: requests arrive with their prefix at ``time_s``; D admits them under the
+    policy, runs their bounded prefill (asymmetric: the first token) and decodes ``output_len``.
+
+    ``num_spec`` 0 is a worker without speculative decoding (one token per step); mode
+    ``colocated`` is a colocated worker computing whole prompts (``colocated_semantics``)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        steps: StepModel,
+        mode: str,
+        gpus: int,
+        num_blocks: int,
+        arrivals: list[Arrival],
+        max_num_seqs: int,
+        max_new_admissions: int | None,
+        admission_token_budget: int | None,
+        seed: int,
+        *,
+        num_spec: int = NUM_SPEC,
+        max_num_batched_tokens: int | None = None,
+        colocated_semantics: str = "full",
+        expected: list[Arrival] | None = None,
+        first_token_with_first_step: bool = False,
+    ):
+        sc = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens
+            or max(max_num_seqs * (1 + num_spec), 2048) + (admission_token_budget or 2048),
+            max_new_admissions=max_new_admissions,
+            admission_token_budget=admission_token_budget,
+            num_spec_tokens=num_spec,
+        )
+        # ``expected``: every request that will arrive (pushed later), for sizing the block pool.
+        # ``first_token_with_first_step``: P's first token reaches the client with D's first output
+        # for the request (the server's behaviour), not when the prefix arrives
+        super().__init__(_scheduler(cfg, sc, num_blocks, expected or arrivals, num_spec), arrivals)
+        self.cfg, self.steps, self.mode, self.gpus = cfg, steps, mode, gpus
+        self.num_spec, self.semantics = num_spec, colocated_semantics
+        self.rng = random.Random(seed)
+        self._info: dict[str, Arrival] = {}
+        self._last: dict[str, float] = {}
+        self._gaps: dict[str, list[float]] = {}
+        self._chunks: list = []
+        self._late_first = first_token_with_first_step
+        self._unsent: dict[str, Request] = {}  # P's first token, held until D first outputs the request
+
+    def add(self, a: Arrival) -> None:
+        if self.mode == "colocated":
+            plan = modes.DecodePlan(0, modes.colocated_phases(self.cfg, a.prompt_len, self.semantics), False)
+        else:
+            plan = modes.decode_plan(self.cfg, a.prompt_len, self.mode)
+        rid = str(a.index)
+        req = _SimRequest(
+            rid, [0] * a.prompt_len, SamplingParams(max_tokens=a.output_len), plan.phases, arrival_time=a.time_s
+        )
+        req.spec_enabled = self.num_spec > 0
+        req.spec_draft = [0] * self.num_spec
+        if plan.first_token_from_prefill:  # the first token came from P with the prefix
+            req.output_token_ids.append(0)
+            if self._late_first:
+                self._unsent[rid] = req
+            else:
+                self.run.first_token_s[a.index] = a.time_s
+                self._last[rid] = a.time_s
+        self._info[rid] = a
+        self._gaps[rid] = []
+        self.sched.add(req)
+
+    def issue(self, at: float) -> float | None:
+        self.t = at
+        self._admit_until(at)
+        if not self.sched.has_work:
+            return None
+        out = self.sched.schedule()
+        for req, why in out.failed:
+            self.run.failed[int(req.request_id)] = why
+        self.run.preemptions += len(out.preempted)
+        for rid, req in list(self._unsent.items()):
+            if req.status is Status.RUNNING and not req.in_prompt:  # admitted with nothing to compute
+                del self._unsent[rid]
+                self.run.first_token_s[self._info[rid].index] = at
+                self._last[rid] = at
+        if not out.chunks:
+            if any(r.status is Status.RUNNING and not r.in_prompt for r in self.sched.running):
+                return None  # admitted with nothing to compute (symmetric-windows): decodes next step
+            self._stalled = True
+            return None
+        dec = [c for c in out.chunks if c.phase is None]
+        rows = sum(c.num_rows for c in out.chunks if c.phase is not None)
+        self._chunks = out.chunks
+        self.run.max_batch = max(self.run.max_batch, len(dec))
+        self._dt = self.steps.decode_ms(len(dec), rows, self.gpus) / 1e3
+        return self._dt
+
+    def finish(self, end: float) -> None:
+        t, run = end, self.run
+        self.t = end
+        run.steps += 1
+        run.busy_s += self._dt
+        for c in self._chunks:
+            req = c.request
+            if req.status is not Status.RUNNING:
+                continue
+            rid = req.request_id
+            a = self._info[rid]
+            held = self._unsent.pop(rid, None) is not None
+            if held:
+                run.first_token_s[a.index] = t
+                self._last[rid] = t
+            if c.phase is not None:
+                req.cursor = c.hi
+                if req.cursor == c.phase.hi:
+                    req.phase_index += 1
+                    if not req.in_prompt and c.phase.sample and len(req.output_token_ids) == 0:
+                        req.output_token_ids.append(0)
+                        run.first_token_s[a.index] = t
+                        self._last[rid] = t
+                continue
+            k = self.rng.choices(ACCEPT_TOKENS, cum_weights=ACCEPT_CUM)[0] if self.num_spec else 1
+            k = min(k, a.output_len - len(req.output_token_ids))
+            req.output_token_ids.extend([0] * k)
+            if not held:  # tokens that go out with the held first one make no gap
+                self._gaps[rid].append(t - self._last[rid])
+                run.itl_s.append(t - self._last[rid])
+                run.itl_request.append(a.index)
+            self._last[rid] = t
+            if len(req.output_token_ids) >= a.output_len:
+                req.status = Status.FINISHED_LENGTH
+                self.sched.remove(req)
+                run.done_s[a.index] = t
+                g = self._gaps[rid]
+                run.mean_itl_s[a.index] = sum(g) / len(g) if g else 0.0
+
+
+def run_engines(
+    engines: list[_Engine],
+    gpu_of: list[int],
+    on_export: Callable[[int, int, float], None] | None = None,
+) -> None:
+    """Drive engines to completion; engines with the same ``gpu_of`` share one GPU.
+
+    A GPU is one server: a step starts when it is issued and the GPU has finished every step
+    issued before it (by any engine on that GPU), so a P step and a D step sharing a GPU never
+    overlap. Steps are taken in issue order, which keeps every arrival an engine sees in time
+    order. ``on_export(engine, request index, time)`` hands on what an engine exported."""
+    free: dict[int, float] = {}
+
+    def drain(k: int) -> None:
+        e = engines[k]
+        while e.exports:
+            i, t = e.exports.pop(0)
+            if on_export is not None:
+                on_export(k, i, t)
+
+    while True:
+        best: tuple[float, int] | None = None
+        for k, e in enumerate(engines):
+            at = e.next_issue()
+            if at is not None and (best is None or at < best[0]):
+                best = (at, k)
+        if best is None:
+            break
+        at, k = best
+        dt = engines[k].issue(at)
+        drain(k)
+        if dt is None:
+            continue
+        start = max(at, free.get(gpu_of[k], 0.0))
+        free[gpu_of[k]] = start + dt
+        engines[k].run.wall_s += start + dt - at
+        engines[k].finish(start + dt)
+        drain(k)
+    stuck = [k for k, e in enumerate(engines) if e.has_work]
+    if stuck:
+        raise RuntimeError(f"engine {stuck[0]}'s scheduler made no progress")
+
+
 def run_prefill(
     cfg: ModelConfig,
     steps: StepModel,
@@ -86,60 +390,10 @@ def run_prefill(
     max_num_seqs: int = 64,
     step_tokens: int = P_STEP_TOKENS,
 ) -> ReplicaRun:
-    """One P replica: prompts packed up to the step budget (16K tokens, as measured), exported when done."""
-    sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=step_tokens)
-    sched = _scheduler(cfg, sc, num_blocks, arrivals)
-    run = ReplicaRun()
-    pending = sorted(arrivals, key=lambda a: (a.time_s, a.index))
-    lengths: dict[str, int] = {}
-    t, i = 0.0, 0
-    while i < len(pending) or sched.has_work:
-        while i < len(pending) and pending[i].time_s <= t:
-            a = pending[i]
-            i += 1
-            if modes.skips_prefill(mode, a.prompt_len, cfg.window_size):
-                run.done_s[a.index] = a.time_s  # N <= W: P has nothing to compute
-                continue
-            plan = modes.prefill_plan(cfg, a.prompt_len, mode)
-            req = _SimRequest(
-                str(a.index),
-                [0] * a.prompt_len,
-                SamplingParams(max_tokens=1),
-                plan.phases,
-                sample_after_prompt=False,
-                arrival_time=a.time_s,
-            )
-            lengths[req.request_id] = a.prompt_len
-            sched.add(req)
-        if not sched.has_work:
-            if i >= len(pending):
-                break
-            t = pending[i].time_s
-            continue
-        out = sched.schedule()
-        for req, why in out.failed:
-            run.failed[int(req.request_id)] = why
-        if not out.chunks:
-            if sched.has_work and i >= len(pending):
-                raise RuntimeError("prefill scheduler made no progress")  # cannot happen: blocks are freed
-            t = pending[i].time_s if i < len(pending) else t
-            continue
-        dt = steps.prefill_ms(mode, [(c.num_rows, lengths[c.request.request_id]) for c in out.chunks], gpus) / 1e3
-        t += dt
-        run.steps += 1
-        run.busy_s += dt
-        run.max_batch = max(run.max_batch, len(out.chunks))
-        run.preemptions += len(out.preempted)
-        for c in out.chunks:
-            req = c.request
-            req.cursor = c.hi
-            if req.cursor == c.phase.hi:
-                req.phase_index += 1
-            if not req.in_prompt:
-                run.done_s[int(req.request_id)] = t
-                req.status = Status.FINISHED_EXPORTED
-                sched.remove(req)
-    return run
+    """One P replica on GPUs of its own (see ``PrefillEngine``)."""
+    e = PrefillEngine(cfg, steps, mode, gpus, num_blocks, arrivals, max_num_seqs, step_tokens)
+    run_engines([e], [0])
+    return e.run
 
 
 def run_decode(
@@ -158,97 +412,21 @@ def run_decode(
     max_num_batched_tokens: int | None = None,
     colocated_semantics: str = "full",
 ) -> ReplicaRun:
-    """One D replica: requests arrive with their prefix at ``time_s``; D admits them under the
-    policy, runs their bounded prefill (asymmetric: the first token) and decodes ``output_len``.
-
-    ``num_spec`` 0 is a worker without speculative decoding (one token per step); mode
-    ``colocated`` is a colocated worker computing whole prompts (``colocated_semantics``)."""
-    sc = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens
-        or max(max_num_seqs * (1 + num_spec), 2048) + (admission_token_budget or 2048),
-        max_new_admissions=max_new_admissions,
-        admission_token_budget=admission_token_budget,
-        num_spec_tokens=num_spec,
+    """One D replica on GPUs of its own (see ``DecodeEngine``)."""
+    e = DecodeEngine(
+        cfg,
+        steps,
+        mode,
+        gpus,
+        num_blocks,
+        arrivals,
+        max_num_seqs,
+        max_new_admissions,
+        admission_token_budget,
+        seed,
+        num_spec=num_spec,
+        max_num_batched_tokens=max_num_batched_tokens,
+        colocated_semantics=colocated_semantics,
     )
-    sched = _scheduler(cfg, sc, num_blocks, arrivals, num_spec)
-    rng = random.Random(seed)
-    run = ReplicaRun()
-    pending = sorted(arrivals, key=lambda a: (a.time_s, a.index))
-    info: dict[str, Arrival] = {}
-    last: dict[str, float] = {}
-    gaps: dict[str, list[float]] = {}
-    t, i = 0.0, 0
-    while i < len(pending) or sched.has_work:
-        while i < len(pending) and pending[i].time_s <= t:
-            a = pending[i]
-            i += 1
-            if mode == "colocated":
-                plan = modes.DecodePlan(0, modes.colocated_phases(cfg, a.prompt_len, colocated_semantics), False)
-            else:
-                plan = modes.decode_plan(cfg, a.prompt_len, mode)
-            rid = str(a.index)
-            req = _SimRequest(
-                rid, [0] * a.prompt_len, SamplingParams(max_tokens=a.output_len), plan.phases, arrival_time=a.time_s
-            )
-            req.spec_enabled = num_spec > 0
-            req.spec_draft = [0] * num_spec
-            if plan.first_token_from_prefill:  # the first token came from P with the prefix
-                req.output_token_ids.append(0)
-                run.first_token_s[a.index] = a.time_s
-                last[rid] = a.time_s
-            info[rid] = a
-            gaps[rid] = []
-            sched.add(req)
-        if not sched.has_work:
-            if i >= len(pending):
-                break
-            t = pending[i].time_s
-            continue
-        out = sched.schedule()
-        for req, why in out.failed:
-            run.failed[int(req.request_id)] = why
-        run.preemptions += len(out.preempted)
-        dec = [c for c in out.chunks if c.phase is None]
-        rows = sum(c.num_rows for c in out.chunks if c.phase is not None)
-        if not out.chunks:
-            if any(r.status is Status.RUNNING and not r.in_prompt for r in sched.running):
-                continue  # admitted with nothing to compute (symmetric-windows): decodes next step
-            t = pending[i].time_s if i < len(pending) else t
-            if i >= len(pending) and sched.has_work:
-                raise RuntimeError("decode scheduler made no progress")
-            continue
-        dt = steps.decode_ms(len(dec), rows, gpus) / 1e3
-        t += dt
-        run.steps += 1
-        run.busy_s += dt
-        run.max_batch = max(run.max_batch, len(dec))
-        for c in out.chunks:
-            req = c.request
-            if req.status is not Status.RUNNING:
-                continue
-            rid = req.request_id
-            a = info[rid]
-            if c.phase is not None:
-                req.cursor = c.hi
-                if req.cursor == c.phase.hi:
-                    req.phase_index += 1
-                    if not req.in_prompt and c.phase.sample and len(req.output_token_ids) == 0:
-                        req.output_token_ids.append(0)
-                        run.first_token_s[a.index] = t
-                        last[rid] = t
-                continue
-            k = rng.choices(ACCEPT_TOKENS, cum_weights=ACCEPT_CUM)[0] if num_spec else 1
-            k = min(k, a.output_len - len(req.output_token_ids))
-            req.output_token_ids.extend([0] * k)
-            gaps[rid].append(t - last[rid])
-            run.itl_s.append(t - last[rid])
-            run.itl_request.append(a.index)
-            last[rid] = t
-            if len(req.output_token_ids) >= a.output_len:
-                req.status = Status.FINISHED_LENGTH
-                sched.remove(req)
-                run.done_s[a.index] = t
-                g = gaps[rid]
-                run.mean_itl_s[a.index] = sum(g) / len(g) if g else 0.0
-    return run
+    run_engines([e], [0])
+    return e.run

@@ -1,11 +1,11 @@
-"""The planner's simulator against what was measured or simulated before it existed.
+"""The planner's simulator against what was measured.
 
-The end-to-end study the issue names (P and D serving V4.1-Flash on H200s) does not exist yet, so
-this replays the one closed-loop result there is: ``bench/results/admission_policy.json`` (the D
-worker on one-GPU-equivalent H200 step times, Poisson arrivals, each admission policy) through
-``asympd.plan.simulate.run_decode`` and reports the ratios. It checks that the planner's D model
-(step table, scheduler use, speculative tokens) reproduces the benchmark's; it is not a check
-against a GPU.
+Two checks. ``validate_e2e`` (``asympd plan --validate``) replays a ``bench/e2e.py`` result: the
+same arrivals through the same engines and scheduler, with step times fitted to the result's own
+calibration and the result's placement (one GPU: P and D steps queue on it), against the measured
+TTFT p50, ITL p50 and goodput. ``validate_admission`` replays ``bench/results/admission_policy.json``
+(the D worker on one-GPU-equivalent H200 step times) and checks that the planner's D model
+reproduces that benchmark's; it is not a check against a GPU.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import json
 import math
 import random
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from asympd.config import ModelConfig, v41_flash
 from asympd.engine import modes
 from asympd.plan.gpus import GPUS
-from asympd.plan.simulate import Arrival, run_decode, run_prefill
+from asympd.plan.simulate import Arrival, DecodeEngine, PrefillEngine, run_decode, run_engines
 from asympd.plan.steps import RESULTS_DIR, StepModel, load_results
 
 BENCH_POLICIES = {"admit-all": (None, None), "cap-4": (4, 512), "cap-8": (8, 1024)}
@@ -112,14 +112,22 @@ class MeasuredSteps:
     d_row_ms: float  # D: per bounded-prefill (or colocated prompt) row
     move_ms: float  # P -> D: fixed cost of one prefix move
     move_row_ms: float  # P -> D: per prompt token
-    ttft_offset_ms: float = 0.0  # client TTFT minus the simulated one, lone requests (HTTP, router, streaming)
+    handoff_ms: float = 0.0  # P answering the router once the prefix is ready: prefill_rtt - prefill_s
+    ttft_offset_ms: float = 0.0  # client TTFT minus the servers' parts, lone requests (HTTP hops, router)
+    d_pre_ms: float = 0.0  # D: fixed cost of a step's prompt-row path
 
     def prefill_ms(self, mode: str, chunks: list[tuple[int, int]], gpus: int) -> float:
         rows = sum(r for r, _ in chunks)
         return self.p_step_ms + self.p_row_ms * rows if rows else 0.0
 
     def decode_ms(self, batch: int, prefill_rows: int, gpus: int) -> float:
-        return self.d_step_ms + self.d_seq_ms * max(batch - 1, 0) + self.d_row_ms * prefill_rows
+        """A D step runs its decode rows and its prompt rows as two paths, one after the other
+        (launch-bound on a small model: lone prompt-only steps cost less than a decode step, a
+        calibration batch's mixed steps about the sum), so each path's cost counts only when the
+        step has rows of its kind."""
+        decode = self.d_step_ms + self.d_seq_ms * (batch - 1) if batch else 0.0
+        prompt = self.d_pre_ms + self.d_row_ms * prefill_rows if prefill_rows else 0.0
+        return decode + prompt
 
     def move_for(self, prompt_len: int) -> float:
         return self.move_ms + self.move_row_ms * prompt_len
@@ -151,7 +159,12 @@ def _steps_and_rows(points: list[tuple[int, int, float]]) -> tuple[float, float]
     det = skk * srr - skr * skr
     if det == 0:
         return 0.0, max(0.0, sry / srr)
-    return max(0.0, (sky * srr - sry * skr) / det), max(0.0, (sry * skk - sky * skr) / det)
+    a, b = (sky * srr - sry * skr) / det, (sry * skk - sky * skr) / det
+    if b < 0:  # rows cost nothing measurable: all of it per step, refitted
+        return max(0.0, sky / skk), 0.0
+    if a < 0:
+        return 0.0, sry / srr
+    return a, b
 
 
 def fit_steps(
@@ -164,12 +177,16 @@ def fit_steps(
     batch = cal["batch"]
     steady = [g for r in batch["requests"] for g in r["gaps_s"][2:]]
     d_seq = max(0.0, (_median(steady) * 1e3 - d_step) / max(batch["size"] - 1, 1)) if steady else 0.0
-    per_row = []
+    first_points = []  # a lone request's first token: prompt-only steps of D's own
     for r in lone:
         rows, steps = _d_first_steps(cfg, mode, r["prompt_len"], semantics, d_budget)
         first = r["timings"].get("decode_first_step_s")
         if rows and first is not None:
-            per_row.append(max(0.0, first * 1e3 - steps * d_step) / rows)
+            first_points.append((steps, rows, first * 1e3))
+    if len({rows for _, rows, _ in first_points}) == 1:  # one row count: all of it is the step's
+        d_pre, d_row = _median([y / k for k, _, y in first_points]), 0.0
+    else:
+        d_pre, d_row = _steps_and_rows(first_points) if first_points else (0.0, 0.0)
     p_points, move_points = [], []
     if mode != "colocated":
         for r in lone:
@@ -183,7 +200,47 @@ def fit_steps(
                 move_points.append((r["prompt_len"], t["transfer_s"] * 1e3))
     p_step, p_row = _steps_and_rows(p_points) if p_points else (0.0, 0.0)
     move, move_row = _line(move_points) if move_points else (0.0, 0.0)
-    return MeasuredSteps(p_step, p_row, d_step, d_seq, _median(per_row), move, move_row)
+    handoff = [
+        (r["timings"]["prefill_rtt_s"] - r["timings"]["prefill_s"]) * 1e3
+        for r in lone
+        if r["timings"].get("prefill_rtt_s") is not None and r["timings"].get("prefill_s") is not None
+    ]
+    handoff_ms = max(0.0, _median(handoff))
+    return MeasuredSteps(p_step, p_row, d_step, d_seq, d_row, move, move_row, handoff_ms, d_pre_ms=d_pre)
+
+
+def _decoder(
+    cfg: ModelConfig,
+    mode: str,
+    steps: MeasuredSteps,
+    arr: list[Arrival],
+    policy: tuple[int | None, int | None],
+    semantics: str,
+    seed: int = 0,
+    expected: list[Arrival] | None = None,
+) -> DecodeEngine:
+    """A D (or colocated) worker as the e2e study runs it: no speculative decoding, the default
+    scheduler limits, P's first token sent with D's first output for the request."""
+    from asympd.engine.scheduler import SchedulerConfig
+
+    sc = SchedulerConfig()
+    return DecodeEngine(
+        cfg,
+        steps,
+        mode,
+        1,
+        1 << 24,
+        arr,
+        sc.max_num_seqs,
+        policy[0],
+        policy[1],
+        seed,
+        num_spec=0,
+        max_num_batched_tokens=sc.max_num_batched_tokens,
+        colocated_semantics=semantics,
+        expected=expected,
+        first_token_with_first_step=True,  # as served: lone decode_first_step_s is one step, not 0
+    )
 
 
 @dataclass
@@ -191,6 +248,7 @@ class Simulated:
     ttft_s: dict[int, float]
     gaps_s: dict[int, list[float]]
     done_s: dict[int, float]
+    step_s: dict[str, dict[str, float]] = field(default_factory=dict)  # role: {"compute", "wall"} seconds
 
 
 def simulate_deployment(
@@ -204,58 +262,44 @@ def simulate_deployment(
     policy: tuple[int | None, int | None],
     colocated_semantics: str,
     seed: int = 0,
+    shared_gpu: bool = False,
 ) -> Simulated:
     """The planner's simulator on one measured deployment: 1 P + 1 D, or ``replicas`` colocated
-    workers (round-robin), no speculative decoding, the workers' default scheduler limits."""
+    workers (round-robin), no speculative decoding, the workers' default scheduler limits.
+    ``shared_gpu``: every worker on one GPU, their steps serialised on it (``run_engines``)."""
     from asympd.engine.scheduler import SchedulerConfig
 
-    sc = SchedulerConfig()
-    cap, budget = policy
-    many = 1 << 24
     if mode == "colocated":
-        runs = [
-            run_decode(
-                cfg,
-                steps,
-                "colocated",
-                1,
-                many,
-                arrivals[r::replicas],
-                sc.max_num_seqs,
-                cap,
-                budget,
-                seed,
-                num_spec=0,
-                max_num_batched_tokens=sc.max_num_batched_tokens,
-                colocated_semantics=colocated_semantics,
-            )  # fmt: skip
+        engines = [
+            _decoder(cfg, mode, steps, arrivals[r::replicas], policy, colocated_semantics, seed)
             for r in range(replicas)
         ]
+        run_engines(engines, [0 if shared_gpu else r for r in range(replicas)])
+        runs = [e.run for e in engines]
+        roles = {"colocated": runs}
     else:
-        p = run_prefill(cfg, steps, mode, 1, many, arrivals, sc.max_num_seqs, step_tokens=p_step_tokens)
-        at_d = [
-            Arrival(a.index, p.done_s[a.index] + steps.move_for(a.prompt_len) / 1e3, a.prompt_len, a.output_len)
-            for a in arrivals
-            if a.index in p.done_s
-        ]
-        runs = [
-            run_decode(
-                cfg,
-                steps,
-                mode,
-                1,
-                many,
-                at_d,
-                sc.max_num_seqs,
-                cap,
-                budget,
-                seed,
-                num_spec=0,
-                max_num_batched_tokens=sc.max_num_batched_tokens,
-            )  # fmt: skip
-        ]
+        sc = SchedulerConfig()
+        p = PrefillEngine(cfg, steps, mode, 1, 1 << 24, arrivals, sc.max_num_seqs, step_tokens=p_step_tokens)
+        d = _decoder(cfg, mode, steps, [], policy, colocated_semantics, seed, expected=arrivals)
+        by_index = {a.index: a for a in arrivals}
+        free = {"handoff": 0.0, "link": 0.0}
+
+        def to_d(_: int, i: int, t: float) -> None:
+            """P's answer, then D's fetch: each one request at a time (P answers from one event loop
+            and a small pool; the prefix crosses one TCP link), so a burst of exports queues."""
+            a = by_index[i]
+            t = free["handoff"] = max(t, free["handoff"]) + steps.handoff_ms / 1e3
+            t = free["link"] = max(t, free["link"]) + steps.move_for(a.prompt_len) / 1e3
+            d.push(Arrival(i, t, a.prompt_len, a.output_len))
+
+        run_engines([p, d], [0, 0] if shared_gpu else [0, 1], to_d)
+        runs = [d.run]
+        roles = {"prefill": [p.run], "decode": [d.run]}
     start = {a.index: a.time_s for a in arrivals}
     out = Simulated({}, {a.index: [] for a in arrivals}, {})
+    out.step_s = {
+        role: {"compute": sum(r.busy_s for r in rs), "wall": sum(r.wall_s for r in rs)} for role, rs in roles.items()
+    }
     for run in runs:
         for i, t in run.first_token_s.items():
             out.ttft_s[i] = t - start[i] + steps.ttft_offset_ms / 1e3
@@ -265,17 +309,52 @@ def simulate_deployment(
     return out
 
 
-def _ttft_offset(cfg: ModelConfig, mode: str, steps: MeasuredSteps, cal: dict[str, Any], **kw: Any) -> float:
-    """Median of (client TTFT - simulated TTFT) over the lone calibration requests, each simulated
-    alone: what the step model does not see (HTTP hops, the router, streaming)."""
+def _ttft_offset(cal: dict[str, Any]) -> float:
+    """What no engine step holds, measured directly on the lone requests: client TTFT minus the
+    servers' own parts (P's round trip as the router saw it, D's fetch, D's add to first token),
+    i.e. the client -> router -> D hops and the first chunk's way back. The median, in ms."""
     resid = []
     for r in cal["lone"]:
-        if r["ttft_s"] is None:
+        t = r.get("timings") or {}
+        if r.get("ttft_s") is None or t.get("decode_first_step_s") is None:
             continue
-        sim = simulate_deployment(cfg, mode, steps, [Arrival(0, 0.0, r["prompt_len"], 2)], **kw)
-        if 0 in sim.ttft_s:
-            resid.append(r["ttft_s"] - sim.ttft_s[0])
+        server = (t.get("prefill_rtt_s") or 0.0) + (t.get("transfer_s") or 0.0) + t["decode_first_step_s"]
+        resid.append(r["ttft_s"] - server)
     return _median(resid) * 1e3
+
+
+def _batch_check(cfg: ModelConfig, mode: str, steps: MeasuredSteps, m: dict[str, Any], kw: dict[str, Any]) -> dict:
+    """Not fitted, for reading a miss: the calibration batch (every request sent at once)
+    simulated, against its client TTFT; and the servers' own parts, lone vs in the batch
+    (medians, ms): what a burst does to each."""
+    cal = m["calibration"]
+    reqs = cal["batch"].get("requests") or []
+    if not reqs or any("prompt_len" not in r for r in reqs):
+        return {}
+    arr = [
+        Arrival(i, 0.0, r["prompt_len"], (r.get("usage") or {}).get("completion_tokens") or len(r["gaps_s"]) + 1)
+        for i, r in enumerate(reqs)
+    ]
+    sim = simulate_deployment(cfg, mode, steps, arr, **kw)
+
+    def parts(rs: list[dict[str, Any]]) -> dict[str, float]:
+        t = [r.get("timings") or {} for r in rs]
+        out = {"decode_first_step": _median([x["decode_first_step_s"] * 1e3 for x in t if "decode_first_step_s" in x])}
+        if mode != "colocated":
+            out["prefill"] = _median([x["prefill_s"] * 1e3 for x in t if x.get("prefill_s") is not None])
+            out["p_answer"] = _median(
+                [(x["prefill_rtt_s"] - x["prefill_s"]) * 1e3 for x in t if x.get("prefill_rtt_s") is not None]
+            )
+            out["transfer"] = _median([x["transfer_s"] * 1e3 for x in t if x.get("transfer_s") is not None])
+        return out
+
+    return {
+        "ttft_p50_ms": {
+            "measured": _median([r["ttft_s"] * 1e3 for r in reqs if r.get("ttft_s") is not None]),
+            "predicted": _median([t * 1e3 for t in sim.ttft_s.values()]),
+        },
+        "server_parts_p50_ms": {"lone": parts(cal["lone"]), "batch": parts(reqs)},
+    }
 
 
 def _validate_mode(
@@ -293,8 +372,8 @@ def _validate_mode(
     """One mode's rows (and fitted steps) into ``out``."""
     kw = {**kw, "replicas": sum(1 for w in m["workers"].values() if w["role"] == "colocated") or 1}
     steps = fit_steps(cfg, mode, m["calibration"], d_budget, kw["colocated_semantics"], kw["p_step_tokens"])
-    steps.ttft_offset_ms = _ttft_offset(cfg, mode, steps, m["calibration"], **kw)
-    out["modes"][mode] = {"steps_ms": asdict(steps)}
+    steps.ttft_offset_ms = _ttft_offset(m["calibration"])
+    out["modes"][mode] = {"steps_ms": asdict(steps), "batch_check": _batch_check(cfg, mode, steps, m, kw)}
     for run in m["runs"]:
         req = run["requests"]
         ok = [i for i, e in enumerate(req["errors"]) if not e]
@@ -321,6 +400,8 @@ def _validate_mode(
             "goodput_req_s": run["request_goodput"] or 0.0,
         }
         ratio = {k: predicted[k] / measured[k] if measured[k] else math.nan for k in predicted}
+        # not validated, for reading a miss: the engines' step seconds (their step-duration counters)
+        steps_s = {role: {**s, "measured": run.get(f"{role}_busy_s")} for role, s in sim.step_s.items()}
         out["rows"].append(
             {
                 "mode": mode,
@@ -330,6 +411,7 @@ def _validate_mode(
                 "predicted": predicted,
                 "ratio": ratio,
                 "within_target": all(abs(r - 1) <= TARGET for r in ratio.values()),
+                "engine_step_s": steps_s,
             }
         )
 
@@ -360,8 +442,10 @@ def validate_e2e(result: dict[str, Any], seed: int = 0) -> dict[str, Any]:
         "modes": {},
         "rows": [],
     }
+    shared = result.get("gpus") == 1  # bench/e2e.py --gpus 1: every worker of a mode on one GPU
+    out["placement"] = "shared" if shared else "separate"
     for mode, m in modes_in.items():
-        kw = dict(p_step_tokens=p_tokens, policy=policy, colocated_semantics=sem, seed=seed)
+        kw = dict(p_step_tokens=p_tokens, policy=policy, colocated_semantics=sem, seed=seed, shared_gpu=shared)
         try:
             _validate_mode(out, mode, m, cfg, slo, kw, d_budget)
         except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
@@ -373,7 +457,7 @@ def format_validation(v: dict[str, Any]) -> str:
     lines = [
         f"planner vs measured ({v['source'].get('benchmark')}, {v['device']}, depth {v['model_depth']}, "
         f"commit {str(v['source'].get('commit'))[:12]}); SLO TTFT {v['slo']['ttft_ms']:g} ms, "
-        f"ITL {v['slo']['itl_ms']:g} ms; target +-{v['target']:.0%}",
+        f"ITL {v['slo']['itl_ms']:g} ms; target +-{v['target']:.0%}; placement {v.get('placement', 'separate')}",
         f"{'mode':<18}{'req/s':>6}{'TTFT p50 ms meas/pred':>24}{'ITL p50 ms meas/pred':>24}"
         f"{'goodput req/s meas/pred':>26}  ok",
     ]
@@ -392,7 +476,8 @@ def format_validation(v: dict[str, Any]) -> str:
             s = m["steps_ms"]
             lines.append(
                 f"{mode}: fitted steps (ms) P {s['p_step_ms']:.1f} + {s['p_row_ms']:.4f}/row; D {s['d_step_ms']:.1f}"
-                f" + {s['d_seq_ms']:.2f}/request + {s['d_row_ms']:.4f}/prefill row; move {s['move_ms']:.1f} +"
+                f" + {s['d_seq_ms']:.2f}/request, prompt rows {s['d_pre_ms']:.1f} + {s['d_row_ms']:.4f}/row;"
+                f" move {s['move_ms']:.1f} +"
                 f" {s['move_row_ms']:.5f}/token; TTFT offset {s['ttft_offset_ms']:.1f}"
             )
     return "\n".join(lines)

@@ -168,6 +168,24 @@ def test_chosen_deployment_respects_memory(results):
 # ---- infeasible targets name what binds -----------------------------------------------------------------
 
 
+def test_shared_placement(results):
+    """P replica r on D replica r's GPUs: the pair's GPUs count once, both roles' weights fit on
+    them, and D's steps wait for P's (the same 1 + 1 deployment has a longer ITL tail shared)."""
+    shared = Planner(request("H200", modes=("asymmetric",), placement="shared"), results=results)
+    dep = shared.plan()["deployments"][0]
+    assert dep["placement"] == "shared" and dep["feasible"]
+    assert (dep["p_gpus"], dep["p_replicas"]) == (dep["d_gpus"], dep["d_replicas"])
+    assert dep["total_gpus"] == dep["d_replicas"] * dep["d_gpus"]
+    assert dep["memory"]["d"]["shares_gpus"] and dep["memory"]["d"]["kv_blocks"] > 0
+    g = dep["d_gpus"]
+    apart = Planner(request("H200", modes=("asymmetric",)), results=results)
+    itl_shared = shared.evaluate("asymmetric", 1, g, 1, g, "cap-4")["itl_ms"]["p99"]
+    itl_apart = apart.evaluate("asymmetric", 1, g, 1, g, "cap-4")["itl_ms"]["p99"]
+    assert itl_shared > itl_apart
+    with pytest.raises(PlanError, match="placement must be one of separate, shared"):
+        Planner(request(placement="mixed"), results=results)
+
+
 def test_itl_target_below_the_fastest_step(results):
     out = Planner(request("B200", itl=5.0), results=results).plan()
     assert out["recommendation"]["mode"] is None
@@ -244,6 +262,15 @@ def test_cli_plan_errors(capsys):
     assert "--prompt-len: expected N or N:weight" in capsys.readouterr().err
     assert main(["plan", "--gpu", "b200", "--slo-ttft-p99", "1", "--slo-itl-p99", "1"]) == 2
     assert "--rate is required" in capsys.readouterr().err
+    assert main([*ARGS, "--placement", "mixed"]) == 2
+    assert "invalid choice: 'mixed'" in capsys.readouterr().err
+
+
+def test_cli_plan_shared_placement(capsys):
+    assert main([*ARGS, "--mode", "asymmetric", "--placement", "shared", "--json"]) == 0
+    dep = json.loads(capsys.readouterr().out)["deployments"][0]
+    assert dep["placement"] == "shared" and dep["p_gpus"] == dep["d_gpus"]
+    assert dep["total_gpus"] == dep["d_replicas"] * dep["d_gpus"]
 
 
 def test_cli_plan_from_a_traffic_file(capsys, tmp_path):

@@ -1,18 +1,30 @@
-"""The e2e validation's step model: fitted exactly from a calibration made by a known model, and
-the simulator's timeline for one lone request equal to that model's arithmetic."""
+"""The e2e validation's step model: fitted exactly from a calibration made by a known model, the
+simulator's timeline for one lone request equal to that model's arithmetic, and ``validate_e2e``
+on a small synthetic bench/e2e.py result (one GPU: P and D share it)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from asympd.config import tiny
 from asympd.engine.modes import split_point
 from asympd.plan.simulate import Arrival
-from asympd.plan.validate import MeasuredSteps, fit_steps, simulate_deployment
+from asympd.plan.validate import (
+    MeasuredSteps,
+    ValidationError,
+    fit_steps,
+    format_validation,
+    run_validation,
+    simulate_deployment,
+    validate_e2e,
+)
 
 CFG = tiny()  # window 16
 TRUE = MeasuredSteps(p_step_ms=10.0, p_row_ms=0.25, d_step_ms=20.0, d_seq_ms=5.0, d_row_ms=0.5, move_ms=2.0,
-                     move_row_ms=0.125)  # fmt: skip
+                     move_row_ms=0.125, handoff_ms=3.0, d_pre_ms=6.0)  # fmt: skip
+HTTP_MS = 7.0  # client TTFT minus the servers' parts
 
 
 def calibration(mode: str) -> dict:
@@ -22,47 +34,152 @@ def calibration(mode: str) -> dict:
         p_rows = n - CFG.window_size if mode == "asymmetric" else n
         d_rows = n if mode == "colocated" else n - split_point(CFG, n, "carry")  # symmetric-split: the replay
         steps = 2 if mode == "colocated" else 1  # colocated split semantics: [0, N - W) and [N - W, N)
-        first = steps * TRUE.d_step_ms + TRUE.d_row_ms * d_rows
+        first = steps * TRUE.d_pre_ms + TRUE.d_row_ms * d_rows  # prompt-only steps: no decode path
         timings = {"decode_first_step_s": first / 1e3}
+        server = first
         if mode != "colocated":
             p_steps = 1 if mode == "asymmetric" else 2  # symmetric P: [0, N - W), then [N - W, N)
-            timings["prefill_s"] = (p_steps * TRUE.p_step_ms + TRUE.p_row_ms * p_rows) / 1e3
+            prefill = p_steps * TRUE.p_step_ms + TRUE.p_row_ms * p_rows
+            timings["prefill_s"] = prefill / 1e3
+            timings["prefill_rtt_s"] = (prefill + TRUE.handoff_ms) / 1e3
             timings["transfer_s"] = TRUE.move_for(n) / 1e3
-        lone.append({"prompt_len": n, "ttft_s": 0.5, "gaps_s": [0.001, 0.02, 0.02, 0.02], "timings": timings})
+            server += prefill + TRUE.handoff_ms + TRUE.move_for(n)
+        ttft = (server + HTTP_MS) / 1e3
+        lone.append({"prompt_len": n, "ttft_s": ttft, "gaps_s": [0.001, 0.02, 0.02, 0.02], "timings": timings})
     batch = {"size": 3, "requests": [{"gaps_s": [0.1, 0.1, 0.03, 0.03]} for _ in range(3)]}
     return {"lone": lone, "batch": batch}
 
 
 def test_fit_recovers_the_steps():
-    got = fit_steps(CFG, "asymmetric", calibration("asymmetric"), d_budget=512, semantics="split")
-    for k in ("p_step_ms", "p_row_ms", "d_step_ms", "d_seq_ms", "d_row_ms", "move_ms", "move_row_ms"):
-        assert getattr(got, k) == pytest.approx(getattr(TRUE, k)), k
-    got = fit_steps(CFG, "symmetric-split", calibration("symmetric-split"), d_budget=512, semantics="split")
-    for k in ("p_step_ms", "p_row_ms", "d_step_ms", "d_seq_ms", "d_row_ms", "move_ms", "move_row_ms"):
-        assert getattr(got, k) == pytest.approx(getattr(TRUE, k)), k
+    for mode in ("asymmetric", "symmetric-split"):
+        got = fit_steps(CFG, mode, calibration(mode), d_budget=512, semantics="split")
+        for k in ("p_step_ms", "p_row_ms", "d_step_ms", "d_seq_ms", "move_ms", "move_row_ms", "handoff_ms"):
+            assert getattr(got, k) == pytest.approx(getattr(TRUE, k)), (mode, k)
+        # D's own rows are always the last W: one row count, so all of it is the step's fixed cost
+        assert (got.d_pre_ms, got.d_row_ms) == pytest.approx((TRUE.d_pre_ms + TRUE.d_row_ms * CFG.window_size, 0.0))
     # colocated: the prompt runs in two phases (split semantics), each a step of its own
     got = fit_steps(CFG, "colocated", calibration("colocated"), d_budget=512, semantics="split")
-    assert got.p_step_ms == got.p_row_ms == got.move_ms == got.move_row_ms == 0.0
-    assert (got.d_step_ms, got.d_seq_ms, got.d_row_ms) == pytest.approx((TRUE.d_step_ms, TRUE.d_seq_ms, TRUE.d_row_ms))
+    assert got.p_step_ms == got.p_row_ms == got.move_ms == got.move_row_ms == got.handoff_ms == 0.0
+    assert (got.d_step_ms, got.d_seq_ms, got.d_pre_ms, got.d_row_ms) == pytest.approx(
+        (TRUE.d_step_ms, TRUE.d_seq_ms, TRUE.d_pre_ms, TRUE.d_row_ms)
+    )
+
+
+def test_step_paths_add():
+    """A D step pays the decode path only with decode rows and the prompt path only with prompt rows."""
+    assert TRUE.decode_ms(0, 100, 1) == 6.0 + 50.0
+    assert TRUE.decode_ms(3, 0, 1) == 20.0 + 10.0
+    assert TRUE.decode_ms(3, 100, 1) == 20.0 + 10.0 + 6.0 + 50.0
 
 
 def test_lone_request_timeline():
     steps = MeasuredSteps(**{**TRUE.__dict__, "ttft_offset_ms": 7.0})
     n, out = 100, 4
-    sim = simulate_deployment(
-        CFG, "asymmetric", steps, [Arrival(0, 1.0, n, out)], replicas=1, p_step_tokens=2048,
-        policy=(4, 512), colocated_semantics="split",
-    )  # fmt: skip
+    kw = dict(replicas=1, p_step_tokens=2048, policy=(4, 512), colocated_semantics="split")
+    sim = simulate_deployment(CFG, "asymmetric", steps, [Arrival(0, 1.0, n, out)], **kw)
     s = split_point(CFG, n, "carry")
     p = TRUE.p_step_ms + TRUE.p_row_ms * s
-    d_first = TRUE.d_step_ms + TRUE.d_row_ms * (n - s)
-    assert sim.ttft_s[0] * 1e3 == pytest.approx(p + TRUE.move_for(n) + d_first + 7.0)
+    d_first = TRUE.d_pre_ms + TRUE.d_row_ms * (n - s)
+    assert sim.ttft_s[0] * 1e3 == pytest.approx(p + TRUE.handoff_ms + TRUE.move_for(n) + d_first + 7.0)
     assert [g * 1e3 for g in sim.gaps_s[0]] == pytest.approx([TRUE.d_step_ms] * (out - 1))
-    # symmetric-windows: P makes the first token, D imports the windows and only decodes
-    sim = simulate_deployment(
-        CFG, "symmetric-windows", steps, [Arrival(0, 0.0, n, out)], replicas=1, p_step_tokens=2048,
-        policy=(4, 512), colocated_semantics="split",
-    )  # fmt: skip
+    # symmetric-windows: P makes the first token; D sends it when it admits the request (nothing to replay)
+    sim = simulate_deployment(CFG, "symmetric-windows", steps, [Arrival(0, 0.0, n, out)], **kw)
     p = 2 * TRUE.p_step_ms + TRUE.p_row_ms * n  # P runs [0, N - W) and [N - W, N) as two steps
-    assert sim.ttft_s[0] * 1e3 == pytest.approx(p + TRUE.move_for(n) + 7.0)
+    assert sim.ttft_s[0] * 1e3 == pytest.approx(p + TRUE.handoff_ms + TRUE.move_for(n) + 7.0)
     assert len(sim.gaps_s[0]) == out - 1
+    # symmetric-split: P's first token goes out with D's replay step, as the server sends it
+    sim = simulate_deployment(CFG, "symmetric-split", steps, [Arrival(0, 0.0, n, out)], **kw)
+    p = 2 * TRUE.p_step_ms + TRUE.p_row_ms * n
+    replay = TRUE.d_pre_ms + TRUE.d_row_ms * (n - s)
+    assert sim.ttft_s[0] * 1e3 == pytest.approx(p + TRUE.handoff_ms + TRUE.move_for(n) + replay + 7.0)
+    assert [g * 1e3 for g in sim.gaps_s[0]] == pytest.approx([TRUE.d_step_ms] * (out - 1))
+
+
+def test_exports_queue_for_the_handoff_and_the_link():
+    """Two prompts finishing in one P step: the second waits for the first's answer and fetch."""
+    steps = MeasuredSteps(**{**TRUE.__dict__, "move_row_ms": 0.0})  # every move 2 ms
+    n = 40
+    kw = dict(replicas=1, p_step_tokens=2048, policy=(4, 512), colocated_semantics="split")
+    sim = simulate_deployment(CFG, "asymmetric", steps, [Arrival(0, 0.0, n, 2), Arrival(1, 0.0, n, 2)], **kw)
+    s = split_point(CFG, n, "carry")
+    p_done = TRUE.p_step_ms + TRUE.p_row_ms * 2 * s  # one step for both
+    at_d = [p_done + 3.0 + 2.0, p_done + 3.0 + 3.0 + 2.0]  # handoff 3 ms each, then the 2 ms move each
+    # D admits the first alone (the second is not there yet); the second's prompt step waits for it
+    first0 = at_d[0] + TRUE.d_pre_ms + TRUE.d_row_ms * (n - s)
+    # the second arrived during that step; the next step has request 0's decode and request 1's prompt rows
+    first1 = first0 + TRUE.d_step_ms + TRUE.d_pre_ms + TRUE.d_row_ms * (n - s)
+    assert [sim.ttft_s[0] * 1e3, sim.ttft_s[1] * 1e3] == pytest.approx([first0, first1])
+
+
+def e2e_result(gpus: int) -> dict:
+    """A bench/e2e.py result of one asymmetric deployment, one rate run of two requests."""
+    return {
+        "benchmark": "e2e_synthetic",
+        "commit": "0" * 12,
+        "gpus": gpus,
+        "model": {"depth": CFG.n_layers, "model_config": CFG.to_dict()},
+        "slo": {"ttft_ms": 1000.0, "itl_ms": 100.0},
+        "d_policy": {"max_new_admissions": 4, "admission_token_budget": 512},
+        "p_step_tokens": 2048,
+        "colocated_semantics": "split",
+        "modes": {
+            "asymmetric": {
+                "workers": {"p": {"role": "prefill"}, "d": {"role": "decode"}},
+                "calibration": calibration("asymmetric"),
+                "runs": [
+                    {
+                        "request_rate": 2.0,
+                        "median_ttft_ms": 100.0,
+                        "median_itl_ms": 20.0,
+                        "request_goodput": 2.0,
+                        "requests": {
+                            "start_times": [0.0, 0.01],
+                            "input_lens": [40, 40],
+                            "output_lens": [3, 3],
+                            "errors": ["", ""],
+                        },
+                    }
+                ],
+            }
+        },
+    }
+
+
+def test_validate_a_synthetic_result(tmp_path):
+    """Two requests 10 ms apart on one GPU, every step hand-computed (ms): P steps 16, P's answer 3,
+    the move 7, D's prompt step 14 (the fitted one: one row count), decode 20 + 5 per further request.
+    P [0, 16] req 0; P [16, 32] req 1; req 0 at D at 16 + 3 + 7 = 26, but its prompt step waits for
+    P's step: [32, 46], first token 46; req 1 at D at 32 + 3 + 7 = 42; D's next step (issued at 46)
+    decodes req 0 and runs req 1's prompt: [46, 80]; then [80, 105] both decode; [105, 125] req 1."""
+    v = validate_e2e(e2e_result(gpus=1))
+    assert v["placement"] == "shared"
+    steps = v["modes"]["asymmetric"]["steps_ms"]
+    assert steps["ttft_offset_ms"] == pytest.approx(HTTP_MS)
+    assert steps["d_pre_ms"] == pytest.approx(14.0)
+    row = v["rows"][0]
+    ttfts = [46 + HTTP_MS, 80 - 10 + HTTP_MS]
+    assert row["predicted"]["ttft_p50_ms"] == pytest.approx(sum(ttfts) / 2)
+    assert row["predicted"]["itl_p50_ms"] == pytest.approx(25.0)  # gaps 34, 25 | 25, 20
+    assert row["measured"] == {"ttft_p50_ms": 100.0, "itl_p50_ms": 20.0, "goodput_req_s": 2.0}
+    assert row["ratio"]["itl_p50_ms"] == pytest.approx(25.0 / 20.0)
+    # two GPUs: P and D apart. Req 0's prompt step [26, 40]; D's decode [40, 60] misses req 1
+    # (at D at 42); then req 0's decode with req 1's prompt [60, 94]: TTFTs 40 and 84, plus HTTP
+    apart = validate_e2e(e2e_result(gpus=2))
+    assert apart["placement"] == "separate"
+    assert apart["rows"][0]["predicted"]["ttft_p50_ms"] == pytest.approx((40 + 84) / 2 + HTTP_MS)
+    assert "e2e_synthetic" in format_validation(v)
+    path, out = tmp_path / "r.json", tmp_path / "v.json"
+    path.write_text(json.dumps(e2e_result(gpus=1)))
+    assert run_validation(str(path), out=str(out)) == 1  # TTFT 65 ms predicted vs 100 measured: out of 15 %
+    assert json.loads(out.read_text())["rows"][0]["predicted"] == row["predicted"]
+
+
+def test_malformed_result_is_a_typed_error():
+    bad = e2e_result(gpus=1)
+    del bad["slo"]
+    with pytest.raises(ValidationError, match="missing 'slo'"):
+        validate_e2e(bad)
+    bad = e2e_result(gpus=1)
+    del bad["modes"]["asymmetric"]["calibration"]["lone"][0]["prompt_len"]
+    with pytest.raises(ValidationError, match="mode 'asymmetric' of the result is malformed"):
+        validate_e2e(bad)
