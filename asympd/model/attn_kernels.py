@@ -306,6 +306,206 @@ if AVAILABLE:
             mask=rmask[:, None] & (j[None, :] < K),
         )
 
+    # ---- version 2 of the indexer: the GEMM transposed (entries x (row, head)), so the head sum is
+    # within a warp; the running top-k lives next to the candidate buffer (L2), not in registers ----
+
+    @triton.jit
+    def _score_keys_t(
+        qt,
+        wt,
+        kpool_ptr,
+        table_ptr,
+        vis,
+        cand_ptr,
+        s_cr,
+        rows,
+        rmask,
+        e0,
+        n_max,
+        s_kb,
+        s_ke,
+        EPB,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        HAS_CAND: tl.constexpr,
+        CAND_BLOCK: tl.constexpr,
+        ROUND_BF16: tl.constexpr,
+        DOT_F32: tl.constexpr,
+    ):
+        """``_score_keys`` with the key tile as the GEMM's M: keys [BN, D] x qt [D, BM * H] ->
+        [BN, BM * H]. In the MMA layout a thread holds consecutive columns, so the sum over a row's
+        H heads is in registers and among the 4 lanes of a quad, not across warps through shared
+        memory; only the [BN, BM] result is transposed. The wgmma M (64) is the key tile, so BM can
+        be small (decode: the rows of one request) without padding."""
+        e = e0 + tl.arange(0, BN)
+        emask = e < n_max
+        blk = tl.load(table_ptr + e // EPB, mask=emask, other=0).to(tl.int64)
+        d = tl.arange(0, D)
+        kp = kpool_ptr + blk[:, None] * s_kb + (e % EPB).to(tl.int64)[:, None] * s_ke + d[None, :]
+        keys = tl.load(kp, mask=emask[:, None], other=0.0)
+        if DOT_F32:
+            s = tl.dot(keys.to(tl.float32), qt.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(keys.to(qt.dtype), qt)
+        if ROUND_BF16:
+            s = s.to(tl.bfloat16).to(tl.float32)
+        s = tl.maximum(s, 0.0) * wt[None, :]
+        if ROUND_BF16:
+            s = s.to(tl.bfloat16).to(tl.float32)
+        s = tl.trans(tl.sum(tl.reshape(s, (BN, BM, H)), axis=2))
+        if ROUND_BF16:
+            s = s.to(tl.bfloat16).to(tl.float32)
+        visible = rmask[:, None] & (e[None, :] < vis[:, None])
+        if HAS_CAND:
+            c = tl.load(
+                cand_ptr + rows.to(tl.int64)[:, None] * s_cr + (e // CAND_BLOCK)[None, :], mask=visible, other=0
+            )
+            s = tl.where(c != 0, s, float("-inf"))
+        return s, visible
+
+    @triton.jit
+    def _merge_scratch(
+        bestp, bufp, cnt, KP: tl.constexpr, LOG_BM: tl.constexpr, LOG_KP: tl.constexpr, TL_SORT: tl.constexpr
+    ):
+        """Merge each row's buffered keys into its running top-KP (both in scratch): the new
+        threshold (the smallest kept key)."""
+        tl.debug_barrier()  # the buffer's stores are visible to every thread
+        j = tl.arange(0, KP)
+        cand = tl.load(bufp + j[None, :], mask=j[None, :] < cnt[:, None], other=-9223372036854775807)
+        best = tl.load(bestp + j[None, :])
+        tl.debug_barrier()  # read before anyone refills them
+        if TL_SORT:
+            cand = tl.sort(cand, dim=1, descending=False)
+            best = tl.sort(tl.maximum(best, cand), dim=1, descending=True)
+        else:  # best descending against the candidates ascending: one bitonic merge sorts the max
+            cand = _bitonic(cand, LOG_BM, LOG_KP, 0, False)
+            best = _bitonic(tl.maximum(best, cand), LOG_BM, LOG_KP, 1, True)
+        tl.store(bestp + j[None, :], best)
+        return tl.min(best, axis=1)
+
+    @triton.jit
+    def _scan_tile_v2(
+        thresh, cnt, bufp, bestp, qt, wt, kpool_ptr, table_ptr, vis, cand_ptr, bmax_ptr, s_cr, s_br, n_bmax, rows,
+        rmask, e0, n_max, s_kb, s_ke, EPB, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        KP: tl.constexpr, LOG_BM: tl.constexpr, LOG_KP: tl.constexpr, HAS_CAND: tl.constexpr,
+        CAND_BLOCK: tl.constexpr, BMAX: tl.constexpr, ROUND_BF16: tl.constexpr, DOT_F32: tl.constexpr,
+        TL_SORT: tl.constexpr,
+    ):  # fmt: skip
+        """``_scan_tile`` with only the threshold and the buffer count in registers."""
+        s, v = _score_keys_t(
+            qt, wt, kpool_ptr, table_ptr, vis, cand_ptr, s_cr, rows, rmask, e0, n_max, s_kb, s_ke, EPB,
+            H, D, BM, BN, HAS_CAND, CAND_BLOCK, ROUND_BF16, DOT_F32,
+        )  # fmt: skip
+        if BMAX > 0:
+            _store_block_max(s, v, bmax_ptr, rows, rmask, e0, s_br, n_bmax, BM, BN, BMAX)
+        keys = _keys_of(s, v, e0, BN)
+        take = keys > thresh[:, None]
+        n_take = tl.sum(take.to(tl.int32), axis=1)
+        if (tl.max(cnt + n_take, axis=0) > KP) | (e0 >= n_max):
+            thresh = _merge_scratch(bestp, bufp, cnt, KP, LOG_BM, LOG_KP, TL_SORT)
+            cnt = tl.zeros_like(cnt)
+            take = keys > thresh[:, None]
+            n_take = tl.sum(take.to(tl.int32), axis=1)
+        pos = cnt[:, None] + tl.cumsum(take.to(tl.int32), axis=1) - 1
+        tl.store(bufp + pos, keys, mask=take)
+        return thresh, cnt + n_take
+
+    @triton.jit
+    def _indexer_topk_kernel_v2(
+        q_ptr,
+        w_ptr,
+        kpool_ptr,
+        tables_ptr,
+        row_seq_ptr,
+        tile_row0_ptr,
+        tile_rows_ptr,
+        vis_ptr,
+        cand_ptr,
+        bmax_ptr,
+        buf_ptr,
+        out_ptr,
+        s_qr,
+        s_qh,
+        s_wr,
+        s_kb,
+        s_ke,
+        s_ts,
+        s_cr,
+        s_br,
+        n_bmax,
+        EPB,
+        K,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        KP: tl.constexpr,
+        LOG_BM: tl.constexpr,
+        LOG_KP: tl.constexpr,
+        HAS_CAND: tl.constexpr,
+        CAND_BLOCK: tl.constexpr,
+        BMAX: tl.constexpr,
+        ROUND_BF16: tl.constexpr,
+        DOT_F32: tl.constexpr,
+        TL_SORT: tl.constexpr,
+        PIPELINE: tl.constexpr,
+    ):
+        tile = tl.program_id(0)
+        row0 = tl.load(tile_row0_ptr + tile)
+        nrows = tl.load(tile_rows_ptr + tile)
+        r = tl.arange(0, BM)
+        rows = row0 + r
+        rmask = r < nrows
+        vis = tl.load(vis_ptr + rows, mask=rmask, other=0).to(tl.int32)
+        n_max = tl.max(vis, axis=0)
+        seq = tl.load(row_seq_ptr + row0).to(tl.int64)
+        table_ptr = tables_ptr + seq * s_ts
+        # queries as the GEMM's B operand [D, BM * H], loaded transposed once
+        mh = tl.arange(0, BM * H)
+        qrow = row0 + mh // H
+        qmask = (mh // H) < nrows
+        d = tl.arange(0, D)
+        qt = tl.load(
+            q_ptr + qrow.to(tl.int64)[None, :] * s_qr + (mh % H)[None, :] * s_qh + d[:, None],
+            mask=qmask[None, :],
+            other=0.0,
+        )
+        wt = tl.load(w_ptr + qrow.to(tl.int64) * s_wr + mh % H, mask=qmask, other=0.0).to(tl.float32)
+        # scratch per tile: [BM, KP] running top-k (descending), then [BM, KP] candidate buffer
+        bestp = buf_ptr + tile.to(tl.int64) * (2 * BM * KP) + r[:, None] * KP
+        bufp = bestp + BM * KP
+        tl.store(bestp + tl.arange(0, KP)[None, :], tl.full((BM, KP), -9223372036854775807, tl.int64))
+        thresh = tl.full((BM,), -9223372036854775807, tl.int64)
+        cnt = tl.zeros((BM,), tl.int32)
+        if PIPELINE:
+            for e0 in range(0, n_max + BN, BN):
+                thresh, cnt = _scan_tile_v2(
+                    thresh, cnt, bufp, bestp, qt, wt, kpool_ptr, table_ptr, vis, cand_ptr, bmax_ptr, s_cr, s_br,
+                    n_bmax, rows, rmask, e0, n_max, s_kb, s_ke, EPB, H, D, BM, BN, KP, LOG_BM, LOG_KP, HAS_CAND,
+                    CAND_BLOCK, BMAX, ROUND_BF16, DOT_F32, TL_SORT,
+                )  # fmt: skip
+        else:
+            e0 = 0
+            while e0 < n_max + BN:
+                thresh, cnt = _scan_tile_v2(
+                    thresh, cnt, bufp, bestp, qt, wt, kpool_ptr, table_ptr, vis, cand_ptr, bmax_ptr, s_cr, s_br,
+                    n_bmax, rows, rmask, e0, n_max, s_kb, s_ke, EPB, H, D, BM, BN, KP, LOG_BM, LOG_KP, HAS_CAND,
+                    CAND_BLOCK, BMAX, ROUND_BF16, DOT_F32, TL_SORT,
+                )  # fmt: skip
+                e0 += BN
+        tl.debug_barrier()  # the last merge's stores
+        j = tl.arange(0, KP)
+        best = tl.load(bestp + j[None, :])
+        real = (best > -9223372036854775807) & (j[None, :] < K)
+        idx = tl.where(real, 0x7FFFFFFF - (best & 0x7FFFFFFF), 0x7FFFFFFF)
+        tl.store(
+            out_ptr + rows.to(tl.int64)[:, None] * K + j[None, :],
+            idx,
+            mask=rmask[:, None] & (j[None, :] < K),
+        )
+
     @triton.jit
     def _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS: tl.constexpr, DOT_F32: tl.constexpr):
         """One online-softmax step over a key tile kv [BN, D] (K = V)."""
@@ -390,8 +590,24 @@ if AVAILABLE:
         )
 
 
+INDEXER_VERSION = 2  # indexer_topk's default kernel (1: the first one, for comparison)
+ATTENTION_VERSION = 2  # sparse_attention_paged's default tiling (1: the first one)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _default_rows_per_tile(version: int, cuda: bool, rows: int, n_seqs: int) -> int:
+    """Rows of one sequence per program. Under the interpreter 16 (fewer programs run faster). On
+    CUDA, version 1 takes 4; version 2 takes 8 where sequences average 8 rows or more (prefill
+    chunks: twice the reuse of each key tile, same accumulator size as 4 x 128 entries) and 4
+    otherwise (decode and verify rows: a tile never spans two requests, so 8 would idle half)."""
+    if not cuda:
+        return 16
+    if version == 1:
+        return 4
+    return 8 if rows >= 8 * max(1, n_seqs) else 4
 
 
 def _row_seq(row_seq: torch.Tensor | None, rows: int, device: torch.device) -> torch.Tensor:
@@ -436,16 +652,25 @@ def indexer_topk(
     max_entries: int | None = None,
     rows_per_tile: int | None = None,
     sort_impl: str = "bitonic",
-    block_n: int = 128,
+    block_n: int | None = None,
     num_warps: int = 8,
+    version: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The k best index entries per row (module docstring has the contract). ``rows_per_tile``: rows
     of one sequence scored per program (a power of two; default 4 on CUDA, where the GEMM then
     has 4 * H rows, and 16 under the interpreter, where fewer programs run faster). ``sort_impl``:
     ``bitonic`` (this module's sort: a full sort of each merge tile, then one bitonic merge) or
     ``triton`` (``tl.sort`` twice; same result, kept as a fallback and for comparison).
-    ``block_n``: entries scored per step (the GEMM's N). ``max_entries``: a bound on n_visible the
-    caller knows (its sequences' entry counts), so the block maxima are sized without a sync."""
+    ``block_n``: entries scored per step (default 128, 64 for version 2 with 8 rows per tile).
+    ``max_entries``: a bound on n_visible the caller knows (its sequences' entry counts), so the
+    block maxima are sized without a sync. ``version``: the kernel (``INDEXER_VERSION`` by
+    default; 1 = the first one, kept so benchmarks time both in one run). Version 2 computes the
+    scores as keys x queries^T (the head sum stays within a warp), keeps the running top-k in
+    scratch rather than registers and, on CUDA, takes 8 rows per tile where sequences have that
+    many (prefill: each key tile read once per 8 rows instead of 4)."""
+    version = INDEXER_VERSION if version is None else version
+    if version not in (1, 2):
+        raise ValueError(f"version must be 1 or 2, got {version!r}")
     if sort_impl not in ("bitonic", "triton"):
         raise ValueError(f"sort_impl must be 'bitonic' or 'triton', got {sort_impl!r}")
     rows, n_heads, hd = q.shape
@@ -463,6 +688,13 @@ def indexer_topk(
             f"expected [{rows}] / [S, blocks]"
         )
     dev = q.device
+    seqs = _row_seq(row_seq, rows, dev)
+    tables = block_tables.to(device=dev, dtype=torch.int32).contiguous()
+    bm = rows_per_tile or _default_rows_per_tile(version, q.is_cuda, rows, tables.size(0))
+    if bm & (bm - 1):
+        raise ValueError(f"rows_per_tile must be a power of two, got {bm}")
+    if block_n is None:
+        block_n = 64 if version == 2 and bm >= 8 else 128
     kp = max(16, _next_pow2(k))
     bn = min(kp, block_n)
     if bn < 16 or bn & (bn - 1):
@@ -471,8 +703,6 @@ def indexer_topk(
         raise ValueError(f"block_max must be a power of two <= {bn}, got {block_max}")
     if candidates is not None and (candidates.dim() != 2 or candidates.size(0) != rows):
         raise ValueError(f"candidates of shape {tuple(candidates.shape)}, expected [{rows}, blocks]")
-    seqs = _row_seq(row_seq, rows, dev)
-    tables = block_tables.to(device=dev, dtype=torch.int32).contiguous()
     vis = n_visible.to(device=dev, dtype=torch.int32).contiguous()
     q = q.contiguous()
     w = w.contiguous()
@@ -491,12 +721,11 @@ def indexer_topk(
     if candidates is not None:
         cand = candidates.to(device=dev, dtype=torch.uint8).contiguous()
     if rows:
-        bm = rows_per_tile or (4 if q.is_cuda else 16)
-        if bm & (bm - 1):
-            raise ValueError(f"rows_per_tile must be a power of two, got {bm}")
         row0, count = row_tiles(seqs, tables.size(0), bm)
-        buf = torch.empty(row0.numel(), bm, kp, dtype=torch.int64, device=dev)  # candidate buffers
-        _indexer_topk_kernel[(row0.numel(),)](
+        # candidate buffers (version 2: each after its tile's running top-k)
+        buf = torch.empty(row0.numel(), version, bm, kp, dtype=torch.int64, device=dev)
+        kernel = _indexer_topk_kernel if version == 1 else _indexer_topk_kernel_v2
+        kernel[(row0.numel(),)](
             q, w, key_pool, tables, seqs, row0, count, vis, cand, bmax, buf, out,
             q.stride(0), q.stride(1), w.stride(0), key_pool.stride(0), key_pool.stride(1), tables.stride(0),
             cand.stride(0), bmax.stride(0) if block_max else 0, n_bmax, key_pool.size(1), k,
@@ -525,6 +754,8 @@ def indexer_topk_candidates(
     max_entries: int | None = None,
     rows_per_tile: int | None = None,
     sort_impl: str = "bitonic",
+    block_n: int | None = None,
+    version: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The candidate source's selection and its candidate pool as a block mask [rows, nb]: the
     ``topk_blocks`` blocks of ``block`` entries with the best entry, the newest visible block
@@ -543,6 +774,8 @@ def indexer_topk_candidates(
         max_entries=max_entries,
         rows_per_tile=rows_per_tile,
         sort_impl=sort_impl,
+        block_n=block_n,
+        version=version,
     )
     vis_blocks = (n_visible.to(bmax.device, torch.int64) + block - 1).div(block, rounding_mode="floor")
     if bmax.size(1) == 0:
