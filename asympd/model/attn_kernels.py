@@ -367,33 +367,39 @@ if AVAILABLE:
 
     @triton.jit
     def _merge_scratch(
-        bestp, bufp, cnt, KP: tl.constexpr, LOG_BM: tl.constexpr, LOG_KP: tl.constexpr, TL_SORT: tl.constexpr
-    ):
-        """Merge each row's buffered keys into its running top-KP (both in scratch): the new
-        threshold (the smallest kept key)."""
+        bestp, bufp, cnt, KP: tl.constexpr, NSLICE: tl.constexpr, LOG_BM: tl.constexpr, LOG_KP: tl.constexpr,
+        TL_SORT: tl.constexpr,
+    ):  # fmt: skip
+        """Merge each row's buffered keys (``cnt`` of NSLICE * KP slots) into its running top-KP,
+        both in scratch, a KP slice at a time (empty slices skipped): the new threshold (the
+        smallest kept key)."""
         tl.debug_barrier()  # the buffer's stores are visible to every thread
         j = tl.arange(0, KP)
-        cand = tl.load(bufp + j[None, :], mask=j[None, :] < cnt[:, None], other=-9223372036854775807)
         best = tl.load(bestp + j[None, :])
-        tl.debug_barrier()  # read before anyone refills them
-        if TL_SORT:
-            cand = tl.sort(cand, dim=1, descending=False)
-            best = tl.sort(tl.maximum(best, cand), dim=1, descending=True)
-        else:  # best descending against the candidates ascending: one bitonic merge sorts the max
-            cand = _bitonic(cand, LOG_BM, LOG_KP, 0, False)
-            best = _bitonic(tl.maximum(best, cand), LOG_BM, LOG_KP, 1, True)
+        for i in tl.static_range(NSLICE):
+            if tl.max(cnt, axis=0) > i * KP:
+                slot = i * KP + j
+                cand = tl.load(bufp + slot[None, :], mask=slot[None, :] < cnt[:, None], other=-9223372036854775807)
+                if TL_SORT:
+                    cand = tl.sort(cand, dim=1, descending=False)
+                    best = tl.sort(tl.maximum(best, cand), dim=1, descending=True)
+                else:  # best descending against the candidates ascending: one bitonic merge sorts the max
+                    cand = _bitonic(cand, LOG_BM, LOG_KP, 0, False)
+                    best = _bitonic(tl.maximum(best, cand), LOG_BM, LOG_KP, 1, True)
+        tl.debug_barrier()  # read before anyone refills the buffer
         tl.store(bestp + j[None, :], best)
         return tl.min(best, axis=1)
 
     @triton.jit
     def _scan_tile_v2(
-        thresh, cnt, bufp, bestp, qt, wt, kpool_ptr, table_ptr, vis, cand_ptr, bmax_ptr, s_cr, s_br, n_bmax, rows,
-        rmask, e0, n_max, s_kb, s_ke, EPB, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-        KP: tl.constexpr, LOG_BM: tl.constexpr, LOG_KP: tl.constexpr, HAS_CAND: tl.constexpr,
-        CAND_BLOCK: tl.constexpr, BMAX: tl.constexpr, ROUND_BF16: tl.constexpr, DOT_F32: tl.constexpr,
-        TL_SORT: tl.constexpr,
+        thresh, cnt, bufp, qt, wt, kpool_ptr, table_ptr, vis, cand_ptr, bmax_ptr, s_cr, s_br, n_bmax, rows, rmask,
+        e0, n_max, s_kb, s_ke, EPB, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        HAS_CAND: tl.constexpr, CAND_BLOCK: tl.constexpr, BMAX: tl.constexpr, ROUND_BF16: tl.constexpr,
+        DOT_F32: tl.constexpr,
     ):  # fmt: skip
-        """``_scan_tile`` with only the threshold and the buffer count in registers."""
+        """Score one tile; keys above the row's threshold are appended to its buffer. No merge and
+        no barrier here: the caller bounds a run of tiles by the buffer's room, so the loop over
+        them is a plain counted loop that Triton software-pipelines (cp.async key tiles)."""
         s, v = _score_keys_t(
             qt, wt, kpool_ptr, table_ptr, vis, cand_ptr, s_cr, rows, rmask, e0, n_max, s_kb, s_ke, EPB,
             H, D, BM, BN, HAS_CAND, CAND_BLOCK, ROUND_BF16, DOT_F32,
@@ -402,15 +408,9 @@ if AVAILABLE:
             _store_block_max(s, v, bmax_ptr, rows, rmask, e0, s_br, n_bmax, BM, BN, BMAX)
         keys = _keys_of(s, v, e0, BN)
         take = keys > thresh[:, None]
-        n_take = tl.sum(take.to(tl.int32), axis=1)
-        if (tl.max(cnt + n_take, axis=0) > KP) | (e0 >= n_max):
-            thresh = _merge_scratch(bestp, bufp, cnt, KP, LOG_BM, LOG_KP, TL_SORT)
-            cnt = tl.zeros_like(cnt)
-            take = keys > thresh[:, None]
-            n_take = tl.sum(take.to(tl.int32), axis=1)
         pos = cnt[:, None] + tl.cumsum(take.to(tl.int32), axis=1) - 1
         tl.store(bufp + pos, keys, mask=take)
-        return thresh, cnt + n_take
+        return cnt + tl.sum(take.to(tl.int32), axis=1)
 
     @triton.jit
     def _indexer_topk_kernel_v2(
@@ -451,6 +451,7 @@ if AVAILABLE:
         DOT_F32: tl.constexpr,
         TL_SORT: tl.constexpr,
         PIPELINE: tl.constexpr,
+        NSLICE: tl.constexpr,
     ):
         tile = tl.program_id(0)
         row0 = tl.load(tile_row0_ptr + tile)
@@ -473,28 +474,39 @@ if AVAILABLE:
             other=0.0,
         )
         wt = tl.load(w_ptr + qrow.to(tl.int64) * s_wr + mh % H, mask=qmask, other=0.0).to(tl.float32)
-        # scratch per tile: [BM, KP] running top-k (descending), then [BM, KP] candidate buffer
-        bestp = buf_ptr + tile.to(tl.int64) * (2 * BM * KP) + r[:, None] * KP
-        bufp = bestp + BM * KP
+        # scratch per row: the running top-k [KP] (descending), then its candidate buffer [NSLICE * KP]
+        CB: tl.constexpr = NSLICE * KP
+        bestp = buf_ptr + (tile.to(tl.int64) * BM + r[:, None]) * (KP + CB)
+        bufp = bestp + KP
         tl.store(bestp + tl.arange(0, KP)[None, :], tl.full((BM, KP), -9223372036854775807, tl.int64))
         thresh = tl.full((BM,), -9223372036854775807, tl.int64)
         cnt = tl.zeros((BM,), tl.int32)
-        if PIPELINE:
-            for e0 in range(0, n_max + BN, BN):
-                thresh, cnt = _scan_tile_v2(
-                    thresh, cnt, bufp, bestp, qt, wt, kpool_ptr, table_ptr, vis, cand_ptr, bmax_ptr, s_cr, s_br,
-                    n_bmax, rows, rmask, e0, n_max, s_kb, s_ke, EPB, H, D, BM, BN, KP, LOG_BM, LOG_KP, HAS_CAND,
-                    CAND_BLOCK, BMAX, ROUND_BF16, DOT_F32, TL_SORT,
-                )  # fmt: skip
-        else:
-            e0 = 0
-            while e0 < n_max + BN:
-                thresh, cnt = _scan_tile_v2(
-                    thresh, cnt, bufp, bestp, qt, wt, kpool_ptr, table_ptr, vis, cand_ptr, bmax_ptr, s_cr, s_br,
-                    n_bmax, rows, rmask, e0, n_max, s_kb, s_ke, EPB, H, D, BM, BN, KP, LOG_BM, LOG_KP, HAS_CAND,
-                    CAND_BLOCK, BMAX, ROUND_BF16, DOT_F32, TL_SORT,
-                )  # fmt: skip
-                e0 += BN
+        e0 = 0
+        while e0 < n_max:
+            room = (CB - tl.max(cnt, axis=0)) // BN  # tiles that cannot overflow any row's buffer
+            if room == 0:
+                thresh = _merge_scratch(bestp, bufp, cnt, KP, NSLICE, LOG_BM, LOG_KP, TL_SORT)
+                cnt = tl.zeros_like(cnt)
+                room = CB // BN
+            e1 = tl.minimum(e0 + room * BN, n_max)
+            if PIPELINE:  # a counted loop without barriers: Triton pipelines the key loads
+                for e in range(e0, e1, BN):
+                    cnt = _scan_tile_v2(
+                        thresh, cnt, bufp, qt, wt, kpool_ptr, table_ptr, vis, cand_ptr, bmax_ptr, s_cr, s_br, n_bmax,
+                        rows, rmask, e, n_max, s_kb, s_ke, EPB, H, D, BM, BN, HAS_CAND, CAND_BLOCK, BMAX,
+                        ROUND_BF16, DOT_F32,
+                    )  # fmt: skip
+            else:  # the interpreter cannot take a tensor as a range bound
+                e = e0
+                while e < e1:
+                    cnt = _scan_tile_v2(
+                        thresh, cnt, bufp, qt, wt, kpool_ptr, table_ptr, vis, cand_ptr, bmax_ptr, s_cr, s_br, n_bmax,
+                        rows, rmask, e, n_max, s_kb, s_ke, EPB, H, D, BM, BN, HAS_CAND, CAND_BLOCK, BMAX,
+                        ROUND_BF16, DOT_F32,
+                    )  # fmt: skip
+                    e += BN
+            e0 = e1
+        _merge_scratch(bestp, bufp, cnt, KP, NSLICE, LOG_BM, LOG_KP, TL_SORT)
         tl.debug_barrier()  # the last merge's stores
         j = tl.arange(0, KP)
         best = tl.load(bestp + j[None, :])
@@ -592,6 +604,7 @@ if AVAILABLE:
 
 INDEXER_VERSION = 2  # indexer_topk's default kernel (1: the first one, for comparison)
 ATTENTION_VERSION = 2  # sparse_attention_paged's default tiling (1: the first one)
+NSLICE = 2  # indexer v2: candidate buffer of NSLICE * k slots per row (runs of tiles between merges)
 
 
 def _next_pow2(n: int) -> int:
@@ -723,8 +736,10 @@ def indexer_topk(
     if rows:
         row0, count = row_tiles(seqs, tables.size(0), bm)
         # candidate buffers (version 2: each after its tile's running top-k)
-        buf = torch.empty(row0.numel(), version, bm, kp, dtype=torch.int64, device=dev)
+        slots = kp if version == 1 else kp + NSLICE * kp  # v2: the running top-k before the buffer
+        buf = torch.empty(row0.numel(), bm, slots, dtype=torch.int64, device=dev)
         kernel = _indexer_topk_kernel if version == 1 else _indexer_topk_kernel_v2
+        extra = {} if version == 1 else {"NSLICE": NSLICE}
         kernel[(row0.numel(),)](
             q, w, key_pool, tables, seqs, row0, count, vis, cand, bmax, buf, out,
             q.stride(0), q.stride(1), w.stride(0), key_pool.stride(0), key_pool.stride(1), tables.stride(0),
@@ -734,6 +749,7 @@ def indexer_topk(
             ROUND_BF16=q.dtype == torch.bfloat16, DOT_F32=dot_f32, TL_SORT=sort_impl == "triton",
             PIPELINE=q.is_cuda,
             num_warps=num_warps,
+            **extra,
         )  # fmt: skip
     out = out.sort(dim=1).values
     out.masked_fill_(out == 0x7FFFFFFF, -1)
