@@ -569,7 +569,11 @@ if AVAILABLE:
         BN: tl.constexpr,
         ROUND_PROBS: tl.constexpr,
         DOT_F32: tl.constexpr,
+        SEL_OFFSETS: tl.constexpr = False,
     ):
+        """``SEL_OFFSETS`` (version 2): sel holds each entry's element offset in the pool (the
+        wrapper resolved the block table), so a key tile is one dependent load after its index
+        load instead of two."""
         row = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BH + tl.arange(0, BH)
         hmask = h < NH
@@ -590,10 +594,12 @@ if AVAILABLE:
             j = j0 + n
             e = tl.load(sel_ptr + row * s_sr + j, mask=j < KSEL, other=-1).to(tl.int64)
             valid = e >= 0
-            blk = tl.load(table_ptr + e // EPB, mask=valid, other=0).to(tl.int64)
-            kv = tl.load(
-                pool_ptr + (blk * s_pb + (e % EPB) * s_pe)[:, None] + d[None, :], mask=valid[:, None], other=0.0
-            )
+            if SEL_OFFSETS:
+                off = e
+            else:
+                blk = tl.load(table_ptr + e // EPB, mask=valid, other=0).to(tl.int64)
+                off = blk * s_pb + (e % EPB) * s_pe
+            kv = tl.load(pool_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
             m, lsum, acc = _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS, DOT_F32)
         sink = tl.load(sink_ptr + h, mask=hmask, other=0.0).to(tl.float32)
         out = acc / (lsum + tl.exp(sink - m))[:, None]
@@ -811,11 +817,19 @@ def sparse_attention_paged(
     round_probs: bool,
     *,
     row_seq: torch.Tensor | None = None,
-    block_h: int = 16,
-    block_n: int = 32,
+    block_h: int | None = None,
+    block_n: int | None = None,
     num_warps: int | None = None,
+    version: int | None = None,
 ) -> torch.Tensor:
-    """Sparse latent attention over window rows and selected pool entries (module docstring)."""
+    """Sparse latent attention over window rows and selected pool entries (module docstring).
+    ``version`` (``ATTENTION_VERSION`` by default): 1 = 16 heads x 32 keys per program, the
+    table looked up in the kernel; 2 = every head of a row in one program (up to 64: each key tile
+    read once per row, not once per 16 heads, and a wgmma-sized M) over 16-key tiles, entries
+    resolved to pool offsets before the launch (one dependent load fewer per tile)."""
+    version = ATTENTION_VERSION if version is None else version
+    if version not in (1, 2):
+        raise ValueError(f"version must be 1 or 2, got {version!r}")
     rows, n_heads, d = q.shape
     if d & (d - 1):
         raise ValueError(f"head_dim must be a power of two, got {d}")
@@ -843,6 +857,12 @@ def sparse_attention_paged(
     if window_kv.dtype != kv_dtype:
         window_kv = window_kv.to(kv_dtype)
     dot_f32 = _dot_f32(q) or kv_dtype != torch.bfloat16 or q.dtype != kv_dtype or not round_probs
+    if block_h is None:
+        block_h = 16 if version == 1 else max(16, min(64, _next_pow2(n_heads)))
+    if block_n is None:
+        block_n = 32 if version == 1 or d < 256 else 16
+    if version == 2:
+        sel = _pool_offsets(sel, tables, seqs, ckv_pool)
     grid = (rows, triton.cdiv(n_heads, block_h))
     _sparse_attn_kernel[grid](
         q, window_kv, widx, sel, ckv_pool, tables, seqs, sink.float().contiguous(), out,
@@ -850,9 +870,22 @@ def sparse_attention_paged(
         ckv_pool.stride(0), ckv_pool.stride(1), tables.stride(0), out.stride(0), out.stride(1),
         n_heads, ckv_pool.size(1), float(scale), W=widx.size(1), KSEL=sel.size(1),
         D=d, BH=block_h, BN=block_n, ROUND_PROBS=bool(round_probs), DOT_F32=dot_f32,
-        num_warps=num_warps or (4 if d <= 128 else 8),
+        SEL_OFFSETS=version == 2, num_warps=num_warps or (4 if d <= 128 else 8),
     )  # fmt: skip
     return out
+
+
+def _pool_offsets(sel: torch.Tensor, tables: torch.Tensor, seqs: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    """Entry ids [rows, k] -> element offsets of their rows in ``pool`` (-1 stays -1). Block
+    indices past a table's end are clamped (a wrong entry id reads a wrong row, never out of the
+    table)."""
+    e = sel.long()
+    if tables.size(1) == 0:
+        return torch.full_like(e, -1)
+    blk_i = (e.clamp_min(0) // pool.size(1)).clamp_max(tables.size(1) - 1)
+    blk = tables.long()[seqs.long()[:, None], blk_i]
+    off = blk * pool.stride(0) + (e.clamp_min(0) % pool.size(1)) * pool.stride(1)
+    return torch.where(e >= 0, off, -1).contiguous()
 
 
 __all__ = ["AVAILABLE", "indexer_topk", "indexer_topk_candidates", "row_tiles", "sparse_attention_paged"]
