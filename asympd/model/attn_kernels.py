@@ -10,7 +10,7 @@ One table per sequence rather than per row lets a program score several rows of 
 against one key tile (the indexer's GEMM has ``rows_per_tile * heads`` rows instead of ``heads``).
 
 ``indexer_topk(q, w, key_pool, block_tables, n_visible, k, *, row_seq=None, candidates=None,
-candidate_block=1, block_max=0, rows_per_tile=None, block_n=128) -> sel [rows, k] int64`` (or
+candidate_block=1, block_max=0, rows_per_tile=None, block_n=None, version=None) -> sel [rows, k] int64`` (or
 ``(sel, block_scores)`` when ``block_max``):
     q [rows, H, hd] (already FP4-rounded), w [rows, H] (head weights with their scale folded in),
     key_pool [num_blocks, epb, hd]. score(row, e) = sum_h w * relu(q_h . key_e) for e <
@@ -29,7 +29,15 @@ candidate_block=1, block_max=0, rows_per_tile=None, block_n=128) -> sel [rows, k
     only when a buffer would overflow, and once at the end, is it sorted (bitonic) and merged into
     the running top-k (best descending vs buffer ascending: the elementwise max is bitonic, one
     bitonic merge sorts it). With scores in no particular order a row merges about
-    ln(n / k) + 1 times instead of once per tile.
+    ln(n / k) + 1 times instead of once per tile. That is version 1; version 2 (the default,
+    ``INDEXER_VERSION``) differs in three ways: the GEMM is keys x queries^T ([block_n, hd] x
+    [hd, rows x H]) so a row's head sum is within a warp (in version 1 the heads run down the
+    MMA's M across warps and the sum goes through shared memory); the running top-k sits in
+    scratch beside the buffer (L2) instead of registers; and the buffer holds ``NSLICE`` x k
+    slots, the tiles between merges a counted loop bounded by the buffer's room, so that loop has
+    no barrier and Triton pipelines the key tiles (cp.async); version 1's merge check with its
+    barriers inside the loop stopped that. On CUDA it also takes 8 rows per tile where
+    sequences average 8 rows or more (prefill), reading each key tile once per 8 rows.
     bf16 inputs follow the reference's bf16 roundings (per-head score, weighted score, the sum);
     fp32 inputs compute in fp32 (IEEE dots).
 ``indexer_topk_candidates(..., k, topk_blocks, block, *, max_entries=None) -> (sel, cand)``:
@@ -37,7 +45,7 @@ candidate_block=1, block_max=0, rows_per_tile=None, block_n=128) -> sel [rows, k
     ``attention.select_candidate_blocks`` at block level (the newest visible block pinned) on the
     kernel's block maxima. Re-index layers pass cand with ``candidate_block=block``.
 ``sparse_attention_paged(q, window_kv, window_idx, sel, ckv_pool, block_tables, sink, scale,
-round_probs, *, row_seq=None, block_h=16, block_n=32) -> [rows, h, d]`` in q's dtype:
+round_probs, *, row_seq=None, block_h=None, block_n=None, version=None) -> [rows, h, d]`` in q's dtype:
     q [rows, h, d]; window_kv [n_w, d] with window_idx [rows, W] (row of window_kv, -1 = not
     visible; the batched path's window index with -1 where not visible); sel [rows, k] entry ids
     of ckv_pool [num_blocks, epb, d] (-1 = unused). Online softmax (K = V) over the window rows then
@@ -46,7 +54,9 @@ round_probs, *, row_seq=None, block_h=16, block_n=32) -> [rows, h, d]`` in q's d
     probabilities go to bf16 before the value product, as in the reference, except that each is
     rounded relative to the running max rather than the final one (FlashMLA's order): a rescale by
     a power-of-e factor after rounding, within about one bf16 ulp of the reference's value. One
-    program per (row, ``block_h`` heads), keys in tiles of ``block_n`` rows.
+    program per (row, ``block_h`` heads), keys in tiles of ``block_n`` rows. ``version`` 1: 16
+    heads x 32 keys; 2 (``ATTENTION_VERSION``): all heads of a row (up to 64) x 16 keys, the
+    selected entries resolved to pool offsets by the wrapper.
 
 With ``TRITON_INTERPRET=1`` both run on CPU tensors (the tests); dots are then fp32 (the
 interpreter's bf16 dot is wrong, see ``gemm_kernels._dot_f32``).
