@@ -252,6 +252,7 @@ def run_cell(cell: Cell, run, ceil, res: dict[str, Any], iters: int, sweep: bool
         ref, ref_cand = unfused_select(cell, r, kind, cand_e)
         got, got_cand = fused_select(cell, r, kind, cand_b)
         row["agree"] = agreement(got, ref)
+        row["agree"]["v1_equals_v2"] = bool(torch.equal(fused_select(cell, r, kind, cand_b, version=1)[0], got))
         if kind == "cand_source":
             expanded = got_cand.repeat_interleave(cfg.candidate_block_size, 1)
             want = torch.cat(ref_cand)
@@ -259,10 +260,12 @@ def run_cell(cell: Cell, run, ceil, res: dict[str, Any], iters: int, sweep: bool
                 (expanded[:, : want.size(1)] == want).all(1).double().mean()
             )
         row["unfused"] = run(lambda r=r, kind=kind, ce=cand_e: unfused_select(cell, r, kind, ce), iters)
-        configs = [{}]
-        if sweep:  # the default first; Triton's sort as the fallback should the bitonic one fail
-            configs += [{"rows_per_tile": 8}, {"block_n": 64}, {"sort_impl": "triton"}]
-        best = None
+        # both kernel versions' defaults in every cell (old against new in one run)
+        configs = [{"version": 1}, {"version": 2}]
+        if sweep:  # then other tilings; Triton's sort as the fallback should the bitonic one fail
+            configs += [{"version": 2, "rows_per_tile": 4}, {"version": 2, "rows_per_tile": 8},
+                        {"version": 2, "block_n": 64}, {"version": 2, "block_n": 128},
+                        {"version": 1, "sort_impl": "triton"}]  # fmt: skip
         for kw in configs:
             try:
                 t = run(lambda r=r, kind=kind, cb=cand_b, kw=kw: fused_select(cell, r, kind, cb, **kw), iters)
@@ -271,9 +274,7 @@ def run_cell(cell: Cell, run, ceil, res: dict[str, Any], iters: int, sweep: bool
                 continue
             t["config"] = kw
             row.setdefault("fused_configs", []).append(t)
-            if best is None or t["ms"] < best["ms"]:
-                best = t
-        row["fused"] = best
+        pick_best(row)
         finish(row)
         out[kind] = row
         log(cell_name(cell), kind, summary(row))
@@ -282,13 +283,16 @@ def run_cell(cell: Cell, run, ceil, res: dict[str, Any], iters: int, sweep: bool
     row = attention_work(cell, ref_sel, ceil)
     want = unfused_attention(cell, 1, ref_sel).float()
     got = fused_attention(cell, ref_sel).float()
-    row["agree"] = {"rel_err": float((got - want).norm() / want.norm())}
+    got_v1 = fused_attention(cell, ref_sel, version=1).float()
+    row["agree"] = {
+        "rel_err": float((got - want).norm() / want.norm()),
+        "rel_err_v1": float((got_v1 - want).norm() / want.norm()),
+    }
     row["unfused"] = run(lambda: unfused_attention(cell, 1, ref_sel), iters)
-    configs = [{}]
+    configs = [{"version": 1}, {"version": 2}]
     if sweep:
-        configs = [{"block_h": bh, "block_n": bn} for bh in (16, 32) for bn in (32, 64)]
-        configs.append({"block_h": 64, "block_n": 16})  # wgmma (M = 64); 32-key tiles spill on sm_90
-    best = None
+        configs += [{"version": 1, "block_h": bh, "block_n": bn} for bh in (32, 64) for bn in (16, 32)]
+        configs += [{"version": 2, "block_n": 32}, {"version": 2, "block_h": 32, "block_n": 32}]
     for kw in configs:
         try:
             t = run(lambda kw=kw: fused_attention(cell, ref_sel, **kw), iters)
@@ -297,13 +301,25 @@ def run_cell(cell: Cell, run, ceil, res: dict[str, Any], iters: int, sweep: bool
             continue
         t["config"] = kw
         row.setdefault("fused_configs", []).append(t)
-        if best is None or t["ms"] < best["ms"]:
-            best = t
-    row["fused"] = best
+    pick_best(row)
     finish(row)
     out["attention"] = row
     log(cell_name(cell), "attention", summary(row))
     res["cells"][cell_name(cell)] = out
+
+
+def pick_best(row: dict[str, Any]) -> None:
+    """``fused``: the fastest config; ``fused_v1`` / ``fused_v2``: each version's defaults (the
+    first config timed of each), and the new kernels' speed-up over the old in the same run."""
+    timed = row.get("fused_configs", [])
+    row["fused"] = min(timed, key=lambda t: t["ms"], default=None)
+    for v in (1, 2):
+        first = next((t for t in timed if t["config"].get("version") == v), None)
+        if first is not None:
+            row[f"fused_v{v}"] = first
+    if "fused_v1" in row and "fused_v2" in row:
+        row["speedup_v2_over_v1"] = row["fused_v1"]["ms"] / row["fused_v2"]["ms"]
+        row["floor_fraction_v2"] = row["floor_ms"] / row["fused_v2"]["ms"]
 
 
 def finish(row: dict[str, Any]) -> None:
@@ -318,7 +334,8 @@ def summary(row: dict[str, Any]) -> str:
     return (
         f"fused {f.get('ms', float('nan')):.3f} ms ({row.get('floor_fraction_fused', 0) * 100:.0f}% of floor) "
         f"unfused {row['unfused']['ms']:.3f} ms ({row['floor_fraction_unfused'] * 100:.0f}%) "
-        f"floor {row['floor_ms']:.3f} ms speedup {row.get('speedup', 0):.2f}x agree {row['agree']}"
+        f"floor {row['floor_ms']:.3f} ms speedup {row.get('speedup', 0):.2f}x "
+        f"v2/v1 {row.get('speedup_v2_over_v1', 0):.2f}x agree {row['agree']}"
     )
 
 

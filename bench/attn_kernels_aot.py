@@ -40,10 +40,18 @@ ATTN_ARGS = [
 ]  # fmt: skip
 
 
+# integer arguments a launch at true shapes passes as multiples of 16 (strides of 128-wide rows,
+# 256-entry blocks, k = 512): the JIT specializes them, and pointers, as 16-divisible, which
+# decides whether loads become cp.async (pipelined) and how many registers the kernel takes
+ALIGNED = {"s_qr", "s_qh", "s_wr", "s_kb", "s_ke", "s_ts", "EPB", "K", "s_wn", "s_wir", "s_sr", "s_pb", "s_pe",
+           "s_or", "s_oh", "NH"}  # fmt: skip
+
+
 def compile_report(fn, args: list[tuple[str, str]], constexprs: dict[str, Any], num_warps: int) -> dict[str, Any]:
     sig = dict(args) | {name: "constexpr" for name in constexprs}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(args) if t.startswith("*") or n in ALIGNED}
     t0 = time.time()
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=TARGET,
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), target=TARGET,
                        options={"num_warps": num_warps})  # fmt: skip
     out: dict[str, Any] = {"compile_s": round(time.time() - t0, 1), "shared_bytes": k.metadata.shared}
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -58,6 +66,7 @@ def compile_report(fn, args: list[tuple[str, str]], constexprs: dict[str, Any], 
     ptx = k.asm["ptx"]
     out["wgmma"] = ptx.count("wgmma.mma_async")
     out["mma_sync"] = ptx.count("mma.sync")
+    out["cp_async"] = k.asm["ttgir"].count("async_copy_global_to_local")  # pipelined loads
     return out
 
 
@@ -71,23 +80,31 @@ def main() -> None:
         ("cand_source", False, cfg.candidate_block_size),
         ("reindex", True, 0),
     ):
-        for bm, bn, tl_sort in ((4, 128, False), (8, 128, False), (4, 64, False), (4, 128, True)):
+        for version, bm, bn, tl_sort in (
+            (1, 4, 128, False), (1, 8, 128, False), (1, 4, 64, False), (1, 4, 128, True),
+            (2, 4, 128, False), (2, 8, 64, False), (2, 8, 128, False),
+        ):  # fmt: skip
             cons = dict(
                 H=cfg.index_n_heads, D=cfg.index_head_dim, BM=bm, BN=bn, KP=kp, LOG_BM=bm.bit_length() - 1,
                 LOG_KP=kp.bit_length() - 1, HAS_CAND=cand, CAND_BLOCK=cfg.candidate_block_size, BMAX=bmax,
                 ROUND_BF16=True, DOT_F32=False, TL_SORT=tl_sort, PIPELINE=True,
             )  # fmt: skip
-            row = {"kernel": "indexer_topk", "kind": kind, "rows_per_tile": bm, "block_n": bn, "tl_sort": tl_sort}
+            fn = AK._indexer_topk_kernel
+            if version == 2:
+                cons["NSLICE"] = AK.NSLICE
+                fn = AK._indexer_topk_kernel_v2
+            row = {"kernel": "indexer_topk", "version": version, "kind": kind, "rows_per_tile": bm, "block_n": bn,
+                   "tl_sort": tl_sort}  # fmt: skip
             try:
-                row |= compile_report(AK._indexer_topk_kernel, INDEXER_ARGS, cons, 8)
+                row |= compile_report(fn, INDEXER_ARGS, cons, 8)
             except Exception as e:  # keep going: the report says which config failed
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
             log(row)
-    for bh, bn in ((16, 32), (16, 64), (32, 32), (32, 64), (64, 16)):
+    for version, bh, bn in ((1, 16, 32), (1, 16, 64), (1, 32, 32), (1, 32, 64), (1, 64, 16), (2, 64, 16), (2, 64, 32)):
         cons = dict(W=cfg.window_size, KSEL=cfg.index_topk, D=cfg.head_dim, BH=bh, BN=bn, ROUND_PROBS=True,
-                    DOT_F32=False)  # fmt: skip
-        row = {"kernel": "sparse_attention_paged", "block_h": bh, "block_n": bn}
+                    DOT_F32=False, SEL_OFFSETS=version == 2)  # fmt: skip
+        row = {"kernel": "sparse_attention_paged", "version": version, "block_h": bh, "block_n": bn}
         try:
             row |= compile_report(AK._sparse_attn_kernel, ATTN_ARGS, cons, 8)
         except Exception as e:

@@ -10,7 +10,7 @@ One table per sequence rather than per row lets a program score several rows of 
 against one key tile (the indexer's GEMM has ``rows_per_tile * heads`` rows instead of ``heads``).
 
 ``indexer_topk(q, w, key_pool, block_tables, n_visible, k, *, row_seq=None, candidates=None,
-candidate_block=1, block_max=0, rows_per_tile=None, block_n=128) -> sel [rows, k] int64`` (or
+candidate_block=1, block_max=0, rows_per_tile=None, block_n=None, version=None) -> sel [rows, k] int64`` (or
 ``(sel, block_scores)`` when ``block_max``):
     q [rows, H, hd] (already FP4-rounded), w [rows, H] (head weights with their scale folded in),
     key_pool [num_blocks, epb, hd]. score(row, e) = sum_h w * relu(q_h . key_e) for e <
@@ -29,7 +29,15 @@ candidate_block=1, block_max=0, rows_per_tile=None, block_n=128) -> sel [rows, k
     only when a buffer would overflow, and once at the end, is it sorted (bitonic) and merged into
     the running top-k (best descending vs buffer ascending: the elementwise max is bitonic, one
     bitonic merge sorts it). With scores in no particular order a row merges about
-    ln(n / k) + 1 times instead of once per tile.
+    ln(n / k) + 1 times instead of once per tile. That is version 1; version 2 (the default,
+    ``INDEXER_VERSION``) differs in three ways: the GEMM is keys x queries^T ([block_n, hd] x
+    [hd, rows x H]) so a row's head sum is within a warp (in version 1 the heads run down the
+    MMA's M across warps and the sum goes through shared memory); the running top-k sits in
+    scratch beside the buffer (L2) instead of registers; and the buffer holds ``NSLICE`` x k
+    slots, the tiles between merges a counted loop bounded by the buffer's room, so that loop has
+    no barrier and Triton pipelines the key tiles (cp.async); version 1's merge check with its
+    barriers inside the loop stopped that. On CUDA it also takes 8 rows per tile where
+    sequences average 8 rows or more (prefill), reading each key tile once per 8 rows.
     bf16 inputs follow the reference's bf16 roundings (per-head score, weighted score, the sum);
     fp32 inputs compute in fp32 (IEEE dots).
 ``indexer_topk_candidates(..., k, topk_blocks, block, *, max_entries=None) -> (sel, cand)``:
@@ -37,7 +45,7 @@ candidate_block=1, block_max=0, rows_per_tile=None, block_n=128) -> sel [rows, k
     ``attention.select_candidate_blocks`` at block level (the newest visible block pinned) on the
     kernel's block maxima. Re-index layers pass cand with ``candidate_block=block``.
 ``sparse_attention_paged(q, window_kv, window_idx, sel, ckv_pool, block_tables, sink, scale,
-round_probs, *, row_seq=None, block_h=16, block_n=32) -> [rows, h, d]`` in q's dtype:
+round_probs, *, row_seq=None, block_h=None, block_n=None, version=None) -> [rows, h, d]`` in q's dtype:
     q [rows, h, d]; window_kv [n_w, d] with window_idx [rows, W] (row of window_kv, -1 = not
     visible; the batched path's window index with -1 where not visible); sel [rows, k] entry ids
     of ckv_pool [num_blocks, epb, d] (-1 = unused). Online softmax (K = V) over the window rows then
@@ -46,7 +54,9 @@ round_probs, *, row_seq=None, block_h=16, block_n=32) -> [rows, h, d]`` in q's d
     probabilities go to bf16 before the value product, as in the reference, except that each is
     rounded relative to the running max rather than the final one (FlashMLA's order): a rescale by
     a power-of-e factor after rounding, within about one bf16 ulp of the reference's value. One
-    program per (row, ``block_h`` heads), keys in tiles of ``block_n`` rows.
+    program per (row, ``block_h`` heads), keys in tiles of ``block_n`` rows. ``version`` 1: 16
+    heads x 32 keys; 2 (``ATTENTION_VERSION``): all heads of a row (up to 64) x 16 keys, the
+    selected entries resolved to pool offsets by the wrapper.
 
 With ``TRITON_INTERPRET=1`` both run on CPU tensors (the tests); dots are then fp32 (the
 interpreter's bf16 dot is wrong, see ``gemm_kernels._dot_f32``).
@@ -306,6 +316,218 @@ if AVAILABLE:
             mask=rmask[:, None] & (j[None, :] < K),
         )
 
+    # ---- version 2 of the indexer: the GEMM transposed (entries x (row, head)), so the head sum is
+    # within a warp; the running top-k lives next to the candidate buffer (L2), not in registers ----
+
+    @triton.jit
+    def _score_keys_t(
+        qt,
+        wt,
+        kpool_ptr,
+        table_ptr,
+        vis,
+        cand_ptr,
+        s_cr,
+        rows,
+        rmask,
+        e0,
+        n_max,
+        s_kb,
+        s_ke,
+        EPB,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        HAS_CAND: tl.constexpr,
+        CAND_BLOCK: tl.constexpr,
+        ROUND_BF16: tl.constexpr,
+        DOT_F32: tl.constexpr,
+    ):
+        """``_score_keys`` with the key tile as the GEMM's M: keys [BN, D] x qt [D, BM * H] ->
+        [BN, BM * H]. In the MMA layout a thread holds consecutive columns, so the sum over a row's
+        H heads is in registers and among the 4 lanes of a quad, not across warps through shared
+        memory; only the [BN, BM] result is transposed. The wgmma M (64) is the key tile, so BM can
+        be small (decode: the rows of one request) without padding."""
+        e = e0 + tl.arange(0, BN)
+        emask = e < n_max
+        blk = tl.load(table_ptr + e // EPB, mask=emask, other=0).to(tl.int64)
+        d = tl.arange(0, D)
+        kp = kpool_ptr + blk[:, None] * s_kb + (e % EPB).to(tl.int64)[:, None] * s_ke + d[None, :]
+        keys = tl.load(kp, mask=emask[:, None], other=0.0)
+        if DOT_F32:
+            s = tl.dot(keys.to(tl.float32), qt.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(keys.to(qt.dtype), qt)
+        if ROUND_BF16:
+            s = s.to(tl.bfloat16).to(tl.float32)
+        s = tl.maximum(s, 0.0) * wt[None, :]
+        if ROUND_BF16:
+            s = s.to(tl.bfloat16).to(tl.float32)
+        s = tl.trans(tl.sum(tl.reshape(s, (BN, BM, H)), axis=2))
+        if ROUND_BF16:
+            s = s.to(tl.bfloat16).to(tl.float32)
+        visible = rmask[:, None] & (e[None, :] < vis[:, None])
+        if HAS_CAND:
+            c = tl.load(
+                cand_ptr + rows.to(tl.int64)[:, None] * s_cr + (e // CAND_BLOCK)[None, :], mask=visible, other=0
+            )
+            s = tl.where(c != 0, s, float("-inf"))
+        return s, visible
+
+    @triton.jit
+    def _merge_scratch(
+        bestp, bufp, cnt, KP: tl.constexpr, NSLICE: tl.constexpr, LOG_BM: tl.constexpr, LOG_KP: tl.constexpr,
+        TL_SORT: tl.constexpr,
+    ):  # fmt: skip
+        """Merge each row's buffered keys (``cnt`` of NSLICE * KP slots) into its running top-KP,
+        both in scratch, a KP slice at a time (empty slices skipped): the new threshold (the
+        smallest kept key)."""
+        tl.debug_barrier()  # the buffer's stores are visible to every thread
+        j = tl.arange(0, KP)
+        best = tl.load(bestp + j[None, :])
+        for i in range(NSLICE):  # a loop, not unrolled: one copy of the sort to compile
+            if tl.max(cnt, axis=0) > i * KP:
+                slot = i * KP + j
+                cand = tl.load(bufp + slot[None, :], mask=slot[None, :] < cnt[:, None], other=-9223372036854775807)
+                if TL_SORT:
+                    cand = tl.sort(cand, dim=1, descending=False)
+                    best = tl.sort(tl.maximum(best, cand), dim=1, descending=True)
+                else:  # best descending against the candidates ascending: one bitonic merge sorts the max
+                    cand = _bitonic(cand, LOG_BM, LOG_KP, 0, False)
+                    best = _bitonic(tl.maximum(best, cand), LOG_BM, LOG_KP, 1, True)
+        tl.debug_barrier()  # read before anyone refills the buffer
+        tl.store(bestp + j[None, :], best)
+        return tl.min(best, axis=1)
+
+    @triton.jit
+    def _scan_tile_v2(
+        thresh, cnt, bufp, qt, wt, kpool_ptr, table_ptr, vis, cand_ptr, bmax_ptr, s_cr, s_br, n_bmax, rows, rmask,
+        e0, n_max, s_kb, s_ke, EPB, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        HAS_CAND: tl.constexpr, CAND_BLOCK: tl.constexpr, BMAX: tl.constexpr, ROUND_BF16: tl.constexpr,
+        DOT_F32: tl.constexpr,
+    ):  # fmt: skip
+        """Score one tile; keys above the row's threshold are appended to its buffer. No merge and
+        no barrier here: the caller bounds a run of tiles by the buffer's room, so the loop over
+        them is a plain counted loop that Triton software-pipelines (cp.async key tiles)."""
+        s, v = _score_keys_t(
+            qt, wt, kpool_ptr, table_ptr, vis, cand_ptr, s_cr, rows, rmask, e0, n_max, s_kb, s_ke, EPB,
+            H, D, BM, BN, HAS_CAND, CAND_BLOCK, ROUND_BF16, DOT_F32,
+        )  # fmt: skip
+        if BMAX > 0:
+            _store_block_max(s, v, bmax_ptr, rows, rmask, e0, s_br, n_bmax, BM, BN, BMAX)
+        keys = _keys_of(s, v, e0, BN)
+        take = keys > thresh[:, None]
+        pos = cnt[:, None] + tl.cumsum(take.to(tl.int32), axis=1) - 1
+        tl.store(bufp + pos, keys, mask=take)
+        return cnt + tl.sum(take.to(tl.int32), axis=1)
+
+    @triton.jit
+    def _indexer_topk_kernel_v2(
+        q_ptr,
+        w_ptr,
+        kpool_ptr,
+        tables_ptr,
+        row_seq_ptr,
+        tile_row0_ptr,
+        tile_rows_ptr,
+        vis_ptr,
+        cand_ptr,
+        bmax_ptr,
+        buf_ptr,
+        out_ptr,
+        s_qr,
+        s_qh,
+        s_wr,
+        s_kb,
+        s_ke,
+        s_ts,
+        s_cr,
+        s_br,
+        n_bmax,
+        EPB,
+        K,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        KP: tl.constexpr,
+        LOG_BM: tl.constexpr,
+        LOG_KP: tl.constexpr,
+        HAS_CAND: tl.constexpr,
+        CAND_BLOCK: tl.constexpr,
+        BMAX: tl.constexpr,
+        ROUND_BF16: tl.constexpr,
+        DOT_F32: tl.constexpr,
+        TL_SORT: tl.constexpr,
+        PIPELINE: tl.constexpr,
+        NSLICE: tl.constexpr,
+    ):
+        tile = tl.program_id(0)
+        row0 = tl.load(tile_row0_ptr + tile)
+        nrows = tl.load(tile_rows_ptr + tile)
+        r = tl.arange(0, BM)
+        rows = row0 + r
+        rmask = r < nrows
+        vis = tl.load(vis_ptr + rows, mask=rmask, other=0).to(tl.int32)
+        n_max = tl.max(vis, axis=0)
+        seq = tl.load(row_seq_ptr + row0).to(tl.int64)
+        table_ptr = tables_ptr + seq * s_ts
+        # queries as the GEMM's B operand [D, BM * H], loaded transposed once
+        mh = tl.arange(0, BM * H)
+        qrow = row0 + mh // H
+        qmask = (mh // H) < nrows
+        d = tl.arange(0, D)
+        qt = tl.load(
+            q_ptr + qrow.to(tl.int64)[None, :] * s_qr + (mh % H)[None, :] * s_qh + d[:, None],
+            mask=qmask[None, :],
+            other=0.0,
+        )
+        wt = tl.load(w_ptr + qrow.to(tl.int64) * s_wr + mh % H, mask=qmask, other=0.0).to(tl.float32)
+        # scratch per row: the running top-k [KP] (descending), then its candidate buffer [NSLICE * KP]
+        CB: tl.constexpr = NSLICE * KP
+        bestp = buf_ptr + (tile.to(tl.int64) * BM + r[:, None]) * (KP + CB)
+        bufp = bestp + KP
+        tl.store(bestp + tl.arange(0, KP)[None, :], tl.full((BM, KP), -9223372036854775807, tl.int64))
+        thresh = tl.full((BM,), -9223372036854775807, tl.int64)
+        cnt = tl.zeros((BM,), tl.int32)
+        e0 = 0
+        while e0 < n_max:
+            room = (CB - tl.max(cnt, axis=0)) // BN  # tiles that cannot overflow any row's buffer
+            if room == 0:
+                thresh = _merge_scratch(bestp, bufp, cnt, KP, NSLICE, LOG_BM, LOG_KP, TL_SORT)
+                cnt = tl.zeros_like(cnt)
+                room = CB // BN
+            e1 = tl.minimum(e0 + room * BN, n_max)
+            if PIPELINE:  # a counted loop without barriers: Triton pipelines the key loads
+                for e in range(e0, e1, BN):
+                    cnt = _scan_tile_v2(
+                        thresh, cnt, bufp, qt, wt, kpool_ptr, table_ptr, vis, cand_ptr, bmax_ptr, s_cr, s_br, n_bmax,
+                        rows, rmask, e, n_max, s_kb, s_ke, EPB, H, D, BM, BN, HAS_CAND, CAND_BLOCK, BMAX,
+                        ROUND_BF16, DOT_F32,
+                    )  # fmt: skip
+            else:  # the interpreter cannot take a tensor as a range bound
+                e = e0
+                while e < e1:
+                    cnt = _scan_tile_v2(
+                        thresh, cnt, bufp, qt, wt, kpool_ptr, table_ptr, vis, cand_ptr, bmax_ptr, s_cr, s_br, n_bmax,
+                        rows, rmask, e, n_max, s_kb, s_ke, EPB, H, D, BM, BN, HAS_CAND, CAND_BLOCK, BMAX,
+                        ROUND_BF16, DOT_F32,
+                    )  # fmt: skip
+                    e += BN
+            e0 = e1
+        _merge_scratch(bestp, bufp, cnt, KP, NSLICE, LOG_BM, LOG_KP, TL_SORT)
+        tl.debug_barrier()  # the last merge's stores
+        j = tl.arange(0, KP)
+        best = tl.load(bestp + j[None, :])
+        real = (best > -9223372036854775807) & (j[None, :] < K)
+        idx = tl.where(real, 0x7FFFFFFF - (best & 0x7FFFFFFF), 0x7FFFFFFF)
+        tl.store(
+            out_ptr + rows.to(tl.int64)[:, None] * K + j[None, :],
+            idx,
+            mask=rmask[:, None] & (j[None, :] < K),
+        )
+
     @triton.jit
     def _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS: tl.constexpr, DOT_F32: tl.constexpr):
         """One online-softmax step over a key tile kv [BN, D] (K = V)."""
@@ -357,7 +579,11 @@ if AVAILABLE:
         BN: tl.constexpr,
         ROUND_PROBS: tl.constexpr,
         DOT_F32: tl.constexpr,
+        SEL_OFFSETS: tl.constexpr = False,
     ):
+        """``SEL_OFFSETS`` (version 2): sel holds each entry's element offset in the pool (the
+        wrapper resolved the block table), so a key tile is one dependent load after its index
+        load instead of two."""
         row = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BH + tl.arange(0, BH)
         hmask = h < NH
@@ -378,10 +604,12 @@ if AVAILABLE:
             j = j0 + n
             e = tl.load(sel_ptr + row * s_sr + j, mask=j < KSEL, other=-1).to(tl.int64)
             valid = e >= 0
-            blk = tl.load(table_ptr + e // EPB, mask=valid, other=0).to(tl.int64)
-            kv = tl.load(
-                pool_ptr + (blk * s_pb + (e % EPB) * s_pe)[:, None] + d[None, :], mask=valid[:, None], other=0.0
-            )
+            if SEL_OFFSETS:
+                off = e
+            else:
+                blk = tl.load(table_ptr + e // EPB, mask=valid, other=0).to(tl.int64)
+                off = blk * s_pb + (e % EPB) * s_pe
+            kv = tl.load(pool_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
             m, lsum, acc = _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS, DOT_F32)
         sink = tl.load(sink_ptr + h, mask=hmask, other=0.0).to(tl.float32)
         out = acc / (lsum + tl.exp(sink - m))[:, None]
@@ -390,8 +618,25 @@ if AVAILABLE:
         )
 
 
+INDEXER_VERSION = 2  # indexer_topk's default kernel (1: the first one, for comparison)
+ATTENTION_VERSION = 2  # sparse_attention_paged's default tiling (1: the first one)
+NSLICE = 2  # indexer v2: candidate buffer of NSLICE * k slots per row (runs of tiles between merges)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _default_rows_per_tile(version: int, cuda: bool, rows: int, n_seqs: int) -> int:
+    """Rows of one sequence per program. Under the interpreter 16 (fewer programs run faster). On
+    CUDA, version 1 takes 4; version 2 takes 8 where sequences average 8 rows or more (prefill
+    chunks: twice the reuse of each key tile, same accumulator size as 4 x 128 entries) and 4
+    otherwise (decode and verify rows: a tile never spans two requests, so 8 would idle half)."""
+    if not cuda:
+        return 16
+    if version == 1:
+        return 4
+    return 8 if rows >= 8 * max(1, n_seqs) else 4
 
 
 def _row_seq(row_seq: torch.Tensor | None, rows: int, device: torch.device) -> torch.Tensor:
@@ -436,16 +681,25 @@ def indexer_topk(
     max_entries: int | None = None,
     rows_per_tile: int | None = None,
     sort_impl: str = "bitonic",
-    block_n: int = 128,
+    block_n: int | None = None,
     num_warps: int = 8,
+    version: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The k best index entries per row (module docstring has the contract). ``rows_per_tile``: rows
     of one sequence scored per program (a power of two; default 4 on CUDA, where the GEMM then
     has 4 * H rows, and 16 under the interpreter, where fewer programs run faster). ``sort_impl``:
     ``bitonic`` (this module's sort: a full sort of each merge tile, then one bitonic merge) or
     ``triton`` (``tl.sort`` twice; same result, kept as a fallback and for comparison).
-    ``block_n``: entries scored per step (the GEMM's N). ``max_entries``: a bound on n_visible the
-    caller knows (its sequences' entry counts), so the block maxima are sized without a sync."""
+    ``block_n``: entries scored per step (default 128, 64 for version 2 with 8 rows per tile).
+    ``max_entries``: a bound on n_visible the caller knows (its sequences' entry counts), so the
+    block maxima are sized without a sync. ``version``: the kernel (``INDEXER_VERSION`` by
+    default; 1 = the first one, kept so benchmarks time both in one run). Version 2 computes the
+    scores as keys x queries^T (the head sum stays within a warp), keeps the running top-k in
+    scratch rather than registers and, on CUDA, takes 8 rows per tile where sequences have that
+    many (prefill: each key tile read once per 8 rows instead of 4)."""
+    version = INDEXER_VERSION if version is None else version
+    if version not in (1, 2):
+        raise ValueError(f"version must be 1 or 2, got {version!r}")
     if sort_impl not in ("bitonic", "triton"):
         raise ValueError(f"sort_impl must be 'bitonic' or 'triton', got {sort_impl!r}")
     rows, n_heads, hd = q.shape
@@ -463,6 +717,13 @@ def indexer_topk(
             f"expected [{rows}] / [S, blocks]"
         )
     dev = q.device
+    seqs = _row_seq(row_seq, rows, dev)
+    tables = block_tables.to(device=dev, dtype=torch.int32).contiguous()
+    bm = rows_per_tile or _default_rows_per_tile(version, q.is_cuda, rows, tables.size(0))
+    if bm & (bm - 1):
+        raise ValueError(f"rows_per_tile must be a power of two, got {bm}")
+    if block_n is None:
+        block_n = 64 if version == 2 and bm >= 8 else 128
     kp = max(16, _next_pow2(k))
     bn = min(kp, block_n)
     if bn < 16 or bn & (bn - 1):
@@ -471,8 +732,6 @@ def indexer_topk(
         raise ValueError(f"block_max must be a power of two <= {bn}, got {block_max}")
     if candidates is not None and (candidates.dim() != 2 or candidates.size(0) != rows):
         raise ValueError(f"candidates of shape {tuple(candidates.shape)}, expected [{rows}, blocks]")
-    seqs = _row_seq(row_seq, rows, dev)
-    tables = block_tables.to(device=dev, dtype=torch.int32).contiguous()
     vis = n_visible.to(device=dev, dtype=torch.int32).contiguous()
     q = q.contiguous()
     w = w.contiguous()
@@ -491,12 +750,13 @@ def indexer_topk(
     if candidates is not None:
         cand = candidates.to(device=dev, dtype=torch.uint8).contiguous()
     if rows:
-        bm = rows_per_tile or (4 if q.is_cuda else 16)
-        if bm & (bm - 1):
-            raise ValueError(f"rows_per_tile must be a power of two, got {bm}")
         row0, count = row_tiles(seqs, tables.size(0), bm)
-        buf = torch.empty(row0.numel(), bm, kp, dtype=torch.int64, device=dev)  # candidate buffers
-        _indexer_topk_kernel[(row0.numel(),)](
+        # candidate buffers (version 2: each after its tile's running top-k)
+        slots = kp if version == 1 else kp + NSLICE * kp  # v2: the running top-k before the buffer
+        buf = torch.empty(row0.numel(), bm, slots, dtype=torch.int64, device=dev)
+        kernel = _indexer_topk_kernel if version == 1 else _indexer_topk_kernel_v2
+        extra = {} if version == 1 else {"NSLICE": NSLICE}
+        kernel[(row0.numel(),)](
             q, w, key_pool, tables, seqs, row0, count, vis, cand, bmax, buf, out,
             q.stride(0), q.stride(1), w.stride(0), key_pool.stride(0), key_pool.stride(1), tables.stride(0),
             cand.stride(0), bmax.stride(0) if block_max else 0, n_bmax, key_pool.size(1), k,
@@ -505,6 +765,7 @@ def indexer_topk(
             ROUND_BF16=q.dtype == torch.bfloat16, DOT_F32=dot_f32, TL_SORT=sort_impl == "triton",
             PIPELINE=q.is_cuda,
             num_warps=num_warps,
+            **extra,
         )  # fmt: skip
     out = out.sort(dim=1).values
     out.masked_fill_(out == 0x7FFFFFFF, -1)
@@ -525,6 +786,8 @@ def indexer_topk_candidates(
     max_entries: int | None = None,
     rows_per_tile: int | None = None,
     sort_impl: str = "bitonic",
+    block_n: int | None = None,
+    version: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The candidate source's selection and its candidate pool as a block mask [rows, nb]: the
     ``topk_blocks`` blocks of ``block`` entries with the best entry, the newest visible block
@@ -543,6 +806,8 @@ def indexer_topk_candidates(
         max_entries=max_entries,
         rows_per_tile=rows_per_tile,
         sort_impl=sort_impl,
+        block_n=block_n,
+        version=version,
     )
     vis_blocks = (n_visible.to(bmax.device, torch.int64) + block - 1).div(block, rounding_mode="floor")
     if bmax.size(1) == 0:
@@ -562,11 +827,19 @@ def sparse_attention_paged(
     round_probs: bool,
     *,
     row_seq: torch.Tensor | None = None,
-    block_h: int = 16,
-    block_n: int = 32,
+    block_h: int | None = None,
+    block_n: int | None = None,
     num_warps: int | None = None,
+    version: int | None = None,
 ) -> torch.Tensor:
-    """Sparse latent attention over window rows and selected pool entries (module docstring)."""
+    """Sparse latent attention over window rows and selected pool entries (module docstring).
+    ``version`` (``ATTENTION_VERSION`` by default): 1 = 16 heads x 32 keys per program, the
+    table looked up in the kernel; 2 = every head of a row in one program (up to 64: each key tile
+    read once per row, not once per 16 heads, and a wgmma-sized M) over 16-key tiles, entries
+    resolved to pool offsets before the launch (one dependent load fewer per tile)."""
+    version = ATTENTION_VERSION if version is None else version
+    if version not in (1, 2):
+        raise ValueError(f"version must be 1 or 2, got {version!r}")
     rows, n_heads, d = q.shape
     if d & (d - 1):
         raise ValueError(f"head_dim must be a power of two, got {d}")
@@ -594,6 +867,12 @@ def sparse_attention_paged(
     if window_kv.dtype != kv_dtype:
         window_kv = window_kv.to(kv_dtype)
     dot_f32 = _dot_f32(q) or kv_dtype != torch.bfloat16 or q.dtype != kv_dtype or not round_probs
+    if block_h is None:
+        block_h = 16 if version == 1 else max(16, min(64, _next_pow2(n_heads)))
+    if block_n is None:
+        block_n = 32 if version == 1 or d < 256 else 16
+    if version == 2:
+        sel = _pool_offsets(sel, tables, seqs, ckv_pool)
     grid = (rows, triton.cdiv(n_heads, block_h))
     _sparse_attn_kernel[grid](
         q, window_kv, widx, sel, ckv_pool, tables, seqs, sink.float().contiguous(), out,
@@ -601,9 +880,22 @@ def sparse_attention_paged(
         ckv_pool.stride(0), ckv_pool.stride(1), tables.stride(0), out.stride(0), out.stride(1),
         n_heads, ckv_pool.size(1), float(scale), W=widx.size(1), KSEL=sel.size(1),
         D=d, BH=block_h, BN=block_n, ROUND_PROBS=bool(round_probs), DOT_F32=dot_f32,
-        num_warps=num_warps or (4 if d <= 128 else 8),
+        SEL_OFFSETS=version == 2, num_warps=num_warps or (4 if d <= 128 else 8),
     )  # fmt: skip
     return out
+
+
+def _pool_offsets(sel: torch.Tensor, tables: torch.Tensor, seqs: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    """Entry ids [rows, k] -> element offsets of their rows in ``pool`` (-1 stays -1). Block
+    indices past a table's end are clamped (a wrong entry id reads a wrong row, never out of the
+    table)."""
+    e = sel.long()
+    if tables.size(1) == 0:
+        return torch.full_like(e, -1)
+    blk_i = (e.clamp_min(0) // pool.size(1)).clamp_max(tables.size(1) - 1)
+    blk = tables.long()[seqs.long()[:, None], blk_i]
+    off = blk * pool.stride(0) + (e.clamp_min(0) % pool.size(1)) * pool.stride(1)
+    return torch.where(e >= 0, off, -1).contiguous()
 
 
 __all__ = ["AVAILABLE", "indexer_topk", "indexer_topk_candidates", "row_tiles", "sparse_attention_paged"]

@@ -72,8 +72,16 @@ def segments(g, lens_rows, heads, hd, values):
     return out
 
 
+@pytest.fixture(params=[1, 2], ids=["v1", "v2"])
+def kernel_version(request, monkeypatch):
+    """Both kernel versions: the first stays selectable so benchmarks time old against new."""
+    monkeypatch.setattr(AK, "INDEXER_VERSION", request.param)
+    monkeypatch.setattr(AK, "ATTENTION_VERSION", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("values", ["grid", "fp4"])
-def test_indexer_topk_matches_reference(values):
+def test_indexer_topk_matches_reference(values, kernel_version):
     g = torch.Generator().manual_seed(1)
     heads, hd, k, epb = 4, 32, 8, 4
     if values == "grid":
@@ -97,7 +105,7 @@ def test_indexer_topk_matches_reference(values):
     assert (got[9 + 3 + 0] == -1).all() and got[9, :2].tolist() == [0, 1] and (got[9, 2:] == -1).all()
 
 
-def test_indexer_topk_ties_go_to_the_lowest_index():
+def test_indexer_topk_ties_go_to_the_lowest_index(kernel_version):
     g = torch.Generator().manual_seed(2)
     heads, hd, k, epb, n, m = 4, 32, 8, 8, 150, 5
     keys = fp4_grid(g, n, hd)
@@ -121,12 +129,32 @@ def test_indexer_topk_ties_go_to_the_lowest_index():
     assert torch.equal(AK.indexer_topk(q, w, pool, tables, vis, 100), want100)
     # many small score tiles buffered between merges
     assert torch.equal(AK.indexer_topk(q, w, pool, tables, vis, 100, block_n=16), want100)
+    # 8 rows per tile (version 2's CUDA default for prefill) and 64-entry tiles
+    assert torch.equal(AK.indexer_topk(q, w, pool, tables, vis, 100, rows_per_tile=8, block_n=64), want100)
     # Triton's own sort, the fallback, selects the same (two rows: it is slow in the interpreter)
     got = AK.indexer_topk(q[:2], w[:2], pool, tables, vis[:2], k, rows_per_tile=2, sort_impl="triton")
     assert torch.equal(got, want[:2])
 
 
-def test_candidate_source_and_reindex_layer():
+def test_indexer_versions_agree_in_bf16():
+    """bf16 inputs take the reference's bf16 roundings (per-head score, weighted score, the sum) in
+    both kernels; on e2m1 values every sum is exact, so the two select the same entries."""
+    g = torch.Generator().manual_seed(6)
+    heads, hd, epb = 4, 32, 8
+    segs = segments(g, [(90, 6, 60), (33, 3, 30)], heads, hd, fp4_grid)
+    pool, tables = paged([s[0] for s in segs], epb, g)
+    q, w = torch.cat([s[1] for s in segs]).bfloat16(), torch.cat([s[2] for s in segs]).bfloat16()
+    vis = torch.cat([s[3] for s in segs])
+    row_seq = torch.tensor([0] * 6 + [1] * 3)
+    args = (q, w, pool.bfloat16(), tables, vis, 16)
+    v1 = AK.indexer_topk(*args, row_seq=row_seq, version=1)
+    assert torch.equal(AK.indexer_topk(*args, row_seq=row_seq, version=2), v1)
+    assert torch.equal(AK.indexer_topk(*args, row_seq=row_seq, version=2, rows_per_tile=4, block_n=16), v1)
+    want = torch.cat([ref_select(s[1].float(), s[2].float(), s[0], s[3], 16)[0] for s in segs])
+    assert torch.equal(v1, want)
+
+
+def test_candidate_source_and_reindex_layer(kernel_version):
     """L20 picks its top-k and the candidate blocks; a re-index layer chooses within them."""
     g = torch.Generator().manual_seed(3)
     heads, hd, k, epb, block, topk_blocks = 4, 32, 8, 8, 4, 3
@@ -177,10 +205,17 @@ def test_indexer_bad_input():
         AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, rows_per_tile=3)
     with pytest.raises(ValueError, match="row_seq"):
         AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, row_seq=torch.zeros(3))
+    with pytest.raises(ValueError, match="version must be 1 or 2, got 3"):
+        AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, version=3)
     qa, win = torch.zeros(2, 4, 64), torch.zeros(5, 64)
     ckv, sink = torch.zeros(3, 4, 64), torch.zeros(4)
     with pytest.raises(ValueError, match="for 2 rows"):
         AK.sparse_attention_paged(qa, win, torch.zeros(3, 16), torch.zeros(2, 8), ckv, tables, sink, 0.1, False)
+    with pytest.raises(ValueError, match="version must be 1 or 2, got 0"):
+        AK.sparse_attention_paged(
+            qa, win, torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long), ckv, tables, sink,
+            0.1, False, version=0,
+        )  # fmt: skip
     with pytest.raises(ValueError, match="integer tensors"):
         AK.sparse_attention_paged(qa, win, torch.zeros(2, 16), torch.zeros(2, 8), ckv, tables, sink, 0.1, False)
     with pytest.raises(ValueError, match="head_dim"):
@@ -191,7 +226,7 @@ def test_indexer_bad_input():
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # exp(sink + 1e30): the empty row
 @pytest.mark.parametrize("round_probs", [False, True])
-def test_sparse_attention_paged_matches_reference(round_probs):
+def test_sparse_attention_paged_matches_reference(round_probs, kernel_version):
     """fp32 throughout; tolerance 1e-5 relative (summation order and the online rescaling; with
     round_probs the bf16 rounding happens against the running max: 1e-2)."""
     g = torch.Generator().manual_seed(4)
@@ -223,7 +258,7 @@ def test_sparse_attention_paged_matches_reference(round_probs):
     assert torch.equal(got[6], torch.zeros(h, d))
 
 
-def test_indexer_on_the_tiny_checkpoint(tiny_ckpt, monkeypatch):
+def test_indexer_on_the_tiny_checkpoint(tiny_ckpt, monkeypatch, kernel_version):
     """Every index layer of a tiny-checkpoint prefill and decode step (fp32, paged KV through a
     shuffled block table): the kernel selects exactly what ``Attention._select`` does, the candidate
     source's pool included; re-index layers get the reference's candidates."""
