@@ -1,0 +1,88 @@
+"""What the CUDA-graph path refuses and how it keys steps (model/cuda_graphs.py), on CPU. That the
+static path computes what the eager step computes is tests/engine/test_batched_step.py's; that
+captured graphs do is tests/engine/test_cuda_engine.py's (on the device)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asympd import LLM
+from asympd.config import tiny
+from asympd.engine.engine import EngineConfig
+from asympd.kv.batch import BatchSegment, PagedBatch
+from asympd.kv.paged_cache import PagedKVCache
+from asympd.kv.spec import KVCacheSpec
+from asympd.model.cuda_graphs import DecodeGraphs, DraftGraphs
+from asympd.model.transformer import Chunk, Depth
+
+
+def _cache(scratch: bool) -> PagedKVCache:
+    return PagedKVCache(KVCacheSpec.from_config(tiny(), block_size=16), 8, 4, scratch=scratch)
+
+
+def test_the_scratch_block_and_slot_are_extra_and_counted():
+    plain, scratch = _cache(False), _cache(True)
+    assert plain.scratch_block is None and plain.scratch_slot is None
+    assert (scratch.scratch_block, scratch.scratch_slot) == (8, 4)  # past what the block manager hands out
+    assert (scratch.num_blocks, scratch.max_seqs) == (8, 4)
+    name = next(iter(plain.pools))
+    assert scratch.pools[name].shape[0] == 9 and scratch.window_kv.shape[0] == 5
+    assert scratch.nbytes() > plain.nbytes()
+
+
+def test_graphs_refuse_a_cache_without_scratch_or_a_cpu_capture():
+    with pytest.raises(ValueError, match="scratch=True"):
+        DecodeGraphs(None, _cache(False), capture=False)
+    with pytest.raises(ValueError, match="scratch=True"):
+        DraftGraphs(None, _cache(False), capture=False)
+    with pytest.raises(ValueError, match="need a CUDA device"):
+        DecodeGraphs(None, _cache(True), capture=True)
+
+
+def test_a_batch_reloads_only_its_own_layout():
+    cache = _cache(True)
+    segs = [BatchSegment([0, 1], 0, 17, 2), BatchSegment([2], 1, 3, 2)]
+    batch = PagedBatch(cache, segs, width=4)
+    assert batch.block_table.shape == (2, 4)
+    batch.load([BatchSegment([3], 2, 40, 2), BatchSegment([4, 5, 6], 3, 9, 2)])  # same rows per segment
+    assert batch.positions.tolist() == [40, 41, 9, 10]
+    assert batch.block_table.tolist() == [[3, 0, 0, 0], [4, 5, 6, 0]]
+    assert batch.slot.tolist() == [2, 3]
+    with pytest.raises(ValueError, match="layout"):
+        batch.load([BatchSegment([3], 2, 40, 1), BatchSegment([4], 3, 9, 3)])
+    with pytest.raises(ValueError, match="does not fit a batch of width 1"):
+        PagedBatch(cache, segs, width=1)
+
+
+def test_which_steps_take_a_graph_and_at_what_padded_shape(tiny_ckpt):
+    llm = LLM(tiny_ckpt, "colocated")
+    eng = llm.engine
+    graphs = DecodeGraphs(eng.model, eng.cache, capture=False)
+    view = eng.cache.view("a", list(range(3)), 0)
+
+    def chunk(rows: int, start: int = 100, **kw) -> Chunk:
+        return Chunk(view, torch.zeros(rows, dtype=torch.long), start, None, **kw)
+
+    def key(chunks: list[Chunk]):
+        segs = [BatchSegment(c.kv.block_table, c.kv.slot, c.start, len(c.token_ids)) for c in chunks]
+        return graphs.key(chunks, segs)
+
+    k = key([chunk(3, logits="all")] * 5)
+    assert (k.segments, k.rows, k.logits, k.context) == (8, 3, "all", 1024)  # 5 requests padded to 8
+    assert k.width == 1024 // eng.spec.block_size  # the tables cover the context bound
+    assert key([chunk(1, start=1500)]).context == 2048
+    assert key([chunk(1), chunk(2)]) is None  # rows differ
+    assert key([chunk(1), chunk(1, depth=Depth.ENCODER_KV)]) is None  # not every layer
+    assert key([chunk(1, logits="none")]) is None
+    assert key([chunk(1, write_global=False)]) is None  # a replay on D: no graph
+    assert key([chunk(1)] * 513) is None  # past the largest captured size
+
+
+def test_engine_config_refuses_an_unknown_graph_mode_and_cpu_engines_run_eagerly(tiny_ckpt):
+    with pytest.raises(ValueError, match="unknown cuda_graph_mode 'piecewise'"):
+        EngineConfig(cuda_graph_mode="piecewise").validate()
+    llm = LLM(tiny_ckpt, "asymmetric")
+    assert llm.engine.runner.graphs is None  # CPU: no graphs, the cache still keeps its scratch
+    assert llm.engine.cache.scratch_block is not None
+    assert llm.prefill.cache.scratch_block is None  # a prefill worker never decodes
