@@ -368,6 +368,14 @@ class Deployment:
 
         stop_all([*self.workers, *([self.router] if self.router else [])])
 
+    def log_warnings(self, n: int = 50) -> dict[str, list[str]]:
+        """Each process's last ``n`` WARNING and ERROR lines."""
+        out = {}
+        for w in [*self.workers, *([self.router] if self.router else [])]:
+            lines = w.log_tail(100_000).splitlines()
+            out[w.name] = [line for line in lines if " WARNING " in line or " ERROR " in line][-n:]
+        return out
+
     def log_tails(self) -> dict[str, str]:
         return {w.name: w.log_tail(15) for w in [*self.workers, *([self.router] if self.router else [])]}
 
@@ -634,6 +642,7 @@ def run_mode(args, mode: str, ckpt: str, vocab: int, work: Path, out: dict[str, 
         out["logs"] = dep.log_tails()
         log(f"{mode} failed:\n{out['error']}")
     finally:
+        out["log_warnings"] = dep.log_warnings()  # slow engine steps among them (asympd.serve.async_engine)
         dep.stop()
         out["wall_s"] = round(time.perf_counter() - t_mode, 1)
         rates = ", ".join(f"{r['request_rate']:g}: {r['wall_s']:.0f} s" for r in out.get("runs", []))

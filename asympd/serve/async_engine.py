@@ -23,6 +23,7 @@ from asympd.engine.request import RequestOutput
 from asympd.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+SLOW_S = 1.0  # a step (or a batch of commands) slower than this is logged
 
 _STOP = object()
 
@@ -217,12 +218,19 @@ class AsyncEngine:
                 timeout = None if not engine.has_unfinished_requests() else idle_wait
                 try:
                     cmd = self._cmds.get(timeout=timeout) if timeout != 0.0 else self._cmds.get_nowait()
-                    while True:
-                        if not self._handle(cmd):
-                            return
-                        cmd = self._cmds.get_nowait()
                 except queue.Empty:
-                    pass
+                    cmd = None
+                if cmd is not None:
+                    t_cmd = time.perf_counter()
+                    try:
+                        while True:
+                            if not self._handle(cmd):
+                                return
+                            cmd = self._cmds.get_nowait()
+                    except queue.Empty:
+                        pass
+                    if (d := time.perf_counter() - t_cmd) > SLOW_S:
+                        log.warning("slow commands: %.2f s handling requests between steps", d)
                 if not engine.has_unfinished_requests():
                     continue
                 before = engine.counters["prompt_tokens"] + engine.counters["generation_tokens"]
@@ -234,6 +242,15 @@ class AsyncEngine:
                     self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
                     continue
                 dt = time.perf_counter() - t0
+                if dt > SLOW_S:  # a stall worth a line in the log (a compile, a capture, a slow import)
+                    graphs = getattr(engine.runner, "graphs", None)
+                    log.warning(
+                        "slow engine step: %.2f s, %d outputs, %d running; graphs %s",
+                        dt,
+                        len(outputs),
+                        len(engine.requests),
+                        None if graphs is None else graphs.stats,
+                    )
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if out.finished:
