@@ -8,7 +8,7 @@ FLOPs per layer stay real. Weights in the CUDA default layout (MXFP4 experts pac
 For each case the engine is driven to the step's shape, then steps are timed end to end (host wall
 clock around ``engine.step()``, synchronised: scheduling, the forward, sampling, drafting, rollback,
 output bookkeeping). Decode steps run as the engine runs them by default on CUDA (replayed CUDA
-graphs, model/cuda_graphs.py) and, in the same run, with ``enforce_eager`` (``eager_*`` fields); the
+graphs, engine/cuda_graphs.py) and, in the same run, with ``enforce_eager`` (``eager_*`` fields); the
 steps admitting bounded prefills as the engine runs them by default (whole-step graphs for the
 decode steps, the mixed step eager), with piecewise graphs for the mixed step
 (``full_and_piecewise_*``) and all eager (``eager_*``).

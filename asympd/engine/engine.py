@@ -18,6 +18,7 @@ import torch
 
 from asympd.config import ModelConfig
 from asympd.engine import modes
+from asympd.engine.cuda_graphs import DecodeGraphs, DraftGraphs
 from asympd.engine.request import CompletionOutput, Request, RequestOutput, Status
 from asympd.engine.runner import ModelRunner
 from asympd.engine.sampler import Drawn, SampleJob, sample_step
@@ -27,7 +28,6 @@ from asympd.engine.spec_decode import DraftRequest, DSparkProposer, Proposer, ro
 from asympd.kv.block_manager import BlockManager
 from asympd.kv.paged_cache import PagedKVCache
 from asympd.kv.spec import KVCacheSpec
-from asympd.model.cuda_graphs import DecodeGraphs, DraftGraphs
 from asympd.model.transformer import Transformer
 from asympd.model.vision import ImageInput, check_spans
 from asympd.transfer.prefix_state import KV_FORMATS, PrefixState, PrefixStateError, model_fingerprint
@@ -84,7 +84,7 @@ class EngineConfig:
     # prefill worker: hand the prefix over in slices as its chunked prefill advances (each chunk's
     # finished global KV), so that the transfer overlaps the compute (asymmetric, encoder-only)
     stream_prefix: bool = False
-    # decoding workers on CUDA replay decode/verify steps as CUDA graphs (model/cuda_graphs.py);
+    # decoding workers on CUDA replay decode/verify steps as CUDA graphs (engine/cuda_graphs.py);
     # True runs every step eagerly (vLLM's flag)
     enforce_eager: bool = False
     # full: other steps (prefill chunks, bounded prefills beside decodes) run eagerly; full_and_piecewise:

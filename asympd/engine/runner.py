@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 
 from asympd.engine import modes
+from asympd.engine.cuda_graphs import DecodeGraphs
 from asympd.engine.request import Request
 from asympd.engine.scheduler import ScheduledChunk
 from asympd.kv.block_manager import BlockManager
 from asympd.kv.paged_cache import PagedKVCache
-from asympd.model.cuda_graphs import DecodeGraphs
 from asympd.model.transformer import Chunk, ChunkImages, Depth, Transformer
 from asympd.model.vision import span_mask
 from asympd.transfer.prefix_state import PrefixState

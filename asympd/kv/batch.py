@@ -64,7 +64,7 @@ class PagedBatch:
         self.block_table = table_d.view(n, width)
         self.shared: dict[str, Any] = {}  # per-row selections handed down the stack (rows from 0)
         self._memo: dict[Any, Tensor] = {}
-        # A captured step (model/cuda_graphs.py) replays the device work of its first run, so nothing
+        # A captured step (engine/cuda_graphs.py) replays the device work of its first run, so nothing
         # the layers do may depend on host values that change between steps:
         # - ``max_context`` bounds every segment's start + rows; key counts come from it;
         # - ``fixed_groups``: every segment writes ceil(rows / ratio) compressor groups, those that

@@ -148,7 +148,7 @@ class PagedKVCache:
     ) -> None:
         """``scratch``: one more block and slot that no request ever gets (``scratch_block``,
         ``scratch_slot``): a step captured at a padded batch size sends its padding rows' writes
-        there, and the writes of compressor groups that did not complete (model/cuda_graphs.py)."""
+        there, and the writes of compressor groups that did not complete (engine/cuda_graphs.py)."""
         self.spec = spec
         self.num_blocks = num_blocks
         self.max_seqs = max_seqs

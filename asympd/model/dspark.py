@@ -233,7 +233,7 @@ class DSpark(torch.nn.Module):
         """Seed every segment's windows with its main rows, then run the blocks of the drafting ones.
         Returns (collapsed block outputs [R, dim], base logits [R, vocab] fp32), R = block rows of the
         drafting segments in order, or None when no segment drafts. ``graphs``: a
-        :class:`~asympd.model.cuda_graphs.DraftGraphs`, which replays the blocks' part as a CUDA
+        :class:`~asympd.engine.cuda_graphs.DraftGraphs`, which replays the blocks' part as a CUDA
         graph (the outputs are then its static buffers: use them before the next draft)."""
         dev = self.device
         hidden, positions, m = [], [], 0

@@ -194,7 +194,7 @@ class Transformer(torch.nn.Module):
 
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk], graphs: Any = None) -> ForwardOutput:
-        """``graphs``: a :class:`~asympd.model.cuda_graphs.DecodeGraphs` for this cache; the steps it
+        """``graphs``: a :class:`~asympd.engine.cuda_graphs.DecodeGraphs` for this cache; the steps it
         takes (decode and verify) are replayed as CUDA graphs."""
         if not chunks:
             return ForwardOutput([], [], [])
@@ -298,7 +298,7 @@ class Transformer(torch.nn.Module):
         """Run the stack in place over ``h``/``pre`` (rows ordered deepest first); returns the DSpark
         targets' hidden states of the Depth.ALL rows. Without ``batch`` each chunk of ``ordered`` is
         its own segment (the per-sequence reference path). ``pieces``: a
-        :class:`~asympd.model.cuda_graphs.PiecewiseGraphs` that runs the full layers."""
+        :class:`~asympd.engine.cuda_graphs.PiecewiseGraphs` that runs the full layers."""
         cfg = self.cfg
         shared: list[dict[str, Any]] = [{} for _ in depths]
         targets = {lid: i for i, lid in enumerate(cfg.dspark_target_layer_ids)} if cfg.dspark_block_size else {}

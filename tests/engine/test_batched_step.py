@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from asympd import LLM, SamplingParams
+from asympd.engine.cuda_graphs import BATCH_SIZES, DecodeGraphs, DraftGraphs
 from asympd.engine.scheduler import SchedulerConfig
 from asympd.kv.batch import BatchSegment, PagedBatch, find_positions
 from asympd.kv.paged_cache import PagedKVCache
 from asympd.kv.spec import KVCacheSpec
-from asympd.model.cuda_graphs import BATCH_SIZES, DecodeGraphs, DraftGraphs
 from tests.util import random_prompts
 
 LENGTHS = [3, 17, 40, 61, 100]  # tiny: window 16, ratios 2 and 1; a 24-row budget chunks the long ones
@@ -75,7 +75,7 @@ def test_batched_step_equals_the_per_sequence_path(tiny_ckpt, mode, spec):
 
 @pytest.mark.parametrize(("mode", "spec"), [("colocated", 2), ("asymmetric", 0)])
 def test_graph_decode_path_equals_the_eager_step(tiny_ckpt, mode, spec):
-    """The path decode steps take as CUDA graphs (model/cuda_graphs.py: requests padded to a
+    """The path decode steps take as CUDA graphs (engine/cuda_graphs.py: requests padded to a
     captured batch size onto the scratch slot and block, key counts padded to a power of two,
     ceil(rows / ratio) compressor groups written with the incomplete ones sent to scratch, host row
     counts replayed from a log), run here without capture over the same static buffers step after

@@ -1,4 +1,4 @@
-"""What the CUDA-graph path refuses and how it keys steps (model/cuda_graphs.py), on CPU. That the
+"""What the CUDA-graph path refuses and how it keys steps (engine/cuda_graphs.py), on CPU. That the
 static path computes what the eager step computes is tests/engine/test_batched_step.py's; that
 captured graphs do is tests/engine/test_cuda_engine.py's (on the device)."""
 
@@ -9,11 +9,11 @@ import torch
 
 from asympd import LLM
 from asympd.config import tiny
+from asympd.engine.cuda_graphs import DecodeGraphs, DraftGraphs
 from asympd.engine.engine import EngineConfig
 from asympd.kv.batch import BatchSegment, PagedBatch
 from asympd.kv.paged_cache import PagedKVCache
 from asympd.kv.spec import KVCacheSpec
-from asympd.model.cuda_graphs import DecodeGraphs, DraftGraphs
 from asympd.model.transformer import Chunk, Depth
 
 

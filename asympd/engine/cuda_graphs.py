@@ -41,6 +41,8 @@ import torch
 
 from asympd.kv.batch import BatchSegment, PagedBatch, mirror_rows
 from asympd.kv.paged_cache import PagedKVCache
+from asympd.model.dspark import DraftBatch
+from asympd.model.transformer import Depth, ForwardOutput, batch_segments
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 MIN_CONTEXT = 1024
@@ -72,6 +74,18 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def _sizes(max_batch: int) -> list[int]:
+    """The padded batch sizes captured: ``BATCH_SIZES`` up to the engine's largest batch."""
+    return [b for b in BATCH_SIZES if b < max_batch] + [max_batch]
+
+
+def _check_cache(cache: PagedKVCache, capture: bool) -> None:
+    if cache.scratch_block is None:
+        raise ValueError("CUDA graphs need a cache built with scratch=True (padding rows go there)")
+    if capture and cache.device.type != "cuda":
+        raise ValueError(f"CUDA graphs need a CUDA device, the cache is on {cache.device}")
+
+
 class DecodeGraphs:
     """The CUDA graphs of one model and cache (``capture=False``: the static path, eagerly)."""
 
@@ -85,12 +99,9 @@ class DecodeGraphs:
         piecewise: bool = False,
     ):
         """``piecewise``: the steps that do not qualify run as :class:`PiecewiseGraphs` (else eagerly)."""
-        if cache.scratch_block is None:
-            raise ValueError("CUDA graphs need a cache built with scratch=True (padding rows write there)")
-        if capture and cache.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, the cache is on {cache.device}")
+        _check_cache(cache, capture)
         self.model, self.cache, self.capture = model, cache, capture
-        self.sizes = [b for b in BATCH_SIZES if b < max_batch] + [max_batch]
+        self.sizes = _sizes(max_batch)
         self.graphs: dict[GraphKey, _Static] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         # steps: replayed (or re-run over the static buffers), run eagerly before a capture, not taken
@@ -100,8 +111,6 @@ class DecodeGraphs:
     # ---- which steps qualify -------------------------------------------------------------------
 
     def key(self, ordered: list[Any], segs: list[BatchSegment]) -> GraphKey | None:
-        from asympd.model.transformer import Depth
-
         c0 = ordered[0]
         q = len(c0.token_ids)
         if len(ordered) > self.sizes[-1] or c0.logits not in ("last", "all"):
@@ -126,8 +135,6 @@ class DecodeGraphs:
 
     def run(self, ordered: list[Any], order: list[int], tokens: torch.Tensor, fetched: dict[int, Any]) -> Any:
         """The step's ForwardOutput, or None when it does not qualify (the caller runs it eagerly)."""
-        from asympd.model.transformer import batch_segments
-
         segs = batch_segments(ordered)
         key = None if segs is None else self.key(ordered, segs)
         if key is None:
@@ -187,8 +194,6 @@ class DecodeGraphs:
             wanted = torch.arange(key.rows - 1, total, key.rows, device=model.device)
         else:
             wanted = torch.arange(total, device=model.device)
-        from asympd.model.transformer import Depth
-
         depths = [Depth.ALL] * key.segments
 
         def body() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -221,8 +226,6 @@ class DecodeGraphs:
     def _output(self, ordered: list[Any], order: list[int], key: GraphKey, outputs: Any) -> Any:
         """The step's ForwardOutput from the (static) outputs: copies, since the next replay
         overwrites them."""
-        from asympd.model.transformer import ForwardOutput
-
         logits, argmax, hidden = outputs
         n = len(ordered)
         per = 1 if key.logits == "last" else key.rows
@@ -259,12 +262,9 @@ class DraftGraphs:
     read the scratch slot. ``capture=False``: the static path without graphs (CPU tests)."""
 
     def __init__(self, drafter: Any, cache: PagedKVCache, *, max_batch: int = BATCH_SIZES[-1], capture: bool = True):
-        if cache.scratch_slot is None:
-            raise ValueError("draft graphs need a cache built with scratch=True (padding rows read there)")
-        if capture and cache.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, the cache is on {cache.device}")
+        _check_cache(cache, capture)
         self.drafter, self.cache, self.capture = drafter, cache, capture
-        self.sizes = [b for b in BATCH_SIZES if b < max_batch] + [max_batch]
+        self.sizes = _sizes(max_batch)
         self.graphs: dict[int, _StaticDraft] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.stats = {"captured": 0, "replayed": 0, "first": 0, "eager": 0}
@@ -277,8 +277,6 @@ class DraftGraphs:
         if n > self.sizes[-1]:
             self.stats["eager"] += 1
             return None
-        from asympd.model.dspark import DraftBatch
-
         b = self.drafter.block_size
         n_pad = self.sizes[bisect.bisect_left(self.sizes, n)]
         st = self.graphs.get(n_pad)
