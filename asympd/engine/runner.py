@@ -49,13 +49,16 @@ class ModelRunner:
         for sc, want, ids, token_ids in zip(chunks, wants_logits, seqs, rows, strict=True):
             req = sc.request
             ph = sc.phase
-            history = torch.tensor(ids, dtype=torch.long) if hashes else None  # only Engram looks back
+            # only Engram looks back, and only max_ngram - 1 tokens (the whole history with images)
+            first = 0 if req.images else max(0, sc.lo - self.cfg.engram_max_ngram_size + 1)
+            history = torch.tensor(ids[first : sc.hi], dtype=torch.long) if hashes else None
             batch.append(
                 Chunk(
                     kv=self._view(req),
                     token_ids=token_ids,
                     start=sc.lo,
                     history=history,
+                    history_start=first if hashes else 0,
                     depth=ph.depth if ph else Depth.ALL,
                     floor=ph.floor if ph else 0,
                     encoder_floor=ph.encoder_floor if ph else 0,

@@ -17,6 +17,7 @@ The recipe follows the released reference (``inference/engram.py``):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -175,25 +176,48 @@ class NgramHasher:
         ``token_ids`` is the sequence's whole history (at least start+count ids). ``token_mask``
         ([L] bool, optional) marks tokens that take part in n-grams; look-back stops at a masked
         token (an image span) as it stops at the sequence start, filling with the pad id."""
-        if start < 0 or count < 0 or start + count > token_ids.numel():
-            raise ValueError(f"positions [{start}, {start + count}) outside a history of {token_ids.numel()} tokens")
-        ids = token_ids.reshape(-1).to(torch.int64)
-        lo = max(0, start - (self.max_ngram - 1))
-        compressed = self.token_map[ids[lo : start + count]]
-        alive = torch.ones_like(compressed, dtype=torch.bool)
-        if token_mask is not None:
-            alive = token_mask.reshape(-1)[lo : start + count].to(torch.bool)
-        positions = torch.arange(start, start + count)
-        tokens, blocked = [], torch.zeros(count, dtype=torch.bool)
-        for shift in range(self.max_ngram):
-            src = (positions - shift).clamp_min(0) - lo
-            idx = src.clamp_min(0)
+        return self.hash_many([(token_ids, 0, start, count, token_mask)])
+
+    def hash_many(self, items: Sequence[tuple[torch.Tensor, int, int, int, torch.Tensor | None]]) -> torch.Tensor:
+        """``hash_ids`` of several sequences at once, rows concatenated in order: one set of tensor
+        ops for a whole step, not one per request. Each item is ``(ids, first, start, count, mask)``:
+        ``ids`` (and ``mask``, if any) hold the sequence's tokens from position ``first`` on, which
+        must include the ``max_ngram - 1`` before ``start`` (or begin at 0)."""
+        n = self.max_ngram
+        parts, alive_parts, rows = [], [], []
+        for ids, first, start, count, mask in items:
+            ids = ids.reshape(-1)
+            if start < 0 or count < 0 or start + count > first + ids.numel():
+                raise ValueError(
+                    f"positions [{start}, {start + count}) outside a history of {first + ids.numel()} tokens"
+                )
+            if first > max(0, start - (n - 1)):
+                raise ValueError(f"the history from position {first} lacks the {n - 1} tokens before {start}")
+            lo = max(0, start - (n - 1))  # only the look-back and the rows themselves are read
+            ids = ids[lo - first : start + count - first]
+            parts.append(ids.to(torch.int64))
+            alive = mask.reshape(-1)[lo - first : start + count - first].bool() if mask is not None else None
+            alive_parts.append(torch.ones(ids.numel(), dtype=torch.bool) if alive is None else alive)
+            rows.append((lo, start, count, ids.numel()))
+        if not rows:
+            return torch.empty(0, self.n_layers, self.n_hash_cols, dtype=torch.int64)
+        compressed = self.token_map[torch.cat(parts)]
+        alive = torch.cat(alive_parts)
+        first, start, count, length = (torch.tensor(c, dtype=torch.int64) for c in zip(*rows, strict=True))
+        base = torch.cumsum(length, 0) - length  # each sequence's first id in the flat arrays
+        seq = torch.repeat_interleave(torch.arange(len(rows)), count)
+        row_in_seq = torch.arange(seq.numel()) - (torch.cumsum(count, 0) - count)[seq]
+        positions = start[seq] + row_in_seq
+        tokens, blocked = [], torch.zeros(positions.numel(), dtype=torch.bool)
+        for shift in range(n):
+            # the token `shift` back, clamped into the sequence's history (blocked rows ignore it)
+            idx = base[seq] + ((positions - shift).clamp_min(0) - first[seq]).clamp_min(0)
             blocked = blocked | (positions < shift) | ~alive[idx]
             tokens.append(torch.where(blocked, self.pad_id, compressed[idx]))
-        toks = torch.stack(tokens, dim=-1)  # [count, ngram]
-        products = toks[:, None, :] * self.multipliers  # [count, layers, ngram]
+        toks = torch.stack(tokens, dim=-1)  # [rows, ngram]
+        products = toks[:, None, :] * self.multipliers  # [rows, layers, ngram]
         rolling, cols = products[..., 0], []
-        for i in range(1, self.max_ngram):
+        for i in range(1, n):
             rolling = rolling ^ products[..., i]
-            cols.append(rolling[..., None] % self.primes[:, i - 1])  # [count, layers, heads]
+            cols.append(rolling[..., None] % self.primes[:, i - 1])  # [rows, layers, heads]
         return torch.cat(cols, dim=-1) + self.offsets

@@ -60,13 +60,16 @@ class Chunk:
     kv: SequenceKV
     token_ids: torch.Tensor  # [q] the rows' tokens
     start: int  # position of the first row
-    history: torch.Tensor | None  # the sequence's ids, at least start + q of them (Engram looks back; else unused)
+    history: torch.Tensor | None  # the sequence's ids up to start + q (Engram looks back; else unused)
     depth: Depth = Depth.ALL
     floor: int = 0  # window floor for layers above K
     encoder_floor: int = 0  # window floor for layers up to K
     write_global: bool = True  # False: compressed KV/index keys for these rows already exist
     logits: str = "last"  # "last" | "all" | "none"
     images: ChunkImages | None = None  # rows inside image spans, if any
+    # history[0] is the id at this position: a decode step passes only the n-gram look-back, not
+    # the whole sequence (0 with images: their text mask covers the whole history)
+    history_start: int = 0
 
     def __post_init__(self) -> None:
         if self.logits not in ("last", "all", "none"):
@@ -252,9 +255,9 @@ class Transformer(torch.nn.Module):
             return {}
         if any(c.history is None for c in ordered):
             raise ValueError("this model has Engram layers: every chunk needs its history")
-        hashes = torch.cat(
+        hashes = self.hasher.hash_many(
             [
-                self.hasher.hash_ids(c.history, c.start, len(c.token_ids), None if c.images is None else c.images.text)
+                (c.history, c.history_start, c.start, len(c.token_ids), None if c.images is None else c.images.text)
                 for c in ordered
             ]
         )

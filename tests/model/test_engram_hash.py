@@ -225,3 +225,25 @@ def test_tokenizer_sizes(tmp_path):
     big = Tokenizer.from_file(str(write_tiny_tokenizer(tmp_path / "b.json", 2000)))
     assert big.get_vocab_size(with_added_tokens=True) == 2000
     assert big.decode(big.encode("prefill and decode").ids) == "prefill and decode"
+
+
+def test_hash_many_equals_each_sequence_hashed_alone(tiny_hasher):
+    """A step hashes all its sequences at once from each one's look-back tail only (what the runner
+    sends): the rows equal hashing each whole history alone, masks and sequence starts included."""
+    cfg, lookup, hasher = tiny_hasher
+    gen = torch.Generator().manual_seed(5)
+    n_back = cfg.engram_max_ngram_size - 1
+    seqs = [torch.randint(0, 512, (n,), generator=gen) for n in (1, 2, 9, 40, 41)]
+    masks = [None, None, torch.rand(9, generator=gen) > 0.3, None, torch.rand(41, generator=gen) > 0.2]
+    items, want = [], []
+    for ids, mask, (start, count) in zip(seqs, masks, [(0, 1), (1, 1), (4, 5), (36, 4), (0, 41)], strict=True):
+        first = max(0, start - n_back)
+        tail_mask = None if mask is None else mask[first:]
+        items.append((ids[first:], first, start, count, tail_mask))
+        want.append(hasher.hash_ids(ids, start, count, mask))
+    assert torch.equal(hasher.hash_many(items), torch.cat(want))
+    with pytest.raises(ValueError, match=f"lacks the {n_back} tokens before 10"):
+        hasher.hash_many([(seqs[3][8:], 8, 10, 1, None)])
+    with pytest.raises(ValueError, match=r"positions \[40, 42\) outside a history of 41 tokens"):
+        hasher.hash_many([(seqs[4], 0, 40, 2, None)])
+    assert hasher.hash_many([]).shape == (0, 2, cfg.n_hash_cols)
