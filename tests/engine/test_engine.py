@@ -107,6 +107,37 @@ def test_preemption_recomputes_to_the_same_tokens(models):
     assert tight == roomy
 
 
+def test_preemption_and_aborts_on_the_graph_decode_path(models):
+    """Decode steps on the CUDA-graph path (run here without capture over its static buffers):
+    preemption (slots reset, blocks freed and reallocated), an abort and early stops keep the eager
+    engine's tokens, and no block leaks."""
+    from asympd.engine.cuda_graphs import DecodeGraphs
+
+    prompts = random_prompts([30, 40, 50, 35, 45, 20], seed=21)
+    params = [SamplingParams(max_tokens=20, temperature=0) for _ in prompts]
+    params[2] = SamplingParams(max_tokens=7, temperature=0)  # finishes while others decode
+    params[4] = SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[prompts[4][-1]])
+
+    def run(graphs: bool):
+        eng = engine(models["full"], num_blocks=10)
+        if graphs:
+            eng.runner.graphs = DecodeGraphs(eng.model, eng.cache, capture=False, max_batch=8)
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, params[i])
+        for _ in range(6):
+            eng.step()
+        eng.abort_request("5")
+        done = drain(eng)
+        assert eng.blocks.num_used_blocks == 0
+        tokens = {k: v.outputs[0].token_ids for k, v in done.items() if k != "5"}
+        return tokens, eng.counters["preemptions"], eng.runner.graphs
+
+    want, _, _ = run(False)
+    got, preemptions, graphs = run(True)
+    assert preemptions > 0 and graphs.stats["replayed"] + graphs.stats["first"] >= 10, graphs.stats
+    assert got == want
+
+
 def test_new_token_ids_report_each_token_once_across_preemptions(models):
     """A symmetric D request's first token comes from P; when D preempts and recomputes the request,
     the tokens it already reported are not reported again (the stream is the concatenation)."""
