@@ -42,7 +42,7 @@ import torch
 from asympd.kv.batch import BatchSegment, PagedBatch, mirror_rows
 from asympd.kv.paged_cache import PagedKVCache
 from asympd.model.dspark import DraftBatch
-from asympd.model.transformer import Depth, ForwardOutput, batch_segments
+from asympd.model.transformer import Depth, ForwardOutput
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 MIN_CONTEXT = 1024
@@ -133,10 +133,17 @@ class DecodeGraphs:
 
     # ---- a step ----------------------------------------------------------------------------------
 
-    def run(self, ordered: list[Any], order: list[int], tokens: torch.Tensor, fetched: dict[int, Any]) -> Any:
-        """The step's ForwardOutput, or None when it does not qualify (the caller runs it eagerly)."""
-        segs = batch_segments(ordered)
-        key = None if segs is None else self.key(ordered, segs)
+    def run(
+        self,
+        ordered: list[Any],
+        order: list[int],
+        segs: list[BatchSegment],
+        tokens: torch.Tensor,
+        fetched: dict[int, Any],
+    ) -> Any:
+        """The step's ForwardOutput, or None when it does not qualify (the caller runs it eagerly).
+        ``segs``: the chunks as batch segments (``transformer.batch_segments``)."""
+        key = self.key(ordered, segs)
         if key is None:
             self.stats["eager"] += 1
             return None

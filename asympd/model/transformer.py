@@ -213,14 +213,13 @@ class Transformer(torch.nn.Module):
             offsets.append(offsets[-1] + len(c.token_ids))
         tokens = torch.cat([c.token_ids for c in ordered]).to(self.device)
         fetched = self._fetch_engram(ordered)
-        if graphs is not None and self.batched:
-            out = graphs.run(ordered, order, tokens, fetched)
+        segs = batch_segments(ordered) if self.batched else None
+        if graphs is not None and segs is not None:
+            out = graphs.run(ordered, order, segs, tokens, fetched)
             if out is not None:
                 return out
         h, pre, vl = self._embed(tokens, ordered, offsets)
-        batch = None
-        if self.batched and (segs := batch_segments(ordered)) is not None:
-            batch = PagedBatch(ordered[0].kv.cache, segs)
+        batch = None if segs is None else PagedBatch(ordered[0].kv.cache, segs)
         pieces = getattr(graphs, "piecewise", None) if batch is not None and vl is None else None
         hidden = self._layers(h, pre, [c.depth for c in ordered], offsets, batch, fetched, vl, ordered, pieces)
 
