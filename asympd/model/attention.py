@@ -357,9 +357,10 @@ class Attention(torch.nn.Module):
     def _write_compressed_batched(self, view: BatchRows, x: torch.Tensor) -> None:
         """``_write_compressed`` for every segment that writes global KV."""
         cfg, r = self.cfg, self.ratio
-        wg, start, n_rows = view.host("write_global"), view.host("start"), view.host("rows")
+        wg = view.host("write_global")
         if not wg.any():
             return
+        valid = None
         if r == 1:
             rows = None if wg.all() else view.take_rows(wg)
             xs = x if rows is None else x[rows]
@@ -369,20 +370,10 @@ class Attention(torch.nn.Module):
         else:
             xf = x.float()
             kv, score = self.comp_wkv(xf), self.comp_wgate(xf)
-            groups = np.where(wg, (start + n_rows) // r - start // r, 0)
-            seg = entry = latent = None
-            if view.batch.fixed_groups:  # a captured step: the same groups' shape whatever the positions
-                seg, entry, valid = self._fixed_groups(view)
-                groups = None
-            if groups is None or groups.sum():
-
-                def groups_of() -> np.ndarray:  # (segment, entry) of each group the step completes
-                    seg_h = np.repeat(np.arange(len(groups)), groups)
-                    first = np.concatenate([[0], np.cumsum(groups)[:-1]])
-                    return np.stack([seg_h, start[seg_h] // r + np.arange(len(seg_h)) - first[seg_h]])
-
-                if seg is None:
-                    seg, entry = view.batch.host_index(("groups", view.s0, view.s1, r), groups_of)
+            groups = self._written_groups(view)
+            latent = None
+            if groups is not None:
+                seg, entry, valid = groups
                 kv_g, score_g = self._group_rows(view, kv, score, seg, entry)
                 weights = torch.exp(score_g - score_g.amax(dim=1, keepdim=True))  # softmax over the group
                 pooled = ordered_sum(kv_g * (weights / ordered_sum(weights, 1, keepdim=True)), 1)
@@ -394,19 +385,33 @@ class Attention(torch.nn.Module):
         k = rms_norm(self.idx_wk(latent), self.idx_k_norm, cfg.norm_eps)
         k = fp4_qdq(apply_rope(k, rot, cfg.rope_head_dim), 32)
         entries = fp4_qdq(apply_rope(latent, rot, cfg.rope_head_dim), 16, e4m3_scale=True)
-        view.write_entries(self.layer, seg, entry, entries, k, valid if view.batch.fixed_groups and r > 1 else None)
+        view.write_entries(self.layer, seg, entry, entries, k, valid)
 
-    def _fixed_groups(self, view: BatchRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(segment, entry, valid) of ceil(rows / ratio) groups per segment from each one's first
-        open group: every group the step can complete, plus ones it did not (``valid`` False)."""
+    def _written_groups(self, view: BatchRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """(segment, entry, valid) of the compressor groups the step writes, or None if none: each
+        group it completes in a segment that writes global KV (``valid`` None: all are). In a
+        captured step (``fixed_groups``) the same shape whatever the positions: ceil(rows / ratio)
+        groups per segment from its first open one, those not completed marked not ``valid``."""
         r = self.ratio
-        n_groups = -(-int(view.host("rows").max()) // r)
-        n_seg = view.s1 - view.s0
-        seg = torch.arange(n_seg, device=view.device).repeat_interleave(n_groups)
-        start, rows = view.seg("start")[seg], view.seg("rows")[seg]
-        entry = start // r + torch.arange(n_groups, device=view.device).repeat(n_seg)
-        valid = ((entry + 1) * r <= start + rows) & view.seg("write_global")[seg]
-        return seg, entry, valid
+        if view.batch.fixed_groups:
+            n_groups = -(-int(view.host("rows").max()) // r)
+            n_seg = view.s1 - view.s0
+            seg = torch.arange(n_seg, device=view.device).repeat_interleave(n_groups)
+            start, rows = view.seg("start")[seg], view.seg("rows")[seg]
+            entry = start // r + torch.arange(n_groups, device=view.device).repeat(n_seg)
+            return seg, entry, ((entry + 1) * r <= start + rows) & view.seg("write_global")[seg]
+        wg, start, n_rows = view.host("write_global"), view.host("start"), view.host("rows")
+        groups = np.where(wg, (start + n_rows) // r - start // r, 0)
+        if not groups.sum():
+            return None
+
+        def groups_of() -> np.ndarray:  # (segment, entry) of each group the step completes
+            seg_h = np.repeat(np.arange(len(groups)), groups)
+            first = np.concatenate([[0], np.cumsum(groups)[:-1]])
+            return np.stack([seg_h, start[seg_h] // r + np.arange(len(seg_h)) - first[seg_h]])
+
+        seg, entry = view.batch.host_index(("groups", view.s0, view.s1, r), groups_of)
+        return seg, entry, None
 
     def _group_rows(
         self, view: BatchRows, kv: torch.Tensor, score: torch.Tensor, seg: torch.Tensor, entry: torch.Tensor
