@@ -297,7 +297,6 @@ class DraftGraphs:
                 None,
             )
             batch = DraftBatch([], None, None, slots=st.slots, cache=self.cache, block_pos=st.positions)
-            batch.segments = [_Drafting()] * n_pad  # only their count matters on the batched path
             st.run = lambda: self.drafter.blocks_forward(st.tokens, batch)
             self.graphs[n_pad] = st
         st.tokens[: n * b].copy_(tokens, non_blocking=True)
@@ -320,13 +319,6 @@ class DraftGraphs:
             outputs = tuple(t.clone() for t in outputs)
         x, logits = outputs
         return x[: n * b], logits[: n * b]
-
-
-@dataclass
-class _Drafting:
-    """A padding row's stand-in for a DraftSegment (drafting, so ``DraftBatch.drafting`` counts it)."""
-
-    block_start: int = 0
 
 
 def _side_stream_run(fn: Any, device: torch.device) -> Any:

@@ -134,19 +134,18 @@ class DSparkAttention(Attention):
 
     def forward(self, x: torch.Tensor, batch: DraftBatch) -> torch.Tensor:  # type: ignore[override]
         cfg = self.cfg
-        segs = batch.drafting
         positions = batch.block_pos
         rot = rotations(self.freqs, positions)
         qr = rms_norm(self.wq_a(x), self.q_norm, cfg.norm_eps)
         q = apply_rope(self.wq_b(qr).unflatten(-1, (cfg.n_heads, cfg.head_dim)), rot, cfg.rope_head_dim)
         kv = self._kv(x, rot)
-        if batch.slots is not None:
-            o = self._attend_batched(q, kv, positions.view(len(segs), -1)[:, 0], batch)
+        if batch.slots is not None:  # one slot per drafting segment
+            o = self._attend_batched(q, kv, positions.view(batch.slots.numel(), -1)[:, 0], batch)
             o = apply_rope(o, rot, cfg.rope_head_dim, inverse=True)
             o = self.wo_a.grouped(o.reshape(o.size(0), cfg.o_groups, -1))
             return self.wo_b(o.flatten(1))
         outs = []
-        for seg in segs:
+        for seg in batch.drafting:
             n = seg.hi - seg.lo
             win_kv, win_valid = self._window(seg, kv)
             keys = torch.cat([win_kv, kv[seg.lo : seg.hi]]).unsqueeze(0).expand(n, -1, -1)
