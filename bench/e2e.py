@@ -731,8 +731,9 @@ def summarize(data: dict[str, Any]) -> None:
 
 # ---- merging parts ----------------------------------------------------------------------------------------
 
-# what must agree for parts to be one study (the model, the traffic, the deployment settings, the code)
-SAME = ("commit", "source_digest", "gpus", "placement", "traffic", "slo", "d_policy", "p_step_tokens",
+# what must agree for parts to be one study (the model, the traffic, the deployment settings, the code:
+# its source digest, so parts run at different commits that differ only outside asympd/ and bench/ merge)
+SAME = ("source_digest", "gpus", "placement", "traffic", "slo", "d_policy", "p_step_tokens",
         "colocated_semantics", "kv_cache_gb_per_worker")  # fmt: skip
 SAME_MODEL = ("checkpoint", "depth", "expert_storage", "model_config")
 
@@ -769,9 +770,12 @@ def merge(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
                 raise MergeError(f"mode {mode!r} is in two parts (the second: {f})")
             modes[mode] = {**m, "part": f}
     merged = {k: v for k, v in first.items() if k not in ("modes", "command", "utc", "wall_s")}
+    commits = sorted({str(p.get("commit")) for _, p in parts})
+    merged["commit"] = commits[0] if len(commits) == 1 else ",".join(commits)
     merged["parts"] = [
         {
             "file": f,
+            "commit": p.get("commit"),
             "command": p.get("command"),
             "utc": p.get("utc"),
             "wall_s": p.get("wall_s"),

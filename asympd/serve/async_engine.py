@@ -21,6 +21,7 @@ from typing import Any
 from asympd.engine.engine import LLMEngine
 from asympd.engine.request import RequestOutput
 from asympd.engine.sampling import SamplingParams
+from asympd.serve.stall_watch import CompileWatch
 
 log = logging.getLogger(__name__)
 SLOW_S = 1.0  # a step (or a batch of commands) slower than this is logged
@@ -212,6 +213,7 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         idle_wait = 0.0  # how long to wait for a command before the next step
+        compiles = CompileWatch()
         try:
             while True:
                 # nothing to step: block until a command comes
@@ -234,6 +236,10 @@ class AsyncEngine:
                 if not engine.has_unfinished_requests():
                     continue
                 before = engine.counters["prompt_tokens"] + engine.counters["generation_tokens"]
+                prompt_before = engine.counters["prompt_tokens"]
+                graphs = getattr(engine.runner, "graphs", None)
+                captured = None if graphs is None else graphs.stats.get("captured")
+                compiled = compiles.mark()
                 t0 = time.perf_counter()
                 try:
                     outputs = engine.step()
@@ -243,13 +249,16 @@ class AsyncEngine:
                     continue
                 dt = time.perf_counter() - t0
                 if dt > SLOW_S:  # a stall worth a line in the log (a compile, a capture, a slow import)
-                    graphs = getattr(engine.runner, "graphs", None)
                     log.warning(
-                        "slow engine step: %.2f s, %d outputs, %d running; graphs %s",
+                        "slow engine step: %.2f s, %d outputs, %d prompt rows, %d requests; "
+                        "graphs captured in the step: %s (%s); Triton compiles in the step: %s",
                         dt,
                         len(outputs),
+                        engine.counters["prompt_tokens"] - prompt_before,
                         len(engine.requests),
+                        None if graphs is None else graphs.stats.get("captured", 0) - (captured or 0),
                         None if graphs is None else graphs.stats,
+                        compiles.since(compiled) or "none",
                     )
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
@@ -271,6 +280,7 @@ class AsyncEngine:
             self._fail_all(f"engine thread died: {self.error}")
             raise
         finally:
+            compiles.close()
             self._drain_on_exit()
 
     def _fail_all(self, message: str) -> None:

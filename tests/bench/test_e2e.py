@@ -234,8 +234,12 @@ def test_merge_recomputes_the_ratios_over_the_strongest_symmetric(tmp_path):
 def test_merge_refuses_parts_of_different_studies(tmp_path):
     from bench.e2e import MergeError, merge
 
-    with pytest.raises(MergeError, match="part2.json differs from part1.json in 'commit': 'zzz' != 'abc1234'"):
-        merge([("part1.json", PART1), ("part2.json", {**PART2, "commit": "zzz"})])
+    with pytest.raises(MergeError, match="part2.json differs from part1.json in 'source_digest': 'zzz' != "):
+        merge([("part1.json", PART1), ("part2.json", {**PART2, "source_digest": "zzz"})])
+    # the code is the source digest: a docs-only commit between the parts still merges, both commits kept
+    merged = merge([("part1.json", PART1), ("part2.json", {**PART2, "commit": "def5678"})])
+    assert merged["commit"] == "abc1234,def5678"
+    assert [p["commit"] for p in merged["parts"]] == ["abc1234", "def5678"]
     other = {**PART2, "traffic": {"rates": [2.0, 4.0], "num_prompts_per_rate": 16}}
     with pytest.raises(MergeError, match="differs from part1.json in 'traffic'"):
         merge([("part1.json", PART1), ("part2.json", other)])

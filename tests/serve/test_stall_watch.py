@@ -1,0 +1,72 @@
+"""The slow-step diagnostics: Triton compiles counted by name, and the log line a stall leaves."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from asympd.engine.llm import LLM
+from asympd.engine.sampling import SamplingParams
+from asympd.serve import async_engine
+from asympd.serve.stall_watch import CompileWatch
+
+triton = pytest.importorskip("triton")
+from triton import knobs  # noqa: E402
+from triton.runtime.jit import JitFunctionInfo  # noqa: E402
+
+
+def _compiled(name: str) -> None:
+    """What Triton's JIT does after compiling ``name`` (runtime/jit.py ``_call_hook``)."""
+    hook = knobs.runtime.jit_post_compile_hook
+    hook(
+        key=None,
+        repr=f"{name}[num_warps=4](x: *fp32)",
+        fn=JitFunctionInfo("asympd.model.some_kernels", name, None),
+        compile={},
+        is_manual_warmup=False,
+        already_compiled=False,
+    )
+
+
+def test_compile_watch_names_the_kernels_compiled_since_a_mark_and_chains_the_hook():
+    seen = []
+    before = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(kw["fn"].name)
+    try:
+        watch = CompileWatch()
+        _compiled("_moe_kernel")
+        mark = watch.mark()
+        _compiled("_moe_kernel")
+        _compiled("_indexer_kernel")
+        _compiled("_moe_kernel")
+        assert watch.since(mark) == {"_moe_kernel": 2, "_indexer_kernel": 1}
+        assert watch.since(watch.mark()) == {} and watch.total == 4
+        assert seen == ["_moe_kernel", "_moe_kernel", "_indexer_kernel", "_moe_kernel"]  # chained
+        watch.close()
+        _compiled("_after")
+        assert watch.total == 4 and seen[-1] == "_after"  # the previous hook is back
+    finally:
+        knobs.runtime.jit_post_compile_hook = before
+
+
+def test_a_slow_step_is_logged_with_its_prompt_rows_and_compiles(tiny_ckpt, monkeypatch, caplog):
+    monkeypatch.setattr(async_engine, "SLOW_S", -1.0)  # every step counts as slow
+    llm = LLM(tiny_ckpt, dtype="float32")
+    aengine = async_engine.AsyncEngine(llm.engine)
+
+    async def one_request() -> None:
+        aengine.start()
+        try:
+            stream = await aengine.add("r0", [5, 6, 7, 8, 9], SamplingParams(max_tokens=2))
+            await stream.result()
+        finally:
+            aengine.stop()
+
+    with caplog.at_level(logging.WARNING, logger=async_engine.__name__):
+        asyncio.run(one_request())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slow engine step")]
+    assert lines, caplog.text
+    assert "5 prompt rows, 1 requests" in lines[0]
+    assert lines[0].endswith("Triton compiles in the step: none")
