@@ -21,6 +21,7 @@ from typing import Any
 from asympd.config import ModelConfig, v41_flash
 from asympd.engine import modes
 from asympd.plan.gpus import GPUS
+from asympd.plan.serving_load import StageLoad, fit_stage_load, in_path
 from asympd.plan.simulate import Arrival, DecodeEngine, PrefillEngine, run_decode, run_engines
 from asympd.plan.steps import RESULTS_DIR, StepModel, load_results
 
@@ -209,6 +210,18 @@ def fit_steps(
     return MeasuredSteps(p_step, p_row, d_step, d_seq, d_row, move, move_row, handoff_ms, d_pre_ms=d_pre)
 
 
+@dataclass
+class _LoadedSteps:
+    """D's steps with the host time that the requests in the TTFT path take from each decode step
+    (``extra_ms()``, read when the engine issues the step)."""
+
+    base: MeasuredSteps
+    extra_ms: Any
+
+    def decode_ms(self, batch: int, prefill_rows: int, gpus: int) -> float:
+        return self.base.decode_ms(batch, prefill_rows, gpus) + (self.extra_ms() if batch else 0.0)
+
+
 def _decoder(
     cfg: ModelConfig,
     mode: str,
@@ -263,12 +276,18 @@ def simulate_deployment(
     colocated_semantics: str,
     seed: int = 0,
     shared_gpu: bool = False,
+    load: StageLoad | None = None,
 ) -> Simulated:
     """The planner's simulator on one measured deployment: 1 P + 1 D, or ``replicas`` colocated
     workers (round-robin), no speculative decoding, the workers' default scheduler limits.
-    ``shared_gpu``: every worker on one GPU, their steps serialised on it (``run_engines``)."""
+    ``shared_gpu``: every worker on one GPU, their steps serialised on it (``run_engines``).
+    ``load``: the CPU-side stages' cost per further request in the TTFT path (serving_load.py);
+    P's answer, D's fetch and the HTTP hops run beside each other, each at its cost for the
+    requests in that path when it starts."""
     from asympd.engine.scheduler import SchedulerConfig
 
+    load = load or StageLoad()
+    hops_n: dict[int, int] = {}  # requests in the TTFT path when the router sends each to D
     if mode == "colocated":
         engines = [
             _decoder(cfg, mode, steps, arrivals[r::replicas], policy, colocated_semantics, seed)
@@ -277,21 +296,29 @@ def simulate_deployment(
         run_engines(engines, [0 if shared_gpu else r for r in range(replicas)])
         runs = [e.run for e in engines]
         roles = {"colocated": runs}
+        first = {i: t for run in runs for i, t in run.first_token_s.items()}
+        spans = [(a.time_s, first.get(a.index)) for a in arrivals]
+        hops_n = {a.index: in_path(a.time_s, spans) for a in arrivals}
     else:
         sc = SchedulerConfig()
         p = PrefillEngine(cfg, steps, mode, 1, 1 << 24, arrivals, sc.max_num_seqs, step_tokens=p_step_tokens)
         d = _decoder(cfg, mode, steps, [], policy, colocated_semantics, seed, expected=arrivals)
         by_index = {a.index: a for a in arrivals}
-        free = {"handoff": 0.0, "link": 0.0}
+
+        def n_at(t: float) -> int:
+            return in_path(t, [(a.time_s, d.run.first_token_s.get(a.index)) for a in arrivals])
 
         def to_d(_: int, i: int, t: float) -> None:
-            """P's answer, then D's fetch: each one request at a time (P answers from one event loop
-            and a small pool; the prefix crosses one TCP link), so a burst of exports queues."""
+            """P's answer, then the router's hop to D and D's fetch, each at its cost for the
+            requests in the TTFT path when it starts."""
             a = by_index[i]
-            t = free["handoff"] = max(t, free["handoff"]) + steps.handoff_ms / 1e3
-            t = free["link"] = max(t, free["link"]) + steps.move_for(a.prompt_len) / 1e3
+            t += (steps.handoff_ms + load.extra_ms("answer", n_at(t))) / 1e3
+            hops_n[i] = n = n_at(t)
+            t += (steps.move_for(a.prompt_len) + load.extra_ms("fetch", n)) / 1e3
             d.push(Arrival(i, t, a.prompt_len, a.output_len))
 
+        if load.d_step_ms:
+            d.steps = _LoadedSteps(steps, lambda: load.step_extra_ms(n_at(d.t)))
         run_engines([p, d], [0, 0] if shared_gpu else [0, 1], to_d)
         runs = [d.run]
         roles = {"prefill": [p.run], "decode": [d.run]}
@@ -302,7 +329,7 @@ def simulate_deployment(
     }
     for run in runs:
         for i, t in run.first_token_s.items():
-            out.ttft_s[i] = t - start[i] + steps.ttft_offset_ms / 1e3
+            out.ttft_s[i] = t - start[i] + (steps.ttft_offset_ms + load.extra_ms("hops", hops_n.get(i, 1))) / 1e3
         for g, i in zip(run.itl_s, run.itl_request, strict=True):
             out.gaps_s[i].append(g)
         out.done_s.update(run.done_s)
@@ -373,7 +400,21 @@ def _validate_mode(
     kw = {**kw, "replicas": sum(1 for w in m["workers"].values() if w["role"] == "colocated") or 1}
     steps = fit_steps(cfg, mode, m["calibration"], d_budget, kw["colocated_semantics"], kw["p_step_tokens"])
     steps.ttft_offset_ms = _ttft_offset(m["calibration"])
-    out["modes"][mode] = {"steps_ms": asdict(steps), "batch_check": _batch_check(cfg, mode, steps, m, kw)}
+    if kw.pop("serving_load"):
+        pd = mode != "colocated"
+        kw["load"] = fit_stage_load(
+            m["calibration"],
+            pd,
+            steps.handoff_ms,
+            steps.move_for,
+            steps.ttft_offset_ms,
+            lambda b: steps.decode_ms(b, 0, 1),
+        )
+    out["modes"][mode] = {
+        "steps_ms": asdict(steps),
+        "serving_load_ms": asdict(kw.get("load") or StageLoad()),
+        "batch_check": _batch_check(cfg, mode, steps, m, kw),
+    }
     for run in m["runs"]:
         req = run["requests"]
         ok = [i for i, e in enumerate(req["errors"]) if not e]
@@ -416,10 +457,11 @@ def _validate_mode(
         )
 
 
-def validate_e2e(result: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+def validate_e2e(result: dict[str, Any], seed: int = 0, serving_load: bool = True) -> dict[str, Any]:
     """Predicted vs measured TTFT p50, ITL p50 and request goodput for every mode and rate of a
     ``bench/e2e.py`` result, the prediction made on the same arrivals (send times, prompt and
-    output lengths as measured) with step times fitted to the result's own calibration."""
+    output lengths as measured) with step times fitted to the result's own calibration.
+    ``serving_load=False`` prices the CPU-side stages at their lone cost (for comparison)."""
     from asympd.engine.scheduler import SchedulerConfig
 
     try:
@@ -446,6 +488,7 @@ def validate_e2e(result: dict[str, Any], seed: int = 0) -> dict[str, Any]:
     out["placement"] = "shared" if shared else "separate"
     for mode, m in modes_in.items():
         kw = dict(p_step_tokens=p_tokens, policy=policy, colocated_semantics=sem, seed=seed, shared_gpu=shared)
+        kw["serving_load"] = serving_load
         try:
             _validate_mode(out, mode, m, cfg, slo, kw, d_budget)
         except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:

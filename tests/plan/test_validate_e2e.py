@@ -10,6 +10,7 @@ import pytest
 
 from asympd.config import tiny
 from asympd.engine.modes import split_point
+from asympd.plan.serving_load import StageLoad
 from asympd.plan.simulate import Arrival
 from asympd.plan.validate import (
     MeasuredSteps,
@@ -95,20 +96,25 @@ def test_lone_request_timeline():
     assert [g * 1e3 for g in sim.gaps_s[0]] == pytest.approx([TRUE.d_step_ms] * (out - 1))
 
 
-def test_exports_queue_for_the_handoff_and_the_link():
-    """Two prompts finishing in one P step: the second waits for the first's answer and fetch."""
-    steps = MeasuredSteps(**{**TRUE.__dict__, "move_row_ms": 0.0})  # every move 2 ms
+def test_exports_run_beside_each_other_at_their_loaded_cost():
+    """Two prompts finishing in one P step: P's answers and D's fetches run beside each other, each
+    at its lone cost plus the load's cost per further request in the TTFT path (here 2 requests)."""
+    steps = MeasuredSteps(**{**TRUE.__dict__, "move_row_ms": 0.0, "ttft_offset_ms": 7.0})  # every move 2 ms
+    load = StageLoad(answer_ms=4.0, fetch_ms=1.5, hops_ms=0.5, d_step_ms=100.0)
     n = 40
     kw = dict(replicas=1, p_step_tokens=2048, policy=(4, 512), colocated_semantics="split")
-    sim = simulate_deployment(CFG, "asymmetric", steps, [Arrival(0, 0.0, n, 2), Arrival(1, 0.0, n, 2)], **kw)
+    two = [Arrival(0, 0.0, n, 2), Arrival(1, 0.0, n, 2)]
     s = split_point(CFG, n, "carry")
     p_done = TRUE.p_step_ms + TRUE.p_row_ms * 2 * s  # one step for both
-    at_d = [p_done + 3.0 + 2.0, p_done + 3.0 + 3.0 + 2.0]  # handoff 3 ms each, then the 2 ms move each
-    # D admits the first alone (the second is not there yet); the second's prompt step waits for it
-    first0 = at_d[0] + TRUE.d_pre_ms + TRUE.d_row_ms * (n - s)
-    # the second arrived during that step; the next step has request 0's decode and request 1's prompt rows
-    first1 = first0 + TRUE.d_step_ms + TRUE.d_pre_ms + TRUE.d_row_ms * (n - s)
-    assert [sim.ttft_s[0] * 1e3, sim.ttft_s[1] * 1e3] == pytest.approx([first0, first1])
+    at_d = p_done + (3.0 + 4.0) + (2.0 + 1.5)  # both at D together: one prompt step for both
+    first = at_d + TRUE.d_pre_ms + TRUE.d_row_ms * 2 * (n - s) + 7.0 + 0.5
+    sim = simulate_deployment(CFG, "asymmetric", steps, two, load=load, **kw)
+    assert [sim.ttft_s[0] * 1e3, sim.ttft_s[1] * 1e3] == pytest.approx([first, first])
+    # the decode step that follows has nobody in the TTFT path beside it: no extra host time
+    assert [g * 1e3 for g in sim.gaps_s[0]] == pytest.approx([TRUE.d_step_ms + TRUE.d_seq_ms])
+    # without a load the same two requests pay the lone costs only
+    sim = simulate_deployment(CFG, "asymmetric", steps, two, **kw)
+    assert sim.ttft_s[0] * 1e3 == pytest.approx(first - 4.0 - 1.5 - 0.5)
 
 
 def e2e_result(gpus: int) -> dict:
