@@ -189,3 +189,62 @@ def test_malformed_result_is_a_typed_error():
     del bad["modes"]["asymmetric"]["calibration"]["lone"][0]["prompt_len"]
     with pytest.raises(ValidationError, match="mode 'asymmetric' of the result is malformed"):
         validate_e2e(bad)
+
+
+# ---- a result at true depth (bench/e2e.py --depth 40), every mode ------------------------------------
+
+
+def depth40_result() -> dict:
+    """bench/e2e.py --depth 40's shape: V4.1's 40-layer schedule with Engram (``true_depth``), one
+    GPU, all five modes, lone calibration requests of one length (so every fit is exact) and one
+    rate run of one such request."""
+    from bench.e2e import true_depth
+
+    cfg = true_depth()
+
+    def request(mode: str) -> dict:
+        t = {"decode_first_step_s": 0.6, "ttft_s": 0.6}
+        if mode != "colocated":
+            t.update(prefill_s=2.0, prefill_rtt_s=2.03, transfer_s=0.06, ttft_s=2.69)
+        server = t.get("prefill_rtt_s", 0.0) + t.get("transfer_s", 0.0) + t["decode_first_step_s"]
+        return {"prompt_len": 1024, "ttft_s": server + 0.01, "gaps_s": [0.2, 0.15, 0.15], "timings": t}
+
+    def run() -> dict:
+        one = {"start_times": [0.0], "input_lens": [1024], "output_lens": [5], "errors": [""]}
+        return {"request_rate": 0.5, "median_ttft_ms": 2700.0, "median_itl_ms": 150.0, "request_goodput": 0.2,
+                "requests": one}  # fmt: skip
+
+    pd = {"p": {"role": "prefill"}, "d": {"role": "decode"}}
+    modes = {}
+    for mode in ("asymmetric", "symmetric-split", "symmetric-windows", "encoder-only", "colocated"):
+        cal = {"lone": [request(mode) for _ in range(3)], "batch": {"size": 4, "requests": [request(mode)] * 4}}
+        workers = {"c": {"role": "colocated"}} if mode == "colocated" else pd
+        modes[mode] = {"workers": workers, "calibration": cal, "runs": [run()]}
+    return {
+        "benchmark": "e2e_h200x1_depth40",
+        "commit": "0" * 12,
+        "gpus": 1,
+        "model": {"depth": cfg.n_layers, "model_config": cfg.to_dict()},
+        "slo": {"ttft_ms": 5000.0, "itl_ms": 600.0},
+        "d_policy": {"max_new_admissions": 4, "admission_token_budget": 512},
+        "p_step_tokens": 16384,
+        "colocated_semantics": "split",
+        "modes": modes,
+    }
+
+
+def test_validate_a_depth40_result_in_every_mode():
+    """A lone request replays to its own calibration (ms): P 2000 (asymmetric and encoder-only: one
+    step of N - W rows; the symmetric modes: two phases of 1000), P's answer 30, the move 60, D's
+    first token 600 (symmetric-windows: none, P's token goes out when D admits the request), the
+    hops 10; colocated: its three prompt steps (896 rows at 512 a step, then the last W) 600 + 10.
+    Its decode gaps are the lone steps (150); the batch adds nothing (no load: same as lone)."""
+    v = validate_e2e(depth40_result())
+    assert v["model_depth"] == 40 and v["placement"] == "shared"
+    want = {"asymmetric": 2700.0, "symmetric-split": 2700.0, "encoder-only": 2700.0, "symmetric-windows": 2100.0,
+            "colocated": 610.0}  # fmt: skip
+    assert {r["mode"]: r["predicted"]["ttft_p50_ms"] for r in v["rows"]} == pytest.approx(want)
+    assert [r["predicted"]["itl_p50_ms"] for r in v["rows"]] == pytest.approx([150.0] * 5)
+    for mode, m in v["modes"].items():
+        assert m["serving_load_ms"]["answer_ms"] == m["serving_load_ms"]["fetch_ms"] == 0.0, mode
+    assert "depth 40" in format_validation(v)
