@@ -248,3 +248,27 @@ def test_validate_a_depth40_result_in_every_mode():
     for mode, m in v["modes"].items():
         assert m["serving_load_ms"]["answer_ms"] == m["serving_load_ms"]["fetch_ms"] == 0.0, mode
     assert "depth 40" in format_validation(v)
+
+
+def test_excluded_rows_are_reported_but_not_counted(tmp_path):
+    path, out = tmp_path / "r.json", tmp_path / "v.json"
+    path.write_text(json.dumps(e2e_result(gpus=1)))
+    assert run_validation(str(path)) == 1  # the one row misses (TTFT)
+    assert run_validation(str(path), out=str(out), exclude=["asymmetric@2=D stalled 6 s"]) == 1  # nothing counted
+    v = json.loads(out.read_text())
+    assert v["rows"][0]["excluded"] == "D stalled 6 s"
+    assert v["summary"] == {
+        "rows": 1,
+        "counted": 0,
+        "within": {"ttft_p50_ms": 0, "itl_p50_ms": 0, "goodput_req_s": 0},
+        "all_three": 0,
+    }
+    assert "excluded asymmetric at 2 req/s: D stalled 6 s" in format_validation(v)
+    assert validate_e2e(e2e_result(gpus=1))["summary"]["within"] == {
+        "ttft_p50_ms": 0,  # 65.3 ms predicted vs 100 measured
+        "itl_p50_ms": 0,  # 25 vs 20
+        "goodput_req_s": 0,  # 2 requests done in 0.13 s: 15.2 req/s vs 2 measured
+    }
+    for bad, msg in (("asymmetric@2", "with a reason"), ("asymmetric@x=r", "MODE@RATE"), ("asymmetric@8=r", "no row")):
+        with pytest.raises(ValidationError, match=msg):
+            run_validation(str(path), exclude=[bad])
