@@ -18,12 +18,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-STAGES = ("answer", "fetch", "hops")  # P's answer to the router; D's fetch; client <-> router <-> D
-
 
 @dataclass(frozen=True)
 class StageLoad:
-    """Extra ms per further request in the TTFT path, per CPU-side stage (0: a lone cost only)."""
+    """Extra ms per further request in the TTFT path, per CPU-side stage (0: a lone cost only):
+    ``answer`` P's answer to the router, ``fetch`` D's fetch of the prefix, ``hops`` client ->
+    router -> D and the first chunk back."""
 
     answer_ms: float = 0.0
     fetch_ms: float = 0.0

@@ -14,6 +14,7 @@ import json
 import math
 import random
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -217,7 +218,7 @@ class _LoadedSteps:
     (``extra_ms()``, read when the engine issues the step)."""
 
     base: MeasuredSteps
-    extra_ms: Any
+    extra_ms: Callable[[], float]
 
     def decode_ms(self, batch: int, prefill_rows: int, gpus: int) -> float:
         return self.base.decode_ms(batch, prefill_rows, gpus) + (self.extra_ms() if batch else 0.0)
