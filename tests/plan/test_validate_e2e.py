@@ -272,3 +272,20 @@ def test_excluded_rows_are_reported_but_not_counted(tmp_path):
     for bad, msg in (("asymmetric@2", "with a reason"), ("asymmetric@x=r", "MODE@RATE"), ("asymmetric@8=r", "no row")):
         with pytest.raises(ValidationError, match=msg):
             run_validation(str(path), exclude=[bad])
+
+
+def test_the_committed_h200_validation_is_what_the_code_gives():
+    """bench/results/e2e_h200x1_validation.json (tabled in docs/performance.md §10) is this code's
+    output on e2e_h200x1.json; pricing the CPU-side stages at their lone cost lowers the P/D rows'
+    TTFT at 4 req/s (the requests in the TTFT path no longer slow them)."""
+    from asympd.plan.steps import RESULTS_DIR
+
+    result = json.loads((RESULTS_DIR / "e2e_h200x1.json").read_text())
+    v = validate_e2e(result)
+    assert json.loads(json.dumps(v)) == json.loads((RESULTS_DIR / "e2e_h200x1_validation.json").read_text())
+    assert v["summary"]["within"] == {"ttft_p50_ms": 4, "itl_p50_ms": 4, "goodput_req_s": 6}
+    lone = validate_e2e(result, serving_load=False)
+    for with_load, without in zip(v["rows"], lone["rows"], strict=True):
+        if with_load["mode"] != "colocated" and with_load["rate"] == 4.0:
+            assert without["predicted"]["ttft_p50_ms"] < with_load["predicted"]["ttft_p50_ms"] - 10
+    assert all(m["serving_load_ms"]["answer_ms"] == 0.0 for m in lone["modes"].values())
