@@ -52,6 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="instead of planning: the prediction for a bench/e2e.py result's deployments against its measurements",
     )
     p.add_argument("--validate-out", default=None, metavar="JSON", help="with --validate: write the table here too")
+    p.add_argument(
+        "--validate-exclude",
+        action="append",
+        default=[],
+        metavar="MODE@RATE=REASON",
+        help="with --validate: report this row but leave it out of the within-target count (repeatable)",
+    )
 
 
 def build_request(args: argparse.Namespace) -> PlanRequest:
@@ -115,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     if args.validate:
         from asympd.plan.validate import run_validation
 
-        return run_validation(args.validate, args.json, args.validate_out)
+        return run_validation(args.validate, args.json, args.validate_out, args.validate_exclude)
     result = Planner(build_request(args), results_dir=args.results).plan()
     if args.plot:
         plot(result, args.plot)

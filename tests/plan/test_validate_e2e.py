@@ -10,6 +10,7 @@ import pytest
 
 from asympd.config import tiny
 from asympd.engine.modes import split_point
+from asympd.plan.serving_load import StageLoad
 from asympd.plan.simulate import Arrival
 from asympd.plan.validate import (
     MeasuredSteps,
@@ -95,20 +96,25 @@ def test_lone_request_timeline():
     assert [g * 1e3 for g in sim.gaps_s[0]] == pytest.approx([TRUE.d_step_ms] * (out - 1))
 
 
-def test_exports_queue_for_the_handoff_and_the_link():
-    """Two prompts finishing in one P step: the second waits for the first's answer and fetch."""
-    steps = MeasuredSteps(**{**TRUE.__dict__, "move_row_ms": 0.0})  # every move 2 ms
+def test_exports_run_beside_each_other_at_their_loaded_cost():
+    """Two prompts finishing in one P step: P's answers and D's fetches run beside each other, each
+    at its lone cost plus the load's cost per further request in the TTFT path (here 2 requests)."""
+    steps = MeasuredSteps(**{**TRUE.__dict__, "move_row_ms": 0.0, "ttft_offset_ms": 7.0})  # every move 2 ms
+    load = StageLoad(answer_ms=4.0, fetch_ms=1.5, hops_ms=0.5, d_step_ms=100.0)
     n = 40
     kw = dict(replicas=1, p_step_tokens=2048, policy=(4, 512), colocated_semantics="split")
-    sim = simulate_deployment(CFG, "asymmetric", steps, [Arrival(0, 0.0, n, 2), Arrival(1, 0.0, n, 2)], **kw)
+    two = [Arrival(0, 0.0, n, 2), Arrival(1, 0.0, n, 2)]
     s = split_point(CFG, n, "carry")
     p_done = TRUE.p_step_ms + TRUE.p_row_ms * 2 * s  # one step for both
-    at_d = [p_done + 3.0 + 2.0, p_done + 3.0 + 3.0 + 2.0]  # handoff 3 ms each, then the 2 ms move each
-    # D admits the first alone (the second is not there yet); the second's prompt step waits for it
-    first0 = at_d[0] + TRUE.d_pre_ms + TRUE.d_row_ms * (n - s)
-    # the second arrived during that step; the next step has request 0's decode and request 1's prompt rows
-    first1 = first0 + TRUE.d_step_ms + TRUE.d_pre_ms + TRUE.d_row_ms * (n - s)
-    assert [sim.ttft_s[0] * 1e3, sim.ttft_s[1] * 1e3] == pytest.approx([first0, first1])
+    at_d = p_done + (3.0 + 4.0) + (2.0 + 1.5)  # both at D together: one prompt step for both
+    first = at_d + TRUE.d_pre_ms + TRUE.d_row_ms * 2 * (n - s) + 7.0 + 0.5
+    sim = simulate_deployment(CFG, "asymmetric", steps, two, load=load, **kw)
+    assert [sim.ttft_s[0] * 1e3, sim.ttft_s[1] * 1e3] == pytest.approx([first, first])
+    # the decode step that follows has nobody in the TTFT path beside it: no extra host time
+    assert [g * 1e3 for g in sim.gaps_s[0]] == pytest.approx([TRUE.d_step_ms + TRUE.d_seq_ms])
+    # without a load the same two requests pay the lone costs only
+    sim = simulate_deployment(CFG, "asymmetric", steps, two, **kw)
+    assert sim.ttft_s[0] * 1e3 == pytest.approx(first - 4.0 - 1.5 - 0.5)
 
 
 def e2e_result(gpus: int) -> dict:
@@ -183,3 +189,103 @@ def test_malformed_result_is_a_typed_error():
     del bad["modes"]["asymmetric"]["calibration"]["lone"][0]["prompt_len"]
     with pytest.raises(ValidationError, match="mode 'asymmetric' of the result is malformed"):
         validate_e2e(bad)
+
+
+# ---- a result at true depth (bench/e2e.py --depth 40), every mode ------------------------------------
+
+
+def depth40_result() -> dict:
+    """bench/e2e.py --depth 40's shape: V4.1's 40-layer schedule with Engram (``true_depth``), one
+    GPU, all five modes, lone calibration requests of one length (so every fit is exact) and one
+    rate run of one such request."""
+    from bench.e2e import true_depth
+
+    cfg = true_depth()
+
+    def request(mode: str) -> dict:
+        t = {"decode_first_step_s": 0.6, "ttft_s": 0.6}
+        if mode != "colocated":
+            t.update(prefill_s=2.0, prefill_rtt_s=2.03, transfer_s=0.06, ttft_s=2.69)
+        server = t.get("prefill_rtt_s", 0.0) + t.get("transfer_s", 0.0) + t["decode_first_step_s"]
+        return {"prompt_len": 1024, "ttft_s": server + 0.01, "gaps_s": [0.2, 0.15, 0.15], "timings": t}
+
+    def run() -> dict:
+        one = {"start_times": [0.0], "input_lens": [1024], "output_lens": [5], "errors": [""]}
+        return {"request_rate": 0.5, "median_ttft_ms": 2700.0, "median_itl_ms": 150.0, "request_goodput": 0.2,
+                "requests": one}  # fmt: skip
+
+    pd = {"p": {"role": "prefill"}, "d": {"role": "decode"}}
+    modes = {}
+    for mode in ("asymmetric", "symmetric-split", "symmetric-windows", "encoder-only", "colocated"):
+        cal = {"lone": [request(mode) for _ in range(3)], "batch": {"size": 4, "requests": [request(mode)] * 4}}
+        workers = {"c": {"role": "colocated"}} if mode == "colocated" else pd
+        modes[mode] = {"workers": workers, "calibration": cal, "runs": [run()]}
+    return {
+        "benchmark": "e2e_h200x1_depth40",
+        "commit": "0" * 12,
+        "gpus": 1,
+        "model": {"depth": cfg.n_layers, "model_config": cfg.to_dict()},
+        "slo": {"ttft_ms": 5000.0, "itl_ms": 600.0},
+        "d_policy": {"max_new_admissions": 4, "admission_token_budget": 512},
+        "p_step_tokens": 16384,
+        "colocated_semantics": "split",
+        "modes": modes,
+    }
+
+
+def test_validate_a_depth40_result_in_every_mode():
+    """A lone request replays to its own calibration (ms): P 2000 (asymmetric and encoder-only: one
+    step of N - W rows; the symmetric modes: two phases of 1000), P's answer 30, the move 60, D's
+    first token 600 (symmetric-windows: none, P's token goes out when D admits the request), the
+    hops 10; colocated: its three prompt steps (896 rows at 512 a step, then the last W) 600 + 10.
+    Its decode gaps are the lone steps (150); the batch adds nothing (no load: same as lone)."""
+    v = validate_e2e(depth40_result())
+    assert v["model_depth"] == 40 and v["placement"] == "shared"
+    want = {"asymmetric": 2700.0, "symmetric-split": 2700.0, "encoder-only": 2700.0, "symmetric-windows": 2100.0,
+            "colocated": 610.0}  # fmt: skip
+    assert {r["mode"]: r["predicted"]["ttft_p50_ms"] for r in v["rows"]} == pytest.approx(want)
+    assert [r["predicted"]["itl_p50_ms"] for r in v["rows"]] == pytest.approx([150.0] * 5)
+    for mode, m in v["modes"].items():
+        assert m["serving_load_ms"]["answer_ms"] == m["serving_load_ms"]["fetch_ms"] == 0.0, mode
+    assert "depth 40" in format_validation(v)
+
+
+def test_excluded_rows_are_reported_but_not_counted(tmp_path):
+    path, out = tmp_path / "r.json", tmp_path / "v.json"
+    path.write_text(json.dumps(e2e_result(gpus=1)))
+    assert run_validation(str(path)) == 1  # the one row misses (TTFT)
+    assert run_validation(str(path), out=str(out), exclude=["asymmetric@2=D stalled 6 s"]) == 1  # nothing counted
+    v = json.loads(out.read_text())
+    assert v["rows"][0]["excluded"] == "D stalled 6 s"
+    assert v["summary"] == {
+        "rows": 1,
+        "counted": 0,
+        "within": {"ttft_p50_ms": 0, "itl_p50_ms": 0, "goodput_req_s": 0},
+        "all_three": 0,
+    }
+    assert "excluded asymmetric at 2 req/s: D stalled 6 s" in format_validation(v)
+    assert validate_e2e(e2e_result(gpus=1))["summary"]["within"] == {
+        "ttft_p50_ms": 0,  # 65.3 ms predicted vs 100 measured
+        "itl_p50_ms": 0,  # 25 vs 20
+        "goodput_req_s": 0,  # 2 requests done in 0.13 s: 15.2 req/s vs 2 measured
+    }
+    for bad, msg in (("asymmetric@2", "with a reason"), ("asymmetric@x=r", "MODE@RATE"), ("asymmetric@8=r", "no row")):
+        with pytest.raises(ValidationError, match=msg):
+            run_validation(str(path), exclude=[bad])
+
+
+def test_the_committed_h200_validation_is_what_the_code_gives():
+    """bench/results/e2e_h200x1_validation.json (tabled in docs/performance.md §10) is this code's
+    output on e2e_h200x1.json; pricing the CPU-side stages at their lone cost lowers the P/D rows'
+    TTFT at 4 req/s (the requests in the TTFT path no longer slow them)."""
+    from asympd.plan.steps import RESULTS_DIR
+
+    result = json.loads((RESULTS_DIR / "e2e_h200x1.json").read_text())
+    v = validate_e2e(result)
+    assert json.loads(json.dumps(v)) == json.loads((RESULTS_DIR / "e2e_h200x1_validation.json").read_text())
+    assert v["summary"]["within"] == {"ttft_p50_ms": 4, "itl_p50_ms": 4, "goodput_req_s": 6}
+    lone = validate_e2e(result, serving_load=False)
+    for with_load, without in zip(v["rows"], lone["rows"], strict=True):
+        if with_load["mode"] != "colocated" and with_load["rate"] == 4.0:
+            assert without["predicted"]["ttft_p50_ms"] < with_load["predicted"]["ttft_p50_ms"] - 10
+    assert all(m["serving_load_ms"]["answer_ms"] == 0.0 for m in lone["modes"].values())

@@ -1,0 +1,74 @@
+"""The CPU-side stages' load model: its slopes recovered exactly from a calibration batch made by a
+known load, a lone request at its lone cost, and the batch's requests delayed as the batch says."""
+
+from __future__ import annotations
+
+import pytest
+
+from asympd.plan.serving_load import StageLoad, fit_stage_load, in_path
+
+LONE_ANSWER, LONE_HOPS = 3.0, 7.0
+KNOWN = StageLoad(answer_ms=2.0, fetch_ms=1.5, hops_ms=0.5)
+
+
+def fetch_lone(prompt_len: int) -> float:
+    return 2.0 + 0.01 * prompt_len
+
+
+def batch_request(prefill_s: float, n_answer: int, n_fetch: int, first_s: float, prompt_len: int = 100) -> dict:
+    """One batch request's servers' timings, each stage at KNOWN's cost for its n (seconds)."""
+    answer = (LONE_ANSWER + KNOWN.extra_ms("answer", n_answer)) / 1e3
+    fetch = (fetch_lone(prompt_len) + KNOWN.extra_ms("fetch", n_fetch)) / 1e3
+    hops = (LONE_HOPS + KNOWN.extra_ms("hops", n_fetch)) / 1e3
+    timings = {"prefill_s": prefill_s, "prefill_rtt_s": prefill_s + answer, "transfer_s": fetch, "ttft_s": first_s}
+    return {"prompt_len": prompt_len, "ttft_s": first_s + hops, "gaps_s": [], "timings": timings}
+
+
+def test_in_path_counts_arrived_requests_without_a_first_token():
+    spans = [(0.0, 0.5), (0.1, None), (0.3, 0.4), (0.6, 0.9)]
+    assert [in_path(t, spans) for t in (0.0, 0.2, 0.35, 0.4, 0.5, 0.7)] == [1, 2, 3, 2, 1, 2]
+
+
+def test_fit_recovers_a_known_load():
+    """Four requests sent at once, first tokens at 50/100/150/200 ms: P is done with each 40 ms
+    before its first token, so 4, 3, 2 and 1 requests are in the TTFT path when its answer starts;
+    the answers take 9, 7, 5 and 3 ms, and the fetch and the hops start with the same counts."""
+    firsts = [0.05, 0.10, 0.15, 0.20]
+    reqs = [batch_request(f - 0.04, 4 - i, 4 - i, f) for i, f in enumerate(firsts)]
+    got = fit_stage_load({"batch": {"size": 4, "requests": reqs}}, True, LONE_ANSWER, fetch_lone, LONE_HOPS)
+    assert (got.answer_ms, got.fetch_ms, got.hops_ms, got.d_step_ms) == pytest.approx((2.0, 1.5, 0.5, 0.0))
+    assert got.batch_in_path == pytest.approx(2.5)
+    # colocated: no P answer and no fetch; the router's hop starts at arrival, with all 4 in the path
+    got = fit_stage_load({"batch": {"size": 4, "requests": reqs}}, False, 0.0, fetch_lone, LONE_HOPS)
+    assert (got.answer_ms, got.fetch_ms) == (0.0, 0.0)
+    assert got.hops_ms == pytest.approx(sum(0.5 * (3 - i) * 3 for i in range(4)) / (4 * 9))
+
+
+def test_lone_costs_and_the_batch_as_measured():
+    """n = 1 (a lone request) pays the lone cost; 16 at once pay 15 further requests' worth."""
+    load = StageLoad(answer_ms=11.5, fetch_ms=6.5, hops_ms=1.5)
+    assert [load.extra_ms(s, 1) for s in ("answer", "fetch", "hops")] == [0.0, 0.0, 0.0]
+    assert [load.extra_ms(s, 16) for s in ("answer", "fetch", "hops")] == [172.5, 97.5, 22.5]
+    assert load.extra_ms("answer", 0) == 0.0  # never below the lone cost
+
+
+def test_d_step_cost_from_decode_only_gaps():
+    """Request 0 decodes alone while request 1 is in the TTFT path: its steps take 4 ms over
+    D's one-request step (20 ms); the step that gives request 1 its first token also runs prompt
+    rows and is left out; then both decode at 25 ms with nobody in the path."""
+    r0 = {"prompt_len": 100, "ttft_s": 0.05, "gaps_s": [0.024] * 6 + [0.056, 0.025, 0.025]}
+    r0["timings"] = {"prefill_s": 0.01, "prefill_rtt_s": 0.013, "transfer_s": 0.003, "ttft_s": 0.05}
+    r1 = {"prompt_len": 100, "ttft_s": 0.25, "gaps_s": [0.025, 0.025]}
+    r1["timings"] = {"prefill_s": 0.01, "prefill_rtt_s": 0.013, "transfer_s": 0.003, "ttft_s": 0.25}
+    cal = {"batch": {"size": 2, "requests": [r0, r1]}}
+    got = fit_stage_load(cal, True, 3.0, fetch_lone, 0.0, decode_ms=lambda b: 20.0 + 5.0 * (b - 1))
+    assert got.d_step_ms == pytest.approx(4.0)
+    assert got.step_extra_ms(0) == 0.0 and got.step_extra_ms(3) == pytest.approx(12.0)
+    # colocated workers: no per-step term (their prompt phases hide in gaps without a first token)
+    assert fit_stage_load(cal, False, 0.0, fetch_lone, 0.0, decode_ms=lambda b: 20.0).d_step_ms == 0.0
+
+
+def test_a_batch_without_server_timings_gives_no_load():
+    cal = {"batch": {"size": 3, "requests": [{"gaps_s": [0.1]} for _ in range(3)]}}
+    assert fit_stage_load(cal, True, 3.0, fetch_lone, 7.0) == StageLoad()
+    assert fit_stage_load({"lone": []}, True, 3.0, fetch_lone, 7.0) == StageLoad()
