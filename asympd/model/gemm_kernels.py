@@ -333,14 +333,15 @@ if AVAILABLE:
         kernel                            BLOCK_M = 16     BLOCK_M = 32
         ================================  ===============  ===============
         ``_mxfp4_moe_kernel`` (current)   461 (7.2 / w)    514 (8.0 / w)
-        swap_ab, scale after the dot      313 (4.9 / w)    354 (5.5 / w)
-        swap_ab, scale per weight         314 (4.9 / w)    326 (5.1 / w)
+        swap_ab, scale after the dot      299 (4.7 / w)    341 (5.3 / w)
+        swap_ab, scale per weight         313 (4.9 / w)    321 (5.0 / w)
         ================================  ===============  ===============
 
-        so the scale goes after the dot for BLOCK_M <= 16 (a tie there; the dot's result then needs
-        no scaled operand) and on the weights above. Of the 313: 120 decode (``_FP4_LUT_PAIRS_ASM``,
-        15 a packed word), ~32 copies of its table constant that ptxas rematerializes, 32 FMAs,
-        16 PRMTs that pack the loaded bytes for the decode, the rest loads, scale, wgmma, loop."""
+        so the scale goes after the dot for BLOCK_M <= 16 and on the weights above. Of the 299: 120
+        decode (``_FP4_LUT_PAIRS_ASM``, 15 a packed word), ~30 copies of its table constant that
+        ptxas rematerializes, 32 FMAs, 16 PRMTs that pack the loaded bytes (two rows' pairs) for
+        the decode, the rest loads, scales, wgmma, loop. UNROLL 4: 534 per 128 weights (4.2 / w),
+        126 registers."""
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.load(block_expert_ptr + pid_b)
@@ -366,16 +367,20 @@ if AVAILABLE:
         a_ptrs = a_ptr + src[:, None] * s_am + k_elem[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         kb_lo = tl.program_id(2) * KB_PER_SPLIT
+        uu = tl.arange(0, UNROLL)
         for kb0 in range(0, KB_PER_SPLIT, UNROLL):  # splits divide K exactly (see the wrapper): no masks
+            if SCALE_AFTER:  # the step's scales in one load (one layout conversion, not UNROLL)
+                s_step = _ue8m0(tl.load(s_ptrs[:, None] + kb_lo + kb0 + uu[None, :], mask=cmask[:, None], other=0))
             for u in tl.static_range(UNROLL):
                 kb = kb_lo + kb0 + u
                 if EVEN_N:
                     p = tl.load(w_ptrs + kb * 16)
-                    s = tl.load(s_ptrs + kb)
                 else:
                     p = tl.load(w_ptrs + kb * 16, mask=cmask[:, None], other=0)
-                    s = tl.load(s_ptrs + kb, mask=cmask, other=0)
-                sc = _ue8m0(s)[:, None]
+                if SCALE_AFTER:
+                    sc = tl.sum(tl.where(uu[None, :] == u, s_step, 0.0), axis=1)[:, None]  # column u, exact
+                else:
+                    sc = _ue8m0(tl.load(s_ptrs + kb, mask=cmask, other=0))[:, None]
                 a_k = tl.load(a_ptrs + kb * 32)
                 if LUT:
                     lo, hi = _fp4_lut_pairs(p)
