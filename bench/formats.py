@@ -511,10 +511,10 @@ def main() -> None:
     name = "formats"
     if os.environ.get("ASYMPD_BENCH_SWEEP", "0") == "1":
         sections = (("sweep", lambda: sweep(cfg, ceil, g)),)
-    if os.environ.get("ASYMPD_BENCH_MOE_VARIANTS", "0") == "1":  # its own file: formats.json stays whole
-        sections, name = (("moe_variants", lambda: bench_moe_variants(cfg, ceil, g)),), "formats_moe_variants"
     if os.environ.get("ASYMPD_BENCH_ENGRAM", "1") == "1":
         sections += (("engram_host_lookup", lambda: bench_engram(cfg, g)),)
+    if os.environ.get("ASYMPD_BENCH_MOE_VARIANTS", "0") == "1":  # alone, in its own file: formats.json stays whole
+        sections, name = (("moe_variants", lambda: bench_moe_variants(cfg, ceil, g)),), "formats_moe_variants"
     only = os.environ.get("ASYMPD_BENCH_ONLY")  # a comma list of sections, e.g. lm_head
     if only:
         sections = tuple(s for s in sections if s[0] in only.split(","))
