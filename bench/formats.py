@@ -43,9 +43,11 @@ FP8_SWEEP = (("wq_b", 32768, 1280), ("wo_b", 5120, 8192), ("wq_a", 1280, 5120))
 MOE_ROWS = [1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 MOE_VARIANT_ROWS = [1, 16, 64, 128, 256, 512, 1024, 2048]
 # the MXFP4 GEMMs' kernel configs timed side by side (gemm_kernels.mxfp4_moe_gemm): the default
-# kernel and the transposed decode-regime one (``swap_ab``), at its defaults and unrolled 4x
+# kernel, the same with the shorter table decode (``lut_pairs``: what the decode alone gains), and
+# the transposed decode-regime kernel (``swap_ab``), at its defaults and unrolled 4x
 MOE_VARIANTS = {
     "current": {},
+    "current_lut_pairs": {"lut_pairs": True},
     "swap_ab": {"swap_ab": True},
     "swap_ab_unroll4": {"swap_ab": True, "unroll": 4},
 }

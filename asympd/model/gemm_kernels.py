@@ -182,11 +182,14 @@ if AVAILABLE:
         GATHER: tl.constexpr,
         DOT_F32: tl.constexpr,
         LUT: tl.constexpr,
+        LUT_PAIRS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
         """Output rows [row0, row1) of one expert's M-block (rows sorted by expert), columns of one
-        N-block. Blocks past the last real one carry expert id N_EXPERTS and return at once."""
+        N-block. Blocks past the last real one carry expert id N_EXPERTS and return at once.
+        ``LUT_PAIRS``: the table decode of ``_FP4_LUT_PAIRS_ASM`` instead of ``_FP4_LUT_ASM`` (the
+        same values; 337 instead of 461 SASS instructions a loop iteration, see the swap kernel)."""
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.load(block_expert_ptr + pid_b)
@@ -215,7 +218,10 @@ if AVAILABLE:
                 p = tl.load(w_base + kb * 16 + kk[None, :], mask=cmask[:, None] & live, other=0)
                 sc = _ue8m0(tl.load(s_base + kb, mask=cmask & live, other=0))[:, None]
                 if LUT:  # elements kb*32 + j and kb*32 + 16 + j (see repack_fp4)
-                    lo, hi = _fp4_lut(p)
+                    if LUT_PAIRS:
+                        lo, hi = _fp4_lut_pairs(p)
+                    else:
+                        lo, hi = _fp4_lut(p)
                     lo, hi = lo * sc.to(tl.bfloat16), hi * sc.to(tl.bfloat16)
                 else:
                     lo, hi = _fp4_halves(p.to(tl.int32), sc)
@@ -333,6 +339,7 @@ if AVAILABLE:
         kernel                            BLOCK_M = 16     BLOCK_M = 32
         ================================  ===============  ===============
         ``_mxfp4_moe_kernel`` (current)   461 (7.2 / w)    514 (8.0 / w)
+        the same, ``lut_pairs``           337 (5.3 / w)    399 (6.2 / w)
         swap_ab, scale after the dot      299 (4.7 / w)    341 (5.3 / w)
         swap_ab, scale per weight         313 (4.9 / w)    321 (5.0 / w)
         ================================  ===============  ===============
@@ -549,7 +556,8 @@ def mxfp4_moe_gemm(
     block_row0, block_row1) from ``moe_blocks`` made with the same ``block_m``; ``a_rows`` maps
     sorted rows to rows of ``a`` (None: identity).
     config (all optional): ``block_n``, ``unroll``, ``split``, ``num_warps``, ``num_stages``,
-    ``lut`` (the PRMT decode; default on CUDA in bf16); ``swap_ab`` (the transposed decode-regime
+    ``lut`` (the PRMT decode; default on CUDA in bf16), ``lut_pairs`` (its shorter form, which the
+    transposed kernel always uses; default off); ``swap_ab`` (the transposed decode-regime
     kernel, default off) with ``scale_after`` (default ``block_m <= 16``); its ``unroll`` must
     divide K/32 and its ``split`` is rounded down to a divisor of the unrolled steps.
     Returns [rows, N] in a's dtype."""
@@ -598,6 +606,7 @@ def mxfp4_moe_gemm(
         _mxfp4_moe_kernel[grid](
             *args,
             **common,
+            LUT_PAIRS=cfg.get("lut_pairs", False),
             num_warps=cfg.get("num_warps", 4 if block_m <= 64 else 8),
             num_stages=cfg.get("num_stages", 3) if a.is_cuda else 1,
         )
