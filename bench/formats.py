@@ -9,6 +9,7 @@ variant's own floor (2 B/weight, bf16 rate) is reported beside it, and the gain 
     python bench/formats.py              # on the device; writes bench/results/formats.json
     ASYMPD_BENCH_MOE_VARIANTS=1 python bench/formats.py   # MXFP4 kernel variants side by side ->
                                                           # bench/results/formats_moe_variants.json
+    ASYMPD_BENCH_SASS=1 python bench/formats.py           # no GPU: the MXFP4 kernels' SASS loop counts
 
 What is timed is the product's code: ``FastMoE`` as the loader builds it (``FastMoE.packed``) and
 ``gemm_kernels.fp8_tile_gemm``, the kernel behind ``FP8TileLinear``. Timings are medians of CUDA
@@ -497,8 +498,88 @@ def sweep(cfg, ceil: dict, g: torch.Generator) -> dict:
     return out
 
 
+def _loop_instructions(sass: str) -> int:
+    """Instructions between the label and the branch of the longest backward jump: the hot loop."""
+    import re
+
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, ln in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", ln))}
+    loops = [
+        (labels[m.group(1)], i)
+        for i, ln in enumerate(lines)
+        if (m := re.search(r"BRA `\((\.L_x_\d+)\)", ln)) and labels.get(m.group(1), i) < i
+    ]
+    start, end = max(loops, key=lambda t: t[1] - t[0])
+    return sum(bool(re.match(r"\s*/\*[0-9a-f]+\*/\s+\S", ln)) for ln in lines[start : end + 1])
+
+
+def sass_counts() -> list[dict]:
+    """The MXFP4 kernels' hot-loop instruction counts in sm_90a SASS, compiled offline with the
+    ptxas and nvdisasm Triton ships (no GPU needed): the numbers the variants were designed with
+    (``ASYMPD_BENCH_SASS=1 python bench/formats.py``, run without TRITON_INTERPRET). Shapes of the
+    V4.1 gate/up GEMM: K = 5120, 128 weight rows and 16 or 32 activation rows a program, 4 warps,
+    unrolled twice (64 weights a thread an iteration) unless said; every pointer and stride
+    divisible by 16, as the JIT specializes them at true shapes."""
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    ints = ["N", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_ys", "s_ym"]
+    sig = {"a_ptr": "*bf16", "a_rows_ptr": "*i64", "w_ptr": "*i8", "s_ptr": "*u8", "y_ptr": "*bf16"}
+    sig |= {"block_expert_ptr": "*i32", "block_row0_ptr": "*i32", "block_row1_ptr": "*i32"} | dict.fromkeys(ints, "i32")
+    base = dict(K=5120, KB_PER_SPLIT=32, N_EXPERTS=384, GATHER=True, DOT_F32=False, LUT=True, BLOCK_N=128)
+    cases = []
+    for bm in (16, 32):
+        cases += [
+            ("current", G._mxfp4_moe_kernel, dict(UNROLL=2, BLOCK_M=bm, LUT_PAIRS=False)),
+            ("current_lut_pairs", G._mxfp4_moe_kernel, dict(UNROLL=2, BLOCK_M=bm, LUT_PAIRS=True)),
+            (
+                "swap_ab_scale_after",
+                G._mxfp4_moe_swap_kernel,
+                dict(UNROLL=2, BLOCK_M=bm, EVEN_N=True, SCALE_AFTER=True),
+            ),
+            (
+                "swap_ab_scale_per_weight",
+                G._mxfp4_moe_swap_kernel,
+                dict(UNROLL=2, BLOCK_M=bm, EVEN_N=True, SCALE_AFTER=False),
+            ),
+        ]
+    cases.append(
+        ("swap_ab_unroll4", G._mxfp4_moe_swap_kernel, dict(UNROLL=4, BLOCK_M=16, EVEN_N=True, SCALE_AFTER=True))
+    )
+    out = []
+    for name, fn, consts in cases:
+        consts = {**base, **consts}
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig}
+        src = ASTSource(fn, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([tools / "nvdisasm", "-c", f.name], capture_output=True, text=True).stdout
+            usage = subprocess.run([tools / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
+        n = _loop_instructions(sass)
+        weights = consts["UNROLL"] * consts["BLOCK_N"] * 32 // 128
+        regs = int(usage.split("REG:")[1].split()[0])
+        row = {"kernel": name, "block_m": consts["BLOCK_M"], "unroll": consts["UNROLL"], "registers": regs}
+        row |= {"loop_instructions": n, "weights_per_thread": weights, "per_weight": n / weights}
+        out.append(row)
+        log(
+            f"sass {name:26s} BM {consts['BLOCK_M']:3d} unroll {consts['UNROLL']} | {n:4d} instructions / "
+            f"{weights} weights = {n / weights:.2f} | {regs} registers"
+        )
+    return out
+
+
 def main() -> None:
     started = time.time()
+    if os.environ.get("ASYMPD_BENCH_SASS", "0") == "1":  # offline, no GPU
+        record("formats_sass", {"sass": sass_counts()}, started)
+        return
     torch.manual_seed(0)
     g = torch.Generator(device=DEV).manual_seed(0)
     cfg = v41_flash()

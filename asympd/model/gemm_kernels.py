@@ -189,7 +189,7 @@ if AVAILABLE:
         """Output rows [row0, row1) of one expert's M-block (rows sorted by expert), columns of one
         N-block. Blocks past the last real one carry expert id N_EXPERTS and return at once.
         ``LUT_PAIRS``: the table decode of ``_FP4_LUT_PAIRS_ASM`` instead of ``_FP4_LUT_ASM`` (the
-        same values; 337 instead of 461 SASS instructions a loop iteration, see the swap kernel)."""
+        same values; 342 instead of 466 SASS instructions a loop iteration, see the swap kernel)."""
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.load(block_expert_ptr + pid_b)
@@ -331,15 +331,16 @@ if AVAILABLE:
 
         ``SCALE_AFTER``: the block's UE8M0 scale multiplies the dot's [BLOCK_N, BLOCK_M] result
         (BLOCK_M / 32 fp32 FMAs per weight) instead of every expanded weight (one bf16 multiply
-        per weight, which ptxas pairs into HMUL2: 0.5). The count it was chosen by, sm_90a SASS of
-        the hot loop compiled offline (Triton 3.6, its ptxas; BLOCK_N 128, UNROLL 2, 4 warps: 64
-        weights per thread per iteration), instructions per iteration:
+        per weight, which ptxas pairs into HMUL2: 0.5). The count it was chosen by: instructions in
+        the hot loop of the sm_90a SASS, compiled offline (``ASYMPD_BENCH_SASS=1 python
+        bench/formats.py``: Triton 3.6 and its ptxas; K 5120, BLOCK_N 128, UNROLL 2, 4 warps: 64
+        weights a thread an iteration):
 
         ================================  ===============  ===============
         kernel                            BLOCK_M = 16     BLOCK_M = 32
         ================================  ===============  ===============
-        ``_mxfp4_moe_kernel`` (current)   461 (7.2 / w)    514 (8.0 / w)
-        the same, ``lut_pairs``           337 (5.3 / w)    399 (6.2 / w)
+        ``_mxfp4_moe_kernel`` (current)   466 (7.3 / w)    532 (8.3 / w)
+        the same, ``lut_pairs``           342 (5.3 / w)    424 (6.6 / w)
         swap_ab, scale after the dot      299 (4.7 / w)    341 (5.3 / w)
         swap_ab, scale per weight         313 (4.9 / w)    321 (5.0 / w)
         ================================  ===============  ===============
