@@ -260,7 +260,7 @@ def bench_moe_variants(cfg, ceil: dict, g: torch.Generator) -> list[dict]:
                 keys = {"moe": "moe_graph_ms", "w13": "w13_ms", "w2": "w2_ms"}
                 row[f"{name}_speedup"] = {k: cur[ms] / v[ms] for k, ms in keys.items()}
             log(
-                f"moe variants rows {rows:5d} bm {bm:3d} touched {touched:3d} | {name:16s} "
+                f"moe variants rows {rows:5d} bm {bm:3d} touched {touched:3d} | {name:17s} "
                 + (
                     v["error"]
                     if "error" in v
