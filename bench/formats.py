@@ -7,6 +7,9 @@ and the FLOPs over the FP8 dense GEMM rate measured in this run; the larger is t
 variant's own floor (2 B/weight, bf16 rate) is reported beside it, and the gain as one ratio.
 
     python bench/formats.py              # on the device; writes bench/results/formats.json
+    ASYMPD_BENCH_MOE_VARIANTS=1 python bench/formats.py   # MXFP4 kernel variants side by side ->
+                                                          # bench/results/formats_moe_variants.json
+    ASYMPD_BENCH_SASS=1 python bench/formats.py           # no GPU: the MXFP4 kernels' SASS loop counts
 
 What is timed is the product's code: ``FastMoE`` as the loader builds it (``FastMoE.packed``) and
 ``gemm_kernels.fp8_tile_gemm``, the kernel behind ``FP8TileLinear``. Timings are medians of CUDA
@@ -39,6 +42,16 @@ BF = torch.bfloat16
 ROWS_SWEEP = (16, 512, 16384)
 FP8_SWEEP = (("wq_b", 32768, 1280), ("wo_b", 5120, 8192), ("wq_a", 1280, 5120))
 MOE_ROWS = [1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+MOE_VARIANT_ROWS = [1, 16, 64, 128, 256, 512, 1024, 2048]
+# the MXFP4 GEMMs' kernel configs timed side by side (gemm_kernels.mxfp4_moe_gemm): the default
+# kernel, the same with the shorter table decode (``lut_pairs``: what the decode alone gains), and
+# the transposed decode-regime kernel (``swap_ab``), at its defaults and unrolled 4x
+MOE_VARIANTS = {
+    "current": {},
+    "current_lut_pairs": {"lut_pairs": True},
+    "swap_ab": {"swap_ab": True},
+    "swap_ab_unroll4": {"swap_ab": True, "unroll": 4},
+}
 LINEAR_ROWS = [1, 16, 64, 256, 1024]
 # (name, out, in, groups): the FP8-stored matrices of one V4.1 layer (attention, indexer, shared expert)
 LINEARS = [
@@ -152,6 +165,112 @@ def bench_moe(cfg, ceil: dict, g: torch.Generator) -> list[dict]:
             f"({100 * row['bf16']['frac_of_floor']:5.1f}% own floor) | x{row['speedup_vs_bf16']:.2f} | err {err:.1e}"
         )
         del x
+    del packed, bf16
+    torch.cuda.empty_cache()
+    return out
+
+
+class _Configured:
+    """A ``PackedExperts`` whose GEMMs run with one kernel config: how one ``FastMoE`` is timed
+    per variant without touching the model code."""
+
+    def __init__(self, experts: PackedExperts, config: dict):
+        self.experts, self.config = experts, config
+
+    def __getattr__(self, name: str):
+        return getattr(self.experts, name)
+
+    def matmul(self, a, blocks, rows, block_m, a_rows, config=None):
+        return self.experts.matmul(a, blocks, rows, block_m, a_rows, self.config)
+
+
+def _gemm_floor(touched: int, rows: int, n: int, k: int, ceil: dict, fp8_rate: float) -> float:
+    """One expert GEMM's floor (ms): the touched experts' FP4 bytes over the copy rate, or its
+    FLOPs at the FP8 rate."""
+    t_bytes = touched * n * k * FP4_BYTES / (ceil["copy_TBps"] * 1e12)
+    return max(t_bytes, 2 * rows * n * k / (fp8_rate * 1e12)) * 1e3
+
+
+def bench_moe_variants(cfg, ceil: dict, g: torch.Generator) -> list[dict]:
+    """The MXFP4 kernel variants (``MOE_VARIANTS``) in one run at decode sizes: the whole MoE
+    sublayer (graph replays) against its release-format floor, and each expert GEMM alone against
+    its own floor (the touched experts' FP4 bytes over the copy rate, or its FLOPs at the FP8
+    rate), with every variant's speed-up over ``current`` and its error against the bf16 path."""
+    from asympd.model.packed import moe_block_m
+
+    packed, bf16 = build_moes(cfg, g)
+    w13, w2 = packed.w13, packed.w2f
+    fp8_rate = ceil.get("fp8_gemm_TFLOPs", ceil["bf16_gemm_TFLOPs"])
+    n_exp, k_top, d, inter = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
+    out = []
+    for rows in MOE_VARIANT_ROWS:
+        x = torch.randn(rows, d, device=DEV, generator=g).to(BF)
+        _, ids = packed.route(x)
+        flat = ids.reshape(-1)
+        touched = int(torch.unique(flat).numel())
+        bm = moe_block_m(flat.numel(), n_exp)
+        order, *blocks = G.moe_blocks(flat, n_exp, bm)
+        token, r = order // k_top, flat.numel()
+        xq = fp8_qdq(x.float(), 32).to(BF)
+        h = fp8_qdq(torch.randn(r, inter, device=DEV, generator=g), 32).to(BF)
+        ref = bf16(x)
+        floor = moe_floor(cfg, rows, touched, ceil, FP4_BYTES, fp8_rate)["floor_ms"]
+        f13, f2 = (_gemm_floor(touched, r, n, k, ceil, fp8_rate) for n, k in ((2 * inter, d), (d, inter)))
+        row: dict = {"rows": rows, "experts_touched": touched, "block_m": bm, "moe_floor_ms": floor}
+        row.update({"w13_floor_ms": f13, "w2_floor_ms": f2})
+        first = None
+        for name, conf in MOE_VARIANTS.items():
+            packed.w13, packed.w2f = _Configured(w13, conf), _Configured(w2, conf)
+            try:
+                y = packed(x)
+                first = y if first is None else first
+                timed = time_cuda(lambda m=packed, x=x: m(x), iters=10, warmup=1, graph=True)
+                moe = timed["ms"]
+                t13 = time_cuda(
+                    lambda c=conf, b=blocks, t=token, a=xq, r=r, bm=bm: w13.matmul(a, b, r, bm, t, c),
+                    iters=10,
+                    warmup=1,
+                    graph=True,
+                )["ms"]
+                t2 = time_cuda(
+                    lambda c=conf, b=blocks, a=h, r=r, bm=bm: w2.matmul(a, b, r, bm, None, c),
+                    iters=10,
+                    warmup=1,
+                    graph=True,
+                )["ms"]
+                row[name] = {
+                    "config": conf,
+                    "mode": timed["mode"],
+                    "moe_graph_ms": moe,
+                    "moe_frac_of_release_floor": floor / moe,
+                    "w13_ms": t13,
+                    "w13_frac_of_floor": f13 / t13,
+                    "w2_ms": t2,
+                    "w2_frac_of_floor": f2 / t2,
+                    "rel_err_vs_bf16": rel(y, ref),
+                    "rel_err_vs_current": rel(y, first),
+                }
+            except Exception as ex:  # a variant that does not compile or run: keep the others
+                row[name] = {"config": conf, "error": f"{type(ex).__name__}: {str(ex)[:300]}"}
+        packed.w13, packed.w2f = w13, w2
+        cur = row["current"]
+        for name in MOE_VARIANTS:
+            v = row[name]
+            if name != "current" and "error" not in v and "error" not in cur:
+                keys = {"moe": "moe_graph_ms", "w13": "w13_ms", "w2": "w2_ms"}
+                row[f"{name}_speedup"] = {k: cur[ms] / v[ms] for k, ms in keys.items()}
+            log(
+                f"moe variants rows {rows:5d} bm {bm:3d} touched {touched:3d} | {name:17s} "
+                + (
+                    v["error"]
+                    if "error" in v
+                    else f"moe {v['moe_graph_ms']:.3f} ms ({100 * v['moe_frac_of_release_floor']:4.1f}% floor) | "
+                    f"w13 {v['w13_ms']:.3f} ms ({100 * v['w13_frac_of_floor']:4.1f}%) | "
+                    f"w2 {v['w2_ms']:.3f} ms ({100 * v['w2_frac_of_floor']:4.1f}%) | err {v['rel_err_vs_bf16']:.1e}"
+                )
+            )
+        out.append(row)
+        del x, h
     del packed, bf16
     torch.cuda.empty_cache()
     return out
@@ -379,8 +498,88 @@ def sweep(cfg, ceil: dict, g: torch.Generator) -> dict:
     return out
 
 
+def _loop_instructions(sass: str) -> int:
+    """Instructions between the label and the branch of the longest backward jump: the hot loop."""
+    import re
+
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, ln in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", ln))}
+    loops = [
+        (labels[m.group(1)], i)
+        for i, ln in enumerate(lines)
+        if (m := re.search(r"BRA `\((\.L_x_\d+)\)", ln)) and labels.get(m.group(1), i) < i
+    ]
+    start, end = max(loops, key=lambda t: t[1] - t[0])
+    return sum(bool(re.match(r"\s*/\*[0-9a-f]+\*/\s+\S", ln)) for ln in lines[start : end + 1])
+
+
+def sass_counts() -> list[dict]:
+    """The MXFP4 kernels' hot-loop instruction counts in sm_90a SASS, compiled offline with the
+    ptxas and nvdisasm Triton ships (no GPU needed): the numbers the variants were designed with
+    (``ASYMPD_BENCH_SASS=1 python bench/formats.py``, run without TRITON_INTERPRET). Shapes of the
+    V4.1 gate/up GEMM: K = 5120, 128 weight rows and 16 or 32 activation rows a program, 4 warps,
+    unrolled twice (64 weights a thread an iteration) unless said; every pointer and stride
+    divisible by 16, as the JIT specializes them at true shapes."""
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    ints = ["N", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_ys", "s_ym"]
+    sig = {"a_ptr": "*bf16", "a_rows_ptr": "*i64", "w_ptr": "*i8", "s_ptr": "*u8", "y_ptr": "*bf16"}
+    sig |= {"block_expert_ptr": "*i32", "block_row0_ptr": "*i32", "block_row1_ptr": "*i32"} | dict.fromkeys(ints, "i32")
+    base = dict(K=5120, KB_PER_SPLIT=32, N_EXPERTS=384, GATHER=True, DOT_F32=False, LUT=True, BLOCK_N=128)
+    cases = []
+    for bm in (16, 32):
+        cases += [
+            ("current", G._mxfp4_moe_kernel, dict(UNROLL=2, BLOCK_M=bm, LUT_PAIRS=False)),
+            ("current_lut_pairs", G._mxfp4_moe_kernel, dict(UNROLL=2, BLOCK_M=bm, LUT_PAIRS=True)),
+            (
+                "swap_ab_scale_after",
+                G._mxfp4_moe_swap_kernel,
+                dict(UNROLL=2, BLOCK_M=bm, EVEN_N=True, SCALE_AFTER=True),
+            ),
+            (
+                "swap_ab_scale_per_weight",
+                G._mxfp4_moe_swap_kernel,
+                dict(UNROLL=2, BLOCK_M=bm, EVEN_N=True, SCALE_AFTER=False),
+            ),
+        ]
+    cases.append(
+        ("swap_ab_unroll4", G._mxfp4_moe_swap_kernel, dict(UNROLL=4, BLOCK_M=16, EVEN_N=True, SCALE_AFTER=True))
+    )
+    out = []
+    for name, fn, consts in cases:
+        consts = {**base, **consts}
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig}
+        src = ASTSource(fn, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([tools / "nvdisasm", "-c", f.name], capture_output=True, text=True).stdout
+            usage = subprocess.run([tools / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
+        n = _loop_instructions(sass)
+        weights = consts["UNROLL"] * consts["BLOCK_N"] * 32 // 128
+        regs = int(usage.split("REG:")[1].split()[0])
+        row = {"kernel": name, "block_m": consts["BLOCK_M"], "unroll": consts["UNROLL"], "registers": regs}
+        row |= {"loop_instructions": n, "weights_per_thread": weights, "per_weight": n / weights}
+        out.append(row)
+        log(
+            f"sass {name:26s} BM {consts['BLOCK_M']:3d} unroll {consts['UNROLL']} | {n:4d} instructions / "
+            f"{weights} weights = {n / weights:.2f} | {regs} registers"
+        )
+    return out
+
+
 def main() -> None:
     started = time.time()
+    if os.environ.get("ASYMPD_BENCH_SASS", "0") == "1":  # offline, no GPU
+        record("formats_sass", {"sass": sass_counts()}, started)
+        return
     torch.manual_seed(0)
     g = torch.Generator(device=DEV).manual_seed(0)
     cfg = v41_flash()
@@ -392,10 +591,13 @@ def main() -> None:
         ("linears", lambda: bench_linears(ceil, g)),
         ("lm_head", lambda: bench_lm_head(cfg, ceil, g)),
     )
+    name = "formats"
     if os.environ.get("ASYMPD_BENCH_SWEEP", "0") == "1":
         sections = (("sweep", lambda: sweep(cfg, ceil, g)),)
     if os.environ.get("ASYMPD_BENCH_ENGRAM", "1") == "1":
         sections += (("engram_host_lookup", lambda: bench_engram(cfg, g)),)
+    if os.environ.get("ASYMPD_BENCH_MOE_VARIANTS", "0") == "1":  # alone, in its own file: formats.json stays whole
+        sections, name = (("moe_variants", lambda: bench_moe_variants(cfg, ceil, g)),), "formats_moe_variants"
     only = os.environ.get("ASYMPD_BENCH_ONLY")  # a comma list of sections, e.g. lm_head
     if only:
         sections = tuple(s for s in sections if s[0] in only.split(","))
@@ -407,8 +609,8 @@ def main() -> None:
 
             traceback.print_exc()
             data[key + "_error"] = f"{type(ex).__name__}: {ex}"
-        record("formats", data, started)
-    log(f"wrote formats.json in {time.time() - started:.0f} s")
+        record(name, data, started)
+    log(f"wrote {name}.json in {time.time() - started:.0f} s")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@
 - ``mxfp4_moe_gemm``: the routed experts. Rows arrive sorted by expert; row r multiplies
   ``W[expert(r)]`` packed e2m1 ``[E, N, K/2]`` with one UE8M0 scale per 32 K elements, its bytes permuted
   once at load (``repack_fp4``) so each 16-byte load meets two contiguous halves of the activations.
+  ``config={"swap_ab": True}`` selects a transposed variant for decode-sized M-blocks
+  (``_mxfp4_moe_swap_kernel``: expanded weights as wgmma's register operand, the scale applied
+  after the dot, a cheaper decode); the default stays the first kernel until measured on the device.
 
 Both expand the weight tile in registers to the activation dtype and run one dot with fp32
 accumulation. The expansion is exact (e4m3 and e2m1 values times a power of two fit bf16), and the
@@ -179,11 +182,14 @@ if AVAILABLE:
         GATHER: tl.constexpr,
         DOT_F32: tl.constexpr,
         LUT: tl.constexpr,
+        LUT_PAIRS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
         """Output rows [row0, row1) of one expert's M-block (rows sorted by expert), columns of one
-        N-block. Blocks past the last real one carry expert id N_EXPERTS and return at once."""
+        N-block. Blocks past the last real one carry expert id N_EXPERTS and return at once.
+        ``LUT_PAIRS``: the table decode of ``_FP4_LUT_PAIRS_ASM`` instead of ``_FP4_LUT_ASM`` (the
+        same values; 342 instead of 466 SASS instructions a loop iteration, see the swap kernel)."""
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.load(block_expert_ptr + pid_b)
@@ -212,7 +218,10 @@ if AVAILABLE:
                 p = tl.load(w_base + kb * 16 + kk[None, :], mask=cmask[:, None] & live, other=0)
                 sc = _ue8m0(tl.load(s_base + kb, mask=cmask & live, other=0))[:, None]
                 if LUT:  # elements kb*32 + j and kb*32 + 16 + j (see repack_fp4)
-                    lo, hi = _fp4_lut(p)
+                    if LUT_PAIRS:
+                        lo, hi = _fp4_lut_pairs(p)
+                    else:
+                        lo, hi = _fp4_lut(p)
                     lo, hi = lo * sc.to(tl.bfloat16), hi * sc.to(tl.bfloat16)
                 else:
                     lo, hi = _fp4_halves(p.to(tl.int32), sc)
@@ -228,6 +237,181 @@ if AVAILABLE:
         y_ptr += tl.program_id(2) * s_ys
         out = y_ptr + rows.to(tl.int64)[:, None] * s_ym + cols[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+    # e2m1 -> bf16 for the swapped kernel, unscaled (its scale is applied after the dot): 15
+    # instructions per 4 packed bytes (8 values) instead of the table above's 31. The magnitudes
+    # of all 8 nibbles serve as PRMT selectors as they lie (q & 0x77777777: byte i = low | high << 4),
+    # so one lookup yields the high (or low) bf16 bytes of four values; a sign-replicating PRMT
+    # turns each nibble's sign bit into a byte mask that one LOP3 merges into the high bytes; four
+    # PRMTs interleave low and high bytes into bf16 pairs. Elementwise like ``_fp4_lut``: $0,$1 the
+    # four low-nibble values, $2,$3 the high-nibble ones (checked against every byte on CPU by an
+    # emulation of these instructions, tests/model/test_packed.py).
+    _FP4_LUT_PAIRS_ASM = tl.constexpr(
+        "{ .reg .b32 m, n, u, h0, l0, h1, l1, s0, s1, th0, th1, tl0, tl1;\n"
+        "mov.b32 th0, 0x3F3F3F00; mov.b32 th1, 0x40404040;\n"
+        "mov.b32 tl0, 0xC0800000; mov.b32 tl1, 0xC0804000;\n"
+        "and.b32 m, $4, 0x77777777;\n"
+        "shr.u32 n, m, 16;\n"
+        "prmt.b32 h0, th0, th1, m;\n"
+        "prmt.b32 l0, tl0, tl1, m;\n"
+        "prmt.b32 h1, th0, th1, n;\n"
+        "prmt.b32 l1, tl0, tl1, n;\n"
+        "shl.b32 u, $4, 4;\n"
+        "prmt.b32 s0, u, $4, 0xD9C8;\n"
+        "prmt.b32 s1, u, $4, 0xFBEA;\n"
+        "and.b32 s0, s0, 0x80808080;\n"
+        "or.b32 h0, h0, s0;\n"
+        "and.b32 s1, s1, 0x80808080;\n"
+        "or.b32 h1, h1, s1;\n"
+        "prmt.b32 $0, l0, h0, 0x6240;\n"
+        "prmt.b32 $1, l1, h1, 0x6240;\n"
+        "prmt.b32 $2, l0, h0, 0x7351;\n"
+        "prmt.b32 $3, l1, h1, 0x7351;\n"
+        "}"
+    )
+
+    @triton.jit
+    def _fp4_lut_pairs(p):
+        """Packed bytes (int8, kernel order) -> (low-nibble, high-nibble) e2m1 values in bf16, unscaled (CUDA only)."""
+        return tl.inline_asm_elementwise(
+            _FP4_LUT_PAIRS_ASM, "=r,=r,=r,=r,r", [p], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
+        )
+
+    @triton.jit
+    def _mma_k_order(lo, hi, R: tl.constexpr):
+        """Halves [R, 16] of one 32-element block (``lo[:, j]`` = element j, ``hi[:, j]`` = element
+        j + 16) -> [R, 32] with column 16h + 8i + 2c + t = element 16h + 4c + 2i + t.
+
+        A permutation of K (the weights and the activations take the same one, so the dot is
+        unchanged) chosen so that the lane owning bytes 4c..4c+3 of a row in the weight's load holds
+        exactly what the MMA fragment wants from it: columns 2c, 2c+1 (+8, +16, +24), as bf16 pairs
+        in the order the decode packs them. Triton then keeps the decoded values in the registers
+        the MMA reads instead of moving them between lanes."""
+        x = tl.join(lo.reshape(R, 4, 2, 2), hi.reshape(R, 4, 2, 2))  # [R, c, i, t, h]
+        return x.permute(0, 4, 2, 1, 3).reshape(R, 32)
+
+    @triton.jit
+    def _mxfp4_moe_swap_kernel(
+        a_ptr,
+        a_rows_ptr,
+        w_ptr,
+        s_ptr,
+        y_ptr,
+        block_expert_ptr,
+        block_row0_ptr,
+        block_row1_ptr,
+        N,
+        s_am,
+        s_we,
+        s_wn,
+        s_se,
+        s_sn,
+        s_ys,
+        s_ym,
+        K: tl.constexpr,
+        KB_PER_SPLIT: tl.constexpr,
+        UNROLL: tl.constexpr,
+        N_EXPERTS: tl.constexpr,
+        GATHER: tl.constexpr,
+        EVEN_N: tl.constexpr,
+        DOT_F32: tl.constexpr,
+        LUT: tl.constexpr,
+        SCALE_AFTER: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """The same tile as ``_mxfp4_moe_kernel``, computed transposed for few rows per expert
+        (``config={"swap_ab": True}``): ``acc^T [BLOCK_N, BLOCK_M] += W [BLOCK_N, 32] @ a^T [32,
+        BLOCK_M]``, one dot per 32-element scale block (K = 32: two wgmma K-steps). The expanded
+        weights are the dot's first operand, which Hopper's wgmma reads from registers (M = BLOCK_N,
+        a multiple of 64; BLOCK_M = 16 or 8 is wgmma's N), so they are not staged through shared
+        memory; only the few activation rows are (the B operand, loaded straight into shared memory
+        in the permuted K order of ``_mma_k_order``). Splits cover whole unrolled steps, so the loop
+        carries no masks.
+
+        ``SCALE_AFTER``: the block's UE8M0 scale multiplies the dot's [BLOCK_N, BLOCK_M] result
+        (BLOCK_M / 32 fp32 FMAs per weight) instead of every expanded weight (one bf16 multiply
+        per weight, which ptxas pairs into HMUL2: 0.5). The count it was chosen by: instructions in
+        the hot loop of the sm_90a SASS, compiled offline (``ASYMPD_BENCH_SASS=1 python
+        bench/formats.py``: Triton 3.6 and its ptxas; K 5120, BLOCK_N 128, UNROLL 2, 4 warps: 64
+        weights a thread an iteration):
+
+        ================================  ===============  ===============
+        kernel                            BLOCK_M = 16     BLOCK_M = 32
+        ================================  ===============  ===============
+        ``_mxfp4_moe_kernel`` (current)   466 (7.3 / w)    532 (8.3 / w)
+        the same, ``lut_pairs``           342 (5.3 / w)    424 (6.6 / w)
+        swap_ab, scale after the dot      299 (4.7 / w)    341 (5.3 / w)
+        swap_ab, scale per weight         313 (4.9 / w)    321 (5.0 / w)
+        ================================  ===============  ===============
+
+        so the scale goes after the dot for BLOCK_M <= 16 and on the weights above. Of the 299: 120
+        decode (``_FP4_LUT_PAIRS_ASM``, 15 a packed word), ~30 copies of its table constant that
+        ptxas rematerializes, 32 FMAs, 16 PRMTs that pack the loaded bytes (two rows' pairs) for
+        the decode, the rest loads, scales, wgmma, loop. UNROLL 4: 534 per 128 weights (4.2 / w),
+        126 registers."""
+        pid_b = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        e = tl.load(block_expert_ptr + pid_b)
+        if e >= N_EXPERTS:
+            return
+        row0 = tl.load(block_row0_ptr + pid_b)
+        row1 = tl.load(block_row1_ptr + pid_b)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row1
+        # rows past the block read a real row (no masks in the loop); their columns are never stored
+        if GATHER:
+            src = tl.load(a_rows_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        else:
+            src = tl.minimum(rows, row1 - 1).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        e64 = e.to(tl.int64)
+        kk = tl.arange(0, 16)
+        w_ptrs = w_ptr + e64 * s_we + cols.to(tl.int64)[:, None] * s_wn + kk[None, :]
+        s_ptrs = s_ptr + e64 * s_se + cols.to(tl.int64) * s_sn
+        kc = tl.arange(0, 32)
+        k_elem = (kc // 16) * 16 + ((kc // 2) % 4) * 4 + ((kc // 8) % 2) * 2 + kc % 2  # see _mma_k_order
+        a_ptrs = a_ptr + src[:, None] * s_am + k_elem[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        kb_lo = tl.program_id(2) * KB_PER_SPLIT
+        uu = tl.arange(0, UNROLL)
+        for kb0 in range(0, KB_PER_SPLIT, UNROLL):  # splits divide K exactly (see the wrapper): no masks
+            if SCALE_AFTER:  # the step's scales in one load (one layout conversion, not UNROLL)
+                s_step = _ue8m0(tl.load(s_ptrs[:, None] + kb_lo + kb0 + uu[None, :], mask=cmask[:, None], other=0))
+            for u in tl.static_range(UNROLL):
+                kb = kb_lo + kb0 + u
+                if EVEN_N:
+                    p = tl.load(w_ptrs + kb * 16)
+                else:
+                    p = tl.load(w_ptrs + kb * 16, mask=cmask[:, None], other=0)
+                if SCALE_AFTER:
+                    sc = tl.sum(tl.where(uu[None, :] == u, s_step, 0.0), axis=1)[:, None]  # column u, exact
+                else:
+                    sc = _ue8m0(tl.load(s_ptrs + kb, mask=cmask, other=0))[:, None]
+                a_k = tl.load(a_ptrs + kb * 32)
+                if LUT:
+                    lo, hi = _fp4_lut_pairs(p)
+                    if not SCALE_AFTER:
+                        lo, hi = lo * sc.to(tl.bfloat16), hi * sc.to(tl.bfloat16)
+                elif SCALE_AFTER:
+                    lo, hi = _fp4_halves(p.to(tl.int32), 1.0)
+                else:
+                    lo, hi = _fp4_halves(p.to(tl.int32), sc)
+                w = _mma_k_order(lo, hi, BLOCK_N)
+                if SCALE_AFTER:
+                    if DOT_F32:
+                        t = tl.dot(w.to(tl.float32), tl.trans(a_k.to(tl.float32)), input_precision="ieee")
+                    else:
+                        t = tl.dot(w.to(a_k.dtype), tl.trans(a_k))
+                    acc += t * sc
+                elif DOT_F32:
+                    acc = tl.dot(w.to(tl.float32), tl.trans(a_k.to(tl.float32)), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(w.to(a_k.dtype), tl.trans(a_k), acc)
+        y_ptr += tl.program_id(2) * s_ys
+        out = y_ptr + rows.to(tl.int64)[None, :] * s_ym + cols[:, None]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rmask[None, :] & cmask[:, None])
 
 
 def _block_m(rows_per_group: float) -> int:
@@ -372,6 +556,11 @@ def mxfp4_moe_gemm(
     the kernel's nibble order (``repack_fp4``); scale: UE8M0 [E, N, K/32]; blocks: (block_expert,
     block_row0, block_row1) from ``moe_blocks`` made with the same ``block_m``; ``a_rows`` maps
     sorted rows to rows of ``a`` (None: identity).
+    config (all optional): ``block_n``, ``unroll``, ``split``, ``num_warps``, ``num_stages``,
+    ``lut`` (the PRMT decode; default on CUDA in bf16), ``lut_pairs`` (its shorter form, which the
+    transposed kernel always uses; default off); ``swap_ab`` (the transposed decode-regime
+    kernel, default off) with ``scale_after`` (default ``block_m <= 16``); its ``unroll`` must
+    divide K/32 and its ``split`` is rounded down to a divisor of the unrolled steps.
     Returns [rows, N] in a's dtype."""
     n_experts, n, half_k = weight.shape
     k = half_k * 2
@@ -388,42 +577,40 @@ def mxfp4_moe_gemm(
     n_blocks = triton.cdiv(n, bn)
     n_kb = k // 32
     unroll = cfg.get("unroll", 2 if n_kb % 2 == 0 else 1)
+    swap_ab = cfg.get("swap_ab", False)
     # few rows (decode): split K so the few experts' weights stream through every SM
     busy = (min(n_experts, rows) + triton.cdiv(rows, block_m)) * n_blocks
     split = cfg.get("split", max(1, min(n_kb // (8 * unroll), (4 * _sms(a.device)) // max(1, busy))))
+    if swap_ab:  # whole splits of whole unrolled steps, so its loop needs no masks
+        if n_kb % unroll:
+            raise ValueError(f"mxfp4_moe_gemm: unroll {unroll} does not divide the {n_kb} scale blocks of K")
+        split = max(d for d in range(1, min(split, n_kb // unroll) + 1) if (n_kb // unroll) % d == 0)
     kb_per_split = triton.cdiv(triton.cdiv(n_kb, split), unroll) * unroll
     split = triton.cdiv(n_kb, kb_per_split)
     y = torch.empty(split, rows, n, dtype=a.dtype if split == 1 else torch.float32, device=a.device)
     grid = (block_expert.numel(), n_blocks, split)
-    _mxfp4_moe_kernel[grid](
-        a,
-        a_rows if a_rows is not None else row0,
-        weight,
-        s,
-        y,
-        block_expert,
-        row0,
-        row1,
-        n,
-        a.stride(0),
-        weight.stride(0),
-        weight.stride(1),
-        s.stride(0),
-        s.stride(1),
-        y.stride(0),
-        y.stride(1),
-        K=k,
-        KB_PER_SPLIT=kb_per_split,
-        UNROLL=unroll,
-        N_EXPERTS=n_experts,
-        GATHER=a_rows is not None,
-        DOT_F32=_dot_f32(a),
-        LUT=cfg.get("lut", a.is_cuda and a.dtype == torch.bfloat16),
-        BLOCK_M=block_m,
-        BLOCK_N=bn,
-        num_warps=cfg.get("num_warps", 4 if block_m <= 64 else 8),
-        num_stages=cfg.get("num_stages", 3) if a.is_cuda else 1,
-    )
+    args = (a, a_rows if a_rows is not None else row0, weight, s, y, block_expert, row0, row1, n, a.stride(0))
+    args += (weight.stride(0), weight.stride(1), s.stride(0), s.stride(1), y.stride(0), y.stride(1))
+    lut = cfg.get("lut", a.is_cuda and a.dtype == torch.bfloat16)
+    common = dict(K=k, KB_PER_SPLIT=kb_per_split, UNROLL=unroll, N_EXPERTS=n_experts, GATHER=a_rows is not None)
+    common.update(DOT_F32=_dot_f32(a), LUT=lut, BLOCK_M=block_m, BLOCK_N=bn)
+    if swap_ab:
+        _mxfp4_moe_swap_kernel[grid](
+            *args,
+            **common,
+            EVEN_N=n % bn == 0,
+            SCALE_AFTER=cfg.get("scale_after", block_m <= 16),
+            num_warps=cfg.get("num_warps", 4),
+            num_stages=cfg.get("num_stages", 3) if a.is_cuda else 1,
+        )
+    else:
+        _mxfp4_moe_kernel[grid](
+            *args,
+            **common,
+            LUT_PAIRS=cfg.get("lut_pairs", False),
+            num_warps=cfg.get("num_warps", 4 if block_m <= 64 else 8),
+            num_stages=cfg.get("num_stages", 3) if a.is_cuda else 1,
+        )
     if split == 1:
         return y[0]
     # rows no block covers stay unwritten in every split; they are never read (every routed row is

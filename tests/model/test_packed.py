@@ -72,10 +72,11 @@ def test_fp8_tile_linear_quantizes_its_input_like_the_reference():
     assert torch.equal(lin.dequantized(), wd)
 
 
-@pytest.mark.parametrize("rows,block_m", [(1, 16), (7, 16), (50, 32)])
-def test_mxfp4_moe_gemm_equals_per_expert_gemm(rows, block_m):
-    g = torch.Generator().manual_seed(rows)
-    n_exp, n, k, topk = 5, 96, 256, 2
+def _moe_problem(rows: int, n: int, block_m: int, seed: int):
+    """Five experts of very different magnitudes, top-2 routing; returns the GEMM's operands and
+    the float64 reference of every sorted row."""
+    g = torch.Generator().manual_seed(seed)
+    n_exp, k, topk = 5, 256, 2
     packed, scales = zip(*(quant_fp4(torch.randn(n, k, generator=g) * 10.0**e) for e in range(-2, 3)), strict=True)
     w = gemm.repack_fp4(torch.stack(packed)).to(DEVICE)
     assert torch.equal(gemm.unrepack_fp4(w.cpu()), torch.stack(packed))
@@ -87,15 +88,105 @@ def test_mxfp4_moe_gemm_equals_per_expert_gemm(rows, block_m):
     order, *blocks = gemm.moe_blocks(flat, n_exp, block_m)
     assert torch.equal(flat[order], flat.sort(stable=True).values)
     token = order // topk
-    y = gemm.mxfp4_moe_gemm(x, w, sc, blocks, flat.numel(), block_m, a_rows=token)
     ref = torch.stack([x[token[i]].double() @ wd[flat[order[i]]].double().t() for i in range(flat.numel())])
+    return x, w, sc, blocks, token, ref
+
+
+@pytest.mark.parametrize("cfg", [{}, {"lut_pairs": True}, {"swap_ab": True}], ids=["current", "lut_pairs", "swap_ab"])
+@pytest.mark.parametrize("rows,block_m", [(1, 16), (7, 16), (50, 32)])
+def test_mxfp4_moe_gemm_equals_per_expert_gemm(rows, block_m, cfg):
+    if cfg.get("lut_pairs") and DEVICE == "cpu":
+        pytest.skip("the table decodes run on CUDA only (emulated here by test_fp4_table_decodes_...)")
+    x, w, sc, blocks, token, ref = _moe_problem(rows, 96, block_m, seed=rows)
+    r = token.numel()
+    y = gemm.mxfp4_moe_gemm(x, w, sc, blocks, r, block_m, a_rows=token, config=cfg)
     assert rel(y, ref) < 1e-6
     # the second GEMM's form: rows already sorted, no gather
-    y2 = gemm.mxfp4_moe_gemm(x[token], w, sc, blocks, flat.numel(), block_m)
+    y2 = gemm.mxfp4_moe_gemm(x[token], w, sc, blocks, r, block_m, config=cfg)
     assert torch.equal(y2, y)
     # bf16 (on CUDA: the PRMT table decode): the exact product rounded once, one ulp for the order
-    yb = gemm.mxfp4_moe_gemm(x.bfloat16(), w, sc, blocks, flat.numel(), block_m, a_rows=token)
+    yb = gemm.mxfp4_moe_gemm(x.bfloat16(), w, sc, blocks, r, block_m, a_rows=token, config=cfg)
     assert torch.allclose(yb.double(), ref.bfloat16().double(), rtol=2**-7, atol=0)
+
+
+@pytest.mark.parametrize(
+    "n,block_m,config",
+    [
+        (96, 16, {"split": 2}),  # split K; 96 columns: a partial column block (masked loads)
+        (128, 16, {"scale_after": False, "block_n": 64}),  # per-weight scales; whole column blocks
+        (128, 8, {"unroll": 1, "split": 3}),  # wgmma's narrowest N; 3 splits of 8 blocks -> 2 of 4
+        (96, 32, {"scale_after": True, "unroll": 4}),
+    ],
+)
+def test_mxfp4_moe_swap_ab_equals_the_current_kernel(n, block_m, config):
+    """The transposed decode-regime kernel against the current one on the same operands, gathered
+    and not, split and not: equal up to summation order (fp32 to 1e-6, bf16 within one ulp)."""
+    x, w, sc, blocks, token, ref = _moe_problem(13, n, block_m, seed=n + block_m)
+    r, swapped = token.numel(), {"swap_ab": True, **config}
+    cur = gemm.mxfp4_moe_gemm(x, w, sc, blocks, r, block_m, a_rows=token, config={"split": config.get("split", 1)})
+    for xs, rows in ((x, token), (x[token], None)):
+        new = gemm.mxfp4_moe_gemm(xs, w, sc, blocks, r, block_m, a_rows=rows, config=swapped)
+        assert new.shape == cur.shape == (r, n) and rel(new, cur) < 1e-6 and rel(new, ref) < 1e-6
+        yb = gemm.mxfp4_moe_gemm(xs.bfloat16(), w, sc, blocks, r, block_m, a_rows=rows, config=swapped)
+        assert torch.allclose(yb.double(), ref.bfloat16().double(), rtol=2**-7, atol=0)
+
+
+def test_mxfp4_moe_swap_ab_rejects_an_unroll_that_does_not_divide_k():
+    x, w, sc, blocks, token, _ = _moe_problem(3, 96, 16, seed=1)
+    with pytest.raises(ValueError, match="unroll 3 does not divide the 8 scale blocks of K"):
+        gemm.mxfp4_moe_gemm(x, w, sc, blocks, token.numel(), 16, a_rows=token, config={"swap_ab": True, "unroll": 3})
+
+
+def _run_ptx(asm: str, word: int) -> list[int]:
+    """Evaluate a straight-line PTX decode (mov/and/or/shl/shr/prmt on .b32) for one packed input
+    word in $4; returns $0..$3. The CPU cannot run the inline assembly, so this checks its logic."""
+    regs: dict[str, int] = {"$4": word}
+    for stmt in asm.strip().strip("{}").split(";"):
+        stmt = stmt.strip()
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        op, args = stmt.split(None, 1)
+        dst, *src = (a.strip() for a in args.split(","))
+        v = [regs[a] if a in regs else int(a, 0) for a in src]
+        name = op.split(".")[0]
+        if name == "mov":
+            out = v[0]
+        elif name == "and":
+            out = v[0] & v[1]
+        elif name == "or":
+            out = v[0] | v[1]
+        elif name == "shl":
+            out = (v[0] << v[1]) & 0xFFFFFFFF
+        elif name == "shr":
+            out = v[0] >> v[1]
+        elif name == "prmt":  # bytes {b, a}; per selector nibble: 3 bits pick a byte, bit 3 replicates its sign
+            pool, out = v[0] | v[1] << 32, 0
+            for i in range(4):
+                sel = v[2] >> 4 * i & 0xF
+                byte = pool >> 8 * (sel & 7) & 0xFF
+                out |= (0xFF * (byte >> 7) if sel & 8 else byte) << 8 * i
+        else:
+            raise AssertionError(f"unexpected PTX: {stmt}")
+        regs[dst] = out
+    return [regs[f"${i}"] for i in range(4)]
+
+
+@pytest.mark.parametrize("name", ["_FP4_LUT_ASM", "_FP4_LUT_PAIRS_ASM"])
+def test_fp4_table_decodes_give_every_e2m1_value_in_bf16(name):
+    """Both inline-PTX decodes (run on CUDA only) produce, for every byte value at every byte
+    position, the bf16 bits of both nibbles' e2m1 values, packed as Triton's ``pack=4`` expects:
+    $0 = (low nibble of byte 0, of byte 1), $1 = (bytes 2, 3), $2/$3 the same for high nibbles."""
+    from asympd.model.quant import FP4_TABLE
+
+    bits = [int(b) & 0xFFFF for b in FP4_TABLE.bfloat16().view(torch.int16)]
+    asm = getattr(gemm, name).value
+    for b in range(256):
+        byte = [b, (7 * b + 1) % 256, (13 * b + 5) % 256, (29 * b + 11) % 256]  # each value at each position
+        word = byte[0] | byte[1] << 8 | byte[2] << 16 | byte[3] << 24
+        lo = [bits[x & 15] for x in byte]
+        hi = [bits[x >> 4] for x in byte]
+        want = [lo[0] | lo[1] << 16, lo[2] | lo[3] << 16, hi[0] | hi[1] << 16, hi[2] | hi[3] << 16]
+        assert _run_ptx(asm, word) == want, (name, byte)
 
 
 def test_moe_blocks_cover_every_row_once():
