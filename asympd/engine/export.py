@@ -72,6 +72,9 @@ class PinnedPool:
                 self.counters["reused"] += 1
                 return self._idle[size].pop()
             self.counters["allocated"] += 1
+        return self._alloc(size)
+
+    def _alloc(self, size: int) -> torch.Tensor:
         return torch.empty(size, dtype=torch.uint8, pin_memory=True)
 
     def release(self, buf: torch.Tensor) -> None:
@@ -112,7 +115,7 @@ class PendingExport:
     def release(self) -> None:
         """The transfer is done: give the host buffers back (after the copy, should it still run)."""
         buffers, self._buffers = self._buffers, []
-        if buffers:
+        if buffers and not self.ready():
             self.wait()
         for b in buffers:
             self._pool.release(b)
