@@ -98,9 +98,16 @@ class PendingExport:
     """A prefix state whose copy may still be in flight. ``state``'s host buffers are only valid
     after ``wait()`` (or once ``ready()``); they return to the pool at ``release()``."""
 
-    def __init__(self, state: PrefixState, done: _Event | None, buffers: list[torch.Tensor], pool: PinnedPool) -> None:
+    def __init__(
+        self,
+        state: PrefixState,
+        done: _Event | None,
+        buffers: list[torch.Tensor],
+        pool: PinnedPool,
+        kept: list[torch.Tensor] | None = None,
+    ) -> None:
         self.state, self.done = state, done
-        self._buffers, self._pool = buffers, pool
+        self._buffers, self._pool, self._kept = buffers, pool, kept or []
 
     def ready(self) -> bool:
         """True once the copy has completed (never blocks)."""
@@ -110,6 +117,8 @@ class PendingExport:
         """Block until the copy has completed; the state, safe to read."""
         if self.done is not None:
             self.done.synchronize()
+        for t in self._kept:  # made on the side stream, read next on the caller's: not reused before
+            t.record_stream(torch.cuda.current_stream(t.device))
         return self.state
 
     def release(self) -> None:
@@ -129,6 +138,7 @@ class ExportCopy:
         self.exporter = exporter
         self.stream = exporter.stream
         self.buffers: list[torch.Tensor] = []
+        self.kept: list[torch.Tensor] = []
 
     @contextmanager
     def _on_stream(self) -> Iterator[None]:
@@ -155,11 +165,13 @@ class ExportCopy:
         out = buf[:nbytes].view(t.dtype).view(t.shape)
         if t.is_cuda and self.stream is not None:
             t.record_stream(self.stream)  # a tensor made on another stream: not reused before the copy ran
-        out.copy_(t, non_blocking=t.is_cuda)
+        out.copy_(t, non_blocking=t.is_cuda and self.stream is not None)
         return out
 
     def keep(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` stays where it is (fp4: packed on the device when the transport serializes)."""
+        if t.is_cuda and self.stream is not None:
+            self.kept.append(t)
         return t
 
     def finish(self, state: PrefixState) -> PendingExport:
@@ -167,15 +179,16 @@ class ExportCopy:
         if self.stream is not None:
             done = torch.cuda.Event()
             done.record(self.stream)
-        return PendingExport(state, done, self.buffers, self.exporter.pool)
+        return PendingExport(state, done, self.buffers, self.exporter.pool, self.kept)
 
 
 class PrefixExporter:
     """Owns the side stream and the pinned pool of one engine (``ModelRunner.exporter``)."""
 
-    def __init__(self, device: torch.device | str, max_idle_bytes: int = 256 << 20) -> None:
+    def __init__(self, device: torch.device | str, max_idle_bytes: int = 256 << 20, side_stream: bool = True) -> None:
+        """``side_stream=False``: copy synchronously on the current stream, as on CPU."""
         device = torch.device(device)
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" and side_stream else None
         self.pool = PinnedPool(max_idle_bytes, pin=self.stream is not None)
 
     def begin(self) -> ExportCopy:
