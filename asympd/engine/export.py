@@ -5,8 +5,10 @@ compressor rows (and windows, image rows) out of the cache. On CUDA that copy ru
 that first waits for the step's compute (an event), and lands in pinned host buffers, so the host
 never synchronises: ``export_prefix`` returns a :class:`PendingExport` at once and the next step is
 enqueued behind it while the copy engine drains. Whoever reads the bytes (the hand-off to a
-transport, the offline ``LLM``) calls ``wait()`` first. Under the ``fp4`` wire format the gathered
-KV stays on the device, where ``PrefixState.to_buffers`` packs it; the wait covers that gather too.
+transport, the offline ``LLM``) calls ``wait()`` first, off the engine's thread; and so that no
+reader can forget, the state's own accessors (``named_buffers``, hence ``to_buffers``, ``serialize``,
+``to``) wait too (``PrefixState.pending``). Under the ``fp4`` wire format the gathered KV stays on
+the device, where ``to_buffers`` packs it; the wait covers that gather too.
 
 Block lifetime: the copy reads the request's cache blocks and slot after the step that wrote them.
 Until it has completed (``ready()``), the engine must not free those blocks, or a later step could
@@ -175,11 +177,11 @@ class ExportCopy:
         return t
 
     def finish(self, state: PrefixState) -> PendingExport:
-        done = None
-        if self.stream is not None:
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return PendingExport(state, done, self.buffers, self.exporter.pool, self.kept)
+        done = self.exporter.completion()
+        pending = PendingExport(state, done, self.buffers, self.exporter.pool, self.kept)
+        if done is not None:
+            state.pending = pending  # a consumer that reads the bytes without wait() waits all the same
+        return pending
 
 
 class PrefixExporter:
@@ -193,3 +195,12 @@ class PrefixExporter:
 
     def begin(self) -> ExportCopy:
         return ExportCopy(self)
+
+    def completion(self) -> _Event | None:
+        """What a copy's completion is read from: an event recorded on the side stream after its
+        copies; None without a stream (the copy is done when it returns)."""
+        if self.stream is None:
+            return None
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return done

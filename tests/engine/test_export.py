@@ -128,24 +128,15 @@ class Gate:
 
 
 def gate_exports(eng: LLMEngine) -> list[Gate]:
-    """Every export of ``eng`` from now on reports completion through a Gate."""
+    """Every export of ``eng`` from now on reports its completion through a Gate (where a GPU
+    engine's reports it through a CUDA event)."""
     gates: list[Gate] = []
-    begin = eng.runner.exporter.begin
 
-    def gated_begin():
-        copy = begin()
-        finish = copy.finish
+    def completion() -> Gate:
+        gates.append(Gate())
+        return gates[-1]
 
-        def gated_finish(state):
-            pending = finish(state)
-            gates.append(Gate())
-            pending.done = gates[-1]
-            return pending
-
-        copy.finish = gated_finish
-        return copy
-
-    eng.runner.exporter.begin = gated_begin
+    eng.runner.exporter.completion = completion
     return gates
 
 
@@ -174,8 +165,9 @@ def test_blocks_under_a_running_copy_are_not_reused(models, ending):
     assert p.step() == []  # b's first chunk
     assert set(p.blocks.block_table("b")).isdisjoint(a_blocks) and p.blocks.num_free_blocks == 0
     assert gates[0].waits == 0 and "a" in p.draining  # the step ran beside the copy, not after it
-    state = out.exported_state()  # the consumer waits for the copy; the bytes are the masked ones
-    assert gates[0].waits == 1 and torch.equal(state.ckv[3], p.cache.read_entries("ckv.3", a_table, 25))
+    blob = out.prefix_state.serialize()  # reading the bytes waits for the copy, even without wait()
+    assert gates[0].waits == 1 and torch.equal(out.prefix_state.ckv[3], p.cache.read_entries("ckv.3", a_table, 25))
+    assert PrefixState.deserialize(blob).equal(out.exported_state())
     assert [o.request_id for o in p.step() if o.finished] == ["b"]
     assert "a" not in p.draining and "b" in p.held  # a's blocks went at the first step after the copy
     assert p.blocks.num_used_blocks == 3
