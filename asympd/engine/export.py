@@ -121,12 +121,13 @@ class PendingExport:
             self.done.synchronize()
         for t in self._kept:  # made on the side stream, read next on the caller's: not reused before
             t.record_stream(torch.cuda.current_stream(t.device))
+        self.state.pending = None  # done: later reads need no wait (and the state no longer pins this)
         return self.state
 
     def release(self) -> None:
         """The transfer is done: give the host buffers back (after the copy, should it still run)."""
         buffers, self._buffers = self._buffers, []
-        if buffers and not self.ready():
+        if self.state.pending is not None:
             self.wait()
         for b in buffers:
             self._pool.release(b)
