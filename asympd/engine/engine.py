@@ -179,6 +179,8 @@ class LLMEngine:
                 self.proposer.graphs = DraftGraphs(self.proposer.drafter, self.cache, max_batch=sc.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # prefill worker: exported, blocks kept until released
+        # prefill worker: done with, but a copy out of their blocks may still run (engine/export.py)
+        self.draining: dict[str, Request] = {}
         self.counters = {
             "preemptions": 0,
             "prompt_tokens": 0,
@@ -209,7 +211,7 @@ class LLMEngine:
         ``images``: the prompt's images, their spans already expanded in ``prompt_token_ids``
         (``vision.expand_placeholders``)."""
         params = params or SamplingParams()
-        if request_id in self.requests or request_id in self.held:
+        if request_id in self.requests or request_id in self.held or request_id in self.draining:
             raise RequestError(f"request id {request_id!r} is already in use")
         ids = list(prompt_token_ids)
         check_prompt(self.cfg, ids, params)
@@ -327,23 +329,47 @@ class LLMEngine:
         req = self.requests.pop(request_id, None) or self.held.pop(request_id, None)
         if req is None:
             return
-        self.scheduler.remove(req)
-        if request_id in self.blocks:
-            self.blocks.free(request_id)
+        self.scheduler.remove(req, free=False)
+        self._free(req)
         req.status = Status.FINISHED_ABORTED
 
     def release_transfer(self, request_id: str) -> None:
         """Prefill worker: D has the prefix (or the lease expired); free the blocks behind it."""
         req = self.held.pop(request_id, None)
-        if req is not None and request_id in self.blocks:
-            self.blocks.free(request_id)
+        if req is not None:
+            self._free(req)
+
+    def _free(self, req: Request) -> None:
+        """Free a finished request's blocks and slot, and give its exports' host buffers back, but
+        not while a copy out of those blocks still runs (engine/export.py): a later step could reuse
+        and overwrite them under it. Such a request waits in ``draining`` until its copies are done."""
+        if not all(e.ready() for e in req.exports):
+            self.draining[req.request_id] = req
+            return
+        self.draining.pop(req.request_id, None)
+        for e in req.exports:
+            e.release()
+        req.exports.clear()
+        if req.request_id in self.blocks:
+            self.blocks.free(req.request_id)
+
+    def _reap(self) -> None:
+        """Free what ``_free`` parked whose copies have completed. With nothing else to run there is
+        nothing to overlap the copies with: wait for them."""
+        for req in list(self.draining.values()):
+            if not self.requests:
+                for e in req.exports:
+                    e.wait()
+            self._free(req)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self.draining)
 
     # ---- the loop ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.draining:
+            self._reap()
         sched = self.scheduler.schedule()
         self.counters["steps"] += 1
         self.counters["preemptions"] += len(sched.preempted)
@@ -441,7 +467,7 @@ class LLMEngine:
                 tok = self._sample(req, drawn)
                 req.output_token_ids.append(tok)
                 req.first_token_time = time.monotonic()
-            req.exported = self.runner.export_prefix(
+            req.exported = export = self.runner.export_prefix(
                 req,
                 fingerprint=self.fingerprint,
                 mode=self.config.mode,
@@ -452,6 +478,7 @@ class LLMEngine:
                     self.cfg, req.num_prompt_tokens, self.config.mode, self.config.boundary_policy
                 ).exports_windows,
             )
+            req.exports.append(export)
             req.image_embeds.clear()  # exported: the encodings are no longer needed
             self.scheduler.running.remove(req)
             self.held[req.request_id] = req
@@ -563,7 +590,8 @@ class LLMEngine:
         req.finish_time = time.monotonic()
         self.requests.pop(req.request_id, None)
         if free:
-            self.scheduler.remove(req)
+            self.scheduler.remove(req, free=False)
+            self._free(req)
         return self._output(req, new or [], finished=True)
 
     def _stream_slice(self, req: Request, upto: int) -> RequestOutput:
@@ -577,9 +605,10 @@ class LLMEngine:
             start=req.streamed,
             upto=upto,
         )
+        req.exports.append(piece)
         req.streamed = upto
         out = self._output(req, [], finished=False)
-        out.prefix_state = piece
+        out.prefix_state, out.prefix_export = piece.state, piece
         return out
 
     def _output(self, req: Request, new: list[int], finished: bool) -> RequestOutput:
@@ -609,7 +638,8 @@ class LLMEngine:
             ],
             finished=finished,
             new_token_ids=new,
-            prefix_state=req.exported if finished else None,
+            prefix_state=req.exported.state if finished and req.exported is not None else None,
+            prefix_export=req.exported if finished else None,
             metrics=metrics,
             error=req.error,
         )
@@ -621,6 +651,7 @@ class LLMEngine:
             "running": sum(1 for r in self.scheduler.running if r.status is Status.RUNNING),
             "waiting": len(self.scheduler.waiting),
             "held_for_transfer": len(self.held),
+            "exports_draining": len(self.draining),
             "kv_blocks_used": self.blocks.num_used_blocks,
             "kv_blocks_total": self.blocks.num_blocks,
             "kv_usage_bytes": self.blocks.usage(),

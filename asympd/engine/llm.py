@@ -179,7 +179,7 @@ class LLM:
                 if out.error:
                     outs.append(out)
                     continue
-                state = self._cross(out.request_id, out.prefix_state, out.prompt_token_ids)
+                state = self._cross(out.request_id, out.exported_state(), out.prompt_token_ids)
                 if self.prefill.config.stream_prefix and not (out.finished and out.request_id not in self.slices):
                     self._stream(out, state)  # (a prefix in one piece is handed over whole, below)
                     continue

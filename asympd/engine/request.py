@@ -57,7 +57,8 @@ class Request:
     spec_proposed: int = 0
     spec_accepted: int = 0
     spec_steps: int = 0
-    exported: Any = None  # the PrefixState a prefill worker produced
+    exported: Any = None  # the PendingExport (engine/export.py) of the PrefixState a prefill worker produced
+    exports: list[Any] = field(default_factory=list)  # every PendingExport out of its blocks, until freed
     streamed: int = 0  # prefill worker streaming its prefix: positions already handed over in slices
     awaiting_import: bool = False  # decode worker: the streamed prefix has not fully arrived
     timings: dict[str, float] = field(default_factory=dict)
@@ -131,3 +132,11 @@ class RequestOutput:
     prefix_state: Any = None  # set by a prefill worker when the prefix is ready to hand over
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    prefix_export: Any = None  # prefix_state's PendingExport (engine/export.py): its bytes are valid after wait()
+
+    def exported_state(self) -> Any:
+        """``prefix_state`` once its copy is done (engine/export.py): read the bytes through this.
+        Blocks until then; call it off an event loop."""
+        if self.prefix_export is not None:
+            self.prefix_export.wait()
+        return self.prefix_state

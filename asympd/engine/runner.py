@@ -7,6 +7,7 @@ import torch
 
 from asympd.engine import modes
 from asympd.engine.cuda_graphs import DecodeGraphs
+from asympd.engine.export import PendingExport, PrefixExporter
 from asympd.engine.request import Request
 from asympd.engine.scheduler import ScheduledChunk
 from asympd.kv.block_manager import BlockManager
@@ -22,6 +23,7 @@ class ModelRunner:
         self.model, self.cache, self.blocks = model, cache, blocks
         self.cfg = model.cfg
         self.graphs: DecodeGraphs | None = None  # decode steps replayed as CUDA graphs (the engine sets it)
+        self.exporter = PrefixExporter(cache.device)  # prefix exports on a side stream (engine/export.py)
 
     def _view(self, req: Request):
         rid = req.request_id
@@ -110,7 +112,7 @@ class ModelRunner:
         return {
             "image_spans": torch.tensor([[lo, hi - lo] for lo, hi in spans], dtype=torch.int64),
             "image_pos": torch.tensor(pos, dtype=torch.int64),
-            "image_rows": (torch.cat(rows) if rows else torch.empty(0, self.cfg.dim, dtype=self.model.dtype)).cpu(),
+            "image_rows": torch.cat(rows) if rows else torch.empty(0, self.cfg.dim, dtype=self.model.dtype),
         }
 
     # ---- prefix state ------------------------------------------------------------------------
@@ -126,51 +128,70 @@ class ModelRunner:
         kv_format: str = "unpacked",
         start: int = 0,
         upto: int | None = None,
-    ) -> PrefixState:
+    ) -> PendingExport:
         """Copy the global KV of positions [0, s) and the open compressor groups at s into
         contiguous buffers (the one copy P makes; transports move them as they are); with
         ``windows``, every model layer's sliding window too (rows and their positions). With
-        ``start``/``upto``: the slice of a streamed prefix, entries of [start, upto) only."""
+        ``start``/``upto``: the slice of a streamed prefix, entries of [start, upto) only.
+
+        On CUDA the copy is enqueued on the exporter's side stream and this returns at once
+        (engine/export.py): read the state after ``wait()``, free the blocks after ``ready()``."""
         s = req.export_upto if upto is None else upto
+        images = self._image_export(req, mode, policy) if upto is None else {}  # on the compute stream
         bt = self.blocks.block_table(req.request_id)
         view = self._view(req)
         ckv, idx, pair_kv, pair_score = {}, {}, {}, {}
-        # fp4: the entries stay on the cache's device, where to_buffers packs them (the host gets the
-        # packed bytes, 3.6x fewer than bf16); unpacked: the host copy is made here
-        host = (lambda t: t) if kv_format == "fp4" else (lambda t: t.cpu())
+        swa_kv, swa_pos = {}, {}
+        # slot rows (open pairs, windows) change as the request computes on: snapshot them on the
+        # compute stream (small, asynchronous); paged entries of [start, s) are final, read in place
+        pairs, wins = {}, {}
         for layer in self.cfg.kv_source_layers:
             r = self.cfg.ratio(layer)
-            n, first = s // r, start // r
-            ckv[layer] = host(self.cache.read_entries(f"ckv.{layer}", bt, n - first, first))
-            idx[layer] = host(self.cache.read_entries(f"idx.{layer}", bt, n - first, first))
             if r > 1 and s % r:
-                kv, score, pos = view.pending(layer)
-                keep = (pos >= n * r) & (pos < s)
-                pair_kv[layer] = kv[keep].float().clone().cpu()
-                pair_score[layer] = score[keep].float().clone().cpu()
-        swa_kv, swa_pos = {}, {}
+                lo = s // r * r
+                rows = view.pending_tail(layer, lo, s) or _masked(view.pending(layer), lo, s)
+                pairs[layer] = [t.float().clone() for t in rows[:2]]
         if windows:  # the last W rows of each model layer (not the draft blocks': P never drafts)
+            n = req.num_prompt_tokens
             for layer in range(self.cfg.n_layers):
-                kv, pos = view.window(layer)
-                keep = pos >= req.num_prompt_tokens - self.cfg.window_size
-                swa_kv[layer], swa_pos[layer] = kv[keep].cpu(), pos[keep].cpu()
-        return PrefixState(
-            split=s,
-            token_ids=torch.tensor(req.prompt_token_ids if start == 0 else [], dtype=torch.long),
-            ckv=ckv,
-            idx=idx,
-            pair_kv=pair_kv,
-            pair_score=pair_score,
-            swa_kv=swa_kv,
-            swa_pos=swa_pos,
-            fingerprint=fingerprint,
-            dtype=str(self.cache.spec.dtype).removeprefix("torch."),
-            boundary_policy=policy,
-            mode=mode,
-            num_prompt_tokens=req.num_prompt_tokens,
-            kv_format=kv_format,
-            start=start,
-            **(self._image_export(req, mode, policy) if upto is None else {}),
+                lo = n - self.cfg.window_size
+                rows = view.window_tail(layer, lo, n) or _masked(view.window(layer), lo, None)
+                wins[layer] = [t.clone() for t in rows]
+        copy = self.exporter.begin()
+        # fp4: the entries stay on the cache's device, where to_buffers packs them (the host gets the
+        # packed bytes, 3.6x fewer than bf16); unpacked: the host copy is made here
+        entries = copy.keep if kv_format == "fp4" else copy.host
+        with copy:
+            for layer in self.cfg.kv_source_layers:
+                r = self.cfg.ratio(layer)
+                n, first = s // r, start // r
+                ckv[layer] = entries(self.cache.read_entries(f"ckv.{layer}", bt, n - first, first))
+                idx[layer] = entries(self.cache.read_entries(f"idx.{layer}", bt, n - first, first))
+            for layer, (kv, score) in pairs.items():
+                pair_kv[layer], pair_score[layer] = copy.host(kv), copy.host(score)
+            for layer, (kv, pos) in wins.items():
+                swa_kv[layer], swa_pos[layer] = copy.host(kv), copy.host(pos)
+            if "image_rows" in images:
+                images["image_rows"] = copy.host(images["image_rows"])
+        return copy.finish(
+            PrefixState(
+                split=s,
+                token_ids=torch.tensor(req.prompt_token_ids if start == 0 else [], dtype=torch.long),
+                ckv=ckv,
+                idx=idx,
+                pair_kv=pair_kv,
+                pair_score=pair_score,
+                swa_kv=swa_kv,
+                swa_pos=swa_pos,
+                fingerprint=fingerprint,
+                dtype=str(self.cache.spec.dtype).removeprefix("torch."),
+                boundary_policy=policy,
+                mode=mode,
+                num_prompt_tokens=req.num_prompt_tokens,
+                kv_format=kv_format,
+                start=start,
+                **images,
+            )
         )
 
     def import_prefix(self, req: Request) -> None:
@@ -204,3 +225,11 @@ class ModelRunner:
             req.imported_rows.update(zip(ps.image_pos.tolist(), ps.image_rows, strict=True))
         for layer, kv in ps.swa_kv.items():  # P's windows: D starts decoding without a replay
             view.append_window(layer, ps.swa_pos[layer].to(device), kv.to(device))
+
+
+def _masked(rows: tuple[torch.Tensor, ...], lo: int, hi: int | None) -> tuple[torch.Tensor, ...]:
+    """The rows at positions [lo, hi) by a mask (one device sync): for a slot whose host mirror
+    cannot place them (``_SlotRows.tail``)."""
+    pos = rows[-1]
+    keep = (pos >= lo) & (pos < hi) if hi is not None else pos >= lo
+    return tuple(t[keep] for t in rows)

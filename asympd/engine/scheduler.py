@@ -73,13 +73,14 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def remove(self, request: Request) -> None:
-        """Forget a finished or aborted request and free its blocks."""
+    def remove(self, request: Request, free: bool = True) -> None:
+        """Forget a finished or aborted request and free its blocks (unless ``free`` is False: the
+        engine frees them once nothing reads them any more)."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        if request.request_id in self.blocks:
+        if free and request.request_id in self.blocks:
             self.blocks.free(request.request_id)
 
     @property

@@ -108,6 +108,17 @@ class _SlotRows:
         n = int(self.length[slot])
         return tuple(b[slot, :n].clone() for b in self.bufs)  # snapshots: later appends shift the slot
 
+    def tail(self, slot: int, lo: int, hi: int) -> tuple[Tensor, ...] | None:
+        """Views (not copies) of the slot's rows at positions ``[lo, hi)``, found from the host
+        mirror without a device sync; None when the mirror cannot place them (the last stored row
+        is not ``hi - 1``). A slot's rows are consecutive positions (appends continue the tail or
+        rewrite it; truncation cuts it), so those rows are its last ``min(length, hi - lo)``."""
+        n = int(self.length[slot])
+        if self.last[slot] != hi - 1:
+            return None
+        k = min(n, hi - lo)
+        return tuple(b[slot, n - k : n] for b in self.bufs)
+
     def append(self, slot: int, rows: tuple[Tensor, ...]) -> None:
         """``rows`` ends with the positions; stored rows at or after the first new position go first."""
         positions = rows[-1]
@@ -307,6 +318,14 @@ class PagedSequenceKV(SequenceKV):
 
     def append_pending(self, layer: int, positions: Tensor, kv: Tensor, score: Tensor) -> None:
         self.cache.pairs[layer].append(self.slot, (kv, score, positions))
+
+    def pending_tail(self, layer: int, lo: int, hi: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        """Views of the pending rows at positions ``[lo, hi)`` without a device sync (``_SlotRows.tail``)."""
+        return self.cache.pairs[layer].tail(self.slot, lo, hi)
+
+    def window_tail(self, layer: int, lo: int, hi: int) -> tuple[Tensor, Tensor] | None:
+        """Views of the window rows at positions ``[lo, hi)`` without a device sync (``_SlotRows.tail``)."""
+        return self.cache.windows[layer].tail(self.slot, lo, hi)
 
     def truncate(self, num_tokens: int) -> None:
         self.cache.truncate([(self.slot, num_tokens)])

@@ -345,7 +345,7 @@ class WorkerServer:
             raise P.APIError(out.error or "the prefill produced no prefix state", 400 if out.error else 500)
         prefill_s = time.perf_counter() - t_add
         self.metrics.prefill_compute.observe(prefill_s)
-        state = out.prefix_state
+        state = await self.off_loop(out.exported_state)  # its copy off the device may still run
         t_pub = time.perf_counter()
         try:
             published = await self.off_loop(self.handoff.publish, rid, state)

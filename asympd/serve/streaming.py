@@ -92,7 +92,7 @@ async def push_slices(server: WorkerServer, rid: str, stream: RequestStream, t_a
                 log.warning("prefill of %s ended before its prefix was streamed: %s", rid, why)
                 break
             if item.prefix_state is not None:
-                await server.off_loop(server.handoff.push, rid, item.prefix_state, item.finished)
+                await server.off_loop(lambda i=item: server.handoff.push(rid, i.exported_state(), i.finished))
             if item.finished:
                 server.metrics.prefill_compute.observe(time.perf_counter() - t_add)
                 return

@@ -168,6 +168,9 @@ class PrefixState:
     image_spans: torch.Tensor | None = None  # [n, 2] int64 (start, length); None: no images
     image_pos: torch.Tensor | None = None  # [k] int64 positions of the rows below
     image_rows: torch.Tensor | None = None  # [k, dim] embeddings of image rows P encoded for D
+    # P on a GPU: the copy still filling these buffers (engine/export.py); every read through this
+    # class (named_buffers and all that build on it) waits for it first
+    pending: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0 and self.start > 0:
@@ -230,6 +233,8 @@ class PrefixState:
 
     def named_buffers(self) -> dict[str, torch.Tensor]:
         """Every buffer by wire name, in a fixed order (the order of the header table)."""
+        if self.pending is not None:
+            self.pending.wait()
         out: dict[str, torch.Tensor] = {}
         for kind in _KINDS:
             for layer, t in sorted(getattr(self, kind).items()):

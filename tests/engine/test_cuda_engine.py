@@ -85,3 +85,54 @@ def test_images_through_asymmetric_pd_on_cuda(tiny_ckpt):
     want = run(LLM(tiny_ckpt, "colocated", "split", device="cuda", dtype=torch.float32), params)
     got = run(LLM(tiny_ckpt, "asymmetric", device="cuda", dtype=torch.float32), params)
     assert {c: o.token_ids for c, o in got.items()} == {c: o.token_ids for c, o in want.items()}
+
+
+@pytest.mark.parametrize("kv_format", ["unpacked", "fp4"])
+def test_prefix_export_on_a_side_stream_gives_the_synchronous_bytes(tiny_ckpt, kv_format):
+    """P's export is enqueued on a side stream into pooled pinned buffers and returns at once; the
+    next step (another prompt's prefill) is enqueued before anyone waits for it. The bytes equal a
+    synchronous export of the same blocks, and the pinned buffers go back to the pool with the
+    transfer, for the next export to reuse. (Greedy asymmetric P->D tokens with the side stream:
+    ``test_asymmetric_equals_colocated_split_on_cuda``.)"""
+    from asympd.engine.engine import EngineConfig, LLMEngine
+    from asympd.engine.export import PrefixExporter
+    from asympd.engine.scheduler import SchedulerConfig
+    from asympd.model.loader import load_model
+    from asympd.transfer.prefix_state import PrefixState
+
+    model = load_model(tiny_ckpt, "prefill", device="cuda", dtype=torch.float32)
+    sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512)
+    p = LLMEngine(model, EngineConfig(role="prefill", mode="asymmetric", kv_wire_format=kv_format, scheduler=sched))
+    side = p.runner.exporter
+    assert side.stream is not None and side.pool.pin
+
+    def synchronous(rid: str) -> PrefixState:
+        p.runner.exporter = PrefixExporter("cuda", side_stream=False)
+        kw = {"fingerprint": p.fingerprint, "mode": "asymmetric", "policy": p.config.boundary_policy}
+        try:
+            return p.runner.export_prefix(p.held[rid], kv_format=kv_format, **kw).wait()
+        finally:
+            p.runner.exporter = side
+
+    a, b = random_prompts([301, 151], seed=5)  # splits 285, 135: each with an open ratio-2 pair
+    p.add_request("a", a)
+    (out,) = [o for o in p.step() if o.finished]
+    assert out.prefix_export.done is not None
+    p.add_request("b", b)
+    assert [o.request_id for o in p.step() if o.finished] == ["b"]  # enqueued while a's copy may run
+    state = out.exported_state()
+    ref = synchronous("a")
+    assert 1 in state.pair_kv and state.pair_kv[1].is_pinned() and not ref.pair_kv[1].is_pinned()
+    assert state.ckv[1].is_cuda == (kv_format == "fp4")
+    assert state.equal(ref) and state.serialize() == ref.serialize()
+    assert PrefixState.deserialize(state.serialize()).equal(ref)
+    p.release_transfer("a")
+    assert side.pool.stats()["idle_bytes"] > 0  # a's buffers, back in the pool with the transfer
+    p.release_transfer("b")
+    p.add_request("c", a)
+    (out,) = [o for o in p.step() if o.finished]
+    assert out.exported_state().equal(synchronous("c")) and side.pool.stats()["reused"] >= 1
+    p.release_transfer("c")
+    while p.has_unfinished_requests():  # b's copy, should it still be draining: an idle step waits for it
+        p.step()
+    assert p.blocks.num_used_blocks == 0 and not p.draining
