@@ -187,6 +187,7 @@ class DecodeGraphs:
             context *= 2
         return keys
 
+    @torch.inference_mode()  # as the model's forward, which builds the graphs captured lazily
     def capture_all(self, keys: Sequence[GraphKey]) -> int:
         """Build (and capture) the graphs of ``keys`` now, from steps of padding segments only (on
         the scratch slot and block): no request needed, and what they write is thrown away. Each runs
@@ -392,6 +393,7 @@ class DraftGraphs:
         x, logits = outputs
         return x[: n * b], logits[: n * b]
 
+    @torch.inference_mode()
     def capture_all(self) -> int:
         """Build (and capture) every padded size now, from padding requests only (the scratch slot;
         the blocks only read the cache). Returns how many were new."""

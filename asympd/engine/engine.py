@@ -187,13 +187,14 @@ class LLMEngine:
         self.fingerprint = model_fingerprint(self.cfg, checkpoint_id(getattr(model, "checkpoint", None)), model.dtype)
         self.scheduler = Scheduler(sc, self.blocks, prefix_cache_key=self.fingerprint)
         self.runner = ModelRunner(model, self.cache, self.blocks)
+        self.startup_capture: StartupCapture | None = None  # what the CUDA graphs' start-up built
         if decodes and model.device.type == "cuda" and model.batched and not self.config.enforce_eager:
             piecewise = self.config.cuda_graph_mode == "full_and_piecewise"
             self.runner.graphs = DecodeGraphs(model, self.cache, max_batch=sc.max_num_seqs, piecewise=piecewise)
             if isinstance(self.proposer, DSparkProposer):
                 self.proposer.graphs = DraftGraphs(self.proposer.drafter, self.cache, max_batch=sc.max_num_seqs)
             if self.config.cuda_graph_capture == "startup":
-                self.capture_graphs()
+                self.startup_capture = self.capture_graphs()
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # prefill worker: exported, blocks kept until released
         self.counters = {
