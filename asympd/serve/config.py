@@ -86,6 +86,8 @@ class ServeConfig:
             raise ValueError("--benchmark-shared-experts runs on one rank: not with --ep or --cp")
         if self.cp > 1 and self.ep > 1:
             raise ValueError(f"--cp {self.cp} with --ep {self.ep}: a worker runs one kind of parallelism")
+        if self.ep > 1:  # the ranks meet in collectives every step: no CUDA graphs (parallel/executor.py),
+            e.enforce_eager = True  # so none are built at start-up either, on rank 0's experts alone
         if self.on_prefill_failure not in ("recompute", "fail"):
             raise ValueError(f"unknown --on-prefill-failure {self.on_prefill_failure!r}: recompute or fail")
         if self.transport not in (None, "nixl", "tcp", "auto"):
