@@ -38,6 +38,8 @@ import torch
 
 from bench.common import StepState, log, record, step_block
 
+LAZY = {"cuda_graph_capture": "lazy"}  # an engine per case: its graphs come from its own warm-up steps
+
 K_SPEC = 3
 
 
@@ -184,7 +186,8 @@ def decode_case(
     model.batched = batched
     sc = SchedulerConfig(max_num_seqs=b, max_num_batched_tokens=max(b * (1 + k), 32768))
     kv_bytes = int(b * (ctx + 64 + steps * (k + 1)) * 3500 * 1.3) + (64 << 20)
-    eng = LLMEngine(model, EngineConfig(num_spec_tokens=k, kv_cache_bytes=kv_bytes, scheduler=sc, enforce_eager=eager))
+    ecfg = EngineConfig(num_spec_tokens=k, kv_cache_bytes=kv_bytes, scheduler=sc, enforce_eager=eager, **LAZY)
+    eng = LLMEngine(model, ecfg)
     eng.config.enable_prefix_caching = False
     gen = torch.Generator().manual_seed(b * 10 + k)
     params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
@@ -225,7 +228,7 @@ def admission_case(
     sc = SchedulerConfig(max_num_seqs=b + admit * reps + 4, max_num_batched_tokens=32768)
     per_tok = 3500 * 1.3
     kv = int((b * (ctx + 64) + admit * reps * (prompt + 64)) * per_tok) + (64 << 20)
-    mode = {"enforce_eager": True} if graphs == "eager" else {"cuda_graph_mode": graphs}
+    mode = {"enforce_eager": True} if graphs == "eager" else {"cuda_graph_mode": graphs, **LAZY}
     d = LLMEngine(d_model, EngineConfig(role="decode", mode="asymmetric", kv_cache_bytes=kv, scheduler=sc, **mode))
     p = LLMEngine(
         p_model,
@@ -285,7 +288,8 @@ def prefill_case(model, cfg, device, count: int, n: int, reps: int) -> dict[str,
     from asympd.engine.scheduler import SchedulerConfig
 
     sc = SchedulerConfig(max_num_seqs=count, max_num_batched_tokens=count * n)
-    eng = LLMEngine(model, EngineConfig(kv_cache_bytes=int(count * (n + 64) * 3500 * 1.3) + (64 << 20), scheduler=sc))
+    kv = int(count * (n + 64) * 3500 * 1.3) + (64 << 20)
+    eng = LLMEngine(model, EngineConfig(kv_cache_bytes=kv, scheduler=sc, **LAZY))
     eng.config.enable_prefix_caching = False
     gen = torch.Generator().manual_seed(n + count)
     t = Timed(eng, device)

@@ -19,8 +19,36 @@ anything that changes between steps (kv/batch.py: ``PagedBatch.max_context``, ``
 
 The step's metadata, tokens and Engram rows are copied into the graph's static inputs; the host's
 row counts of windows and open groups, updated in Python while a layer runs eagerly, are logged
-during capture and applied per step with the step's own values. The first step of a shape runs
-eagerly over the static buffers (its result is the step's), then is captured.
+during capture and applied per step with the step's own values. The outputs (logits, argmax, the
+drafter's hidden rows) go to buffers every graph shares, copied out before the next step.
+
+When graphs are built. By default the engine builds them at start-up (``capture_at_startup``, as
+vLLM does), so that serving never pays a capture, or a Triton compile of a kernel's first shape,
+mid-traffic: every padded batch size, for verify steps of 1 + k rows, decode steps of one and
+verify steps of fewer drafts, context bounds shortest first up to the longest sequence the model
+and the cache allow, at most ``max_graphs`` of them; the rest (and all, with lazy capture) are
+built by the first step of their key: it runs eagerly over the static buffers (its result is the
+step's), then is captured. A graph built at start-up comes from a step of padding segments only
+(every one on the scratch slot and block; what it writes is thrown away), so it must replay
+correctly for any real step of its key: nothing the host decides while the body runs may depend on
+a segment's values, only on the key. Where the host looks while it runs:
+
+- the row layout (rows per segment, write_global): ``uniform_groups``, the view's row offsets, the
+  compressor groups written per segment (``fixed_groups``: ceil(rows / ratio)), whether some rows
+  skip global writes (``take_rows``). Fixed by the key: every segment has the key's rows and
+  writes global KV (``key`` takes no other step), and ``PagedBatch.load`` refuses another layout;
+- key counts (the indexer's, top-k sizes): ``entry_bound`` from the key's context, never the starts;
+- the host row counts of windows and open groups: logged as (object, segments, taken) and applied
+  per step from the step's own starts and slots;
+- the segments' starts and slots themselves: nowhere. In a batch laid out for a graph
+  (``fixed_groups``) ``BatchRows.host`` refuses to read them, so a value-dependent decision fails
+  loudly on CPU (the static path without capture, tests/engine/test_batched_step.py) instead of
+  being baked into a graph;
+- the MoE on CUDA sorts rows by expert on the device with shape-bound block counts
+  (``moe_blocks``); the CPU MoE reads the routing on the host, harmless since the CPU never captures.
+
+The drafter's graphs (``DraftGraphs``) have no segment data on the host at all (slots and
+positions are device inputs), so each padded size is built at start-up from padding requests too.
 
 Captures are thread-local (``capture_error_mode="thread_local"``): in a server, other threads (the
 prefix transfers) keep using the GPU while the engine's thread captures.
@@ -34,6 +62,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,9 +94,9 @@ class _Static:
     batch: PagedBatch
     tokens: torch.Tensor
     fetched: dict[int, Any]
-    run: Any  # the body: () -> (logits, argmax, hidden)
+    run: Any  # the body: () -> (logits, argmax, the DSpark targets' hidden side by side), shared buffers
     graph: torch.cuda.CUDAGraph | None = None
-    outputs: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None = None
+    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
     mirror_log: list[Any] = dataclasses.field(default_factory=list)
 
 
@@ -104,8 +134,10 @@ class DecodeGraphs:
         self.sizes = _sizes(max_batch)
         self.graphs: dict[GraphKey, _Static] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self._out: dict[int, torch.Tensor] = {}  # the steps' outputs (logits, argmax, hidden), shared
         # steps: replayed (or re-run over the static buffers), run eagerly before a capture, not taken
-        self.stats = {"captured": 0, "replayed": 0, "first": 0, "eager": 0}
+        # startup: graphs built before any request (``capture_all``)
+        self.stats = {"captured": 0, "replayed": 0, "first": 0, "eager": 0, "startup": 0}
         self.piecewise = PiecewiseGraphs(cache.device, capture=capture) if piecewise else None
 
     # ---- which steps qualify -------------------------------------------------------------------
@@ -126,10 +158,52 @@ class DecodeGraphs:
             ):
                 return None
         context = max(MIN_CONTEXT, _pow2(max(s.start + s.rows for s in segs)))
-        # the tables cover the context bound: padded key counts address real (masked) entries
-        width = max(_pow2(max(len(s.block_table) for s in segs)), -(-context // self.cache.spec.block_size))
         b = self.sizes[bisect.bisect_left(self.sizes, len(ordered))]
-        return GraphKey(b, q, c0.logits, context, width)
+        return GraphKey(b, q, c0.logits, context, self._width(context, max(len(s.block_table) for s in segs)))
+
+    def _width(self, context: int, longest: int) -> int:
+        """Block-table columns: the tables cover the context bound (padded key counts address real,
+        masked entries)."""
+        return max(_pow2(longest), -(-context // self.cache.spec.block_size))
+
+    def _pad(self, key: GraphKey) -> BatchSegment:
+        cache = self.cache
+        return BatchSegment([cache.scratch_block] * key.width, cache.scratch_slot, 0, key.rows)
+
+    # ---- graphs built at start-up ------------------------------------------------------------------
+
+    def startup_keys(self, rows: Sequence[int], max_tokens: int) -> list[GraphKey]:
+        """The keys of every decode step of requests of ``rows`` rows each (1 + k verify rows take
+        logits for all, a single row for the last) whose positions stay below ``max_tokens``: shortest
+        context first (every request passes through it), then largest batch first (vLLM's order:
+        the smaller graphs reuse the pool memory the larger ones left). A step whose block table
+        outgrows its context bound (``key``'s wider ``width``) is not among them."""
+        keys = []
+        context = MIN_CONTEXT
+        while context <= max(MIN_CONTEXT, _pow2(max_tokens)):
+            width = self._width(context, -(-context // self.cache.spec.block_size))
+            for q in rows:
+                keys += [GraphKey(b, q, "all" if q > 1 else "last", context, width) for b in reversed(self.sizes)]
+            context *= 2
+        return keys
+
+    @torch.inference_mode()  # as the model's forward, which builds the graphs captured lazily
+    def capture_all(self, keys: Sequence[GraphKey]) -> int:
+        """Build (and capture) the graphs of ``keys`` now, from steps of padding segments only (on
+        the scratch slot and block): no request needed, and what they write is thrown away. Each runs
+        once eagerly first (Triton compiles, workspaces). Returns how many were new."""
+        like = _engram_like(self.model)
+        new = 0
+        for key in keys:
+            if key in self.graphs:
+                continue
+            st = self.graphs[key] = self._build(key, [self._pad(key)] * key.segments, like)
+            self._eager(st)
+            if self.capture:
+                self._capture(st)
+            new += 1
+        self.stats["startup"] += new
+        return new
 
     # ---- a step ----------------------------------------------------------------------------------
 
@@ -148,9 +222,7 @@ class DecodeGraphs:
             self.stats["eager"] += 1
             return None
         n = len(ordered)
-        cache = self.cache
-        pad = BatchSegment([cache.scratch_block] * key.width, cache.scratch_slot, 0, key.rows)
-        padded = segs + [pad] * (key.segments - n)
+        padded = segs + [self._pad(key)] * (key.segments - n)
         st = self.graphs.get(key)
         first = st is None
         if first:
@@ -203,16 +275,30 @@ class DecodeGraphs:
             wanted = torch.arange(total, device=model.device)
         depths = [Depth.ALL] * key.segments
 
-        def body() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        def body() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
             batch.shared.clear()
             h, pre, _ = model._embed(tokens, [], offsets)
             hidden = model._layers(h, pre, depths, offsets, batch, static_fetched, None, None)
             logits = model.logits(h, pre, wanted)
-            return logits, logits.argmax(dim=-1), hidden
+            outs = (logits, logits.argmax(dim=-1), torch.cat(hidden, dim=-1) if hidden else None)
+            return tuple(None if t is None else self._shared_out(i, t) for i, t in enumerate(outs))
 
         return _Static(batch, tokens, static_fetched, body)
 
-    def _eager(self, st: _Static) -> tuple[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]], list[Any]]:
+    def _shared_out(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """``t`` copied into output buffer ``i``, which every graph shares: a step's outputs are
+        copied out before the next step replays, so only the largest step's need memory, not each
+        graph's (the logits of a verify step of 64 requests are ~130 MB at the real vocabulary).
+        Only a step larger than any before allocates (outside a capture: its eager run comes
+        first); the graphs captured earlier keep the smaller buffer."""
+        buf = self._out.get(i)
+        if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
+            buf = self._out[i] = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+        out = buf[: t.numel()].view(t.shape)
+        out.copy_(t)
+        return out
+
+    def _eager(self, st: _Static) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], list[Any]]:
         """Run the static step's layers now (on a side stream before a capture, as torch asks:
         lazily made workspaces must exist before the capture)."""
         st.batch.mirror_log = []
@@ -241,7 +327,7 @@ class DecodeGraphs:
         out_logits: list[Any] = [None] * n
         out_argmax: list[Any] = [None] * n
         out_hidden: list[Any] = [None] * n
-        all_hidden = torch.cat(hidden, dim=-1)[: n * key.rows].clone() if hidden else None
+        all_hidden = hidden[: n * key.rows].clone() if hidden is not None else None
         for i in range(n):
             j = order[i]
             out_logits[j] = logits[i * per : (i + 1) * per]
@@ -274,7 +360,7 @@ class DraftGraphs:
         self.sizes = _sizes(max_batch)
         self.graphs: dict[int, _StaticDraft] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.stats = {"captured": 0, "replayed": 0, "first": 0, "eager": 0}
+        self.stats = {"captured": 0, "replayed": 0, "first": 0, "eager": 0, "startup": 0}
 
     def run(
         self, tokens: torch.Tensor, positions: torch.Tensor, slots: list[int]
@@ -289,16 +375,7 @@ class DraftGraphs:
         st = self.graphs.get(n_pad)
         first = st is None
         if first:
-            dev = self.cache.device
-            st = _StaticDraft(
-                torch.zeros(n_pad * b, dtype=torch.long, device=dev),
-                torch.arange(b, device=dev).repeat(n_pad),
-                torch.full((n_pad,), self.cache.scratch_slot, dtype=torch.long, device=dev),
-                None,
-            )
-            batch = DraftBatch([], None, None, slots=st.slots, cache=self.cache, block_pos=st.positions)
-            st.run = lambda: self.drafter.blocks_forward(st.tokens, batch)
-            self.graphs[n_pad] = st
+            st = self.graphs[n_pad] = self._build(n_pad)
         st.tokens[: n * b].copy_(tokens, non_blocking=True)
         st.positions[: n * b].copy_(positions, non_blocking=True)
         st.slots[:n].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
@@ -310,15 +387,109 @@ class DraftGraphs:
             outputs = st.outputs
             self.stats["replayed"] += 1
         if first and self.capture:
-            torch.cuda.synchronize(self.cache.device)
-            st.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(st.graph, pool=self.pool, capture_error_mode="thread_local"):
-                st.outputs = st.run()
-            self.stats["captured"] += 1
+            self._capture(st)
             # this call's outputs (made on the side stream): copies on the current one
             outputs = tuple(t.clone() for t in outputs)
         x, logits = outputs
         return x[: n * b], logits[: n * b]
+
+    @torch.inference_mode()
+    def capture_all(self) -> int:
+        """Build (and capture) every padded size now, from padding requests only (the scratch slot;
+        the blocks only read the cache). Returns how many were new."""
+        new = 0
+        for n_pad in self.sizes:
+            if n_pad in self.graphs:
+                continue
+            st = self.graphs[n_pad] = self._build(n_pad)
+            if self.capture:
+                _side_stream_run(st.run, self.cache.device)  # warm-up: Triton compiles, workspaces
+                self._capture(st)
+            else:
+                st.run()
+            new += 1
+        self.stats["startup"] += new
+        return new
+
+    def _build(self, n_pad: int) -> _StaticDraft:
+        """The static inputs of ``n_pad`` requests, every one a padding request until a step loads its own."""
+        dev, b = self.cache.device, self.drafter.block_size
+        st = _StaticDraft(
+            torch.zeros(n_pad * b, dtype=torch.long, device=dev),
+            torch.arange(b, device=dev).repeat(n_pad),
+            torch.full((n_pad,), self.cache.scratch_slot, dtype=torch.long, device=dev),
+            None,
+        )
+        batch = DraftBatch([], None, None, slots=st.slots, cache=self.cache, block_pos=st.positions)
+        st.run = lambda: self.drafter.blocks_forward(st.tokens, batch)
+        return st
+
+    def _capture(self, st: _StaticDraft) -> None:
+        torch.cuda.synchronize(self.cache.device)
+        st.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(st.graph, pool=self.pool, capture_error_mode="thread_local"):
+            st.outputs = st.run()
+        self.stats["captured"] += 1
+
+
+def _engram_like(model: Any) -> dict[int, Any]:
+    """One looked-up row per Engram layer, as ``Transformer._fetch_engram`` gives a step's: what a
+    graph built before any request shapes its static Engram inputs after."""
+    hasher = getattr(model, "hasher", None)
+    if not model.cfg.engram_layer_ids or hasher is None:
+        return {}
+    like = {}
+    for lid in model.cfg.engram_layer_ids:
+        block = model.blocks[lid]
+        if block is not None and block.engram is not None:
+            like[lid] = block.engram.fetch(torch.zeros(1, hasher.n_hash_cols, dtype=torch.long), model.device)
+    return like
+
+
+@dataclass
+class StartupCapture:
+    """What ``capture_at_startup`` built, and what it left to be captured when first met."""
+
+    keys: list[GraphKey]  # the decode/verify graphs built
+    lazy: list[GraphKey]  # left for later (past ``max_graphs``)
+    draft_graphs: int
+    seconds: float
+    reserved_bytes: int  # device memory the allocator reserved meanwhile: the graphs' pool, workspaces
+
+    def line(self) -> str:
+        """The start-up log line."""
+        text = f"CUDA graphs at start-up: {len(self.keys)} decode/verify graphs"
+        if self.keys:
+            sizes, rows = sorted({k.segments for k in self.keys}), sorted({k.rows for k in self.keys})
+            ctx = sorted({k.context for k in self.keys})
+            text += f" (batch sizes {sizes[0]}-{sizes[-1]}, rows {rows}, contexts {ctx[0]}-{ctx[-1]})"
+        text += (
+            f" and {self.draft_graphs} drafter graphs in {self.seconds:.1f} s, "
+            f"{self.reserved_bytes / 2**20:.0f} MiB reserved on the device"
+        )
+        if self.lazy:
+            ctx = sorted({k.context for k in self.lazy})
+            text += f"; {len(self.lazy)} left to capture when first met (contexts {ctx[0]}-{ctx[-1]})"
+        return text
+
+
+def capture_at_startup(
+    graphs: DecodeGraphs, drafts: DraftGraphs | None, rows: Sequence[int], max_tokens: int, max_graphs: int
+) -> StartupCapture:
+    """Build the decode/verify graphs of the first ``max_graphs`` of ``graphs.startup_keys(rows,
+    max_tokens)`` (the rest are captured when first met) and every drafter graph."""
+    device = graphs.cache.device
+    cuda = device.type == "cuda"
+    reserved = torch.cuda.memory_reserved(device) if cuda else 0
+    t0 = time.perf_counter()
+    keys = graphs.startup_keys(rows, max_tokens)
+    take, lazy = keys[:max_graphs], keys[max_graphs:]
+    graphs.capture_all(take)
+    n_draft = drafts.capture_all() if drafts is not None else 0
+    if cuda:
+        torch.cuda.synchronize(device)
+    grown = (torch.cuda.memory_reserved(device) - reserved) if cuda else 0
+    return StartupCapture(take, lazy, n_draft, time.perf_counter() - t0, grown)
 
 
 def _side_stream_run(fn: Any, device: torch.device) -> Any:

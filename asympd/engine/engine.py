@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ import torch
 
 from asympd.config import ModelConfig
 from asympd.engine import modes
-from asympd.engine.cuda_graphs import DecodeGraphs, DraftGraphs
+from asympd.engine.cuda_graphs import DecodeGraphs, DraftGraphs, StartupCapture, capture_at_startup
 from asympd.engine.request import CompletionOutput, Request, RequestOutput, Status
 from asympd.engine.runner import ModelRunner
 from asympd.engine.sampler import Drawn, SampleJob, sample_step
@@ -32,6 +33,8 @@ from asympd.model.transformer import Transformer
 from asympd.model.vision import ImageInput, check_spans
 from asympd.transfer.prefix_state import KV_FORMATS, PrefixState, PrefixStateError, model_fingerprint
 from asympd.transfer.stream import PrefixStream
+
+log = logging.getLogger("asympd.engine")
 
 
 class RequestError(ValueError):
@@ -57,6 +60,7 @@ def check_prompt(cfg: ModelConfig, ids: list[int], params: SamplingParams) -> No
 
 
 CUDA_GRAPH_MODES = ("full", "full_and_piecewise")
+CUDA_GRAPH_CAPTURE = ("startup", "lazy")
 STREAM_MODES = ("asymmetric", "encoder-only")  # P exports the global KV only: no windows, no first token
 
 
@@ -91,6 +95,11 @@ class EngineConfig:
     # they replay their layers' parts around attention as piecewise graphs (measured no faster on an
     # H200, docs/performance.md §11, hence not the default)
     cuda_graph_mode: str = "full"
+    # startup: build the decode/verify graphs (every padded batch size; 1 + k rows, 1 row, the counts
+    # between; context bounds shortest first) and the drafter's before serving, at most
+    # cuda_graph_max_captures decode/verify graphs; the rest, and all with lazy, are captured when first met
+    cuda_graph_capture: str = "startup"
+    cuda_graph_max_captures: int = 128
 
     def validate(self) -> None:
         modes.check_role_mode(self.role, self.mode)
@@ -102,6 +111,12 @@ class EngineConfig:
             raise ValueError(f"unknown kv_wire_format {self.kv_wire_format!r}; expected one of {', '.join(KV_FORMATS)}")
         if self.cuda_graph_mode not in CUDA_GRAPH_MODES:
             raise ValueError(f"unknown cuda_graph_mode {self.cuda_graph_mode!r}; expected one of {CUDA_GRAPH_MODES}")
+        if self.cuda_graph_capture not in CUDA_GRAPH_CAPTURE:
+            raise ValueError(
+                f"unknown cuda_graph_capture {self.cuda_graph_capture!r}; expected one of {CUDA_GRAPH_CAPTURE}"
+            )
+        if self.cuda_graph_max_captures < 0:
+            raise ValueError(f"cuda_graph_max_captures must be >= 0, got {self.cuda_graph_max_captures}")
         if self.stream_prefix and self.mode not in STREAM_MODES:
             raise ValueError(f"stream_prefix needs mode {' or '.join(STREAM_MODES)}, not {self.mode!r}")
         if self.num_spec_tokens is not None and self.num_spec_tokens < 0:
@@ -172,11 +187,14 @@ class LLMEngine:
         self.fingerprint = model_fingerprint(self.cfg, checkpoint_id(getattr(model, "checkpoint", None)), model.dtype)
         self.scheduler = Scheduler(sc, self.blocks, prefix_cache_key=self.fingerprint)
         self.runner = ModelRunner(model, self.cache, self.blocks)
+        self.startup_capture: StartupCapture | None = None  # what the CUDA graphs' start-up built
         if decodes and model.device.type == "cuda" and model.batched and not self.config.enforce_eager:
             piecewise = self.config.cuda_graph_mode == "full_and_piecewise"
             self.runner.graphs = DecodeGraphs(model, self.cache, max_batch=sc.max_num_seqs, piecewise=piecewise)
             if isinstance(self.proposer, DSparkProposer):
                 self.proposer.graphs = DraftGraphs(self.proposer.drafter, self.cache, max_batch=sc.max_num_seqs)
+            if self.config.cuda_graph_capture == "startup":
+                self.startup_capture = self.capture_graphs()
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # prefill worker: exported, blocks kept until released
         # prefill worker: done with, but a copy out of their blocks may still run (engine/export.py)
@@ -190,6 +208,20 @@ class LLMEngine:
             "spec_accepted": 0,
             "spec_steps": 0,
         }
+
+    def capture_graphs(self) -> StartupCapture:
+        """Build the CUDA graphs now, so that serving never pays a capture or a first-shape compile
+        mid-traffic: verify steps of 1 + k rows, decode steps of 1, verify steps of fewer drafts, up
+        to the longest sequence the model and the cache allow (``engine/cuda_graphs.py``)."""
+        graphs, k = self.runner.graphs, self.num_spec_tokens
+        if graphs is None:
+            raise ValueError("this engine replays no CUDA graphs (a prefill worker, a CPU device or enforce_eager)")
+        longest = min(self.cfg.max_seq_len + k, self.blocks.num_blocks * self.spec.block_size)
+        drafts = getattr(self.proposer, "graphs", None)
+        rows = [1 + k, 1, *range(k, 1, -1)] if k else [1]  # verify, decode, fewer drafts (near max_tokens)
+        report = capture_at_startup(graphs, drafts, rows, longest, self.config.cuda_graph_max_captures)
+        log.info(report.line())
+        return report
 
     # ---- requests ----------------------------------------------------------------------------
 

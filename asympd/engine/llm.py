@@ -65,6 +65,7 @@ class LLM:
         kv_wire_format: str = "fp4",
         stream_prefix: bool = False,
         enforce_eager: bool = False,
+        cuda_graph_capture: str = "startup",
     ):
         """``num_spec_tokens`` > 0 turns on speculative decoding with the checkpoint's DSpark draft
         blocks in the engine that decodes (the colocated engine, or D); the prefill worker never drafts.
@@ -73,7 +74,8 @@ class LLM:
         ``kv_wire_format``: how P's global KV crosses to D (fp4: the released cache formats).
         ``stream_prefix``: P hands its prefix over in slices as each prefill chunk finishes, and D
         writes each into its cache as it arrives (asymmetric, encoder-only). ``enforce_eager``: no
-        CUDA graphs (by default decode and verify steps replay them on CUDA)."""
+        CUDA graphs (by default decode and verify steps replay them on CUDA). ``cuda_graph_capture``:
+        startup builds them before the first request, lazy when a step first needs one."""
         self.mode = mode
         self.tokenizer = load_tokenizer(checkpoint)
         detok = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer else None
@@ -94,6 +96,7 @@ class LLM:
                 kv_wire_format=kv_wire_format,
                 stream_prefix=stream_prefix and role == "prefill",
                 enforce_eager=enforce_eager,
+                cuda_graph_capture=cuda_graph_capture,
             )
 
         self.prefill: LLMEngine | None = None

@@ -69,7 +69,9 @@ class PagedBatch:
         # - ``max_context`` bounds every segment's start + rows; key counts come from it;
         # - ``fixed_groups``: every segment writes ceil(rows / ratio) compressor groups, those that
         #   did not complete into the cache's scratch block;
-        # - ``mirror_log`` (a list): host row-count updates are logged, to be applied per step.
+        # - ``mirror_log`` (a list): host row-count updates are logged, to be applied per step;
+        # - with ``fixed_groups`` set, the layers may not read the segments' host starts or slots
+        #   (``BatchRows.host`` refuses): only the layout (rows, write_global) may steer the host.
         self.max_context: int | None = None
         self.fixed_groups = False
         self.mirror_log: list[tuple[Any, int, int, np.ndarray | None]] | None = None
@@ -100,9 +102,10 @@ class PagedBatch:
         """Overwrite the device metadata in place with another step of the same layout (segment
         count, rows per segment, width): what a captured step's replay reads."""
         shape = (len(self.h_rows), self.num_rows, self.width)
-        rows = self.h_rows.copy()
+        rows, wg = self.h_rows.copy(), self.h_wg.copy()
         flat = self._host_layout(segments, self.width)
-        if (len(self.h_rows), self.num_rows, self.width) != shape or not np.array_equal(rows, self.h_rows):
+        same = np.array_equal(rows, self.h_rows) and np.array_equal(wg, self.h_wg)
+        if (len(self.h_rows), self.num_rows, self.width) != shape or not same:
             raise ValueError("load: the new segments do not have this batch's layout")
         self._flat.copy_(torch.from_numpy(flat), non_blocking=True)
 
@@ -171,6 +174,9 @@ class BatchRows:
 
     def host(self, name: str) -> np.ndarray:
         b, sl = self.batch, slice(self.s0, self.s1)
+        if b.fixed_groups and name in ("start", "slot"):
+            # a captured step bakes in what the host decided: it may depend on the layout only
+            raise RuntimeError(f"a captured step must not read the segments' host {name!r}")
         return {"start": b.h_start, "rows": b.h_rows, "slot": b.h_slot, "write_global": b.h_wg}[name][sl]
 
     @staticmethod

@@ -448,7 +448,6 @@ class Attention(torch.nn.Module):
         qi = fp4_qdq(apply_rope(qi, rot, cfg.rope_head_dim), 32)
         wts = self.idx_weights(x) * (hd**-0.5 * hi**-0.5)
         visible = (view.positions + 1) // r
-        n_tot = (view.host("start") + view.host("rows")) // r
         kern = self.kernels
         if kern.fused_indexer:
             out = self._select_fused(view, qi, wts, visible, view.batch.entry_bound(r, view))
@@ -456,7 +455,10 @@ class Attention(torch.nn.Module):
             return out
         out = torch.full((m, cfg.index_topk), -1, dtype=torch.long, device=x.device)
         for q, segs_h, segs in view.uniform_groups():
-            n = int(n_tot[segs_h].max()) if view.batch.max_context is None else view.batch.entry_bound(r, view)
+            if view.batch.max_context is not None:  # a captured step: the key's bound
+                n = view.batch.entry_bound(r, view)
+            else:  # the longest of this group's segments
+                n = int(((view.host("start") + view.host("rows"))[segs_h] // r).max())
             if n == 0:
                 continue
             rows = view.seg("lo")[segs].unsqueeze(-1) + torch.arange(q, device=x.device)  # [ns, q]

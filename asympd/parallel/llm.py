@@ -55,6 +55,7 @@ class ParallelLLM(LLM):
         weights = kwargs.get("weights", "auto")
         spec = RankSpec(str(checkpoint), role, device, str(dtype).removeprefix("torch."), weights=weights)
         self.executor = DistributedExecutor(RankGroup(ep, spec))  # children load while we do
+        kwargs["enforce_eager"] = True  # no CUDA graphs across ranks (attach): none built at start-up
         try:
             super().__init__(checkpoint, mode, prefill_semantics, device=device, dtype=dtype, **kwargs)
             self.executor.attach(self.prefill if shard == "prefill" else self.engine)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asympd.engine import modes
-from asympd.engine.engine import CUDA_GRAPH_MODES, EngineConfig
+from asympd.engine.engine import CUDA_GRAPH_CAPTURE, CUDA_GRAPH_MODES, EngineConfig
 from asympd.engine.scheduler import SchedulerConfig
 from asympd.parallel.cp_engine import check_cp
 from asympd.serve.admission import DEFAULT_POLICY, POLICIES, policy_settings
@@ -86,6 +86,8 @@ class ServeConfig:
             raise ValueError("--benchmark-shared-experts runs on one rank: not with --ep or --cp")
         if self.cp > 1 and self.ep > 1:
             raise ValueError(f"--cp {self.cp} with --ep {self.ep}: a worker runs one kind of parallelism")
+        if self.ep > 1:  # the ranks meet in collectives every step: no CUDA graphs (parallel/executor.py),
+            e.enforce_eager = True  # so none are built at start-up either, on rank 0's experts alone
         if self.on_prefill_failure not in ("recompute", "fail"):
             raise ValueError(f"unknown --on-prefill-failure {self.on_prefill_failure!r}: recompute or fail")
         if self.transport not in (None, "nixl", "tcp", "auto"):
@@ -154,6 +156,10 @@ _HELP = {
     "cuda_graph_mode": "full: steps that are not pure decode/verify run eagerly; full_and_piecewise: they "
     "replay piecewise graphs around attention",
     "enforce_eager": "run every step eagerly (default on CUDA: decode and verify steps replay CUDA graphs)",
+    "cuda_graph_capture": "startup: capture the decode/verify and drafter graphs before serving (logged: sizes, "
+    "seconds, memory); lazy: the first step of each shape captures it",
+    "cuda_graph_max_captures": "decode/verify graphs captured at start-up, shortest contexts first; the rest "
+    "are captured when first met",
     "max_images": "image parts accepted in one chat request (400 above it)",
     "max_image_bytes": "largest encoded image accepted (400 above it)",
     "allow_image_urls": "fetch http(s) image_url parts (default: only data: URLs are accepted)",
@@ -171,6 +177,7 @@ _CHOICES = {
     "weights": WEIGHTS,
     "kv_wire_format": KV_FORMATS,
     "cuda_graph_mode": CUDA_GRAPH_MODES,
+    "cuda_graph_capture": CUDA_GRAPH_CAPTURE,
     "admission_policy": tuple(POLICIES),
 }
 _CLI_DEFAULTS = {"mode": None, "num_spec_tokens": 0}  # mode None: derived from the role

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from asympd import LLM, SamplingParams
+from asympd.config import tiny
 from asympd.engine.cuda_graphs import BATCH_SIZES, DecodeGraphs, DraftGraphs
 from asympd.engine.scheduler import SchedulerConfig
 from asympd.kv.batch import BatchSegment, PagedBatch, find_positions
@@ -23,21 +24,27 @@ def _engines(llm: LLM) -> list:
 
 
 def _run(
-    ckpt: str, mode: str, batched: bool, spec: int, graphs: list | None = None
+    ckpt: str, mode: str, batched: bool, spec: int, graphs: list | None = None, startup: list | None = None
 ) -> tuple[list, list[dict[str, torch.Tensor]]]:
     """``graphs``: give each decoding engine the static (graph) decode path without capture, and
-    collect its DecodeGraphs here."""
+    collect its DecodeGraphs here. ``startup``: build them first, from padding only, for the
+    contexts up to 1024 (``LLMEngine.capture_graphs``), and collect its report here."""
     sem = "split" if mode == "colocated" else "full"
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24)
     llm = LLM(ckpt, mode, sem, scheduler=sched, num_spec_tokens=spec)
     for e in _engines(llm):
         e.runner.model.batched = batched
         if graphs is not None and e.config.role != "prefill":
-            e.runner.graphs = DecodeGraphs(e.runner.model, e.runner.cache, capture=False, piecewise=True)
+            n = sched.max_num_seqs  # padded sizes up to the engine's largest batch, as the engine builds them
+            e.runner.graphs = DecodeGraphs(e.runner.model, e.runner.cache, max_batch=n, capture=False, piecewise=True)
             graphs.append(e.runner.graphs)
             if e.proposer is not None:
-                e.proposer.graphs = DraftGraphs(e.proposer.drafter, e.runner.cache, capture=False)
+                e.proposer.graphs = DraftGraphs(e.proposer.drafter, e.runner.cache, max_batch=n, capture=False)
                 graphs.append(e.proposer.graphs)
+            if startup is not None:
+                # the smallest context bound only: every decode step here stays below 1024 positions
+                e.config.cuda_graph_max_captures = len(e.runner.graphs.sizes) * (1 + spec)
+                startup.append(e.capture_graphs())
     params = [SamplingParams(max_tokens=10, temperature=0, logprobs=2) for _ in LENGTHS]
     params[1] = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, logprobs=1)
     outs = llm.generate(prompt_token_ids=random_prompts(LENGTHS, seed=3), sampling_params=params)
@@ -102,6 +109,56 @@ def test_graph_decode_path_equals_the_eager_step(tiny_ckpt, mode, spec):
     assert (pieces["blocks"] == 0) if mode == "symmetric-windows" else (pieces["blocks"] >= 10), pieces
     assert not pieces["eager"], pieces
     assert all(k.segments in BATCH_SIZES for k in g.graphs)
+
+
+@pytest.mark.parametrize(
+    ("mode", "spec"), [("colocated", 2), ("asymmetric", 0), ("symmetric-windows", 0), ("encoder-only", 2)]
+)
+def test_graphs_built_at_startup_serve_the_real_steps(tiny_ckpt, mode, spec):
+    """The graphs built before any request, from steps of padding segments only (what start-up
+    capture does on CUDA), then serve every decode and verify step: no step builds its own, and
+    tokens, logprobs and every cache byte equal the eager batched step's. Run without capture, the
+    static path re-runs its layers, but over the buffers and the batch the padding step built, and
+    any host read of a segment's start or slot (which a graph would bake in) raises."""
+    want_out, want_cache = _run(tiny_ckpt, mode, batched=True, spec=spec)
+    graphs: list = []
+    reports: list = []
+    got_out, got_cache = _run(tiny_ckpt, mode, batched=True, spec=spec, graphs=graphs, startup=reports)
+    assert got_out == want_out
+    for want, got in zip(want_cache, got_cache, strict=True):
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+    (report,) = reports
+    decode = graphs[0]
+    rows = [3, 1, 2] if spec else [1]  # verify steps, plain decode steps, one draft fewer
+    assert [(k.rows, k.segments) for k in report.keys] == [(q, b) for q in rows for b in (8, 4, 2, 1)]
+    assert {k.context for k in report.keys} == {1024} and {k.width for k in report.keys} == {1024 // 16}
+    # left lazy: the other context bounds up to max_seq_len + k (4096 + 2 on tiny)
+    assert sorted({k.context for k in report.lazy}) == ([2048, 4096, 8192] if spec else [2048, 4096])
+    assert report.draft_graphs == (4 if spec else 0)
+    line = report.line()
+    assert line.startswith(f"CUDA graphs at start-up: {len(report.keys)} decode/verify graphs (batch sizes 1-8, ")
+    assert f"{len(report.lazy)} left to capture when first met (contexts 2048-" in line
+    for g in graphs:
+        assert g.stats["startup"] == len(g.graphs), g.stats  # nothing built after start-up ...
+        assert g.stats["first"] == 0 and g.stats["replayed"] >= 5, g.stats  # ... though steps ran on them
+    assert decode.stats["startup"] == len(report.keys)
+
+
+def test_a_captured_step_refuses_host_reads_of_segment_values(tiny_ckpt):
+    """A graph bakes in every host decision of its capture: in a batch laid out for one
+    (``fixed_groups``), the host starts and slots are off limits, the layout is not."""
+    cache = PagedKVCache(KVCacheSpec.from_config(tiny(), block_size=16), 8, 4, scratch=True)
+    batch = PagedBatch(cache, [BatchSegment([0], 0, 5, 2), BatchSegment([1], 1, 9, 2)])
+    view = batch.rows_view(0, 2, decoder=False)
+    assert view.host("start").tolist() == [5, 9]
+    batch.fixed_groups = True
+    for name in ("start", "slot"):
+        with pytest.raises(RuntimeError, match=f"must not read the segments' host '{name}'"):
+            view.host(name)
+    assert view.host("rows").tolist() == [2, 2] and view.host("write_global").tolist() == [True, True]
+    with pytest.raises(ValueError, match="layout"):  # write_global is part of the layout
+        batch.load([BatchSegment([0], 0, 5, 2), BatchSegment([1], 1, 9, 2, write_global=False)])
 
 
 def test_find_positions_searches_across_a_gap():

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from asympd import LLM, SamplingParams
+from asympd.engine.scheduler import SchedulerConfig
 from tests.util import random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -58,21 +59,54 @@ def test_speculation_keeps_the_greedy_tokens_on_cuda(tiny_ckpt, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("mode", "spec"), [("colocated", 2), ("asymmetric", 0)])
 def test_cuda_graphs_keep_the_greedy_tokens(tiny_ckpt, dtype, mode, spec):
-    """Decode and verify steps replayed as CUDA graphs (the default) give the eager engine's greedy
-    tokens: exactly in fp32; in bf16 mostly (a padded batch changes GEMM shapes, hence rounding)."""
+    """Decode and verify steps replayed as CUDA graphs, each captured by the first step of its shape
+    (lazy capture; start-up capture is the next test's), give the eager engine's greedy tokens:
+    exactly in fp32; in bf16 mostly (a padded batch changes GEMM shapes, hence rounding)."""
     sem = "split" if mode == "colocated" else "full"
     eager = LLM(tiny_ckpt, mode, sem, device="cuda", dtype=dtype, num_spec_tokens=spec, enforce_eager=True)
-    graphed = LLM(tiny_ckpt, mode, sem, device="cuda", dtype=dtype, num_spec_tokens=spec)
+    graphed = LLM(tiny_ckpt, mode, sem, device="cuda", dtype=dtype, num_spec_tokens=spec, cuda_graph_capture="lazy")
     want, got = _tokens(eager), _tokens(graphed)
     stats = graphed.engine.runner.graphs.stats
     rate = _agreement(got, want)
     print(f"CUDA graphs vs eager, {mode} k={spec}, {dtype}: {rate:.3f} of greedy tokens agree; {stats}")
-    assert stats["captured"] >= 1 and stats["replayed"] >= 5, stats
+    assert stats["captured"] >= 1 and stats["replayed"] >= 5 and stats["startup"] == 0, stats
     assert eager.engine.runner.graphs is None
     if dtype == torch.float32:
         assert got == want
     else:
         assert rate > 0.5
+
+
+@pytest.mark.parametrize(("mode", "spec"), [("colocated", 2), ("asymmetric", 0)])
+def test_graphs_captured_at_startup_serve_generate_without_a_capture(tiny_ckpt, mode, spec):
+    """Start-up capture (the default): every decode/verify graph and drafter graph is built from
+    padding-only steps before the first request; greedy generation then gives the eager engine's
+    tokens (fp32) and captures nothing more: each step replays a graph built at start-up."""
+    sem = "split" if mode == "colocated" else "full"
+
+    def llm(**kw) -> LLM:
+        sched = SchedulerConfig(max_num_seqs=8)  # padded sizes 1, 2, 4, 8 (the prompts are 5)
+        return LLM(
+            tiny_ckpt, mode, sem, device="cuda", dtype=torch.float32, num_spec_tokens=spec, scheduler=sched, **kw
+        )
+
+    eager, graphed = llm(enforce_eager=True), llm()
+    report = graphed.engine.startup_capture
+    print(report.line())
+    decode = graphed.engine.runner.graphs
+    every = [decode] + ([graphed.engine.proposer.graphs] if spec else [])
+    contexts = [1024, 2048, 4096] + ([8192] if spec else [])  # up to tiny's max_seq_len 4096 + k
+    assert sorted({k.context for k in report.keys}) == contexts and not report.lazy
+    assert len(report.keys) == 4 * (1 + spec) * len(contexts)  # sizes x rows (1 + k, 1, k) x contexts
+    before = [dict(g.stats) for g in every]
+    for g, b in zip(every, before, strict=True):
+        assert b["startup"] == b["captured"] == len(g.graphs) > 0 and b["replayed"] == b["first"] == 0, b
+    want, got = _tokens(eager), _tokens(graphed)
+    print(f"start-up graphs, {mode} k={spec}: {decode.stats}")
+    assert got == want
+    for g, b in zip(every, before, strict=True):
+        assert g.stats["captured"] == b["captured"] and g.stats["first"] == 0, g.stats
+        assert g.stats["replayed"] >= 5, g.stats
 
 
 def test_images_through_asymmetric_pd_on_cuda(tiny_ckpt):

@@ -86,3 +86,14 @@ def test_engine_config_refuses_an_unknown_graph_mode_and_cpu_engines_run_eagerly
     assert llm.engine.runner.graphs is None  # CPU: no graphs, the cache still keeps its scratch
     assert llm.engine.cache.scratch_block is not None
     assert llm.prefill.cache.scratch_block is None  # a prefill worker never decodes
+
+
+def test_engine_config_refuses_a_bad_capture_setting_and_cpu_engines_capture_nothing(tiny_ckpt):
+    with pytest.raises(ValueError, match="unknown cuda_graph_capture 'eager'"):
+        EngineConfig(cuda_graph_capture="eager").validate()
+    with pytest.raises(ValueError, match="cuda_graph_max_captures must be >= 0, got -1"):
+        EngineConfig(cuda_graph_max_captures=-1).validate()
+    llm = LLM(tiny_ckpt, "asymmetric", cuda_graph_capture="lazy")
+    assert llm.engine.config.cuda_graph_capture == "lazy"
+    with pytest.raises(ValueError, match="replays no CUDA graphs"):
+        llm.engine.capture_graphs()  # CPU: every step runs eagerly, there is nothing to build
