@@ -79,6 +79,10 @@ except Exception:  # pragma: no cover - depends on the install
 AVAILABLE = triton is not None
 
 if AVAILABLE:
+    # Arguments whose values follow the context (block-table width, candidate blocks, block-maxima
+    # columns): Triton would otherwise compile a new specialization when one turns 1 or a multiple of
+    # 16, and an indexer compile takes seconds -- a stall mid-traffic (docs/performance.md §10).
+    _VARYING = ("s_ts", "s_cr", "s_br", "n_bmax")
 
     @triton.jit
     def _indicator(n_dims: tl.constexpr, j: tl.constexpr):
@@ -225,7 +229,7 @@ if AVAILABLE:
         tl.store(bufp + pos, keys, mask=take)
         return best, thresh, cnt + n_take
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_VARYING)
     def _indexer_topk_kernel(
         q_ptr,
         w_ptr,
@@ -422,7 +426,7 @@ if AVAILABLE:
         tl.store(bufp + pos, keys, mask=take)
         return cnt + tl.sum(take.to(tl.int32), axis=1)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_VARYING)
     def _indexer_topk_kernel_v2(
         q_ptr,
         w_ptr,
