@@ -127,10 +127,15 @@ class DecodeGraphs:
         max_batch: int = BATCH_SIZES[-1],
         capture: bool = True,
         piecewise: bool = False,
+        max_rows: int | None = None,
     ):
-        """``piecewise``: the steps that do not qualify run as :class:`PiecewiseGraphs` (else eagerly)."""
+        """``piecewise``: the steps that do not qualify run as :class:`PiecewiseGraphs` (else eagerly).
+        ``max_rows``: the most rows per request a graphed step has (the engine's 1 + k); steps of
+        more (every request a bounded prefill of W rows, as D's first step for a burst of admissions)
+        are prefills, rare and large: they run as the mixed steps do, not as a graph of their own."""
         _check_cache(cache, capture)
         self.model, self.cache, self.capture = model, cache, capture
+        self.max_rows = max_rows
         self.sizes = _sizes(max_batch)
         self.graphs: dict[GraphKey, _Static] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -146,6 +151,8 @@ class DecodeGraphs:
         c0 = ordered[0]
         q = len(c0.token_ids)
         if len(ordered) > self.sizes[-1] or c0.logits not in ("last", "all"):
+            return None
+        if self.max_rows is not None and q > self.max_rows:
             return None
         for c in ordered:
             if (

@@ -190,7 +190,9 @@ class LLMEngine:
         self.startup_capture: StartupCapture | None = None  # what the CUDA graphs' start-up built
         if decodes and model.device.type == "cuda" and model.batched and not self.config.enforce_eager:
             piecewise = self.config.cuda_graph_mode == "full_and_piecewise"
-            self.runner.graphs = DecodeGraphs(model, self.cache, max_batch=sc.max_num_seqs, piecewise=piecewise)
+            self.runner.graphs = DecodeGraphs(
+                model, self.cache, max_batch=sc.max_num_seqs, piecewise=piecewise, max_rows=1 + k
+            )
             if isinstance(self.proposer, DSparkProposer):
                 self.proposer.graphs = DraftGraphs(self.proposer.drafter, self.cache, max_batch=sc.max_num_seqs)
             if self.config.cuda_graph_capture == "startup":

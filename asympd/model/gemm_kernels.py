@@ -559,8 +559,9 @@ def mxfp4_moe_gemm(
     config (all optional): ``block_n``, ``unroll``, ``split``, ``num_warps``, ``num_stages``,
     ``lut`` (the PRMT decode; default on CUDA in bf16), ``lut_pairs`` (its shorter form, which the
     transposed kernel always uses; default off); ``swap_ab`` (the transposed decode-regime
-    kernel, default off) with ``scale_after`` (default ``block_m <= 16``); its ``unroll`` must
-    divide K/32 and its ``split`` is rounded down to a divisor of the unrolled steps.
+    kernel, default on CUDA in bf16 for M-blocks of <= 32 rows) with ``scale_after`` (default
+    ``block_m <= 16``); its ``unroll`` must divide K/32 and its ``split`` is rounded down to a
+    divisor of the unrolled steps.
     Returns [rows, N] in a's dtype."""
     n_experts, n, half_k = weight.shape
     k = half_k * 2
@@ -577,7 +578,9 @@ def mxfp4_moe_gemm(
     n_blocks = triton.cdiv(n, bn)
     n_kb = k // 32
     unroll = cfg.get("unroll", 2 if n_kb % 2 == 0 else 1)
-    swap_ab = cfg.get("swap_ab", False)
+    # the transposed kernel measured 1.11-1.18x the other from 16 to 2048 rows on the H200
+    # (bench/results/formats_moe_variants.json); larger M-blocks (prefill chunks) keep the other
+    swap_ab = cfg.get("swap_ab", a.is_cuda and a.dtype == torch.bfloat16 and block_m <= 32)
     # few rows (decode): split K so the few experts' weights stream through every SM
     busy = (min(n_experts, rows) + triton.cdiv(rows, block_m)) * n_blocks
     split = cfg.get("split", max(1, min(n_kb // (8 * unroll), (4 * _sms(a.device)) // max(1, busy))))

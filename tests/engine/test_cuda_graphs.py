@@ -77,6 +77,12 @@ def test_which_steps_take_a_graph_and_at_what_padded_shape(tiny_ckpt):
     assert key([chunk(1, logits="none")]) is None
     assert key([chunk(1, write_global=False)]) is None  # a replay on D: no graph
     assert key([chunk(1)] * 513) is None  # past the largest captured size
+    # an engine's graphs take decode and verify steps only (1 + k rows a request): a step of bounded
+    # prefills alone (W rows each, D's first step for a burst of admissions) runs as a mixed step
+    graphs.max_rows = 3
+    assert key([chunk(3, logits="all")] * 5).rows == 3
+    assert key([chunk(16)] * 5) is None
+    assert eng.runner.graphs is None  # CPU engines run eagerly; on CUDA the engine sets max_rows = 1 + k
 
 
 def test_engine_config_refuses_an_unknown_graph_mode_and_cpu_engines_run_eagerly(tiny_ckpt):
