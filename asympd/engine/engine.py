@@ -188,7 +188,10 @@ class LLMEngine:
         self.scheduler = Scheduler(sc, self.blocks, prefix_cache_key=self.fingerprint)
         self.runner = ModelRunner(model, self.cache, self.blocks)
         self.startup_capture: StartupCapture | None = None  # what the CUDA graphs' start-up built
-        if decodes and model.device.type == "cuda" and model.batched and not self.config.enforce_eager:
+        graphable = not any(getattr(m, "syncs_host", False) for m in model.modules())
+        if decodes and model.device.type == "cuda" and model.batched and not graphable:
+            log.info("CUDA graphs off: the routed experts read expert bounds on the host (unpacked fp32 experts)")
+        if decodes and model.device.type == "cuda" and model.batched and graphable and not self.config.enforce_eager:
             piecewise = self.config.cuda_graph_mode == "full_and_piecewise"
             self.runner.graphs = DecodeGraphs(
                 model, self.cache, max_batch=sc.max_num_seqs, piecewise=piecewise, max_rows=1 + k

@@ -307,6 +307,16 @@ class FastMoE(MoE):
     experts = "bf16"
     inexact_rows = 0
 
+    @property
+    def syncs_host(self) -> bool:
+        """Whether the routed experts read expert bounds on the host (the per-expert GEMM loop of
+        fp32 or pre-grouped-GEMM builds): a step through them cannot be captured as a CUDA graph."""
+        if getattr(self, "w13", None) is None:
+            return True
+        if self.experts in ("mxfp4", "fp8"):
+            return False
+        return not (self.w13.dtype == torch.bfloat16 and caps(self.w13.device).get("grouped_mm"))
+
     @classmethod
     def packed(
         cls,

@@ -67,6 +67,9 @@ class MoE(torch.nn.Module):
     """``experts=(lo, hi)``: the module holds routed experts ``[lo, hi)`` only (expert parallelism;
     ``w["experts.*"]`` stacked over that range); routing always covers all ``n_experts``."""
 
+    # the reference reads each expert's rows on the host (a loop over experts): no CUDA graph
+    syncs_host = True
+
     def __init__(
         self, cfg: ModelConfig, layer: int, w: dict[str, torch.Tensor], experts: tuple[int, int] | None = None
     ):

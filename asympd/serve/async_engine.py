@@ -237,7 +237,7 @@ class AsyncEngine:
                     continue
                 before = engine.counters["prompt_tokens"] + engine.counters["generation_tokens"]
                 prompt_before = engine.counters["prompt_tokens"]
-                graphs = getattr(engine.runner, "graphs", None)
+                graphs = getattr(getattr(engine, "runner", None), "graphs", None)  # a CP engine has no runner
                 captured = None if graphs is None else graphs.stats.get("captured")
                 compiled = compiles.mark()
                 t0 = time.perf_counter()

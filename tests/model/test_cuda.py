@@ -45,6 +45,20 @@ def test_fast_paths_reproduce_reference_on_cpu(tiny_ckpt, dtype):
     assert rel(b, a) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+def test_which_expert_paths_read_bounds_on_the_host(tiny_ckpt):
+    """The engine graphs a decode step only when no layer reads expert bounds on the host: the
+    reference MoE and dequantized fp32 experts loop over experts; packed MXFP4 experts do not."""
+    from asympd.model.cuda_ops import FastMoE
+
+    def syncing(model) -> set[str]:
+        return {type(m).__name__ for m in model.modules() if getattr(m, "syncs_host", False)}
+
+    assert syncing(load_model(tiny_ckpt, "full", dtype=torch.float32)) == {"MoE"}
+    assert syncing(accelerate(load_model(tiny_ckpt, "full", dtype=torch.float32))) == {"FastMoE"}
+    packed = accelerate(load_model(tiny_ckpt, "full", dtype=torch.float32, weights="packed-experts"))
+    assert not syncing(packed) and {m.experts for m in packed.modules() if isinstance(m, FastMoE)} == {"mxfp4"}
+
+
 def _batched_vs_per_sequence(model, specs, device, seed=0):
     """Each layer through the engine's batched path (``step_block`` over a ``PagedBatch``) and through
     the per-sequence reference path over a copy of the same paged cache; returns the per-layer
