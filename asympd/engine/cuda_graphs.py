@@ -130,9 +130,10 @@ class DecodeGraphs:
         max_rows: int | None = None,
     ):
         """``piecewise``: the steps that do not qualify run as :class:`PiecewiseGraphs` (else eagerly).
-        ``max_rows``: the most rows per request a graphed step has (the engine's 1 + k); steps of
-        more (every request a bounded prefill of W rows, as D's first step for a burst of admissions)
-        are prefills, rare and large: they run as the mixed steps do, not as a graph of their own."""
+        ``max_rows``: the most rows per request a graphed step has (the engine's 1 + k, or W on an
+        asymmetric D, whose steps of bounded prefills alone replay too: at true depth one such step
+        of one request takes 0.105 s as a graph, 0.43 s eagerly); steps of more rows (prompt chunks
+        that happen to be equal) run as the mixed steps do, not as a graph of their own."""
         _check_cache(cache, capture)
         self.model, self.cache, self.capture = model, cache, capture
         self.max_rows = max_rows
@@ -179,7 +180,9 @@ class DecodeGraphs:
 
     # ---- graphs built at start-up ------------------------------------------------------------------
 
-    def startup_keys(self, rows: Sequence[int], max_tokens: int) -> list[GraphKey]:
+    def startup_keys(
+        self, rows: Sequence[int], max_tokens: int, prefills: Sequence[tuple[int, int]] = ()
+    ) -> list[GraphKey]:
         """The keys of every decode step of requests of ``rows`` rows each (1 + k verify rows take
         logits for all, a single row for the last) whose positions stay below ``max_tokens``: shortest
         context first (every request passes through it), then largest batch first (vLLM's order:
@@ -191,6 +194,9 @@ class DecodeGraphs:
             width = self._width(context, -(-context // self.cache.spec.block_size))
             for q in rows:
                 keys += [GraphKey(b, q, "all" if q > 1 else "last", context, width) for b in reversed(self.sizes)]
+            for q, most in prefills:  # (rows, most requests): steps of bounded prefills alone
+                top = self.sizes[min(bisect.bisect_left(self.sizes, most), len(self.sizes) - 1)]  # padded
+                keys += [GraphKey(b, q, "last", context, width) for b in reversed(self.sizes) if b <= top]
             context *= 2
         return keys
 
@@ -481,15 +487,20 @@ class StartupCapture:
 
 
 def capture_at_startup(
-    graphs: DecodeGraphs, drafts: DraftGraphs | None, rows: Sequence[int], max_tokens: int, max_graphs: int
+    graphs: DecodeGraphs,
+    drafts: DraftGraphs | None,
+    rows: Sequence[int],
+    max_tokens: int,
+    max_graphs: int,
+    prefills: Sequence[tuple[int, int]] = (),
 ) -> StartupCapture:
     """Build the decode/verify graphs of the first ``max_graphs`` of ``graphs.startup_keys(rows,
-    max_tokens)`` (the rest are captured when first met) and every drafter graph."""
+    max_tokens, prefills)`` (the rest are captured when first met) and every drafter graph."""
     device = graphs.cache.device
     cuda = device.type == "cuda"
     reserved = torch.cuda.memory_reserved(device) if cuda else 0
     t0 = time.perf_counter()
-    keys = graphs.startup_keys(rows, max_tokens)
+    keys = graphs.startup_keys(rows, max_tokens, prefills)
     take, lazy = keys[:max_graphs], keys[max_graphs:]
     graphs.capture_all(take)
     n_draft = drafts.capture_all() if drafts is not None else 0

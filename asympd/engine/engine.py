@@ -188,13 +188,20 @@ class LLMEngine:
         self.scheduler = Scheduler(sc, self.blocks, prefix_cache_key=self.fingerprint)
         self.runner = ModelRunner(model, self.cache, self.blocks)
         self.startup_capture: StartupCapture | None = None  # what the CUDA graphs' start-up built
+        # an asymmetric D computes the last W prompt rows of each request through every layer
+        asym_d = self.config.mode == "asymmetric" and self.config.role == "decode"
+        self._bounded_rows = self.cfg.window_size if asym_d else 0
         graphable = not any(getattr(m, "syncs_host", False) for m in model.modules())
         if decodes and model.device.type == "cuda" and model.batched and not graphable:
             log.info("CUDA graphs off: the routed experts read expert bounds on the host (unpacked fp32 experts)")
         if decodes and model.device.type == "cuda" and model.batched and graphable and not self.config.enforce_eager:
             piecewise = self.config.cuda_graph_mode == "full_and_piecewise"
             self.runner.graphs = DecodeGraphs(
-                model, self.cache, max_batch=sc.max_num_seqs, piecewise=piecewise, max_rows=1 + k
+                model,
+                self.cache,
+                max_batch=sc.max_num_seqs,
+                piecewise=piecewise,
+                max_rows=max(1 + k, self._bounded_rows),
             )
             if isinstance(self.proposer, DSparkProposer):
                 self.proposer.graphs = DraftGraphs(self.proposer.drafter, self.cache, max_batch=sc.max_num_seqs)
@@ -224,7 +231,13 @@ class LLMEngine:
         longest = min(self.cfg.max_seq_len + k, self.blocks.num_blocks * self.spec.block_size)
         drafts = getattr(self.proposer, "graphs", None)
         rows = [1 + k, 1, *range(k, 1, -1)] if k else [1]  # verify, decode, fewer drafts (near max_tokens)
-        report = capture_at_startup(graphs, drafts, rows, longest, self.config.cuda_graph_max_captures)
+        # an asymmetric D's steps of bounded prefills alone, for as many as one step can admit
+        sc, w = self.config.scheduler, self._bounded_rows
+        prefills = []
+        if w > 1 + k:
+            admit = min(sc.max_num_seqs, (sc.admission_token_budget or sc.max_num_batched_tokens) // w)
+            prefills = [(w, min(admit, sc.max_new_admissions or admit))]
+        report = capture_at_startup(graphs, drafts, rows, longest, self.config.cuda_graph_max_captures, prefills)
         log.info(report.line())
         return report
 

@@ -36,14 +36,19 @@ def _run(
         e.runner.model.batched = batched
         if graphs is not None and e.config.role != "prefill":
             n = sched.max_num_seqs  # padded sizes up to the engine's largest batch, as the engine builds them
-            e.runner.graphs = DecodeGraphs(e.runner.model, e.runner.cache, max_batch=n, capture=False, piecewise=True)
+            # as the engine builds them: an asymmetric D's steps of bounded prefills alone (W rows) qualify too
+            rows = max(1 + spec, e._bounded_rows)
+            e.runner.graphs = DecodeGraphs(
+                e.runner.model, e.runner.cache, max_batch=n, capture=False, piecewise=True, max_rows=rows
+            )
             graphs.append(e.runner.graphs)
             if e.proposer is not None:
                 e.proposer.graphs = DraftGraphs(e.proposer.drafter, e.runner.cache, max_batch=n, capture=False)
                 graphs.append(e.proposer.graphs)
             if startup is not None:
                 # the smallest context bound only: every decode step here stays below 1024 positions
-                e.config.cuda_graph_max_captures = len(e.runner.graphs.sizes) * (1 + spec)
+                prefills = 1 if e._bounded_rows else 0  # W rows, one request: 24 rows a step admit one
+                e.config.cuda_graph_max_captures = len(e.runner.graphs.sizes) * (1 + spec) + prefills
                 startup.append(e.capture_graphs())
     params = [SamplingParams(max_tokens=10, temperature=0, logprobs=2) for _ in LENGTHS]
     params[1] = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, logprobs=1)
@@ -131,7 +136,8 @@ def test_graphs_built_at_startup_serve_the_real_steps(tiny_ckpt, mode, spec):
     (report,) = reports
     decode = graphs[0]
     rows = [3, 1, 2] if spec else [1]  # verify steps, plain decode steps, one draft fewer
-    assert [(k.rows, k.segments) for k in report.keys] == [(q, b) for q in rows for b in (8, 4, 2, 1)]
+    prefills = [(16, 1)] if mode == "asymmetric" else []  # tiny's W = 16; a 24-row step admits one
+    assert [(k.rows, k.segments) for k in report.keys] == [(q, b) for q in rows for b in (8, 4, 2, 1)] + prefills
     assert {k.context for k in report.keys} == {1024} and {k.width for k in report.keys} == {1024 // 16}
     # left lazy: the other context bounds up to max_seq_len + k (4096 + 2 on tiny)
     assert sorted({k.context for k in report.lazy}) == ([2048, 4096, 8192] if spec else [2048, 4096])
