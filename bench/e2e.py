@@ -921,8 +921,9 @@ def main(argv: list[str] | None = None) -> int:
             "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms, "goodput": "every ITL of a request"},
             "d_policy": {
                 "name": args.policy,
-                "max_new_admissions": POLICIES[args.policy][0],
-                "admission_token_budget": POLICIES[args.policy][1],
+                "max_new_admissions": POLICIES[args.policy].max_new_admissions,
+                "admission_token_budget": POLICIES[args.policy].admission_token_budget,
+                "mixed_steps": POLICIES[args.policy].mixed_steps,
             },
             "p_step_tokens": args.p_step_tokens,
             "colocated_semantics": args.colocated_semantics,

@@ -2,9 +2,11 @@
 
 At decode sizes a step is bound by kernel launches, not by the GPU: the layer stack of a 16-request
 step replays as one graph in a quarter of its eager time (docs/performance.md §11). A step qualifies
-when every chunk is a decode or verify chunk: every layer, the same 1 + k rows per request, logits
-for the last or for every row, no image rows, all in one paged cache. Other steps (prefill chunks,
-bounded prefills mixed in) run eagerly.
+when its chunks are alike: every layer, the same rows per request (1 + k verify rows, one decode
+row, or a D's W rows of a bounded prefill or replay, up to ``max_rows``), the same logits (every
+row, the last or none) and global-KV writes, no image rows, all in one paged cache. Other steps
+(prefill chunks, bounded prefills beside decodes) run eagerly; a D whose admission policy keeps
+them apart (``SchedulerConfig.mixed_steps`` off) replays both kinds.
 
 A graph replays the device work of the run it was captured from, so that run must not depend on
 anything that changes between steps (kv/batch.py: ``PagedBatch.max_context``, ``fixed_groups``,
@@ -12,7 +14,8 @@ anything that changes between steps (kv/batch.py: ``PagedBatch.max_context``, ``
 
 - the number of requests, padded up to one of ``BATCH_SIZES`` (as vLLM pads): padding segments
   run on the cache's scratch slot and scratch block, their rows computed and thrown away;
-- rows per request and which rows need logits;
+- rows per request, which rows need logits and whether the rows write global KV (a symmetric D's
+  replay does not);
 - the context bound, a power of two (key counts of the indexer are padded to it; entries past a
   row's visible ones are masked as they are eagerly), and the block-table width (a power of two,
   covering the context bound).
@@ -82,9 +85,21 @@ MIN_CONTEXT = 1024
 class GraphKey:
     segments: int  # requests, padded
     rows: int  # rows per request (1 + drafts)
-    logits: str  # "last" | "all"
+    logits: str  # "last" | "all" | "none"
     context: int  # bound on start + rows, a power of two
     width: int  # block-table columns, a power of two
+    write_global: bool = True  # False: a replay over global KV that P computed
+
+
+@dataclass(frozen=True)
+class PrefillSteps:
+    """A D's steps of first-step chunks alone (``rows`` = W each: a bounded prefill, or a symmetric
+    D's replay), for up to ``most`` requests: graphs built at start-up beside the decode steps'."""
+
+    rows: int
+    most: int
+    logits: str = "last"  # "none": the replay of a mode whose P made the first token
+    write_global: bool = True
 
 
 @dataclass
@@ -128,15 +143,17 @@ class DecodeGraphs:
         capture: bool = True,
         piecewise: bool = False,
         max_rows: int | None = None,
+        prefill_rows: int | None = None,
     ):
         """``piecewise``: the steps that do not qualify run as :class:`PiecewiseGraphs` (else eagerly).
-        ``max_rows``: the most rows per request a graphed step has (the engine's 1 + k, or W on an
-        asymmetric D, whose steps of bounded prefills alone replay too: at true depth one such step
-        of one request takes 0.105 s as a graph, 0.43 s eagerly); steps of more rows (prompt chunks
-        that happen to be equal) run as the mixed steps do, not as a graph of their own."""
+        ``max_rows``: the most rows per request of a decode or verify step (the engine's 1 + k);
+        ``prefill_rows``: the rows of a D's first step for a request (W), whose steps alone replay
+        too (at true depth one of one request takes 0.105 s as a graph, 0.43 s eagerly). Steps of
+        other row counts (prompt chunks that happen to be equal, a prompt shorter than W) run as the
+        mixed steps do, not as graphs of their own."""
         _check_cache(cache, capture)
         self.model, self.cache, self.capture = model, cache, capture
-        self.max_rows = max_rows
+        self.max_rows, self.prefill_rows = max_rows, prefill_rows
         self.sizes = _sizes(max_batch)
         self.graphs: dict[GraphKey, _Static] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -151,15 +168,15 @@ class DecodeGraphs:
     def key(self, ordered: list[Any], segs: list[BatchSegment]) -> GraphKey | None:
         c0 = ordered[0]
         q = len(c0.token_ids)
-        if len(ordered) > self.sizes[-1] or c0.logits not in ("last", "all"):
+        if len(ordered) > self.sizes[-1] or c0.logits not in ("last", "all", "none"):
             return None
-        if self.max_rows is not None and q > self.max_rows:
+        if self.max_rows is not None and q > self.max_rows and q != self.prefill_rows:
             return None
         for c in ordered:
             if (
                 c.depth is not Depth.ALL
                 or c.images is not None
-                or not c.write_global
+                or c.write_global != c0.write_global
                 or len(c.token_ids) != q
                 or c.logits != c0.logits
                 or getattr(c.kv, "cache", None) is not self.cache
@@ -167,7 +184,8 @@ class DecodeGraphs:
                 return None
         context = max(MIN_CONTEXT, _pow2(max(s.start + s.rows for s in segs)))
         b = self.sizes[bisect.bisect_left(self.sizes, len(ordered))]
-        return GraphKey(b, q, c0.logits, context, self._width(context, max(len(s.block_table) for s in segs)))
+        width = self._width(context, max(len(s.block_table) for s in segs))
+        return GraphKey(b, q, c0.logits, context, width, c0.write_global)
 
     def _width(self, context: int, longest: int) -> int:
         """Block-table columns: the tables cover the context bound (padded key counts address real,
@@ -176,12 +194,14 @@ class DecodeGraphs:
 
     def _pad(self, key: GraphKey) -> BatchSegment:
         cache = self.cache
-        return BatchSegment([cache.scratch_block] * key.width, cache.scratch_slot, 0, key.rows)
+        return BatchSegment(
+            [cache.scratch_block] * key.width, cache.scratch_slot, 0, key.rows, write_global=key.write_global
+        )
 
     # ---- graphs built at start-up ------------------------------------------------------------------
 
     def startup_keys(
-        self, rows: Sequence[int], max_tokens: int, prefills: Sequence[tuple[int, int]] = ()
+        self, rows: Sequence[int], max_tokens: int, prefills: Sequence[PrefillSteps] = ()
     ) -> list[GraphKey]:
         """The keys of every decode step of requests of ``rows`` rows each (1 + k verify rows take
         logits for all, a single row for the last) whose positions stay below ``max_tokens``: shortest
@@ -194,9 +214,13 @@ class DecodeGraphs:
             width = self._width(context, -(-context // self.cache.spec.block_size))
             for q in rows:
                 keys += [GraphKey(b, q, "all" if q > 1 else "last", context, width) for b in reversed(self.sizes)]
-            for q, most in prefills:  # (rows, most requests): steps of bounded prefills alone
-                top = self.sizes[min(bisect.bisect_left(self.sizes, most), len(self.sizes) - 1)]  # padded
-                keys += [GraphKey(b, q, "last", context, width) for b in reversed(self.sizes) if b <= top]
+            for p in prefills:  # a D's steps of first-step chunks alone
+                top = self.sizes[min(bisect.bisect_left(self.sizes, p.most), len(self.sizes) - 1)]  # padded
+                keys += [
+                    GraphKey(b, p.rows, p.logits, context, width, p.write_global)
+                    for b in reversed(self.sizes)
+                    if b <= top
+                ]
             context *= 2
         return keys
 
@@ -284,16 +308,19 @@ class DecodeGraphs:
         offsets = list(range(0, total + 1, key.rows))
         if key.logits == "last":
             wanted = torch.arange(key.rows - 1, total, key.rows, device=model.device)
-        else:
+        elif key.logits == "all":
             wanted = torch.arange(total, device=model.device)
+        else:
+            wanted = None
         depths = [Depth.ALL] * key.segments
 
         def body() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
             batch.shared.clear()
             h, pre, _ = model._embed(tokens, [], offsets)
             hidden = model._layers(h, pre, depths, offsets, batch, static_fetched, None, None)
-            logits = model.logits(h, pre, wanted)
-            outs = (logits, logits.argmax(dim=-1), torch.cat(hidden, dim=-1) if hidden else None)
+            logits = None if wanted is None else model.logits(h, pre, wanted)
+            argmax = None if logits is None else logits.argmax(dim=-1)
+            outs = (logits, argmax, torch.cat(hidden, dim=-1) if hidden else None)
             return tuple(None if t is None else self._shared_out(i, t) for i, t in enumerate(outs))
 
         return _Static(batch, tokens, static_fetched, body)
@@ -334,17 +361,18 @@ class DecodeGraphs:
         overwrites them."""
         logits, argmax, hidden = outputs
         n = len(ordered)
-        per = 1 if key.logits == "last" else key.rows
-        logits = logits[: n * per].clone()
-        ids = argmax[: n * per].tolist()  # the step's one sync
+        per = {"last": 1, "all": key.rows, "none": 0}[key.logits]
+        logits = logits[: n * per].clone() if per else None
+        ids = argmax[: n * per].tolist() if per else None  # the step's one sync
         out_logits: list[Any] = [None] * n
         out_argmax: list[Any] = [None] * n
         out_hidden: list[Any] = [None] * n
         all_hidden = hidden[: n * key.rows].clone() if hidden is not None else None
         for i in range(n):
             j = order[i]
-            out_logits[j] = logits[i * per : (i + 1) * per]
-            out_argmax[j] = ids[i * per : (i + 1) * per]
+            if per:
+                out_logits[j] = logits[i * per : (i + 1) * per]
+                out_argmax[j] = ids[i * per : (i + 1) * per]
             if all_hidden is not None:
                 out_hidden[j] = all_hidden[i * key.rows : (i + 1) * key.rows]
         return ForwardOutput(out_logits, out_hidden, out_argmax)
@@ -492,7 +520,7 @@ def capture_at_startup(
     rows: Sequence[int],
     max_tokens: int,
     max_graphs: int,
-    prefills: Sequence[tuple[int, int]] = (),
+    prefills: Sequence[PrefillSteps] = (),
 ) -> StartupCapture:
     """Build the decode/verify graphs of the first ``max_graphs`` of ``graphs.startup_keys(rows,
     max_tokens, prefills)`` (the rest are captured when first met) and every drafter graph."""

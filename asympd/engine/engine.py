@@ -19,7 +19,7 @@ import torch
 
 from asympd.config import ModelConfig
 from asympd.engine import modes
-from asympd.engine.cuda_graphs import DecodeGraphs, DraftGraphs, StartupCapture, capture_at_startup
+from asympd.engine.cuda_graphs import DecodeGraphs, DraftGraphs, PrefillSteps, StartupCapture, capture_at_startup
 from asympd.engine.request import CompletionOutput, Request, RequestOutput, Status
 from asympd.engine.runner import ModelRunner
 from asympd.engine.sampler import Drawn, SampleJob, sample_step
@@ -188,9 +188,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sc, self.blocks, prefix_cache_key=self.fingerprint)
         self.runner = ModelRunner(model, self.cache, self.blocks)
         self.startup_capture: StartupCapture | None = None  # what the CUDA graphs' start-up built
-        # an asymmetric D computes the last W prompt rows of each request through every layer
-        asym_d = self.config.mode == "asymmetric" and self.config.role == "decode"
-        self._bounded_rows = self.cfg.window_size if asym_d else 0
+        self._first_steps = self._first_step_graphs()
         graphable = not any(getattr(m, "syncs_host", False) for m in model.modules())
         if decodes and model.device.type == "cuda" and model.batched and not graphable:
             log.info("CUDA graphs off: the routed experts read expert bounds on the host (unpacked fp32 experts)")
@@ -201,7 +199,8 @@ class LLMEngine:
                 self.cache,
                 max_batch=sc.max_num_seqs,
                 piecewise=piecewise,
-                max_rows=max(1 + k, self._bounded_rows),
+                max_rows=1 + k,
+                prefill_rows=self._first_steps.rows if self._first_steps else None,
             )
             if isinstance(self.proposer, DSparkProposer):
                 self.proposer.graphs = DraftGraphs(self.proposer.drafter, self.cache, max_batch=sc.max_num_seqs)
@@ -231,15 +230,27 @@ class LLMEngine:
         longest = min(self.cfg.max_seq_len + k, self.blocks.num_blocks * self.spec.block_size)
         drafts = getattr(self.proposer, "graphs", None)
         rows = [1 + k, 1, *range(k, 1, -1)] if k else [1]  # verify, decode, fewer drafts (near max_tokens)
-        # an asymmetric D's steps of bounded prefills alone, for as many as one step can admit
-        sc, w = self.config.scheduler, self._bounded_rows
-        prefills = []
-        if w > 1 + k:
-            admit = min(sc.max_num_seqs, (sc.admission_token_budget or sc.max_num_batched_tokens) // w)
-            prefills = [(w, min(admit, sc.max_new_admissions or admit))]
+        prefills = [self._first_steps] if self._first_steps else []
         report = capture_at_startup(graphs, drafts, rows, longest, self.config.cuda_graph_max_captures, prefills)
         log.info(report.line())
         return report
+
+    def _first_step_graphs(self) -> PrefillSteps | None:
+        """A D's first step for a request runs its last W prompt rows through every layer (asymmetric:
+        a bounded prefill writing global KV; the symmetric modes and encoder-only: a replay over P's):
+        steps of those alone replay graphs too, for as many requests as one step admits. None where D
+        computes no prompt row (symmetric-windows) or the rows are no more than a verify step's."""
+        if self.config.role != "decode":
+            return None
+        sc, w = self.config.scheduler, self.cfg.window_size
+        phases = modes.decode_plan(self.cfg, 2 * w, self.config.mode, self.config.boundary_policy).phases
+        if not phases or phases[0].hi - phases[0].lo <= 1 + self.num_spec_tokens:
+            return None
+        first = phases[0]
+        rows = first.hi - first.lo
+        admit = min(sc.max_num_seqs, (sc.admission_token_budget or sc.max_num_batched_tokens) // rows)
+        admit = min(admit, sc.max_new_admissions or admit)
+        return PrefillSteps(rows, max(admit, 1), "last" if first.sample else "none", first.write_global)
 
     # ---- requests ----------------------------------------------------------------------------
 

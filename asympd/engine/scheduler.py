@@ -3,7 +3,10 @@
 Each step mixes, under one token budget: decode rows of running requests first (their inter-token
 latency is what admission must protect), then the next chunk of prompts already in progress, then
 new admissions, FCFS, at most ``max_new_admissions`` per step and at most
-``admission_token_budget`` new prompt rows per step (Sarathi-style). Blocks for a request's whole
+``admission_token_budget`` new prompt rows per step (Sarathi-style). With ``mixed_steps`` off a step
+carries prompt rows or decode rows, never both, taking turns while both wait (SGLang's default,
+without ``--enable-mixed-chunk``): on a GPU the decode steps and a D's steps of bounded prefills
+alone then replay CUDA graphs, where a mixed step runs eagerly (docs/performance.md §10). Blocks for a request's whole
 prompt are reserved at admission, so a prefill in progress never stalls on memory; a decode that
 cannot grow preempts the most recently admitted request, which is recomputed later. A request that
 could never fit, even alone, fails with a clear error instead of waiting forever.
@@ -26,6 +29,7 @@ class SchedulerConfig:
     max_new_admissions: int | None = None  # new requests admitted per step; None = no cap
     admission_token_budget: int | None = None  # prompt rows per step for prefills; None = the step budget
     num_spec_tokens: int = 0
+    mixed_steps: bool = True  # False: prompt rows and decode rows in separate steps, taking turns
 
     def validate(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
@@ -69,6 +73,7 @@ class Scheduler:
         self.prefix_cache_key = prefix_cache_key
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
+        self._last_had_prompt = False  # without mixed steps: whose turn is next
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -92,20 +97,45 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        prompt_budget = self.config.admission_token_budget or budget
+        if self.config.mixed_steps:
+            budget = self._decodes(out, budget, run=True)
+            self._prompts(out, budget)
+        elif self._prompt_turn():
+            self._decodes(out, budget, run=False)  # their next rows' blocks first, as in a mixed step
+            self._prompts(out, budget)
+            if not out.chunks:  # nothing to prefill (admissions waiting for memory or for their prefix)
+                self._decodes(out, budget, run=True)
+        else:
+            self._decodes(out, budget, run=True)
+        self._last_had_prompt = any(c.phase is not None for c in out.chunks)
+        return out
 
-        # 1. decode rows, preempting the newest admissions when blocks run out
+    def _prompt_turn(self) -> bool:
+        """Without mixed steps: prompt rows go next unless the last step had them and decodes wait."""
+        return not self._last_had_prompt or not any(self._decoding(r) for r in self.running)
+
+    @staticmethod
+    def _decoding(req: Request) -> bool:
+        return not req.in_prompt and req.status is Status.RUNNING
+
+    def _decodes(self, out: SchedulerOutput, budget: int, run: bool) -> int:
+        """Decode rows of the running requests, preempting the newest admissions when blocks run out
+        (``run`` False: only make room for them). Returns the budget left."""
         for req in list(self.running):
-            if req not in self.running or req.in_prompt or req.status is not Status.RUNNING:
+            if req not in self.running or not self._decoding(req):
                 continue
             rows = 1 + len(req.spec_draft) if req.spec_enabled else 1  # [newest token, drafts]
             pos = len(req.all_token_ids) - 1
-            if not self._grow(req, pos + rows, out):
+            if not self._grow(req, pos + rows, out) or not run:
                 continue
             out.chunks.append(ScheduledChunk(req, pos, pos + rows, None))
             budget -= rows
+        return budget
 
-        # 2. prompts in progress, then 3. new admissions
+    def _prompts(self, out: SchedulerOutput, budget: int) -> None:
+        """The next chunk of prompts in progress, then new admissions (FCFS, capped), within
+        ``budget`` rows (what the step's decodes left) and the admission token budget."""
+        prompt_budget = self.config.admission_token_budget or self.config.max_num_batched_tokens
         for req in self.running:
             if budget <= 0 or prompt_budget <= 0:
                 break
@@ -129,7 +159,6 @@ class Scheduler:
                 n = self._prompt_chunk(req, min(budget, prompt_budget), out)
                 budget -= n
                 prompt_budget -= n
-        return out
 
     def _prompt_chunk(self, req: Request, limit: int, out: SchedulerOutput) -> int:
         phase = req.phases[req.phase_index]

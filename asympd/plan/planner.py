@@ -34,7 +34,7 @@ from asympd.plan.simulate import (
     run_prefill,
 )
 from asympd.plan.steps import P_STEP_TOKENS, PLANNED_MODES, StepModel, load_results
-from asympd.serve.admission import POLICIES  # D admission: (max_new_admissions, admission_token_budget)
+from asympd.serve.admission import POLICIES  # D admission policies (serve/admission.py)
 
 D_MAX_SEQS = 512  # the largest decode batch measured (d_admission.json)
 MAX_ROUNDS = 14
@@ -287,7 +287,7 @@ class Planner:
             at_d.append(Arrival(a.index, p_done[a.index] + moved, a.prompt_len, a.output_len))
         at_d.sort(key=lambda a: (a.time_s, a.index))
         mine = at_d[0::n_d]  # replica 0's round-robin share; the others see the same statistics
-        cap, budget = POLICIES[policy]
+        cap, budget = POLICIES[policy].max_new_admissions, POLICIES[policy].admission_token_budget
         d_blocks = blocks_for(
             kv_room(self.mem["decode"], self.gpu, g_d, self.req.reserve_gb),
             D_MAX_SEQS,
@@ -322,7 +322,7 @@ class Planner:
         longest = max(a.prompt_len for a in arr)
         p_blocks, d_blocks = self._shared_blocks(PREFILL_MODEL_ROLE[mode], g, longest + 1)
         mine_p = arr[0::n]
-        cap, budget = POLICIES[policy]
+        cap, budget = POLICIES[policy].max_new_admissions, POLICIES[policy].admission_token_budget
         p = PrefillEngine(cfg, self.steps, mode, g, p_blocks, mine_p)
         d = DecodeEngine(
             cfg, self.steps, mode, g, d_blocks, [], D_MAX_SEQS, cap, budget, self.req.seed, expected=mine_p
@@ -467,7 +467,7 @@ class Planner:
 
     def _search(self, mode: str, g_p: int, n_p: int, g_d: int, n_d: int, policy: str) -> Deployment:
         req = self.req
-        cap, budget = POLICIES[policy]
+        cap, budget = POLICIES[policy].max_new_admissions, POLICIES[policy].admission_token_budget
         shared = req.placement == "shared"
         dep = Deployment(
             mode,

@@ -102,13 +102,16 @@ class ServeConfig:
             raise ValueError(f"unknown weights {self.weights!r}: {', '.join(WEIGHTS)}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
-        cap, budget = policy_settings(self.admission_policy)
+        policy = policy_settings(self.admission_policy)
         if e.role == "prefill":
             e.num_spec_tokens = 0  # a prefill worker never drafts
         else:  # the recommended D admission policy, unless a setting is given explicitly (serve/admission.py)
             s = e.scheduler
-            s.max_new_admissions = cap if s.max_new_admissions is None else s.max_new_admissions
-            s.admission_token_budget = budget if s.admission_token_budget is None else s.admission_token_budget
+            if s.max_new_admissions is None:
+                s.max_new_admissions = policy.max_new_admissions
+            if s.admission_token_budget is None:
+                s.admission_token_budget = policy.admission_token_budget
+            s.mixed_steps = policy.mixed_steps
         e.validate()
         e.scheduler.validate()
         return self
@@ -137,7 +140,9 @@ _HELP = {
     "admission_token_budget": "prompt rows per step for prefills and bounded prefills (default: "
     "--admission-policy's; none: the step budget)",
     "admission_policy": "decode and colocated workers: cap-4 = at most 4 new requests and 512 prompt rows per "
-    "step (what docs/performance.md §6 recommends); admit-all = no cap; the two flags above override it",
+    "step (what docs/performance.md §6 recommends); alone-4 = the same caps, those rows in steps of their own "
+    "taking turns with decode steps (both then replay CUDA graphs); admit-all = no cap; the two flags above "
+    "override the caps",
     "num_blocks": "KV blocks (overrides --kv-cache-bytes)",
     "transfer_timeout": "decode worker: seconds for one fetch",
     "transfer_ttl": "prefill worker: seconds an unfetched prefix state keeps its blocks",
@@ -181,7 +186,7 @@ _CHOICES = {
     "admission_policy": tuple(POLICIES),
 }
 _CLI_DEFAULTS = {"mode": None, "num_spec_tokens": 0}  # mode None: derived from the role
-_NOT_FLAGS = {"engine", "scheduler", "eos_token_id"}  # nested, or read from the checkpoint
+_NOT_FLAGS = {"engine", "scheduler", "eos_token_id", "mixed_steps"}  # nested, from the checkpoint or the policy
 _DUPLICATE = {(SchedulerConfig, "num_spec_tokens")}  # EngineConfig.num_spec_tokens is the flag
 
 

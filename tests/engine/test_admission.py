@@ -17,7 +17,7 @@ def model(tiny_ckpt):
 
 
 def make(model, **sched) -> LLMEngine:
-    sched_cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, **sched)
+    sched_cfg = SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 256, **sched})
     return LLMEngine(model, EngineConfig(scheduler=sched_cfg))
 
 
@@ -44,3 +44,41 @@ def test_prompt_token_budget_chunks_new_prefills_while_decodes_run(model):
         cursors.append(eng.requests["long"].cursor)
     assert tokens_per_step == [1] * 6  # the running decode advanced every step
     assert cursors == [16, 32, 48, 64, 80, 96]  # the new prompt was fed 16 rows per step, not 100 at once
+
+
+def test_unmixed_steps_take_turns_and_give_the_mixed_tokens(model):
+    """``mixed_steps=False`` (the ``alone-4`` policy): a step carries prompt rows or decode rows,
+    never both, taking turns while both wait; the tokens are the mixed engine's (rows are
+    batch-invariant on CPU)."""
+    results = {}
+    for mixed in (True, False):
+        eng = make(model, admission_token_budget=16, mixed_steps=mixed)
+        eng.add_request("running", random_prompts([8], seed=52)[0], SamplingParams(max_tokens=20, temperature=0))
+        eng.step()
+        eng.add_request("long", random_prompts([100], seed=53)[0], SamplingParams(max_tokens=4, temperature=0))
+        pattern, tokens = [], {"running": [], "long": []}
+        while eng.has_unfinished_requests():
+            outs = {o.request_id: o for o in eng.step()}
+            for rid, o in outs.items():
+                tokens[rid] += o.new_token_ids
+            long = eng.requests.get("long")
+            ran = len(outs["running"].new_token_ids) if "running" in outs else 0
+            pattern.append((ran, long.cursor if long is not None else None))
+        results[mixed] = pattern, tokens
+    (mixed_pattern, mixed_tokens), (alone_pattern, alone_tokens) = results[True], results[False]
+    assert alone_tokens == mixed_tokens
+    assert mixed_pattern[:3] == [(1, 16), (1, 32), (1, 48)]
+    assert alone_pattern[:6] == [(1, 0), (0, 16), (1, 16), (0, 32), (1, 32), (0, 48)]  # turns: decode, prompt, ...
+    assert len(alone_pattern) > len(mixed_pattern)
+
+
+def test_unmixed_steps_run_decodes_when_no_prompt_rows_can_go(model):
+    """A prompt turn that schedules no rows (here: the only waiting request cannot be admitted,
+    the sequence cap is reached) runs the decodes instead of an empty step."""
+    eng = make(model, mixed_steps=False, max_num_seqs=1)
+    eng.add_request("a", random_prompts([8], seed=54)[0], SamplingParams(max_tokens=3, temperature=0))
+    eng.add_request("b", random_prompts([8], seed=55)[0], SamplingParams(max_tokens=3, temperature=0))
+    per_step = []
+    while eng.has_unfinished_requests():
+        per_step.append(sorted((o.request_id, len(o.new_token_ids)) for o in eng.step() if o.new_token_ids))
+    assert per_step == [[("a", 1)], [("a", 1)], [("a", 1)], [("b", 1)], [("b", 1)], [("b", 1)]]

@@ -24,22 +24,36 @@ def _engines(llm: LLM) -> list:
 
 
 def _run(
-    ckpt: str, mode: str, batched: bool, spec: int, graphs: list | None = None, startup: list | None = None
+    ckpt: str,
+    mode: str,
+    batched: bool,
+    spec: int,
+    graphs: list | None = None,
+    startup: list | None = None,
+    mixed: bool = True,
+    budget: int = 24,
 ) -> tuple[list, list[dict[str, torch.Tensor]]]:
     """``graphs``: give each decoding engine the static (graph) decode path without capture, and
     collect its DecodeGraphs here. ``startup``: build them first, from padding only, for the
-    contexts up to 1024 (``LLMEngine.capture_graphs``), and collect its report here."""
+    contexts up to 1024 (``LLMEngine.capture_graphs``), and collect its report here. ``mixed``:
+    ``SchedulerConfig.mixed_steps``; ``budget``: its ``max_num_batched_tokens``."""
     sem = "split" if mode == "colocated" else "full"
-    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24)
+    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, mixed_steps=mixed)
     llm = LLM(ckpt, mode, sem, scheduler=sched, num_spec_tokens=spec)
     for e in _engines(llm):
         e.runner.model.batched = batched
         if graphs is not None and e.config.role != "prefill":
             n = sched.max_num_seqs  # padded sizes up to the engine's largest batch, as the engine builds them
-            # as the engine builds them: an asymmetric D's steps of bounded prefills alone (W rows) qualify too
-            rows = max(1 + spec, e._bounded_rows)
+            # as the engine builds them: a D's steps of first-step chunks alone (W rows) qualify too
+            first = e._first_steps.rows if e._first_steps else None
             e.runner.graphs = DecodeGraphs(
-                e.runner.model, e.runner.cache, max_batch=n, capture=False, piecewise=True, max_rows=rows
+                e.runner.model,
+                e.runner.cache,
+                max_batch=n,
+                capture=False,
+                piecewise=True,
+                max_rows=1 + spec,
+                prefill_rows=first,
             )
             graphs.append(e.runner.graphs)
             if e.proposer is not None:
@@ -47,7 +61,7 @@ def _run(
                 graphs.append(e.proposer.graphs)
             if startup is not None:
                 # the smallest context bound only: every decode step here stays below 1024 positions
-                prefills = 1 if e._bounded_rows else 0  # W rows, one request: 24 rows a step admit one
+                prefills = e._first_steps.most if e._first_steps else 0  # W rows: padded request counts
                 e.config.cuda_graph_max_captures = len(e.runner.graphs.sizes) * (1 + spec) + prefills
                 startup.append(e.capture_graphs())
     params = [SamplingParams(max_tokens=10, temperature=0, logprobs=2) for _ in LENGTHS]
@@ -86,7 +100,8 @@ def test_batched_step_equals_the_per_sequence_path(tiny_ckpt, mode, spec):
 
 
 @pytest.mark.parametrize(
-    ("mode", "spec"), [("colocated", 2), ("asymmetric", 0), ("symmetric-windows", 0), ("encoder-only", 2)]
+    ("mode", "spec"),
+    [("colocated", 2), ("asymmetric", 0), ("symmetric-windows", 0), ("encoder-only", 2), ("symmetric-split", 0)],
 )
 def test_graph_decode_path_equals_the_eager_step(tiny_ckpt, mode, spec):
     """The path decode steps take as CUDA graphs (engine/cuda_graphs.py: requests padded to a
@@ -117,7 +132,8 @@ def test_graph_decode_path_equals_the_eager_step(tiny_ckpt, mode, spec):
 
 
 @pytest.mark.parametrize(
-    ("mode", "spec"), [("colocated", 2), ("asymmetric", 0), ("symmetric-windows", 0), ("encoder-only", 2)]
+    ("mode", "spec"),
+    [("colocated", 2), ("asymmetric", 0), ("symmetric-windows", 0), ("encoder-only", 2), ("symmetric-split", 0)],
 )
 def test_graphs_built_at_startup_serve_the_real_steps(tiny_ckpt, mode, spec):
     """The graphs built before any request, from steps of padding segments only (what start-up
@@ -136,7 +152,9 @@ def test_graphs_built_at_startup_serve_the_real_steps(tiny_ckpt, mode, spec):
     (report,) = reports
     decode = graphs[0]
     rows = [3, 1, 2] if spec else [1]  # verify steps, plain decode steps, one draft fewer
-    prefills = [(16, 1)] if mode == "asymmetric" else []  # tiny's W = 16; a 24-row step admits one
+    # a D's first steps alone (tiny's W = 16 rows; a 24-row step admits one), but for the modes that
+    # compute no prompt row there
+    prefills = [] if mode in ("colocated", "symmetric-windows") else [(16, 1)]
     assert [(k.rows, k.segments) for k in report.keys] == [(q, b) for q in rows for b in (8, 4, 2, 1)] + prefills
     assert {k.context for k in report.keys} == {1024} and {k.width for k in report.keys} == {1024 // 16}
     # left lazy: the other context bounds up to max_seq_len + k (4096 + 2 on tiny)
@@ -149,6 +167,38 @@ def test_graphs_built_at_startup_serve_the_real_steps(tiny_ckpt, mode, spec):
         assert g.stats["startup"] == len(g.graphs), g.stats  # nothing built after start-up ...
         assert g.stats["first"] == 0 and g.stats["replayed"] >= 5, g.stats  # ... though steps ran on them
     assert decode.stats["startup"] == len(report.keys)
+
+
+@pytest.mark.parametrize("mode", ["asymmetric", "symmetric-split"])
+def test_unmixed_steps_replay_the_first_steps_as_graphs(tiny_ckpt, mode, monkeypatch):
+    """With the ``alone-4`` policy's unmixed steps, a D's first steps for its requests (W rows
+    each: asymmetric's bounded prefill, symmetric-split's replay) come without decode rows and take
+    the graphs built at start-up, as decode steps do; tokens and logprobs stay the eager mixed
+    engine's. Mixed, those chunks ride in decode steps, which then run eagerly."""
+    want_out, _ = _run(tiny_ckpt, mode, batched=True, spec=0, budget=32)
+    steps: list[tuple[list[int], bool]] = []  # (rows of each chunk, served by a graph) of D's steps
+    key = DecodeGraphs.key
+
+    def recording(self, ordered, segs):
+        k = key(self, ordered, segs)
+        steps.append(([len(c.token_ids) for c in ordered], k is not None))
+        return k
+
+    monkeypatch.setattr(DecodeGraphs, "key", recording)
+    served = {}
+    for mixed in (True, False):
+        steps.clear()
+        got_out, _ = _run(tiny_ckpt, mode, batched=True, spec=0, graphs=[], startup=[], mixed=mixed, budget=32)
+        assert got_out == want_out
+        first = [ok for rows, ok in steps if 16 in rows]  # steps carrying a first-step chunk (W = 16 rows)
+        served[mixed] = sum(first), len(first)
+        if not mixed:
+            assert not any(1 in rows and max(rows) > 1 for rows, _ in steps)  # no decode row beside prompt rows
+            assert all(ok for rows, ok in steps if set(rows) in ({1}, {16}))  # decode steps, first steps alone
+    # mixed, no first step is a graph's. Unmixed, symmetric-split's three are (17 and 40 share one); an
+    # asymmetric D also prefills the 3-row prompt whole, and its rows beside two W-row chunks split the
+    # third over two steps at this 32-row budget (cap-4's 512 rows are 4 x W: no split there)
+    assert served == ({True: (0, 3), False: (1, 3)} if mode == "asymmetric" else {True: (0, 3), False: (3, 3)})
 
 
 def test_a_captured_step_refuses_host_reads_of_segment_values(tiny_ckpt):

@@ -74,15 +74,20 @@ def test_which_steps_take_a_graph_and_at_what_padded_shape(tiny_ckpt):
     assert key([chunk(1, start=1500)]).context == 2048
     assert key([chunk(1), chunk(2)]) is None  # rows differ
     assert key([chunk(1), chunk(1, depth=Depth.ENCODER_KV)]) is None  # not every layer
-    assert key([chunk(1, logits="none")]) is None
-    assert key([chunk(1, write_global=False)]) is None  # a replay on D: no graph
+    assert key([chunk(1), chunk(1, logits="last")]).logits == "last"
+    assert key([chunk(16, logits="none", write_global=False)] * 2).write_global is False  # a symmetric D's replay
+    assert key([chunk(16, logits="none"), chunk(16)]) is None  # logits differ
+    assert key([chunk(16, write_global=False), chunk(16)]) is None  # global writes differ
     assert key([chunk(1)] * 513) is None  # past the largest captured size
-    # an engine's graphs take decode and verify steps only (1 + k rows a request): a step of bounded
-    # prefills alone (W rows each, D's first step for a burst of admissions) runs as a mixed step
+    # an engine's graphs take decode and verify steps (1 + k rows a request) and, on a D, steps of
+    # its first-step chunks alone (W rows each): other prompt rows run as a mixed step
     graphs.max_rows = 3
     assert key([chunk(3, logits="all")] * 5).rows == 3
     assert key([chunk(16)] * 5) is None
-    assert eng.runner.graphs is None  # CPU engines run eagerly; on CUDA the engine sets max_rows = 1 + k
+    graphs.prefill_rows = 16  # a D's first steps (W rows) alone: those, and no other prompt rows
+    assert key([chunk(16)] * 5).rows == 16
+    assert key([chunk(8)] * 5) is None
+    assert eng.runner.graphs is None  # CPU engines run eagerly; on CUDA the engine sets both
 
 
 def test_engine_config_refuses_an_unknown_graph_mode_and_cpu_engines_run_eagerly(tiny_ckpt):

@@ -33,7 +33,8 @@ def test_every_setting_has_a_flag():
     for cls, skip in (
         (ServeConfig, {"engine"}),
         (EngineConfig, {"scheduler", "eos_token_id", "stream_prefix"}),  # streaming: offline LLM and TCP only
-        (SchedulerConfig, {"num_spec_tokens"}),  # EngineConfig.num_spec_tokens is the flag
+        # EngineConfig.num_spec_tokens is the flag; --admission-policy sets mixed_steps
+        (SchedulerConfig, {"num_spec_tokens", "mixed_steps"}),
     ):
         missing = {f.name for f in dataclasses.fields(cls)} - skip - dests
         assert not missing, (cls.__name__, missing)
@@ -96,11 +97,11 @@ def test_admission_default_is_the_recommended_policy():
     import json
     from pathlib import Path
 
-    from asympd.serve.admission import DEFAULT_POLICY, POLICIES
+    from asympd.serve.admission import DEFAULT_POLICY, POLICIES, AdmissionPolicy
 
     study = json.loads((Path(__file__).resolve().parents[2] / "bench/results/admission_policy.json").read_text())
     assert study["scenarios"]["poisson"]["cap-4"]["policy"] == {"max_new_admissions": 4, "admission_token_budget": 512}
-    assert DEFAULT_POLICY == "cap-4" and POLICIES[DEFAULT_POLICY] == (4, 512)
+    assert DEFAULT_POLICY == "cap-4" and POLICIES[DEFAULT_POLICY] == AdmissionPolicy(4, 512, mixed_steps=True)
     for role in ("decode", "colocated"):
         s = _parse("--role", role).resolve().engine.scheduler
         assert (s.max_new_admissions, s.admission_token_budget) == (4, 512)
@@ -110,6 +111,9 @@ def test_admission_default_is_the_recommended_policy():
     assert (s.max_new_admissions, s.admission_token_budget) == (None, None)
     s = _parse("--role", "decode", "--max-new-admissions", "2").resolve().engine.scheduler
     assert (s.max_new_admissions, s.admission_token_budget) == (2, 512)
+    assert s.mixed_steps
+    s = _parse("--role", "decode", "--admission-policy", "alone-4").resolve().engine.scheduler
+    assert (s.max_new_admissions, s.admission_token_budget, s.mixed_steps) == (4, 512, False)
     with pytest.raises(UsageError, match="invalid choice"):
         build_parser().parse_args(["serve", "--checkpoint", "C", "--admission-policy", "cap-3"])
     with pytest.raises(ValueError, match="unknown admission policy 'cap-3'"):
