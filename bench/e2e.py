@@ -289,6 +289,11 @@ def worker_args(args: argparse.Namespace, role: str, mode: str, ckpt: str) -> li
         a += ["--max-num-batched-tokens", str(args.p_step_tokens)]
     else:  # D and colocated: the admission policy under test (`asympd serve`'s default is cap-4)
         a += ["--admission-policy", args.policy]
+        if args.gpus and args.len_dist == "uniform":  # graphs at start-up for the contexts the traffic reaches
+            longest = math.ceil(args.input_len * (1 + args.range_ratio)) + math.ceil(
+                args.output_len * (1 + args.range_ratio)
+            )
+            a += ["--max-seq-len-to-capture", str(longest)]
     if args.shared_experts:
         a += ["--benchmark-shared-experts"]
     if role == "colocated":

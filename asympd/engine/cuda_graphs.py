@@ -64,6 +64,7 @@ bookkeeping against the eager path with it.
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -161,6 +162,7 @@ class DecodeGraphs:
         # steps: replayed (or re-run over the static buffers), run eagerly before a capture, not taken
         # startup: graphs built before any request (``capture_all``)
         self.stats = {"captured": 0, "replayed": 0, "first": 0, "eager": 0, "startup": 0}
+        self.steps_by_key: collections.Counter[GraphKey] = collections.Counter()  # steps served, per graph
         self.piecewise = PiecewiseGraphs(cache.device, capture=capture) if piecewise else None
 
     # ---- which steps qualify -------------------------------------------------------------------
@@ -259,6 +261,7 @@ class DecodeGraphs:
             self.stats["eager"] += 1
             return None
         n = len(ordered)
+        self.steps_by_key[key] += 1
         padded = segs + [self._pad(key)] * (key.segments - n)
         st = self.graphs.get(key)
         first = st is None
@@ -521,15 +524,19 @@ def capture_at_startup(
     max_tokens: int,
     max_graphs: int,
     prefills: Sequence[PrefillSteps] = (),
+    max_context: int | None = None,
 ) -> StartupCapture:
     """Build the decode/verify graphs of the first ``max_graphs`` of ``graphs.startup_keys(rows,
-    max_tokens, prefills)`` (the rest are captured when first met) and every drafter graph."""
+    max_tokens, prefills)`` whose context bound covers no more than ``max_context`` tokens (the rest
+    are captured when first met) and every drafter graph."""
     device = graphs.cache.device
     cuda = device.type == "cuda"
     reserved = torch.cuda.memory_reserved(device) if cuda else 0
     t0 = time.perf_counter()
     keys = graphs.startup_keys(rows, max_tokens, prefills)
-    take, lazy = keys[:max_graphs], keys[max_graphs:]
+    bound = max(MIN_CONTEXT, _pow2(max_context)) if max_context is not None else None
+    take = [k for k in keys if bound is None or k.context <= bound][:max_graphs]
+    lazy = keys[len(take) :]  # shortest contexts come first: what is not taken is the tail
     graphs.capture_all(take)
     n_draft = drafts.capture_all() if drafts is not None else 0
     if cuda:

@@ -100,6 +100,9 @@ class EngineConfig:
     # cuda_graph_max_captures decode/verify graphs; the rest, and all with lazy, are captured when first met
     cuda_graph_capture: str = "startup"
     cuda_graph_max_captures: int = 128
+    # start-up capture covers contexts up to this many tokens (vLLM's max_seq_len_to_capture); steps of
+    # longer ones are captured when first met
+    max_seq_len_to_capture: int = 8192
 
     def validate(self) -> None:
         modes.check_role_mode(self.role, self.mode)
@@ -117,6 +120,8 @@ class EngineConfig:
             )
         if self.cuda_graph_max_captures < 0:
             raise ValueError(f"cuda_graph_max_captures must be >= 0, got {self.cuda_graph_max_captures}")
+        if self.max_seq_len_to_capture <= 0:
+            raise ValueError(f"max_seq_len_to_capture must be positive, got {self.max_seq_len_to_capture}")
         if self.stream_prefix and self.mode not in STREAM_MODES:
             raise ValueError(f"stream_prefix needs mode {' or '.join(STREAM_MODES)}, not {self.mode!r}")
         if self.num_spec_tokens is not None and self.num_spec_tokens < 0:
@@ -231,7 +236,10 @@ class LLMEngine:
         drafts = getattr(self.proposer, "graphs", None)
         rows = [1 + k, 1, *range(k, 1, -1)] if k else [1]  # verify, decode, fewer drafts (near max_tokens)
         prefills = [self._first_steps] if self._first_steps else []
-        report = capture_at_startup(graphs, drafts, rows, longest, self.config.cuda_graph_max_captures, prefills)
+        c = self.config
+        report = capture_at_startup(
+            graphs, drafts, rows, longest, c.cuda_graph_max_captures, prefills, c.max_seq_len_to_capture
+        )
         log.info(report.line())
         return report
 

@@ -165,6 +165,8 @@ _HELP = {
     "seconds, memory); lazy: the first step of each shape captures it",
     "cuda_graph_max_captures": "decode/verify graphs captured at start-up, shortest contexts first; the rest "
     "are captured when first met",
+    "max_seq_len_to_capture": "start-up capture covers contexts up to this many tokens (vLLM's name); steps of "
+    "longer ones are captured when first met",
     "max_images": "image parts accepted in one chat request (400 above it)",
     "max_image_bytes": "largest encoded image accepted (400 above it)",
     "allow_image_urls": "fetch http(s) image_url parts (default: only data: URLs are accepted)",

@@ -77,15 +77,20 @@ def test_cuda_graphs_keep_the_greedy_tokens(tiny_ckpt, dtype, mode, spec):
         assert rate > 0.5
 
 
-@pytest.mark.parametrize(("mode", "spec"), [("colocated", 2), ("asymmetric", 0)])
-def test_graphs_captured_at_startup_serve_generate_without_a_capture(tiny_ckpt, mode, spec):
+@pytest.mark.parametrize(
+    ("mode", "spec", "mixed"),
+    [("colocated", 2, True), ("asymmetric", 0, True), ("asymmetric", 0, False), ("symmetric-split", 0, False)],
+)
+def test_graphs_captured_at_startup_serve_generate_without_a_capture(tiny_ckpt, mode, spec, mixed):
     """Start-up capture (the default): every decode/verify graph and drafter graph is built from
     padding-only steps before the first request; greedy generation then gives the eager engine's
-    tokens (fp32) and captures nothing more: each step replays a graph built at start-up."""
+    tokens (fp32) and captures nothing more: each step replays a graph built at start-up. Unmixed
+    (the alone-4 policy), a D's first steps alone (asymmetric's bounded prefills, symmetric-split's
+    replays without logits or global writes) replay their graphs too."""
     sem = "split" if mode == "colocated" else "full"
 
     def llm(**kw) -> LLM:
-        sched = SchedulerConfig(max_num_seqs=8)  # padded sizes 1, 2, 4, 8 (the prompts are 5)
+        sched = SchedulerConfig(max_num_seqs=8, mixed_steps=mixed)  # padded sizes 1, 2, 4, 8 (5 prompts)
         return LLM(
             tiny_ckpt, mode, sem, device="cuda", dtype=torch.float32, num_spec_tokens=spec, scheduler=sched, **kw
         )
@@ -97,16 +102,19 @@ def test_graphs_captured_at_startup_serve_generate_without_a_capture(tiny_ckpt, 
     every = [decode] + ([graphed.engine.proposer.graphs] if spec else [])
     contexts = [1024, 2048, 4096] + ([8192] if spec else [])  # up to tiny's max_seq_len 4096 + k
     assert sorted({k.context for k in report.keys}) == contexts and not report.lazy
-    # sizes x rows (1 + k, 1, k) x contexts, and on an asymmetric D steps of W-row bounded prefills
+    # sizes x rows (1 + k, 1, k) x contexts, and on a D steps of its W-row first steps
     # alone at every size (uncapped admissions; a 2048-row step holds 128 of tiny's 16-row ones)
-    prefills = 4 * len(contexts) if mode == "asymmetric" else 0
+    prefills = 4 * len(contexts) if mode != "colocated" else 0
     assert len(report.keys) == 4 * (1 + spec) * len(contexts) + prefills
     before = [dict(g.stats) for g in every]
     for g, b in zip(every, before, strict=True):
         assert b["startup"] == b["captured"] == len(g.graphs) > 0 and b["replayed"] == b["first"] == 0, b
     want, got = _tokens(eager), _tokens(graphed)
-    print(f"start-up graphs, {mode} k={spec}: {decode.stats}")
+    first_steps = sum(n for k, n in decode.steps_by_key.items() if k.rows == 16)  # tiny's W
+    print(f"start-up graphs, {mode} k={spec} mixed={mixed}: {decode.stats}, {first_steps} first steps")
     assert got == want
+    if not mixed:
+        assert first_steps >= 2
     for g, b in zip(every, before, strict=True):
         assert g.stats["captured"] == b["captured"] and g.stats["first"] == 0, g.stats
         assert g.stats["replayed"] >= 5, g.stats

@@ -9,7 +9,7 @@ import torch
 
 from asympd import LLM
 from asympd.config import tiny
-from asympd.engine.cuda_graphs import DecodeGraphs, DraftGraphs
+from asympd.engine.cuda_graphs import DecodeGraphs, DraftGraphs, capture_at_startup
 from asympd.engine.engine import EngineConfig
 from asympd.kv.batch import BatchSegment, PagedBatch
 from asympd.kv.paged_cache import PagedKVCache
@@ -108,3 +108,16 @@ def test_engine_config_refuses_a_bad_capture_setting_and_cpu_engines_capture_not
     assert llm.engine.config.cuda_graph_capture == "lazy"
     with pytest.raises(ValueError, match="replays no CUDA graphs"):
         llm.engine.capture_graphs()  # CPU: every step runs eagerly, there is nothing to build
+
+
+def test_startup_capture_stops_at_max_seq_len_to_capture(tiny_ckpt):
+    """Start-up builds the graphs of contexts up to ``max_seq_len_to_capture`` (its power-of-two
+    bound); the longer ones are left to be captured when first met."""
+    eng = LLM(tiny_ckpt, "colocated").engine
+    graphs = DecodeGraphs(eng.model, eng.cache, max_batch=2, capture=False)
+    report = capture_at_startup(graphs, None, [1], 4096, 100, (), max_context=1500)
+    assert [(k.segments, k.context) for k in report.keys] == [(2, 1024), (1, 1024), (2, 2048), (1, 2048)]
+    assert [(k.segments, k.context) for k in report.lazy] == [(2, 4096), (1, 4096)]
+    assert set(graphs.graphs) == set(report.keys)
+    with pytest.raises(ValueError, match="max_seq_len_to_capture must be positive, got 0"):
+        EngineConfig(max_seq_len_to_capture=0).validate()
