@@ -27,7 +27,9 @@ from asympd.plan.simulate import (
     BLOCK_SIZE,
     Arrival,
     DecodeEngine,
+    DecodeSetup,
     PrefillEngine,
+    PrefillSetup,
     ReplicaRun,
     run_decode,
     run_engines,
@@ -171,6 +173,7 @@ class Deployment:
     d_policy: str = ""
     d_max_new_admissions: int | None = None
     d_admission_token_budget: int | None = None
+    d_mixed_steps: bool = True  # False: prompt rows and decode rows in steps of their own (alone-4)
     d_max_num_seqs: int = 0
     total_gpus: int = 0
     ttft_ms: dict[str, float] = field(default_factory=dict)
@@ -275,7 +278,7 @@ class Planner:
         for r in range(n_p):
             key = (mode, g_p, n_p, r)
             if key not in self._p_cache:
-                self._p_cache[key] = run_prefill(cfg, self.steps, mode, g_p, p_blocks, arr[r::n_p])
+                self._p_cache[key] = run_prefill(cfg, self.steps, PrefillSetup(mode, g_p, p_blocks), arr[r::n_p])
             run = self._p_cache[key]
             p_done.update(run.done_s)
             p_runs.append(run)
@@ -287,15 +290,19 @@ class Planner:
             at_d.append(Arrival(a.index, p_done[a.index] + moved, a.prompt_len, a.output_len))
         at_d.sort(key=lambda a: (a.time_s, a.index))
         mine = at_d[0::n_d]  # replica 0's round-robin share; the others see the same statistics
-        cap, budget = POLICIES[policy].max_new_admissions, POLICIES[policy].admission_token_budget
         d_blocks = blocks_for(
             kv_room(self.mem["decode"], self.gpu, g_d, self.req.reserve_gb),
             D_MAX_SEQS,
             self.mem["decode"],
             self.per_token,
         )
-        d = run_decode(cfg, self.steps, mode, g_d, d_blocks, mine, D_MAX_SEQS, cap, budget, self.req.seed)
+        d = run_decode(cfg, self.steps, self._d_setup(mode, g_d, d_blocks, policy), mine)
         return self._summary(p_runs, d, mine)
+
+    def _d_setup(self, mode: str, g_d: int, d_blocks: int, policy: str) -> DecodeSetup:
+        """A D replica under the named admission policy (its caps and whether steps mix prompt and
+        decode rows: the engine's scheduler runs it as configured)."""
+        return DecodeSetup(mode, g_d, d_blocks, D_MAX_SEQS, POLICIES[policy], self.req.seed)
 
     def _shared_blocks(self, p_role: str, g: int, p_need: int) -> tuple[int, int]:
         """(P blocks, D blocks) for a P and a D replica on the same ``g`` GPUs: both roles' weights
@@ -316,17 +323,14 @@ class Planner:
 
     def _evaluate_shared(self, mode: str, n: int, g: int, policy: str) -> dict[str, Any]:
         """Pair 0 of ``n`` (P replica r on D replica r's ``g`` GPUs, arrivals round-robin over the
-        pairs): P's and D's steps queue on the same GPUs (``run_engines``), so a D step waits for
-        the P step in progress and the other way round."""
+        pairs): P's and D's steps share the same GPUs (``run_engines``), so a D step in progress
+        beside a P step runs at half speed, and so does the P step."""
         cfg, arr = self.cfg, self.req.arrivals
         longest = max(a.prompt_len for a in arr)
         p_blocks, d_blocks = self._shared_blocks(PREFILL_MODEL_ROLE[mode], g, longest + 1)
         mine_p = arr[0::n]
-        cap, budget = POLICIES[policy].max_new_admissions, POLICIES[policy].admission_token_budget
-        p = PrefillEngine(cfg, self.steps, mode, g, p_blocks, mine_p)
-        d = DecodeEngine(
-            cfg, self.steps, mode, g, d_blocks, [], D_MAX_SEQS, cap, budget, self.req.seed, expected=mine_p
-        )
+        p = PrefillEngine(cfg, self.steps, PrefillSetup(mode, g, p_blocks), mine_p)
+        d = DecodeEngine(cfg, self.steps, self._d_setup(mode, g, d_blocks, policy), [], expected=mine_p)
         by_index = {a.index: a for a in mine_p}
         mine: list[Arrival] = []
 
@@ -478,6 +482,7 @@ class Planner:
             d_policy=policy,
             d_max_new_admissions=cap,
             d_admission_token_budget=budget,
+            d_mixed_steps=POLICIES[policy].mixed_steps,
             d_max_num_seqs=D_MAX_SEQS,
         )
         limit = 4 * max(n_p * g_p + n_d * g_d, 8)
@@ -526,7 +531,7 @@ class Planner:
                     if mode != "asymmetric":  # P made the first token: the next one waits for D's replay step
                         dep.binding += "; the gap after P's first token spans D's admission and replay step"
                     if shared:
-                        dep.binding += "; on shared GPUs a D step waits for the P step in progress"
+                        dep.binding += "; on shared GPUs a D step shares them with the P step in progress"
                     dep.binding += ")"
                     break
                 prev_itl = r["itl_ms"]["p99"]

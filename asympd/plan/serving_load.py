@@ -14,9 +14,12 @@ fitted to the rate runs that the validation checks.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from asympd.plan.simulate import gpu_share
 
 
 @dataclass(frozen=True)
@@ -53,23 +56,80 @@ def _slope(points: list[tuple[int, float]]) -> float:
     return max(0.0, sxy / sxx) if sxx else 0.0
 
 
-def _step_points(rows: list[tuple[dict, dict]], decode_ms: Callable[[int], float]) -> list[tuple[int, float]]:
-    """(requests in the TTFT path at the step's start, excess ms over ``decode_ms(batch)``) for the
-    batch's decode-only steps: a token gap in which no request got its first token (such a step also
-    ran prompt rows), the batch the requests decoding through the whole gap."""
-    first = [t["ttft_s"] for _, t in rows]
+EPS_S = 3e-3  # one step's outputs for different requests reach the client this far apart at most (measured: 5 ms)
+
+
+@dataclass(frozen=True)
+class BatchGap:
+    """One token gap of a calibration batch request, on the batch's own timeline."""
+
+    ms: float
+    batch: int  # requests decoding through the whole gap (the gap's own request included)
+    in_path: int  # requests without their first token at the gap's start
+    firsts: tuple[int, ...]  # the batch requests (indices into the rows) whose first token came inside it
+    p_overlap_ms: float = 0.0  # how much of it P's steps ran beside it (a shared GPU, P busy with the batch)
+
+    def alone_ms(self, share: float) -> float:
+        """The gap as D alone would have run it: during the overlap D ran at ``share`` of the GPU."""
+        return self.ms - self.p_overlap_ms * (1.0 - share)
+
+
+def batch_rows(cal: dict[str, Any], pd: bool) -> list[tuple[dict, dict]]:
+    """The calibration batch's requests with the servers' timings the fits read: (request, timings)."""
+    rows = []
+    for r in (cal.get("batch") or {}).get("requests") or []:
+        t = r.get("timings") or {}
+        if r.get("ttft_s") is None or t.get("ttft_s") is None or "prompt_len" not in r:
+            continue
+        if pd and any(t.get(k) is None for k in ("prefill_s", "prefill_rtt_s", "transfer_s")):
+            continue
+        rows.append((r, t))
+    return rows
+
+
+def batch_gaps(rows: list[tuple[dict, dict]], p_busy_s: float = 0.0) -> list[BatchGap]:
+    """Every token gap of the batch's requests (``batch_rows``): its length, the batch decoding
+    through it, the requests in the TTFT path at its start, and whose first token came inside it
+    (a step of the gap ran their prompt rows). All on the client's timeline (the batch is sent at
+    once: a first token at its TTFT, later tokens after its gaps), where one step's tokens for
+    different requests arrive within a few ms (the servers' first-token times sit up to ~25 ms
+    off the client's gaps), so a first token is put in the gap whose end is nearest to it.
+    ``p_busy_s``: P computes the batch's prompts until then, on D's GPU (0: a GPU of its own)."""
+    first = [r["ttft_s"] for r, _ in rows]
     ends = [f + sum(r["gaps_s"]) for f, (r, _) in zip(first, rows, strict=True)]
-    eps = 1e-4  # one step's outputs reach the server a little apart
     out = []
     for f0, (r, _) in zip(first, rows, strict=True):
-        s = f0
-        for g in r["gaps_s"]:
-            e = s + g
-            if not any(s + eps < f <= e + eps for f in first):
-                batch = sum(1 for f, end in zip(first, ends, strict=True) if f <= s + eps and end >= e - eps)
-                out.append((sum(1 for f in first if f > s + eps), g * 1e3 - decode_ms(max(batch, 1))))
-            s = e
+        times = list(itertools.accumulate(r["gaps_s"], initial=f0))
+        for k, g in enumerate(r["gaps_s"], start=1):
+            s, e = times[k - 1], times[k]
+            eps = min(EPS_S, g / 2)
+            # a first token belongs to the step whose output for this request reached the client nearest to it
+            inside = tuple(
+                i
+                for i, f in enumerate(first)
+                if s + g / 2 < f <= e + min(g / 2, (times[k + 1] - e) / 2 if k + 1 < len(times) else g / 2)
+            )
+            batch = sum(1 for f, end in zip(first, ends, strict=True) if f <= s + eps and end >= e - eps)
+            overlap = max(0.0, min(e, p_busy_s) - s) * 1e3
+            out.append(BatchGap(g * 1e3, max(batch, 1), sum(1 for f in first if f > s + eps), inside, overlap))
     return out
+
+
+def p_busy_until(rows: list[tuple[dict, dict]], shared_gpu: bool) -> float:
+    """When P, sharing D's GPU, finished the batch's prompts (sent at once: P busy from 0); 0 apart."""
+    return max((t["prefill_s"] for _, t in rows if t.get("prefill_s") is not None), default=0.0) if shared_gpu else 0.0
+
+
+def _step_points(
+    rows: list[tuple[dict, dict]], decode_ms: Callable[[int], float], p_busy_s: float
+) -> list[tuple[int, float]]:
+    """(requests in the TTFT path at the step's start, excess ms over ``decode_ms(batch)``) for the
+    batch's decode-only steps: a token gap in which no request got its first token (such a step also
+    ran prompt rows), the batch the requests decoding through the whole gap, read at D's alone
+    speed where P's steps shared the GPU (the simulator shares it again)."""
+    return [
+        (g.in_path, g.alone_ms(gpu_share(2)) - decode_ms(g.batch)) for g in batch_gaps(rows, p_busy_s) if not g.firsts
+    ]
 
 
 def fit_stage_load(
@@ -79,6 +139,7 @@ def fit_stage_load(
     fetch_ms: Callable[[int], float],
     lone_hops_ms: float,
     decode_ms: Callable[[int], float] | None = None,
+    shared_gpu: bool = False,
 ) -> StageLoad:
     """The per-request slopes from the calibration batch; lone costs as fitted from the lone
     requests (``fetch_ms(prompt_len)``: the lone move). ``pd``: a P/D deployment (else colocated:
@@ -87,16 +148,9 @@ def fit_stage_load(
     router's hop to D, P's answer reaching the router (``prefill_rtt_s``; colocated: 0).
     ``decode_ms(batch)``: D's fitted decode step, for D's per-step term (P/D only: it stands for
     the prefix fetches and imports beside D's steps; a colocated worker's prompt phases hide in
-    token gaps that show no first token)."""
-    reqs = (cal.get("batch") or {}).get("requests") or []
-    rows = []
-    for r in reqs:
-        t = r.get("timings") or {}
-        if r.get("ttft_s") is None or t.get("ttft_s") is None or "prompt_len" not in r:
-            continue
-        if pd and any(t.get(k) is None for k in ("prefill_s", "prefill_rtt_s", "transfer_s")):
-            continue
-        rows.append((r, t))
+    token gaps that show no first token). ``shared_gpu``: P ran on D's GPU (its steps beside D's
+    while it computed the batch)."""
+    rows = batch_rows(cal, pd)
     if not rows:
         return StageLoad()
     spans = [(0.0, t["ttft_s"]) for _, t in rows]
@@ -110,7 +164,7 @@ def fit_stage_load(
             answer.append((n, (t["prefill_rtt_s"] - t["prefill_s"]) * 1e3 - lone_answer_ms))
             fetch.append((hops_n, t["transfer_s"] * 1e3 - fetch_ms(r["prompt_len"])))
             starts.append(n)
-    step = _step_points(rows, decode_ms) if pd and decode_ms is not None else []
+    step = _step_points(rows, decode_ms, p_busy_until(rows, shared_gpu)) if pd and decode_ms is not None else []
     return StageLoad(
         answer_ms=_slope(answer) if pd else 0.0,
         fetch_ms=_slope(fetch) if pd else 0.0,

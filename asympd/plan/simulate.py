@@ -5,8 +5,10 @@ rows first, admission cap and token budget, blocks reserved at admission, preemp
 out), takes its duration from ``StepModel`` and advances the requests as the engine would. A
 prefill-worker replica exports a request when its last P phase is done; a decode-worker replica
 makes 1-4 tokens per decode step (speculative decoding, mean 2.8). Each replica is an engine that
-issues its next step when the previous one ends; ``run_engines`` gives every GPU one server, so
-engines placed on the same GPU (P and D sharing it) take their steps one at a time.
+issues its next step when the previous one ends; ``run_engines`` runs each GPU as a processor
+shared by the steps in progress on it: engines placed on the same GPU (P and D sharing it) run their
+steps side by side, each at an equal share of the GPU (the processes' kernels interleave, as the
+GPU's time-slicing between contexts does), instead of one waiting for the other.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from asympd.engine.scheduler import Scheduler, SchedulerConfig
 from asympd.kv.block_manager import BlockManager
 from asympd.kv.spec import KVCacheSpec
 from asympd.plan.steps import P_STEP_TOKENS, StepModel
+from asympd.serve.admission import AdmissionPolicy
 
 ACCEPT = ((1, 0.10), (2, 0.25), (3, 0.40), (4, 0.25))  # tokens per decode step (docs/model.md §6), mean 2.8
 ACCEPT_TOKENS = [n for n, _ in ACCEPT]
@@ -56,6 +59,52 @@ class ReplicaRun:
     wall_s: float = 0.0  # issue to end of each step: with a shared GPU, the wait for it too
     max_batch: int = 0
     preemptions: int = 0
+    step_kinds: list[str] = field(default_factory=list)  # D: "decode", "prompt" or "mixed", per step
+
+
+@dataclass(frozen=True)
+class PrefillSetup:
+    """A P replica: its mode, GPUs (= EP degree), KV blocks and step limits."""
+
+    mode: str
+    gpus: int = 1
+    num_blocks: int = 1 << 24
+    max_num_seqs: int = 64
+    step_tokens: int = P_STEP_TOKENS  # the prefill token budget the P measurements used
+
+
+@dataclass(frozen=True)
+class DecodeSetup:
+    """A D (or colocated) replica: mode, GPUs, KV blocks, scheduler limits and admission policy.
+
+    ``num_spec`` 0 is a worker without speculative decoding (one token per step); mode
+    ``colocated`` computes whole prompts (``colocated_semantics``); ``first_token_with_first_step``:
+    P's first token reaches the client with D's first output for the request (the server's
+    behaviour), not when the prefix arrives."""
+
+    mode: str
+    gpus: int = 1
+    num_blocks: int = 1 << 24
+    max_num_seqs: int = 64
+    policy: AdmissionPolicy = AdmissionPolicy(None, None)
+    seed: int = 0
+    num_spec: int = NUM_SPEC
+    max_num_batched_tokens: int | None = None  # None: room for a full decode step plus the admissions
+    colocated_semantics: str = "full"
+    first_token_with_first_step: bool = False
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The engine's own scheduler settings for this replica (the policy's caps and step mixing)."""
+        p = self.policy
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens
+            or max(self.max_num_seqs * (1 + self.num_spec), 2048) + (p.admission_token_budget or 2048),
+            max_new_admissions=p.max_new_admissions,
+            admission_token_budget=p.admission_token_budget,
+            num_spec_tokens=self.num_spec,
+            mixed_steps=p.mixed_steps,
+        )
 
 
 class _SimRequest(Request):
@@ -83,11 +132,11 @@ def _scheduler(
 
 class _Engine:
     """One engine replica as the simulator drives it: it issues its next step when the previous one
-    ends (or, idle, when a request arrives); the driver decides when the step gets its GPU.
+    ends (or, idle, when a request arrives); the driver decides how fast the step runs on its GPU.
 
-    ``issue`` asks the real scheduler for the step at the issue time and returns its duration
-    (None when nothing ran); ``finish`` applies the step at its end time. ``exports`` collects
-    (request index, time) of requests handed on (P: the prefix is ready)."""
+    ``issue`` asks the real scheduler for the step at the issue time and returns its duration alone
+    on the GPU (None when nothing ran); ``finish`` applies the step at its end time. ``exports``
+    collects (request index, time) of requests handed on (P: the prefix is ready)."""
 
     def __init__(self, sched: Scheduler, arrivals: list[Arrival]):
         self.sched = sched
@@ -131,20 +180,10 @@ class _Engine:
 class PrefillEngine(_Engine):
     """One P replica: prompts packed up to the step budget (16K tokens, as measured), exported when done."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        steps: StepModel,
-        mode: str,
-        gpus: int,
-        num_blocks: int,
-        arrivals: list[Arrival],
-        max_num_seqs: int = 64,
-        step_tokens: int = P_STEP_TOKENS,
-    ):
-        sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=step_tokens)
-        super().__init__(_scheduler(cfg, sc, num_blocks, arrivals), arrivals)
-        self.cfg, self.steps, self.mode, self.gpus = cfg, steps, mode, gpus
+    def __init__(self, cfg: ModelConfig, steps: StepModel, setup: PrefillSetup, arrivals: list[Arrival]):
+        sc = SchedulerConfig(max_num_seqs=setup.max_num_seqs, max_num_batched_tokens=setup.step_tokens)
+        super().__init__(_scheduler(cfg, sc, setup.num_blocks, arrivals), arrivals)
+        self.cfg, self.steps, self.mode, self.gpus = cfg, steps, setup.mode, setup.gpus
         self._lengths: dict[str, int] = {}
         self._chunks: list = []
 
@@ -204,49 +243,26 @@ class PrefillEngine(_Engine):
 class DecodeEngine(_Engine):
     """One D replica: requests arrive with their prefix at ``time_s``; D admits them under the
     policy, runs their bounded prefill (asymmetric: the first token) and decodes ``output_len``.
-
-    ``num_spec`` 0 is a worker without speculative decoding (one token per step); mode
-    ``colocated`` is a colocated worker computing whole prompts (``colocated_semantics``)."""
+    ``expected``: every request that will arrive (pushed later), for sizing the block pool."""
 
     def __init__(
         self,
         cfg: ModelConfig,
         steps: StepModel,
-        mode: str,
-        gpus: int,
-        num_blocks: int,
+        setup: DecodeSetup,
         arrivals: list[Arrival],
-        max_num_seqs: int,
-        max_new_admissions: int | None,
-        admission_token_budget: int | None,
-        seed: int,
-        *,
-        num_spec: int = NUM_SPEC,
-        max_num_batched_tokens: int | None = None,
-        colocated_semantics: str = "full",
         expected: list[Arrival] | None = None,
-        first_token_with_first_step: bool = False,
     ):
-        sc = SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens
-            or max(max_num_seqs * (1 + num_spec), 2048) + (admission_token_budget or 2048),
-            max_new_admissions=max_new_admissions,
-            admission_token_budget=admission_token_budget,
-            num_spec_tokens=num_spec,
-        )
-        # ``expected``: every request that will arrive (pushed later), for sizing the block pool.
-        # ``first_token_with_first_step``: P's first token reaches the client with D's first output
-        # for the request (the server's behaviour), not when the prefix arrives
-        super().__init__(_scheduler(cfg, sc, num_blocks, expected or arrivals, num_spec), arrivals)
-        self.cfg, self.steps, self.mode, self.gpus = cfg, steps, mode, gpus
-        self.num_spec, self.semantics = num_spec, colocated_semantics
-        self.rng = random.Random(seed)
+        sched = _scheduler(cfg, setup.scheduler_config(), setup.num_blocks, expected or arrivals, setup.num_spec)
+        super().__init__(sched, arrivals)
+        self.cfg, self.steps, self.mode, self.gpus = cfg, steps, setup.mode, setup.gpus
+        self.num_spec, self.semantics = setup.num_spec, setup.colocated_semantics
+        self.rng = random.Random(setup.seed)
         self._info: dict[str, Arrival] = {}
         self._last: dict[str, float] = {}
         self._gaps: dict[str, list[float]] = {}
         self._chunks: list = []
-        self._late_first = first_token_with_first_step
+        self._late_first = setup.first_token_with_first_step
         self._unsent: dict[str, Request] = {}  # P's first token, held until D first outputs the request
 
     def add(self, a: Arrival) -> None:
@@ -294,6 +310,7 @@ class DecodeEngine(_Engine):
         rows = sum(c.num_rows for c in out.chunks if c.phase is not None)
         self._chunks = out.chunks
         self.run.max_batch = max(self.run.max_batch, len(dec))
+        self.run.step_kinds.append("mixed" if dec and rows else "decode" if dec else "prompt")
         self._dt = self.steps.decode_ms(len(dec), rows, self.gpus) / 1e3
         return self._dt
 
@@ -337,6 +354,32 @@ class DecodeEngine(_Engine):
                 run.mean_itl_s[a.index] = sum(g) / len(g) if g else 0.0
 
 
+@dataclass
+class _Step:
+    """A step in progress: its engine, GPU, issue time and the work left, in seconds alone."""
+
+    engine: int
+    gpu: int
+    issued: float
+    left: float
+
+
+def gpu_share(n: int) -> float:
+    """The rate of each of ``n`` steps in progress on one GPU: equal shares. Without MPS a GPU
+    time-slices the contexts of the processes that have work queued, so two processes' steps
+    (P's and D's) each get about half of the GPU's time while both are in progress, and one alone
+    gets all of it."""
+    return 1.0 / max(n, 1)
+
+
+def gpu_shares(steps: list[_Step]) -> dict[int, float]:
+    """Each GPU's rate per step in progress on it (``gpu_share``)."""
+    count: dict[int, int] = {}
+    for s in steps:
+        count[s.gpu] = count.get(s.gpu, 0) + 1
+    return {g: gpu_share(n) for g, n in count.items()}
+
+
 def run_engines(
     engines: list[_Engine],
     gpu_of: list[int],
@@ -344,11 +387,14 @@ def run_engines(
 ) -> None:
     """Drive engines to completion; engines with the same ``gpu_of`` share one GPU.
 
-    A GPU is one server: a step starts when it is issued and the GPU has finished every step
-    issued before it (by any engine on that GPU), so a P step and a D step sharing a GPU never
-    overlap. Steps are taken in issue order, which keeps every arrival an engine sees in time
-    order. ``on_export(engine, request index, time)`` hands on what an engine exported."""
-    free: dict[int, float] = {}
+    A GPU is a processor shared by the steps in progress on it (``gpu_shares``): a step starts
+    when its engine issues it and runs at its share of the GPU, which changes whenever a step on
+    that GPU starts or ends; it ends when its work (its duration alone) is done. Engines on GPUs of
+    their own never slow each other. Events run in time order (a step's end before an issue at the
+    same time), which keeps every arrival an engine sees in time order. ``on_export(engine,
+    request index, time)`` hands on what an engine exported."""
+    now = 0.0
+    active: dict[int, _Step] = {}
 
     def drain(k: int) -> None:
         e = engines[k]
@@ -358,75 +404,47 @@ def run_engines(
                 on_export(k, i, t)
 
     while True:
-        best: tuple[float, int] | None = None
+        rate = gpu_shares(list(active.values()))
+        ending: tuple[float, int] | None = None
+        for k, s in active.items():
+            t = now + s.left / rate[s.gpu]
+            if ending is None or t < ending[0]:
+                ending = (t, k)
+        issuing: tuple[float, int] | None = None
         for k, e in enumerate(engines):
-            at = e.next_issue()
-            if at is not None and (best is None or at < best[0]):
-                best = (at, k)
-        if best is None:
+            at = None if k in active else e.next_issue()
+            if at is not None and (issuing is None or at < issuing[0]):
+                issuing = (max(at, now), k)
+        if ending is None and issuing is None:
             break
-        at, k = best
-        dt = engines[k].issue(at)
-        drain(k)
-        if dt is None:
+        t, k = ending if ending is not None and (issuing is None or ending[0] <= issuing[0]) else issuing
+        for s in active.values():
+            s.left = max(0.0, s.left - (t - now) * rate[s.gpu])
+        now = t
+        if k in active:
+            s = active.pop(k)
+            engines[k].run.wall_s += now - s.issued
+            engines[k].finish(now)
+            drain(k)
             continue
-        start = max(at, free.get(gpu_of[k], 0.0))
-        free[gpu_of[k]] = start + dt
-        engines[k].run.wall_s += start + dt - at
-        engines[k].finish(start + dt)
+        dt = engines[k].issue(now)
         drain(k)
+        if dt is not None:
+            active[k] = _Step(k, gpu_of[k], now, dt)
     stuck = [k for k, e in enumerate(engines) if e.has_work]
     if stuck:
         raise RuntimeError(f"engine {stuck[0]}'s scheduler made no progress")
 
 
-def run_prefill(
-    cfg: ModelConfig,
-    steps: StepModel,
-    mode: str,
-    gpus: int,
-    num_blocks: int,
-    arrivals: list[Arrival],
-    max_num_seqs: int = 64,
-    step_tokens: int = P_STEP_TOKENS,
-) -> ReplicaRun:
+def run_prefill(cfg: ModelConfig, steps: StepModel, setup: PrefillSetup, arrivals: list[Arrival]) -> ReplicaRun:
     """One P replica on GPUs of its own (see ``PrefillEngine``)."""
-    e = PrefillEngine(cfg, steps, mode, gpus, num_blocks, arrivals, max_num_seqs, step_tokens)
+    e = PrefillEngine(cfg, steps, setup, arrivals)
     run_engines([e], [0])
     return e.run
 
 
-def run_decode(
-    cfg: ModelConfig,
-    steps: StepModel,
-    mode: str,
-    gpus: int,
-    num_blocks: int,
-    arrivals: list[Arrival],
-    max_num_seqs: int,
-    max_new_admissions: int | None,
-    admission_token_budget: int | None,
-    seed: int,
-    *,
-    num_spec: int = NUM_SPEC,
-    max_num_batched_tokens: int | None = None,
-    colocated_semantics: str = "full",
-) -> ReplicaRun:
+def run_decode(cfg: ModelConfig, steps: StepModel, setup: DecodeSetup, arrivals: list[Arrival]) -> ReplicaRun:
     """One D replica on GPUs of its own (see ``DecodeEngine``)."""
-    e = DecodeEngine(
-        cfg,
-        steps,
-        mode,
-        gpus,
-        num_blocks,
-        arrivals,
-        max_num_seqs,
-        max_new_admissions,
-        admission_token_budget,
-        seed,
-        num_spec=num_spec,
-        max_num_batched_tokens=max_num_batched_tokens,
-        colocated_semantics=colocated_semantics,
-    )
+    e = DecodeEngine(cfg, steps, setup, arrivals)
     run_engines([e], [0])
     return e.run

@@ -15,18 +15,28 @@ import math
 import random
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from asympd.config import ModelConfig, v41_flash
 from asympd.engine import modes
 from asympd.plan.gpus import GPUS
-from asympd.plan.serving_load import StageLoad, fit_stage_load, in_path
-from asympd.plan.simulate import Arrival, DecodeEngine, PrefillEngine, run_decode, run_engines
+from asympd.plan.serving_load import StageLoad, batch_gaps, batch_rows, fit_stage_load, in_path, p_busy_until
+from asympd.plan.simulate import (
+    Arrival,
+    DecodeEngine,
+    DecodeSetup,
+    PrefillEngine,
+    PrefillSetup,
+    gpu_share,
+    run_decode,
+    run_engines,
+)
 from asympd.plan.steps import RESULTS_DIR, StepModel, load_results
+from asympd.serve.admission import POLICIES, AdmissionPolicy
 
-BENCH_POLICIES = {"admit-all": (None, None), "cap-4": (4, 512), "cap-8": (8, 1024)}
+BENCH_POLICIES = ("admit-all", "cap-4", "cap-8")  # the policies admission_policy.json measured (POLICIES' names)
 
 
 def bench_arrivals(ap: dict[str, Any], n: int, seed: int = 7) -> list[Arrival]:
@@ -42,8 +52,9 @@ def bench_arrivals(ap: dict[str, Any], n: int, seed: int = 7) -> list[Arrival]:
 
 
 def validate_admission(
-    requests: int | None = None, policies: tuple[str, ...] = tuple(BENCH_POLICIES), results_dir: str | None = None
+    requests: int | None = None, policies: tuple[str, ...] = BENCH_POLICIES, results_dir: str | None = None
 ) -> dict[str, Any]:
+    """The planner's D model on the admission benchmark's scenario, per policy, against its numbers."""
     res = load_results(results_dir)
     ap = json.loads((Path(results_dir or RESULTS_DIR) / "admission_policy.json").read_text())
     cfg = v41_flash()
@@ -51,8 +62,7 @@ def validate_admission(
     arr = bench_arrivals(ap, requests or ap["requests"])
     out: dict[str, Any] = {"requests": len(arr), "rate_req_per_s": ap["rate_req_per_s"], "policies": {}}
     for name in policies:
-        cap, budget = BENCH_POLICIES[name]
-        run = run_decode(cfg, steps, "asymmetric", 1, 1 << 20, arr, 512, cap, budget, seed=11)
+        run = run_decode(cfg, steps, DecodeSetup("asymmetric", 1, 1 << 20, 512, POLICIES[name], seed=11), arr)
         ttft = sorted(run.first_token_s[a.index] - a.time_s for a in arr if a.index in run.first_token_s)
         itl = sorted(run.itl_s)
 
@@ -118,19 +128,26 @@ class MeasuredSteps:
     handoff_ms: float = 0.0  # P answering the router once the prefix is ready: prefill_rtt - prefill_s
     ttft_offset_ms: float = 0.0  # client TTFT minus the servers' parts, lone requests (HTTP hops, router)
     d_pre_ms: float = 0.0  # D: fixed cost of a step's prompt-row path
+    mix_pre_ms: float | None = None  # D: a mixed step's cost over its decode path (None: the two paths add)
+    mix_row_ms: float = 0.0  # D: ... and per prompt row of a mixed step
 
     def prefill_ms(self, mode: str, chunks: list[tuple[int, int]], gpus: int) -> float:
         rows = sum(r for r, _ in chunks)
         return self.p_step_ms + self.p_row_ms * rows if rows else 0.0
 
     def decode_ms(self, batch: int, prefill_rows: int, gpus: int) -> float:
-        """A D step runs its decode rows and its prompt rows as two paths, one after the other
-        (launch-bound on a small model: lone prompt-only steps cost less than a decode step, a
-        calibration batch's mixed steps about the sum), so each path's cost counts only when the
-        step has rows of its kind."""
+        """Each kind of D step at its own price, as the engine runs it: decode rows alone (a CUDA
+        graph on a GPU) from the lone requests' gaps and the batch's steady ones; prompt rows alone
+        (a D's first-step chunks: a graph too since 684acfe) from the lone requests' first step;
+        a step mixing both (eager on a GPU) at the decode path plus what the calibration batch's
+        mixed steps cost over it (``fit_admission_steps``). Without that measurement a mixed
+        step pays both paths, one after the other."""
         decode = self.d_step_ms + self.d_seq_ms * (batch - 1) if batch else 0.0
-        prompt = self.d_pre_ms + self.d_row_ms * prefill_rows if prefill_rows else 0.0
-        return decode + prompt
+        if not prefill_rows:
+            return decode
+        if batch and self.mix_pre_ms is not None:
+            return decode + self.mix_pre_ms + self.mix_row_ms * prefill_rows
+        return decode + self.d_pre_ms + self.d_row_ms * prefill_rows
 
     def move_for(self, prompt_len: int) -> float:
         return self.move_ms + self.move_row_ms * prompt_len
@@ -170,6 +187,19 @@ def _steps_and_rows(points: list[tuple[int, int, float]]) -> tuple[float, float]
     return a, b
 
 
+def _lone_first_points(
+    cfg: ModelConfig, mode: str, cal: dict[str, Any], semantics: str, d_budget: int
+) -> list[tuple[int, int, float]]:
+    """(steps, rows, ms) of each lone request's first token: prompt-only steps of D's own."""
+    out = []
+    for r in cal["lone"]:
+        rows, steps = _d_first_steps(cfg, mode, r["prompt_len"], semantics, d_budget)
+        first = r["timings"].get("decode_first_step_s")
+        if rows and first is not None:
+            out.append((steps, rows, first * 1e3))
+    return out
+
+
 def fit_steps(
     cfg: ModelConfig, mode: str, cal: dict[str, Any], d_budget: int, semantics: str, p_budget: int = 16384
 ) -> MeasuredSteps:
@@ -180,16 +210,7 @@ def fit_steps(
     batch = cal["batch"]
     steady = [g for r in batch["requests"] for g in r["gaps_s"][2:]]
     d_seq = max(0.0, (_median(steady) * 1e3 - d_step) / max(batch["size"] - 1, 1)) if steady else 0.0
-    first_points = []  # a lone request's first token: prompt-only steps of D's own
-    for r in lone:
-        rows, steps = _d_first_steps(cfg, mode, r["prompt_len"], semantics, d_budget)
-        first = r["timings"].get("decode_first_step_s")
-        if rows and first is not None:
-            first_points.append((steps, rows, first * 1e3))
-    if len({rows for _, rows, _ in first_points}) == 1:  # one row count: all of it is the step's
-        d_pre, d_row = _median([y / k for k, _, y in first_points]), 0.0
-    else:
-        d_pre, d_row = _steps_and_rows(first_points) if first_points else (0.0, 0.0)
+    d_pre, d_row = _fixed_or_line(_lone_first_points(cfg, mode, cal, semantics, d_budget))
     p_points, move_points = [], []
     if mode != "colocated":
         for r in lone:
@@ -212,6 +233,57 @@ def fit_steps(
     return MeasuredSteps(p_step, p_row, d_step, d_seq, d_row, move, move_row, handoff_ms, d_pre_ms=d_pre)
 
 
+def _fixed_or_line(points: list[tuple[int, int, float]]) -> tuple[float, float]:
+    """(per step, per row) for ``_steps_and_rows`` points; one row count: all of it per step."""
+    if len({rows for _, rows, _ in points}) == 1:
+        return _median([y / k for k, _, y in points]), 0.0
+    return _steps_and_rows(points) if points else (0.0, 0.0)
+
+
+def fit_admission_steps(
+    cfg: ModelConfig,
+    mode: str,
+    cal: dict[str, Any],
+    steps: MeasuredSteps,
+    load: StageLoad,
+    policy: AdmissionPolicy,
+    semantics: str,
+    d_budget: int,
+    shared_gpu: bool = False,
+) -> MeasuredSteps:
+    """D's steps that take prompt rows, from the calibration batch: a decoding request's token gap
+    in which other requests got their first token held their prompt rows. With mixed steps that
+    gap is one mixed step: the median step's cost over the decode path (``mix_pre_ms``; at most
+    4 x W rows, and the batch's first admission step is an outlier a row fit would follow).
+    Without (alone-4) it is a prompt-only step followed by a decode step: the prompt-only step's
+    cost joins the lone first steps' fit (``d_pre_ms``, ``d_row_ms``) as the median per row
+    count, now over several row counts. The decode
+    path and its host time per request in the TTFT path are the fitted ones; ``shared_gpu``: the
+    gaps are read at D's alone speed where P's steps shared the GPU (the simulator shares it
+    again). Nothing here reads the rate runs."""
+    rows = batch_rows(cal, mode != "colocated")
+    by_step: dict[tuple[int, ...], list[float]] = {}  # one step, seen in each decoding request's gap
+    for g in batch_gaps(rows, p_busy_until(rows, shared_gpu)):
+        if g.firsts:
+            excess = g.alone_ms(gpu_share(2)) - steps.decode_ms(g.batch, 0, 1) - load.step_extra_ms(g.in_path)
+            by_step.setdefault(g.firsts, []).append(excess)
+    points = []
+    for firsts, excess in by_step.items():
+        admitted = sum(_d_first_steps(cfg, mode, rows[i][0]["prompt_len"], semantics, d_budget)[0] for i in firsts)
+        if admitted:
+            points.append((1, min(admitted, d_budget), _median(excess)))
+    if not points:
+        return steps
+    if policy.mixed_steps:  # the median step: the batch's first admission step can carry start-up costs
+        return replace(steps, mix_pre_ms=_median([y for _, _, y in points]), mix_row_ms=0.0)
+    both = _lone_first_points(cfg, mode, cal, semantics, d_budget) + points
+    by_rows: dict[tuple[int, int], list[float]] = {}
+    for k, r, y in both:
+        by_rows.setdefault((k, r), []).append(y)
+    d_pre, d_row = _fixed_or_line([(k, r, _median(ys)) for (k, r), ys in by_rows.items()])
+    return replace(steps, d_pre_ms=d_pre, d_row_ms=d_row)
+
+
 @dataclass
 class _LoadedSteps:
     """D's steps with the host time that the requests in the TTFT path take from each decode step
@@ -229,33 +301,28 @@ def _decoder(
     mode: str,
     steps: MeasuredSteps,
     arr: list[Arrival],
-    policy: tuple[int | None, int | None],
+    policy: AdmissionPolicy,
     semantics: str,
     seed: int = 0,
     expected: list[Arrival] | None = None,
 ) -> DecodeEngine:
     """A D (or colocated) worker as the e2e study runs it: no speculative decoding, the default
-    scheduler limits, P's first token sent with D's first output for the request."""
+    scheduler limits, the result's admission policy (mixed steps or not), P's first token sent
+    with D's first output for the request (lone decode_first_step_s is one step, not 0)."""
     from asympd.engine.scheduler import SchedulerConfig
 
     sc = SchedulerConfig()
-    return DecodeEngine(
-        cfg,
-        steps,
+    setup = DecodeSetup(
         mode,
-        1,
-        1 << 24,
-        arr,
-        sc.max_num_seqs,
-        policy[0],
-        policy[1],
-        seed,
+        max_num_seqs=sc.max_num_seqs,
+        policy=policy,
+        seed=seed,
         num_spec=0,
         max_num_batched_tokens=sc.max_num_batched_tokens,
         colocated_semantics=semantics,
-        expected=expected,
-        first_token_with_first_step=True,  # as served: lone decode_first_step_s is one step, not 0
+        first_token_with_first_step=True,
     )
+    return DecodeEngine(cfg, steps, setup, arr, expected=expected)
 
 
 @dataclass
@@ -274,7 +341,7 @@ def simulate_deployment(
     *,
     replicas: int,
     p_step_tokens: int,
-    policy: tuple[int | None, int | None],
+    policy: AdmissionPolicy,
     colocated_semantics: str,
     seed: int = 0,
     shared_gpu: bool = False,
@@ -282,7 +349,7 @@ def simulate_deployment(
 ) -> Simulated:
     """The planner's simulator on one measured deployment: 1 P + 1 D, or ``replicas`` colocated
     workers (round-robin), no speculative decoding, the workers' default scheduler limits.
-    ``shared_gpu``: every worker on one GPU, their steps serialised on it (``run_engines``).
+    ``shared_gpu``: every worker on one GPU, their steps sharing it (``run_engines``).
     ``load``: the CPU-side stages' cost per further request in the TTFT path (serving_load.py);
     P's answer, D's fetch and the HTTP hops run beside each other, each at its cost for the
     requests in that path when it starts."""
@@ -303,7 +370,8 @@ def simulate_deployment(
         hops_n = {a.index: in_path(a.time_s, spans) for a in arrivals}
     else:
         sc = SchedulerConfig()
-        p = PrefillEngine(cfg, steps, mode, 1, 1 << 24, arrivals, sc.max_num_seqs, step_tokens=p_step_tokens)
+        p_setup = PrefillSetup(mode, max_num_seqs=sc.max_num_seqs, step_tokens=p_step_tokens)
+        p = PrefillEngine(cfg, steps, p_setup, arrivals)
         d = _decoder(cfg, mode, steps, [], policy, colocated_semantics, seed, expected=arrivals)
         by_index = {a.index: a for a in arrivals}
 
@@ -411,7 +479,11 @@ def _validate_mode(
             steps.move_for,
             steps.ttft_offset_ms,
             lambda b: steps.decode_ms(b, 0, 1),
+            shared_gpu=kw["shared_gpu"],
         )
+    load = kw.get("load") or StageLoad()
+    cal, sem = m["calibration"], kw["colocated_semantics"]
+    steps = fit_admission_steps(cfg, mode, cal, steps, load, kw["policy"], sem, d_budget, kw["shared_gpu"])
     out["modes"][mode] = {
         "steps_ms": asdict(steps),
         "serving_load_ms": asdict(kw.get("load") or StageLoad()),
@@ -502,19 +574,21 @@ def validate_e2e(
     try:
         cfg = ModelConfig.from_dict(result["model"]["model_config"])
         slo = result["slo"]
-        policy = (result["d_policy"]["max_new_admissions"], result["d_policy"]["admission_token_budget"])
+        dp = result["d_policy"]
+        policy = AdmissionPolicy(dp["max_new_admissions"], dp["admission_token_budget"], dp.get("mixed_steps", True))
         p_tokens, sem = result["p_step_tokens"], result["colocated_semantics"]
         modes_in = result["modes"]
     except (KeyError, TypeError) as e:
         raise ValidationError(f"not a bench/e2e.py result: missing {e}") from None
     except ValueError as e:  # ConfigError included
         raise ValidationError(f"the result's model_config is invalid: {e}") from None
-    d_budget = policy[1] or SchedulerConfig().max_num_batched_tokens
+    d_budget = policy.admission_token_budget or SchedulerConfig().max_num_batched_tokens
     out: dict[str, Any] = {
         "source": {k: result.get(k) for k in ("benchmark", "commit", "source_digest", "utc")},
         "device": (result.get("device") or {}).get("gpu") or "cpu",
         "model_depth": result["model"].get("depth"),
         "slo": slo,
+        "d_policy": asdict(policy),
         "target": TARGET,
         "modes": {},
         "rows": [],
@@ -575,8 +649,12 @@ def format_validation(v: dict[str, Any]) -> str:
             lines.append(
                 f"{mode}: fitted steps (ms) P {s['p_step_ms']:.1f} + {s['p_row_ms']:.4f}/row; D {s['d_step_ms']:.1f}"
                 f" + {s['d_seq_ms']:.2f}/request, prompt rows {s['d_pre_ms']:.1f} + {s['d_row_ms']:.4f}/row;"
-                f" move {s['move_ms']:.1f} +"
-                f" {s['move_row_ms']:.5f}/token; TTFT offset {s['ttft_offset_ms']:.1f}"
+                + (
+                    f" mixed: decode + {s['mix_pre_ms']:.1f} + {s['mix_row_ms']:.4f}/row;"
+                    if s.get("mix_pre_ms") is not None
+                    else ""
+                )
+                + f" move {s['move_ms']:.1f} + {s['move_row_ms']:.5f}/token; TTFT offset {s['ttft_offset_ms']:.1f}"
             )
             ld = m.get("serving_load_ms")
             if ld:

@@ -20,9 +20,10 @@ from asympd.plan.planner import (
     poisson_arrivals,
     role_memory,
 )
-from asympd.plan.simulate import Arrival, run_decode, run_prefill
+from asympd.plan.simulate import Arrival, DecodeSetup, PrefillSetup, run_decode, run_prefill
 from asympd.plan.steps import Comm, PlanInputError, StepModel, load_results
 from asympd.plan.validate import validate_admission
+from asympd.serve.admission import POLICIES, AdmissionPolicy
 
 CFG = v41_flash()
 
@@ -101,17 +102,18 @@ def test_missing_results_are_a_clear_error(tmp_path):
 
 def test_one_request_exact(results):
     steps = steps_on(results, "H200")
-    p = run_prefill(CFG, steps, "asymmetric", 2, 1000, [Arrival(0, 1.0, 1024, 4)])
+    p = run_prefill(CFG, steps, PrefillSetup("asymmetric", 2, 1000), [Arrival(0, 1.0, 1024, 4)])
     assert p.done_s == {0: pytest.approx(1.0 + steps.prefill_ms("asymmetric", [(896, 1024)], 2) / 1e3)}
     assert p.steps == 1
-    short = run_prefill(CFG, steps, "asymmetric", 2, 1000, [Arrival(0, 1.0, 100, 4)])
+    short = run_prefill(CFG, steps, PrefillSetup("asymmetric", 2, 1000), [Arrival(0, 1.0, 100, 4)])
     assert short.done_s == {0: 1.0} and short.steps == 0  # N <= W: nothing for P
-    d = run_decode(CFG, steps, "asymmetric", 4, 1000, [Arrival(0, 2.0, 1024, 4)], 8, 4, 512, seed=0)
+    cap4 = POLICIES["cap-4"]
+    d = run_decode(CFG, steps, DecodeSetup("asymmetric", 4, 1000, 8, cap4), [Arrival(0, 2.0, 1024, 4)])
     first = steps.decode_ms(0, 128, 4) / 1e3
     assert d.first_token_s == {0: pytest.approx(2.0 + first)}  # D's bounded prefill makes the first token
     assert all(g == pytest.approx(steps.decode_ms(1, 0, 4) / 1e3) for g in d.itl_s)
     assert d.done_s[0] == pytest.approx(2.0 + first + len(d.itl_s) * steps.decode_ms(1, 0, 4) / 1e3)
-    sym = run_decode(CFG, steps, "symmetric", 4, 1000, [Arrival(0, 2.0, 1024, 4)], 8, 4, 512, seed=0)
+    sym = run_decode(CFG, steps, DecodeSetup("symmetric", 4, 1000, 8, cap4), [Arrival(0, 2.0, 1024, 4)])
     assert sym.first_token_s == {0: 2.0}  # P made it
     assert sym.itl_s[0] == pytest.approx((steps.decode_ms(0, 128, 4) + steps.decode_ms(1, 0, 4)) / 1e3)
 
@@ -119,10 +121,29 @@ def test_one_request_exact(results):
 def test_kv_blocks_bound_the_decode_batch(results):
     steps = steps_on(results, "H200")
     arr = [Arrival(i, 0.0, 1024, 32) for i in range(12)]
-    roomy = run_decode(CFG, steps, "asymmetric", 4, 10_000, arr, 64, None, None, seed=0)
-    tight = run_decode(CFG, steps, "asymmetric", 4, 15, arr, 64, None, None, seed=0)  # 5 blocks a request
+    admit_all = AdmissionPolicy(None, None)
+    roomy = run_decode(CFG, steps, DecodeSetup("asymmetric", 4, 10_000, 64, admit_all), arr)
+    tight = run_decode(CFG, steps, DecodeSetup("asymmetric", 4, 15, 64, admit_all), arr)  # 5 blocks a request
     assert roomy.max_batch == 12
     assert tight.max_batch <= 3 and len(tight.done_s) == 12
+
+
+def test_alone_4_runs_prompt_rows_in_steps_of_their_own(results):
+    """The planner's D under alone-4 (serve/admission.py) runs the engine's scheduler with mixed
+    steps off: no step carries both kinds of rows, and while requests wait and others decode the
+    steps take turns; cap-4 mixes them."""
+    steps = steps_on(results, "H200")
+    arr = [Arrival(0, 0.0, 1024, 16)] + [Arrival(i, 0.05, 1024, 16) for i in range(1, 7)]
+    alone = run_decode(CFG, steps, DecodeSetup("asymmetric", 4, 1000, 64, POLICIES["alone-4"], num_spec=0), arr)
+    assert alone.step_kinds[:6] == ["prompt", "decode", "prompt", "decode", "prompt", "decode"]
+    assert "mixed" not in alone.step_kinds and len(alone.done_s) == 7
+    mixed = run_decode(CFG, steps, DecodeSetup("asymmetric", 4, 1000, 64, POLICIES["cap-4"], num_spec=0), arr)
+    assert mixed.step_kinds[:3] == ["prompt", "mixed", "mixed"]
+    # the planner tries every policy of serve/admission.py, this one included
+    planner = Planner(request("H200", modes=("asymmetric",)), results=results)
+    a = planner.evaluate("asymmetric", 2, 2, 1, 4, "alone-4")
+    c = planner.evaluate("asymmetric", 2, 2, 1, 4, "cap-4")
+    assert a["ttft_ms"] != c["ttft_ms"]
 
 
 def test_simulator_reproduces_the_admission_benchmark():

@@ -1,14 +1,15 @@
-"""The simulator's GPU model: engines that share a GPU run their steps one at a time, in the order
-they issue them; engines on GPUs of their own never wait for each other. Hand-computed timelines."""
+"""The simulator's GPU model: steps in progress on one GPU share it equally (processor sharing);
+engines on GPUs of their own never slow each other. Hand-computed timelines."""
 
 from __future__ import annotations
 
 import pytest
 
 from asympd.config import tiny
-from asympd.plan.simulate import Arrival, DecodeEngine, PrefillEngine, run_engines
+from asympd.plan.simulate import Arrival, DecodeEngine, DecodeSetup, PrefillEngine, PrefillSetup, run_engines
 
 CFG = tiny()  # window 16: a 40-token prompt is 24 rows for P, 16 for D
+D_SETUP = DecodeSetup("asymmetric", 1, 1000, 8, num_spec=0)
 
 
 class FlatSteps:
@@ -23,8 +24,8 @@ class FlatSteps:
 
 def engines() -> tuple[PrefillEngine, DecodeEngine]:
     steps = FlatSteps()
-    p = PrefillEngine(CFG, steps, "asymmetric", 1, 1000, [Arrival(1, 0.015, 40, 5)])
-    d = DecodeEngine(CFG, steps, "asymmetric", 1, 1000, [Arrival(0, 0.0, 40, 5)], 8, None, None, seed=0, num_spec=0)
+    p = PrefillEngine(CFG, steps, PrefillSetup("asymmetric", 1, 1000), [Arrival(1, 0.015, 40, 5)])
+    d = DecodeEngine(CFG, steps, D_SETUP, [Arrival(0, 0.0, 40, 5)])
     return p, d
 
 
@@ -41,25 +42,32 @@ def test_separate_gpus_do_not_interact():
     assert ms(d.run.itl_s) == pytest.approx([10, 10, 10, 10])
 
 
-def test_shared_gpu_serialises_p_and_d_steps():
-    """D [0, 10], D [10, 20]; P issued at 15 starts when the GPU frees, [20, 50]; D's next step,
-    issued at 20, waits for it: [50, 60], then [60, 70], [70, 80]. The gap over P's step is 40 ms
-    and P's export moves from 45 to 50 ms."""
+def test_shared_gpu_is_shared_by_the_steps_in_progress():
+    """D [0, 10] (prompt), then a decode step issued at 10; P's 30 ms step issued at 15 shares the
+    GPU with it: D's 5 ms left take 10 (ends 25). D's next steps each run beside P at half speed:
+    [25, 45], [45, 65]; P, with 5 ms left at 65, ends at 75; D's last step ran 5 ms of its 10 by
+    then and ends at 80. Gaps 15, 20, 20, 15; the GPU did 80 ms of work in 80 ms."""
     p, d = engines()
     exported: list[tuple[int, int, float]] = []
     run_engines([p, d], [0, 0], lambda k, i, t: exported.append((k, i, round(t * 1e3, 6))))
-    assert exported == [(0, 1, 50.0)]
+    assert exported == [(0, 1, 75.0)]
     assert d.run.first_token_s[0] * 1e3 == pytest.approx(10)
-    assert ms(d.run.itl_s) == pytest.approx([10, 40, 10, 10])
+    assert ms(d.run.itl_s) == pytest.approx([15, 20, 20, 15])
     assert d.run.done_s[0] * 1e3 == pytest.approx(80)
-    assert (p.run.busy_s, d.run.busy_s) == pytest.approx((0.030, 0.050))  # compute only, not the wait
+    assert (p.run.busy_s, d.run.busy_s) == pytest.approx((0.030, 0.050))  # compute alone, not stretched
+    assert (p.run.wall_s, d.run.wall_s) == pytest.approx((0.060, 0.080))  # issue to end
+
+
+def test_gpu_shares_are_equal():
+    from asympd.plan.simulate import gpu_share
+
+    assert [gpu_share(n) for n in (1, 2, 4)] == [1.0, 0.5, 0.25]
 
 
 def test_exports_reach_the_decode_engine_in_time_order():
     """P's export pushed into D at export + 5 ms: D, idle, issues the request's prompt step then."""
     p, _ = engines()
-    d2 = DecodeEngine(CFG, FlatSteps(), "asymmetric", 1, 1000, [], 8, None, None, seed=0, num_spec=0,
-                      expected=[Arrival(1, 0.0, 40, 2)])  # fmt: skip
+    d2 = DecodeEngine(CFG, FlatSteps(), D_SETUP, [], expected=[Arrival(1, 0.0, 40, 2)])
 
     def hand(_: int, i: int, t: float) -> None:
         d2.push(Arrival(i, t + 0.005, 40, 2))
