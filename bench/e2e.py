@@ -63,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from asympd.serve.admission import DEFAULT_POLICY, POLICIES  # noqa: E402
+from asympd.serve.admission import POLICIES, default_policy  # noqa: E402
 from bench.common import ROOT, log, record  # noqa: E402
 
 MODES = ("asymmetric", "symmetric-split", "symmetric-windows", "encoder-only", "colocated")
@@ -287,8 +287,8 @@ def worker_args(args: argparse.Namespace, role: str, mode: str, ckpt: str) -> li
         a += ["--threads", "1"]
     if role == "prefill":
         a += ["--max-num-batched-tokens", str(args.p_step_tokens)]
-    else:  # D and colocated: the admission policy under test (`asympd serve`'s default is cap-4)
-        a += ["--admission-policy", args.policy]
+    else:  # D and colocated: the admission policy under test (default: each role's, serve/admission.py)
+        a += ["--admission-policy", args.policy or default_policy(role)]
         if args.gpus and args.len_dist == "uniform":  # graphs at start-up for the contexts the traffic reaches
             longest = math.ceil(args.input_len * (1 + args.range_ratio)) + math.ceil(
                 args.output_len * (1 + args.range_ratio)
@@ -822,7 +822,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--len-dist", default="uniform", choices=("uniform", "lognormal"))
     ap.add_argument("--slo-ttft-ms", type=float, default=None)
     ap.add_argument("--slo-itl-ms", type=float, default=None)
-    ap.add_argument("--policy", default=DEFAULT_POLICY, choices=list(POLICIES), help="D (and colocated) admission")
+    ap.add_argument(
+        "--policy",
+        default=None,
+        choices=list(POLICIES),
+        help="D and colocated admission (default: asympd serve's, by role: alone-4 on D, cap-4 colocated)",
+    )
     ap.add_argument("--colocated-semantics", default="split", choices=("full", "decoder-replay", "split"))
     ap.add_argument("--calib-tokens", type=int, default=None)
     ap.add_argument("--calib-batch", type=int, default=None)
@@ -900,6 +905,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"checkpoint {ckpt}: depth {model['depth']}, {gb:.2f} GB, written in {model['write_s']} s")
         vocab = model["model_config"]["vocab_size"]
         lo = max(1, math.floor(args.input_len * (1 - args.range_ratio)))
+        d_policy = args.policy or default_policy("decode")
         data: dict[str, Any] = {
             "model": model,
             "placement": (
@@ -925,10 +931,11 @@ def main(argv: list[str] | None = None) -> int:
             },
             "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms, "goodput": "every ITL of a request"},
             "d_policy": {
-                "name": args.policy,
-                "max_new_admissions": POLICIES[args.policy].max_new_admissions,
-                "admission_token_budget": POLICIES[args.policy].admission_token_budget,
-                "mixed_steps": POLICIES[args.policy].mixed_steps,
+                "name": d_policy,
+                "max_new_admissions": POLICIES[d_policy].max_new_admissions,
+                "admission_token_budget": POLICIES[d_policy].admission_token_budget,
+                "mixed_steps": POLICIES[d_policy].mixed_steps,
+                "colocated": args.policy or default_policy("colocated"),
             },
             "p_step_tokens": args.p_step_tokens,
             "colocated_semantics": args.colocated_semantics,

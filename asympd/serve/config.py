@@ -15,7 +15,7 @@ from asympd.engine import modes
 from asympd.engine.engine import CUDA_GRAPH_CAPTURE, CUDA_GRAPH_MODES, EngineConfig
 from asympd.engine.scheduler import SchedulerConfig
 from asympd.parallel.cp_engine import check_cp
-from asympd.serve.admission import DEFAULT_POLICY, POLICIES, policy_settings
+from asympd.serve.admission import POLICIES, default_policy, policy_settings
 from asympd.serve.http import DEFAULT_MAX_BODY_BYTES
 from asympd.transfer.prefix_state import KV_FORMATS
 
@@ -54,7 +54,7 @@ class ServeConfig:
     max_images: int = 8  # image parts per chat request (docs/vision.md)
     max_image_bytes: int = 4 << 20  # each image, encoded (the body limit bounds them all)
     allow_image_urls: bool = False  # fetch http(s) image URLs (off: data URLs only)
-    admission_policy: str = DEFAULT_POLICY  # decode/colocated: fills the admission settings left unset
+    admission_policy: str | None = None  # decode/colocated: fills the admission settings left unset
     benchmark_shared_experts: bool = False  # load a checkpoint whose layers share layer 0's experts (bench only)
 
     @property
@@ -102,6 +102,8 @@ class ServeConfig:
             raise ValueError(f"unknown weights {self.weights!r}: {', '.join(WEIGHTS)}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.admission_policy is None:  # by role: serve/admission.py says why
+            self.admission_policy = default_policy(e.role)
         policy = policy_settings(self.admission_policy)
         if e.role == "prefill":
             e.num_spec_tokens = 0  # a prefill worker never drafts
@@ -140,9 +142,9 @@ _HELP = {
     "admission_token_budget": "prompt rows per step for prefills and bounded prefills (default: "
     "--admission-policy's; none: the step budget)",
     "admission_policy": "decode and colocated workers: cap-4 = at most 4 new requests and 512 prompt rows per "
-    "step (what docs/performance.md §6 recommends); alone-4 = the same caps, those rows in steps of their own "
-    "taking turns with decode steps (both then replay CUDA graphs); admit-all = no cap; the two flags above "
-    "override the caps",
+    "step; alone-4 = the same caps, those rows in steps of their own taking turns with decode steps (both then "
+    "replay CUDA graphs); admit-all = no cap; the two flags above override the caps. Default: alone-4 on a "
+    "decode worker, cap-4 on a colocated one (docs/performance.md §10, §6)",
     "num_blocks": "KV blocks (overrides --kv-cache-bytes)",
     "transfer_timeout": "decode worker: seconds for one fetch",
     "transfer_ttl": "prefill worker: seconds an unfetched prefix state keeps its blocks",

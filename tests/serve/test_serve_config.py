@@ -92,28 +92,40 @@ def test_unknown_choice_is_a_usage_error():
 
 
 def test_admission_default_is_the_recommended_policy():
-    """docs/performance.md §6 recommends cap-4 for D (admission_policy.json): `asympd serve` runs it
-    unless told otherwise; P is never capped; explicit flags and admit-all override it."""
+    """Each role runs its study's policy unless told otherwise: alone-4 on D (the true-depth e2e
+    study, docs/performance.md §10: e2e_h200x1_depth40_part1.json against _asym_cap4.json, one
+    commit), cap-4 colocated (§6, admission_policy.json); P is never capped; explicit flags and
+    another policy override it."""
     import json
     from pathlib import Path
 
-    from asympd.serve.admission import DEFAULT_POLICY, POLICIES, AdmissionPolicy
+    from asympd.serve.admission import POLICIES, AdmissionPolicy, default_policy
 
-    study = json.loads((Path(__file__).resolve().parents[2] / "bench/results/admission_policy.json").read_text())
+    results = Path(__file__).resolve().parents[2] / "bench/results"
+    study = json.loads((results / "admission_policy.json").read_text())
     assert study["scenarios"]["poisson"]["cap-4"]["policy"] == {"max_new_admissions": 4, "admission_token_budget": 512}
-    assert DEFAULT_POLICY == "cap-4" and POLICIES[DEFAULT_POLICY] == AdmissionPolicy(4, 512, mixed_steps=True)
-    for role in ("decode", "colocated"):
-        s = _parse("--role", role).resolve().engine.scheduler
-        assert (s.max_new_admissions, s.admission_token_budget) == (4, 512)
+    alone, mixed = (
+        json.loads((results / f"e2e_h200x1_depth40_{name}.json").read_text()) for name in ("part1", "asym_cap4")
+    )
+    assert (alone["d_policy"]["name"], mixed["d_policy"]["name"]) == ("alone-4", "cap-4")
+    assert alone["commit"] == mixed["commit"]
+    for a, m in zip(alone["headline"], mixed["headline"], strict=True):  # same rates, lower p99 ITL alone
+        assert a["rate"] == m["rate"] and a["itl_p99_ms"] < m["itl_p99_ms"]
+    assert (default_policy("decode"), default_policy("colocated")) == ("alone-4", "cap-4")
+    assert POLICIES["alone-4"] == AdmissionPolicy(4, 512, mixed_steps=False)
+    assert POLICIES["cap-4"] == AdmissionPolicy(4, 512, mixed_steps=True)
+    s = _parse("--role", "decode").resolve().engine.scheduler
+    assert (s.max_new_admissions, s.admission_token_budget, s.mixed_steps) == (4, 512, False)
+    s = _parse("--role", "colocated").resolve().engine.scheduler
+    assert (s.max_new_admissions, s.admission_token_budget, s.mixed_steps) == (4, 512, True)
     s = _parse("--role", "prefill").resolve().engine.scheduler
     assert (s.max_new_admissions, s.admission_token_budget) == (None, None)
     s = _parse("--role", "decode", "--admission-policy", "admit-all").resolve().engine.scheduler
-    assert (s.max_new_admissions, s.admission_token_budget) == (None, None)
+    assert (s.max_new_admissions, s.admission_token_budget, s.mixed_steps) == (None, None, True)
     s = _parse("--role", "decode", "--max-new-admissions", "2").resolve().engine.scheduler
-    assert (s.max_new_admissions, s.admission_token_budget) == (2, 512)
-    assert s.mixed_steps
-    s = _parse("--role", "decode", "--admission-policy", "alone-4").resolve().engine.scheduler
-    assert (s.max_new_admissions, s.admission_token_budget, s.mixed_steps) == (4, 512, False)
+    assert (s.max_new_admissions, s.admission_token_budget, s.mixed_steps) == (2, 512, False)
+    s = _parse("--role", "decode", "--admission-policy", "cap-4").resolve().engine.scheduler
+    assert (s.max_new_admissions, s.admission_token_budget, s.mixed_steps) == (4, 512, True)
     with pytest.raises(UsageError, match="invalid choice"):
         build_parser().parse_args(["serve", "--checkpoint", "C", "--admission-policy", "cap-3"])
     with pytest.raises(ValueError, match="unknown admission policy 'cap-3'"):
