@@ -20,8 +20,9 @@ what the engine adds on top of its kernels (target ≤ 1.2). The per-sequence re
 
 Cases: decode of B = 16 / 64 / 256 requests × (1 + k) rows, k = 0 and 3, at ~1K context; a decode
 step of 64 requests (k = 0) on the decode worker of asymmetric P/D admitting 1 and 4 bounded prefills
-(W rows each, prefix imported from the prefill worker); colocated prefill of 32 × 1K and 2 × 16K
-prompts (one step each at a 32K-token budget).
+(W rows each, prefix imported from the prefill worker), mixed (cap-4) and unmixed (alone-4, the
+decode worker's default: the bounded prefills alone, a graph, then the decode step); colocated
+prefill of 32 × 1K and 2 × 16K prompts (one step each at a 32K-token budget).
 
 ``--smoke``: the tiny config on CPU (plumbing only). Writes ``engine_steps.json``.
 """
@@ -214,18 +215,29 @@ def decode_case(
 
 
 def admission_case(
-    models, cfg, device, b: int, admit: int, ctx: int, prompt: int, reps: int, graphs: str = "full"
+    models,
+    cfg,
+    device,
+    b: int,
+    admit: int,
+    ctx: int,
+    prompt: int,
+    reps: int,
+    graphs: str = "full",
+    mixed: bool = True,
 ) -> dict[str, Any]:
     """D (asymmetric, k = 0) decoding ``b`` requests, then a step that also admits ``admit`` requests
     whose prefix P computed: their bounded prefill of W rows runs in that step. ``graphs``: D's
-    ``cuda_graph_mode``, or "eager" (``enforce_eager``)."""
+    ``cuda_graph_mode``, or "eager" (``enforce_eager``). ``mixed`` False (the decode worker's default
+    policy, alone-4): the bounded prefills run in a step of their own (a graph), the decodes in the
+    next (``decode_after_step_ms``)."""
     from asympd.engine.engine import EngineConfig, LLMEngine
     from asympd.engine.sampling import SamplingParams
     from asympd.engine.scheduler import SchedulerConfig
     from asympd.transfer.prefix_state import PrefixState
 
     p_model, d_model = models
-    sc = SchedulerConfig(max_num_seqs=b + admit * reps + 4, max_num_batched_tokens=32768)
+    sc = SchedulerConfig(max_num_seqs=b + admit * reps + 4, max_num_batched_tokens=32768, mixed_steps=mixed)
     per_tok = 3500 * 1.3
     kv = int((b * (ctx + 64) + admit * reps * (prompt + 64)) * per_tok) + (64 << 20)
     mode = {"enforce_eager": True} if graphs == "eager" else {"cuda_graph_mode": graphs, **LAZY}
@@ -260,24 +272,28 @@ def admission_case(
     while not all(r.output_token_ids for r in d.requests.values()):
         t.step()
     t.step()
-    plain, admitting = [], []
+    plain, admitting, after = [], [], []
     for r in range(reps):
         staged = [exported(f"new{r}.{j}", prompt) for j in range(admit)]
         plain.append(t.step())
         for j, (ids, st) in enumerate(staged):
             d.add_request(f"new{r}.{j}", ids, params, prefix_state=st)
         admitting.append(t.step())
+        if not mixed:
+            after.append(t.step())
     t.close()
     out = {
-        "case": f"decode B={b} + {admit} bounded prefills",
-        "requests": b,
+        "case": f"decode B={b} + {admit} bounded prefills" + ("" if mixed else ", unmixed"),
+        "requests": b if mixed else 0,
         "admitted": admit,
-        "rows": b + admit * cfg.window_size,
+        "rows": (b if mixed else 0) + admit * cfg.window_size,
         "context": ctx,
         "prompt": prompt,
     }
     out.update(median_parts(admitting))
     out["decode_only_step_ms"] = median_parts(plain)["step_ms"]
+    if after:
+        out["decode_after_step_ms"] = median_parts(after)["step_ms"]
     gc.collect()
     return out
 
@@ -382,11 +398,13 @@ def main() -> None:
             for other in ("full_and_piecewise", "eager"):
                 o = admission_case((p_model, d_model), cfg, device, b, admit, ctx, prompt, reps=4, graphs=other)
                 case[f"{other}_step_ms"], case[f"{other}_decode_only_step_ms"] = o["step_ms"], o["decode_only_step_ms"]
-        specs = [
-            dict(n=b, q=1, start=ctx + 3),
-            dict(n=admit, q=w, start=prompt - w, floor=prompt - w, encoder_floor=prompt - w),
-        ]
-        add(case, specs, b + admit)
+        bounded = dict(n=admit, q=w, start=prompt - w, floor=prompt - w, encoder_floor=prompt - w)
+        add(case, [dict(n=b, q=1, start=ctx + 3), bounded], b + admit)
+    for admit in (1, 4):  # alone-4: the bounded prefills in a step of their own, the decodes in the next
+        case = admission_case(
+            (p_model, d_model), cfg, device, b, admit, ctx, prompt, reps=2 if smoke else 4, mixed=False
+        )
+        add(case, [dict(n=admit, q=w, start=prompt - w, floor=prompt - w, encoder_floor=prompt - w)], admit)
     del p_model, d_model
     gc.collect()
     # colocated prefill, one step per batch of prompts

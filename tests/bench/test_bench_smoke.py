@@ -24,10 +24,14 @@ def test_engine_steps_smoke(tmp_path):
     assert names == [
         "decode B=2 k=0", "decode B=4 k=0", "decode B=2 k=3", "decode B=4 k=3",
         "decode B=4 + 1 bounded prefills", "decode B=4 + 4 bounded prefills",
+        "decode B=4 + 1 bounded prefills, unmixed", "decode B=4 + 4 bounded prefills, unmixed",
         "prefill 4 x 48", "prefill 2 x 100",
     ]  # fmt: skip
     for c in r["cases"]:
         assert len(c["layers_ms"]) == 3 and c["step_ms"] > 0 and c["sum_ms"] > 0
         assert c["engine_over_layers"] == round(c["step_ms"] / c["sum_ms"], 3)
     assert [c["draft_ms"] > 0 for c in r["cases"] if "k=3" in c["case"]] == [True, True]
+    unmixed = [c for c in r["cases"] if c["case"].endswith("unmixed")]  # the admission step alone, then decodes
+    assert [(c["requests"], c["rows"]) for c in unmixed] == [(0, 16), (0, 64)]
+    assert all(c["decode_after_step_ms"] > 0 for c in unmixed)
     assert [p["case"] for p in r["per_sequence_path"]] == ["decode B=2 k=0", "decode B=4 k=0"]

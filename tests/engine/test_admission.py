@@ -82,3 +82,22 @@ def test_unmixed_steps_run_decodes_when_no_prompt_rows_can_go(model):
     while eng.has_unfinished_requests():
         per_step.append(sorted((o.request_id, len(o.new_token_ids)) for o in eng.step() if o.new_token_ids))
     assert per_step == [[("a", 1)], [("a", 1)], [("a", 1)], [("b", 1)], [("b", 1)], [("b", 1)]]
+
+
+def test_unmixed_steps_keep_the_tokens_of_asymmetric_pd_with_speculation(tiny_ckpt):
+    """Asymmetric P->D with DSpark drafts: unmixed steps (the decode worker's default policy) give
+    the greedy tokens of mixed ones; only the step composition differs."""
+    from asympd import LLM
+
+    def tokens(mixed: bool) -> list[list[int]]:
+        sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, mixed_steps=mixed)
+        llm = LLM(tiny_ckpt, "asymmetric", scheduler=sched, num_spec_tokens=2)
+        outs = llm.generate(
+            prompt_token_ids=random_prompts([12, 30, 45, 70], seed=56),
+            sampling_params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+        )
+        return [o.outputs[0].token_ids for o in outs]
+
+    mixed = tokens(True)
+    assert tokens(False) == mixed
+    assert all(len(t) == 8 for t in mixed)
