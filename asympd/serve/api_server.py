@@ -174,6 +174,7 @@ class WorkerServer:
             "mode": c.mode,
             "prefill_semantics": c.engine.prefill_semantics,
             "boundary_policy": c.engine.boundary_policy,
+            "admission": self.admission(),
             "model": self.model_name,
             "window_size": m.window_size,
             "max_seq_len": m.max_seq_len,
@@ -193,6 +194,16 @@ class WorkerServer:
         if internal:
             out["fingerprint"] = self.fingerprint
         return out
+
+    def admission(self) -> dict[str, Any]:
+        """How new requests join this worker's steps (serve/admission.py): the policy and what it set."""
+        s = self.cfg.engine.scheduler
+        return {
+            "policy": self.cfg.admission_policy if self.cfg.role != "prefill" else None,
+            "max_new_admissions": s.max_new_admissions,
+            "admission_token_budget": s.admission_token_budget,
+            "mixed_steps": s.mixed_steps,
+        }
 
     def memory(self) -> dict[str, Any]:
         """Device memory beside the weights: the weight layout and bytes, the KV pool, and on a GPU what

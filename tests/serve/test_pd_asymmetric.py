@@ -236,6 +236,14 @@ def test_models_health_metrics(cluster, client):
         assert mem["kv_cache_bytes"] > 0 and mem["device_allocated_bytes"] is None
         assert mem["cuda_graphs"] is None  # CPU: every step eager
     assert p_info["fingerprint"] == d_info["fingerprint"]
+    # D runs its default admission policy (alone-4: capped, unmixed steps); P is never capped
+    assert d_info["admission"] == {
+        "policy": "alone-4",
+        "max_new_admissions": 4,
+        "admission_token_budget": 512,
+        "mixed_steps": False,
+    }
+    assert p_info["admission"]["policy"] is None and p_info["admission"]["max_new_admissions"] is None
     m = metrics(cluster["decode"])
     for name in (
         "asympd_time_to_first_token_seconds_count",
