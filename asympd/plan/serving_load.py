@@ -87,14 +87,16 @@ def batch_rows(cal: dict[str, Any], pd: bool) -> list[tuple[dict, dict]]:
     return rows
 
 
-def batch_gaps(rows: list[tuple[dict, dict]], p_busy_s: float = 0.0) -> list[BatchGap]:
+def batch_gaps(rows: list[tuple[dict, dict]], p_busy_s: float = 0.0, first_at_start: bool = False) -> list[BatchGap]:
     """Every token gap of the batch's requests (``batch_rows``): its length, the batch decoding
     through it, the requests in the TTFT path at its start, and whose first token came inside it
     (a step of the gap ran their prompt rows). All on the client's timeline (the batch is sent at
     once: a first token at its TTFT, later tokens after its gaps), where one step's tokens for
     different requests arrive within a few ms (the servers' first-token times sit up to ~25 ms
     off the client's gaps), so a first token is put in the gap whose end is nearest to it.
-    ``p_busy_s``: P computes the batch's prompts until then, on D's GPU (0: a GPU of its own)."""
+    ``p_busy_s``: P computes the batch's prompts until then, on D's GPU (0: a GPU of its own).
+    ``first_at_start``: a first token goes out when its step is launched (a symmetric D's replay,
+    ``validate.first_out_at_launch``), so it belongs to the gap whose start is nearest to it."""
     first = [r["ttft_s"] for r, _ in rows]
     ends = [f + sum(r["gaps_s"]) for f, (r, _) in zip(first, rows, strict=True)]
     out = []
@@ -104,15 +106,23 @@ def batch_gaps(rows: list[tuple[dict, dict]], p_busy_s: float = 0.0) -> list[Bat
             s, e = times[k - 1], times[k]
             eps = min(EPS_S, g / 2)
             # a first token belongs to the step whose output for this request reached the client nearest to it
-            inside = tuple(
-                i
-                for i, f in enumerate(first)
-                if s + g / 2 < f <= e + min(g / 2, (times[k + 1] - e) / 2 if k + 1 < len(times) else g / 2)
-            )
+            if first_at_start:  # the nearest start: this gap's, not the one before or after it
+                before = (s - times[k - 2]) / 2 if k >= 2 else g / 2
+                inside = tuple(i for i, f in enumerate(first) if s - min(g / 2, before) < f <= s + g / 2)
+            else:  # the nearest end
+                after = (times[k + 1] - e) / 2 if k + 1 < len(times) else g / 2
+                inside = tuple(i for i, f in enumerate(first) if s + g / 2 < f <= e + min(g / 2, after))
             batch = sum(1 for f, end in zip(first, ends, strict=True) if f <= s + eps and end >= e - eps)
             overlap = max(0.0, min(e, p_busy_s) - s) * 1e3
             out.append(BatchGap(g * 1e3, max(batch, 1), sum(1 for f in first if f > s + eps), inside, overlap))
     return out
+
+
+def p_blocked_s(start: float, end: float, p_end: float) -> float:
+    """How long a hand-off stage of the batch [start, end] waited for P's steps: P's answer and
+    the fetch seal and pack the prefix on P's stream, so they wait while P computes the batch
+    (from 0 to ``p_end``); the simulator makes them wait the same way (``SideTask``)."""
+    return max(0.0, min(end, p_end) - start)
 
 
 def p_busy_until(rows: list[tuple[dict, dict]], shared_gpu: bool) -> float:
@@ -121,14 +131,16 @@ def p_busy_until(rows: list[tuple[dict, dict]], shared_gpu: bool) -> float:
 
 
 def _step_points(
-    rows: list[tuple[dict, dict]], decode_ms: Callable[[int], float], p_busy_s: float
+    rows: list[tuple[dict, dict]], decode_ms: Callable[[int], float], p_busy_s: float, first_at_start: bool
 ) -> list[tuple[int, float]]:
     """(requests in the TTFT path at the step's start, excess ms over ``decode_ms(batch)``) for the
     batch's decode-only steps: a token gap in which no request got its first token (such a step also
     ran prompt rows), the batch the requests decoding through the whole gap, read at D's alone
     speed where P's steps shared the GPU (the simulator shares it again)."""
     return [
-        (g.in_path, g.alone_ms(gpu_share(2)) - decode_ms(g.batch)) for g in batch_gaps(rows, p_busy_s) if not g.firsts
+        (g.in_path, g.alone_ms(gpu_share(2)) - decode_ms(g.batch))
+        for g in batch_gaps(rows, p_busy_s, first_at_start)
+        if not g.firsts
     ]
 
 
@@ -140,20 +152,25 @@ def fit_stage_load(
     lone_hops_ms: float,
     decode_ms: Callable[[int], float] | None = None,
     shared_gpu: bool = False,
+    first_at_start: bool = False,
+    handoff_on_p_stream: bool = True,
 ) -> StageLoad:
     """The per-request slopes from the calibration batch; lone costs as fitted from the lone
     requests (``fetch_ms(prompt_len)``: the lone move). ``pd``: a P/D deployment (else colocated:
     the hops only). The batch's requests are sent at once (t = 0) and its server timings share the
     router's origin, so a stage's start is: P's answer, P's ``prefill_s`` (P done); D's fetch and the
-    router's hop to D, P's answer reaching the router (``prefill_rtt_s``; colocated: 0).
+    router's hop to D, P's answer reaching the router (``prefill_rtt_s``; colocated: 0). P's
+    answer and the fetch are read without the time they waited for P's steps (``p_blocked_s``).
     ``decode_ms(batch)``: D's fitted decode step, for D's per-step term (P/D only: it stands for
     the prefix fetches and imports beside D's steps; a colocated worker's prompt phases hide in
     token gaps that show no first token). ``shared_gpu``: P ran on D's GPU (its steps beside D's
-    while it computed the batch)."""
+    while it computed the batch). ``first_at_start``: see ``batch_gaps``. ``handoff_on_p_stream``:
+    P's answer and the fetch wait for P's steps (a GPU; on a CPU there is no stream to wait on)."""
     rows = batch_rows(cal, pd)
     if not rows:
         return StageLoad()
     spans = [(0.0, t["ttft_s"]) for _, t in rows]
+    p_end = p_busy_until(rows, handoff_on_p_stream)  # P computes the batch's prompts until then
     answer, fetch, hops, starts = [], [], [], []
     for r, t in rows:
         hops_n = in_path(t["prefill_rtt_s"] if pd else 0.0, spans)
@@ -161,10 +178,16 @@ def fit_stage_load(
         starts.append(hops_n)
         if pd:
             n = in_path(t["prefill_s"], spans)
-            answer.append((n, (t["prefill_rtt_s"] - t["prefill_s"]) * 1e3 - lone_answer_ms))
-            fetch.append((hops_n, t["transfer_s"] * 1e3 - fetch_ms(r["prompt_len"])))
+            s, e = t["prefill_s"], t["prefill_rtt_s"]
+            answer.append((n, (e - s - p_blocked_s(s, e, p_end)) * 1e3 - lone_answer_ms))
+            s, e = e, e + t["transfer_s"]
+            fetch.append((hops_n, (e - s - p_blocked_s(s, e, p_end)) * 1e3 - fetch_ms(r["prompt_len"])))
             starts.append(n)
-    step = _step_points(rows, decode_ms, p_busy_until(rows, shared_gpu)) if pd and decode_ms is not None else []
+    step = (
+        _step_points(rows, decode_ms, p_busy_until(rows, shared_gpu), first_at_start)
+        if pd and decode_ms is not None
+        else []
+    )
     return StageLoad(
         answer_ms=_slope(answer) if pd else 0.0,
         fetch_ms=_slope(fetch) if pd else 0.0,

@@ -45,6 +45,17 @@ class Arrival:
 
 
 @dataclass
+class SideTask:
+    """Work an engine's process does for a request between its steps, on its own GPU stream: the
+    prefill worker's hand-off (sealing the prefix, packing it for D's fetch) runs kernels and
+    synchronises on the stream its steps run on, so it progresses only while that engine has no
+    step in progress. ``left``: seconds of work left; ``done(t)`` runs when it is over."""
+
+    left: float
+    done: Callable[[float], None]
+
+
+@dataclass
 class ReplicaRun:
     """What one replica did: per-request times (seconds) and what bounded it."""
 
@@ -92,6 +103,7 @@ class DecodeSetup:
     max_num_batched_tokens: int | None = None  # None: room for a full decode step plus the admissions
     colocated_semantics: str = "full"
     first_token_with_first_step: bool = False
+    outputs_at_launch: bool = False  # a GPU engine: a step that samples nothing answers at its launch
 
     def scheduler_config(self) -> SchedulerConfig:
         """The engine's own scheduler settings for this replica (the policy's caps and step mixing)."""
@@ -147,6 +159,11 @@ class _Engine:
         heapq.heapify(self._pending)
         self._stalled = False  # the scheduler had work but ran nothing: wait for an arrival
         self._dt = 0.0
+        self.side: list[SideTask] = []  # progress only while no step of this engine is in progress
+
+    def hold(self, task: SideTask) -> None:
+        """Queue work that needs this engine's stream between its steps (``SideTask``)."""
+        self.side.append(task)
 
     def push(self, a: Arrival) -> None:
         heapq.heappush(self._pending, (a.time_s, a.index, a))
@@ -160,7 +177,7 @@ class _Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.sched.has_work or bool(self._pending)
+        return self.sched.has_work or bool(self._pending) or bool(self.side)
 
     def _admit_until(self, t: float) -> None:
         while self._pending and self._pending[0][0] <= t:
@@ -263,6 +280,7 @@ class DecodeEngine(_Engine):
         self._gaps: dict[str, list[float]] = {}
         self._chunks: list = []
         self._late_first = setup.first_token_with_first_step
+        self._at_launch = setup.outputs_at_launch
         self._unsent: dict[str, Request] = {}  # P's first token, held until D first outputs the request
 
     def add(self, a: Arrival) -> None:
@@ -308,11 +326,25 @@ class DecodeEngine(_Engine):
             return None
         dec = [c for c in out.chunks if c.phase is None]
         rows = sum(c.num_rows for c in out.chunks if c.phase is not None)
+        if self._at_launch and not dec and not any(c.phase.sample for c in out.chunks):
+            self._launched(out.chunks, at)
         self._chunks = out.chunks
         self.run.max_batch = max(self.run.max_batch, len(dec))
         self.run.step_kinds.append("mixed" if dec and rows else "decode" if dec else "prompt")
         self._dt = self.steps.decode_ms(len(dec), rows, self.gpus) / 1e3
         return self._dt
+
+    def _launched(self, chunks: list, at: float) -> None:
+        """A step that samples nothing (prompt rows only, none of them a sampling row: a symmetric
+        D's replay) needs no result from the GPU, so the engine hands out its outputs when it has
+        launched it, not when the GPU is done: P's held first token of a request whose prompt the
+        step completes goes out at the step's start; the step's GPU time lands in its next gap."""
+        for c in chunks:
+            req = c.request
+            last = req.phase_index == len(req.phases) - 1 and c.hi == c.phase.hi
+            if last and self._unsent.pop(req.request_id, None) is not None:
+                self.run.first_token_s[self._info[req.request_id].index] = at
+                self._last[req.request_id] = at
 
     def finish(self, end: float) -> None:
         t, run = end, self.run
@@ -410,6 +442,11 @@ def run_engines(
             t = now + s.left / rate[s.gpu]
             if ending is None or t < ending[0]:
                 ending = (t, k)
+        for k, e in enumerate(engines):  # side work of an engine with no step in progress
+            if k not in active and e.side:
+                t = now + min(task.left for task in e.side)
+                if ending is None or t < ending[0]:
+                    ending = (t, -1 - k)
         issuing: tuple[float, int] | None = None
         for k, e in enumerate(engines):
             at = None if k in active else e.next_issue()
@@ -420,7 +457,18 @@ def run_engines(
         t, k = ending if ending is not None and (issuing is None or ending[0] <= issuing[0]) else issuing
         for s in active.values():
             s.left = max(0.0, s.left - (t - now) * rate[s.gpu])
+        for j, e in enumerate(engines):
+            if j not in active:
+                for task in e.side:
+                    task.left = max(0.0, task.left - (t - now))
         now = t
+        if k < 0:  # side work done (all of it that is due now, in the order it was queued)
+            e = engines[-1 - k]
+            due = [task for task in e.side if task.left <= 1e-12]
+            e.side = [task for task in e.side if task.left > 1e-12]
+            for task in due:
+                task.done(now)
+            continue
         if k in active:
             s = active.pop(k)
             engines[k].run.wall_s += now - s.issued

@@ -29,6 +29,7 @@ from asympd.plan.simulate import (
     DecodeSetup,
     PrefillEngine,
     PrefillSetup,
+    SideTask,
     gpu_share,
     run_decode,
     run_engines,
@@ -187,30 +188,55 @@ def _steps_and_rows(points: list[tuple[int, int, float]]) -> tuple[float, float]
     return a, b
 
 
+def first_out_at_launch(cfg: ModelConfig, mode: str, on_gpu: bool = True) -> bool:
+    """D's first steps sample nothing (a symmetric D replays rows whose first token P sampled): the
+    engine sends P's token when it launches them and their GPU time lands in the first token gap
+    (lone decode_first_step_s is a few ms, the first gap a replay plus a decode step). On a CPU
+    (``on_gpu`` False) a step computes before it answers."""
+    if mode == "colocated" or not on_gpu:
+        return False
+    phases = modes.decode_plan(cfg, 2 * cfg.window_size, mode).phases
+    return bool(phases) and not any(p.sample for p in phases)
+
+
 def _lone_first_points(
-    cfg: ModelConfig, mode: str, cal: dict[str, Any], semantics: str, d_budget: int
+    cfg: ModelConfig, mode: str, cal: dict[str, Any], semantics: str, d_budget: int, d_step_ms: float, on_gpu: bool
 ) -> list[tuple[int, int, float]]:
-    """(steps, rows, ms) of each lone request's first token: prompt-only steps of D's own."""
+    """(steps, rows, ms) of each lone request's first token: prompt-only steps of D's own. Where
+    they sample nothing (``first_out_at_launch``) they are the first gap less one decode step
+    (``d_step_ms``), else the time from D's add to the first token."""
+    at_launch = first_out_at_launch(cfg, mode, on_gpu)
     out = []
     for r in cal["lone"]:
         rows, steps = _d_first_steps(cfg, mode, r["prompt_len"], semantics, d_budget)
         first = r["timings"].get("decode_first_step_s")
+        if at_launch:
+            first = r["gaps_s"][0] - d_step_ms / 1e3 if r["gaps_s"] else None
         if rows and first is not None:
             out.append((steps, rows, first * 1e3))
     return out
 
 
 def fit_steps(
-    cfg: ModelConfig, mode: str, cal: dict[str, Any], d_budget: int, semantics: str, p_budget: int = 16384
+    cfg: ModelConfig,
+    mode: str,
+    cal: dict[str, Any],
+    d_budget: int,
+    semantics: str,
+    p_budget: int = 16384,
+    on_gpu: bool = True,
 ) -> MeasuredSteps:
-    """Step times from the calibration of one deployment (see bench/e2e.py ``calibrate``)."""
+    """Step times from the calibration of one deployment (see bench/e2e.py ``calibrate``);
+    ``on_gpu``: the result ran on a GPU (``first_out_at_launch``)."""
     lone = cal["lone"]
     gaps = [g for r in lone for g in r["gaps_s"][1:]]  # the first gap can hold a replay or a flush
     d_step = _median(gaps) * 1e3
     batch = cal["batch"]
     steady = [g for r in batch["requests"] for g in r["gaps_s"][2:]]
     d_seq = max(0.0, (_median(steady) * 1e3 - d_step) / max(batch["size"] - 1, 1)) if steady else 0.0
-    d_pre, d_row = _fixed_or_line(_lone_first_points(cfg, mode, cal, semantics, d_budget))
+    if mode == "colocated":
+        d_seq = _colocated_seq_ms(cal, d_step, d_seq)
+    d_pre, d_row = _fixed_or_line(_lone_first_points(cfg, mode, cal, semantics, d_budget, d_step, on_gpu))
     p_points, move_points = [], []
     if mode != "colocated":
         for r in lone:
@@ -233,6 +259,21 @@ def fit_steps(
     return MeasuredSteps(p_step, p_row, d_step, d_seq, d_row, move, move_row, handoff_ms, d_pre_ms=d_pre)
 
 
+def _colocated_seq_ms(cal: dict[str, Any], d_step: float, fallback: float) -> float:
+    """A colocated worker's cost per further request in a decode step, from the batch's decode-only
+    gaps: those that start with every batch request past its prompt. A colocated prompt runs in
+    several steps of at most the admission budget (alone-4: each a step of its own, taking turns
+    with decode steps), and only the last one gives a first token, so a gap with no first token
+    inside can still hold a whole prompt step; the batch's later gaps (``gaps_s[2:]``, the P/D
+    rule) are mostly such gaps. A line through (batch, gap) with the lone step at batch 1; none
+    such: ``fallback``."""
+    points = [(g.batch, g.ms) for g in batch_gaps(batch_rows(cal, False)) if g.in_path == 0 and not g.firsts]
+    if not points:
+        return fallback
+    _, slope = _line([*points, (1, d_step)]) if len({b for b, _ in points} | {1}) > 1 else (0.0, 0.0)
+    return slope
+
+
 def _fixed_or_line(points: list[tuple[int, int, float]]) -> tuple[float, float]:
     """(per step, per row) for ``_steps_and_rows`` points; one row count: all of it per step."""
     if len({rows for _, rows, _ in points}) == 1:
@@ -250,6 +291,7 @@ def fit_admission_steps(
     semantics: str,
     d_budget: int,
     shared_gpu: bool = False,
+    on_gpu: bool = True,
 ) -> MeasuredSteps:
     """D's steps that take prompt rows, from the calibration batch: a decoding request's token gap
     in which other requests got their first token held their prompt rows. With mixed steps that
@@ -263,7 +305,7 @@ def fit_admission_steps(
     again). Nothing here reads the rate runs."""
     rows = batch_rows(cal, mode != "colocated")
     by_step: dict[tuple[int, ...], list[float]] = {}  # one step, seen in each decoding request's gap
-    for g in batch_gaps(rows, p_busy_until(rows, shared_gpu)):
+    for g in batch_gaps(rows, p_busy_until(rows, shared_gpu), first_out_at_launch(cfg, mode, on_gpu)):
         if g.firsts:
             excess = g.alone_ms(gpu_share(2)) - steps.decode_ms(g.batch, 0, 1) - load.step_extra_ms(g.in_path)
             by_step.setdefault(g.firsts, []).append(excess)
@@ -276,7 +318,7 @@ def fit_admission_steps(
         return steps
     if policy.mixed_steps:  # the median step: the batch's first admission step can carry start-up costs
         return replace(steps, mix_pre_ms=_median([y for _, _, y in points]), mix_row_ms=0.0)
-    both = _lone_first_points(cfg, mode, cal, semantics, d_budget) + points
+    both = _lone_first_points(cfg, mode, cal, semantics, d_budget, steps.d_step_ms, on_gpu) + points
     by_rows: dict[tuple[int, int], list[float]] = {}
     for k, r, y in both:
         by_rows.setdefault((k, r), []).append(y)
@@ -305,6 +347,7 @@ def _decoder(
     semantics: str,
     seed: int = 0,
     expected: list[Arrival] | None = None,
+    on_gpu: bool = True,
 ) -> DecodeEngine:
     """A D (or colocated) worker as the e2e study runs it: no speculative decoding, the default
     scheduler limits, the result's admission policy (mixed steps or not), P's first token sent
@@ -321,6 +364,7 @@ def _decoder(
         max_num_batched_tokens=sc.max_num_batched_tokens,
         colocated_semantics=semantics,
         first_token_with_first_step=True,
+        outputs_at_launch=on_gpu,
     )
     return DecodeEngine(cfg, steps, setup, arr, expected=expected)
 
@@ -346,13 +390,15 @@ def simulate_deployment(
     seed: int = 0,
     shared_gpu: bool = False,
     load: StageLoad | None = None,
+    handoff_on_p_stream: bool = True,
 ) -> Simulated:
     """The planner's simulator on one measured deployment: 1 P + 1 D, or ``replicas`` colocated
     workers (round-robin), no speculative decoding, the workers' default scheduler limits.
     ``shared_gpu``: every worker on one GPU, their steps sharing it (``run_engines``).
     ``load``: the CPU-side stages' cost per further request in the TTFT path (serving_load.py);
     P's answer, D's fetch and the HTTP hops run beside each other, each at its cost for the
-    requests in that path when it starts."""
+    requests in that path when it starts. ``handoff_on_p_stream``: P's answer and the fetch wait
+    for P's steps (on a GPU they seal and pack the prefix on P's stream; a CPU has none)."""
     from asympd.engine.scheduler import SchedulerConfig
 
     load = load or StageLoad()
@@ -372,7 +418,7 @@ def simulate_deployment(
         sc = SchedulerConfig()
         p_setup = PrefillSetup(mode, max_num_seqs=sc.max_num_seqs, step_tokens=p_step_tokens)
         p = PrefillEngine(cfg, steps, p_setup, arrivals)
-        d = _decoder(cfg, mode, steps, [], policy, colocated_semantics, seed, expected=arrivals)
+        d = _decoder(cfg, mode, steps, [], policy, colocated_semantics, seed, arrivals, handoff_on_p_stream)
         by_index = {a.index: a for a in arrivals}
 
         def n_at(t: float) -> int:
@@ -380,12 +426,23 @@ def simulate_deployment(
 
         def to_d(_: int, i: int, t: float) -> None:
             """P's answer, then the router's hop to D and D's fetch, each at its cost for the
-            requests in the TTFT path when it starts."""
+            requests in the TTFT path when it starts. Both seal or pack the prefix with kernels on
+            P's stream, so each progresses only while P has no step in progress (``SideTask``)."""
             a = by_index[i]
-            t += (steps.handoff_ms + load.extra_ms("answer", n_at(t))) / 1e3
-            hops_n[i] = n = n_at(t)
-            t += (steps.move_for(a.prompt_len) + load.extra_ms("fetch", n)) / 1e3
-            d.push(Arrival(i, t, a.prompt_len, a.output_len))
+
+            def fetch(t: float) -> None:
+                hops_n[i] = n = n_at(t)
+                cost = (steps.move_for(a.prompt_len) + load.extra_ms("fetch", n)) / 1e3
+                if handoff_on_p_stream:
+                    p.hold(SideTask(cost, lambda t: d.push(Arrival(i, t, a.prompt_len, a.output_len))))
+                else:
+                    d.push(Arrival(i, t + cost, a.prompt_len, a.output_len))
+
+            answer = SideTask((steps.handoff_ms + load.extra_ms("answer", n_at(t))) / 1e3, fetch)
+            if handoff_on_p_stream:
+                p.hold(answer)
+            else:  # beside P's steps, at their own cost
+                fetch(t + answer.left)
 
         if load.d_step_ms:
             d.steps = _LoadedSteps(steps, lambda: load.step_extra_ms(n_at(d.t)))
@@ -406,16 +463,19 @@ def simulate_deployment(
     return out
 
 
-def _ttft_offset(cal: dict[str, Any]) -> float:
+def _ttft_offset(cal: dict[str, Any], at_launch: bool = False) -> float:
     """What no engine step holds, measured directly on the lone requests: client TTFT minus the
     servers' own parts (P's round trip as the router saw it, D's fetch, D's add to first token),
-    i.e. the client -> router -> D hops and the first chunk's way back. The median, in ms."""
+    i.e. the client -> router -> D hops and the first chunk's way back. The median, in ms.
+    ``at_launch`` (``first_out_at_launch``): D's add to first token is host time before any
+    step's end, which the simulator does not hold either, so it stays in the offset."""
     resid = []
     for r in cal["lone"]:
         t = r.get("timings") or {}
         if r.get("ttft_s") is None or t.get("decode_first_step_s") is None:
             continue
-        server = (t.get("prefill_rtt_s") or 0.0) + (t.get("transfer_s") or 0.0) + t["decode_first_step_s"]
+        first = 0.0 if at_launch else t["decode_first_step_s"]
+        server = (t.get("prefill_rtt_s") or 0.0) + (t.get("transfer_s") or 0.0) + first
         resid.append(r["ttft_s"] - server)
     return _median(resid) * 1e3
 
@@ -468,8 +528,10 @@ def _validate_mode(
         return
     """One mode's rows (and fitted steps) into ``out``."""
     kw = {**kw, "replicas": sum(1 for w in m["workers"].values() if w["role"] == "colocated") or 1}
-    steps = fit_steps(cfg, mode, m["calibration"], d_budget, kw["colocated_semantics"], kw["p_step_tokens"])
-    steps.ttft_offset_ms = _ttft_offset(m["calibration"])
+    gpu = kw["handoff_on_p_stream"]  # the result ran on a GPU
+    at_launch = first_out_at_launch(cfg, mode, gpu)
+    steps = fit_steps(cfg, mode, m["calibration"], d_budget, kw["colocated_semantics"], kw["p_step_tokens"], gpu)
+    steps.ttft_offset_ms = _ttft_offset(m["calibration"], at_launch)
     if kw.pop("serving_load"):
         pd = mode != "colocated"
         kw["load"] = fit_stage_load(
@@ -480,10 +542,12 @@ def _validate_mode(
             steps.ttft_offset_ms,
             lambda b: steps.decode_ms(b, 0, 1),
             shared_gpu=kw["shared_gpu"],
+            first_at_start=at_launch,
+            handoff_on_p_stream=kw["handoff_on_p_stream"],
         )
     load = kw.get("load") or StageLoad()
     cal, sem = m["calibration"], kw["colocated_semantics"]
-    steps = fit_admission_steps(cfg, mode, cal, steps, load, kw["policy"], sem, d_budget, kw["shared_gpu"])
+    steps = fit_admission_steps(cfg, mode, cal, steps, load, kw["policy"], sem, d_budget, kw["shared_gpu"], gpu)
     out["modes"][mode] = {
         "steps_ms": asdict(steps),
         "serving_load_ms": asdict(kw.get("load") or StageLoad()),
@@ -597,6 +661,7 @@ def validate_e2e(
     out["placement"] = "shared" if shared else "separate"
     for mode, m in modes_in.items():
         kw = dict(p_step_tokens=p_tokens, policy=policy, colocated_semantics=sem, seed=seed, shared_gpu=shared)
+        kw["handoff_on_p_stream"] = out["device"] != "cpu"  # a GPU: the hand-off waits for P's steps
         kw["serving_load"] = serving_load
         try:
             _validate_mode(out, mode, m, cfg, slo, kw, d_budget)

@@ -15,9 +15,12 @@ def fetch_lone(prompt_len: int) -> float:
     return 2.0 + 0.01 * prompt_len
 
 
-def batch_request(prefill_s: float, n_answer: int, n_fetch: int, first_s: float, prompt_len: int = 100) -> dict:
-    """One batch request's servers' timings, each stage at KNOWN's cost for its n (seconds)."""
-    answer = (LONE_ANSWER + KNOWN.extra_ms("answer", n_answer)) / 1e3
+def batch_request(
+    prefill_s: float, n_answer: int, n_fetch: int, first_s: float, prompt_len: int = 100, wait_s: float = 0.0
+) -> dict:
+    """One batch request's servers' timings, each stage at KNOWN's cost for its n (seconds); P's
+    answer first waits ``wait_s`` for P's step in progress."""
+    answer = wait_s + (LONE_ANSWER + KNOWN.extra_ms("answer", n_answer)) / 1e3
     fetch = (fetch_lone(prompt_len) + KNOWN.extra_ms("fetch", n_fetch)) / 1e3
     hops = (LONE_HOPS + KNOWN.extra_ms("hops", n_fetch)) / 1e3
     timings = {"prefill_s": prefill_s, "prefill_rtt_s": prefill_s + answer, "transfer_s": fetch, "ttft_s": first_s}
@@ -30,18 +33,24 @@ def test_in_path_counts_arrived_requests_without_a_first_token():
 
 
 def test_fit_recovers_a_known_load():
-    """Four requests sent at once, first tokens at 50/100/150/200 ms: P is done with each 40 ms
-    before its first token, so 4, 3, 2 and 1 requests are in the TTFT path when its answer starts;
-    the answers take 9, 7, 5 and 3 ms, and the fetch and the hops start with the same counts."""
-    firsts = [0.05, 0.10, 0.15, 0.20]
-    reqs = [batch_request(f - 0.04, 4 - i, 4 - i, f) for i, f in enumerate(firsts)]
+    """Four requests sent at once; P is done with them at 300/320/340/360 ms, and their answers
+    seal the prefix on P's stream, so each waits for P's steps until 360 ms (those waits are not
+    load), then takes 9 ms with all 4 in the TTFT path; the fetches and the hops start at 369 ms,
+    also with 4 in the path; first tokens from 400 ms on."""
+    prefill = [0.30, 0.32, 0.34, 0.36]
+    reqs = [batch_request(p, 4, 4, 0.4 + 0.05 * i, wait_s=0.36 - p) for i, p in enumerate(prefill)]
     got = fit_stage_load({"batch": {"size": 4, "requests": reqs}}, True, LONE_ANSWER, fetch_lone, LONE_HOPS)
     assert (got.answer_ms, got.fetch_ms, got.hops_ms, got.d_step_ms) == pytest.approx((2.0, 1.5, 0.5, 0.0))
-    assert got.batch_in_path == pytest.approx(2.5)
+    assert got.batch_in_path == pytest.approx(4.0)
     # colocated: no P answer and no fetch; the router's hop starts at arrival, with all 4 in the path
     got = fit_stage_load({"batch": {"size": 4, "requests": reqs}}, False, 0.0, fetch_lone, LONE_HOPS)
-    assert (got.answer_ms, got.fetch_ms) == (0.0, 0.0)
-    assert got.hops_ms == pytest.approx(sum(0.5 * (3 - i) * 3 for i in range(4)) / (4 * 9))
+    assert (got.answer_ms, got.fetch_ms, got.hops_ms) == pytest.approx((0.0, 0.0, 0.5))
+
+
+def test_p_blocked_is_the_overlap_with_p_computing_the_batch():
+    from asympd.plan.serving_load import p_blocked_s
+
+    assert [p_blocked_s(s, e, 0.5) for s, e in ((0.1, 0.3), (0.4, 0.9), (0.6, 0.7))] == pytest.approx([0.2, 0.1, 0])
 
 
 def test_lone_costs_and_the_batch_as_measured():

@@ -76,3 +76,19 @@ def test_exports_reach_the_decode_engine_in_time_order():
     # P alone on the GPU: [15, 45]; D's prompt step [50, 60], its decode [60, 70]
     assert d2.run.first_token_s[1] * 1e3 == pytest.approx(60)
     assert d2.run.done_s[1] * 1e3 == pytest.approx(70)
+
+
+def test_side_work_progresses_only_between_the_engines_steps():
+    """P (GPU of its own) runs request 1's 30 ms step [15, 45]. Side work of 20 ms queued on P at
+    0 runs while P is idle [0, 15], stops while the step is in progress and ends at 45 + 5 = 50;
+    side work of 5 ms queued on D at 0 waits for D's steps (prompt [0, 10], decodes to 50): 55."""
+    from asympd.plan.simulate import SideTask
+
+    p, d = engines()
+    done: dict[str, float] = {}
+    p.hold(SideTask(0.020, lambda t: done.setdefault("p", t)))
+    d.hold(SideTask(0.005, lambda t: done.setdefault("d", t)))
+    run_engines([p, d], [0, 1])
+    assert done["p"] * 1e3 == pytest.approx(50)
+    assert done["d"] * 1e3 == pytest.approx(55)
+    assert p.run.done_s[1] * 1e3 == pytest.approx(45)  # the side work never slows the steps

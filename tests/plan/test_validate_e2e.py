@@ -15,6 +15,7 @@ from asympd.plan.simulate import Arrival
 from asympd.plan.validate import (
     MeasuredSteps,
     ValidationError,
+    first_out_at_launch,
     fit_admission_steps,
     fit_steps,
     format_validation,
@@ -38,6 +39,10 @@ def calibration(mode: str) -> dict:
         d_rows = n if mode == "colocated" else n - split_point(CFG, n, "carry")  # symmetric-split: the replay
         steps = 2 if mode == "colocated" else 1  # colocated split semantics: [0, N - W) and [N - W, N)
         first = steps * TRUE.d_pre_ms + TRUE.d_row_ms * d_rows  # prompt-only steps: no decode path
+        gaps = [0.001, 0.02, 0.02, 0.02]
+        if mode == "symmetric-split":  # the replay samples nothing: P's token goes out at its launch
+            gaps[0] = (first + TRUE.d_step_ms) / 1e3  # the replay's GPU time and a decode step
+            first = 0.0
         timings = {"decode_first_step_s": first / 1e3}
         server = first
         if mode != "colocated":
@@ -48,7 +53,7 @@ def calibration(mode: str) -> dict:
             timings["transfer_s"] = TRUE.move_for(n) / 1e3
             server += prefill + TRUE.handoff_ms + TRUE.move_for(n)
         ttft = (server + HTTP_MS) / 1e3
-        lone.append({"prompt_len": n, "ttft_s": ttft, "gaps_s": [0.001, 0.02, 0.02, 0.02], "timings": timings})
+        lone.append({"prompt_len": n, "ttft_s": ttft, "gaps_s": gaps, "timings": timings})
     batch = {"size": 3, "requests": [{"gaps_s": [0.1, 0.1, 0.03, 0.03]} for _ in range(3)]}
     return {"lone": lone, "batch": batch}
 
@@ -90,12 +95,14 @@ def test_lone_request_timeline():
     p = 2 * TRUE.p_step_ms + TRUE.p_row_ms * n  # P runs [0, N - W) and [N - W, N) as two steps
     assert sim.ttft_s[0] * 1e3 == pytest.approx(p + TRUE.handoff_ms + TRUE.move_for(n) + 7.0)
     assert len(sim.gaps_s[0]) == out - 1
-    # symmetric-split: P's first token goes out with D's replay step, as the server sends it
+    # symmetric-split: the replay samples nothing, so the server sends P's first token when it
+    # launches the replay; the replay's time is in the first gap, with the first decode step
     sim = simulate_deployment(CFG, "symmetric-split", steps, [Arrival(0, 0.0, n, out)], **kw)
     p = 2 * TRUE.p_step_ms + TRUE.p_row_ms * n
     replay = TRUE.d_pre_ms + TRUE.d_row_ms * (n - s)
-    assert sim.ttft_s[0] * 1e3 == pytest.approx(p + TRUE.handoff_ms + TRUE.move_for(n) + replay + 7.0)
-    assert [g * 1e3 for g in sim.gaps_s[0]] == pytest.approx([TRUE.d_step_ms] * (out - 1))
+    assert sim.ttft_s[0] * 1e3 == pytest.approx(p + TRUE.handoff_ms + TRUE.move_for(n) + 7.0)
+    gaps = [replay + TRUE.d_step_ms] + [TRUE.d_step_ms] * (out - 2)
+    assert [g * 1e3 for g in sim.gaps_s[0]] == pytest.approx(gaps)
 
 
 def test_exports_run_beside_each_other_at_their_loaded_cost():
@@ -185,6 +192,20 @@ def test_validate_a_synthetic_result(tmp_path):
     assert json.loads(out.read_text())["rows"][0]["predicted"] == row["predicted"]
 
 
+def test_on_a_gpu_the_hand_off_waits_for_p_steps():
+    """The same two requests, the result made on a GPU: P's answer seals the prefix on P's stream,
+    so it waits for P's step in progress, on a GPU of P's own too (ms). P [0, 16] req 0, then P's
+    step for req 1 [16, 32] (D idle: P alone on the GPU); both answers [32, 35], both fetches
+    [35, 42]; D's prompt step for both [42, 56] (first tokens); then both decode, 25 ms a step."""
+    ttfts = [56 + HTTP_MS, 56 - 10 + HTTP_MS]
+    for gpus in (1, 2):
+        res = {**e2e_result(gpus=gpus), "device": {"gpu": "NVIDIA H200"}}
+        row = validate_e2e(res)["rows"][0]
+        assert row["predicted"]["ttft_p50_ms"] == pytest.approx(sum(ttfts) / 2)
+        assert row["predicted"]["itl_p50_ms"] == pytest.approx(25.0)
+        assert row["engine_step_s"]["prefill"]["wall"] == pytest.approx(0.032)  # D idle: nothing shared
+
+
 def test_malformed_result_is_a_typed_error():
     bad = e2e_result(gpus=1)
     del bad["slo"]
@@ -251,7 +272,8 @@ def test_validate_a_depth40_result_in_every_mode():
     assert {r["mode"]: r["predicted"]["ttft_p50_ms"] for r in v["rows"]} == pytest.approx(want)
     assert [r["predicted"]["itl_p50_ms"] for r in v["rows"]] == pytest.approx([150.0] * 5)
     for mode, m in v["modes"].items():
-        assert m["serving_load_ms"]["answer_ms"] == m["serving_load_ms"]["fetch_ms"] == 0.0, mode
+        load = m["serving_load_ms"]
+        assert (load["answer_ms"], load["fetch_ms"]) == pytest.approx((0.0, 0.0), abs=1e-9), mode
     assert "depth 40" in format_validation(v)
 
 
@@ -343,3 +365,33 @@ def test_the_result_policy_selects_mixed_steps():
     assert (s["d_pre_ms"], s["d_row_ms"], s["mix_pre_ms"]) == pytest.approx((6.0, 0.5, None))
     res["d_policy"] = {"max_new_admissions": 4, "admission_token_budget": 512}  # older results: mixed
     assert validate_e2e(res)["d_policy"] == {**AdmissionPolicy(4, 512).__dict__}
+
+
+def test_colocated_decode_steps_from_gaps_past_every_prompt():
+    """Colocated batch of two: request 1's prompt runs in steps taking turns with request 0's
+    decode steps (gaps of 100 ms, no first token inside), its first token at 450 ms; then both
+    decode at 25 ms. Only gaps that start with both past their prompt price a decode step: with
+    the lone 20 ms step, 5 ms per further request (the batch's later gaps would say 42.5)."""
+    cal = calibration("colocated")
+    r0 = {"prompt_len": 40, "ttft_s": 0.05, "gaps_s": [0.1] * 4 + [0.025] * 2, "timings": {"ttft_s": 0.05}}
+    r1 = {"prompt_len": 40, "ttft_s": 0.45, "gaps_s": [0.025] * 2, "timings": {"ttft_s": 0.45}}
+    cal["batch"] = {"size": 2, "requests": [r0, r1]}
+    got = fit_steps(CFG, "colocated", cal, d_budget=512, semantics="split")
+    assert (got.d_step_ms, got.d_seq_ms) == pytest.approx((20.0, 5.0))
+
+
+def test_symmetric_split_first_tokens_belong_to_the_gap_they_start():
+    """A symmetric D's replay samples nothing: P's token goes out at its launch, at the start of
+    the gap that holds the replay (here request 1's, at 100 ms, the start of request 0's 60 ms gap);
+    read by the nearest start it is that gap, by the nearest end the one before."""
+    from asympd.plan.serving_load import batch_gaps
+
+    r0 = {"prompt_len": 40, "ttft_s": 0.04, "gaps_s": [0.03, 0.03, 0.06, 0.03], "timings": {}}
+    r1 = {"prompt_len": 40, "ttft_s": 0.101, "gaps_s": [0.06, 0.03], "timings": {}}
+    rows = [(r0, r0["timings"]), (r1, r1["timings"])]
+    at_start = [g.firsts for g in batch_gaps(rows, first_at_start=True)[:4]]
+    at_end = [g.firsts for g in batch_gaps(rows)[:4]]
+    assert at_start == [(0,), (), (1,), ()]  # request 0's own first token starts its first gap
+    assert at_end == [(), (1,), (), ()]
+    assert first_out_at_launch(CFG, "symmetric-split") and not first_out_at_launch(CFG, "symmetric-split", False)
+    assert not any(first_out_at_launch(CFG, m) for m in ("asymmetric", "encoder-only", "symmetric-windows"))
