@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from asympd.plan.deployment import Deployment, ServingPath
 from asympd.plan.simulate import gpu_share
 
 
@@ -144,48 +145,48 @@ def _step_points(
     ]
 
 
-def fit_stage_load(
-    cal: dict[str, Any],
-    pd: bool,
-    lone_answer_ms: float,
-    fetch_ms: Callable[[int], float],
-    lone_hops_ms: float,
-    decode_ms: Callable[[int], float] | None = None,
-    shared_gpu: bool = False,
-    first_at_start: bool = False,
-    handoff_on_p_stream: bool = True,
-) -> StageLoad:
-    """The per-request slopes from the calibration batch; lone costs as fitted from the lone
-    requests (``fetch_ms(prompt_len)``: the lone move). ``pd``: a P/D deployment (else colocated:
-    the hops only). The batch's requests are sent at once (t = 0) and its server timings share the
-    router's origin, so a stage's start is: P's answer, P's ``prefill_s`` (P done); D's fetch and the
-    router's hop to D, P's answer reaching the router (``prefill_rtt_s``; colocated: 0). P's
-    answer and the fetch are read without the time they waited for P's steps (``p_blocked_s``).
-    ``decode_ms(batch)``: D's fitted decode step, for D's per-step term (P/D only: it stands for
-    the prefix fetches and imports beside D's steps; a colocated worker's prompt phases hide in
-    token gaps that show no first token). ``shared_gpu``: P ran on D's GPU (its steps beside D's
-    while it computed the batch). ``first_at_start``: see ``batch_gaps``. ``handoff_on_p_stream``:
-    P's answer and the fetch wait for P's steps (a GPU; on a CPU there is no stream to wait on)."""
+@dataclass(frozen=True)
+class LoneCosts:
+    """A lone request's costs (ms), as fitted from the lone requests: what each slope is read over."""
+
+    answer_ms: float  # P's answer to the router
+    fetch_ms: Callable[[int], float]  # D's fetch of a prefix of so many tokens (the lone move)
+    hops_ms: float  # client -> router -> D and the first chunk back
+    decode_ms: Callable[[int], float] | None = None  # D's decode step at a batch size (None: no per-step term)
+
+
+def fit_stage_load(cal: dict[str, Any], lone: LoneCosts, dep: Deployment, path: ServingPath) -> StageLoad:
+    """The per-request slopes from the calibration batch, over the ``lone`` costs. ``dep.pd``: a
+    P/D deployment (else colocated: the hops only). The batch's requests are sent at once (t = 0)
+    and its server timings share the router's origin, so a stage's start is: P's answer, P's
+    ``prefill_s`` (P done); D's fetch and the router's hop to D, P's answer reaching the router
+    (``prefill_rtt_s``; colocated: 0). With ``path.handoff_on_p_stream`` P's answer and the fetch
+    are read without the time they waited for P's steps (``p_blocked_s``). ``lone.decode_ms``:
+    D's fitted decode step, for D's per-step term (P/D only: it stands for the prefix fetches and
+    imports beside D's steps; a colocated worker's prompt phases hide in token gaps that show no
+    first token). ``dep.shared_gpu``: P ran on D's GPU (its steps beside D's while it computed the
+    batch). ``path.first_at_start``: see ``batch_gaps``."""
+    pd = dep.pd
     rows = batch_rows(cal, pd)
     if not rows:
         return StageLoad()
     spans = [(0.0, t["ttft_s"]) for _, t in rows]
-    p_end = p_busy_until(rows, handoff_on_p_stream)  # P computes the batch's prompts until then
+    p_end = p_busy_until(rows, path.handoff_on_p_stream)  # P computes the batch's prompts until then
     answer, fetch, hops, starts = [], [], [], []
     for r, t in rows:
         hops_n = in_path(t["prefill_rtt_s"] if pd else 0.0, spans)
-        hops.append((hops_n, (r["ttft_s"] - t["ttft_s"]) * 1e3 - lone_hops_ms))
+        hops.append((hops_n, (r["ttft_s"] - t["ttft_s"]) * 1e3 - lone.hops_ms))
         starts.append(hops_n)
         if pd:
             n = in_path(t["prefill_s"], spans)
             s, e = t["prefill_s"], t["prefill_rtt_s"]
-            answer.append((n, (e - s - p_blocked_s(s, e, p_end)) * 1e3 - lone_answer_ms))
+            answer.append((n, (e - s - p_blocked_s(s, e, p_end)) * 1e3 - lone.answer_ms))
             s, e = e, e + t["transfer_s"]
-            fetch.append((hops_n, (e - s - p_blocked_s(s, e, p_end)) * 1e3 - fetch_ms(r["prompt_len"])))
+            fetch.append((hops_n, (e - s - p_blocked_s(s, e, p_end)) * 1e3 - lone.fetch_ms(r["prompt_len"])))
             starts.append(n)
     step = (
-        _step_points(rows, decode_ms, p_busy_until(rows, shared_gpu), first_at_start)
-        if pd and decode_ms is not None
+        _step_points(rows, lone.decode_ms, p_busy_until(rows, dep.shared_gpu), path.first_at_start)
+        if pd and lone.decode_ms is not None
         else []
     )
     return StageLoad(

@@ -21,8 +21,17 @@ from typing import Any
 
 from asympd.config import ModelConfig, v41_flash
 from asympd.engine import modes
+from asympd.plan.deployment import Deployment, ServingPath
 from asympd.plan.gpus import GPUS
-from asympd.plan.serving_load import StageLoad, batch_gaps, batch_rows, fit_stage_load, in_path, p_busy_until
+from asympd.plan.serving_load import (
+    LoneCosts,
+    StageLoad,
+    batch_gaps,
+    batch_rows,
+    fit_stage_load,
+    in_path,
+    p_busy_until,
+)
 from asympd.plan.simulate import (
     Arrival,
     DecodeEngine,
@@ -283,14 +292,11 @@ def _fixed_or_line(points: list[tuple[int, int, float]]) -> tuple[float, float]:
 
 def fit_admission_steps(
     cfg: ModelConfig,
-    mode: str,
     cal: dict[str, Any],
     steps: MeasuredSteps,
     load: StageLoad,
-    policy: AdmissionPolicy,
-    semantics: str,
+    dep: Deployment,
     d_budget: int,
-    shared_gpu: bool = False,
     on_gpu: bool = True,
 ) -> MeasuredSteps:
     """D's steps that take prompt rows, from the calibration batch: a decoding request's token gap
@@ -303,9 +309,10 @@ def fit_admission_steps(
     path and its host time per request in the TTFT path are the fitted ones; ``shared_gpu``: the
     gaps are read at D's alone speed where P's steps shared the GPU (the simulator shares it
     again). Nothing here reads the rate runs."""
-    rows = batch_rows(cal, mode != "colocated")
+    mode, semantics, policy = dep.mode, dep.colocated_semantics, dep.policy
+    rows = batch_rows(cal, dep.pd)
     by_step: dict[tuple[int, ...], list[float]] = {}  # one step, seen in each decoding request's gap
-    for g in batch_gaps(rows, p_busy_until(rows, shared_gpu), first_out_at_launch(cfg, mode, on_gpu)):
+    for g in batch_gaps(rows, p_busy_until(rows, dep.shared_gpu), first_out_at_launch(cfg, mode, on_gpu)):
         if g.firsts:
             excess = g.alone_ms(gpu_share(2)) - steps.decode_ms(g.batch, 0, 1) - load.step_extra_ms(g.in_path)
             by_step.setdefault(g.firsts, []).append(excess)
@@ -340,14 +347,11 @@ class _LoadedSteps:
 
 def _decoder(
     cfg: ModelConfig,
-    mode: str,
     steps: MeasuredSteps,
+    dep: Deployment,
     arr: list[Arrival],
-    policy: AdmissionPolicy,
-    semantics: str,
-    seed: int = 0,
     expected: list[Arrival] | None = None,
-    on_gpu: bool = True,
+    outputs_at_launch: bool = True,
 ) -> DecodeEngine:
     """A D (or colocated) worker as the e2e study runs it: no speculative decoding, the default
     scheduler limits, the result's admission policy (mixed steps or not), P's first token sent
@@ -356,15 +360,15 @@ def _decoder(
 
     sc = SchedulerConfig()
     setup = DecodeSetup(
-        mode,
+        dep.mode,
         max_num_seqs=sc.max_num_seqs,
-        policy=policy,
-        seed=seed,
+        policy=dep.policy,
+        seed=dep.seed,
         num_spec=0,
         max_num_batched_tokens=sc.max_num_batched_tokens,
-        colocated_semantics=semantics,
+        colocated_semantics=dep.colocated_semantics,
         first_token_with_first_step=True,
-        outputs_at_launch=on_gpu,
+        outputs_at_launch=outputs_at_launch,
     )
     return DecodeEngine(cfg, steps, setup, arr, expected=expected)
 
@@ -379,35 +383,26 @@ class Simulated:
 
 def simulate_deployment(
     cfg: ModelConfig,
-    mode: str,
     steps: MeasuredSteps,
     arrivals: list[Arrival],
-    *,
-    replicas: int,
-    p_step_tokens: int,
-    policy: AdmissionPolicy,
-    colocated_semantics: str,
-    seed: int = 0,
-    shared_gpu: bool = False,
+    dep: Deployment,
+    path: ServingPath,
     load: StageLoad | None = None,
-    handoff_on_p_stream: bool = True,
 ) -> Simulated:
-    """The planner's simulator on one measured deployment: 1 P + 1 D, or ``replicas`` colocated
-    workers (round-robin), no speculative decoding, the workers' default scheduler limits.
-    ``shared_gpu``: every worker on one GPU, their steps sharing it (``run_engines``).
+    """The planner's simulator on one measured deployment (``dep``), the workers' default
+    scheduler limits; ``dep.shared_gpu``: their steps share one GPU (``run_engines``).
     ``load``: the CPU-side stages' cost per further request in the TTFT path (serving_load.py);
     P's answer, D's fetch and the HTTP hops run beside each other, each at its cost for the
-    requests in that path when it starts. ``handoff_on_p_stream``: P's answer and the fetch wait
-    for P's steps (on a GPU they seal and pack the prefix on P's stream; a CPU has none)."""
+    requests in that path when it starts. ``path.handoff_on_p_stream``: P's answer and the fetch
+    wait for P's steps (on a GPU they seal and pack the prefix on P's stream; a CPU has none)."""
     from asympd.engine.scheduler import SchedulerConfig
 
+    mode, replicas, shared_gpu = dep.mode, dep.replicas, dep.shared_gpu
+    handoff_on_p_stream = path.handoff_on_p_stream
     load = load or StageLoad()
     hops_n: dict[int, int] = {}  # requests in the TTFT path when the router sends each to D
     if mode == "colocated":
-        engines = [
-            _decoder(cfg, mode, steps, arrivals[r::replicas], policy, colocated_semantics, seed)
-            for r in range(replicas)
-        ]
+        engines = [_decoder(cfg, steps, dep, arrivals[r::replicas]) for r in range(replicas)]
         run_engines(engines, [0 if shared_gpu else r for r in range(replicas)])
         runs = [e.run for e in engines]
         roles = {"colocated": runs}
@@ -416,9 +411,9 @@ def simulate_deployment(
         hops_n = {a.index: in_path(a.time_s, spans) for a in arrivals}
     else:
         sc = SchedulerConfig()
-        p_setup = PrefillSetup(mode, max_num_seqs=sc.max_num_seqs, step_tokens=p_step_tokens)
+        p_setup = PrefillSetup(mode, max_num_seqs=sc.max_num_seqs, step_tokens=dep.p_step_tokens)
         p = PrefillEngine(cfg, steps, p_setup, arrivals)
-        d = _decoder(cfg, mode, steps, [], policy, colocated_semantics, seed, arrivals, handoff_on_p_stream)
+        d = _decoder(cfg, steps, dep, [], arrivals, path.outputs_at_launch)
         by_index = {a.index: a for a in arrivals}
 
         def n_at(t: float) -> int:
@@ -480,7 +475,26 @@ def _ttft_offset(cal: dict[str, Any], at_launch: bool = False) -> float:
     return _median(resid) * 1e3
 
 
-def _batch_check(cfg: ModelConfig, mode: str, steps: MeasuredSteps, m: dict[str, Any], kw: dict[str, Any]) -> dict:
+@dataclass(frozen=True)
+class _Study:
+    """What every mode of one e2e result shares: the model, the SLO, D's admission budget, the
+    device, and whether the CPU-side stages are priced under load."""
+
+    cfg: ModelConfig
+    slo: dict[str, float]
+    d_budget: int
+    on_gpu: bool  # a GPU: the hand-off waits for P's steps, a D step that samples nothing answers at launch
+    serving_load: bool = True
+
+
+def _batch_check(
+    cfg: ModelConfig,
+    steps: MeasuredSteps,
+    m: dict[str, Any],
+    dep: Deployment,
+    path: ServingPath,
+    load: StageLoad | None,
+) -> dict:
     """Not fitted, for reading a miss: the calibration batch (every request sent at once)
     simulated, against its client TTFT; and the servers' own parts, lone vs in the batch
     (medians, ms): what a burst does to each."""
@@ -492,7 +506,8 @@ def _batch_check(cfg: ModelConfig, mode: str, steps: MeasuredSteps, m: dict[str,
         Arrival(i, 0.0, r["prompt_len"], (r.get("usage") or {}).get("completion_tokens") or len(r["gaps_s"]) + 1)
         for i, r in enumerate(reqs)
     ]
-    sim = simulate_deployment(cfg, mode, steps, arr, **kw)
+    sim = simulate_deployment(cfg, steps, arr, dep, path, load)
+    mode = dep.mode
 
     def parts(rs: list[dict[str, Any]]) -> dict[str, float]:
         t = [r.get("timings") or {} for r in rs]
@@ -514,50 +529,35 @@ def _batch_check(cfg: ModelConfig, mode: str, steps: MeasuredSteps, m: dict[str,
     }
 
 
-def _validate_mode(
-    out: dict[str, Any],
-    mode: str,
-    m: dict[str, Any],
-    cfg: ModelConfig,
-    slo: dict[str, float],
-    kw: dict[str, Any],
-    d_budget: int,
-) -> None:
+def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, study: _Study) -> None:
+    """One mode's rows (and fitted steps) into ``out``."""
+    mode, cfg, gpu = dep.mode, study.cfg, study.on_gpu
     if "calibration" not in m or not m.get("runs"):
         out["modes"][mode] = {"skipped": (m.get("error") or m.get("skipped") or "no calibration or runs")[-300:]}
         return
-    """One mode's rows (and fitted steps) into ``out``."""
-    kw = {**kw, "replicas": sum(1 for w in m["workers"].values() if w["role"] == "colocated") or 1}
-    gpu = kw["handoff_on_p_stream"]  # the result ran on a GPU
-    at_launch = first_out_at_launch(cfg, mode, gpu)
-    steps = fit_steps(cfg, mode, m["calibration"], d_budget, kw["colocated_semantics"], kw["p_step_tokens"], gpu)
-    steps.ttft_offset_ms = _ttft_offset(m["calibration"], at_launch)
-    if kw.pop("serving_load"):
-        pd = mode != "colocated"
-        kw["load"] = fit_stage_load(
-            m["calibration"],
-            pd,
-            steps.handoff_ms,
-            steps.move_for,
-            steps.ttft_offset_ms,
-            lambda b: steps.decode_ms(b, 0, 1),
-            shared_gpu=kw["shared_gpu"],
-            first_at_start=at_launch,
-            handoff_on_p_stream=kw["handoff_on_p_stream"],
-        )
-    load = kw.get("load") or StageLoad()
-    cal, sem = m["calibration"], kw["colocated_semantics"]
-    steps = fit_admission_steps(cfg, mode, cal, steps, load, kw["policy"], sem, d_budget, kw["shared_gpu"], gpu)
+    dep = replace(dep, replicas=sum(1 for w in m["workers"].values() if w["role"] == "colocated") or 1)
+    path = ServingPath(
+        handoff_on_p_stream=gpu, outputs_at_launch=gpu, first_at_start=first_out_at_launch(cfg, mode, gpu)
+    )
+    cal = m["calibration"]
+    steps = fit_steps(cfg, mode, cal, study.d_budget, dep.colocated_semantics, dep.p_step_tokens, gpu)
+    steps.ttft_offset_ms = _ttft_offset(cal, path.first_at_start)
+    load = None
+    if study.serving_load:
+        lone = LoneCosts(steps.handoff_ms, steps.move_for, steps.ttft_offset_ms, lambda b: steps.decode_ms(b, 0, 1))
+        load = fit_stage_load(cal, lone, dep, path)
+    steps = fit_admission_steps(cfg, cal, steps, load or StageLoad(), dep, study.d_budget, gpu)
     out["modes"][mode] = {
         "steps_ms": asdict(steps),
-        "serving_load_ms": asdict(kw.get("load") or StageLoad()),
-        "batch_check": _batch_check(cfg, mode, steps, m, kw),
+        "serving_load_ms": asdict(load or StageLoad()),
+        "batch_check": _batch_check(cfg, steps, m, dep, path, load),
     }
+    slo = study.slo
     for run in m["runs"]:
         req = run["requests"]
         ok = [i for i, e in enumerate(req["errors"]) if not e]
         arrivals = [Arrival(i, req["start_times"][i], req["input_lens"][i], req["output_lens"][i]) for i in ok]
-        sim = simulate_deployment(cfg, mode, steps, arrivals, **kw)
+        sim = simulate_deployment(cfg, steps, arrivals, dep, path, load)
         ttft = [sim.ttft_s[i] for i in ok if i in sim.ttft_s]
         itl = [g for i in ok for g in sim.gaps_s[i]]
         good = [
@@ -659,12 +659,11 @@ def validate_e2e(
     }
     shared = result.get("gpus") == 1  # bench/e2e.py --gpus 1: every worker of a mode on one GPU
     out["placement"] = "shared" if shared else "separate"
+    study = _Study(cfg, slo, d_budget, on_gpu=out["device"] != "cpu", serving_load=serving_load)
     for mode, m in modes_in.items():
-        kw = dict(p_step_tokens=p_tokens, policy=policy, colocated_semantics=sem, seed=seed, shared_gpu=shared)
-        kw["handoff_on_p_stream"] = out["device"] != "cpu"  # a GPU: the hand-off waits for P's steps
-        kw["serving_load"] = serving_load
+        dep = Deployment(mode, policy, p_tokens, sem, shared_gpu=shared, seed=seed)
         try:
-            _validate_mode(out, mode, m, cfg, slo, kw, d_budget)
+            _validate_mode(out, m, dep, study)
         except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
             raise ValidationError(f"mode {mode!r} of the result is malformed: {type(e).__name__}: {e}") from None
     exclude = dict(exclude or {})

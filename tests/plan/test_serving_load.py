@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from asympd.plan.serving_load import StageLoad, fit_stage_load, in_path
+from asympd.plan.deployment import Deployment, ServingPath
+from asympd.plan.serving_load import LoneCosts, StageLoad, fit_stage_load, in_path
+from asympd.serve.admission import POLICIES
 
 LONE_ANSWER, LONE_HOPS = 3.0, 7.0
 KNOWN = StageLoad(answer_ms=2.0, fetch_ms=1.5, hops_ms=0.5)
@@ -13,6 +15,10 @@ KNOWN = StageLoad(answer_ms=2.0, fetch_ms=1.5, hops_ms=0.5)
 
 def fetch_lone(prompt_len: int) -> float:
     return 2.0 + 0.01 * prompt_len
+
+
+PD = Deployment("asymmetric", POLICIES["cap-4"], p_step_tokens=2048, colocated_semantics="split")
+COLOCATED = Deployment("colocated", POLICIES["cap-4"], p_step_tokens=2048, colocated_semantics="split")
 
 
 def batch_request(
@@ -39,11 +45,12 @@ def test_fit_recovers_a_known_load():
     also with 4 in the path; first tokens from 400 ms on."""
     prefill = [0.30, 0.32, 0.34, 0.36]
     reqs = [batch_request(p, 4, 4, 0.4 + 0.05 * i, wait_s=0.36 - p) for i, p in enumerate(prefill)]
-    got = fit_stage_load({"batch": {"size": 4, "requests": reqs}}, True, LONE_ANSWER, fetch_lone, LONE_HOPS)
+    cal = {"batch": {"size": 4, "requests": reqs}}
+    got = fit_stage_load(cal, LoneCosts(LONE_ANSWER, fetch_lone, LONE_HOPS), PD, ServingPath())
     assert (got.answer_ms, got.fetch_ms, got.hops_ms, got.d_step_ms) == pytest.approx((2.0, 1.5, 0.5, 0.0))
     assert got.batch_in_path == pytest.approx(4.0)
     # colocated: no P answer and no fetch; the router's hop starts at arrival, with all 4 in the path
-    got = fit_stage_load({"batch": {"size": 4, "requests": reqs}}, False, 0.0, fetch_lone, LONE_HOPS)
+    got = fit_stage_load(cal, LoneCosts(0.0, fetch_lone, LONE_HOPS), COLOCATED, ServingPath())
     assert (got.answer_ms, got.fetch_ms, got.hops_ms) == pytest.approx((0.0, 0.0, 0.5))
 
 
@@ -70,14 +77,15 @@ def test_d_step_cost_from_decode_only_gaps():
     r1 = {"prompt_len": 100, "ttft_s": 0.25, "gaps_s": [0.025, 0.025]}
     r1["timings"] = {"prefill_s": 0.01, "prefill_rtt_s": 0.013, "transfer_s": 0.003, "ttft_s": 0.25}
     cal = {"batch": {"size": 2, "requests": [r0, r1]}}
-    got = fit_stage_load(cal, True, 3.0, fetch_lone, 0.0, decode_ms=lambda b: 20.0 + 5.0 * (b - 1))
+    got = fit_stage_load(cal, LoneCosts(3.0, fetch_lone, 0.0, lambda b: 20.0 + 5.0 * (b - 1)), PD, ServingPath())
     assert got.d_step_ms == pytest.approx(4.0)
     assert got.step_extra_ms(0) == 0.0 and got.step_extra_ms(3) == pytest.approx(12.0)
     # colocated workers: no per-step term (their prompt phases hide in gaps without a first token)
-    assert fit_stage_load(cal, False, 0.0, fetch_lone, 0.0, decode_ms=lambda b: 20.0).d_step_ms == 0.0
+    colocated = fit_stage_load(cal, LoneCosts(0.0, fetch_lone, 0.0, lambda b: 20.0), COLOCATED, ServingPath())
+    assert colocated.d_step_ms == 0.0
 
 
 def test_a_batch_without_server_timings_gives_no_load():
     cal = {"batch": {"size": 3, "requests": [{"gaps_s": [0.1]} for _ in range(3)]}}
-    assert fit_stage_load(cal, True, 3.0, fetch_lone, 7.0) == StageLoad()
-    assert fit_stage_load({"lone": []}, True, 3.0, fetch_lone, 7.0) == StageLoad()
+    assert fit_stage_load(cal, LoneCosts(3.0, fetch_lone, 7.0), PD, ServingPath()) == StageLoad()
+    assert fit_stage_load({"lone": []}, LoneCosts(3.0, fetch_lone, 7.0), PD, ServingPath()) == StageLoad()

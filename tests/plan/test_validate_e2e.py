@@ -5,11 +5,13 @@ on a small synthetic bench/e2e.py result (one GPU: P and D share it)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from asympd.config import tiny
 from asympd.engine.modes import split_point
+from asympd.plan.deployment import Deployment, ServingPath
 from asympd.plan.serving_load import StageLoad
 from asympd.plan.simulate import Arrival
 from asympd.plan.validate import (
@@ -29,6 +31,11 @@ CFG = tiny()  # window 16
 TRUE = MeasuredSteps(p_step_ms=10.0, p_row_ms=0.25, d_step_ms=20.0, d_seq_ms=5.0, d_row_ms=0.5, move_ms=2.0,
                      move_row_ms=0.125, handoff_ms=3.0, d_pre_ms=6.0)  # fmt: skip
 HTTP_MS = 7.0  # client TTFT minus the servers' parts
+
+
+def dep(mode: str) -> Deployment:
+    """One deployment of ``mode`` as the e2e study runs it (cap-4, a GPU each)."""
+    return Deployment(mode, POLICIES["cap-4"], p_step_tokens=2048, colocated_semantics="split")
 
 
 def calibration(mode: str) -> dict:
@@ -83,21 +90,20 @@ def test_step_paths_add():
 def test_lone_request_timeline():
     steps = MeasuredSteps(**{**TRUE.__dict__, "ttft_offset_ms": 7.0})
     n, out = 100, 4
-    kw = dict(replicas=1, p_step_tokens=2048, policy=POLICIES["cap-4"], colocated_semantics="split")
-    sim = simulate_deployment(CFG, "asymmetric", steps, [Arrival(0, 1.0, n, out)], **kw)
+    sim = simulate_deployment(CFG, steps, [Arrival(0, 1.0, n, out)], dep("asymmetric"), ServingPath())
     s = split_point(CFG, n, "carry")
     p = TRUE.p_step_ms + TRUE.p_row_ms * s
     d_first = TRUE.d_pre_ms + TRUE.d_row_ms * (n - s)
     assert sim.ttft_s[0] * 1e3 == pytest.approx(p + TRUE.handoff_ms + TRUE.move_for(n) + d_first + 7.0)
     assert [g * 1e3 for g in sim.gaps_s[0]] == pytest.approx([TRUE.d_step_ms] * (out - 1))
     # symmetric-windows: P makes the first token; D sends it when it admits the request (nothing to replay)
-    sim = simulate_deployment(CFG, "symmetric-windows", steps, [Arrival(0, 0.0, n, out)], **kw)
+    sim = simulate_deployment(CFG, steps, [Arrival(0, 0.0, n, out)], dep("symmetric-windows"), ServingPath())
     p = 2 * TRUE.p_step_ms + TRUE.p_row_ms * n  # P runs [0, N - W) and [N - W, N) as two steps
     assert sim.ttft_s[0] * 1e3 == pytest.approx(p + TRUE.handoff_ms + TRUE.move_for(n) + 7.0)
     assert len(sim.gaps_s[0]) == out - 1
     # symmetric-split: the replay samples nothing, so the server sends P's first token when it
     # launches the replay; the replay's time is in the first gap, with the first decode step
-    sim = simulate_deployment(CFG, "symmetric-split", steps, [Arrival(0, 0.0, n, out)], **kw)
+    sim = simulate_deployment(CFG, steps, [Arrival(0, 0.0, n, out)], dep("symmetric-split"), ServingPath())
     p = 2 * TRUE.p_step_ms + TRUE.p_row_ms * n
     replay = TRUE.d_pre_ms + TRUE.d_row_ms * (n - s)
     assert sim.ttft_s[0] * 1e3 == pytest.approx(p + TRUE.handoff_ms + TRUE.move_for(n) + 7.0)
@@ -111,18 +117,17 @@ def test_exports_run_beside_each_other_at_their_loaded_cost():
     steps = MeasuredSteps(**{**TRUE.__dict__, "move_row_ms": 0.0, "ttft_offset_ms": 7.0})  # every move 2 ms
     load = StageLoad(answer_ms=4.0, fetch_ms=1.5, hops_ms=0.5, d_step_ms=100.0)
     n = 40
-    kw = dict(replicas=1, p_step_tokens=2048, policy=POLICIES["cap-4"], colocated_semantics="split")
     two = [Arrival(0, 0.0, n, 2), Arrival(1, 0.0, n, 2)]
     s = split_point(CFG, n, "carry")
     p_done = TRUE.p_step_ms + TRUE.p_row_ms * 2 * s  # one step for both
     at_d = p_done + (3.0 + 4.0) + (2.0 + 1.5)  # both at D together: one prompt step for both
     first = at_d + TRUE.d_pre_ms + TRUE.d_row_ms * 2 * (n - s) + 7.0 + 0.5
-    sim = simulate_deployment(CFG, "asymmetric", steps, two, load=load, **kw)
+    sim = simulate_deployment(CFG, steps, two, dep("asymmetric"), ServingPath(), load)
     assert [sim.ttft_s[0] * 1e3, sim.ttft_s[1] * 1e3] == pytest.approx([first, first])
     # the decode step that follows has nobody in the TTFT path beside it: no extra host time
     assert [g * 1e3 for g in sim.gaps_s[0]] == pytest.approx([TRUE.d_step_ms + TRUE.d_seq_ms])
     # without a load the same two requests pay the lone costs only
-    sim = simulate_deployment(CFG, "asymmetric", steps, two, **kw)
+    sim = simulate_deployment(CFG, steps, two, dep("asymmetric"), ServingPath())
     assert sim.ttft_s[0] * 1e3 == pytest.approx(first - 4.0 - 1.5 - 0.5)
 
 
@@ -341,16 +346,15 @@ def test_steps_with_prompt_rows_from_the_calibration_batch():
     cal = admission_calibration()
     steps = fit_steps(CFG, "asymmetric", cal, d_budget=512, semantics="split")
     assert (steps.d_step_ms, steps.d_seq_ms, steps.d_pre_ms) == pytest.approx((20.0, 5.0, 14.0))
-    mixed = fit_admission_steps(CFG, "asymmetric", cal, steps, StageLoad(), POLICIES["cap-4"], "split", 512)
+    mixed = fit_admission_steps(CFG, cal, steps, StageLoad(), dep("asymmetric"), 512)
     assert (mixed.mix_pre_ms, mixed.d_pre_ms) == pytest.approx((22.0, 14.0))
     assert mixed.decode_ms(2, 32, 1) == pytest.approx(25.0 + 22.0)  # mixed: decode path + the batch's excess
     assert mixed.decode_ms(0, 32, 1) == pytest.approx(14.0)  # prompt rows alone: the lone first step
-    alone = fit_admission_steps(CFG, "asymmetric", cal, steps, StageLoad(), POLICIES["alone-4"], "split", 512)
+    alone_4 = replace(dep("asymmetric"), policy=POLICIES["alone-4"])
+    alone = fit_admission_steps(CFG, cal, steps, StageLoad(), alone_4, 512)
     assert (alone.d_pre_ms, alone.d_row_ms, alone.mix_pre_ms) == pytest.approx((6.0, 0.5, None))
     # on a shared GPU P computed the batch until 10 ms, before any of its gaps: nothing to take off
-    shared = fit_admission_steps(
-        CFG, "asymmetric", cal, steps, StageLoad(), POLICIES["cap-4"], "split", 512, shared_gpu=True
-    )
+    shared = fit_admission_steps(CFG, cal, steps, StageLoad(), replace(dep("asymmetric"), shared_gpu=True), 512)
     assert shared.mix_pre_ms == pytest.approx(22.0)  # P was done (10 ms) before that gap began
 
 

@@ -1,0 +1,38 @@
+"""What a measured deployment was, and how its serving path is modelled: the two things that the
+e2e validation's fits (serving_load.py) and its simulation (validate.py) both read. Kept apart so
+that a new fact about the deployment and a new rule of the serving-path model each change one
+object, not every function's argument list."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from asympd.serve.admission import AdmissionPolicy
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One measured deployment of a ``bench/e2e.py`` result: 1 P + 1 D, or ``replicas`` colocated
+    workers (round-robin), with the result's settings; no speculative decoding."""
+
+    mode: str
+    policy: AdmissionPolicy  # D's admission policy (mixed steps or not)
+    p_step_tokens: int  # P's prefill token budget per step
+    colocated_semantics: str  # how a colocated worker computes a whole prompt
+    replicas: int = 1  # colocated workers (P/D: one of each)
+    shared_gpu: bool = False  # every worker on one GPU, their steps sharing it
+    seed: int = 0  # D's draws
+
+    @property
+    def pd(self) -> bool:
+        """A P/D deployment (else colocated workers: no P answer, no fetch)."""
+        return self.mode != "colocated"
+
+
+@dataclass(frozen=True)
+class ServingPath:
+    """How the serving path is modelled, from what the engine does on the result's device."""
+
+    handoff_on_p_stream: bool = True  # P's answer and the fetch wait for P's steps (a GPU stream; a CPU has none)
+    outputs_at_launch: bool = True  # a GPU engine: a D step that samples nothing answers at its launch
+    first_at_start: bool = False  # this mode's first token goes out when its step launches (a symmetric replay)
