@@ -282,6 +282,7 @@ class DecodeEngine(_Engine):
         self._late_first = setup.first_token_with_first_step
         self._at_launch = setup.outputs_at_launch
         self._unsent: dict[str, Request] = {}  # P's first token, held until D first outputs the request
+        self._out_with_step: list[str] = []  # held first tokens that the step in progress outputs at its end
 
     def add(self, a: Arrival) -> None:
         if self.mode == "colocated":
@@ -314,11 +315,18 @@ class DecodeEngine(_Engine):
         for req, why in out.failed:
             self.run.failed[int(req.request_id)] = why
         self.run.preemptions += len(out.preempted)
-        for rid, req in list(self._unsent.items()):
-            if req.status is Status.RUNNING and not req.in_prompt:  # admitted with nothing to compute
+        # admitted with nothing to compute (symmetric-windows): the engine outputs P's token from the
+        # step that admits it, so it goes out when that step's outputs do (``_out_with_step``)
+        bare = [rid for rid, req in self._unsent.items() if req.status is Status.RUNNING and not req.in_prompt]
+        answers_now = not out.chunks or (
+            self._at_launch and not any(c.phase is None or c.phase.sample for c in out.chunks)
+        )
+        for rid in bare:
+            if answers_now:
                 del self._unsent[rid]
                 self.run.first_token_s[self._info[rid].index] = at
                 self._last[rid] = at
+        self._out_with_step = [] if answers_now else bare
         if not out.chunks:
             if any(r.status is Status.RUNNING and not r.in_prompt for r in self.sched.running):
                 return None  # admitted with nothing to compute (symmetric-windows): decodes next step
@@ -351,6 +359,11 @@ class DecodeEngine(_Engine):
         self.t = end
         run.steps += 1
         run.busy_s += self._dt
+        for rid in self._out_with_step:  # before the step's tokens: its own decode token follows at once
+            if self._unsent.pop(rid, None) is not None:
+                run.first_token_s[self._info[rid].index] = t
+                self._last[rid] = t
+        self._out_with_step = []
         for c in self._chunks:
             req = c.request
             if req.status is not Status.RUNNING:
@@ -373,10 +386,10 @@ class DecodeEngine(_Engine):
             k = self.rng.choices(ACCEPT_TOKENS, cum_weights=ACCEPT_CUM)[0] if self.num_spec else 1
             k = min(k, a.output_len - len(req.output_token_ids))
             req.output_token_ids.extend([0] * k)
-            if not held:  # tokens that go out with the held first one make no gap
-                self._gaps[rid].append(t - self._last[rid])
-                run.itl_s.append(t - self._last[rid])
-                run.itl_request.append(a.index)
+            # a token that goes out with the held first one follows it at once: a gap of ~0 (the client sees two chunks)
+            self._gaps[rid].append(t - self._last[rid])
+            run.itl_s.append(t - self._last[rid])
+            run.itl_request.append(a.index)
             self._last[rid] = t
             if len(req.output_token_ids) >= a.output_len:
                 req.status = Status.FINISHED_LENGTH

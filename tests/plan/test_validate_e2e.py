@@ -96,11 +96,18 @@ def test_lone_request_timeline():
     d_first = TRUE.d_pre_ms + TRUE.d_row_ms * (n - s)
     assert sim.ttft_s[0] * 1e3 == pytest.approx(p + TRUE.handoff_ms + TRUE.move_for(n) + d_first + 7.0)
     assert [g * 1e3 for g in sim.gaps_s[0]] == pytest.approx([TRUE.d_step_ms] * (out - 1))
-    # symmetric-windows: P makes the first token; D sends it when it admits the request (nothing to replay)
+    # symmetric-windows: P makes the first token; nothing to replay, so under cap-4 the step that admits
+    # the request has nothing to run and D sends the token at once
     sim = simulate_deployment(CFG, steps, [Arrival(0, 0.0, n, out)], dep("symmetric-windows"), ServingPath())
     p = 2 * TRUE.p_step_ms + TRUE.p_row_ms * n  # P runs [0, N - W) and [N - W, N) as two steps
     assert sim.ttft_s[0] * 1e3 == pytest.approx(p + TRUE.handoff_ms + TRUE.move_for(n) + 7.0)
     assert len(sim.gaps_s[0]) == out - 1
+    # ... unless the admitting step decodes it too (alone-4: with no prompt rows to run, the step
+    # that admits it is a decode step with it in): both tokens go out at that step's end, ~0 apart
+    alone_4 = replace(dep("symmetric-windows"), policy=POLICIES["alone-4"])
+    sim = simulate_deployment(CFG, steps, [Arrival(0, 0.0, n, out)], alone_4, ServingPath())
+    assert sim.ttft_s[0] * 1e3 == pytest.approx(p + TRUE.handoff_ms + TRUE.move_for(n) + TRUE.d_step_ms + 7.0)
+    assert [g * 1e3 for g in sim.gaps_s[0]] == pytest.approx([0.0] + [TRUE.d_step_ms] * (out - 2))
     # symmetric-split: the replay samples nothing, so the server sends P's first token when it
     # launches the replay; the replay's time is in the first gap, with the first decode step
     sim = simulate_deployment(CFG, steps, [Arrival(0, 0.0, n, out)], dep("symmetric-split"), ServingPath())
