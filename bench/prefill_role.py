@@ -210,6 +210,7 @@ def build_rank(s: Settings, rank: int, world: int, device: torch.device) -> tupl
         torch.cuda.empty_cache()
         load["allocated_after_build_bytes"] = torch.cuda.memory_allocated(device) - base
         load["reserved_after_build_bytes"] = torch.cuda.memory_reserved(device)
+        load["allocated_over_released"] = load["allocated_after_build_bytes"] / load["released_bytes"]
     load["resident_over_released"] = load["resident_bytes"] / load["released_bytes"]
     load["resident_over_expected"] = load["resident_bytes"] / load["expected_resident_bytes"]
     return model, load
