@@ -14,6 +14,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -240,9 +241,10 @@ def ensure_e8m0(device: torch.device) -> str:
 def random_tensors(cfg, names_filter, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
     """Tensors of the checkpoint schema whose name passes ``names_filter``, in storage formats,
     generated on ``device`` with the magnitudes of ``checkpoint.write_checkpoint`` (weights ~
-    fan_in^-1/2; FP4 codes uniform with power-of-two scales jittered by one binade)."""
-    from asympd.model.checkpoint import _generator, _plain
-    from asympd.model.schema import FP4_BLOCK, checkpoint_schema
+    fan_in^-1/2; FP4 codes uniform with power-of-two scales jittered by one binade). One generator
+    for the whole set: a tensor's values depend on which others were drawn (``DrawnTensors`` draws
+    each from its own name)."""
+    from asympd.model.schema import checkpoint_schema
 
     if device.type == "cuda":
         ensure_e8m0(device)
@@ -253,27 +255,90 @@ def random_tensors(cfg, names_filter, device: torch.device, seed: int = 0) -> di
     for s in specs:
         if s.name.endswith(".scale"):
             continue
-        owner = s.name.removesuffix(".weight")
-        scale = by_name.get(owner + ".scale")
-        if s.dtype == torch.int8 and scale is not None:  # packed FP4
-            fan_in = s.shape[1] * 2
-            out[s.name] = torch.randint(-128, 128, s.shape, device=device, dtype=torch.int8, generator=g)
-            base = round(math.log2(fan_in**-0.5 / 2.9))
-            jitter = torch.randint(-1, 2, scale.shape, device=device, dtype=torch.int32, generator=g)
-            out[scale.name] = _e8m0(base + jitter)
-            assert scale.shape[1] * FP4_BLOCK == fan_in
-        elif s.dtype == torch.float8_e4m3fn and scale is not None:  # 32x32 tiles
-            fan_in = s.shape[1]
-            codes = torch.randn(s.shape, device=device, generator=g) * 16
-            out[s.name] = codes.clamp(-448, 448).to(torch.float8_e4m3fn)
-            base = round(math.log2(fan_in**-0.5 / 16))
-            out[scale.name] = _e8m0(torch.full(scale.shape, base, device=device, dtype=torch.int32))
-        elif len(s.shape) == 2 and s.shape[0] * s.shape[1] > (1 << 22):  # big plain matrix
-            t = torch.randn(s.shape, device=device, generator=g) * s.shape[1] ** -0.5
-            out[s.name] = t.to(s.dtype)
-        else:
-            out[s.name] = _plain(cfg, s, _generator(seed, s.name)).to(device)
+        scale = by_name.get(s.name.removesuffix(".weight") + ".scale")
+        out[s.name] = draw_stored(cfg, s, scale is not None, device, g, seed)
+        if scale is not None:
+            out[scale.name] = draw_scale(s, scale, device, g)
     return out
+
+
+def draw_stored(cfg, s, quantized: bool, device: torch.device, g: torch.Generator, seed: int) -> torch.Tensor:
+    """One schema tensor's stored values (FP4 codes, FP8 codes, or a plain tensor), drawn from ``g``
+    on ``device`` (small plain tensors from ``write_checkpoint``'s own per-name generator)."""
+    from asympd.model.checkpoint import _generator, _plain
+
+    if s.dtype == torch.int8 and quantized:  # packed FP4: uniform codes
+        return torch.randint(-128, 128, s.shape, device=device, dtype=torch.int8, generator=g)
+    if s.dtype == torch.float8_e4m3fn and quantized:  # 32x32 tiles (per-32 rows for Engram tables)
+        codes = torch.randn(s.shape, device=device, generator=g) * 16
+        return codes.clamp(-448, 448).to(torch.float8_e4m3fn)
+    if len(s.shape) == 2 and s.shape[0] * s.shape[1] > (1 << 22):  # big plain matrix
+        t = torch.randn(s.shape, device=device, generator=g) * s.shape[1] ** -0.5
+        return t.to(s.dtype)
+    return _plain(cfg, s, _generator(seed, s.name)).to(device)
+
+
+def draw_scale(weight, scale, device: torch.device, g: torch.Generator) -> torch.Tensor:
+    """The UE8M0 scales of ``weight`` (a schema spec): FP4 experts' per-32 scales at fan_in^-1/2
+    jittered by one binade (drawn from ``g``), FP8 tiles' at one power of two."""
+    from asympd.model.schema import FP4_BLOCK
+
+    if weight.dtype == torch.int8:
+        fan_in = weight.shape[1] * 2
+        assert scale.shape[1] * FP4_BLOCK == fan_in
+        base = round(math.log2(fan_in**-0.5 / 2.9))
+        return _e8m0(base + torch.randint(-1, 2, scale.shape, device=device, dtype=torch.int32, generator=g))
+    base = round(math.log2(weight.shape[1] ** -0.5 / 16))
+    return _e8m0(torch.full(scale.shape, base, device=device, dtype=torch.int32))
+
+
+def name_seed(seed: int, name: str) -> int:
+    """A tensor's own seed: its values depend on its name and ``seed`` only."""
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class DrawnTensors(Mapping):
+    """The checkpoint tensors ``names`` of ``cfg`` as a read-only mapping that draws each tensor in its
+    storage format on ``device`` when it is read, from a generator of its own name (``name_seed``), and
+    keeps nothing: what ``build_model`` takes in place of a loaded checkpoint, so a model of 75 GB is
+    built without a second copy of its tensors, and any subset of names (an EP rank's share) holds
+    the values the whole set would. ``host``: names returned in host memory (Engram tables: the packed
+    layouts keep them there and pin them). Reading a name twice draws it twice (the same values)."""
+
+    def __init__(self, cfg, names, device: torch.device, seed: int = 0, host=()):
+        from asympd.model.schema import checkpoint_schema
+
+        if device.type == "cuda":
+            ensure_e8m0(device)
+        self.cfg, self.device, self.seed, self.host = cfg, device, seed, frozenset(host)
+        wanted = set(names)
+        self.specs = {s.name: s for s in checkpoint_schema(cfg) if s.name in wanted}
+        if missing := wanted - self.specs.keys():
+            raise KeyError(f"not in the checkpoint schema: {sorted(missing)[:5]}")
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        s = self.specs[name]
+        g = torch.Generator(device=self.device).manual_seed(name_seed(self.seed, name))
+        if name.endswith(".scale"):
+            t = draw_scale(self.specs[name.removesuffix(".scale") + ".weight"], s, self.device, g)
+        else:
+            scale = name.removesuffix(".weight") + ".scale" in self.specs
+            t = draw_stored(self.cfg, s, scale, self.device, g, self.seed)
+        assert t.shape == s.shape and t.dtype == s.dtype, name
+        return t.cpu() if name in self.host else t
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.specs
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.specs)
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs.values())
 
 
 # ---- a step's caches, for timing layers through the engine's own batched path ---------------------

@@ -29,8 +29,10 @@ tensor, zeros elsewhere, and one ``all_reduce`` (one non-zero term per entry: ex
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -129,6 +131,7 @@ class EPMoE(torch.nn.Module):
         if comm not in COMMS:
             raise ValueError(f"comm must be one of {', '.join(COMMS)}, got {comm!r}")
         self.moe, self.rank, self.world, self.group, self.comm = moe, rank, world, group, comm
+        self.comm_timer: CommTimer | None = None  # set to time this layer's collectives (benchmarks)
         # first expert of every rank, then E: searchsorted over sorted ids cuts them by owner
         self.register_buffer(
             "bounds",
@@ -147,12 +150,16 @@ class EPMoE(torch.nn.Module):
     def hi(self) -> int:
         return self.moe.hi
 
+    def _span(self, kind: str) -> contextlib.AbstractContextManager:
+        return self.comm_timer.span(kind) if self.comm_timer is not None else contextlib.nullcontext()
+
     def forward(self, x: torch.Tensor, vl: torch.Tensor | None = None) -> torch.Tensor:
         """``vl``: image-span rows (they route with the VL gate bias)."""
-        if self.comm == "allreduce":
-            return self._forward_allreduce(x, vl)
-        a, b = token_range(x.size(0), self.rank, self.world)
-        return self.gather(self.local(x[a:b], None if vl is None else vl[a:b]), x.size(0))
+        with self._span("layer"):
+            if self.comm == "allreduce":
+                return self._forward_allreduce(x, vl)
+            a, b = token_range(x.size(0), self.rank, self.world)
+            return self.gather(self.local(x[a:b], None if vl is None else vl[a:b]), x.size(0))
 
     def local(self, x: torch.Tensor, vl: torch.Tensor | None = None) -> torch.Tensor:
         """The layer for this rank's own tokens ``x`` (steps 2-5 above): every rank calls it at
@@ -169,10 +176,12 @@ class EPMoE(torch.nn.Module):
         sorted_ids = flat[order]
         counts = torch.searchsorted(sorted_ids, self.bounds).diff()
         payload = _pack(x[order // k], sorted_ids, weights.reshape(-1)[order])
-        recv, recv_counts = exchange(payload, counts, self.group)
+        with self._span("dispatch"):
+            recv, recv_counts = exchange(payload, counts, self.group)
         rx, rids, rw = _unpack(recv, dim, x.dtype)
         out = m.routed(rx, rids.unsqueeze(1), rw.unsqueeze(1)).squeeze(1)
-        back, _ = exchange(out, recv_counts, self.group, recv_counts=counts)
+        with self._span("combine"):
+            back, _ = exchange(out, recv_counts, self.group, recv_counts=counts)
         slots = torch.empty_like(back)
         slots[order] = back
         y = combine_slots(slots.view(t, k, dim), ids)
@@ -184,7 +193,8 @@ class EPMoE(torch.nn.Module):
         buf = y.new_zeros(n, y.size(-1))
         buf[: y.size(0)] = y
         out = y.new_empty(self.world * n, y.size(-1))
-        _all_gather(out, buf, group=self.group)
+        with self._span("gather"):
+            _all_gather(out, buf, group=self.group)
         shares = (token_range(t, r, self.world) for r in range(self.world))
         return torch.cat([out[r * n : r * n + hi - lo] for r, (lo, hi) in enumerate(shares)])
 
@@ -194,8 +204,49 @@ class EPMoE(torch.nn.Module):
         rows, slot = torch.where((ids >= m.lo) & (ids < m.hi))  # token order: each expert's single-rank rows
         contrib = torch.zeros(*ids.shape, x.size(-1), dtype=torch.float32, device=x.device)
         contrib[rows, slot] = m.routed(x[rows], ids[rows, slot, None], weights[rows, slot, None])[:, 0].float()
-        dist.all_reduce(contrib, group=self.group)  # one non-zero term per entry: exact
+        with self._span("allreduce"):
+            dist.all_reduce(contrib, group=self.group)  # one non-zero term per entry: exact
         return (combine_slots(contrib, ids) + m.shared(x)).to(x.dtype)
+
+
+class CommTimer:
+    """Times the collectives of EP MoE layers (``EPMoE.comm_timer``; one timer may serve every layer
+    of a rank): ``dispatch`` (the count exchange and the rows out), ``combine`` (the slot outputs
+    back), ``gather`` (the all-gather of the outputs), ``allreduce`` (the baseline scheme), and
+    ``layer`` (the whole EP MoE layer, expert GEMMs included). On CUDA, events around the calls on
+    the current stream: device time, so a collective's time includes waiting for the slowest rank to
+    arrive (skew and load imbalance count as communication). On CPU, wall time (gloo's collectives
+    return when done). Nothing synchronises until ``collect``."""
+
+    def __init__(self, device: torch.device | str):
+        self.cuda = torch.device(device).type == "cuda"
+        self._spans: list[tuple[str, Any, Any]] = []
+
+    @contextlib.contextmanager
+    def span(self, kind: str) -> Iterator[None]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+        else:
+            start = time.perf_counter()
+            yield
+            end = time.perf_counter()
+        self._spans.append((kind, start, end))
+
+    def collect(self) -> dict[str, dict[str, float]]:
+        """Per kind, the calls and their total ms since the last ``collect`` (synchronises the device)."""
+        if self.cuda and self._spans:
+            torch.cuda.synchronize()
+        out: dict[str, dict[str, float]] = {}
+        for kind, start, end in self._spans:
+            ms = start.elapsed_time(end) if self.cuda else (end - start) * 1e3
+            row = out.setdefault(kind, {"calls": 0, "ms": 0.0})
+            row["calls"] += 1
+            row["ms"] += ms
+        self._spans = []
+        return out
 
 
 def shard_moe(model: Any, rank: int, world: int, group: Any = None, comm: str = "alltoall") -> int:

@@ -34,7 +34,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -67,10 +67,17 @@ class RankSpec:
     threads: int | None = None  # torch intra-op threads per rank (None: rank 0's count)
     parallel: str = "ep"  # ep: experts sharded, rank 0's steps replayed; cp: P's prefix split (cp_engine.py)
     weights: str = "auto"  # the loader's weight layout (asympd.model.loader.LAYOUTS)
+    # benchmarks: "module:function" building this rank's model in place of reading ``checkpoint``,
+    # called as function(spec, rank, world) -> Transformer, before the worker shards its MoE layers
+    # (bench/prefill_role.py draws each rank's weights on its GPU: no 150 GB checkpoint on disk)
+    builder: str | None = None
+    builder_args: dict[str, Any] = field(default_factory=dict)  # JSON values, for the builder
 
     def __post_init__(self) -> None:
         if self.parallel not in ("ep", "cp"):
             raise ValueError(f"parallel must be 'ep' or 'cp', got {self.parallel!r}")
+        if self.builder is not None and ":" not in self.builder:
+            raise ValueError(f"builder must be 'module:function', got {self.builder!r}")
 
 
 def backend_for(device: str) -> str:

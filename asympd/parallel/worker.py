@@ -2,12 +2,14 @@
 
 Started by rank 0 (``asympd.parallel.launch.RankGroup``) with torchrun's environment contract plus
 ``ASYMPD_DIST_SPEC`` (checkpoint, role, device, dtype, threads, ep or cp). It loads its model (EP:
-its shard of the experts), reports ready in the store, joins the groups, and follows rank 0's
-messages until ``stop``.
+its shard of the experts; or builds it with ``RankSpec.builder``, a benchmark's weights drawn on
+the device), reports ready in the store, joins the groups, and follows rank 0's messages until
+``stop``.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -46,7 +48,12 @@ def main() -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
-    if spec.parallel == "ep":  # this rank's experts only, and no drafter (it runs on rank 0)
+    if spec.builder is not None:  # a benchmark's model, e.g. weights drawn on the device (RankSpec.builder)
+        module, name = spec.builder.split(":", 1)
+        model = getattr(importlib.import_module(module), name)(spec, rank, world)
+        if spec.parallel == "ep":
+            shard_moe(model, rank, world)
+    elif spec.parallel == "ep":  # this rank's experts only, and no drafter (it runs on rank 0)
         model = load_model(spec.checkpoint, spec.role, device, dtype_of(spec.dtype), spec.weights, ep=(rank, world))
         shard_moe(model, rank, world)
     else:  # CP: the whole prefill role on every rank
