@@ -715,6 +715,12 @@ class LLMEngine:
 
     # ---- visibility --------------------------------------------------------------------------
 
+    def _graphed_steps(self) -> int:
+        """Steps whose forward took the CUDA-graph path (replayed, or run once before its capture);
+        the others ran eagerly: how an operator sees what the admission policy buys."""
+        graphs = getattr(getattr(self, "runner", None), "graphs", None)
+        return graphs.stats["replayed"] + graphs.stats["first"] if graphs is not None else 0
+
     def stats(self) -> dict[str, Any]:
         return {
             "running": sum(1 for r in self.scheduler.running if r.status is Status.RUNNING),
@@ -725,6 +731,7 @@ class LLMEngine:
             "kv_blocks_total": self.blocks.num_blocks,
             "kv_usage_bytes": self.blocks.usage(),
             **self.counters,
+            "graphed_steps": self._graphed_steps(),
             "num_spec_tokens": self.num_spec_tokens,
             **spec_metrics(self.counters["spec_proposed"], self.counters["spec_accepted"], self.counters["spec_steps"]),
         }

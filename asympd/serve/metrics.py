@@ -80,6 +80,11 @@ class _EngineCollector(Collector):
             yield counter("asympd_prompt_tokens", "Prompt rows computed by this engine.", s.get("prompt_tokens", 0))
             yield counter("asympd_generation_tokens", "Tokens generated.", s.get("generation_tokens", 0))
             yield counter("asympd_engine_steps", "Engine steps run.", s.get("steps", 0))
+            yield counter(
+                "asympd_engine_steps_graphed",
+                "Engine steps whose forward replayed a CUDA graph (the others ran eagerly).",
+                s.get("graphed_steps", 0),
+            )
             if s.get("num_spec_tokens"):
                 yield gauge(
                     "asympd_spec_decode_num_spec_tokens", "Drafts per request per step (0: off).", s["num_spec_tokens"]

@@ -121,3 +121,22 @@ def test_startup_capture_stops_at_max_seq_len_to_capture(tiny_ckpt):
     assert set(graphs.graphs) == set(report.keys)
     with pytest.raises(ValueError, match="max_seq_len_to_capture must be positive, got 0"):
         EngineConfig(max_seq_len_to_capture=0).validate()
+
+
+def test_engine_stats_count_the_steps_graphs_served(tiny_ckpt):
+    """``stats()["graphed_steps"]`` (``/metrics``: ``asympd_engine_steps_graphed_total``) counts the
+    steps whose forward took the graph path; prompt steps ran eagerly. The static path stands in for
+    graphs on CPU."""
+    from asympd import SamplingParams
+    from tests.util import random_prompts
+
+    llm = LLM(tiny_ckpt, "colocated")
+    eng = llm.engine
+    assert eng.stats()["graphed_steps"] == 0  # CPU: no graphs
+    eng.runner.graphs = DecodeGraphs(eng.model, eng.cache, max_batch=4, capture=False)
+    llm.generate(
+        prompt_token_ids=random_prompts([20, 30], seed=9), sampling_params=SamplingParams(max_tokens=5, temperature=0)
+    )
+    stats, g = eng.stats(), eng.runner.graphs.stats
+    assert stats["graphed_steps"] == g["replayed"] + g["first"] == 4  # tokens 2-5 of both requests, one step each
+    assert stats["steps"] == stats["graphed_steps"] + g["eager"] == 5  # the prompt step ran eagerly

@@ -250,6 +250,7 @@ def test_models_health_metrics(cluster, client):
         "asympd_inter_token_latency_seconds_count",
         "asympd_e2e_request_latency_seconds_count",
         "asympd_ttft_transfer_seconds_count",
+        "asympd_engine_steps_graphed_total",
         "asympd_ttft_decode_first_step_seconds_count",
         "asympd_kv_blocks_total",
         "asympd_spec_decode_num_accepted_tokens_total",
