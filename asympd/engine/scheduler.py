@@ -6,10 +6,12 @@ new admissions, FCFS, at most ``max_new_admissions`` per step and at most
 ``admission_token_budget`` new prompt rows per step (Sarathi-style). With ``mixed_steps`` off a step
 carries prompt rows or decode rows, never both, taking turns while both wait (SGLang's default,
 without ``--enable-mixed-chunk``): on a GPU the decode steps and a D's steps of bounded prefills
-alone then replay CUDA graphs, where a mixed step runs eagerly (docs/performance.md §10). Blocks for a request's whole
-prompt are reserved at admission, so a prefill in progress never stalls on memory; a decode that
-cannot grow preempts the most recently admitted request, which is recomputed later. A request that
-could never fit, even alone, fails with a clear error instead of waiting forever.
+alone then replay CUDA graphs, where a mixed step runs eagerly (docs/performance.md §10).
+
+Blocks for a request's whole prompt are reserved at admission, so a prefill in progress never stalls
+on memory; a decode that cannot grow preempts the most recently admitted request, which is
+recomputed later. A request that could never fit, even alone, fails with a clear error instead of
+waiting forever.
 """
 
 from __future__ import annotations
