@@ -2,9 +2,9 @@
 
 At decode sizes a step is bound by kernel launches, not by the GPU: the layer stack of a 16-request
 step replays as one graph in a quarter of its eager time (docs/performance.md §11). A step qualifies
-when its chunks are alike: every layer, the same rows per request (1 + k verify rows, one decode
-row, or a D's W rows of a bounded prefill or replay, up to ``max_rows``), the same logits (every
-row, the last or none) and global-KV writes, no image rows, all in one paged cache. Other steps
+when its chunks are alike: every layer, the same rows per request (1 + k verify rows or fewer, up
+to ``max_rows``, or exactly a D's W rows of a bounded prefill or replay, ``prefill_rows``), the same
+logits (every row, the last or none) and global-KV writes, no image rows, all in one paged cache. Other steps
 (prefill chunks, bounded prefills beside decodes) run eagerly; a D whose admission policy keeps
 them apart (``SchedulerConfig.mixed_steps`` off) replays both kinds.
 
