@@ -252,10 +252,10 @@ class LLMEngine:
             return None
         sc, w = self.config.scheduler, self.cfg.window_size
         phases = modes.decode_plan(self.cfg, 2 * w, self.config.mode, self.config.boundary_policy).phases
-        if not phases or phases[0].hi - phases[0].lo <= 1 + self.num_spec_tokens:
+        first = phases[0] if phases else None
+        rows = first.hi - first.lo if first else 0
+        if rows <= 1 + self.num_spec_tokens:
             return None
-        first = phases[0]
-        rows = first.hi - first.lo
         admit = min(sc.max_num_seqs, (sc.admission_token_budget or sc.max_num_batched_tokens) // rows)
         admit = min(admit, sc.max_new_admissions or admit)
         return PrefillSteps(rows, max(admit, 1), "last" if first.sample else "none", first.write_global)
@@ -718,7 +718,7 @@ class LLMEngine:
     def _graphed_steps(self) -> int:
         """Steps whose forward took the CUDA-graph path (replayed, or run once before its capture);
         the others ran eagerly: how an operator sees what the admission policy buys."""
-        graphs = getattr(getattr(self, "runner", None), "graphs", None)
+        graphs = self.runner.graphs
         return graphs.stats["replayed"] + graphs.stats["first"] if graphs is not None else 0
 
     def stats(self) -> dict[str, Any]:
