@@ -308,6 +308,22 @@ def run_cell(cell: Cell, run, ceil, res: dict[str, Any], iters: int, sweep: bool
     res["cells"][cell_name(cell)] = out
 
 
+def profile_cell(cell: Cell) -> None:
+    """Each default kernel once, after one warm-up launch each (compiles stay out of the profile):
+    under ``ncu -k regex:... --launch-skip 1 --launch-count 1`` this is one launch per kernel."""
+    cfg = cell.cfg
+    _, cand_e = unfused_select(cell, 1, "cand_source", None)
+    cand_b = torch.cat([c[:, :: cfg.candidate_block_size] for c in cand_e])
+    for _ in range(2):
+        sel, _ = fused_select(cell, 2, "index_r2", None)
+        fused_select(cell, 1, "cand_source", None)
+        fused_select(cell, 1, "reindex", cand_b)
+        fused_attention(cell, sel)
+    if cell.device.type == "cuda":
+        torch.cuda.synchronize()
+    log(cell_name(cell), "profiled")
+
+
 def pick_best(row: dict[str, Any]) -> None:
     """``fused``: the fastest config; ``fused_v1`` / ``fused_v2``: each version's defaults (the
     first config timed of each), and the new kernels' speed-up over the old in the same run."""
@@ -349,6 +365,10 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny config on CPU: plumbing only")
     ap.add_argument("--budget-s", type=float, default=150.0, help="start no new cell after this")
     ap.add_argument("--no-sweep", action="store_true", help="default kernel configs only")
+    ap.add_argument("--cells", default="", help="comma-separated cell indices to run (default: all)")
+    ap.add_argument(
+        "--profile", action="store_true", help="one launch of each default fused kernel per cell (for ncu); no JSON"
+    )
     args = ap.parse_args()
     started = time.time()
     from asympd.config import tiny, v41_flash
@@ -371,7 +391,13 @@ def main() -> None:
         log("ceilings", ceil)
     run = timer(device)
     gen = torch.Generator(device=device).manual_seed(0)
+    wanted = {int(c) for c in args.cells.split(",") if c}
     for i, (seqs, q, ctx) in enumerate(cells):
+        if wanted and i not in wanted:
+            continue
+        if args.profile:
+            profile_cell(Cell(cfg, seqs, q, ctx, device, gen))
+            continue
         if time.time() - started > args.budget_s:
             res.setdefault("skipped", []).append([seqs, q, ctx])
             continue
@@ -387,6 +413,8 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         record(name, res, started)
+    if args.profile:
+        return
     path = record(name, res, started)
     log("wrote", path)
 
