@@ -438,7 +438,8 @@ def simulate_deployment(
         def to_d(_: int, i: int, t: float) -> None:
             """P's answer, then the router's hop to D and D's fetch, each at its cost for the
             requests in the TTFT path when it starts. Both seal or pack the prefix with kernels on
-            P's stream, so each progresses only while P has no step in progress (``SideTask``)."""
+            P's stream, so each progresses only while P has no step in progress, sharing the
+            stream with the other hand-offs in progress (``SideTask``)."""
             a = by_index[i]
 
             def fetch(t: float) -> None:
