@@ -126,6 +126,36 @@ def p_blocked_s(start: float, end: float, p_end: float) -> float:
     return max(0.0, min(end, p_end) - start)
 
 
+def _handoff_stages(rows: list[tuple[dict, dict]]) -> list[tuple[float, float]]:
+    """The batch's hand-off stages on P's stream, on the router's timeline: each request's answer
+    (P done to P's answer at the router) and fetch (that to the prefix at D)."""
+    out = []
+    for _, t in rows:
+        out.append((t["prefill_s"], t["prefill_rtt_s"]))
+        out.append((t["prefill_rtt_s"], t["prefill_rtt_s"] + t["transfer_s"]))
+    return out
+
+
+def _stream_work_s(start: float, end: float, p_end: float, stream: list[tuple[float, float]]) -> float:
+    """A hand-off stage's own work in [start, end]: the time P's stream gave it. While P computes the
+    batch (to ``p_end``) it waits (``p_blocked_s``); after, it shares the stream with the other
+    hand-off stages in progress (``stream``: each stage's span; none: the stream is its own), as
+    the simulator's side work shares it (``simulate.run_engines``): c stages each get 1/c."""
+    if not stream:
+        return end - start - p_blocked_s(start, end, p_end)
+    cuts = sorted({start, end, *(x for s, e in stream for x in (s, e) if start < x < end)})
+    if start < p_end < end:
+        cuts = sorted({*cuts, p_end})
+    work = 0.0
+    for a, b in itertools.pairwise(cuts):
+        m = (a + b) / 2
+        if m < p_end:
+            continue
+        c = sum(1 for s, e in stream if s <= m < e)
+        work += (b - a) / max(c, 1)
+    return work
+
+
 def p_busy_until(rows: list[tuple[dict, dict]], shared_gpu: bool) -> float:
     """When P, sharing D's GPU, finished the batch's prompts (sent at once: P busy from 0); 0 apart."""
     return max((t["prefill_s"] for _, t in rows if t.get("prefill_s") is not None), default=0.0) if shared_gpu else 0.0
@@ -172,6 +202,7 @@ def fit_stage_load(cal: dict[str, Any], lone: LoneCosts, dep: Deployment, path: 
         return StageLoad()
     spans = [(0.0, t["ttft_s"]) for _, t in rows]
     p_end = p_busy_until(rows, path.handoff_on_p_stream)  # P computes the batch's prompts until then
+    stream = _handoff_stages(rows) if pd and path.handoff_on_p_stream else []
     answer, fetch, hops, starts = [], [], [], []
     for r, t in rows:
         hops_n = in_path(t["prefill_rtt_s"] if pd else 0.0, spans)
@@ -180,9 +211,9 @@ def fit_stage_load(cal: dict[str, Any], lone: LoneCosts, dep: Deployment, path: 
         if pd:
             n = in_path(t["prefill_s"], spans)
             s, e = t["prefill_s"], t["prefill_rtt_s"]
-            answer.append((n, (e - s - p_blocked_s(s, e, p_end)) * 1e3 - lone.answer_ms))
+            answer.append((n, _stream_work_s(s, e, p_end, stream) * 1e3 - lone.answer_ms))
             s, e = e, e + t["transfer_s"]
-            fetch.append((hops_n, (e - s - p_blocked_s(s, e, p_end)) * 1e3 - lone.fetch_ms(r["prompt_len"])))
+            fetch.append((hops_n, _stream_work_s(s, e, p_end, stream) * 1e3 - lone.fetch_ms(r["prompt_len"])))
             starts.append(n)
     step = (
         _step_points(rows, lone.decode_ms, p_busy_until(rows, dep.shared_gpu), path.first_at_start)

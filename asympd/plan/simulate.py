@@ -49,7 +49,10 @@ class SideTask:
     """Work an engine's process does for a request between its steps, on its own GPU stream: the
     prefill worker's hand-off (sealing the prefix, packing it for D's fetch) runs kernels and
     synchronises on the stream its steps run on, so it progresses only while that engine has no
-    step in progress. ``left``: seconds of work left; ``done(t)`` runs when it is over."""
+    step in progress, and the engine's side tasks share that one stream: k of them in progress
+    each advance at 1/k (several requests' hand-offs serialise on P's stream; the calibration
+    batch's seven hand-offs after P's step take what seven lone ones in a row take). ``left``:
+    seconds of work left (alone on the stream); ``done(t)`` runs when it is over."""
 
     left: float
     done: Callable[[float], None]
@@ -455,9 +458,9 @@ def run_engines(
             t = now + s.left / rate[s.gpu]
             if ending is None or t < ending[0]:
                 ending = (t, k)
-        for k, e in enumerate(engines):  # side work of an engine with no step in progress
+        for k, e in enumerate(engines):  # side work of an engine with no step in progress, sharing its stream
             if k not in active and e.side:
-                t = now + min(task.left for task in e.side)
+                t = now + min(task.left for task in e.side) * len(e.side)
                 if ending is None or t < ending[0]:
                     ending = (t, -1 - k)
         issuing: tuple[float, int] | None = None
@@ -473,7 +476,7 @@ def run_engines(
         for j, e in enumerate(engines):
             if j not in active:
                 for task in e.side:
-                    task.left = max(0.0, task.left - (t - now))
+                    task.left = max(0.0, task.left - (t - now) / len(e.side))
         now = t
         if k < 0:  # side work done (all of it that is due now, in the order it was queued)
             e = engines[-1 - k]

@@ -234,17 +234,18 @@ def fit_steps(
     semantics: str,
     p_budget: int = 16384,
     on_gpu: bool = True,
+    shared_gpu: bool = False,
 ) -> MeasuredSteps:
     """Step times from the calibration of one deployment (see bench/e2e.py ``calibrate``);
-    ``on_gpu``: the result ran on a GPU (``first_out_at_launch``)."""
+    ``on_gpu``: the result ran on a GPU (``first_out_at_launch``); ``shared_gpu``: P computed the
+    batch on D's GPU (the batch's gaps are read at D's alone speed where P shared it)."""
     lone = cal["lone"]
     gaps = [g for r in lone for g in r["gaps_s"][1:]]  # the first gap can hold a replay or a flush
     d_step = _median(gaps) * 1e3
     batch = cal["batch"]
     steady = [g for r in batch["requests"] for g in r["gaps_s"][2:]]
     d_seq = max(0.0, (_median(steady) * 1e3 - d_step) / max(batch["size"] - 1, 1)) if steady else 0.0
-    if mode == "colocated":
-        d_seq = _colocated_seq_ms(cal, d_step, d_seq)
+    d_seq = _decode_seq_ms(cal, d_step, d_seq, mode != "colocated", shared_gpu, first_out_at_launch(cfg, mode, on_gpu))
     d_pre, d_row = _fixed_or_line(_lone_first_points(cfg, mode, cal, semantics, d_budget, d_step, on_gpu))
     p_points, move_points = [], []
     if mode != "colocated":
@@ -268,19 +269,34 @@ def fit_steps(
     return MeasuredSteps(p_step, p_row, d_step, d_seq, d_row, move, move_row, handoff_ms, d_pre_ms=d_pre)
 
 
-def _colocated_seq_ms(cal: dict[str, Any], d_step: float, fallback: float) -> float:
-    """A colocated worker's cost per further request in a decode step, from the batch's decode-only
-    gaps: those that start with every batch request past its prompt. A colocated prompt runs in
-    several steps of at most the admission budget (alone-4: each a step of its own, taking turns
-    with decode steps), and only the last one gives a first token, so a gap with no first token
-    inside can still hold a whole prompt step; the batch's later gaps (``gaps_s[2:]``, the P/D
-    rule) are mostly such gaps. A line through (batch, gap) with the lone step at batch 1; none
-    such: ``fallback``."""
-    points = [(g.batch, g.ms) for g in batch_gaps(batch_rows(cal, False)) if g.in_path == 0 and not g.firsts]
+def _decode_seq_ms(
+    cal: dict[str, Any], d_step: float, fallback: float, pd: bool, shared_gpu: bool, first_at_start: bool
+) -> float:
+    """D's cost per further request in a decode step, read at the batch that was decoding: a line
+    through (requests decoding through the gap, gap) over the calibration batch's decode-only gaps
+    (no first token inside, no request in the TTFT path: a gap with none of the serving path's
+    host work or prompt rows in it), anchored at the lone step at batch 1 (least squares of the
+    excess over it against the further requests). Not the batch's size: its
+    requests make few tokens (6) and their first tokens come out over a second, so its steady gaps
+    run at 3-6 requests, not 8 (true depth, asymmetric: 43 ms at 3-4, 51 at 5, 56 at 6 against a
+    lone 32.4 ms; per further request 4.6 ms, where the size read gave 2.7). One step is seen in
+    the gap of every request decoding through it, so each batch size gives its median (a stalled
+    step counts once, as one step). A colocated prompt runs in several steps of at most the
+    admission budget and only the last one gives a first token, so a gap with no first token
+    inside can still hold a whole prompt step: for colocated workers the batch's later gaps
+    (``gaps_s[2:]``, the old P/D rule) were mostly such gaps, and this rule was theirs first.
+    ``shared_gpu``: a gap read at D's alone speed where P computed the batch beside it. None such:
+    ``fallback``."""
+    rows = batch_rows(cal, pd)
+    by_batch: dict[int, list[float]] = {}
+    for g in batch_gaps(rows, p_busy_until(rows, shared_gpu) if pd else 0.0, first_at_start):
+        if g.in_path == 0 and not g.firsts:
+            by_batch.setdefault(g.batch, []).append(g.alone_ms(gpu_share(2)))
+    points = [(b - 1, _median(ms) - d_step) for b, ms in by_batch.items() if b > 1]
     if not points:
         return fallback
-    _, slope = _line([*points, (1, d_step)]) if len({b for b, _ in points} | {1}) > 1 else (0.0, 0.0)
-    return slope
+    # the model is d_step + d_seq x (batch - 1) with d_step the lone step's: the line is anchored there
+    return max(0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points))
 
 
 def _fixed_or_line(points: list[tuple[int, int, float]]) -> tuple[float, float]:
@@ -422,7 +438,8 @@ def simulate_deployment(
         def to_d(_: int, i: int, t: float) -> None:
             """P's answer, then the router's hop to D and D's fetch, each at its cost for the
             requests in the TTFT path when it starts. Both seal or pack the prefix with kernels on
-            P's stream, so each progresses only while P has no step in progress (``SideTask``)."""
+            P's stream, so each progresses only while P has no step in progress, sharing the
+            stream with the other hand-offs in progress (``SideTask``)."""
             a = by_index[i]
 
             def fetch(t: float) -> None:
@@ -540,7 +557,7 @@ def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, stud
         handoff_on_p_stream=gpu, outputs_at_launch=gpu, first_at_start=first_out_at_launch(cfg, mode, gpu)
     )
     cal = m["calibration"]
-    steps = fit_steps(cfg, mode, cal, study.d_budget, dep.colocated_semantics, dep.p_step_tokens, gpu)
+    steps = fit_steps(cfg, mode, cal, study.d_budget, dep.colocated_semantics, dep.p_step_tokens, gpu, dep.shared_gpu)
     steps.ttft_offset_ms = _ttft_offset(cal, path.first_at_start)
     load = None
     if study.serving_load:

@@ -39,14 +39,14 @@ def test_in_path_counts_arrived_requests_without_a_first_token():
 
 
 def test_fit_recovers_a_known_load():
-    """Four requests sent at once; P is done with them at 300/320/340/360 ms, and their answers
-    seal the prefix on P's stream, so each waits for P's steps until 360 ms (those waits are not
-    load), then takes 9 ms with all 4 in the TTFT path; the fetches and the hops start at 369 ms,
-    also with 4 in the path; first tokens from 400 ms on."""
+    """Four requests sent at once, their stages apart (no P stream: a CPU); P is done with them at
+    300/320/340/360 ms, each answer takes 9 ms with all 4 in the TTFT path; the fetches and the
+    hops start when the answer is in, also with 4 in the path; first tokens from 400 ms on."""
     prefill = [0.30, 0.32, 0.34, 0.36]
-    reqs = [batch_request(p, 4, 4, 0.4 + 0.05 * i, wait_s=0.36 - p) for i, p in enumerate(prefill)]
+    reqs = [batch_request(p, 4, 4, 0.4 + 0.05 * i) for i, p in enumerate(prefill)]
     cal = {"batch": {"size": 4, "requests": reqs}}
-    got = fit_stage_load(cal, LoneCosts(LONE_ANSWER, fetch_lone, LONE_HOPS), PD, ServingPath())
+    apart = ServingPath(handoff_on_p_stream=False)  # stages beside each other at full speed (a CPU)
+    got = fit_stage_load(cal, LoneCosts(LONE_ANSWER, fetch_lone, LONE_HOPS), PD, apart)
     assert (got.answer_ms, got.fetch_ms, got.hops_ms, got.d_step_ms) == pytest.approx((2.0, 1.5, 0.5, 0.0))
     assert got.batch_in_path == pytest.approx(4.0)
     # colocated: no P answer and no fetch; the router's hop starts at arrival, with all 4 in the path
@@ -89,3 +89,21 @@ def test_a_batch_without_server_timings_gives_no_load():
     cal = {"batch": {"size": 3, "requests": [{"gaps_s": [0.1]} for _ in range(3)]}}
     assert fit_stage_load(cal, LoneCosts(3.0, fetch_lone, 7.0), PD, ServingPath()) == StageLoad()
     assert fit_stage_load({"lone": []}, LoneCosts(3.0, fetch_lone, 7.0), PD, ServingPath()) == StageLoad()
+
+
+def test_hand_offs_sharing_p_stream_are_read_as_their_own_work():
+    """Two requests whose prefixes P finished together at 100 ms; their answers ran together on P's
+    stream [100, 106] (3 ms of work each, at half speed), then their fetches [106, 118] (6 ms each,
+    at half speed). Read as the stream's share they are their lone costs: no load per further
+    request (read as wall time, they would say 3 and 6 ms per further request)."""
+
+    def req(first_s: float) -> dict:
+        t = {"prefill_s": 0.1, "prefill_rtt_s": 0.106, "transfer_s": 0.012, "ttft_s": first_s}
+        return {"prompt_len": 400, "ttft_s": first_s + LONE_HOPS / 1e3, "gaps_s": [], "timings": t}
+
+    cal = {"batch": {"size": 2, "requests": [req(0.13), req(0.13)]}}
+    lone = LoneCosts(LONE_ANSWER, fetch_lone, LONE_HOPS)
+    shared = fit_stage_load(cal, lone, PD, ServingPath(handoff_on_p_stream=True))
+    assert (shared.answer_ms, shared.fetch_ms) == pytest.approx((0.0, 0.0))
+    apart = fit_stage_load(cal, lone, PD, ServingPath(handoff_on_p_stream=False))
+    assert (apart.answer_ms, apart.fetch_ms) == pytest.approx((3.0, 6.0))

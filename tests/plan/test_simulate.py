@@ -92,3 +92,25 @@ def test_side_work_progresses_only_between_the_engines_steps():
     assert done["p"] * 1e3 == pytest.approx(50)
     assert done["d"] * 1e3 == pytest.approx(55)
     assert p.run.done_s[1] * 1e3 == pytest.approx(45)  # the side work never slows the steps
+
+
+def test_side_tasks_of_one_engine_share_its_stream():
+    """Hand-offs queued on one P share its stream. Two of 10 ms on an idle P: each at half speed,
+    both end at 20 ms (not 10). With a third of 5 ms: three at 1/3 until it ends at 15, then two
+    at 1/2 with 5 ms left each: 25. With P's 30 ms step for request 1 issued at 15: both at 1/2
+    for [0, 15] (2.5 ms left each), stopped during the step [15, 45], then 2.5 ms each at 1/2: 50."""
+    from asympd.plan.simulate import SideTask
+
+    def run(p: PrefillEngine, lengths_ms: list[float]) -> list[float]:
+        done: dict[int, float] = {}
+        for k, s in enumerate(lengths_ms):
+            p.hold(SideTask(s / 1e3, lambda t, k=k: done.setdefault(k, t)))
+        run_engines([p], [0])
+        return [done[k] * 1e3 for k in range(len(lengths_ms))]
+
+    def idle() -> PrefillEngine:
+        return PrefillEngine(CFG, FlatSteps(), PrefillSetup("asymmetric", 1, 1000), [])
+
+    assert run(idle(), [10, 10]) == pytest.approx([20, 20])
+    assert run(idle(), [10, 10, 5]) == pytest.approx([25, 25, 15])
+    assert run(engines()[0], [10, 10]) == pytest.approx([50, 50])
