@@ -1044,6 +1044,7 @@ def indexer_topk_candidates(
     block_n: int | None = None,
     version: int | None = None,
     splits: int | None = None,
+    num_warps: int = 8,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The candidate source's selection and its candidate pool as a block mask [rows, nb]: the
     ``topk_blocks`` blocks of ``block`` entries with the best entry, the newest visible block
@@ -1065,6 +1066,7 @@ def indexer_topk_candidates(
         block_n=block_n,
         version=version,
         splits=splits,
+        num_warps=num_warps,
     )
     vis_blocks = (n_visible.to(bmax.device, torch.int64) + block - 1).div(block, rounding_mode="floor")
     if bmax.size(1) == 0:
