@@ -594,46 +594,57 @@ if AVAILABLE:
             s = tl.maximum(s, 0.0) * wt[None, :]
             if ROUND_BF16:
                 s = s.to(tl.bfloat16).to(tl.float32)
-        s = tl.trans(tl.sum(tl.reshape(s, (BN, BM, H)), axis=2))
+        s = tl.sum(tl.reshape(s, (BN, BM, H)), axis=2)  # entry-major [BN, BM]: no transpose
         if ROUND_BF16:
             s = s.to(tl.bfloat16).to(tl.float32)
-        visible = rmask[:, None] & (e[None, :] < vis[:, None])
+        visible = rmask[None, :] & (e[:, None] < vis[None, :])
         if HAS_CAND:
             c = tl.load(
-                cand_ptr + rows.to(tl.int64)[:, None] * s_cr + (e // CAND_BLOCK)[None, :], mask=visible, other=0
+                cand_ptr + rows.to(tl.int64)[None, :] * s_cr + (e // CAND_BLOCK)[:, None], mask=visible, other=0
             )
             s = tl.where(c != 0, s, float("-inf"))
         return s, visible
 
     @triton.jit
+    def _store_block_max_t(
+        s, visible, bmax_ptr, rows, rmask, e0, s_br, n_bmax, BM: tl.constexpr, BN: tl.constexpr, BMAX: tl.constexpr
+    ):
+        """``_store_block_max`` of entry-major scores [BN, BM]."""
+        NB: tl.constexpr = BN // BMAX
+        bm = tl.max(tl.reshape(tl.where(visible, s, float("-inf")), (NB, BMAX, BM)), axis=1)
+        b = e0 // BMAX + tl.arange(0, NB)
+        tl.store(
+            bmax_ptr + rows.to(tl.int64)[None, :] * s_br + b[:, None], bm, mask=rmask[None, :] & (b[:, None] < n_bmax)
+        )
+
+    @triton.jit
     def _scan_tile_v3(
-        thr_hi, cnt, bufp, qt, wt, kpool_ptr, table_ptr, koff, vis, cand_ptr, bmax_ptr, s_cr, s_br, n_bmax, rows,
+        thr_hi, cntp, bufp, qt, wt, kpool_ptr, table_ptr, koff, vis, cand_ptr, bmax_ptr, s_cr, s_br, n_bmax, rows,
         rmask, e0, n_max, s_kb, s_ke, EPB, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
         HAS_CAND: tl.constexpr, CAND_BLOCK: tl.constexpr, BMAX: tl.constexpr, ROUND_BF16: tl.constexpr,
         DOT_F32: tl.constexpr, IN_BLOCK: tl.constexpr, BF16X2: tl.constexpr,
     ):  # fmt: skip
-        """Score one tile; entries above the row's threshold are appended as keys. The test is on
-        the 32 order bits alone: the threshold key's entry was merged from an earlier tile, so it
-        has a lower index and an equal score cannot beat it (exactly ``key > thresh``). While no
-        entry of the tile beats its row (most tiles once the top-k fills: about k ln(n / k) of n
-        entries ever enter) the branch skips the keys, the cumsum and the stores."""
+        """Score one tile (entry-major [BN, BM], as the GEMM leaves it); entries above their row's
+        threshold claim buffer slots with an atomic add on the row's counter and store their keys.
+        The test is on the 32 order bits alone: the threshold key's entry was merged from an earlier
+        tile, so it has a lower index and an equal score cannot beat it (exactly ``key > thresh``).
+        No transpose, no cumsum, no reduction across warps: the slots' order is whatever the atomics
+        give, and the merge sorts them (the selection does not depend on it)."""
         s, v = _score_keys_v3(
             qt, wt, kpool_ptr, table_ptr, koff, vis, cand_ptr, s_cr, rows, rmask, e0, n_max, s_kb, s_ke, EPB,
             H, D, BM, BN, HAS_CAND, CAND_BLOCK, ROUND_BF16, DOT_F32, IN_BLOCK, BF16X2,
         )  # fmt: skip
         if BMAX > 0:
-            _store_block_max(s, v, bmax_ptr, rows, rmask, e0, s_br, n_bmax, BM, BN, BMAX)
+            _store_block_max_t(s, v, bmax_ptr, rows, rmask, e0, s_br, n_bmax, BM, BN, BMAX)
         s = tl.where(s == 0.0, 0.0, s)  # -0 and +0 are one value
         bits = s.to(tl.int32, bitcast=True)
         ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        take = v & (ordered > thr_hi[:, None])
-        n_take = tl.sum(take.to(tl.int32), axis=1)
-        if tl.max(n_take, axis=0) > 0:
-            e = e0 + tl.arange(0, BN)
-            key = (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - e).to(tl.int64)[None, :]
-            pos = cnt[:, None] + tl.cumsum(take.to(tl.int32), axis=1) - 1
-            tl.store(bufp + pos, key, mask=take)
-        return cnt + n_take
+        take = v & (ordered > thr_hi[None, :])
+        e = e0 + tl.arange(0, BN)
+        key = (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - e).to(tl.int64)[:, None]
+        ones = tl.full((BN, BM), 1, tl.int32)
+        pos = tl.atomic_add(cntp[None, :] + tl.zeros((BN, BM), tl.int32), ones, mask=take, sem="relaxed")
+        tl.store(bufp[None, :] + pos, key, mask=take)
 
     @triton.jit(do_not_specialize=_VARYING)
     def _indexer_topk_kernel_v3(
@@ -649,6 +660,7 @@ if AVAILABLE:
         bmax_ptr,
         buf_ptr,
         out_ptr,
+        cnt_ptr,
         s_qr,
         s_qh,
         s_wr,
@@ -706,41 +718,48 @@ if AVAILABLE:
             wt = wt.to(tl.float32)
         koff = tl.arange(0, BN)[:, None] * s_ke + d[None, :]
         CB: tl.constexpr = NSLICE * KP
-        bestp = buf_ptr + ((tile.to(tl.int64) * NSPLIT + split) * BM + r[:, None]) * (KP + CB)
+        slot = (tile.to(tl.int64) * NSPLIT + split) * BM + r
+        bestp = buf_ptr + slot[:, None] * (KP + CB)
         bufp = bestp + KP
+        bufr = buf_ptr + slot * (KP + CB) + KP  # the buffers again, one pointer per row
+        cntp = cnt_ptr + slot  # each row's buffer count, claimed by atomics
         tl.store(bestp + tl.arange(0, KP)[None, :], tl.full((BM, KP), -9223372036854775807, tl.int64))
+        tl.store(cntp, tl.zeros((BM,), tl.int32))
         thr_hi = tl.full((BM,), -2147483648, tl.int32)  # the empty top-k's threshold: every entry enters
-        cnt = tl.zeros((BM,), tl.int32)
         # this split's entries: a whole number of tiles
         share = tl.cdiv(tl.cdiv(n_max, NSPLIT), BN) * BN
         e0 = split * share
         e_end = tl.minimum(e0 + share, n_max)
         while e0 < e_end:
+            tl.debug_barrier()  # the last run's atomics are done
+            cnt = tl.load(cntp, volatile=True)  # from L2: the counts the atomics left
             room = (CB - tl.max(cnt, axis=0)) // BN  # tiles that cannot overflow any row's buffer
             if room == 0:
                 thresh = _merge_scratch(bestp, bufp, cnt, KP, NSLICE, LOG_BM, LOG_KP, TL_SORT)
                 thr_hi = (thresh >> 32).to(tl.int32)
-                cnt = tl.zeros_like(cnt)
+                tl.store(cntp, tl.zeros((BM,), tl.int32))
+                tl.debug_barrier()  # counters reset before the next run's atomics
                 room = CB // BN
             e1 = tl.minimum(e0 + room * BN, e_end)
             if PIPELINE:  # a counted loop without barriers: Triton pipelines the key loads
                 for e in range(e0, e1, BN):
-                    cnt = _scan_tile_v3(
-                        thr_hi, cnt, bufp, qt, wt, kpool_ptr, table_ptr, koff, vis, cand_ptr, bmax_ptr, s_cr, s_br,
+                    _scan_tile_v3(
+                        thr_hi, cntp, bufr, qt, wt, kpool_ptr, table_ptr, koff, vis, cand_ptr, bmax_ptr, s_cr, s_br,
                         n_bmax, rows, rmask, e, n_max, s_kb, s_ke, EPB, H, D, BM, BN, HAS_CAND, CAND_BLOCK, BMAX,
                         ROUND_BF16, DOT_F32, IN_BLOCK, BF16X2,
                     )  # fmt: skip
             else:  # the interpreter cannot take a tensor as a range bound
                 e = e0
                 while e < e1:
-                    cnt = _scan_tile_v3(
-                        thr_hi, cnt, bufp, qt, wt, kpool_ptr, table_ptr, koff, vis, cand_ptr, bmax_ptr, s_cr, s_br,
+                    _scan_tile_v3(
+                        thr_hi, cntp, bufr, qt, wt, kpool_ptr, table_ptr, koff, vis, cand_ptr, bmax_ptr, s_cr, s_br,
                         n_bmax, rows, rmask, e, n_max, s_kb, s_ke, EPB, H, D, BM, BN, HAS_CAND, CAND_BLOCK, BMAX,
                         ROUND_BF16, DOT_F32, IN_BLOCK, BF16X2,
                     )  # fmt: skip
                     e += BN
             e0 = e1
-        _merge_scratch(bestp, bufp, cnt, KP, NSLICE, LOG_BM, LOG_KP, TL_SORT)
+        tl.debug_barrier()
+        _merge_scratch(bestp, bufp, tl.load(cntp, volatile=True), KP, NSLICE, LOG_BM, LOG_KP, TL_SORT)
         tl.debug_barrier()  # the last merge's stores
         j = tl.arange(0, KP)
         best = tl.load(bestp + j[None, :])
@@ -858,13 +877,15 @@ def _default_rows_per_tile(version: int, cuda: bool, rows: int, n_seqs: int) -> 
 
 
 def _default_splits(cuda: bool, tiles: int, entries: int, kp: int, device: torch.device) -> int:
-    """Programs per row tile in version 3 (each over a share of the entries): enough for about
-    two programs per SM, while each share keeps at least 8 * kp entries (below that a split's
-    own top-k is most of what it reads). ``entries`` is a bound known without a sync."""
+    """Programs per row tile in version 3 (each over a share of the entries): enough to give
+    every SM a program where the row tiles alone do not (decode of fewer sequences than SMs; at
+    one block per SM, 240 registers a thread, more programs than SMs only add waves), while each
+    share keeps at least 8 * kp entries (below that a split's own top-k is most of what it
+    reads). ``entries`` is a bound known without a sync."""
     if not cuda or tiles <= 0:
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = -(-2 * sms // tiles)
+    want = -(-sms // tiles)
     return max(1, min(want, entries // (8 * kp), 16))
 
 
@@ -928,8 +949,8 @@ def indexer_topk(
     scratch rather than registers and, on CUDA, takes 8 rows per tile where sequences have that
     many (prefill: each key tile read once per 8 rows instead of 4). Version 3 (the default)
     is version 2 with a block-contiguous key tile, the append path behind a uniform branch, and
-    each row tile's entries split over ``splits`` programs (default: about two programs per SM
-    on CUDA, 1 under the interpreter), their top-k keys merged here (exact: keys are unique)."""
+    each row tile's entries split over ``splits`` programs (default: enough for one program per
+    SM on CUDA, 1 under the interpreter), their top-k keys merged here (exact: keys are unique)."""
     version = INDEXER_VERSION if version is None else version
     if version not in (1, 2, 3):
         raise ValueError(f"version must be 1, 2 or 3, got {version!r}")
@@ -990,8 +1011,9 @@ def indexer_topk(
         ns = splits or _default_splits(q.is_cuda, -(-rows // bm), bound, kp, dev)
         buf = torch.empty(row0.numel(), ns, bm, kp + NSLICE * kp, dtype=torch.int64, device=dev)
         keys = torch.empty(rows, ns, kp, dtype=torch.int64, device=dev)
+        counts = torch.empty(row0.numel() * ns * bm, dtype=torch.int32, device=dev)
         _indexer_topk_kernel_v3[(row0.numel(), ns)](
-            q, w, key_pool, tables, seqs, row0, count, vis, cand, bmax, buf, keys,
+            q, w, key_pool, tables, seqs, row0, count, vis, cand, bmax, buf, keys, counts,
             q.stride(0), q.stride(1), w.stride(0), key_pool.stride(0), key_pool.stride(1), tables.stride(0),
             cand.stride(0), bmax.stride(0) if block_max else 0, n_bmax, key_pool.size(1), k,
             H=n_heads, D=hd, BM=bm, BN=bn, KP=kp, LOG_BM=bm.bit_length() - 1, LOG_KP=kp.bit_length() - 1,
