@@ -118,7 +118,7 @@ def main() -> None:
                 cons["NSLICE"] = AK.NSLICE
                 fn = AK._indexer_topk_kernel_v2
             if version == 3:  # as a launch at true shapes: 256-entry blocks, bf16 throughout
-                cons |= dict(NSLICE=AK.NSLICE, NSPLIT=1, IN_BLOCK=True, BF16X2=True)
+                cons |= dict(NSLICE=AK.NSLICE, IN_BLOCK=True, BF16X2=True)
                 fn, args = AK._indexer_topk_kernel_v3, INDEXER_V3_ARGS
             row = {"kernel": "indexer_topk", "version": version, "kind": kind, "rows_per_tile": bm, "block_n": bn,
                    "tl_sort": tl_sort}  # fmt: skip

@@ -543,10 +543,11 @@ if AVAILABLE:
 
     # ---- version 3 of the indexer: version 2's transposed GEMM and scratch top-k, plus (1) a key
     # tile inside one cache block is one scalar table load and a hoisted offset tile, not a
-    # per-entry division, gather and 64-bit address; (2) the threshold test on the score's 32
-    # order bits, the int64 keys, cumsum and stores behind a uniform branch taken only by tiles
-    # where some entry beats its row's threshold; (3) a row tile's entries split over NSPLIT
-    # programs (decode: 256 tiles alone do not fill 132 SMs twice), merged by the wrapper ----
+    # per-entry division, gather and 64-bit address; (2) relu and head weights in packed bf16x2;
+    # (3) the threshold test on the scores' 32 order bits where the GEMM leaves them (entry-major),
+    # takers claiming buffer slots by atomics instead of a transpose and a cumsum; (4) a row tile's
+    # entries split over the grid's second axis where tiles alone leave SMs idle, merged by the
+    # wrapper ----
 
     @triton.jit
     def _relu_weight_bf16x2(s, w):
@@ -696,14 +697,15 @@ if AVAILABLE:
         TL_SORT: tl.constexpr,
         PIPELINE: tl.constexpr,
         NSLICE: tl.constexpr,
-        NSPLIT: tl.constexpr,
         IN_BLOCK: tl.constexpr,
         BF16X2: tl.constexpr,
     ):
         """Program (tile, split): the tile's rows over the split's share of the entries (whole
-        tiles of BN); writes the split's running top-KP as keys, out [rows, NSPLIT, KP]."""
+        tiles of BN); writes the split's running top-KP as keys, out [rows, splits, KP]. The splits
+        are the grid's second axis, not a constant: one compiled kernel for every split count."""
         tile = tl.program_id(0)
         split = tl.program_id(1)
+        NSPLIT = tl.num_programs(1)
         row0 = tl.load(tile_row0_ptr + tile)
         nrows = tl.load(tile_rows_ptr + tile)
         r = tl.arange(0, BM)
@@ -1028,7 +1030,7 @@ def indexer_topk(
             H=n_heads, D=hd, BM=bm, BN=bn, KP=kp, LOG_BM=bm.bit_length() - 1, LOG_KP=kp.bit_length() - 1,
             HAS_CAND=candidates is not None, CAND_BLOCK=candidate_block, BMAX=block_max,
             ROUND_BF16=q.dtype == torch.bfloat16, DOT_F32=dot_f32, TL_SORT=sort_impl == "triton",
-            PIPELINE=q.is_cuda, NSLICE=NSLICE, NSPLIT=ns, IN_BLOCK=key_pool.size(1) % bn == 0,
+            PIPELINE=q.is_cuda, NSLICE=NSLICE, IN_BLOCK=key_pool.size(1) % bn == 0,
             BF16X2=q.is_cuda and q.dtype == w.dtype == key_pool.dtype == torch.bfloat16 and not dot_f32,
             num_warps=num_warps,
         )  # fmt: skip
