@@ -252,7 +252,7 @@ def run_cell(cell: Cell, run, ceil, res: dict[str, Any], iters: int, sweep: bool
         ref, ref_cand = unfused_select(cell, r, kind, cand_e)
         got, got_cand = fused_select(cell, r, kind, cand_b)
         row["agree"] = agreement(got, ref)
-        row["agree"]["v1_equals_v2"] = bool(torch.equal(fused_select(cell, r, kind, cand_b, version=1)[0], got))
+        row["agree"]["v2_equals_v3"] = bool(torch.equal(fused_select(cell, r, kind, cand_b, version=2)[0], got))
         if kind == "cand_source":
             expanded = got_cand.repeat_interleave(cfg.candidate_block_size, 1)
             want = torch.cat(ref_cand)
@@ -260,11 +260,16 @@ def run_cell(cell: Cell, run, ceil, res: dict[str, Any], iters: int, sweep: bool
                 (expanded[:, : want.size(1)] == want).all(1).double().mean()
             )
         row["unfused"] = run(lambda r=r, kind=kind, ce=cand_e: unfused_select(cell, r, kind, ce), iters)
-        # both kernel versions' defaults in every cell (old against new in one run)
-        configs = [{"version": 1}, {"version": 2}]
+        # the last two versions' defaults in every cell (old against new in one run); in decode also
+        # version 3 with each row tile's entries split over 2 programs (256 tiles fill the SMs, so
+        # the default does not split there: whether splitting pays anyway)
+        configs: list[dict[str, Any]] = [{"version": 2}, {"version": 3}]
+        if cell.q <= 16:
+            configs.append({"version": 3, "splits": 2})
         if sweep:  # then other tilings; Triton's sort as the fallback should the bitonic one fail
-            configs += [{"version": 2, "rows_per_tile": 4}, {"version": 2, "rows_per_tile": 8},
-                        {"version": 2, "block_n": 64}, {"version": 2, "block_n": 128},
+            configs += [{"version": 1}, {"version": 3, "rows_per_tile": 4}, {"version": 3, "rows_per_tile": 8},
+                        {"version": 3, "block_n": 64}, {"version": 3, "block_n": 128},
+                        {"version": 3, "num_warps": 4, "block_n": 64}, {"version": 3, "splits": 4},
                         {"version": 1, "sort_impl": "triton"}]  # fmt: skip
         for kw in configs:
             try:
@@ -325,17 +330,20 @@ def profile_cell(cell: Cell) -> None:
 
 
 def pick_best(row: dict[str, Any]) -> None:
-    """``fused``: the fastest config; ``fused_v1`` / ``fused_v2``: each version's defaults (the
-    first config timed of each), and the new kernels' speed-up over the old in the same run."""
+    """``fused``: the fastest config; ``fused_v1`` .. ``fused_v3``: each version's defaults (the
+    first config timed of each), their floor fractions, and each version's speed-up over the one
+    before it in the same run (the indexer times v2 and v3 in every cell, v1 in the sweep;
+    attention has v1 and v2)."""
     timed = row.get("fused_configs", [])
     row["fused"] = min(timed, key=lambda t: t["ms"], default=None)
-    for v in (1, 2):
+    for v in (1, 2, 3):
         first = next((t for t in timed if t["config"].get("version") == v), None)
         if first is not None:
             row[f"fused_v{v}"] = first
-    if "fused_v1" in row and "fused_v2" in row:
-        row["speedup_v2_over_v1"] = row["fused_v1"]["ms"] / row["fused_v2"]["ms"]
-        row["floor_fraction_v2"] = row["floor_ms"] / row["fused_v2"]["ms"]
+            row[f"floor_fraction_v{v}"] = row["floor_ms"] / first["ms"]
+    for old, new in ((1, 2), (2, 3)):
+        if f"fused_v{old}" in row and f"fused_v{new}" in row:
+            row[f"speedup_v{new}_over_v{old}"] = row[f"fused_v{old}"]["ms"] / row[f"fused_v{new}"]["ms"]
 
 
 def finish(row: dict[str, Any]) -> None:
@@ -351,7 +359,8 @@ def summary(row: dict[str, Any]) -> str:
         f"fused {f.get('ms', float('nan')):.3f} ms ({row.get('floor_fraction_fused', 0) * 100:.0f}% of floor) "
         f"unfused {row['unfused']['ms']:.3f} ms ({row['floor_fraction_unfused'] * 100:.0f}%) "
         f"floor {row['floor_ms']:.3f} ms speedup {row.get('speedup', 0):.2f}x "
-        f"v2/v1 {row.get('speedup_v2_over_v1', 0):.2f}x agree {row['agree']}"
+        f"v2/v1 {row.get('speedup_v2_over_v1', 0):.2f}x v3/v2 {row.get('speedup_v3_over_v2', 0):.2f}x "
+        f"agree {row['agree']}"
     )
 
 

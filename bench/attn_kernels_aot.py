@@ -10,6 +10,7 @@ Uses the ptxas and cuobjdump that Triton's wheel carries. A quick check before s
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import tempfile
 import time
@@ -32,6 +33,8 @@ INDEXER_ARGS = [
     ("s_wr", "i32"), ("s_kb", "i32"), ("s_ke", "i32"), ("s_ts", "i32"), ("s_cr", "i32"), ("s_br", "i32"),
     ("n_bmax", "i32"), ("EPB", "i32"), ("K", "i32"),
 ]  # fmt: skip
+# version 3 also takes each row's buffer counter (claimed by atomics) after out_ptr
+INDEXER_V3_ARGS = INDEXER_ARGS[:12] + [("cnt_ptr", "*i32")] + INDEXER_ARGS[12:]
 ATTN_ARGS = [
     ("q_ptr", "*bf16"), ("win_ptr", "*bf16"), ("widx_ptr", "*i64"), ("sel_ptr", "*i64"), ("pool_ptr", "*bf16"),
     ("tables_ptr", "*i32"), ("row_seq_ptr", "*i32"), ("sink_ptr", "*fp32"), ("out_ptr", "*bf16"), ("s_qr", "i32"),
@@ -45,6 +48,24 @@ ATTN_ARGS = [
 # decides whether loads become cp.async (pipelined) and how many registers the kernel takes
 ALIGNED = {"s_qr", "s_qh", "s_wr", "s_kb", "s_ke", "s_ts", "EPB", "K", "s_wn", "s_wir", "s_sr", "s_pb", "s_pe",
            "s_or", "s_oh", "NH"}  # fmt: skip
+
+
+def hot_loop(sass: str) -> dict[str, int]:
+    """The innermost loop holding the tile GEMM (the smallest backward branch's body with an
+    HGMMA / HMMA): its instructions and block barriers per warp and pass (a branch inside counts
+    whole: an upper bound on the path taken)."""
+    ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    where = {a: i for i, (a, _) in enumerate(ins)}
+    best: list[str] | None = None
+    for i, (a, t) in enumerate(ins):
+        m = re.search(r"BRA\s.*?(0x[0-9a-f]+)", t)
+        if m and int(m.group(1), 16) <= a and int(m.group(1), 16) in where:
+            body = [x for _, x in ins[where[int(m.group(1), 16)] : i + 1]]
+            if any("GMMA" in x or "HMMA" in x for x in body) and (best is None or len(body) < len(best)):
+                best = body
+    if best is None:
+        return {}
+    return {"hot_loop_instructions": len(best), "hot_loop_barriers": sum("BAR.SYNC" in x for x in best)}
 
 
 def compile_report(fn, args: list[tuple[str, str]], constexprs: dict[str, Any], num_warps: int) -> dict[str, Any]:
@@ -67,6 +88,10 @@ def compile_report(fn, args: list[tuple[str, str]], constexprs: dict[str, Any], 
     out["wgmma"] = ptx.count("wgmma.mma_async")
     out["mma_sync"] = ptx.count("mma.sync")
     out["cp_async"] = k.asm["ttgir"].count("async_copy_global_to_local")  # pipelined loads
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        out |= hot_loop(subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout)
     return out
 
 
@@ -81,27 +106,29 @@ def main() -> None:
         ("reindex", True, 0),
     ):
         for version, bm, bn, tl_sort in (
-            (1, 4, 128, False), (1, 8, 128, False), (1, 4, 64, False), (1, 4, 128, True),
-            (2, 4, 128, False), (2, 8, 64, False), (2, 8, 128, False),
+            (1, 4, 128, False), (2, 4, 128, False), (2, 8, 64, False), (3, 4, 128, False), (3, 8, 64, False),
         ):  # fmt: skip
             cons = dict(
                 H=cfg.index_n_heads, D=cfg.index_head_dim, BM=bm, BN=bn, KP=kp, LOG_BM=bm.bit_length() - 1,
                 LOG_KP=kp.bit_length() - 1, HAS_CAND=cand, CAND_BLOCK=cfg.candidate_block_size, BMAX=bmax,
                 ROUND_BF16=True, DOT_F32=False, TL_SORT=tl_sort, PIPELINE=True,
             )  # fmt: skip
-            fn = AK._indexer_topk_kernel
+            fn, args = AK._indexer_topk_kernel, INDEXER_ARGS
             if version == 2:
                 cons["NSLICE"] = AK.NSLICE
                 fn = AK._indexer_topk_kernel_v2
+            if version == 3:  # as a launch at true shapes: 256-entry blocks, bf16 throughout
+                cons |= dict(NSLICE=AK.NSLICE, IN_BLOCK=True, BF16X2=True)
+                fn, args = AK._indexer_topk_kernel_v3, INDEXER_V3_ARGS
             row = {"kernel": "indexer_topk", "version": version, "kind": kind, "rows_per_tile": bm, "block_n": bn,
                    "tl_sort": tl_sort}  # fmt: skip
             try:
-                row |= compile_report(fn, INDEXER_ARGS, cons, 8)
+                row |= compile_report(fn, args, cons, 8)
             except Exception as e:  # keep going: the report says which config failed
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
             log(row)
-    for version, bh, bn in ((1, 16, 32), (1, 16, 64), (1, 32, 32), (1, 32, 64), (1, 64, 16), (2, 64, 16), (2, 64, 32)):
+    for version, bh, bn in ((1, 16, 32), (2, 64, 16)):  # the two versions' defaults
         cons = dict(W=cfg.window_size, KSEL=cfg.index_topk, D=cfg.head_dim, BH=bh, BN=bn, ROUND_PROBS=True,
                     DOT_F32=False, SEL_OFFSETS=version == 2)  # fmt: skip
         row = {"kernel": "sparse_attention_paged", "version": version, "block_h": bh, "block_n": bn}

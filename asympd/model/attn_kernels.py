@@ -29,15 +29,24 @@ candidate_block=1, block_max=0, rows_per_tile=None, block_n=None, version=None) 
     only when a buffer would overflow, and once at the end, is it sorted (bitonic) and merged into
     the running top-k (best descending vs buffer ascending: the elementwise max is bitonic, one
     bitonic merge sorts it). With scores in no particular order a row merges about
-    ln(n / k) + 1 times instead of once per tile. That is version 1; version 2 (the default,
-    ``INDEXER_VERSION``) differs in three ways: the GEMM is keys x queries^T ([block_n, hd] x
+    ln(n / k) + 1 times instead of once per tile. That is version 1; version 2 differs in three
+    ways: the GEMM is keys x queries^T ([block_n, hd] x
     [hd, rows x H]) so a row's head sum is within a warp (in version 1 the heads run down the
     MMA's M across warps and the sum goes through shared memory); the running top-k sits in
     scratch beside the buffer (L2) instead of registers; and the buffer holds ``NSLICE`` x k
     slots, the tiles between merges a counted loop bounded by the buffer's room, so that loop has
     no barrier and Triton pipelines the key tiles (cp.async); version 1's merge check with its
     barriers inside the loop stopped that. On CUDA it also takes 8 rows per tile where
-    sequences average 8 rows or more (prefill), reading each key tile once per 8 rows.
+    sequences average 8 rows or more (prefill), reading each key tile once per 8 rows. Version 3
+    (the default, ``INDEXER_VERSION``) is version 2 with the per-tile work cut (sm_90 SASS of the
+    decode tile: 1396 -> 578 instructions per warp, 16 -> 8 barriers): a tile inside one cache
+    block (epb a multiple of block_n, as at true shapes) is one table load plus loop-invariant
+    offsets; relu and the head weights in packed bf16x2 (the same roundings); the threshold test
+    on the scores' 32 order bits in the GEMM's entry-major layout, takers claiming buffer slots by
+    atomic adds on per-row counters (no transpose, cumsum or cross-warp reduction per tile; the
+    merge sorts the slots, so their order does not matter); and, where the row tiles leave SMs
+    idle (few sequences), each tile's entries split over programs whose top-k keys the wrapper
+    merges (exact: a key holds its entry index, no two are equal).
     bf16 inputs follow the reference's bf16 roundings (per-head score, weighted score, the sum);
     fp32 inputs compute in fp32 (IEEE dots).
 ``indexer_topk_candidates(..., k, topk_blocks, block, *, max_entries=None) -> (sel, cand)``:
@@ -532,6 +541,241 @@ if AVAILABLE:
             mask=rmask[:, None] & (j[None, :] < K),
         )
 
+    # ---- version 3 of the indexer: version 2's transposed GEMM and scratch top-k, plus (1) a key
+    # tile inside one cache block is one scalar table load and a hoisted offset tile, not a
+    # per-entry division, gather and 64-bit address; (2) relu and head weights in packed bf16x2;
+    # (3) the threshold test on the scores' 32 order bits where the GEMM leaves them (entry-major),
+    # takers claiming buffer slots by atomics instead of a transpose and a cumsum; (4) a row tile's
+    # entries split over the grid's second axis where tiles alone leave SMs idle, merged by the
+    # wrapper ----
+
+    @triton.jit
+    def _relu_weight_bf16x2(s, w):
+        """bf16(relu(bf16(s)) * w) for fp32 s and bf16 w, two at a time in packed bf16 (sm_90's
+        ``mul.rn.bf16x2``): 3 instructions and 2 unpacks per pair instead of 2 conversions, 2
+        widenings, a max and a multiply per element. The same roundings as the fp32 path (a product
+        of two bf16 values is exact in fp32, so rounding it once is what ``mul.rn.bf16x2`` does)."""
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 p, z;
+            cvt.rn.bf16x2.f32 p, $3, $2;
+            mov.b32 z, 0;
+            max.bf16x2 p, p, z;
+            mul.rn.bf16x2 p, p, $4;
+            shl.b32 $0, p, 16;
+            and.b32 $1, p, 0xFFFF0000;
+            }""",
+            "=r,=r,r,r,r",
+            [s, w],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=2,
+        )
+
+    @triton.jit
+    def _score_keys_v3(
+        qt, wt, kpool_ptr, table_ptr, koff, vis, cand_ptr, s_cr, rows, rmask, e0, n_max, s_kb, s_ke, EPB,
+        H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HAS_CAND: tl.constexpr,
+        CAND_BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr, DOT_F32: tl.constexpr, IN_BLOCK: tl.constexpr,
+        BF16X2: tl.constexpr,
+    ):  # fmt: skip
+        """``_score_keys_t``; with ``IN_BLOCK`` (EPB a multiple of BN) the tile's BN entries are
+        consecutive rows of one cache block: one table load, the block's base plus ``koff``
+        [BN, D] (loop-invariant), no mask (rows past n_max are in the block and masked below)."""
+        e = e0 + tl.arange(0, BN)
+        if IN_BLOCK:
+            blk = tl.load(table_ptr + e0 // EPB).to(tl.int64)
+            keys = tl.load(kpool_ptr + blk * s_kb + (e0 % EPB).to(tl.int64) * s_ke + koff)
+        else:
+            emask = e < n_max
+            blk = tl.load(table_ptr + e // EPB, mask=emask, other=0).to(tl.int64)
+            d = tl.arange(0, D)
+            kp = kpool_ptr + blk[:, None] * s_kb + (e % EPB).to(tl.int64)[:, None] * s_ke + d[None, :]
+            keys = tl.load(kp, mask=emask[:, None], other=0.0)
+        if DOT_F32:
+            s = tl.dot(keys.to(tl.float32), qt.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(keys.to(qt.dtype), qt)
+        if BF16X2:  # wt is bf16 here
+            s = _relu_weight_bf16x2(s, tl.broadcast_to(wt[None, :], (BN, BM * H)))
+        else:
+            if ROUND_BF16:
+                s = s.to(tl.bfloat16).to(tl.float32)
+            s = tl.maximum(s, 0.0) * wt[None, :]
+            if ROUND_BF16:
+                s = s.to(tl.bfloat16).to(tl.float32)
+        s = tl.sum(tl.reshape(s, (BN, BM, H)), axis=2)  # entry-major [BN, BM]: no transpose
+        if ROUND_BF16:
+            s = s.to(tl.bfloat16).to(tl.float32)
+        visible = rmask[None, :] & (e[:, None] < vis[None, :])
+        if HAS_CAND:
+            c = tl.load(
+                cand_ptr + rows.to(tl.int64)[None, :] * s_cr + (e // CAND_BLOCK)[:, None], mask=visible, other=0
+            )
+            s = tl.where(c != 0, s, float("-inf"))
+        return s, visible
+
+    @triton.jit
+    def _store_block_max_t(
+        s, visible, bmax_ptr, rows, rmask, e0, s_br, n_bmax, BM: tl.constexpr, BN: tl.constexpr, BMAX: tl.constexpr
+    ):
+        """``_store_block_max`` of entry-major scores [BN, BM]."""
+        NB: tl.constexpr = BN // BMAX
+        bm = tl.max(tl.reshape(tl.where(visible, s, float("-inf")), (NB, BMAX, BM)), axis=1)
+        b = e0 // BMAX + tl.arange(0, NB)
+        tl.store(
+            bmax_ptr + rows.to(tl.int64)[None, :] * s_br + b[:, None], bm, mask=rmask[None, :] & (b[:, None] < n_bmax)
+        )
+
+    @triton.jit
+    def _scan_tile_v3(
+        thr_hi, cntp, bufp, qt, wt, kpool_ptr, table_ptr, koff, vis, cand_ptr, bmax_ptr, s_cr, s_br, n_bmax, rows,
+        rmask, e0, n_max, s_kb, s_ke, EPB, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        HAS_CAND: tl.constexpr, CAND_BLOCK: tl.constexpr, BMAX: tl.constexpr, ROUND_BF16: tl.constexpr,
+        DOT_F32: tl.constexpr, IN_BLOCK: tl.constexpr, BF16X2: tl.constexpr,
+    ):  # fmt: skip
+        """Score one tile (entry-major [BN, BM], as the GEMM leaves it); entries above their row's
+        threshold claim buffer slots with an atomic add on the row's counter and store their keys.
+        The test is on the 32 order bits alone: the threshold key's entry was merged from an earlier
+        tile, so it has a lower index and an equal score cannot beat it (exactly ``key > thresh``).
+        No transpose, no cumsum, no reduction across warps: the slots' order is whatever the atomics
+        give, and the merge sorts them (the selection does not depend on it)."""
+        s, v = _score_keys_v3(
+            qt, wt, kpool_ptr, table_ptr, koff, vis, cand_ptr, s_cr, rows, rmask, e0, n_max, s_kb, s_ke, EPB,
+            H, D, BM, BN, HAS_CAND, CAND_BLOCK, ROUND_BF16, DOT_F32, IN_BLOCK, BF16X2,
+        )  # fmt: skip
+        if BMAX > 0:
+            _store_block_max_t(s, v, bmax_ptr, rows, rmask, e0, s_br, n_bmax, BM, BN, BMAX)
+        s = tl.where(s == 0.0, 0.0, s)  # -0 and +0 are one value
+        bits = s.to(tl.int32, bitcast=True)
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        take = v & (ordered > thr_hi[None, :])
+        e = e0 + tl.arange(0, BN)
+        key = (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - e).to(tl.int64)[:, None]
+        ones = tl.full((BN, BM), 1, tl.int32)
+        pos = tl.atomic_add(cntp[None, :] + tl.zeros((BN, BM), tl.int32), ones, mask=take, sem="relaxed")
+        tl.store(bufp[None, :] + pos, key, mask=take)
+
+    @triton.jit(do_not_specialize=_VARYING)
+    def _indexer_topk_kernel_v3(
+        q_ptr,
+        w_ptr,
+        kpool_ptr,
+        tables_ptr,
+        row_seq_ptr,
+        tile_row0_ptr,
+        tile_rows_ptr,
+        vis_ptr,
+        cand_ptr,
+        bmax_ptr,
+        buf_ptr,
+        out_ptr,
+        cnt_ptr,
+        s_qr,
+        s_qh,
+        s_wr,
+        s_kb,
+        s_ke,
+        s_ts,
+        s_cr,
+        s_br,
+        n_bmax,
+        EPB,
+        K,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        KP: tl.constexpr,
+        LOG_BM: tl.constexpr,
+        LOG_KP: tl.constexpr,
+        HAS_CAND: tl.constexpr,
+        CAND_BLOCK: tl.constexpr,
+        BMAX: tl.constexpr,
+        ROUND_BF16: tl.constexpr,
+        DOT_F32: tl.constexpr,
+        TL_SORT: tl.constexpr,
+        PIPELINE: tl.constexpr,
+        NSLICE: tl.constexpr,
+        IN_BLOCK: tl.constexpr,
+        BF16X2: tl.constexpr,
+    ):
+        """Program (tile, split): the tile's rows over the split's share of the entries (whole
+        tiles of BN); writes the split's running top-KP as keys, out [rows, splits, KP]. The splits
+        are the grid's second axis, not a constant: one compiled kernel for every split count."""
+        tile = tl.program_id(0)
+        split = tl.program_id(1)
+        NSPLIT = tl.num_programs(1)
+        row0 = tl.load(tile_row0_ptr + tile)
+        nrows = tl.load(tile_rows_ptr + tile)
+        r = tl.arange(0, BM)
+        rows = row0 + r
+        rmask = r < nrows
+        vis = tl.load(vis_ptr + rows, mask=rmask, other=0).to(tl.int32)
+        n_max = tl.max(vis, axis=0)
+        seq = tl.load(row_seq_ptr + row0).to(tl.int64)
+        table_ptr = tables_ptr + seq * s_ts
+        mh = tl.arange(0, BM * H)
+        qrow = row0 + mh // H
+        qmask = (mh // H) < nrows
+        d = tl.arange(0, D)
+        qt = tl.load(
+            q_ptr + qrow.to(tl.int64)[None, :] * s_qr + (mh % H)[None, :] * s_qh + d[:, None],
+            mask=qmask[None, :],
+            other=0.0,
+        )
+        wt = tl.load(w_ptr + qrow.to(tl.int64) * s_wr + mh % H, mask=qmask, other=0.0)
+        if not BF16X2:
+            wt = wt.to(tl.float32)
+        koff = tl.arange(0, BN)[:, None] * s_ke + d[None, :]
+        CB: tl.constexpr = NSLICE * KP
+        slot = (tile.to(tl.int64) * NSPLIT + split) * BM + r
+        bestp = buf_ptr + slot[:, None] * (KP + CB)
+        bufp = bestp + KP
+        bufr = buf_ptr + slot * (KP + CB) + KP  # the buffers again, one pointer per row
+        cntp = cnt_ptr + slot  # each row's buffer count, claimed by atomics
+        tl.store(bestp + tl.arange(0, KP)[None, :], tl.full((BM, KP), -9223372036854775807, tl.int64))
+        tl.store(cntp, tl.zeros((BM,), tl.int32))
+        thr_hi = tl.full((BM,), -2147483648, tl.int32)  # the empty top-k's threshold: every entry enters
+        # this split's entries: a whole number of tiles
+        share = tl.cdiv(tl.cdiv(n_max, NSPLIT), BN) * BN
+        e0 = split * share
+        e_end = tl.minimum(e0 + share, n_max)
+        while e0 < e_end:
+            tl.debug_barrier()  # the last run's atomics are done
+            cnt = tl.load(cntp, volatile=True)  # from L2: the counts the atomics left
+            room = (CB - tl.max(cnt, axis=0)) // BN  # tiles that cannot overflow any row's buffer
+            if room == 0:
+                thresh = _merge_scratch(bestp, bufp, cnt, KP, NSLICE, LOG_BM, LOG_KP, TL_SORT)
+                thr_hi = (thresh >> 32).to(tl.int32)
+                tl.store(cntp, tl.zeros((BM,), tl.int32))
+                tl.debug_barrier()  # counters reset before the next run's atomics
+                room = CB // BN
+            e1 = tl.minimum(e0 + room * BN, e_end)
+            if PIPELINE:  # a counted loop without barriers: Triton pipelines the key loads
+                for e in range(e0, e1, BN):
+                    _scan_tile_v3(
+                        thr_hi, cntp, bufr, qt, wt, kpool_ptr, table_ptr, koff, vis, cand_ptr, bmax_ptr, s_cr, s_br,
+                        n_bmax, rows, rmask, e, n_max, s_kb, s_ke, EPB, H, D, BM, BN, HAS_CAND, CAND_BLOCK, BMAX,
+                        ROUND_BF16, DOT_F32, IN_BLOCK, BF16X2,
+                    )  # fmt: skip
+            else:  # the interpreter cannot take a tensor as a range bound
+                e = e0
+                while e < e1:
+                    _scan_tile_v3(
+                        thr_hi, cntp, bufr, qt, wt, kpool_ptr, table_ptr, koff, vis, cand_ptr, bmax_ptr, s_cr, s_br,
+                        n_bmax, rows, rmask, e, n_max, s_kb, s_ke, EPB, H, D, BM, BN, HAS_CAND, CAND_BLOCK, BMAX,
+                        ROUND_BF16, DOT_F32, IN_BLOCK, BF16X2,
+                    )  # fmt: skip
+                    e += BN
+            e0 = e1
+        tl.debug_barrier()
+        _merge_scratch(bestp, bufp, tl.load(cntp, volatile=True), KP, NSLICE, LOG_BM, LOG_KP, TL_SORT)
+        tl.debug_barrier()  # the last merge's stores
+        j = tl.arange(0, KP)
+        best = tl.load(bestp + j[None, :])
+        tl.store(out_ptr + ((rows.to(tl.int64) * NSPLIT + split) * KP)[:, None] + j[None, :], best, mask=rmask[:, None])
+
     @triton.jit
     def _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS: tl.constexpr, DOT_F32: tl.constexpr):
         """One online-softmax step over a key tile kv [BN, D] (K = V)."""
@@ -622,9 +866,9 @@ if AVAILABLE:
         )
 
 
-INDEXER_VERSION = 2  # indexer_topk's default kernel (1: the first one, for comparison)
+INDEXER_VERSION = 3  # indexer_topk's default kernel (1, 2: the earlier ones, for comparison)
 ATTENTION_VERSION = 2  # sparse_attention_paged's default tiling (1: the first one)
-NSLICE = 2  # indexer v2: candidate buffer of NSLICE * k slots per row (runs of tiles between merges)
+NSLICE = 2  # indexer v2/v3: candidate buffer of NSLICE * k slots per row (runs of tiles between merges)
 
 
 def _next_pow2(n: int) -> int:
@@ -641,6 +885,19 @@ def _default_rows_per_tile(version: int, cuda: bool, rows: int, n_seqs: int) -> 
     if version == 1:
         return 4
     return 8 if rows >= 8 * max(1, n_seqs) else 4
+
+
+def _default_splits(cuda: bool, tiles: int, entries: int, kp: int, device: torch.device) -> int:
+    """Programs per row tile in version 3 (each over a share of the entries): enough to give
+    every SM a program where the row tiles alone do not (decode of fewer sequences than SMs; at
+    one block per SM, 240 registers a thread, more programs than SMs only add waves), while each
+    share keeps at least 8 * kp entries (below that a split's own top-k is most of what it
+    reads). ``entries`` is a bound known without a sync."""
+    if not cuda or tiles <= 0:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = -(-sms // tiles)
+    return max(1, min(want, entries // (8 * kp), 16))
 
 
 def _row_seq(row_seq: torch.Tensor | None, rows: int, device: torch.device) -> torch.Tensor:
@@ -688,6 +945,7 @@ def indexer_topk(
     block_n: int | None = None,
     num_warps: int = 8,
     version: int | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The k best index entries per row (module docstring has the contract). ``rows_per_tile``: rows
     of one sequence scored per program (a power of two; default 4 on CUDA, where the GEMM then
@@ -700,10 +958,15 @@ def indexer_topk(
     default; 1 = the first one, kept so benchmarks time both in one run). Version 2 computes the
     scores as keys x queries^T (the head sum stays within a warp), keeps the running top-k in
     scratch rather than registers and, on CUDA, takes 8 rows per tile where sequences have that
-    many (prefill: each key tile read once per 8 rows instead of 4)."""
+    many (prefill: each key tile read once per 8 rows instead of 4). Version 3 (the default)
+    is version 2 with a block-contiguous key tile, the append path behind a uniform branch, and
+    each row tile's entries split over ``splits`` programs (default: enough for one program per
+    SM on CUDA, 1 under the interpreter), their top-k keys merged here (exact: keys are unique)."""
     version = INDEXER_VERSION if version is None else version
-    if version not in (1, 2):
-        raise ValueError(f"version must be 1 or 2, got {version!r}")
+    if version not in (1, 2, 3):
+        raise ValueError(f"version must be 1, 2 or 3, got {version!r}")
+    if splits is not None and splits < 1:
+        raise ValueError(f"splits must be positive, got {splits}")
     if sort_impl not in ("bitonic", "triton"):
         raise ValueError(f"sort_impl must be 'bitonic' or 'triton', got {sort_impl!r}")
     rows, n_heads, hd = q.shape
@@ -727,7 +990,7 @@ def indexer_topk(
     if bm & (bm - 1):
         raise ValueError(f"rows_per_tile must be a power of two, got {bm}")
     if block_n is None:
-        block_n = 64 if version == 2 and bm >= 8 else 128
+        block_n = 64 if version >= 2 and bm >= 8 else 128
     kp = max(16, _next_pow2(k))
     bn = min(kp, block_n)
     if bn < 16 or bn & (bn - 1):
@@ -753,7 +1016,28 @@ def indexer_topk(
     cand = out
     if candidates is not None:
         cand = candidates.to(device=dev, dtype=torch.uint8).contiguous()
-    if rows:
+    if rows and version == 3:
+        row0, count = row_tiles(seqs, tables.size(0), bm)
+        bound = max_entries if max_entries is not None else tables.size(1) * key_pool.size(1)
+        ns = splits or _default_splits(q.is_cuda, -(-rows // bm), bound, kp, dev)
+        buf = torch.empty(row0.numel(), ns, bm, kp + NSLICE * kp, dtype=torch.int64, device=dev)
+        keys = torch.empty(rows, ns, kp, dtype=torch.int64, device=dev)
+        counts = torch.empty(row0.numel() * ns * bm, dtype=torch.int32, device=dev)
+        _indexer_topk_kernel_v3[(row0.numel(), ns)](
+            q, w, key_pool, tables, seqs, row0, count, vis, cand, bmax, buf, keys, counts,
+            q.stride(0), q.stride(1), w.stride(0), key_pool.stride(0), key_pool.stride(1), tables.stride(0),
+            cand.stride(0), bmax.stride(0) if block_max else 0, n_bmax, key_pool.size(1), k,
+            H=n_heads, D=hd, BM=bm, BN=bn, KP=kp, LOG_BM=bm.bit_length() - 1, LOG_KP=kp.bit_length() - 1,
+            HAS_CAND=candidates is not None, CAND_BLOCK=candidate_block, BMAX=block_max,
+            ROUND_BF16=q.dtype == torch.bfloat16, DOT_F32=dot_f32, TL_SORT=sort_impl == "triton",
+            PIPELINE=q.is_cuda, NSLICE=NSLICE, IN_BLOCK=key_pool.size(1) % bn == 0,
+            BF16X2=q.is_cuda and q.dtype == w.dtype == key_pool.dtype == torch.bfloat16 and not dot_f32,
+            num_warps=num_warps,
+        )  # fmt: skip
+        # the k best keys of the splits' (each sorted descending; keys are unique, ties cannot occur)
+        best = keys[:, 0, :k] if ns == 1 else keys.view(rows, ns * kp).topk(k, dim=1, sorted=False).values
+        out = torch.where(best > -9223372036854775807, 0x7FFFFFFF - (best & 0x7FFFFFFF), 0x7FFFFFFF)
+    elif rows:
         row0, count = row_tiles(seqs, tables.size(0), bm)
         # candidate buffers (version 2: each after its tile's running top-k)
         slots = kp if version == 1 else kp + NSLICE * kp  # v2: the running top-k before the buffer
@@ -792,6 +1076,8 @@ def indexer_topk_candidates(
     sort_impl: str = "bitonic",
     block_n: int | None = None,
     version: int | None = None,
+    splits: int | None = None,
+    num_warps: int = 8,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The candidate source's selection and its candidate pool as a block mask [rows, nb]: the
     ``topk_blocks`` blocks of ``block`` entries with the best entry, the newest visible block
@@ -812,6 +1098,8 @@ def indexer_topk_candidates(
         sort_impl=sort_impl,
         block_n=block_n,
         version=version,
+        splits=splits,
+        num_warps=num_warps,
     )
     vis_blocks = (n_visible.to(bmax.device, torch.int64) + block - 1).div(block, rounding_mode="floor")
     if bmax.size(1) == 0:

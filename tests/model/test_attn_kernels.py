@@ -72,10 +72,18 @@ def segments(g, lens_rows, heads, hd, values):
     return out
 
 
-@pytest.fixture(params=[1, 2], ids=["v1", "v2"])
+@pytest.fixture(params=[1, 2, 3], ids=["v1", "v2", "v3"])
 def kernel_version(request, monkeypatch):
-    """Both kernel versions: the first stays selectable so benchmarks time old against new."""
+    """Every kernel version: the earlier ones stay selectable so benchmarks time old against new
+    (attention has versions 1 and 2; the indexer's version 3 runs beside attention's 2)."""
     monkeypatch.setattr(AK, "INDEXER_VERSION", request.param)
+    monkeypatch.setattr(AK, "ATTENTION_VERSION", min(request.param, 2))
+    return request.param
+
+
+@pytest.fixture(params=[1, 2], ids=["v1", "v2"])
+def attention_version(request, monkeypatch):
+    """The attention kernel's versions."""
     monkeypatch.setattr(AK, "ATTENTION_VERSION", request.param)
     return request.param
 
@@ -150,8 +158,45 @@ def test_indexer_versions_agree_in_bf16():
     v1 = AK.indexer_topk(*args, row_seq=row_seq, version=1)
     assert torch.equal(AK.indexer_topk(*args, row_seq=row_seq, version=2), v1)
     assert torch.equal(AK.indexer_topk(*args, row_seq=row_seq, version=2, rows_per_tile=4, block_n=16), v1)
+    assert torch.equal(AK.indexer_topk(*args, row_seq=row_seq, version=3, splits=2), v1)
     want = torch.cat([ref_select(s[1].float(), s[2].float(), s[0], s[3], 16)[0] for s in segs])
     assert torch.equal(v1, want)
+
+
+@pytest.mark.parametrize(("epb", "splits"), [(16, 1), (32, 3)])
+def test_indexer_v3_block_tiles_and_splits(epb, splits):
+    """Version 3's own paths: key tiles inside one cache block (epb a multiple of the 16-entry
+    tile: one table load per tile, no per-entry gather) and a row tile's entries split over
+    programs whose top-k keys the wrapper merges; ties, the candidate pool and the re-index
+    layer included, each equal to the reference."""
+    g = torch.Generator().manual_seed(7)
+    heads, hd, k, block, topk_blocks = 4, 32, 8, 4, 3
+    segs = segments(g, [(150, 5, 146), (45, 3, 40)], heads, hd, fp4_grid)
+    segs[0][0][::3] = segs[0][0][0]  # every third entry ties with entry 0
+    segs[0][0][60:90] = 0  # a run of zero scores
+    segs[0][1][1] = 0  # a row whose scores are all 0: entries 0 .. k-1
+    pool, tables = paged([s[0] for s in segs], epb, g)
+    q, w = torch.cat([s[1] for s in segs]), torch.cat([s[2] for s in segs])
+    vis = torch.cat([s[3] for s in segs])
+    row_seq = torch.tensor([0] * 5 + [1] * 3)
+    kw = dict(row_seq=row_seq, block_n=16, rows_per_tile=4, version=3, splits=splits)
+    sel, cand = AK.indexer_topk_candidates(q, w, pool, tables, vis, k, topk_blocks, block, **kw)
+    q2 = fp4_grid(g, q.size(0), heads, hd)
+    sel2 = AK.indexer_topk(q2, w, pool, tables, vis, k, candidates=cand, candidate_block=block, **kw)
+    lo = 0
+    for keys, qs, ws, v in segs:
+        m, n = qs.size(0), keys.size(0)
+        want, scores = ref_select(qs, ws, keys, v, k)
+        assert torch.equal(sel[lo : lo + m], want)
+        want_cand = select_candidate_blocks(scores, v, topk_blocks, block)
+        got_cand = cand[lo : lo + m].repeat_interleave(block, 1)[:, :n]
+        assert torch.equal(got_cand, want_cand[:, : got_cand.size(1)])
+        want2, _ = ref_select(q2[lo : lo + m], ws, keys, v, k, cand=want_cand)
+        assert torch.equal(sel2[lo : lo + m], want2)
+        lo += m
+    assert sel[1].tolist() == list(range(k))
+    kth = ref_select(segs[0][1], segs[0][2], segs[0][0], segs[0][3], k)[1].sort(dim=-1, descending=True).values
+    assert (kth[:, k - 1] == kth[:, k]).any()  # a tie at the k-th place is real
 
 
 def test_candidate_source_and_reindex_layer(kernel_version):
@@ -205,8 +250,10 @@ def test_indexer_bad_input():
         AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, rows_per_tile=3)
     with pytest.raises(ValueError, match="row_seq"):
         AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, row_seq=torch.zeros(3))
-    with pytest.raises(ValueError, match="version must be 1 or 2, got 3"):
-        AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, version=3)
+    with pytest.raises(ValueError, match="version must be 1, 2 or 3, got 4"):
+        AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, version=4)
+    with pytest.raises(ValueError, match="splits must be positive"):
+        AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, splits=0)
     qa, win = torch.zeros(2, 4, 64), torch.zeros(5, 64)
     ckv, sink = torch.zeros(3, 4, 64), torch.zeros(4)
     with pytest.raises(ValueError, match="for 2 rows"):
@@ -226,7 +273,7 @@ def test_indexer_bad_input():
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # exp(sink + 1e30): the empty row
 @pytest.mark.parametrize("round_probs", [False, True])
-def test_sparse_attention_paged_matches_reference(round_probs, kernel_version):
+def test_sparse_attention_paged_matches_reference(round_probs, attention_version):
     """fp32 throughout; tolerance 1e-5 relative (summation order and the online rescaling; with
     round_probs the bf16 rounding happens against the running max: 1e-2)."""
     g = torch.Generator().manual_seed(4)

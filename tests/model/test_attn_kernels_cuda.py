@@ -45,3 +45,57 @@ def test_the_indexer_compiles_once_for_every_context_length():
         assert watch.since(first) == {}
     finally:
         watch.close()
+
+
+def _ternary(g: torch.Generator, *shape: int) -> torch.Tensor:
+    """Values in {-1, 0, 1}: per-head scores are integers (exact in bf16 up to 256), weighted ones
+    multiples of 1/8 below 2**11, so every partial head sum is exact in fp32 and the bf16 roundings
+    alone decide the scores: no summation order can change a selection. Ties are common."""
+    return torch.randint(-1, 2, shape, generator=g).float()
+
+
+@pytest.mark.parametrize(("epb", "splits"), [(256, None), (256, 3), (16, 1)])
+def test_indexer_v3_on_the_gpu_selects_the_reference(epb, splits):
+    """Version 3 compiled (packed bf16x2 relu and weighting, block-contiguous key tiles where epb is
+    a multiple of the tile, entries split over programs) against the bf16 reference of
+    ``Attention._select`` and against version 2: the same entries, ties to the lowest index; the
+    candidate pool and a re-index layer within it too."""
+    from asympd.model.attention import select_candidate_blocks
+    from asympd.model.ops import stable_topk
+
+    g = torch.Generator().manual_seed(1)
+    dev = torch.device("cuda")
+    heads, hd, k, block, topk_blocks, n, rows = 32, 128, 512, 8, 64, 5000, 4
+    keys = _ternary(g, n, hd)
+    keys[::7] = keys[3]  # ties
+    nblocks = -(-n // epb)
+    pool = torch.zeros(nblocks + 2, epb, hd)
+    order = torch.randperm(nblocks + 2, generator=g)[:nblocks]
+    for b in range(nblocks):
+        chunk = keys[b * epb : (b + 1) * epb]
+        pool[order[b], : chunk.size(0)] = chunk
+    pool, tables = pool.to(dev, torch.bfloat16), order.to(dev, torch.int32).unsqueeze(0)
+    q = _ternary(g, rows, heads, hd).to(dev, torch.bfloat16)
+    w = (torch.randint(-16, 17, (rows, heads), generator=g).float() / 8).to(dev, torch.bfloat16)
+    vis = torch.tensor([n, n - 1, 4000, 700], dtype=torch.int32, device=dev)
+    kb = keys.to(dev, torch.bfloat16)
+    scores = (torch.einsum("mhd,nd->mhn", q, kb).relu() * w.unsqueeze(-1)).sum(dim=1).float()
+    scores = scores.masked_fill(torch.arange(n, device=dev) >= vis.unsqueeze(-1), float("-inf"))
+    want = stable_topk(scores, k).sort(dim=-1).values
+    want = torch.where(want < vis.unsqueeze(-1), want, -1)
+    sel, cand = AK.indexer_topk_candidates(
+        q, w, pool, tables, vis, k, topk_blocks, block, max_entries=n, version=3, splits=splits
+    )
+    assert torch.equal(sel, want)
+    want_cand = select_candidate_blocks(scores, vis, topk_blocks, block)
+    assert torch.equal(cand.repeat_interleave(block, 1)[:, :n], want_cand)
+    sel2, cand2 = AK.indexer_topk_candidates(q, w, pool, tables, vis, k, topk_blocks, block, max_entries=n, version=2)
+    assert torch.equal(sel2, sel) and torch.equal(cand2, cand)
+    q2 = _ternary(g, rows, heads, hd).to(dev, torch.bfloat16)
+    re3 = AK.indexer_topk(q2, w, pool, tables, vis, k, candidates=cand, candidate_block=block, version=3, splits=splits)
+    re2 = AK.indexer_topk(q2, w, pool, tables, vis, k, candidates=cand, candidate_block=block, version=2)
+    assert torch.equal(re3, re2)
+    s2 = (torch.einsum("mhd,nd->mhn", q2, kb).relu() * w.unsqueeze(-1)).sum(dim=1).float()
+    s2 = s2.masked_fill((torch.arange(n, device=dev) >= vis.unsqueeze(-1)) | ~want_cand, float("-inf"))
+    want2 = stable_topk(s2, k).sort(dim=-1).values
+    assert torch.equal(re3, torch.where(want2 < vis.unsqueeze(-1), want2, -1))
