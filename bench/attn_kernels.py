@@ -14,6 +14,11 @@ H200's datasheet rates (4.8 TB/s, 989 TFLOP/s bf16 dense) and against ceilings m
 run. Agreement: rows whose selections are identical and the mean overlap (bf16 scores tie often,
 and the two sum the heads in different orders), and the attention outputs' relative error.
 
+Attention is also timed as the engine's batched path runs it today (``batched``: every row at
+once, entries gathered through the block tables, ``fast_sparse_attention`` per row tile), the
+strongest unfused baseline; ``speedup_vs_batched`` compares the fused kernel with it. The indexer's
+"today" in the engine is the fused kernel itself (version 2 until version 3): ``speedup_v3_over_v2``.
+
     python -m bench.attn_kernels            # on the GPU, < 3 minutes; JSON to bench/results/
     python -m bench.attn_kernels --smoke    # tiny config on CPU through the Triton interpreter
 """
@@ -149,6 +154,24 @@ def unfused_attention(cell: Cell, r: int, sel: torch.Tensor) -> torch.Tensor:
             keys = torch.cat([keys, entries[sl.clamp_min(0)]], dim=1)
             mask = torch.cat([mask, sl >= 0], dim=1)
             outs.append(cuda_ops.fast_sparse_attention(cell.qa[r0:r1], keys, mask, cell.sink, scale, True))
+    return torch.cat(outs)
+
+
+def batched_attention(cell: Cell, r: int, sel: torch.Tensor) -> torch.Tensor:
+    """What the engine's batched path runs today (``Attention.core``): every row of the step at
+    once in tiles of ``row_chunk`` rows, window rows and selected entries gathered straight through
+    the block tables, then one ``fast_sparse_attention`` per tile: the strongest unfused baseline."""
+    cfg, outs = cell.cfg, []
+    chunk = cuda_ops.CUDA_KERNELS.row_chunk
+    flat = cell.ckv_pool.view(-1, cell.ckv_pool.size(-1))
+    for r0 in range(0, cell.rows, chunk):
+        r1 = min(cell.rows, r0 + chunk)
+        widx, sl = cell.window_idx[r0:r1], sel[r0:r1]
+        e = sl.clamp_min(0)
+        blocks = cell.tables[cell.row_seq[r0:r1].long()].long().gather(1, e // cell.epb)
+        keys = torch.cat([cell.window_kv[widx.clamp_min(0)], flat[blocks * cell.epb + e % cell.epb]], dim=1)
+        mask = torch.cat([widx >= 0, sl >= 0], dim=1)
+        outs.append(cuda_ops.fast_sparse_attention(cell.qa[r0:r1], keys, mask, cell.sink, cfg.head_dim**-0.5, True))
     return torch.cat(outs)
 
 
@@ -293,7 +316,10 @@ def run_cell(cell: Cell, run, ceil, res: dict[str, Any], iters: int, sweep: bool
         "rel_err": float((got - want).norm() / want.norm()),
         "rel_err_v1": float((got_v1 - want).norm() / want.norm()),
     }
+    batched = batched_attention(cell, 1, ref_sel).float()
+    row["agree"]["batched_rel_err"] = float((batched - want).norm() / want.norm())
     row["unfused"] = run(lambda: unfused_attention(cell, 1, ref_sel), iters)
+    row["batched"] = run(lambda: batched_attention(cell, 1, ref_sel), iters)
     configs = [{"version": 1}, {"version": 2}]
     if sweep:
         configs += [{"version": 1, "block_h": bh, "block_n": bn} for bh in (32, 64) for bn in (16, 32)]
@@ -351,6 +377,8 @@ def finish(row: dict[str, Any]) -> None:
         row["speedup"] = row["unfused"]["ms"] / row["fused"]["ms"]
         row["floor_fraction_fused"] = row["floor_ms"] / row["fused"]["ms"]
     row["floor_fraction_unfused"] = row["floor_ms"] / row["unfused"]["ms"]
+    if row.get("fused") and row.get("batched"):  # against the engine's own batched path (attention)
+        row["speedup_vs_batched"] = row["batched"]["ms"] / row["fused"]["ms"]
 
 
 def summary(row: dict[str, Any]) -> str:
@@ -360,7 +388,8 @@ def summary(row: dict[str, Any]) -> str:
         f"unfused {row['unfused']['ms']:.3f} ms ({row['floor_fraction_unfused'] * 100:.0f}%) "
         f"floor {row['floor_ms']:.3f} ms speedup {row.get('speedup', 0):.2f}x "
         f"v2/v1 {row.get('speedup_v2_over_v1', 0):.2f}x v3/v2 {row.get('speedup_v3_over_v2', 0):.2f}x "
-        f"agree {row['agree']}"
+        + (f"batched {row['batched']['ms']:.3f} ms ({row['speedup_vs_batched']:.2f}x) " if "batched" in row else "")
+        + f"agree {row['agree']}"
     )
 
 
