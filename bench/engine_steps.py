@@ -128,9 +128,9 @@ def time_drafter(model, state: StepState, k: int, timed) -> dict[str, float]:
     """The drafting a speculative step does, alone, through the engine's own calls on the step's
     cache (each of ``state``'s requests drafts; eager, like the layers): seeding the draft blocks'
     windows with 1 + k accepted rows per request (``DSpark.forward`` with no block), the blocks'
-    forward with their head over every block row (``blocks_forward`` on a slot-addressed
-    ``DraftBatch``, the part ``DraftGraphs`` replays), and the Markov loop of k positions (one bias
-    GEMM and one argmax each, greedy)."""
+    forward with their head on each block's first k rows (``blocks_forward(..., head_rows=k)`` on a
+    slot-addressed ``DraftBatch``, what ``DraftGraphs`` replays), and the Markov loop of k positions
+    (one bias GEMM and one argmax each, greedy; inside the drafter's graph in the engine)."""
     from asympd.model.dspark import DraftBatch, DraftSegment
 
     drafter, cfg, dev = model.drafter, model.cfg, state.cache.device
@@ -160,7 +160,7 @@ def time_drafter(model, state: StepState, k: int, timed) -> dict[str, float]:
 
     out = {
         "draft_seed_ms": timed(seed),
-        "draft_blocks_ms": timed(lambda: drafter.blocks_forward(tokens, batch)),
+        "draft_blocks_ms": timed(lambda: drafter.blocks_forward(tokens, batch, k)),
         "draft_markov_ms": timed(markov),
     }
     out = {key: round(v, 3) for key, v in out.items()}
