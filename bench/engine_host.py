@@ -70,12 +70,15 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument(
+        "--ctx", type=int, default=256, help="prompt tokens per request (per-request host work can grow with it)"
+    )
     ap.add_argument("--profile", action="store_true", help="cProfile the timed steps; top functions in the JSON")
     args = ap.parse_args()
     started = time.time()
     b, steps = (8, 2) if args.smoke else (args.requests, args.steps)
     torch.set_num_threads(1)
-    eng = build(b, args.k, ctx=40)
+    eng = build(b, args.k, ctx=40 if args.smoke else args.ctx)
     timed = ("forward_ms", "draft_ms", "drafter_ms", "schedule_ms", "sample_ms", "apply_ms")
     parts: dict[str, list[float]] = {key: [] for key in ("step_ms", *timed)}
     acc: dict[str, float] = {}
@@ -119,6 +122,7 @@ def main() -> None:
         "requests": b,
         "num_spec_tokens": args.k,
         "rows": b * (1 + args.k),
+        "context": 40 if args.smoke else args.ctx,
         "steps": steps,
         **med,
         "step_ms_all": [round(x, 2) for x in parts["step_ms"]],
