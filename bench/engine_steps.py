@@ -211,7 +211,7 @@ def time_layers(model, specs, logit_rows: int, device, reps: int, draft_k: int =
     out = {"layers_ms": [round(t, 3) for t in per_layer], "head_ms": round(head, 3)}
     out["target_sum_ms"] = round(target, 3)
     out.update(drafter)
-    out["sum_ms"] = round(target + drafter.get("draft_sum_ms", 0.0), 3)
+    out["sum_ms"] = round(out["target_sum_ms"] + drafter.get("draft_sum_ms", 0.0), 3)
     if device.type == "cuda" and state.rows <= 4096:
         # the same layers back to back, eager and as one CUDA-graph replay: what graphs would take off
         from bench.common import time_cuda
