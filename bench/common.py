@@ -386,6 +386,7 @@ class StepState:
                 )
             )
             first += nb
+        self.segments = segments
         self.batch = PagedBatch(cache, segments)
         self.rows = self.batch.num_rows
 

@@ -14,9 +14,14 @@ decode steps, the mixed step eager), with piecewise graphs for the mixed step
 (``full_and_piecewise_*``) and all eager (``eager_*``).
 In the same run the step's layers are timed alone on a ``PagedBatch`` of the
 same shape (``bench.common.StepState`` + ``step_block``: the engine's own layer path, CUDA events,
-eager like the engine) plus the LM head on the rows that need logits. The ratio engine ÷ layers is
-what the engine adds on top of its kernels (target ≤ 1.2). The per-sequence reference path
-(``model.batched = False``) is timed on the small decode cases in the same run for the speed-up.
+eager like the engine) plus the LM head on the rows that need logits, and, for the steps that draft
+(k > 0), the drafting alone (``time_drafter``: seeding the draft windows with 1 + k accepted rows per
+request, the DSpark block with its head on every block row, the k-position Markov loop; ``draft_*_ms``).
+The ratio engine ÷ layers (``engine_over_layers``, ``sum_ms`` = target layers + head + drafting) is
+what the engine adds on top of its kernels (target ≤ 1.2); ``engine_over_target_layers`` divides by the
+target's layers and head only (``target_sum_ms``, the ratio before the drafter was counted). The
+per-sequence reference path (``model.batched = False``) is timed on the small decode cases in the
+same run for the speed-up.
 
 Cases: decode of B = 16 / 64 / 256 requests × (1 + k) rows, k = 0 and 3, at ~1K context; a decode
 step of 64 requests (k = 0) on the decode worker of asymmetric P/D admitting 1 and 4 bounded prefills
@@ -119,8 +124,54 @@ def median_parts(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(statistics.median(r.get(k, 0.0) for r in rows), 3) for k in keys}
 
 
-def time_layers(model, specs, logit_rows: int, device, reps: int) -> dict[str, Any]:
-    """The step's layers alone: each layer over a PagedBatch of the same shape, plus the head."""
+def time_drafter(model, state: StepState, k: int, timed) -> dict[str, float]:
+    """The drafting a speculative step does, alone, through the engine's own calls on the step's
+    cache (each of ``state``'s requests drafts; eager, like the layers): seeding the draft blocks'
+    windows with 1 + k accepted rows per request (``DSpark.forward`` with no block), the blocks'
+    forward with their head on each block's first k rows (``blocks_forward(..., head_rows=k)`` on a
+    slot-addressed ``DraftBatch``, what ``DraftGraphs`` replays), and the Markov loop of k positions
+    (one bias GEMM and one argmax each, greedy; inside the drafter's graph in the engine)."""
+    from asympd.model.dspark import DraftBatch, DraftSegment
+
+    drafter, cfg, dev = model.drafter, model.cfg, state.cache.device
+    segs = state.segments
+    n, b = len(segs), drafter.block_size
+    width = len(cfg.dspark_target_layer_ids) * cfg.dim
+    g = torch.Generator(device=dev).manual_seed(5)
+    hidden = torch.randn(n, 1 + k, width, generator=g, device=dev).to(model.dtype)
+    views = [state.cache.view(i, s.block_table, s.slot) for i, s in enumerate(segs)]
+
+    def seed():
+        # the rows a verify step accepted, appended at the same positions each time (rewritten in place)
+        drafter.forward([DraftSegment(v, hidden[i], s.start) for i, (v, s) in enumerate(zip(views, segs, strict=True))])
+
+    starts = torch.tensor([s.start + 1 for s in segs], device=dev)
+    batch = DraftBatch([], None, None, slots=torch.tensor([s.slot for s in segs], device=dev), cache=state.cache)
+    batch.block_pos = (starts.unsqueeze(-1) + torch.arange(b, device=dev)).flatten()
+    tokens = torch.randint(3, cfg.vocab_size, (n * b,), generator=g, device=dev)
+    logits = torch.randn(n, k, cfg.vocab_size, generator=g, device=dev)
+    prev0 = tokens.view(n, b)[:, 0]
+
+    def markov():
+        prev = prev0
+        for i in range(k):
+            bias, _ = drafter.markov(prev)
+            prev = (logits[:, i] + bias).argmax(-1)
+
+    out = {
+        "draft_seed_ms": timed(seed),
+        "draft_blocks_ms": timed(lambda: drafter.blocks_forward(tokens, batch, k)),
+        "draft_markov_ms": timed(markov),
+    }
+    out = {key: round(v, 3) for key, v in out.items()}
+    out["draft_sum_ms"] = round(sum(out.values()), 3)
+    return out
+
+
+def time_layers(model, specs, logit_rows: int, device, reps: int, draft_k: int = 0) -> dict[str, Any]:
+    """The step's layers alone: each layer over a PagedBatch of the same shape, plus the head, plus
+    (``draft_k`` > 0) the drafting the step does (``time_drafter``). ``sum_ms`` counts all of it;
+    ``target_sum_ms`` the target's layers and head only."""
     from asympd.model.ops import lm_head
 
     cfg = model.cfg
@@ -155,8 +206,12 @@ def time_layers(model, specs, logit_rows: int, device, reps: int) -> dict[str, A
             block = model.blocks[layer]
             per_layer.append(timed(lambda b=block: step_block(b, h, pre, state)))
         head = timed(lambda: lm_head(x, model.head)) if logit_rows else 0.0
-    total = sum(per_layer) + head
-    out = {"layers_ms": [round(t, 3) for t in per_layer], "head_ms": round(head, 3), "sum_ms": round(total, 3)}
+        drafter = time_drafter(model, state, draft_k, timed) if draft_k else {}
+    target = sum(per_layer) + head
+    out = {"layers_ms": [round(t, 3) for t in per_layer], "head_ms": round(head, 3)}
+    out["target_sum_ms"] = round(target, 3)
+    out.update(drafter)
+    out["sum_ms"] = round(out["target_sum_ms"] + drafter.get("draft_sum_ms", 0.0), 3)
     if device.type == "cuda" and state.rows <= 4096:
         # the same layers back to back, eager and as one CUDA-graph replay: what graphs would take off
         from bench.common import time_cuda
@@ -353,10 +408,11 @@ def main() -> None:
     steps = 3 if smoke else 8
     decode_b = [2, 4] if smoke else [16, 64, 256]
 
-    def add(case: dict[str, Any], specs, logit_rows: int) -> None:
-        iso = time_layers(full, specs, logit_rows, device, reps=3 if smoke else 10)
+    def add(case: dict[str, Any], specs, logit_rows: int, draft_k: int = 0) -> None:
+        iso = time_layers(full, specs, logit_rows, device, reps=3 if smoke else 10, draft_k=draft_k)
         case.update(iso)
         case["engine_over_layers"] = round(case["step_ms"] / iso["sum_ms"], 3)
+        case["engine_over_target_layers"] = round(case["step_ms"] / iso["target_sum_ms"], 3)
         case["forward_over_layers"] = round(case.get("forward_ms", 0.0) / iso["sum_ms"], 3)
         res["cases"].append(case)
         log({k: v for k, v in case.items() if k not in ("step_ms_all",)})
@@ -370,7 +426,7 @@ def main() -> None:
                 case.update({f"eager_{key}": eager[key] for key in parts if key in eager})
                 case["graph_speedup"] = round(eager["step_ms"] / case["step_ms"], 2)
             start = ctx + 2  # about where the timed steps run
-            add(case, [dict(n=b, q=1 + k, start=start)], b * (1 + k))
+            add(case, [dict(n=b, q=1 + k, start=start)], b * (1 + k), draft_k=k)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     # the per-sequence path it replaced, same run (small batches: it is slow)

@@ -51,7 +51,9 @@ a segment's values, only on the key. Where the host looks while it runs:
   (``moe_blocks``); the CPU MoE reads the routing on the host, harmless since the CPU never captures.
 
 The drafter's graphs (``DraftGraphs``) have no segment data on the host at all (slots and
-positions are device inputs), so each padded size is built at start-up from padding requests too.
+positions are device inputs), so each padded size is built at start-up from padding requests too;
+they replay the blocks, their head and, for steps of greedy requests, the Markov loop that picks the
+drafts (``DSpark.markov_greedy``): a greedy drafting step is one replay and one copy of the drafts.
 
 Captures are thread-local (``capture_error_mode="thread_local"``): in a server, other threads (the
 prefix transfers) keep using the GPU while the engine's thread captures.
@@ -371,13 +373,16 @@ class DecodeGraphs:
         out_argmax: list[Any] = [None] * n
         out_hidden: list[Any] = [None] * n
         all_hidden = hidden[: n * key.rows].clone() if hidden is not None else None
+        # every request's rows as views from one split each, not two slicing ops per request
+        lg = logits.split(per) if per else None
+        hid = all_hidden.split(key.rows) if all_hidden is not None else None
         for i in range(n):
             j = order[i]
             if per:
-                out_logits[j] = logits[i * per : (i + 1) * per]
+                out_logits[j] = lg[i]
                 out_argmax[j] = ids[i * per : (i + 1) * per]
-            if all_hidden is not None:
-                out_hidden[j] = all_hidden[i * key.rows : (i + 1) * key.rows]
+            if hid is not None:
+                out_hidden[j] = hid[i]
         return ForwardOutput(out_logits, out_hidden, out_argmax)
 
 
@@ -388,28 +393,42 @@ class _StaticDraft:
     slots: torch.Tensor
     run: Any
     graph: torch.cuda.CUDAGraph | None = None
-    outputs: tuple[torch.Tensor, torch.Tensor] | None = None
+    outputs: tuple[torch.Tensor, ...] | None = None
 
 
 class DraftGraphs:
     """The DSpark blocks' forward (model/dspark.py ``blocks_forward``) as CUDA graphs, keyed by the
-    drafting request count padded to ``BATCH_SIZES``. Only that part is captured: seeding the
-    windows with each request's accepted rows (a varying number per request) and the Markov loop
-    run eagerly. The blocks only read the cache (windows by position), so padding requests just
-    read the scratch slot. ``capture=False``: the static path without graphs (CPU tests)."""
+    drafting request count padded to ``BATCH_SIZES``; with ``num_drafts`` = K > 0, followed by the
+    greedy Markov loop of K drafts (``DSpark.markov_greedy``: per draft one bias GEMM and one argmax,
+    no host work), whose tokens and confidence a step of greedy requests takes as they are (a request
+    wanting fewer drafts keeps a prefix: each draft depends only on the ones before it); a step with
+    sampled requests runs the loop eagerly on the graph's base logits instead. Seeding the windows
+    with each request's accepted rows (a varying number per request) runs eagerly. The blocks only
+    read the cache (windows by position), so padding requests just read the scratch slot.
+    ``capture=False``: the static path without graphs (CPU tests)."""
 
-    def __init__(self, drafter: Any, cache: PagedKVCache, *, max_batch: int = BATCH_SIZES[-1], capture: bool = True):
+    def __init__(
+        self,
+        drafter: Any,
+        cache: PagedKVCache,
+        *,
+        max_batch: int = BATCH_SIZES[-1],
+        capture: bool = True,
+        num_drafts: int = 0,
+    ):
         _check_cache(cache, capture)
         self.drafter, self.cache, self.capture = drafter, cache, capture
+        self.num_drafts = num_drafts
         self.sizes = _sizes(max_batch)
         self.graphs: dict[int, _StaticDraft] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.stats = {"captured": 0, "replayed": 0, "first": 0, "eager": 0, "startup": 0}
+        # markov: drafting steps whose drafts came from the graph's greedy Markov loop
+        self.stats = {"captured": 0, "replayed": 0, "first": 0, "eager": 0, "startup": 0, "markov": 0}
 
-    def run(
-        self, tokens: torch.Tensor, positions: torch.Tensor, slots: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(x, logits) of the real rows (views of the static outputs), or None: run it eagerly."""
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: list[int]) -> tuple[torch.Tensor, ...] | None:
+        """(x, logits) of the real rows (views of the static outputs), plus (greedy draft tokens [n, K],
+        confidence [n, K]) with ``num_drafts`` = K > 0 (the logits then of each block's first K rows
+        only); or None: run it eagerly."""
         n = len(slots)
         if n > self.sizes[-1]:
             self.stats["eager"] += 1
@@ -434,8 +453,9 @@ class DraftGraphs:
             self._capture(st)
             # this call's outputs (made on the side stream): copies on the current one
             outputs = tuple(t.clone() for t in outputs)
-        x, logits = outputs
-        return x[: n * b], logits[: n * b]
+        x, logits, *markov = outputs
+        per = self.num_drafts or b  # logits rows per request
+        return (x[: n * b], logits[: n * per], *(t[:n] for t in markov))
 
     @torch.inference_mode()
     def capture_all(self) -> int:
@@ -465,7 +485,16 @@ class DraftGraphs:
             None,
         )
         batch = DraftBatch([], None, None, slots=st.slots, cache=self.cache, block_pos=st.positions)
-        st.run = lambda: self.drafter.blocks_forward(st.tokens, batch)
+
+        def body() -> tuple[torch.Tensor, ...]:
+            # the head on the rows drafts come from only (all of them without num_drafts)
+            x, logits = self.drafter.blocks_forward(st.tokens, batch, self.num_drafts or None)
+            if not self.num_drafts:
+                return x, logits
+            first = st.tokens.view(n_pad, b)[:, 0]  # each block's newest token
+            return x, logits, *self.drafter.markov_greedy(x, logits, first, self.num_drafts)
+
+        st.run = body
         return st
 
     def _capture(self, st: _StaticDraft) -> None:

@@ -208,7 +208,9 @@ class LLMEngine:
                 prefill_rows=self._first_steps.rows if self._first_steps else None,
             )
             if isinstance(self.proposer, DSparkProposer):
-                self.proposer.graphs = DraftGraphs(self.proposer.drafter, self.cache, max_batch=sc.max_num_seqs)
+                self.proposer.graphs = DraftGraphs(
+                    self.proposer.drafter, self.cache, max_batch=sc.max_num_seqs, num_drafts=k
+                )
             if self.config.cuda_graph_capture == "startup":
                 self.startup_capture = self.capture_graphs()
         self.requests: dict[str, Request] = {}
@@ -572,7 +574,7 @@ class LLMEngine:
         tok, p = req.output_token_ids[-1], req.params
         if tok in p.stop_token_ids or (tok == self.config.eos_token_id and not p.ignore_eos):
             return Status.FINISHED_STOPPED
-        if len(req.output_token_ids) >= p.max_tokens or len(req.all_token_ids) >= self.cfg.max_seq_len:
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.cfg.max_seq_len:
             return Status.FINISHED_LENGTH
         return None
 
@@ -612,14 +614,14 @@ class LLMEngine:
             reason = self._stop_reason(req)
             if reason is not None:
                 return [self._finish(req, reason, new=new)]
-        keep = len(req.all_token_ids) - 1  # positions whose KV stays: the newest token is not computed yet
+        keep = req.num_tokens - 1  # positions whose KV stays: the newest token is not computed yet
         self._rollbacks.append((req.request_id, keep, sc.hi))  # applied for the whole step at once
         return [self._output(req, new, finished=False)]
 
     def _num_drafts(self, req: Request) -> int:
         """Drafts worth proposing: never past max_tokens (one token always comes from the target)
         or max_seq_len."""
-        left = min(req.params.max_tokens - len(req.output_token_ids), self.cfg.max_seq_len - len(req.all_token_ids))
+        left = min(req.params.max_tokens - len(req.output_token_ids), self.cfg.max_seq_len - req.num_tokens)
         return max(0, min(self.num_spec_tokens, left - 1))
 
     def _draft(self, chunks: list[ScheduledChunk], hidden: list[torch.Tensor | None]) -> None:
@@ -632,7 +634,7 @@ class LLMEngine:
             req = sc.request
             if req.status is not Status.RUNNING or hid is None or req.request_id not in self.requests:
                 continue
-            hi = sc.hi if sc.phase is not None else len(req.all_token_ids) - 1
+            hi = sc.hi if sc.phase is not None else req.num_tokens - 1
             lo = max(sc.lo, hi - w)  # only the last W rows can reach a draft query
             k = 0 if req.in_prompt else self._num_drafts(req)
             items.append(
@@ -640,8 +642,8 @@ class LLMEngine:
                     self.runner.view(req),
                     hid[lo - sc.lo : hi - sc.lo],
                     lo,
-                    len(req.all_token_ids) - 1,
-                    req.all_token_ids[-1],
+                    req.num_tokens - 1,
+                    req.last_token,
                     k,
                     req.params,
                     req.generator,

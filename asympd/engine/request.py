@@ -88,6 +88,29 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    # the engine reads these per request per step: without building all_token_ids, whose copy of the
+    # whole history (prompt and output) costs O(context) each time (docs/performance.md §11)
+
+    @property
+    def num_tokens(self) -> int:
+        """``len(all_token_ids)``."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token(self) -> int:
+        """``all_token_ids[-1]``."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def token_slice(self, lo: int, hi: int, extra: list[int] | None = None) -> list[int]:
+        """``(all_token_ids + extra)[lo:hi]`` for 0 <= lo <= hi, copying only those positions."""
+        n_p, n = len(self.prompt_token_ids), self.num_tokens
+        out = self.prompt_token_ids[lo:hi] if lo < n_p else []
+        if hi > n_p and lo < n:
+            out = out + self.output_token_ids[max(lo - n_p, 0) : hi - n_p]
+        if extra and hi > n:
+            out = out + extra[max(lo - n, 0) : hi - n]
+        return out
+
     @property
     def in_prompt(self) -> bool:
         return self.phase_index < len(self.phases)

@@ -44,16 +44,17 @@ class ModelRunner:
         batch = []
         hashes = self.model.hasher is not None and bool(self.cfg.engram_layer_ids)
         # a decode chunk verifies the request's drafts: its rows are [newest token, drafts]
-        seqs = [sc.request.all_token_ids + (sc.request.spec_draft if sc.phase is None else []) for sc in chunks]
-        # every chunk's rows from one host tensor (views of it), not one small tensor per request
-        flat = [t for sc, ids in zip(chunks, seqs, strict=True) for t in ids[sc.lo : sc.hi]]
+        drafts = [sc.request.spec_draft if sc.phase is None else None for sc in chunks]
+        # every chunk's rows from one host tensor (views of it), not one small tensor per request;
+        # only the rows' positions are copied, never a request's whole history
+        flat = [t for sc, d in zip(chunks, drafts, strict=True) for t in sc.request.token_slice(sc.lo, sc.hi, d)]
         rows = torch.tensor(flat, dtype=torch.long).split([sc.hi - sc.lo for sc in chunks])
-        for sc, want, ids, token_ids in zip(chunks, wants_logits, seqs, rows, strict=True):
+        for sc, want, d, token_ids in zip(chunks, wants_logits, drafts, rows, strict=True):
             req = sc.request
             ph = sc.phase
             # only Engram looks back, and only max_ngram - 1 tokens (the whole history with images)
             first = 0 if req.images else max(0, sc.lo - self.cfg.engram_max_ngram_size + 1)
-            history = torch.tensor(ids[first : sc.hi], dtype=torch.long) if hashes else None
+            history = torch.tensor(req.token_slice(first, sc.hi, d), dtype=torch.long) if hashes else None
             batch.append(
                 Chunk(
                     kv=self._view(req),
@@ -66,7 +67,7 @@ class ModelRunner:
                     encoder_floor=ph.encoder_floor if ph else 0,
                     write_global=ph.write_global if ph else True,
                     logits=want,
-                    images=self._chunk_images(req, sc.lo, sc.hi, len(ids)) if req.images else None,
+                    images=self._chunk_images(req, sc.lo, sc.hi, req.num_tokens + len(d or [])) if req.images else None,
                 )
             )
         out = self.model(batch) if self.graphs is None else self.model(batch, graphs=self.graphs)

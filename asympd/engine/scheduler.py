@@ -127,7 +127,7 @@ class Scheduler:
             if req not in self.running or not self._decoding(req):
                 continue
             rows = 1 + len(req.spec_draft) if req.spec_enabled else 1  # [newest token, drafts]
-            pos = len(req.all_token_ids) - 1
+            pos = req.num_tokens - 1
             if not self._grow(req, pos + rows, out) or not run:
                 continue
             out.chunks.append(ScheduledChunk(req, pos, pos + rows, None))
@@ -171,7 +171,7 @@ class Scheduler:
     def _admit(self, req: Request, out: SchedulerOutput) -> str:
         """Reserve blocks for the whole prompt (and what was already generated, after a
         preemption) plus the first decode step: "admitted", "wait" or "failed"."""
-        need = len(req.all_token_ids) + 1 + self.config.num_spec_tokens
+        need = req.num_tokens + 1 + self.config.num_spec_tokens
         cacheable = req.import_len if req.imported is not None else 0
         try:
             alloc = self.blocks.allocate(

@@ -93,13 +93,15 @@ class DSparkProposer:
         drafting = [i for i, it in enumerate(items) if it.num_drafts > 0]
         k = max((items[i].num_drafts for i in drafting), default=0)
         q_rows: dict[int, list[torch.Tensor]] = {i: [] for i in drafting}
+        # the sampled (not greedy) drafting requests, once per pass: positions past a request's drafts drop it
+        sampled = [(j, items[i].num_drafts) for j, i in enumerate(drafting) if not items[i].params.greedy]
 
         def sample(step: int, logits: torch.Tensor) -> torch.Tensor:
             """Draft ``step + 1`` of every drafting request, on the device: greedy rows (and rows past
             a request's drafts) take the argmax, sampled rows one batched draw; their q rows stay
             on the device for verification."""
             out = logits.argmax(dim=-1)
-            rows = [j for j, i in enumerate(drafting) if step < items[i].num_drafts and not items[i].params.greedy]
+            rows = [j for j, n in sampled if step < n]
             if rows:
                 idx = torch.tensor(rows, device=logits.device)
                 q = batched_probs(logits[idx], [items[drafting[j]].params for j in rows])
@@ -108,14 +110,16 @@ class DSparkProposer:
                     q_rows[drafting[j]].append(q[n])
             return out
 
-        draft = self.drafter.draft(segments, k, sample, self.graphs)  # k = 0: seed the windows only
+        greedy = not sampled  # every draft an argmax: the drafter's graph may run the Markov loop
+        draft = self.drafter.draft(segments, k, sample, self.graphs, greedy)  # k = 0: seed the windows only
         proposals = [Proposal([]) for _ in items]
         if draft is None:
             return proposals
         tokens, confidence = draft.tokens.tolist(), draft.confidence.float().cpu()  # one copy each
+        rows = confidence.unbind(0)  # every request's row in one call, not one indexing op each
         for j, i in enumerate(drafting):
             n = items[i].num_drafts
-            conf = confidence[j, :n]
+            conf = rows[j] if n == k else rows[j][:n]
             if self.confidence_threshold is not None:
                 low = (torch.sigmoid(conf) < self.confidence_threshold).nonzero()
                 n = int(low[0]) if low.numel() else n

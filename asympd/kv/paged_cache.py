@@ -225,10 +225,10 @@ class PagedKVCache:
         self.window_pos[slots] = pos[0].masked_fill(pos[0] >= limit, -1)
         for rows, p in zip(self.pairs.values(), pos[1:], strict=True):
             rows.pos[slots] = p.squeeze(1).masked_fill(p.squeeze(1) >= limit.view(-1, 1), -1)
-        all_counts, all_lasts = torch.stack([counts, lasts]).tolist()  # the one sync
-        for (slot, _), cs, ls in zip(cuts, all_counts, all_lasts, strict=True):
-            for g, n, last in zip(groups, cs, ls, strict=True):
-                g.length[slot], g.last[slot] = n, last
+        all_counts, all_lasts = torch.stack([counts, lasts]).cpu().numpy()  # the one sync
+        at = np.array([s for s, _ in cuts])
+        for j, g in enumerate(groups):  # every slot of a group at once (a slot appears once per step)
+            g.length[at], g.last[at] = all_counts[:, j], all_lasts[:, j]
 
     # ---- paged gather / scatter -----------------------------------------------------------------
 

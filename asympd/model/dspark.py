@@ -91,7 +91,9 @@ class Draft:
     from, and the confidence logits."""
 
     tokens: torch.Tensor  # [n, k] int64
-    logits: torch.Tensor  # [n, k, vocab] fp32
+    # [n, k, vocab] fp32; None where the drafter's graph drew greedy drafts (the engine reads no logits
+    # of greedy drafts, and keeping them would hold a [n, k, vocab] buffer per captured size)
+    logits: torch.Tensor | None
     confidence: torch.Tensor  # [n, k] fp32
 
 
@@ -227,27 +229,51 @@ class DSpark(torch.nn.Module):
 
     # ---- forward ------------------------------------------------------------------------------
 
+    def markov_greedy(
+        self, x: torch.Tensor, logits: torch.Tensor, first: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``draft``'s Markov loop for greedy rows, all on the device with no host work (so the
+        drafter's graph replays it): k drafts per block from its base logits ``[n * B, vocab]`` and
+        first tokens ``[n]``, as (tokens [n, k], confidence [n, k]). Each draft is the argmax of its
+        base row plus the Markov bias of the token before it, exactly as ``draft`` computes it."""
+        n, b = first.numel(), self.block_size
+        base = logits.view(n, -1, logits.size(-1))  # every block row's, or the first k's (head_rows)
+        prev, drafts, embeds = first, [], []
+        for i in range(k):
+            bias, emb = self.markov(prev)
+            prev = (base[:, i] + bias).argmax(dim=-1)
+            drafts.append(prev)
+            embeds.append(emb)
+        confidence = self.confidence(x.view(n, b, -1)[:, :k], torch.stack(embeds, dim=1))
+        return torch.stack(drafts, dim=1), confidence
+
     @torch.inference_mode()
-    def forward(self, segments: list[DraftSegment], graphs: Any = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def forward(self, segments: list[DraftSegment], graphs: Any = None) -> tuple[torch.Tensor, ...] | None:
         """Seed every segment's windows with its main rows, then run the blocks of the drafting ones.
         Returns (collapsed block outputs [R, dim], base logits [R, vocab] fp32), R = block rows of the
         drafting segments in order, or None when no segment drafts. ``graphs``: a
         :class:`~asympd.engine.cuda_graphs.DraftGraphs`, which replays the blocks' part as a CUDA
-        graph (the outputs are then its static buffers: use them before the next draft)."""
+        graph (the outputs are then its static buffers: use them before the next draft), with its
+        greedy Markov loop (``markov_greedy``) where it has one: then two more outputs, its greedy
+        draft tokens [n, K] and confidence [n, K]."""
         dev = self.device
-        hidden, positions, m = [], [], 0
+        hidden, starts, counts, m = [], [], [], 0
         for s in segments:
             rows = 0 if s.main_hidden is None else s.main_hidden.size(0)
             s.main_lo, s.main_hi = m, m + rows
             m += rows
             if rows:
-                hidden.append(s.main_hidden.to(dev))
-                positions.append(torch.arange(s.main_start, s.main_start + rows, device=dev))
-        batch = DraftBatch(
-            segments,
-            self.main_x(torch.cat(hidden)) if hidden else None,
-            torch.cat(positions) if positions else None,
-        )
+                hidden.append(s.main_hidden)
+                starts.append(s.main_start)
+                counts.append(rows)
+        main_pos = None
+        if counts:  # every segment's positions from one host tensor, not one small tensor per request
+            first = torch.tensor(starts, dtype=torch.long).repeat_interleave(torch.tensor(counts))
+            offsets = torch.arange(m) - torch.tensor([0, *counts[:-1]]).cumsum(0).repeat_interleave(
+                torch.tensor(counts)
+            )
+            main_pos = (first + offsets).to(dev, non_blocking=True)
+        batch = DraftBatch(segments, self.main_x(torch.cat(hidden).to(dev)) if hidden else None, main_pos)
         self._batch_caches(batch)
         for block in self.blocks:
             block.attn.append_main(batch)
@@ -270,9 +296,13 @@ class DSpark(torch.nn.Module):
         batch.block_pos = positions.to(dev, non_blocking=True)
         return self.blocks_forward(tokens_t.to(dev, non_blocking=True), batch)
 
-    def blocks_forward(self, tokens: torch.Tensor, batch: DraftBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def blocks_forward(
+        self, tokens: torch.Tensor, batch: DraftBatch, head_rows: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft blocks over the drafting segments' block rows (their windows already seeded):
-        (collapsed outputs [R, dim], base logits [R, vocab] fp32). No host work: graph-capturable."""
+        (collapsed outputs [R, dim], base logits [R, vocab] fp32). ``head_rows``: the head only on
+        each block's first that many rows (the rows drafts come from), logits [n * head_rows, vocab]:
+        at B = 256 and k = 3 the head's GEMM is 3/5 of every row's. No host work: graph-capturable."""
         cfg = self.cfg
         h = F.embedding(tokens, self.embed).to(self.dtype)
         h = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)
@@ -281,7 +311,10 @@ class DSpark(torch.nn.Module):
         for block in self.blocks:
             h, pre = block(h, pre, batch)
         x = hc_pre(h, pre)
-        logits = lm_head(rms_norm(x, self.norm, cfg.norm_eps), self.head)
+        rows = (
+            x if head_rows is None else x.view(-1, self.block_size, x.size(-1))[:, :head_rows].reshape(-1, x.size(-1))
+        )
+        logits = lm_head(rms_norm(rows, self.norm, cfg.norm_eps), self.head)
         return x, logits
 
     @staticmethod
@@ -308,18 +341,26 @@ class DSpark(torch.nn.Module):
         num_drafts: int,
         sample: Callable[[int, torch.Tensor], torch.Tensor],
         graphs: Any = None,
+        greedy: bool = False,
     ) -> Draft | None:
         """Seed, run the blocks, then draft ``num_drafts`` (<= block size) tokens per drafting segment
         through the Markov head: ``sample(i, logits [n, vocab]) -> tokens [n]`` picks draft ``i+1``
-        of every drafting segment from its biased row ``i``."""
+        of every drafting segment from its biased row ``i``. ``greedy``: ``sample`` takes the argmax
+        of every row, so a drafter graph that runs the Markov loop itself may stand in for it (the
+        draft's ``logits`` are then None)."""
         if not 0 <= num_drafts <= self.block_size:
             raise ValueError(f"num_drafts={num_drafts} must be within the DSpark block size {self.block_size}")
         out = self.forward(segments, graphs)
         if out is None:
             return None
-        x, logits = out
         n, b = len([s for s in segments if s.block_start is not None]), self.block_size
-        x, logits = x.view(n, b, -1)[:, :num_drafts], logits.view(n, b, -1)[:, :num_drafts].clone()
+        if greedy and num_drafts and len(out) == 4 and out[2].size(1) >= num_drafts:
+            # the drafter's graph ran the greedy Markov loop already (DraftGraphs' num_drafts)
+            graphs.stats["markov"] += 1
+            return Draft(out[2][:, :num_drafts], None, out[3][:, :num_drafts])
+        x, logits = out[:2]
+        # the logits: of every block row, or of the first ones only (a drafter graph's head_rows)
+        x, logits = x.view(n, b, -1)[:, :num_drafts], logits.view(n, -1, logits.size(-1))[:, :num_drafts].clone()
         prev = torch.tensor([s.first_token for s in segments if s.block_start is not None], device=self.device)
         drafts, embeds = [], []
         for i in range(num_drafts):

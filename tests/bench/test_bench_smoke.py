@@ -31,6 +31,14 @@ def test_engine_steps_smoke(tmp_path):
         assert len(c["layers_ms"]) == 3 and c["step_ms"] > 0 and c["sum_ms"] > 0
         assert c["engine_over_layers"] == round(c["step_ms"] / c["sum_ms"], 3)
     assert [c["draft_ms"] > 0 for c in r["cases"] if "k=3" in c["case"]] == [True, True]
+    parts = ("draft_seed_ms", "draft_blocks_ms", "draft_markov_ms")
+    for c in r["cases"]:  # the denominator counts the drafting a speculative step does, and only there
+        assert c["engine_over_target_layers"] == round(c["step_ms"] / c["target_sum_ms"], 3)
+        if "k=3" in c["case"]:
+            assert all(c[p] > 0 for p in parts) and c["draft_sum_ms"] == round(sum(c[p] for p in parts), 3)
+            assert c["sum_ms"] == round(c["target_sum_ms"] + c["draft_sum_ms"], 3)
+        else:
+            assert "draft_sum_ms" not in c and c["sum_ms"] == c["target_sum_ms"]
     unmixed = [c for c in r["cases"] if c["case"].endswith("unmixed")]  # the admission step alone, then decodes
     assert [(c["requests"], c["rows"]) for c in unmixed] == [(0, 16), (0, 64)]
     assert all(c["decode_after_step_ms"] > 0 for c in unmixed)

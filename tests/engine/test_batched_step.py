@@ -32,11 +32,15 @@ def _run(
     startup: list | None = None,
     mixed: bool = True,
     budget: int = 24,
+    greedy: bool = False,
+    markov: bool = False,
 ) -> tuple[list, list[dict[str, torch.Tensor]]]:
     """``graphs``: give each decoding engine the static (graph) decode path without capture, and
     collect its DecodeGraphs here. ``startup``: build them first, from padding only, for the
     contexts up to 1024 (``LLMEngine.capture_graphs``), and collect its report here. ``mixed``:
-    ``SchedulerConfig.mixed_steps``; ``budget``: its ``max_num_batched_tokens``."""
+    ``SchedulerConfig.mixed_steps``; ``budget``: its ``max_num_batched_tokens``. ``greedy``: every
+    request greedy (else one samples); ``markov``: the drafter's graphs run the greedy Markov loop
+    of ``spec`` drafts (``DraftGraphs.num_drafts``, as the engine builds them)."""
     sem = "split" if mode == "colocated" else "full"
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, mixed_steps=mixed)
     llm = LLM(ckpt, mode, sem, scheduler=sched, num_spec_tokens=spec)
@@ -57,7 +61,9 @@ def _run(
             )
             graphs.append(e.runner.graphs)
             if e.proposer is not None:
-                e.proposer.graphs = DraftGraphs(e.proposer.drafter, e.runner.cache, max_batch=n, capture=False)
+                e.proposer.graphs = DraftGraphs(
+                    e.proposer.drafter, e.runner.cache, max_batch=n, capture=False, num_drafts=spec if markov else 0
+                )
                 graphs.append(e.proposer.graphs)
             if startup is not None:
                 # the smallest context bound only: every decode step here stays below 1024 positions
@@ -65,7 +71,8 @@ def _run(
                 e.config.cuda_graph_max_captures = len(e.runner.graphs.sizes) * (1 + spec) + prefills
                 startup.append(e.capture_graphs())
     params = [SamplingParams(max_tokens=10, temperature=0, logprobs=2) for _ in LENGTHS]
-    params[1] = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, logprobs=1)
+    if not greedy:
+        params[1] = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, logprobs=1)
     outs = llm.generate(prompt_token_ids=random_prompts(LENGTHS, seed=3), sampling_params=params)
     result = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
     # drafts do not change greedy tokens, only how many are accepted: compare those counts too
@@ -129,6 +136,33 @@ def test_graph_decode_path_equals_the_eager_step(tiny_ckpt, mode, spec):
     assert (pieces["blocks"] == 0) if mode == "symmetric-windows" else (pieces["blocks"] >= 10), pieces
     assert not pieces["eager"], pieces
     assert all(k.segments in BATCH_SIZES for k in g.graphs)
+
+
+@pytest.mark.parametrize(
+    ("mode", "spec", "greedy"), [("colocated", 2, True), ("asymmetric", 3, True), ("colocated", 2, False)]
+)
+def test_the_draft_graphs_markov_loop_equals_the_eager_drafts(tiny_ckpt, mode, spec, greedy):
+    """The drafter's graphs with the greedy Markov loop inside (``DraftGraphs(num_drafts=k)``, as the
+    engine builds them; here without capture): a step of greedy requests takes its drafts from the
+    graph (drafts fewer than k near max_tokens keep a prefix of the graph's k), a step with a sampled
+    request runs the loop eagerly on the graph's base logits. Tokens, logprobs, the drafts' acceptance
+    counts and every cache byte equal the eager engine's."""
+    budget = max(24, 8 * (1 + spec))  # a decode step of all 8 requests fits
+    want_out, want_cache = _run(tiny_ckpt, mode, batched=True, spec=spec, budget=budget, greedy=greedy)
+    graphs: list = []
+    got_out, got_cache = _run(
+        tiny_ckpt, mode, batched=True, spec=spec, graphs=graphs, budget=budget, greedy=greedy, markov=True
+    )
+    assert got_out == want_out
+    for want, got in zip(want_cache, got_cache, strict=True):
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+    draft = graphs[1].stats
+    assert draft["first"] + draft["replayed"] >= 5, draft
+    if greedy:  # every drafting step took the graph's drafts
+        assert draft["markov"] == draft["first"] + draft["replayed"], draft
+    else:  # the sampled request drafts in most steps: those ran the loop eagerly
+        assert 0 <= draft["markov"] < draft["first"] + draft["replayed"], draft
 
 
 @pytest.mark.parametrize(

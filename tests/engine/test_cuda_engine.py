@@ -77,6 +77,24 @@ def test_cuda_graphs_keep_the_greedy_tokens(tiny_ckpt, dtype, mode, spec):
         assert rate > 0.5
 
 
+def test_greedy_drafts_come_from_the_drafter_graph_on_cuda(tiny_ckpt):
+    """Greedy generation with 3 drafts (fp32, start-up capture): every drafting step takes its drafts
+    from the drafter's graph (the Markov loop replayed inside it, ``DraftGraphs.num_drafts``), none
+    runs it eagerly, and the tokens are the eager engine's. How many drafts were accepted is printed
+    beside the eager engine's (not asserted: the graph pads the drafting batch, and fp32 GEMMs of
+    another row count may round a draft's logits differently)."""
+    eager = LLM(tiny_ckpt, "colocated", device="cuda", dtype=torch.float32, num_spec_tokens=3, enforce_eager=True)
+    graphed = LLM(tiny_ckpt, "colocated", device="cuda", dtype=torch.float32, num_spec_tokens=3)
+    want, got = _tokens(eager), _tokens(graphed)
+    drafts = graphed.engine.proposer.graphs
+    e, g = eager.engine.counters, graphed.engine.counters
+    print(f"drafter graphs: {drafts.stats}; accepted {g['spec_accepted']} (eager {e['spec_accepted']})")
+    assert got == want
+    # every drafting step a replay (built at start-up), and each one's drafts from the graph's loop
+    assert drafts.num_drafts == 3 and drafts.stats["first"] == drafts.stats["eager"] == 0, drafts.stats
+    assert drafts.stats["markov"] == drafts.stats["replayed"] >= 5, drafts.stats
+
+
 @pytest.mark.parametrize(
     ("mode", "spec", "mixed"),
     [("colocated", 2, True), ("asymmetric", 0, True), ("asymmetric", 0, False), ("symmetric-split", 0, False)],

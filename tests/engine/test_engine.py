@@ -360,3 +360,20 @@ def test_request_storm_with_aborts(models):
     storm()
     # the examples exercised what the storm is for (derandomized: the same examples every run)
     assert seen["preempted"] >= 2 and seen["waiting"] > 0 and seen["running"] > 0 and seen["held"] > 0, seen
+
+
+def test_request_token_reads_equal_the_whole_history():
+    """``num_tokens``, ``last_token`` and ``token_slice`` (what the engine reads per request per step
+    instead of building ``all_token_ids``) give exactly what the whole list gives, at every split."""
+    from asympd.engine.request import Request
+
+    for n_out in (0, 1, 3):
+        req = Request("r", [5, 6, 7, 8], SamplingParams(), [])
+        req.output_token_ids = [9, 10, 11][:n_out]
+        whole = req.all_token_ids
+        assert req.num_tokens == len(whole) and req.last_token == whole[-1]
+        for extra in (None, [], [20, 21]):
+            full = whole + (extra or [])
+            for lo in range(len(full) + 1):
+                for hi in range(lo, len(full) + 2):
+                    assert req.token_slice(lo, hi, extra) == full[lo:hi], (n_out, extra, lo, hi)
