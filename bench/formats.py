@@ -500,6 +500,11 @@ def sweep(cfg, ceil: dict, g: torch.Generator) -> dict:
 
 def _loop_instructions(sass: str) -> int:
     """Instructions between the label and the branch of the longest backward jump: the hot loop."""
+    return len(_loop_opcodes(sass))
+
+
+def _loop_opcodes(sass: str) -> list[str]:
+    """The hot loop's opcodes (without modifiers), in order: see ``_loop_instructions``."""
     import re
 
     lines = sass.splitlines()
@@ -510,7 +515,11 @@ def _loop_instructions(sass: str) -> int:
         if (m := re.search(r"BRA `\((\.L_x_\d+)\)", ln)) and labels.get(m.group(1), i) < i
     ]
     start, end = max(loops, key=lambda t: t[1] - t[0])
-    return sum(bool(re.match(r"\s*/\*[0-9a-f]+\*/\s+\S", ln)) for ln in lines[start : end + 1])
+    ops = []
+    for ln in lines[start : end + 1]:
+        if m := re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln):
+            ops.append(m.group(1))
+    return ops
 
 
 def sass_counts() -> list[dict]:
@@ -531,7 +540,10 @@ def sass_counts() -> list[dict]:
     ints = ["N", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_ys", "s_ym"]
     sig = {"a_ptr": "*bf16", "a_rows_ptr": "*i64", "w_ptr": "*i8", "s_ptr": "*u8", "y_ptr": "*bf16"}
     sig |= {"block_expert_ptr": "*i32", "block_row0_ptr": "*i32", "block_row1_ptr": "*i32"} | dict.fromkeys(ints, "i32")
+    # the FP8 kernel: e4m3 activation codes and their fp32 scales instead of bf16 activations
+    sig8 = {**sig, "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "s_asm": "i32"}
     base = dict(K=5120, KB_PER_SPLIT=32, N_EXPERTS=384, GATHER=True, DOT_F32=False, LUT=True, BLOCK_N=128)
+    base8 = dict(K=5120, KB_PER_SPLIT=32, N_EXPERTS=384, GATHER=True, ASM=True, BLOCK_N=128, EVEN_N=True)
     cases = []
     for bm in (16, 32):
         cases += [
@@ -547,30 +559,38 @@ def sass_counts() -> list[dict]:
                 G._mxfp4_moe_swap_kernel,
                 dict(UNROLL=2, BLOCK_M=bm, EVEN_N=True, SCALE_AFTER=False),
             ),
+            ("fp8", G._mxfp4_moe_fp8_kernel, dict(UNROLL=2, BLOCK_M=bm)),
         ]
     cases.append(
         ("swap_ab_unroll4", G._mxfp4_moe_swap_kernel, dict(UNROLL=4, BLOCK_M=16, EVEN_N=True, SCALE_AFTER=True))
     )
+    cases.append(("fp8_unroll4", G._mxfp4_moe_fp8_kernel, dict(UNROLL=4, BLOCK_M=16)))
     out = []
     for name, fn, consts in cases:
-        consts = {**base, **consts}
-        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig}
-        src = ASTSource(fn, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, attrs)
+        fp8 = fn is G._mxfp4_moe_fp8_kernel
+        consts = {**(base8 if fp8 else base), **consts}
+        sig_fn = {a: t for a, t in (sig8 if fp8 else sig).items() if a in fn.arg_names}
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig_fn}
+        src = ASTSource(fn, {**sig_fn, **dict.fromkeys(consts, "constexpr")}, consts, attrs)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(k.asm["cubin"])
             f.flush()
             sass = subprocess.run([tools / "nvdisasm", "-c", f.name], capture_output=True, text=True).stdout
             usage = subprocess.run([tools / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
-        n = _loop_instructions(sass)
+        ops = _loop_opcodes(sass)
+        n = len(ops)
         weights = consts["UNROLL"] * consts["BLOCK_N"] * 32 // 128
         regs = int(usage.split("REG:")[1].split()[0])
+        spill = int(usage.split("LOCAL:")[1].split()[0]) if "LOCAL:" in usage else None  # local memory: spills
         row = {"kernel": name, "block_m": consts["BLOCK_M"], "unroll": consts["UNROLL"], "registers": regs}
-        row |= {"loop_instructions": n, "weights_per_thread": weights, "per_weight": n / weights}
+        row |= {"local_bytes": spill, "loop_instructions": n, "weights_per_thread": weights, "per_weight": n / weights}
+        row["loop_opcodes"] = dict(sorted(((o, ops.count(o)) for o in set(ops)), key=lambda t: -t[1]))
         out.append(row)
         log(
             f"sass {name:26s} BM {consts['BLOCK_M']:3d} unroll {consts['UNROLL']} | {n:4d} instructions / "
-            f"{weights} weights = {n / weights:.2f} | {regs} registers"
+            f"{weights} weights = {n / weights:.2f} | {regs} registers, {spill} B local | "
+            + " ".join(f"{o} {c}" for o, c in list(row["loop_opcodes"].items())[:12])
         )
     return out
 
