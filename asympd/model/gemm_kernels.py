@@ -506,7 +506,16 @@ if AVAILABLE:
         (4 STS, 8 BAR, LDS), the rest loads and loop. No PRMT, no HMUL2. If issue-bound, 1.35x the
         bf16 swap kernel at BLOCK_M 16 (1.50x unrolled 4x against its own unroll 4), 1.19x at 32.
         BLOCK_M 8 is not an FP8 wgmma in Triton 3.6 (it falls back to mma.sync through f16
-        conversions, 491 instructions): correct, but not for the device."""
+        conversions, 491 instructions): correct, but not for the device.
+
+        Prefill-sized M-blocks (8 warps, UNROLL 2, 32 weights a thread): BLOCK_M 64: 266 (126 r),
+        BLOCK_M 128: 395 (246 r, no spills), of which 257 the rescale. The rescale is 2 fp32
+        instructions per accumulator element per 32 K, i.e. 1/64 cycle of an SM's issue against
+        the FP8 MMA's 32 MACs / 4096 a cycle = 1/128: twice the MMA's own time whatever the tile.
+        At BLOCK_M 128: 3160 warp instructions (790 issue cycles) per 1 M MACs (256 tensor
+        cycles), so at best 32 % of the FP8 peak, ~45 % of the measured FP8 GEMM rate the floor
+        uses, with perfect overlap: it cannot reach 50 % of the floor at 16K rows, but it is ~3x
+        the first kernel's 13 %, so it is timed there too (bench/formats.py)."""
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.load(block_expert_ptr + pid_b)
@@ -779,7 +788,7 @@ def mxfp4_moe_gemm(
             ASM=a.is_cuda,
             BLOCK_M=block_m,
             BLOCK_N=bn,
-            num_warps=cfg.get("num_warps", 4),
+            num_warps=cfg.get("num_warps", 4 if block_m <= 32 else 8),  # 8: the [128, BM] accumulator
             num_stages=cfg.get("num_stages", 3) if a.is_cuda else 1,
         )
     elif swap_ab:
