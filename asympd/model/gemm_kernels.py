@@ -7,16 +7,21 @@
   once at load (``repack_fp4``) so each 16-byte load meets two contiguous halves of the activations.
   ``config={"swap_ab": True}`` selects a transposed variant for decode-sized M-blocks
   (``_mxfp4_moe_swap_kernel``: expanded weights as wgmma's register operand, the scale applied
-  after the dot, a cheaper decode); the default stays the first kernel until measured on the device.
+  after the dot, a cheaper decode; the CUDA default in bf16 for M-blocks of <= 32 rows since measured).
+  ``config={"fp8": True}`` runs that transposed tile on FP8 tensor cores (``_mxfp4_moe_fp8_kernel``:
+  e2m1 expanded to e4m3 in registers, the activations' own e4m3 codes, one FP8 wgmma per 32-K scale
+  block rescaled in fp32; docs/moe_fp8.md); off by default until timed on the device.
 
-Both expand the weight tile in registers to the activation dtype and run one dot with fp32
+The bf16 kernels expand the weight tile in registers to the activation dtype and run one dot with fp32
 accumulation. The expansion is exact (e4m3 and e2m1 values times a power of two fit bf16), and the
 activations arrive already through the reference's per-32 FP8 quantize-dequantize, so the result is
 the reference's block-scaled GEMM up to summation order.
 
 Why bf16 dots on expanded weights rather than FP8 tensor cores: the reference's activation scales
 are per 32 K elements, so an FP8 dot would have to be rescaled every 32 K (one wgmma K-step);
-expanding in registers keeps one long dot. Decode-sized steps read the release's 1 B (FP8) / 0.53 B
+expanding in registers keeps one long dot. The FP8 kernel pays that rescale (2 fp32 instructions
+per accumulator element per 32 K) for a shorter decode and half the MMA instructions; which wins
+where is the device's to say (docs/moe_fp8.md). Decode-sized steps read the release's 1 B (FP8) / 0.53 B
 (FP4) per weight instead of bf16's 2 B, but today the instructions that expand FP4 bound them rather
 than the bytes; large prefill chunks run at the bf16 tensor-core rate (docs/performance.md §9).
 
