@@ -10,6 +10,7 @@ variant's own floor (2 B/weight, bf16 rate) is reported beside it, and the gain 
     ASYMPD_BENCH_MOE_VARIANTS=1 python bench/formats.py   # MXFP4 kernel variants side by side ->
                                                           # bench/results/formats_moe_variants.json
     ASYMPD_BENCH_SASS=1 python bench/formats.py           # no GPU: the MXFP4 kernels' SASS loop counts
+    ASYMPD_BENCH_MOE_VARIANTS=1 python bench/formats.py --smoke   # the variants mode on CPU, tiny config
 
 What is timed is the product's code: ``FastMoE`` as the loader builds it (``FastMoE.packed``) and
 ``gemm_kernels.fp8_tile_gemm``, the kernel behind ``FP8TileLinear``. Timings are medians of CUDA
@@ -25,8 +26,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+if "--smoke" in sys.argv:  # the MoE-variants mode on CPU through the Triton interpreter: plumbing only
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -42,16 +46,23 @@ BF = torch.bfloat16
 ROWS_SWEEP = (16, 512, 16384)
 FP8_SWEEP = (("wq_b", 32768, 1280), ("wo_b", 5120, 8192), ("wq_a", 1280, 5120))
 MOE_ROWS = [1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-MOE_VARIANT_ROWS = [1, 16, 64, 128, 256, 512, 1024, 2048]
+MOE_VARIANT_ROWS = [1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 # the MXFP4 GEMMs' kernel configs timed side by side (gemm_kernels.mxfp4_moe_gemm): the default
-# kernel, the same with the shorter table decode (``lut_pairs``: what the decode alone gains), and
-# the transposed decode-regime kernel (``swap_ab``), at its defaults and unrolled 4x
+# kernel, the same with the shorter table decode (``lut_pairs``: what the decode alone gains), the
+# transposed decode-regime kernel (``swap_ab``), at its defaults and unrolled 4x, and the same
+# transposed tile on FP8 tensor cores (``fp8``: e2m1 -> e4m3 in registers, the activations' e4m3
+# codes, the per-32 scales applied to each block's dot in fp32), at its defaults and unrolled 4x
 MOE_VARIANTS = {
     "current": {},
     "current_lut_pairs": {"lut_pairs": True},
     "swap_ab": {"swap_ab": True},
     "swap_ab_unroll4": {"swap_ab": True, "unroll": 4},
+    "fp8": {"fp8": True},
+    "fp8_unroll4": {"fp8": True, "unroll": 4},
 }
+# above 2048 rows (M-blocks of 64 and 128 rows: prefill chunks) only these are timed: the default
+# (the first kernel there) and the FP8 kernel, whose count says it can gain there (docs/moe_fp8.md)
+MOE_LARGE_VARIANTS = ("current", "fp8")
 LINEAR_ROWS = [1, 16, 64, 256, 1024]
 # (name, out, in, groups): the FP8-stored matrices of one V4.1 layer (attention, indexer, shared expert)
 LINEARS = [
@@ -64,6 +75,15 @@ LINEARS = [
     ("shared_w13", 4608, 5120, 1),
     ("shared_w2", 5120, 2304, 1),
 ]
+
+
+def _time(fn, **kw) -> dict:
+    """``time_cuda`` on the device; on CPU (``--smoke``) one call's wall time, for the plumbing."""
+    if DEV.type == "cpu":
+        t0 = time.perf_counter()
+        fn()
+        return {"ms": (time.perf_counter() - t0) * 1e3, "mode": "cpu-wall"}
+    return time_cuda(fn, **kw)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -218,21 +238,29 @@ def bench_moe_variants(cfg, ceil: dict, g: torch.Generator) -> list[dict]:
         f13, f2 = (_gemm_floor(touched, r, n, k, ceil, fp8_rate) for n, k in ((2 * inter, d), (d, inter)))
         row: dict = {"rows": rows, "experts_touched": touched, "block_m": bm, "moe_floor_ms": floor}
         row.update({"w13_floor_ms": f13, "w2_floor_ms": f2})
+        # bf16 beside them (the path the packed one replaces), against its own floor, so every
+        # variant's gain over it is one ratio
+        bf_ms = _time(lambda m=bf16, x=x: m(x), iters=10, warmup=1, graph=True)["ms"]
+        bf_floor = moe_floor(cfg, rows, touched, ceil, 2.0, ceil["bf16_gemm_TFLOPs"])["floor_ms"]
+        row["bf16"] = {"moe_graph_ms": bf_ms, "frac_of_own_floor": bf_floor / bf_ms, "own_floor_ms": bf_floor}
+        row["bf16"]["frac_of_release_floor"] = floor / bf_ms
+        names = [v for v in MOE_VARIANTS if rows <= 2048 or v in MOE_LARGE_VARIANTS]
         first = None
-        for name, conf in MOE_VARIANTS.items():
+        for name in names:
+            conf = MOE_VARIANTS[name]
             packed.w13, packed.w2f = _Configured(w13, conf), _Configured(w2, conf)
             try:
                 y = packed(x)
                 first = y if first is None else first
-                timed = time_cuda(lambda m=packed, x=x: m(x), iters=10, warmup=1, graph=True)
+                timed = _time(lambda m=packed, x=x: m(x), iters=10, warmup=1, graph=True)
                 moe = timed["ms"]
-                t13 = time_cuda(
+                t13 = _time(
                     lambda c=conf, b=blocks, t=token, a=xq, r=r, bm=bm: w13.matmul(a, b, r, bm, t, c),
                     iters=10,
                     warmup=1,
                     graph=True,
                 )["ms"]
-                t2 = time_cuda(
+                t2 = _time(
                     lambda c=conf, b=blocks, a=h, r=r, bm=bm: w2.matmul(a, b, r, bm, None, c),
                     iters=10,
                     warmup=1,
@@ -249,12 +277,17 @@ def bench_moe_variants(cfg, ceil: dict, g: torch.Generator) -> list[dict]:
                     "w2_frac_of_floor": f2 / t2,
                     "rel_err_vs_bf16": rel(y, ref),
                     "rel_err_vs_current": rel(y, first),
+                    "speedup_vs_bf16": bf_ms / moe,
                 }
             except Exception as ex:  # a variant that does not compile or run: keep the others
                 row[name] = {"config": conf, "error": f"{type(ex).__name__}: {str(ex)[:300]}"}
         packed.w13, packed.w2f = w13, w2
         cur = row["current"]
-        for name in MOE_VARIANTS:
+        log(
+            f"moe variants rows {rows:5d} bm {bm:3d} touched {touched:3d} | bf16              moe {bf_ms:.3f} ms "
+            f"({100 * floor / bf_ms:4.1f}% release floor, {100 * bf_floor / bf_ms:4.1f}% own floor)"
+        )
+        for name in names:
             v = row[name]
             if name != "current" and "error" not in v and "error" not in cur:
                 keys = {"moe": "moe_graph_ms", "w13": "w13_ms", "w2": "w2_ms"}
@@ -266,13 +299,41 @@ def bench_moe_variants(cfg, ceil: dict, g: torch.Generator) -> list[dict]:
                     if "error" in v
                     else f"moe {v['moe_graph_ms']:.3f} ms ({100 * v['moe_frac_of_release_floor']:4.1f}% floor) | "
                     f"w13 {v['w13_ms']:.3f} ms ({100 * v['w13_frac_of_floor']:4.1f}%) | "
-                    f"w2 {v['w2_ms']:.3f} ms ({100 * v['w2_frac_of_floor']:4.1f}%) | err {v['rel_err_vs_bf16']:.1e}"
+                    f"w2 {v['w2_ms']:.3f} ms ({100 * v['w2_frac_of_floor']:4.1f}%) | err {v['rel_err_vs_bf16']:.1e} | "
+                    f"x{v['speedup_vs_bf16']:.2f} vs bf16"
                 )
             )
         out.append(row)
         del x, h
     del packed, bf16
-    torch.cuda.empty_cache()
+    if DEV.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def fp8_accumulation_error(k: int, g: torch.Generator, rows: int = 64, n: int = 512) -> dict:
+    """What the FP8 wgmma's accumulation inside a K = 32 block costs, at V4.1's K = 5120: the FP8
+    kernel and the current one (fp32 activations and output, IEEE fp32 dots) against the float64
+    GEMM on the dequantized weights, on 4 random experts of ``n`` rows (as the MoE benchmark draws
+    them) and ``rows`` quantized random rows; the error of every output as a fraction of the sum of its terms'
+    magnitudes (|a| @ |W|^T), and in norm."""
+    from asympd.model.packed import moe_block_m
+
+    w = random_fp4_experts(4, n, k, g)
+    wd = torch.stack([w.dequantized(e) for e in range(4)]).double()
+    x = fp8_qdq(torch.randn(rows, k, device=DEV, generator=g), 32)
+    ids = torch.randint(0, 4, (rows,), device=DEV, generator=g)
+    bm = moe_block_m(rows, 4)
+    order, *blocks = G.moe_blocks(ids, 4, bm)
+    e = ids[order]
+    ref = torch.einsum("rk,rnk->rn", x[order].double(), wd[e])
+    mag = torch.einsum("rk,rnk->rn", x[order].double().abs(), wd[e].abs())
+    out = {"rows": rows, "n": n, "k": k, "block_m": bm}
+    for name, conf in (("current", {"swap_ab": False}), ("fp8", {"fp8": True})):
+        y = w.matmul(x, blocks, rows, bm, order, conf).double()
+        err = (y - ref).abs()
+        out[name] = {"max_err_over_magnitude": float((err / mag.clamp_min(1e-30)).max()), "rel_norm": rel(y, ref)}
+    log(f"fp8 accumulation at K {k}: {out}")
     return out
 
 
@@ -500,6 +561,11 @@ def sweep(cfg, ceil: dict, g: torch.Generator) -> dict:
 
 def _loop_instructions(sass: str) -> int:
     """Instructions between the label and the branch of the longest backward jump: the hot loop."""
+    return len(_loop_opcodes(sass))
+
+
+def _loop_opcodes(sass: str) -> list[str]:
+    """The hot loop's opcodes (without modifiers), in order: see ``_loop_instructions``."""
     import re
 
     lines = sass.splitlines()
@@ -510,7 +576,11 @@ def _loop_instructions(sass: str) -> int:
         if (m := re.search(r"BRA `\((\.L_x_\d+)\)", ln)) and labels.get(m.group(1), i) < i
     ]
     start, end = max(loops, key=lambda t: t[1] - t[0])
-    return sum(bool(re.match(r"\s*/\*[0-9a-f]+\*/\s+\S", ln)) for ln in lines[start : end + 1])
+    ops = []
+    for ln in lines[start : end + 1]:
+        if m := re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln):
+            ops.append(m.group(1))
+    return ops
 
 
 def sass_counts() -> list[dict]:
@@ -531,7 +601,10 @@ def sass_counts() -> list[dict]:
     ints = ["N", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_ys", "s_ym"]
     sig = {"a_ptr": "*bf16", "a_rows_ptr": "*i64", "w_ptr": "*i8", "s_ptr": "*u8", "y_ptr": "*bf16"}
     sig |= {"block_expert_ptr": "*i32", "block_row0_ptr": "*i32", "block_row1_ptr": "*i32"} | dict.fromkeys(ints, "i32")
+    # the FP8 kernel: e4m3 activation codes and their fp32 scales instead of bf16 activations
+    sig8 = {**sig, "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "s_asm": "i32"}
     base = dict(K=5120, KB_PER_SPLIT=32, N_EXPERTS=384, GATHER=True, DOT_F32=False, LUT=True, BLOCK_N=128)
+    base8 = dict(K=5120, KB_PER_SPLIT=32, N_EXPERTS=384, GATHER=True, ASM=True, BLOCK_N=128, EVEN_N=True)
     cases = []
     for bm in (16, 32):
         cases += [
@@ -547,30 +620,42 @@ def sass_counts() -> list[dict]:
                 G._mxfp4_moe_swap_kernel,
                 dict(UNROLL=2, BLOCK_M=bm, EVEN_N=True, SCALE_AFTER=False),
             ),
+            ("fp8", G._mxfp4_moe_fp8_kernel, dict(UNROLL=2, BLOCK_M=bm)),
         ]
     cases.append(
         ("swap_ab_unroll4", G._mxfp4_moe_swap_kernel, dict(UNROLL=4, BLOCK_M=16, EVEN_N=True, SCALE_AFTER=True))
     )
+    cases.append(("fp8_unroll4", G._mxfp4_moe_fp8_kernel, dict(UNROLL=4, BLOCK_M=16)))
+    # prefill-sized M-blocks: the FP8 kernel as the wrapper launches it there (8 warps)
+    cases += [("fp8", G._mxfp4_moe_fp8_kernel, dict(UNROLL=2, BLOCK_M=bm, num_warps=8)) for bm in (64, 128)]
     out = []
     for name, fn, consts in cases:
-        consts = {**base, **consts}
-        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig}
-        src = ASTSource(fn, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, attrs)
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+        warps = consts.pop("num_warps", 4)
+        fp8 = fn is G._mxfp4_moe_fp8_kernel
+        consts = {**(base8 if fp8 else base), **consts}
+        sig_fn = {a: t for a, t in (sig8 if fp8 else sig).items() if a in fn.arg_names}
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig_fn}
+        src = ASTSource(fn, {**sig_fn, **dict.fromkeys(consts, "constexpr")}, consts, attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3})
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(k.asm["cubin"])
             f.flush()
             sass = subprocess.run([tools / "nvdisasm", "-c", f.name], capture_output=True, text=True).stdout
             usage = subprocess.run([tools / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
-        n = _loop_instructions(sass)
-        weights = consts["UNROLL"] * consts["BLOCK_N"] * 32 // 128
+        ops = _loop_opcodes(sass)
+        n = len(ops)
+        weights = consts["UNROLL"] * consts["BLOCK_N"] * 32 // (32 * warps)
         regs = int(usage.split("REG:")[1].split()[0])
-        row = {"kernel": name, "block_m": consts["BLOCK_M"], "unroll": consts["UNROLL"], "registers": regs}
-        row |= {"loop_instructions": n, "weights_per_thread": weights, "per_weight": n / weights}
+        spill = int(usage.split("LOCAL:")[1].split()[0]) if "LOCAL:" in usage else None  # local memory: spills
+        row = {"kernel": name, "block_m": consts["BLOCK_M"], "unroll": consts["UNROLL"], "num_warps": warps}
+        row["registers"] = regs
+        row |= {"local_bytes": spill, "loop_instructions": n, "weights_per_thread": weights, "per_weight": n / weights}
+        row["loop_opcodes"] = dict(sorted(((o, ops.count(o)) for o in set(ops)), key=lambda t: -t[1]))
         out.append(row)
         log(
-            f"sass {name:26s} BM {consts['BLOCK_M']:3d} unroll {consts['UNROLL']} | {n:4d} instructions / "
-            f"{weights} weights = {n / weights:.2f} | {regs} registers"
+            f"sass {name:26s} BM {consts['BLOCK_M']:3d} unroll {consts['UNROLL']} warps {warps} | "
+            f"{n:4d} instructions / {weights} weights = {n / weights:.2f} | {regs} registers, {spill} B local | "
+            + " ".join(f"{o} {c}" for o, c in list(row["loop_opcodes"].items())[:12])
         )
     return out
 
@@ -580,10 +665,18 @@ def main() -> None:
     if os.environ.get("ASYMPD_BENCH_SASS", "0") == "1":  # offline, no GPU
         record("formats_sass", {"sass": sass_counts()}, started)
         return
+    global DEV, MOE_VARIANT_ROWS
+    smoke = "--smoke" in sys.argv
+    if smoke:  # CPU, tiny config, made-up ceilings: checks that every path runs, measures nothing
+        if os.environ.get("ASYMPD_BENCH_MOE_VARIANTS", "0") != "1":
+            raise SystemExit("--smoke covers the MoE-variants mode only (ASYMPD_BENCH_MOE_VARIANTS=1)")
+        from asympd.config import tiny
+
+        DEV, MOE_VARIANT_ROWS = torch.device("cpu"), [1, 64, 2500]  # 2500: M-blocks of 128 rows
     torch.manual_seed(0)
     g = torch.Generator(device=DEV).manual_seed(0)
-    cfg = v41_flash()
-    ceil = ceilings()
+    cfg = tiny() if smoke else v41_flash()
+    ceil = {"copy_TBps": 1.0, "bf16_gemm_TFLOPs": 1.0, "fp8_gemm_TFLOPs": 2.0, "smoke": True} if smoke else ceilings()
     log(f"ceilings: {ceil}")
     data = {"ceilings": ceil, "notes": __doc__}
     sections = (
@@ -597,7 +690,11 @@ def main() -> None:
     if os.environ.get("ASYMPD_BENCH_ENGRAM", "1") == "1":
         sections += (("engram_host_lookup", lambda: bench_engram(cfg, g)),)
     if os.environ.get("ASYMPD_BENCH_MOE_VARIANTS", "0") == "1":  # alone, in its own file: formats.json stays whole
-        sections, name = (("moe_variants", lambda: bench_moe_variants(cfg, ceil, g)),), "formats_moe_variants"
+        sections = (
+            ("fp8_accumulation", lambda: fp8_accumulation_error(cfg.dim, g)),
+            ("moe_variants", lambda: bench_moe_variants(cfg, ceil, g)),
+        )
+        name = "formats_moe_variants_smoke" if smoke else "formats_moe_variants"
     only = os.environ.get("ASYMPD_BENCH_ONLY")  # a comma list of sections, e.g. lm_head
     if only:
         sections = tuple(s for s in sections if s[0] in only.split(","))

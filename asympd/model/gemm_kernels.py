@@ -7,16 +7,21 @@
   once at load (``repack_fp4``) so each 16-byte load meets two contiguous halves of the activations.
   ``config={"swap_ab": True}`` selects a transposed variant for decode-sized M-blocks
   (``_mxfp4_moe_swap_kernel``: expanded weights as wgmma's register operand, the scale applied
-  after the dot, a cheaper decode); the default stays the first kernel until measured on the device.
+  after the dot, a cheaper decode; the CUDA default in bf16 for M-blocks of <= 32 rows since measured).
+  ``config={"fp8": True}`` runs that transposed tile on FP8 tensor cores (``_mxfp4_moe_fp8_kernel``:
+  e2m1 expanded to e4m3 in registers, the activations' own e4m3 codes, one FP8 wgmma per 32-K scale
+  block rescaled in fp32; docs/moe_fp8.md); off by default until timed on the device.
 
-Both expand the weight tile in registers to the activation dtype and run one dot with fp32
+The bf16 kernels expand the weight tile in registers to the activation dtype and run one dot with fp32
 accumulation. The expansion is exact (e4m3 and e2m1 values times a power of two fit bf16), and the
 activations arrive already through the reference's per-32 FP8 quantize-dequantize, so the result is
 the reference's block-scaled GEMM up to summation order.
 
 Why bf16 dots on expanded weights rather than FP8 tensor cores: the reference's activation scales
 are per 32 K elements, so an FP8 dot would have to be rescaled every 32 K (one wgmma K-step);
-expanding in registers keeps one long dot. Decode-sized steps read the release's 1 B (FP8) / 0.53 B
+expanding in registers keeps one long dot. The FP8 kernel pays that rescale (2 fp32 instructions
+per accumulator element per 32 K) for a shorter decode and half the MMA instructions; which wins
+where is the device's to say (docs/moe_fp8.md). Decode-sized steps read the release's 1 B (FP8) / 0.53 B
 (FP4) per weight instead of bf16's 2 B, but today the instructions that expand FP4 bound them rather
 than the bytes; large prefill chunks run at the bf16 tensor-core rate (docs/performance.md §9).
 
@@ -413,6 +418,180 @@ if AVAILABLE:
         out = y_ptr + rows.to(tl.int64)[None, :] * s_ym + cols[:, None]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rmask[None, :] & cmask[:, None])
 
+    # e2m1 -> e4m3 for the FP8 kernel: the 3 magnitude bits (e1 e0 m) placed at e4m3's bits [4:2]
+    # and the sign at bit 7 read as the e2m1 value times 2^-6 for every code (e4m3's exponent bias
+    # is 7, e2m1's 1; e2m1's subnormal 0.5 lands on e4m3's subnormal 2^-7), so the 2^6 goes into
+    # the scale. Six instructions per packed word (8 values), no table: with sg = the sign bits,
+    # LOP3 "(a & 0x1C) | (b & ~0x1C)" (LUT 0xE4) merges the shifted magnitudes and the shifted
+    # signs in one go (the other bits of b are zero or fall inside the mask). In the kernel's byte
+    # order (``repack_fp4``: byte j = elements j, j + 16) the low nibbles of a lane's 4 bytes are
+    # 4 consecutive K elements and the high nibbles the 4 elements 16 further: exactly the two
+    # registers of FP8 wgmma's A fragment (m64nNk32: columns 4c..4c+3 and 4c+16..4c+19), so no
+    # K permutation is needed. $0 = the four low-nibble values, $1 = the four high-nibble ones.
+    _FP4_E4M3_ASM = tl.constexpr(
+        "{ .reg .b32 sg, al, ah, bl;\n"
+        "and.b32 sg, $2, 0x88888888;\n"
+        "shl.b32 al, $2, 2;\n"
+        "shr.b32 ah, $2, 2;\n"
+        "shl.b32 bl, sg, 4;\n"
+        "lop3.b32 $0, al, bl, 0x1C1C1C1C, 0xE4;\n"
+        "lop3.b32 $1, ah, sg, 0x1C1C1C1C, 0xE4;\n"
+        "}"
+    )
+
+    @triton.jit
+    def _fp4_e4m3(p, ASM: tl.constexpr):
+        """Packed bytes (int8, kernel order) -> (low-nibble, high-nibble) values as e4m3 codes of
+        the e2m1 value times 2^-6 (exact). ``ASM``: the PTX above (CUDA); otherwise the same bits
+        by Triton integer ops (the interpreter)."""
+        if ASM:
+            return tl.inline_asm_elementwise(
+                _FP4_E4M3_ASM, "=r,=r,r", [p], dtype=(tl.float8e4nv, tl.float8e4nv), is_pure=True, pack=4
+            )
+        b = p.to(tl.int32) & 0xFF
+        lo = ((b & 7) << 2) | ((b & 8) << 4)
+        hi = ((b >> 2) & 0x1C) | (b & 0x80)
+        return lo.to(tl.uint8).to(tl.float8e4nv, bitcast=True), hi.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+    @triton.jit
+    def _fp8_codes32_kernel(x_ptr, c_ptr, s_ptr, n_blocks, BLOCKS: tl.constexpr):
+        """``BLOCKS`` 32-element blocks of the flattened activations -> their e4m3 codes and fp32
+        scales, as ``quant.fp8_qdq`` computes them: amax floored at 1e-4, times fp32(1/448),
+        rounded up to a power of two on the exponent bits; the division by it is a multiply by
+        its exact reciprocal (built on the bits too). One launch instead of torch's dozen."""
+        blk = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+        bmask = blk < n_blocks
+        offs = blk.to(tl.int64)[:, None] * 32 + tl.arange(0, 32)[None, :]
+        x = tl.load(x_ptr + offs, mask=bmask[:, None], other=0.0).to(tl.float32)
+        q = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4) * (1.0 / 448.0)
+        bits = q.to(tl.int32, bitcast=True)
+        c = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # biased ceil(log2)
+        scale = (c << 23).to(tl.float32, bitcast=True)
+        inv = ((254 - c) << 23).to(tl.float32, bitcast=True)
+        codes = tl.clamp(x * inv[:, None], -448.0, 448.0).to(tl.float8e4nv)
+        tl.store(c_ptr + offs, codes, mask=bmask[:, None])
+        tl.store(s_ptr + blk, scale, mask=bmask)
+
+    @triton.jit
+    def _mxfp4_moe_fp8_kernel(
+        a_ptr,
+        as_ptr,
+        a_rows_ptr,
+        w_ptr,
+        s_ptr,
+        y_ptr,
+        block_expert_ptr,
+        block_row0_ptr,
+        block_row1_ptr,
+        N,
+        s_am,
+        s_asm,
+        s_we,
+        s_wn,
+        s_se,
+        s_sn,
+        s_ys,
+        s_ym,
+        K: tl.constexpr,
+        KB_PER_SPLIT: tl.constexpr,
+        UNROLL: tl.constexpr,
+        N_EXPERTS: tl.constexpr,
+        GATHER: tl.constexpr,
+        EVEN_N: tl.constexpr,
+        ASM: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """The swap-AB tile of ``_mxfp4_moe_swap_kernel`` on FP8 tensor cores (``config={"fp8":
+        True}``): ``t [BLOCK_N, BLOCK_M] = W8 [BLOCK_N, 32] @ a8^T [32, BLOCK_M]``, one FP8 wgmma
+        K step per 32-element scale block, with W8 the weights expanded to e4m3 in registers (wgmma's
+        A operand) and a8 the activations' e4m3 codes (``a_ptr``, per-32 power-of-two scales in
+        ``as_ptr``: the reference's own FP8 quantization, so every product is exact); then ``acc +=
+        t * (2^6 w_scale[n] * a_scale[m])`` in fp32. Against the bf16 swap kernel: the decode is 6
+        instructions a packed word instead of 15 plus the PRMTs that packed bf16 pairs, one MMA a
+        block instead of two, and no K permutation; the price is the outer product of the two
+        scales (one FMUL per accumulator element a block beside the FMA).
+
+        Hot-loop counts in sm_90a SASS, compiled offline as in the swap kernel's table
+        (``ASYMPD_BENCH_SASS=1 python bench/formats.py``: Triton 3.6 and its ptxas; K 5120,
+        BLOCK_N 128, 4 warps; no spills in any):
+
+        ===========================  ====================  ====================  ==================
+        kernel                       BLOCK_M 16, UNROLL 2  BLOCK_M 32, UNROLL 2  BLOCK_M 16, UNR. 4
+        ===========================  ====================  ====================  ==================
+        swap_ab (bf16, scale after)  299 (4.67 / w), 83 r  341 (5.33 / w), 127 r 534 (4.17 / w)
+        this kernel                  222 (3.47 / w), 77 r  286 (4.47 / w), 125 r 400 (3.12 / w), 80 r
+        ===========================  ====================  ====================  ==================
+
+        (w: weights a thread an iteration, 64 at UNROLL 2; r: registers.) Of the 222: 66 the
+        scaling (32 FMUL for the scale outer product, 32 FFMA into the accumulator, 2 more), ~60 the
+        decode (LOP3, SHF, IMAD.SHL: 6 a packed word), 4 QGMMA.64x16x32 with A from registers (two
+        m64 tiles, two blocks), ~25 the scale vectors' layout conversion through shared memory
+        (4 STS, 8 BAR, LDS), the rest loads and loop. No PRMT, no HMUL2. If issue-bound, 1.35x the
+        bf16 swap kernel at BLOCK_M 16 (1.50x unrolled 4x against its own unroll 4), 1.19x at 32.
+        BLOCK_M 8 is not an FP8 wgmma in Triton 3.6 (it falls back to mma.sync through f16
+        conversions, 491 instructions): correct, but not for the device.
+
+        Prefill-sized M-blocks (8 warps, UNROLL 2, 32 weights a thread): BLOCK_M 64: 266 (126 r),
+        BLOCK_M 128: 395 (246 r, no spills), of which 257 the rescale. The rescale is 2 fp32
+        instructions per accumulator element per 32 K, i.e. 1/64 cycle of an SM's issue against
+        the FP8 MMA's 32 MACs / 4096 a cycle = 1/128: twice the MMA's own time whatever the tile.
+        At BLOCK_M 128: 3160 warp instructions (790 issue cycles) per 1 M MACs (256 tensor
+        cycles), so at best 32 % of the FP8 peak, ~45 % of the measured FP8 GEMM rate the floor
+        uses, with perfect overlap: it cannot reach 50 % of the floor at 16K rows, but it is ~3x
+        the first kernel's 13 %, so it is timed there too (bench/formats.py)."""
+        pid_b = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        e = tl.load(block_expert_ptr + pid_b)
+        if e >= N_EXPERTS:
+            return
+        row0 = tl.load(block_row0_ptr + pid_b)
+        row1 = tl.load(block_row1_ptr + pid_b)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row1
+        # rows past the block read a real row (no masks in the loop); their columns are never stored
+        if GATHER:
+            src = tl.load(a_rows_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        else:
+            src = tl.minimum(rows, row1 - 1).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        e64 = e.to(tl.int64)
+        kk = tl.arange(0, 16)
+        w_ptrs = w_ptr + e64 * s_we + cols.to(tl.int64)[:, None] * s_wn + kk[None, :]
+        s_ptrs = s_ptr + e64 * s_se + cols.to(tl.int64) * s_sn
+        a_ptrs = a_ptr + src[:, None] * s_am + tl.arange(0, 32)[None, :]
+        as_ptrs = as_ptr + src * s_asm
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        kb_lo = tl.program_id(2) * KB_PER_SPLIT
+        uu = tl.arange(0, UNROLL)
+        for kb0 in range(0, KB_PER_SPLIT, UNROLL):  # splits divide K exactly (see the wrapper): no masks
+            kbs = kb_lo + kb0 + uu
+            # the step's scales in one load each; 2^6 undoes the decode's 2^-6 (exact)
+            ws_step = _ue8m0(tl.load(s_ptrs[:, None] + kbs[None, :], mask=cmask[:, None], other=0)) * 64.0
+            as_step = tl.load(as_ptrs[:, None] + kbs[None, :])
+            for u in tl.static_range(UNROLL):
+                kb = kb_lo + kb0 + u
+                if EVEN_N:
+                    p = tl.load(w_ptrs + kb * 16)
+                else:
+                    p = tl.load(w_ptrs + kb * 16, mask=cmask[:, None], other=0)
+                ws = tl.sum(tl.where(uu[None, :] == u, ws_step, 0.0), axis=1)  # column u, exact
+                sa = tl.sum(tl.where(uu[None, :] == u, as_step, 0.0), axis=1)
+                a_k = tl.load(a_ptrs + kb * 32)
+                lo, hi = _fp4_e4m3(p, ASM)
+                w = tl.join(lo, hi).permute(0, 2, 1).reshape(BLOCK_N, 32)  # column 16h + j = element 16h + j
+                t = tl.dot(w, tl.trans(a_k))
+                acc += t * (ws[:, None] * sa[None, :])
+        y_ptr += tl.program_id(2) * s_ys
+        out = y_ptr + rows.to(tl.int64)[None, :] * s_ym + cols[:, None]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rmask[None, :] & cmask[:, None])
+
+
+# process-wide overrides of ``mxfp4_moe_gemm``'s config defaults (e.g. ``{"fp8": True}``): how a
+# test or a benchmark runs the whole model on one kernel variant; empty in the product
+MOE_DEFAULTS: dict = {}
+
 
 def _block_m(rows_per_group: float) -> int:
     for bm in (16, 32, 64):
@@ -540,6 +719,28 @@ def moe_blocks(
     return order, block_expert, row0.to(torch.int32), row1.to(torch.int32)
 
 
+def fp8_codes32(a: torch.Tensor, kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations -> (e4m3 codes [*, K], fp32 power-of-two scales [*, K/32]): the reference's
+    per-32 FP8 quantization (``quant.fp8_qdq``) stopped before the dequantize, for the FP8 kernel.
+    On activations that already went through ``fp8_qdq`` (what the MoE feeds) it is exact:
+    ``codes * scale`` gives back ``a`` bit for bit, since re-quantizing a quantized block picks a
+    scale no larger than the first, under which every value is still an e4m3 code. On CUDA (or
+    with ``kernel``, how the CPU suite checks it) one Triton kernel; torch ops otherwise."""
+    if a.is_cuda or kernel:
+        x = a.contiguous()
+        codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        s = torch.empty(*x.shape[:-1], x.size(-1) // 32, dtype=torch.float32, device=x.device)
+        n_blocks = s.numel()
+        _fp8_codes32_kernel[(triton.cdiv(n_blocks, 64),)](x, codes, s, n_blocks, BLOCKS=64)
+        return codes, s
+    from asympd.model.quant import FP8_MAX, pow2_scale
+
+    g = a.float().unflatten(-1, (-1, 32))
+    s = pow2_scale(g.abs().amax(-1).clamp_min(1e-4), FP8_MAX)
+    codes = (g / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.flatten(-2), s
+
+
 def mxfp4_moe_gemm(
     a: torch.Tensor,
     weight: torch.Tensor,
@@ -560,8 +761,11 @@ def mxfp4_moe_gemm(
     ``lut`` (the PRMT decode; default on CUDA in bf16), ``lut_pairs`` (its shorter form, which the
     transposed kernel always uses; default off); ``swap_ab`` (the transposed decode-regime
     kernel, default on CUDA in bf16 for M-blocks of <= 32 rows) with ``scale_after`` (default
-    ``block_m <= 16``); its ``unroll`` must divide K/32 and its ``split`` is rounded down to a
-    divisor of the unrolled steps.
+    ``block_m <= 16``); ``fp8`` (the same transposed tile on FP8 tensor cores,
+    ``_mxfp4_moe_fp8_kernel``: the activations re-quantized to their e4m3 codes, exact; default
+    off until measured); the transposed kernels' ``unroll`` must divide K/32 and their ``split``
+    is rounded down to a divisor of the unrolled steps. ``MOE_DEFAULTS`` (module level) overrides
+    the defaults process-wide (tests and benchmarks run the model on one variant with it).
     Returns [rows, N] in a's dtype."""
     n_experts, n, half_k = weight.shape
     k = half_k * 2
@@ -573,7 +777,7 @@ def mxfp4_moe_gemm(
         a = a.contiguous()
     s = scale.view(torch.uint8)
     block_expert, row0, row1 = blocks
-    cfg = config or {}
+    cfg = {**MOE_DEFAULTS, **(config or {})}
     bn = cfg.get("block_n", 128)  # the sweep's best at 16, 512 and 16384 rows (formats_sweep.json)
     n_blocks = triton.cdiv(n, bn)
     n_kb = k // 32
@@ -581,10 +785,11 @@ def mxfp4_moe_gemm(
     # the transposed kernel measured 1.11-1.18x the other from 16 to 2048 rows on the H200
     # (bench/results/formats_moe_variants.json); larger M-blocks (prefill chunks) keep the other
     swap_ab = cfg.get("swap_ab", a.is_cuda and a.dtype == torch.bfloat16 and block_m <= 32)
+    fp8 = cfg.get("fp8", False)  # FP8 tensor cores (docs/moe_fp8.md); off until the device measures it
     # few rows (decode): split K so the few experts' weights stream through every SM
     busy = (min(n_experts, rows) + triton.cdiv(rows, block_m)) * n_blocks
     split = cfg.get("split", max(1, min(n_kb // (8 * unroll), (4 * _sms(a.device)) // max(1, busy))))
-    if swap_ab:  # whole splits of whole unrolled steps, so its loop needs no masks
+    if swap_ab or fp8:  # whole splits of whole unrolled steps, so its loop needs no masks
         if n_kb % unroll:
             raise ValueError(f"mxfp4_moe_gemm: unroll {unroll} does not divide the {n_kb} scale blocks of K")
         split = max(d for d in range(1, min(split, n_kb // unroll) + 1) if (n_kb // unroll) % d == 0)
@@ -597,7 +802,28 @@ def mxfp4_moe_gemm(
     lut = cfg.get("lut", a.is_cuda and a.dtype == torch.bfloat16)
     common = dict(K=k, KB_PER_SPLIT=kb_per_split, UNROLL=unroll, N_EXPERTS=n_experts, GATHER=a_rows is not None)
     common.update(DOT_F32=_dot_f32(a), LUT=lut, BLOCK_M=block_m, BLOCK_N=bn)
-    if swap_ab:
+    if fp8:
+        codes, a_scale = fp8_codes32(a)
+        _mxfp4_moe_fp8_kernel[grid](
+            codes,
+            a_scale,
+            *args[1:9],
+            codes.stride(0),
+            a_scale.stride(0),
+            *args[10:],
+            K=k,
+            KB_PER_SPLIT=kb_per_split,
+            UNROLL=unroll,
+            N_EXPERTS=n_experts,
+            GATHER=a_rows is not None,
+            EVEN_N=n % bn == 0,
+            ASM=a.is_cuda,
+            BLOCK_M=block_m,
+            BLOCK_N=bn,
+            num_warps=cfg.get("num_warps", 4 if block_m <= 32 else 8),  # 8: the [128, BM] accumulator
+            num_stages=cfg.get("num_stages", 3) if a.is_cuda else 1,
+        )
+    elif swap_ab:
         _mxfp4_moe_swap_kernel[grid](
             *args,
             **common,

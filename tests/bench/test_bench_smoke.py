@@ -43,3 +43,28 @@ def test_engine_steps_smoke(tmp_path):
     assert [(c["requests"], c["rows"]) for c in unmixed] == [(0, 16), (0, 64)]
     assert all(c["decode_after_step_ms"] > 0 for c in unmixed)
     assert [p["case"] for p in r["per_sequence_path"]] == ["decode B=2 k=0", "decode B=4 k=0"]
+
+
+def test_formats_moe_variants_smoke(tmp_path):
+    """bench/formats.py's MoE-variants mode (what the device runs for the FP8 expert GEMM) on CPU:
+    every variant at every row count, bf16 beside them, only the default and the FP8 kernel above
+    2048 rows, and the FP8 accumulation check (exact in fp32 here: the interpreter's FP8 dot)."""
+    env = {**os.environ, "ASYMPD_OUT": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env["ASYMPD_BENCH_MOE_VARIANTS"] = "1"
+    subprocess.run([sys.executable, "bench/formats.py", "--smoke"], cwd=ROOT, env=env, check=True, timeout=600)
+    r = json.loads((tmp_path / "formats_moe_variants_smoke.json").read_text())
+    acc = r["fp8_accumulation"]
+    assert acc["k"] == 128 and all(acc[v]["max_err_over_magnitude"] < 1e-6 for v in ("current", "fp8"))
+    rows = r["moe_variants"]
+    assert [x["rows"] for x in rows] == [1, 64, 2500] and [x["block_m"] for x in rows] == [16, 16, 128]
+    every = ("current", "current_lut_pairs", "swap_ab", "swap_ab_unroll4", "fp8", "fp8_unroll4")
+    for x in rows:
+        assert x["bf16"]["moe_graph_ms"] > 0
+        small = x["rows"] <= 2048
+        assert {v for v in every if v in x} == (set(every) if small else {"current", "fp8"})
+        for v in ("current", "current_lut_pairs", "swap_ab", "fp8") if small else ("current", "fp8"):
+            assert "error" not in x[v], x[v]
+            # the same function up to summation order (fp32 dots on CPU) as the current kernel
+            assert x[v]["rel_err_vs_current"] < 1e-2 and x[v]["speedup_vs_bf16"] > 0
+        for v in ("swap_ab_unroll4", "fp8_unroll4") if small else ():  # the tiny w2 has 2 scale blocks of K
+            assert "unroll 4 does not divide the 2 scale blocks" in x[v]["error"]

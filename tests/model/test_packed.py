@@ -72,9 +72,10 @@ def test_fp8_tile_linear_quantizes_its_input_like_the_reference():
     assert torch.equal(lin.dequantized(), wd)
 
 
-def _moe_problem(rows: int, n: int, block_m: int, seed: int):
+def _moe_problem(rows: int, n: int, block_m: int, seed: int, magnitude: bool = False):
     """Five experts of very different magnitudes, top-2 routing; returns the GEMM's operands and
-    the float64 reference of every sorted row."""
+    the float64 reference of every sorted row (``magnitude``: of |a| @ |W|^T, the sum of the
+    terms' magnitudes, instead)."""
     g = torch.Generator().manual_seed(seed)
     n_exp, k, topk = 5, 256, 2
     packed, scales = zip(*(quant_fp4(torch.randn(n, k, generator=g) * 10.0**e) for e in range(-2, 3)), strict=True)
@@ -88,6 +89,8 @@ def _moe_problem(rows: int, n: int, block_m: int, seed: int):
     order, *blocks = gemm.moe_blocks(flat, n_exp, block_m)
     assert torch.equal(flat[order], flat.sort(stable=True).values)
     token = order // topk
+    if magnitude:
+        x, wd = x.abs(), wd.abs()
     ref = torch.stack([x[token[i]].double() @ wd[flat[order[i]]].double().t() for i in range(flat.numel())])
     return x, w, sc, blocks, token, ref
 
@@ -137,10 +140,11 @@ def test_mxfp4_moe_swap_ab_rejects_an_unroll_that_does_not_divide_k():
         gemm.mxfp4_moe_gemm(x, w, sc, blocks, token.numel(), 16, a_rows=token, config={"swap_ab": True, "unroll": 3})
 
 
-def _run_ptx(asm: str, word: int) -> list[int]:
-    """Evaluate a straight-line PTX decode (mov/and/or/shl/shr/prmt on .b32) for one packed input
-    word in $4; returns $0..$3. The CPU cannot run the inline assembly, so this checks its logic."""
-    regs: dict[str, int] = {"$4": word}
+def _run_ptx(asm: str, word: int, inp: str = "$4") -> list[int]:
+    """Evaluate a straight-line PTX decode (mov/and/or/shl/shr/prmt/lop3 on .b32) for one packed input
+    word in ``inp`` ($4; $2 for the two-output FP8 decode); returns $0..$3 (or $0, $1). The CPU
+    cannot run the inline assembly, so this checks its logic."""
+    regs: dict[str, int] = {inp: word}
     for stmt in asm.strip().strip("{}").split(";"):
         stmt = stmt.strip()
         if not stmt or stmt.startswith(".reg"):
@@ -159,6 +163,9 @@ def _run_ptx(asm: str, word: int) -> list[int]:
             out = (v[0] << v[1]) & 0xFFFFFFFF
         elif name == "shr":
             out = v[0] >> v[1]
+        elif name == "lop3":  # bit i of the result: bit (a_i << 2 | b_i << 1 | c_i) of the table
+            idx = [(v[0] >> i & 1) << 2 | (v[1] >> i & 1) << 1 | (v[2] >> i & 1) for i in range(32)]
+            out = sum((v[3] >> j & 1) << i for i, j in enumerate(idx))
         elif name == "prmt":  # bytes {b, a}; per selector nibble: 3 bits pick a byte, bit 3 replicates its sign
             pool, out = v[0] | v[1] << 32, 0
             for i in range(4):
@@ -168,7 +175,7 @@ def _run_ptx(asm: str, word: int) -> list[int]:
         else:
             raise AssertionError(f"unexpected PTX: {stmt}")
         regs[dst] = out
-    return [regs[f"${i}"] for i in range(4)]
+    return [regs[f"${i}"] for i in range(int(inp[1:]))]
 
 
 @pytest.mark.parametrize("name", ["_FP4_LUT_ASM", "_FP4_LUT_PAIRS_ASM"])
@@ -187,6 +194,98 @@ def test_fp4_table_decodes_give_every_e2m1_value_in_bf16(name):
         hi = [bits[x >> 4] for x in byte]
         want = [lo[0] | lo[1] << 16, lo[2] | lo[3] << 16, hi[0] | hi[1] << 16, hi[2] | hi[3] << 16]
         assert _run_ptx(asm, word) == want, (name, byte)
+
+
+def test_lop3_emulation_follows_ptx_truth_tables():
+    """The emulator's LOP3 against the function the table 0xE4 names, (a & c) | (b & ~c)."""
+    a, b, c = 0x12345678, 0x9ABCDEF0, 0x1C1C1C1C
+    asm = f"{{ lop3.b32 $0, $1, {b}, {c}, 0xE4; }}"
+    assert _run_ptx(asm, a, inp="$1") == [(a & c) | (b & ~c & 0xFFFFFFFF)]
+
+
+def test_fp4_e4m3_decode_gives_every_e2m1_value_times_2_pow_minus_6():
+    """e2m1's magnitude bits at e4m3's bits [4:2] and its sign at bit 7 read, as e4m3, the e2m1
+    value times 2^-6 for all 16 codes (0.5, e2m1's subnormal, included); and the inline PTX of
+    the FP8 kernel (CUDA only) produces those bytes for every byte value at every byte position:
+    $0 = the four low nibbles' codes (bytes 0..3), $1 = the high nibbles'."""
+    from asympd.model.quant import FP4_TABLE
+
+    codes = torch.tensor([((c & 7) << 2) | ((c & 8) << 4) for c in range(16)], dtype=torch.uint8)
+    assert torch.equal(codes.view(torch.float8_e4m3fn).float(), FP4_TABLE * 2.0**-6)
+    asm = gemm._FP4_E4M3_ASM.value
+    for b in range(256):
+        byte = [b, (7 * b + 1) % 256, (13 * b + 5) % 256, (29 * b + 11) % 256]  # each value at each position
+        word = byte[0] | byte[1] << 8 | byte[2] << 16 | byte[3] << 24
+        want = [sum(int(codes[x >> 4 * h & 15]) << 8 * i for i, x in enumerate(byte)) for h in (0, 1)]
+        assert _run_ptx(asm, word, inp="$2") == want, byte
+
+
+def test_fp8_codes32_is_exact_on_quantized_activations():
+    """Re-quantizing the reference's quantize-dequantized activations gives codes whose product
+    with the scales is the input bit for bit (fp32 and bf16), including blocks whose amax rounded
+    up to the next power of two (449 -> 448 x 2 -> scale 1 on the second pass) and tiny blocks."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(6, 256, generator=g) * torch.logspace(-6, 3, 6).unsqueeze(1)
+    x[0, :32] = torch.linspace(-449.0, 449.0, 32)
+    x[1, 32:64] = 1e-9
+    for dt in (torch.float32, torch.bfloat16):
+        xq = fp8_qdq(x.to(dt), 32).to(DEVICE)
+        codes, s = gemm.fp8_codes32(xq)
+        assert codes.dtype == torch.float8_e4m3fn and codes.shape == xq.shape and s.shape == (6, 8)
+        back = (codes.float().unflatten(-1, (-1, 32)) * s.unsqueeze(-1)).flatten(-2)
+        assert torch.equal(back.to(dt), xq) and torch.equal(back, xq.float())
+        assert torch.equal(torch.log2(s), torch.log2(s).round())  # powers of two
+        # the Triton kernel (what CUDA runs) gives the same codes and scales; on raw input too on
+        # CUDA (the interpreter's fp32 -> e4m3 cast does not round across a binade: 1.95 -> 1.0)
+        for inp in (xq, x.to(dt).to(DEVICE)) if DEVICE == "cuda" else (xq,):
+            c_ref, s_ref = gemm.fp8_codes32(inp.cpu())
+            c_k, s_k = gemm.fp8_codes32(inp, kernel=True)
+            assert torch.equal(c_k.cpu().view(torch.uint8), c_ref.view(torch.uint8)) and torch.equal(s_k.cpu(), s_ref)
+
+
+@pytest.mark.parametrize(
+    "rows,n,block_m,config",
+    [
+        (1, 96, 16, {}),  # one row; a partial column block (masked weight loads)
+        (13, 128, 16, {"split": 2}),  # split K, whole column blocks
+        (50, 96, 32, {"unroll": 4}),
+        (13, 128, 32, {"unroll": 1, "split": 3, "block_n": 64}),  # 3 splits of 8 blocks -> 2 of 4
+    ],
+)
+def test_mxfp4_moe_fp8_equals_the_reference(rows, n, block_m, config):
+    """The FP8 tensor-core kernel against the float64 GEMM on the dequantized weights, gathered
+    and not. On CPU (the interpreter's FP8 dot is exact in fp32) to 1e-6 like the others. On CUDA
+    the FP8 wgmma adds one K = 32 block's products with less than fp32's precision inside the
+    instruction (Hopper keeps ~14 bits after aligning to the largest term): every output within
+    2^-8 of the sum of its terms' magnitudes (32 terms, each off by at most 2^-13 of the largest),
+    and 1e-3 in norm; a wrong code, sign or scale is off by O(1)."""
+    x, w, sc, blocks, token, ref = _moe_problem(rows, n, block_m, seed=rows + n)
+    _, _, _, _, _, mag = _moe_problem(rows, n, block_m, seed=rows + n, magnitude=True)
+    r, cfg = token.numel(), {"fp8": True, **config}
+    exact = DEVICE == "cpu"
+    for xs, a_rows in ((x, token), (x[token], None)):
+        y = gemm.mxfp4_moe_gemm(xs, w, sc, blocks, r, block_m, a_rows=a_rows, config=cfg)
+        assert y.shape == (r, n) and y.dtype == torch.float32
+        assert rel(y, ref) < (1e-6 if exact else 1e-3)
+        assert ((y.double() - ref).abs() <= (1e-6 if exact else 2**-8) * mag + 1e-30).all()
+        yb = gemm.mxfp4_moe_gemm(xs.bfloat16(), w, sc, blocks, r, block_m, a_rows=a_rows, config=cfg)
+        assert yb.dtype == torch.bfloat16
+        # bf16 output: the fp32 result rounded once (one ulp for the order)
+        assert ((yb.double() - ref).abs() <= 2**-7 * ref.abs() + (0 if exact else 2**-8) * mag).all()
+
+
+def test_moe_defaults_select_the_variant_process_wide(monkeypatch):
+    """``MOE_DEFAULTS`` is how the model runs on one kernel variant: an explicit config still wins."""
+    x, w, sc, blocks, token, ref = _moe_problem(7, 96, 16, seed=2)
+    r = token.numel()
+    calls = []
+    real = gemm.fp8_codes32
+    monkeypatch.setattr(gemm, "fp8_codes32", lambda a: calls.append(a.shape) or real(a))
+    monkeypatch.setattr(gemm, "MOE_DEFAULTS", {"fp8": True})
+    y = gemm.mxfp4_moe_gemm(x, w, sc, blocks, r, 16, a_rows=token)
+    assert calls == [x.shape] and rel(y, ref) < (1e-6 if DEVICE == "cpu" else 1e-3)
+    gemm.mxfp4_moe_gemm(x, w, sc, blocks, r, 16, a_rows=token, config={"fp8": False})
+    assert calls == [x.shape]
 
 
 def test_moe_blocks_cover_every_row_once():
@@ -251,9 +350,16 @@ def test_weights_layout_names():
 
 
 @pytest.mark.parametrize(
-    "mode,weights", [("colocated", "packed"), ("asymmetric", "packed"), ("asymmetric", "packed-experts")]
+    "mode,weights,moe",
+    [
+        ("colocated", "packed", {}),
+        ("asymmetric", "packed", {}),
+        ("asymmetric", "packed-experts", {}),
+        ("asymmetric", "packed-experts", {"fp8": True}),  # the expert GEMMs on FP8 tensor cores
+    ],
+    ids=["colocated-packed", "asymmetric-packed", "asymmetric-packed-experts", "asymmetric-packed-experts-fp8"],
 )
-def test_packed_weights_give_the_reference_tokens(tiny_ckpt, mode, weights):
+def test_packed_weights_give_the_reference_tokens(tiny_ckpt, mode, weights, moe, monkeypatch):
     """Greedy tokens and logprobs in fp32 with packed weights against the same device's dequantized
     weights (on CPU: the reference; on CUDA the rest of the path is the same kernels, so this isolates
     the packing; tests/model/test_cuda.py compares CUDA with the CPU reference). The two sum in
@@ -261,11 +367,13 @@ def test_packed_weights_give_the_reference_tokens(tiny_ckpt, mode, weights):
     whenever it moves a value across an FP8/FP4 quantization step (docs/performance.md §1 measures that
     sensitivity; seen here: one prompt of six whose prefill moves its logprobs by 0.08): so the first
     token of every prompt must match, and at least 5 of the 6 prompts must match in every token and
-    every logprob to 1e-4. A wrong kernel changes nearly all of them."""
+    every logprob to 1e-4. A wrong kernel changes nearly all of them. ``moe``: the expert GEMMs'
+    kernel variant (``gemm_kernels.MOE_DEFAULTS``) for the packed model."""
     prompts = random_prompts([40, 9, 21, 64, 17, 100], seed=3)
     sp = asympd.SamplingParams(max_tokens=5, temperature=0, logprobs=2)
     outs = {}
     for name in ("dequantized", weights):
+        monkeypatch.setattr(gemm, "MOE_DEFAULTS", moe if name == weights else {})
         llm = asympd.LLM(tiny_ckpt, mode=mode, device=DEVICE, dtype=torch.float32, weights=name)
         outs[name] = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
     agree = 0
