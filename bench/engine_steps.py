@@ -407,6 +407,7 @@ def main() -> None:
     ctx = 96 if smoke else 1024
     steps = 3 if smoke else 8
     decode_b = [2, 4] if smoke else [16, 64, 256]
+    name = "engine_steps_smoke" if smoke else "engine_steps"
 
     def add(case: dict[str, Any], specs, logit_rows: int, draft_k: int = 0) -> None:
         iso = time_layers(full, specs, logit_rows, device, reps=3 if smoke else 10, draft_k=draft_k)
@@ -416,6 +417,7 @@ def main() -> None:
         case["forward_over_layers"] = round(case.get("forward_ms", 0.0) / iso["sum_ms"], 3)
         res["cases"].append(case)
         log({k: v for k, v in case.items() if k not in ("step_ms_all",)})
+        record(name, res, started)  # after every case: a run cut short still leaves what it measured
 
     for k in (0, K_SPEC):
         for b in decode_b:
@@ -471,7 +473,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     if device.type == "cuda":
         res["max_allocated_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
-    record("engine_steps_smoke" if smoke else "engine_steps", res, started)
+    record(name, res, started)
 
 
 if __name__ == "__main__":
