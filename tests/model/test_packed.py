@@ -355,9 +355,11 @@ def test_weights_layout_names():
         ("colocated", "packed", {}),
         ("asymmetric", "packed", {}),
         ("asymmetric", "packed-experts", {}),
-        ("asymmetric", "packed-experts", {"fp8": True}),  # the expert GEMMs on FP8 tensor cores
+        # not the opt-in FP8 variant ({"fp8": True}): on the H200 it gave another first token on one
+        # prompt (bench/results/test_packed_fp8_cuda_b118c33.log): FP8 wgmma does not add a 32-K block
+        # in full fp32, and this fp32 check allows summation order only; its GEMM tests bound its error
     ],
-    ids=["colocated-packed", "asymmetric-packed", "asymmetric-packed-experts", "asymmetric-packed-experts-fp8"],
+    ids=["colocated-packed", "asymmetric-packed", "asymmetric-packed-experts"],
 )
 def test_packed_weights_give_the_reference_tokens(tiny_ckpt, mode, weights, moe, monkeypatch):
     """Greedy tokens and logprobs in fp32 with packed weights against the same device's dequantized
