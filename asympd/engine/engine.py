@@ -209,7 +209,7 @@ class LLMEngine:
             )
             if isinstance(self.proposer, DSparkProposer):
                 self.proposer.graphs = DraftGraphs(
-                    self.proposer.drafter, self.cache, max_batch=sc.max_num_seqs, num_drafts=k
+                    self.proposer.drafter, self.cache, max_batch=sc.max_num_seqs, num_drafts=k, seed_rows=1 + k
                 )
             if self.config.cuda_graph_capture == "startup":
                 self.startup_capture = self.capture_graphs()
