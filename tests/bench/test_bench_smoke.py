@@ -58,7 +58,8 @@ def test_engine_host_graphs_smoke(tmp_path):
     # the two timed steps (after the warm-up's) are verify steps of all 8 requests, seeded in the graph
     assert draft["seeded"] >= 2 and draft["markov"] >= 2 and draft["eager"] == 0, draft
     assert decode["replayed"] >= 2, decode
-    for key in ("step_ms", "forward_ms", "draft_ms", "drafter_ms", "other_ms", "draft_host_ms"):
+    keys = ("step_ms", "forward_ms", "draft_ms", "drafter_ms", "other_ms", "draft_host_ms", "draft_body_ms")
+    for key in (*keys, "forward_body_ms", "draft_outside_body_ms", "forward_outside_body_ms"):
         assert r[key] > 0, key
 
 
