@@ -52,8 +52,11 @@ a segment's values, only on the key. Where the host looks while it runs:
 
 The drafter's graphs (``DraftGraphs``) have no segment data on the host at all (slots and
 positions are device inputs), so each padded size is built at start-up from padding requests too;
-they replay the blocks, their head and, for steps of greedy requests, the Markov loop that picks the
-drafts (``DSpark.markov_greedy``): a greedy drafting step is one replay and one copy of the drafts.
+they seed the windows with a verify step's accepted rows (1 + k rows per request, padded, with the
+slots, first positions and counts as device inputs; the host row counts replayed from the log as
+above), replay the blocks, their head and, for steps of greedy requests, the Markov loop that picks
+the drafts (``DSpark.markov_greedy``): a greedy verify step's drafting is one copy of the accepted
+rows, one replay and one copy of the drafts.
 
 Captures are thread-local (``capture_error_mode="thread_local"``): in a server, other threads (the
 prefix transfers) keep using the GPU while the engine's thread captures.

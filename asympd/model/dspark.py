@@ -264,12 +264,12 @@ class DSpark(torch.nn.Module):
         r = getattr(graphs, "seed_rows", 0)
         if not r or not graphs.fits(len(segments)):
             return False
-        cache = graphs.cache
+        cache, paged = graphs.cache, PagedSequenceKV
         return all(
             s.block_start is not None
             and s.main_hidden is not None
-            and 0 < s.main_hidden.size(0) <= r
-            and type(s.kv) is PagedSequenceKV
+            and 0 < s.main_hidden.shape[0] <= r
+            and type(s.kv) is paged
             and s.kv.cache is cache
             for s in segments
         )
@@ -285,9 +285,9 @@ class DSpark(torch.nn.Module):
         draft tokens [n, K] and confidence [n, K]."""
         dev = self.device
         if graphs is not None and segments and self._seeds_in_graph(segments, graphs):
-            hidden = torch.cat([s.main_hidden for s in segments])
+            rows = [s.main_hidden for s in segments]
             tokens_t, positions = self._block_rows(segments)
-            seed = (hidden, [s.main_start for s in segments], [s.main_hidden.size(0) for s in segments])
+            seed = (torch.cat(rows), [s.main_start for s in segments], [h.shape[0] for h in rows])
             return graphs.run(tokens_t, positions, [s.kv.slot for s in segments], seed)
         hidden, starts, counts, m = [], [], [], 0
         for s in segments:
