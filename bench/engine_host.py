@@ -11,12 +11,21 @@ engine_steps.json's step_ms - forward_ms - draft_ms is on the GPU), and drafting
 adds cProfile's top engine-side functions by cumulative time. Not a GPU figure: compare runs of
 this script before and after a change on the same machine.
 
+``--graphs``: the engine takes the CUDA-graph path as on the H200, without capture (the static
+path the CPU suite checks: ``DecodeGraphs`` / ``DraftGraphs(capture=False)``, the drafter's with its
+Markov loop and, where the tree has it, its seeding of the windows): its host work around the
+replays is the H200's; the bodies still run eagerly here, timed apart (``forward_body_ms``,
+``draft_body_ms``: a replay there), so ``draft_outside_body_ms`` / ``forward_outside_body_ms`` are
+what the H200 runs outside its graphs (host work, and eager kernels such as the seeding without
+``seed_rows``). Writes ``engine_host_graphs.json``.
+
 ``--smoke``: B = 8, two steps. Writes ``engine_host.json`` (``engine_host_smoke.json``).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import io
 import os
 import statistics
@@ -39,7 +48,7 @@ if not torch.cuda.is_available():  # the Triton kernels under the interpreter, a
 from bench.common import log, record  # noqa: E402
 
 
-def build(b: int, k: int, ctx: int):
+def build(b: int, k: int, ctx: int, graphs: bool = False):
     from asympd.config import tiny
     from asympd.engine.engine import EngineConfig, LLMEngine
     from asympd.engine.sampling import SamplingParams
@@ -53,6 +62,16 @@ def build(b: int, k: int, ctx: int):
     sc = SchedulerConfig(max_num_seqs=b, max_num_batched_tokens=max(b * ctx, 4096))
     eng = LLMEngine(model, EngineConfig(num_spec_tokens=k, num_blocks=b * ((ctx + 300) // 16 + 3), scheduler=sc))
     eng.config.enable_prefix_caching = False
+    if graphs:  # as the engine builds them on CUDA, static path without capture (tests/engine/test_batched_step.py)
+        from asympd.engine.cuda_graphs import DecodeGraphs, DraftGraphs
+
+        eng.runner.graphs = DecodeGraphs(model, eng.runner.cache, max_batch=b, capture=False, max_rows=1 + k)
+        if k:
+            # seed_rows where the tree has it (this script also times trees from before it)
+            seeds = {"seed_rows": 1 + k} if "seed_rows" in inspect.signature(DraftGraphs).parameters else {}
+            eng.proposer.graphs = DraftGraphs(
+                eng.proposer.drafter, eng.runner.cache, max_batch=b, capture=False, num_drafts=k, **seeds
+            )
     gen = torch.Generator().manual_seed(b)
     params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
     for i in range(b):
@@ -74,11 +93,12 @@ def main() -> None:
         "--ctx", type=int, default=256, help="prompt tokens per request (per-request host work can grow with it)"
     )
     ap.add_argument("--profile", action="store_true", help="cProfile the timed steps; top functions in the JSON")
+    ap.add_argument("--graphs", action="store_true", help="the CUDA-graph path without capture (static buffers)")
     args = ap.parse_args()
     started = time.time()
     b, steps = (8, 2) if args.smoke else (args.requests, args.steps)
     torch.set_num_threads(1)
-    eng = build(b, args.k, ctx=40 if args.smoke else args.ctx)
+    eng = build(b, args.k, ctx=40 if args.smoke else args.ctx, graphs=args.graphs)
     timed = ("forward_ms", "draft_ms", "drafter_ms", "schedule_ms", "sample_ms", "apply_ms")
     parts: dict[str, list[float]] = {key: [] for key in ("step_ms", *timed)}
     acc: dict[str, float] = {}
@@ -100,6 +120,13 @@ def main() -> None:
     wrap(eng.scheduler, "schedule", "schedule_ms")
     wrap(eng, "_draw", "sample_ms")  # sampling and verification of the whole step
     wrap(eng, "_apply", "apply_ms")  # per request: accepted tokens, stop checks, outputs
+    if args.graphs:  # the static bodies (a replay on the H200): what is outside them is host work there
+        timed += ("forward_body_ms", "draft_body_ms")
+        parts.update(forward_body_ms=[], draft_body_ms=[])
+        for st in eng.runner.graphs.graphs.values():
+            wrap(st, "run", "forward_body_ms")
+        for st in eng.proposer.graphs.graphs.values() if eng.proposer is not None else ():
+            wrap(st, "run", "draft_body_ms")
     prof = cProfile.Profile() if args.profile else None
     for _ in range(steps):
         acc.clear()
@@ -116,6 +143,9 @@ def main() -> None:
         parts.setdefault("other_ms", []).append(parts["step_ms"][-1] - acc["forward_ms"] - acc["draft_ms"])
         # drafting's host work around DSpark.draft: building the draft requests, reading the proposals
         parts.setdefault("draft_host_ms", []).append(acc["draft_ms"] - acc["drafter_ms"])
+        if args.graphs:  # around the replays: on the H200, host work and eager kernels (seeding, before seed_rows)
+            parts.setdefault("forward_outside_body_ms", []).append(acc["forward_ms"] - acc.get("forward_body_ms", 0))
+            parts.setdefault("draft_outside_body_ms", []).append(acc["draft_ms"] - acc.get("draft_body_ms", 0))
     med = {key: round(statistics.median(v), 2) for key, v in parts.items()}
     res: dict[str, Any] = {
         "note": "CPU benchmark of the engine's host overhead (tiny config); not a GPU figure",
@@ -127,7 +157,12 @@ def main() -> None:
         **med,
         "step_ms_all": [round(x, 2) for x in parts["step_ms"]],
         "running": sum(1 for r in eng.requests.values() if r.output_token_ids),
+        "graphs": args.graphs,
     }
+    if args.graphs:
+        res["decode_graph_stats"] = dict(eng.runner.graphs.stats)
+        if eng.proposer is not None:
+            res["draft_graph_stats"] = dict(eng.proposer.graphs.stats)
     if prof:
         s = io.StringIO()
         engine_side = r"asympd/(engine|kv)|transformer.py|dspark.py"  # the engine's own Python, not the ops
@@ -135,7 +170,8 @@ def main() -> None:
         res["profile_top"] = s.getvalue().splitlines()[:80]
         print(s.getvalue())
     log({k: v for k, v in res.items() if k != "profile_top"})
-    record("engine_host_smoke" if args.smoke else "engine_host", res, started)
+    name = "engine_host" + ("_graphs" if args.graphs else "")
+    record(name + "_smoke" if args.smoke else name, res, started)
 
 
 if __name__ == "__main__":

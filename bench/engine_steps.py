@@ -263,6 +263,9 @@ def decode_case(
     out.update(median_parts(rows))
     graphs = eng.runner.graphs
     out["cuda_graphs"] = None if graphs is None else dict(graphs.stats, shapes=len(graphs.graphs))
+    drafts = getattr(eng.proposer, "graphs", None)  # seeded: drafting steps whose windows the graph seeded
+    if drafts is not None:
+        out["draft_graphs"] = dict(drafts.stats, seed_rows=getattr(drafts, "seed_rows", 0))
     out["step_ms_all"] = [round(r["step_ms"], 2) for r in rows]
     del eng
     gc.collect()

@@ -52,8 +52,11 @@ a segment's values, only on the key. Where the host looks while it runs:
 
 The drafter's graphs (``DraftGraphs``) have no segment data on the host at all (slots and
 positions are device inputs), so each padded size is built at start-up from padding requests too;
-they replay the blocks, their head and, for steps of greedy requests, the Markov loop that picks the
-drafts (``DSpark.markov_greedy``): a greedy drafting step is one replay and one copy of the drafts.
+they seed the windows with a verify step's accepted rows (1 + k rows per request, padded, with the
+slots, first positions and counts as device inputs; the host row counts replayed from the log as
+above), replay the blocks, their head and, for steps of greedy requests, the Markov loop that picks
+the drafts (``DSpark.markov_greedy``): a greedy verify step's drafting is one copy of the accepted
+rows, one replay and one copy of the drafts.
 
 Captures are thread-local (``capture_error_mode="thread_local"``): in a server, other threads (the
 prefix transfers) keep using the GPU while the engine's thread captures.
@@ -73,6 +76,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from asympd.kv.batch import BatchSegment, PagedBatch, mirror_rows
@@ -394,6 +398,12 @@ class _StaticDraft:
     run: Any
     graph: torch.cuda.CUDAGraph | None = None
     outputs: tuple[torch.Tensor, ...] | None = None
+    # seeding in the graph (``seed_rows`` = R): each request's accepted rows at rows [i R, i R + count)
+    # of ``hidden``, from ``seed_meta`` = (slot, first position, count) per request (the scratch slot
+    # and 0 rows for padding requests and for steps seeded eagerly); ``seed_batch`` appends them
+    hidden: torch.Tensor | None = None
+    seed_meta: torch.Tensor | None = None
+    seed_batch: PagedBatch | None = None
 
 
 class DraftGraphs:
@@ -402,10 +412,13 @@ class DraftGraphs:
     greedy Markov loop of K drafts (``DSpark.markov_greedy``: per draft one bias GEMM and one argmax,
     no host work), whose tokens and confidence a step of greedy requests takes as they are (a request
     wanting fewer drafts keeps a prefix: each draft depends only on the ones before it); a step with
-    sampled requests runs the loop eagerly on the graph's base logits instead. Seeding the windows
-    with each request's accepted rows (a varying number per request) runs eagerly. The blocks only
-    read the cache (windows by position), so padding requests just read the scratch slot.
-    ``capture=False``: the static path without graphs (CPU tests)."""
+    sampled requests runs the loop eagerly on the graph's base logits instead. With ``seed_rows`` =
+    R > 0 the graph first seeds the windows with each request's accepted rows (1 to R of them: a
+    verify step's 1 + k rows padded to R, the rows past a request's count computed and never
+    written; ``DSpark.seed_static``), so a verify step's drafting is one replay; steps whose seeding
+    does not fit (prompt chunks, seed-only requests) seed eagerly and the graph's seeding writes only
+    the scratch slot. The blocks only read the cache (windows by position), so padding requests just
+    read the scratch slot. ``capture=False``: the static path without graphs (CPU tests)."""
 
     def __init__(
         self,
@@ -415,24 +428,40 @@ class DraftGraphs:
         max_batch: int = BATCH_SIZES[-1],
         capture: bool = True,
         num_drafts: int = 0,
+        seed_rows: int = 0,
     ):
         _check_cache(cache, capture)
         self.drafter, self.cache, self.capture = drafter, cache, capture
-        self.num_drafts = num_drafts
+        self.num_drafts, self.seed_rows = num_drafts, seed_rows
         self.sizes = _sizes(max_batch)
         self.graphs: dict[int, _StaticDraft] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         # markov: drafting steps whose drafts came from the graph's greedy Markov loop
-        self.stats = {"captured": 0, "replayed": 0, "first": 0, "eager": 0, "startup": 0, "markov": 0}
+        # seeded: drafting steps whose windows the graph seeded
+        self.stats = {"captured": 0, "replayed": 0, "first": 0, "eager": 0, "startup": 0, "markov": 0, "seeded": 0}
 
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: list[int]) -> tuple[torch.Tensor, ...] | None:
+    def fits(self, n: int) -> bool:
+        """Whether a step of ``n`` drafting requests replays (else it runs eagerly)."""
+        return n <= self.sizes[-1]
+
+    def run(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: list[int],
+        seed: tuple[torch.Tensor, list[int], list[int]] | None = None,
+    ) -> tuple[torch.Tensor, ...] | None:
         """(x, logits) of the real rows (views of the static outputs), plus (greedy draft tokens [n, K],
         confidence [n, K]) with ``num_drafts`` = K > 0 (the logits then of each block's first K rows
-        only); or None: run it eagerly."""
+        only); or None: run it eagerly. ``seed``: (every request's accepted rows [M, n_targets * dim]
+        in request order, their first positions, their counts (1..R each)): the graph seeds the
+        windows with them first (``seed_rows`` = R); without it the caller seeded them already."""
         n = len(slots)
-        if n > self.sizes[-1]:
+        if not self.fits(n):
             self.stats["eager"] += 1
             return None
+        if seed is not None and not self.seed_rows:
+            raise ValueError("this drafter's graphs do not seed the windows (seed_rows=0)")
         b = self.drafter.block_size
         n_pad = self.sizes[bisect.bisect_left(self.sizes, n)]
         st = self.graphs.get(n_pad)
@@ -441,7 +470,26 @@ class DraftGraphs:
             st = self.graphs[n_pad] = self._build(n_pad)
         st.tokens[: n * b].copy_(tokens, non_blocking=True)
         st.positions[: n * b].copy_(positions, non_blocking=True)
-        st.slots[:n].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
+        scratch = self.cache.scratch_slot
+        padded = slots + [scratch] * (n_pad - n)
+        if st.seed_meta is None:
+            st.slots.copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)
+        else:
+            seed_slots, starts, counts = (slots, *seed[1:]) if seed is not None else ([], [], [])
+            pad = n_pad - len(seed_slots)
+            meta = [padded, seed_slots + [scratch] * pad, starts + [0] * pad, counts + [0] * pad]
+            st.slots.copy_(torch.tensor(meta[0], dtype=torch.long), non_blocking=True)
+            st.seed_meta.copy_(torch.tensor(meta[1:], dtype=torch.long), non_blocking=True)
+            if seed is not None:
+                hidden, counts_np = seed[0], np.asarray(counts, dtype=np.int64)
+                # request i's rows go to rows [i R, i R + count_i) of the static buffer
+                first_row = np.repeat(np.arange(n, dtype=np.int64) * self.seed_rows, counts_np)
+                within = np.arange(hidden.size(0), dtype=np.int64) - np.repeat(
+                    np.cumsum(counts_np) - counts_np, counts_np
+                )
+                idx = torch.from_numpy(first_row + within).to(self.cache.device, non_blocking=True)
+                st.hidden.index_copy_(0, idx, hidden.to(device=st.hidden.device, dtype=st.hidden.dtype))
+                self.stats["seeded"] += 1
         if first or not self.capture:
             outputs = _side_stream_run(st.run, self.cache.device) if self.capture else st.run()
             self.stats["first" if first else "replayed"] += 1
@@ -453,6 +501,12 @@ class DraftGraphs:
             self._capture(st)
             # this call's outputs (made on the side stream): copies on the current one
             outputs = tuple(t.clone() for t in outputs)
+        if seed is not None:  # the host row counts of the windows, with this step's values
+            h_slot, h_start, h_rows = (np.asarray(v, dtype=np.int64) for v in (slots, seed[1], seed[2]))
+            for rows_obj, s0, s1, taken in st.seed_batch.mirror_log:
+                s1 = min(s1, n)
+                if s0 < s1:
+                    mirror_rows(rows_obj, h_slot[s0:s1], h_start[s0:s1], h_rows[s0:s1], taken)
         x, logits, *markov = outputs
         per = self.num_drafts or b  # logits rows per request
         return (x[: n * b], logits[: n * per], *(t[:n] for t in markov))
@@ -485,8 +539,24 @@ class DraftGraphs:
             None,
         )
         batch = DraftBatch([], None, None, slots=st.slots, cache=self.cache, block_pos=st.positions)
+        view = None
+        if self.seed_rows:
+            r, drafter = self.seed_rows, self.drafter
+            st.hidden = torch.zeros(n_pad * r, drafter.main_proj.weight.size(1), dtype=drafter.dtype, device=dev)
+            st.seed_meta = torch.zeros(3, n_pad, dtype=torch.long, device=dev)
+            st.seed_meta[0] = self.cache.scratch_slot
+            # the layout (R rows per request) from padding segments; slot, start and rows are the
+            # static inputs, so the appends read the step's (BatchRows.seg), the host none of them
+            pad = BatchSegment([self.cache.scratch_block], self.cache.scratch_slot, 0, r)
+            st.seed_batch = PagedBatch(self.cache, [pad] * n_pad)
+            st.seed_batch.slot, st.seed_batch.start, st.seed_batch.rows = st.seed_meta.unbind(0)
+            st.seed_batch.mirror_log = []
+            view = st.seed_batch.rows_view(0, n_pad, decoder=False)
 
         def body() -> tuple[torch.Tensor, ...]:
+            if view is not None:
+                st.seed_batch.mirror_log.clear()  # the appends log their host updates (applied per step)
+                self.drafter.seed_static(st.hidden, st.seed_batch.start, self.seed_rows, view)
             # the head on the rows drafts come from only (all of them without num_drafts)
             x, logits = self.drafter.blocks_forward(st.tokens, batch, self.num_drafts or None)
             if not self.num_drafts:

@@ -209,7 +209,7 @@ class LLMEngine:
             )
             if isinstance(self.proposer, DSparkProposer):
                 self.proposer.graphs = DraftGraphs(
-                    self.proposer.drafter, self.cache, max_batch=sc.max_num_seqs, num_drafts=k
+                    self.proposer.drafter, self.cache, max_batch=sc.max_num_seqs, num_drafts=k, seed_rows=1 + k
                 )
             if self.config.cuda_graph_capture == "startup":
                 self.startup_capture = self.capture_graphs()
@@ -630,31 +630,23 @@ class LLMEngine:
         then draft for every request that decodes next step."""
         w = self.cfg.window_size
         items = []
+        running, live, view = Status.RUNNING, self.requests, self.runner.view  # per request: no lookups
         for sc, hid in zip(chunks, hidden, strict=True):
             req = sc.request
-            if req.status is not Status.RUNNING or hid is None or req.request_id not in self.requests:
+            if req.status is not running or hid is None or req.request_id not in live:
                 continue
-            hi = sc.hi if sc.phase is not None else req.num_tokens - 1
+            newest = req.num_tokens - 1
+            hi = sc.hi if sc.phase is not None else newest
             lo = max(sc.lo, hi - w)  # only the last W rows can reach a draft query
             k = 0 if req.in_prompt else self._num_drafts(req)
-            items.append(
-                DraftRequest(
-                    self.runner.view(req),
-                    hid[lo - sc.lo : hi - sc.lo],
-                    lo,
-                    req.num_tokens - 1,
-                    req.last_token,
-                    k,
-                    req.params,
-                    req.generator,
-                    req,
-                )
-            )
+            # every computed row kept (a verify step's drafts all accepted): the rows as they are
+            rows = hid if lo == sc.lo and hi - lo == hid.shape[0] else hid[lo - sc.lo : hi - sc.lo]
+            items.append(DraftRequest(view(req), rows, lo, newest, req.last_token, k, req.params, req.generator, req))
         if not items:
             return
         for item, prop in zip(items, self.proposer(items), strict=True):
-            item.request.spec_draft = list(prop.tokens)
-            item.request.spec_draft_probs = prop.probs
+            req = item.request
+            req.spec_draft, req.spec_draft_probs = list(prop.tokens), prop.probs
 
     def _finish(self, req: Request, status: Status, new: list[int] | None = None, free: bool = True) -> RequestOutput:
         req.status = status

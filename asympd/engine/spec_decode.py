@@ -80,18 +80,15 @@ class DSparkProposer:
     def __call__(self, items: list[DraftRequest]) -> list[Proposal]:
         from asympd.model.dspark import DraftSegment
 
-        segments = [
-            DraftSegment(
-                it.kv,
-                it.main_hidden,
-                it.main_start,
-                it.block_start if it.num_drafts > 0 else None,
-                it.first_token,
+        segments, drafting, k = [], [], 0
+        for i, it in enumerate(items):  # one pass: the segments, who drafts, the most drafts
+            n = it.num_drafts
+            segments.append(
+                DraftSegment(it.kv, it.main_hidden, it.main_start, it.block_start if n > 0 else None, it.first_token)
             )
-            for it in items
-        ]
-        drafting = [i for i, it in enumerate(items) if it.num_drafts > 0]
-        k = max((items[i].num_drafts for i in drafting), default=0)
+            if n > 0:
+                drafting.append(i)
+                k = max(k, n)
         q_rows: dict[int, list[torch.Tensor]] = {i: [] for i in drafting}
         # the sampled (not greedy) drafting requests, once per pass: positions past a request's drafts drop it
         sampled = [(j, items[i].num_drafts) for j, i in enumerate(drafting) if not items[i].params.greedy]
@@ -117,14 +114,17 @@ class DSparkProposer:
             return proposals
         tokens, confidence = draft.tokens.tolist(), draft.confidence.float().cpu()  # one copy each
         rows = confidence.unbind(0)  # every request's row in one call, not one indexing op each
+        threshold = self.confidence_threshold
         for j, i in enumerate(drafting):
             n = items[i].num_drafts
             conf = rows[j] if n == k else rows[j][:n]
-            if self.confidence_threshold is not None:
-                low = (torch.sigmoid(conf) < self.confidence_threshold).nonzero()
+            if threshold is not None:
+                low = (torch.sigmoid(conf) < threshold).nonzero()
                 n = int(low[0]) if low.numel() else n
-            probs = torch.stack(q_rows[i][:n]) if q_rows[i] and n else None
-            proposals[i] = Proposal(tokens[j][:n], probs, conf[:n])
+                conf = conf[:n]
+            q = q_rows[i]
+            probs = torch.stack(q[:n]) if q and n else None
+            proposals[i] = Proposal(tokens[j] if n == k else tokens[j][:n], probs, conf)
         return proposals
 
 

@@ -16,6 +16,7 @@ assumes the rows at and after a step's first position are contiguous, which appe
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -79,19 +80,25 @@ class PagedBatch:
     def _host_layout(self, segments: Sequence[BatchSegment], width: int | None) -> np.ndarray:
         """Set the host arrays and return the flat int64 layout the device copy holds."""
         n = len(segments)
-        self.h_start = np.array([s.start for s in segments], dtype=np.int64)
-        self.h_rows = np.array([s.rows for s in segments], dtype=np.int64)
-        self.h_slot = np.array([s.slot for s in segments], dtype=np.int64)
-        self.h_wg = np.array([s.write_global for s in segments], dtype=bool)
+        # one pass over the segments' host values, then whole-array numpy (a step has hundreds of
+        # segments, and a graph step lays them out again every step: ``load``)
+        fields = (
+            (s.start, s.rows, s.slot, s.write_global, s.encoder_floor, s.floor, len(s.block_table)) for s in segments
+        )
+        cols = np.fromiter(itertools.chain.from_iterable(fields), np.int64, 7 * n).reshape(n, 7)
+        self.h_start, self.h_rows, self.h_slot = cols[:, 0].copy(), cols[:, 1].copy(), cols[:, 2].copy()
+        self.h_wg = cols[:, 3].astype(bool)
         self.h_lo = np.concatenate([[0], np.cumsum(self.h_rows)]).astype(np.int64)
-        longest = max(1, max(len(s.block_table) for s in segments))
+        lengths = cols[:, 6]
+        longest = max(1, int(lengths.max()))
         if width is not None and width < longest:
             raise ValueError(f"a block table of {longest} blocks does not fit a batch of width {width}")
         self.width = width = width or longest
         table = np.zeros((n, width), dtype=np.int64)
-        for i, s in enumerate(segments):
-            table[i, : len(s.block_table)] = np.asarray(s.block_table, dtype=np.int64)
-        floors = np.array([[s.encoder_floor, s.floor] for s in segments], dtype=np.int64).T
+        # every table's entries at once: row i's first lengths[i] columns, in order
+        filled = np.arange(width) < lengths[:, None]
+        table[filled] = np.fromiter(itertools.chain.from_iterable(s.block_table for s in segments), np.int64)
+        floors = cols[:, 4:6].T
         self.num_rows = total = int(self.h_lo[-1])
         row_seg = np.repeat(np.arange(n, dtype=np.int64), self.h_rows)
         positions = self.h_start[row_seg] + np.arange(total, dtype=np.int64) - self.h_lo[row_seg]

@@ -247,6 +247,33 @@ class DSpark(torch.nn.Module):
         confidence = self.confidence(x.view(n, b, -1)[:, :k], torch.stack(embeds, dim=1))
         return torch.stack(drafts, dim=1), confidence
 
+    def seed_static(self, hidden: torch.Tensor, start: torch.Tensor, rows: int, view: BatchRows) -> None:
+        """Seed the windows from a fixed layout, with no host work (the drafter's graph runs it):
+        request i's accepted rows at rows ``[i rows, i rows + count_i)`` of ``hidden`` (the counts,
+        starts and slots are ``view``'s device metadata; rows past a count are computed and never
+        written). Every op is row-wise and batch-invariant, so each row's window entry has the bits
+        the eager seeding (``forward``) gives it."""
+        pos = (start.unsqueeze(-1) + torch.arange(rows, device=start.device)).flatten()
+        batch = DraftBatch([], self.main_x(hidden), pos, main_batch=view)
+        for block in self.blocks:
+            block.attn.append_main(batch)
+
+    def _seeds_in_graph(self, segments: list[DraftSegment], graphs: Any) -> bool:
+        """Whether ``graphs`` seeds this step's windows: every segment drafts, seeds 1..R rows and is
+        a plain view of the graphs' cache (a verify step's accepted rows)."""
+        r = getattr(graphs, "seed_rows", 0)
+        if not r or not graphs.fits(len(segments)):
+            return False
+        cache, paged = graphs.cache, PagedSequenceKV
+        return all(
+            s.block_start is not None
+            and s.main_hidden is not None
+            and 0 < s.main_hidden.shape[0] <= r
+            and type(s.kv) is paged
+            and s.kv.cache is cache
+            for s in segments
+        )
+
     @torch.inference_mode()
     def forward(self, segments: list[DraftSegment], graphs: Any = None) -> tuple[torch.Tensor, ...] | None:
         """Seed every segment's windows with its main rows, then run the blocks of the drafting ones.
@@ -257,6 +284,11 @@ class DSpark(torch.nn.Module):
         greedy Markov loop (``markov_greedy``) where it has one: then two more outputs, its greedy
         draft tokens [n, K] and confidence [n, K]."""
         dev = self.device
+        if graphs is not None and segments and self._seeds_in_graph(segments, graphs):
+            rows = [s.main_hidden for s in segments]
+            tokens_t, positions = self._block_rows(segments)
+            seed = (torch.cat(rows), [s.main_start for s in segments], [h.shape[0] for h in rows])
+            return graphs.run(tokens_t, positions, [s.kv.slot for s in segments], seed)
         hidden, starts, counts, m = [], [], [], 0
         for s in segments:
             rows = 0 if s.main_hidden is None else s.main_hidden.size(0)
@@ -280,21 +312,24 @@ class DSpark(torch.nn.Module):
         drafting = batch.drafting
         if not drafting:
             return None
-        b = self.block_size
-        tokens = []
-        for i, s in enumerate(drafting):
-            s.lo, s.hi = i * b, (i + 1) * b
-            tokens.append(s.first_token)
-            tokens.extend([self.noise_token_id] * (b - 1))
-        starts = torch.tensor([s.block_start for s in drafting], dtype=torch.long)
-        positions = (starts.unsqueeze(-1) + torch.arange(b)).flatten()
-        tokens_t = torch.tensor(tokens, dtype=torch.long)
+        tokens_t, positions = self._block_rows(drafting)
         if graphs is not None and batch.slots is not None:
             out = graphs.run(tokens_t, positions, [s.kv.slot for s in drafting])
             if out is not None:
                 return out
         batch.block_pos = positions.to(dev, non_blocking=True)
         return self.blocks_forward(tokens_t.to(dev, non_blocking=True), batch)
+
+    def _block_rows(self, drafting: list[DraftSegment]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, positions) of the drafting segments' block rows, on the host: each block is its
+        newest token, then the noise token, at positions ``block_start ..``."""
+        b = self.block_size
+        tokens = torch.full((len(drafting), b), self.noise_token_id, dtype=torch.long)
+        tokens[:, 0] = torch.tensor([s.first_token for s in drafting], dtype=torch.long)
+        starts = torch.tensor([s.block_start for s in drafting], dtype=torch.long)
+        for i, s in enumerate(drafting):
+            s.lo, s.hi = i * b, (i + 1) * b
+        return tokens.flatten(), (starts.unsqueeze(-1) + torch.arange(b)).flatten()
 
     def blocks_forward(
         self, tokens: torch.Tensor, batch: DraftBatch, head_rows: int | None = None

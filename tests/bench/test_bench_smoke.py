@@ -45,6 +45,24 @@ def test_engine_steps_smoke(tmp_path):
     assert [p["case"] for p in r["per_sequence_path"]] == ["decode B=2 k=0", "decode B=4 k=0"]
 
 
+def test_engine_host_graphs_smoke(tmp_path):
+    """bench/engine_host.py --graphs: the engine's CUDA-graph path without capture on CPU; every
+    drafting step after the first verify ones replays the drafter's static path and seeds the windows
+    there (``DraftGraphs.seed_rows``), every verify step replays the decode graphs' static path."""
+    env = {**os.environ, "ASYMPD_OUT": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "bench/engine_host.py", "--smoke", "--graphs"]
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=600)
+    r = json.loads((tmp_path / "engine_host_graphs_smoke.json").read_text())
+    assert r["graphs"] is True and r["requests"] == 8 and r["running"] == 8 and len(r["step_ms_all"]) == 2
+    draft, decode = r["draft_graph_stats"], r["decode_graph_stats"]
+    # the two timed steps (after the warm-up's) are verify steps of all 8 requests, seeded in the graph
+    assert draft["seeded"] >= 2 and draft["markov"] >= 2 and draft["eager"] == 0, draft
+    assert decode["replayed"] >= 2, decode
+    keys = ("step_ms", "forward_ms", "draft_ms", "drafter_ms", "other_ms", "draft_host_ms", "draft_body_ms")
+    for key in (*keys, "forward_body_ms", "draft_outside_body_ms", "forward_outside_body_ms"):
+        assert r[key] > 0, key
+
+
 def test_formats_moe_variants_smoke(tmp_path):
     """bench/formats.py's MoE-variants mode (what the device runs for the FP8 expert GEMM) on CPU:
     every variant at every row count, bf16 beside them, only the default and the FP8 kernel above

@@ -34,13 +34,15 @@ def _run(
     budget: int = 24,
     greedy: bool = False,
     markov: bool = False,
+    seed: bool = False,
 ) -> tuple[list, list[dict[str, torch.Tensor]]]:
     """``graphs``: give each decoding engine the static (graph) decode path without capture, and
     collect its DecodeGraphs here. ``startup``: build them first, from padding only, for the
     contexts up to 1024 (``LLMEngine.capture_graphs``), and collect its report here. ``mixed``:
     ``SchedulerConfig.mixed_steps``; ``budget``: its ``max_num_batched_tokens``. ``greedy``: every
     request greedy (else one samples); ``markov``: the drafter's graphs run the greedy Markov loop
-    of ``spec`` drafts (``DraftGraphs.num_drafts``, as the engine builds them)."""
+    of ``spec`` drafts (``DraftGraphs.num_drafts``, as the engine builds them); ``seed``: they seed
+    the windows with each request's 1 + ``spec`` accepted rows too (``DraftGraphs.seed_rows``)."""
     sem = "split" if mode == "colocated" else "full"
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, mixed_steps=mixed)
     llm = LLM(ckpt, mode, sem, scheduler=sched, num_spec_tokens=spec)
@@ -62,7 +64,12 @@ def _run(
             graphs.append(e.runner.graphs)
             if e.proposer is not None:
                 e.proposer.graphs = DraftGraphs(
-                    e.proposer.drafter, e.runner.cache, max_batch=n, capture=False, num_drafts=spec if markov else 0
+                    e.proposer.drafter,
+                    e.runner.cache,
+                    max_batch=n,
+                    capture=False,
+                    num_drafts=spec if markov else 0,
+                    seed_rows=1 + spec if seed else 0,
                 )
                 graphs.append(e.proposer.graphs)
             if startup is not None:
@@ -163,6 +170,64 @@ def test_the_draft_graphs_markov_loop_equals_the_eager_drafts(tiny_ckpt, mode, s
         assert draft["markov"] == draft["first"] + draft["replayed"], draft
     else:  # the sampled request drafts in most steps: those ran the loop eagerly
         assert 0 <= draft["markov"] < draft["first"] + draft["replayed"], draft
+
+
+@pytest.mark.parametrize(
+    ("mode", "spec", "greedy", "startup"),
+    [("colocated", 2, True, False), ("asymmetric", 3, True, True), ("colocated", 2, False, False)],
+)
+def test_the_draft_graphs_seeding_equals_the_eager_seeding(tiny_ckpt, monkeypatch, mode, spec, greedy, startup):
+    """The drafter's graphs that also seed the windows (``DraftGraphs(seed_rows=1 + k)``, as the
+    engine builds them; here without capture): a verify step's accepted rows (1 to 1 + k per
+    request, padded to 1 + k) are appended inside the static path, the host row counts replayed
+    from its log; the other drafting steps (a prompt's last rows, seed-only requests) seed eagerly
+    and the static seeding writes only the scratch slot. With ``startup`` the drafter's graphs come
+    from padding requests before any request. Tokens, logprobs, acceptance counts and every cache
+    byte (windows, their row counts) equal the eager engine's; right after each seeded step every
+    seeded slot's host row counts match its window's positions (the next rollback would hide them)."""
+    budget = max(24, 8 * (1 + spec))  # a decode step of all 8 requests fits
+    want_out, want_cache = _run(tiny_ckpt, mode, batched=True, spec=spec, budget=budget, greedy=greedy)
+    checked = []
+    run = DraftGraphs.run
+
+    def run_and_check(self, tokens, positions, slots, seed=None):
+        out = run(self, tokens, positions, slots, seed)
+        if seed is not None:
+            for layer, rows in self.cache.windows.items():
+                if layer < self.drafter.cfg.n_layers:
+                    continue  # the target's windows: the step's forward wrote them
+                for slot, start, n in zip(slots, seed[1], seed[2], strict=True):
+                    pos = rows.pos[slot]
+                    assert int(rows.length[slot]) == int((pos >= 0).sum()), (layer, slot)
+                    assert int(rows.last[slot]) == int(pos.max()) == start + n - 1, (layer, slot)
+                    checked.append(slot)
+        return out
+
+    monkeypatch.setattr(DraftGraphs, "run", run_and_check)
+    graphs: list = []
+    got_out, got_cache = _run(
+        tiny_ckpt,
+        mode,
+        batched=True,
+        spec=spec,
+        graphs=graphs,
+        budget=budget,
+        greedy=greedy,
+        markov=True,
+        seed=True,
+        startup=[] if startup else None,
+    )
+    assert got_out == want_out
+    for want, got in zip(want_cache, got_cache, strict=True):
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+    draft = graphs[1].stats
+    runs = draft["first"] + draft["replayed"]
+    # most drafting steps are verify steps, seeded in the static path; the first (a prompt's rows) is not
+    assert 3 <= draft["seeded"] < runs, draft
+    assert len(checked) >= 3, len(checked)
+    if startup:
+        assert draft["startup"] == len(graphs[1].sizes) and draft["first"] == 0, draft
 
 
 @pytest.mark.parametrize(

@@ -80,7 +80,8 @@ def test_cuda_graphs_keep_the_greedy_tokens(tiny_ckpt, dtype, mode, spec):
 def test_greedy_drafts_come_from_the_drafter_graph_on_cuda(tiny_ckpt):
     """Greedy generation with 3 drafts (fp32, start-up capture): every drafting step takes its drafts
     from the drafter's graph (the Markov loop replayed inside it, ``DraftGraphs.num_drafts``), none
-    runs it eagerly, and the tokens are the eager engine's. How many drafts were accepted is printed
+    runs it eagerly, the verify steps' window seeding runs inside it too (``DraftGraphs.seed_rows``),
+    and the tokens are the eager engine's. How many drafts were accepted is printed
     beside the eager engine's (not asserted: the graph pads the drafting batch, and fp32 GEMMs of
     another row count may round a draft's logits differently)."""
     eager = LLM(tiny_ckpt, "colocated", device="cuda", dtype=torch.float32, num_spec_tokens=3, enforce_eager=True)
@@ -93,6 +94,9 @@ def test_greedy_drafts_come_from_the_drafter_graph_on_cuda(tiny_ckpt):
     # every drafting step a replay (built at start-up), and each one's drafts from the graph's loop
     assert drafts.num_drafts == 3 and drafts.stats["first"] == drafts.stats["eager"] == 0, drafts.stats
     assert drafts.stats["markov"] == drafts.stats["replayed"] >= 5, drafts.stats
+    # verify steps of drafting requests alone seed the windows inside the captured graph (seed_rows
+    # = 1 + k); steps beside a prompt's chunks seed eagerly
+    assert drafts.seed_rows == 4 and drafts.stats["seeded"] >= 1, drafts.stats
 
 
 @pytest.mark.parametrize(

@@ -255,3 +255,27 @@ def test_fresh_view_clears_a_reused_seq_id():
     kv.append_window(0, torch.arange(2), torch.ones(2, 64))
     assert len(cache.view("a", [0], 0).window(0)[1]) == 2
     assert len(cache.view("a", [0], 0, fresh=True).window(0)[1]) == 0
+
+
+def test_batch_layout_of_ragged_segments():
+    """PagedBatch's host layout (built with whole-array numpy): every field per segment, block tables
+    of different lengths (one empty) left-aligned and zero-padded, rows and positions in order."""
+    from asympd.kv.batch import BatchSegment, PagedBatch
+
+    cache = paged()[2]
+    segs = [
+        BatchSegment([7, 3, 9], 2, 30, 3, encoder_floor=4, floor=5),
+        BatchSegment([], 0, 0, 1, write_global=False),
+        BatchSegment([11], 1, 12, 2, floor=8),
+    ]
+    b = PagedBatch(cache, segs, width=4)
+    assert b.width == 4 and b.num_rows == 6
+    assert b.h_start.tolist() == [30, 0, 12] and b.h_rows.tolist() == [3, 1, 2] and b.h_slot.tolist() == [2, 0, 1]
+    assert b.h_wg.tolist() == [True, False, True] and b.h_lo.tolist() == [0, 3, 4, 6]
+    assert b.block_table.tolist() == [[7, 3, 9, 0], [0, 0, 0, 0], [11, 0, 0, 0]]
+    assert b.floors.tolist() == [[4, 0, 0], [5, 0, 8]]
+    assert b.write_global.tolist() == [True, False, True]
+    assert b.row_seg.tolist() == [0, 0, 0, 1, 2, 2] and b.positions.tolist() == [30, 31, 32, 0, 12, 13]
+    assert PagedBatch(cache, segs).width == 3  # the longest table by default
+    with pytest.raises(ValueError, match="does not fit"):
+        PagedBatch(cache, segs, width=2)
