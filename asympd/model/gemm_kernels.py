@@ -296,6 +296,23 @@ if AVAILABLE:
         return x.permute(0, 4, 2, 1, 3).reshape(R, 32)
 
     @triton.jit
+    def _block_rows_unmasked(
+        pid_b, block_row0_ptr, block_row1_ptr, a_rows_ptr, BLOCK_M: tl.constexpr, GATHER: tl.constexpr
+    ):
+        """An M-block's sorted rows, which of them are real, and the activation row each reads: rows
+        past the block read a real row (so the transposed kernels' loops need no masks); their
+        columns are never stored."""
+        row0 = tl.load(block_row0_ptr + pid_b)
+        row1 = tl.load(block_row1_ptr + pid_b)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row1
+        if GATHER:
+            src = tl.load(a_rows_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        else:
+            src = tl.minimum(rows, row1 - 1).to(tl.int64)
+        return rows, rmask, src
+
+    @triton.jit
     def _mxfp4_moe_swap_kernel(
         a_ptr,
         a_rows_ptr,
@@ -360,15 +377,7 @@ if AVAILABLE:
         e = tl.load(block_expert_ptr + pid_b)
         if e >= N_EXPERTS:
             return
-        row0 = tl.load(block_row0_ptr + pid_b)
-        row1 = tl.load(block_row1_ptr + pid_b)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        rmask = rows < row1
-        # rows past the block read a real row (no masks in the loop); their columns are never stored
-        if GATHER:
-            src = tl.load(a_rows_ptr + rows, mask=rmask, other=0).to(tl.int64)
-        else:
-            src = tl.minimum(rows, row1 - 1).to(tl.int64)
+        rows, rmask, src = _block_rows_unmasked(pid_b, block_row0_ptr, block_row1_ptr, a_rows_ptr, BLOCK_M, GATHER)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
         e64 = e.to(tl.int64)
@@ -545,15 +554,7 @@ if AVAILABLE:
         e = tl.load(block_expert_ptr + pid_b)
         if e >= N_EXPERTS:
             return
-        row0 = tl.load(block_row0_ptr + pid_b)
-        row1 = tl.load(block_row1_ptr + pid_b)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        rmask = rows < row1
-        # rows past the block read a real row (no masks in the loop); their columns are never stored
-        if GATHER:
-            src = tl.load(a_rows_ptr + rows, mask=rmask, other=0).to(tl.int64)
-        else:
-            src = tl.minimum(rows, row1 - 1).to(tl.int64)
+        rows, rmask, src = _block_rows_unmasked(pid_b, block_row0_ptr, block_row1_ptr, a_rows_ptr, BLOCK_M, GATHER)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
         e64 = e.to(tl.int64)
