@@ -278,8 +278,11 @@ class DecodeGraphs:
         rows = n * key.rows
         st.tokens[:rows].copy_(tokens, non_blocking=True)
         for lid, f in fetched.items():
-            if f.stream is not None:
-                torch.cuda.current_stream(f.rows.device).wait_stream(f.stream)
+            if f.stream is not None:  # the side-stream copy lands first; its memory outlives this read
+                current = torch.cuda.current_stream(f.rows.device)
+                current.wait_stream(f.stream)
+                f.rows.record_stream(current)
+                f.scales.record_stream(current)
             st.fetched[lid].rows[:rows].copy_(f.rows)
             st.fetched[lid].scales[:rows].copy_(f.scales)
         if first or not self.capture:
