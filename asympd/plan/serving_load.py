@@ -15,6 +15,7 @@ fitted to the rate runs that the validation checks.
 from __future__ import annotations
 
 import itertools
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,11 @@ class BatchGap:
     in_path: int  # requests without their first token at the gap's start
     firsts: tuple[int, ...]  # the batch requests (indices into the rows) whose first token came inside it
     p_overlap_ms: float = 0.0  # how much of it P's steps ran beside it (a shared GPU, P busy with the batch)
+    end_s: float = 0.0  # when it ended, on the batch's timeline: one step ends every gap it is seen in
+
+    def same_step(self, other: BatchGap) -> bool:
+        """Two requests' gaps that one step ended (its outputs reach the client within ``EPS_S``)."""
+        return abs(self.end_s - other.end_s) <= EPS_S
 
     def alone_ms(self, share: float) -> float:
         """The gap as D alone would have run it: during the overlap D ran at ``share`` of the GPU."""
@@ -115,7 +121,8 @@ def batch_gaps(rows: list[tuple[dict, dict]], p_busy_s: float = 0.0, first_at_st
                 inside = tuple(i for i, f in enumerate(first) if s + g / 2 < f <= e + min(g / 2, after))
             batch = sum(1 for f, end in zip(first, ends, strict=True) if f <= s + eps and end >= e - eps)
             overlap = max(0.0, min(e, p_busy_s) - s) * 1e3
-            out.append(BatchGap(g * 1e3, max(batch, 1), sum(1 for f in first if f > s + eps), inside, overlap))
+            n = sum(1 for f in first if f > s + eps)
+            out.append(BatchGap(g * 1e3, max(batch, 1), n, inside, overlap, e))
     return out
 
 
@@ -167,12 +174,27 @@ def _step_points(
     """(requests in the TTFT path at the step's start, excess ms over ``decode_ms(batch)``) for the
     batch's decode-only steps: a token gap in which no request got its first token (such a step also
     ran prompt rows), the batch the requests decoding through the whole gap, read at D's alone
-    speed where P's steps shared the GPU (the simulator shares it again)."""
-    return [
-        (g.in_path, g.alone_ms(gpu_share(2)) - decode_ms(g.batch))
-        for g in batch_gaps(rows, p_busy_s, first_at_start)
-        if not g.firsts
-    ]
+    speed where P's steps shared the GPU (the simulator shares it again). One step is seen in the
+    gap of every request decoding through it: it counts once (``BatchGap.same_step``)."""
+    steps: list[BatchGap] = []
+    for g in batch_gaps(rows, p_busy_s, first_at_start):
+        if not g.firsts and not any(g.same_step(s) for s in steps):
+            steps.append(g)
+    return [(g.in_path, g.alone_ms(gpu_share(2)) - decode_ms(g.batch)) for g in steps]
+
+
+def recurring_per_request(points: list[tuple[int, float]]) -> float:
+    """The cost per request in the TTFT path that recurs in D's steps: the median over the steps
+    with requests in the path of each step's excess per such request (>= 0; none: 0). A cost per
+    request in the path (the host work of their fetches and imports, on D's engine thread between
+    its steps) is paid by every step that has them beside it, so the median step shows it; a
+    one-off stall of D's engine thread (a compile, a capture, a slow import: what
+    ``asympd.serve.stall_watch`` names when it passes 1 s) is one step, which a least-squares
+    line through the origin would spread over every step (symmetric-split at true depth: one
+    ~820 ms step at 5 in the path read as 57 ms per request per step; its other two steps with
+    requests in the path cost 0.7-0.8 ms per request)."""
+    rates = [y / n for n, y in points if n > 0]
+    return max(0.0, statistics.median(rates)) if rates else 0.0
 
 
 @dataclass(frozen=True)
@@ -224,6 +246,6 @@ def fit_stage_load(cal: dict[str, Any], lone: LoneCosts, dep: Deployment, path: 
         answer_ms=_slope(answer) if pd else 0.0,
         fetch_ms=_slope(fetch) if pd else 0.0,
         hops_ms=_slope(hops),
-        d_step_ms=_slope([(n + 1, y) for n, y in step]),
+        d_step_ms=recurring_per_request(step),
         batch_in_path=sum(starts) / len(starts),
     )

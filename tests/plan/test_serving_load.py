@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from asympd.plan.deployment import Deployment, ServingPath
-from asympd.plan.serving_load import LoneCosts, StageLoad, fit_stage_load, in_path
+from asympd.plan.serving_load import LoneCosts, StageLoad, batch_rows, fit_stage_load, in_path
 from asympd.serve.admission import POLICIES
 
 LONE_ANSWER, LONE_HOPS = 3.0, 7.0
@@ -107,3 +107,27 @@ def test_hand_offs_sharing_p_stream_are_read_as_their_own_work():
     assert (shared.answer_ms, shared.fetch_ms) == pytest.approx((0.0, 0.0))
     apart = fit_stage_load(cal, lone, PD, ServingPath(handoff_on_p_stream=False))
     assert (apart.answer_ms, apart.fetch_ms) == pytest.approx((3.0, 6.0))
+
+
+def test_a_one_off_stall_is_not_read_as_a_cost_per_request_in_the_path():
+    """D's step term is what recurs: request 0 decodes alone at 20 ms a step with request 1 in the
+    TTFT path, 2 ms over the lone step in two steps and 902 ms in one (a stall of D's engine
+    thread, seen once); the median step's excess per request in the path is 2 ms, where a line
+    through the origin gave (2 + 2 + 902) / 3 = 302 ms. A step seen in two requests' gaps counts once."""
+    from asympd.plan.serving_load import _step_points, recurring_per_request
+
+    r0 = {"prompt_len": 100, "ttft_s": 0.05, "gaps_s": [0.022, 0.922, 0.022, 0.040, 0.025, 0.025]}
+    r0["timings"] = {"prefill_s": 0.01, "prefill_rtt_s": 0.013, "transfer_s": 0.003, "ttft_s": 0.05}
+    r1 = {"prompt_len": 100, "ttft_s": 1.056, "gaps_s": [0.025, 0.025]}
+    r1["timings"] = {"prefill_s": 0.01, "prefill_rtt_s": 0.013, "transfer_s": 0.003, "ttft_s": 1.056}
+    cal = {"batch": {"size": 2, "requests": [r0, r1]}}
+    rows = batch_rows(cal, True)
+    points = _step_points(rows, lambda b: 20.0 + 5.0 * (b - 1), 0.0, False)
+    # three steps with request 1 in the path, then two shared by both requests, each counted once
+    assert [n for n, _ in points] == [1, 1, 1, 0, 0]
+    assert [y for _, y in points] == pytest.approx([2.0, 902.0, 2.0, 0.0, 0.0])
+    assert recurring_per_request(points) == pytest.approx(2.0)
+    got = fit_stage_load(cal, LoneCosts(3.0, fetch_lone, 0.0, lambda b: 20.0 + 5.0 * (b - 1)), PD, ServingPath())
+    assert got.d_step_ms == pytest.approx(2.0)
+    assert recurring_per_request([(2, 6.0), (4, 4.0), (0, 50.0)]) == pytest.approx(2.0)  # per request: 3, 1
+    assert recurring_per_request([(0, 5.0)]) == 0.0 and recurring_per_request([(3, -6.0)]) == 0.0
