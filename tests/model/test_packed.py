@@ -63,6 +63,73 @@ def test_fp8_tile_gemm_grouped_takes_each_group_through_its_rows():
     assert y.shape == (7, 2, 64) and rel(y, ref) < 1e-6
 
 
+@pytest.mark.parametrize(
+    "m,n,k,groups,config",
+    [
+        (1, 96, 160, 1, {}),  # one row; 96 columns: a partial column block (clamped loads, masked store)
+        (3, 64, 256, 1, {"split_k": 4}),  # split K: the last program reduces in split order
+        (7, 256, 128, 2, {"split_k": 2}),  # grouped (wo_a's form), split
+        (7, 256, 128, 2, {"scale_after": False}),  # grouped, the scale on the expanded weights
+        (5, 128, 192, 1, {"split_k": 3, "block_n": 64, "unroll": 1}),  # 6 steps in 3 splits
+        (40, 160, 96, 1, {"scale_after": True}),  # 40 rows: M-blocks of 64, the scale after the dot
+        (21, 96, 256, 1, {"block_m": 16, "split_k": 2}),  # two M-blocks, the second partial
+    ],
+)
+def test_fp8_tile_swap_ab_equals_the_dequantized_gemm(m, n, k, groups, config):
+    """The transposed decode-regime FP8-tile kernel against the float64 GEMM on the dequantized
+    weights and against the first kernel: fp32 equal up to summation order, bf16 the exact product
+    rounded once (one ulp for the order)."""
+    g = torch.Generator().manual_seed(m * 100 + n + k + groups)
+    q, s, wd = _fp8_weight(n, k, g)
+    shape = (m, groups, k) if groups > 1 else (m, k)
+    a = fp8_qdq(torch.randn(*shape, generator=g), 32).to(DEVICE)
+    if groups > 1:
+        w3 = wd.double().view(groups, n // groups, k)
+        ref = torch.stack([a[:, i].double() @ w3[i].t() for i in range(groups)], dim=1)
+    else:
+        ref = a.double() @ wd.double().t()
+    cfg = {"swap_ab": True, **config}
+    y = gemm.fp8_tile_gemm(a, q, s, groups=groups, config=cfg)
+    old = gemm.fp8_tile_gemm(a, q, s, groups=groups, config={"swap_ab": False})
+    assert y.shape == old.shape == ref.shape and y.dtype == torch.float32
+    assert rel(y, ref) < 1e-6 and rel(y, old) < 1e-6
+    assert torch.equal(gemm.fp8_tile_gemm(a, q, s, groups=groups, config=cfg), y)  # deterministic
+    yb = gemm.fp8_tile_gemm(a.bfloat16(), q, s, groups=groups, config=cfg)
+    assert yb.dtype == torch.bfloat16
+    assert torch.allclose(yb.double(), ref.bfloat16().double(), rtol=2**-7, atol=0)
+    # split K leaves every ticket counter at zero for the next call (and for CUDA graph replays)
+    assert all(int(t.abs().sum()) == 0 for t in gemm._TICKETS.values())
+
+
+def test_fp8_tile_swap_ab_splits_k_to_fill_the_chip():
+    """Two programs per SM, whole unrolled steps per split, at least two steps each (132 SMs)."""
+    assert gemm._swap_splits(80, 4, 132) == 40  # wkv 512x5120 at one row: 4 column blocks
+    assert gemm._swap_splits(20, 256, 132) == 2  # wq_b 32768x1280: 256 blocks already
+    assert gemm._swap_splits(8, 64, 132) == 4  # wo_a: 8 groups x 8 column blocks, K 512
+    assert gemm._swap_splits(80, 300, 132) == 1
+    assert gemm._swap_splits(3, 1, 132) == 1  # 3 steps: no split leaves two steps each
+
+
+def test_fp8_tile_gemm_picks_the_transposed_kernel_by_rows(monkeypatch):
+    """On CUDA the transposed kernel for M <= FP8_SWAP_MAX_ROWS; ``FP8_DEFAULTS`` and ``config``
+    select either kernel anywhere (on CPU the default is the first kernel)."""
+    calls = []
+    real = gemm._fp8_tile_swap
+    monkeypatch.setattr(gemm, "_fp8_tile_swap", lambda *args: calls.append(args[0].shape) or real(*args))
+    g = torch.Generator().manual_seed(8)
+    q, s, _ = _fp8_weight(64, 96, g)
+    a = fp8_qdq(torch.randn(5, 96, generator=g), 32).to(DEVICE)
+    big = fp8_qdq(torch.randn(gemm.FP8_SWAP_MAX_ROWS + 1, 96, generator=g), 32).to(DEVICE)
+    gemm.fp8_tile_gemm(a, q, s)
+    gemm.fp8_tile_gemm(big, q, s)
+    assert calls == ([(5, 1, 96)] if DEVICE == "cuda" else [])
+    calls.clear()
+    monkeypatch.setattr(gemm, "FP8_DEFAULTS", {"swap_ab": True})
+    gemm.fp8_tile_gemm(a, q, s)
+    gemm.fp8_tile_gemm(a, q, s, config={"swap_ab": False})
+    assert calls == [(5, 1, 96)]
+
+
 def test_fp8_tile_linear_quantizes_its_input_like_the_reference():
     g = torch.Generator().manual_seed(6)
     q, s, wd = _fp8_weight(64, 96, g)
