@@ -186,6 +186,7 @@ if AVAILABLE:
         UNROLL: tl.constexpr,
         DOT_F32: tl.constexpr,
         SCALE_AFTER: tl.constexpr,
+        K_ORDER: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -197,6 +198,19 @@ if AVAILABLE:
         reference's per-32 quantize-dequantize, so their per-(row, 32-K) scale is already in their
         (exact) values. ``SCALE_AFTER``: each weight row's tile scale multiplies the K = 32 dot's fp32
         result (BLOCK_M / 32 FMAs a weight) instead of the expanded weights (one multiply a weight).
+        ``K_ORDER``: K permuted within each 32-K tile column (weights and activations alike, so the
+        dot is unchanged): the thread that loads bytes 8c..8c+7 of a weight row holds exactly the
+        columns wgmma's register fragment wants from it (2c, 2c+1, +8, +16, +24: column 8i + 2c + t
+        is element 8c + 2i + t), so the weights leave shared memory in 8-byte reads instead of
+        2-byte ones; the activations are then read in 4-byte pairs.
+
+        The hot loop in sm_90a SASS (Triton 3.6's ptxas, offline: K 5120, BLOCK_N 128, UNROLL 2, 4
+        warps, 64 weights a thread an iteration), instructions a weight: BLOCK_M 16: 5.02, with
+        ``K_ORDER`` 4.42 (of which 2.1 the e4m3 -> bf16 conversion: F2F, F2FP, PRMT), the scale on
+        the weights 4.95; BLOCK_M 32: 5.52 / 5.23 / 5.19; BLOCK_M 64: 6.50 / 6.59 / 5.78 (247
+        registers with the scale after the dot, 128 without). The first kernel: 7.9 (BLOCK_M 16,
+        BLOCK_N 64). Hence the defaults: the scale after the dot for BLOCK_M <= 16, ``K_ORDER`` for
+        BLOCK_M <= 32; the device's timings decide (``bench/formats.py`` ``linears``).
 
         Rows past M read row M - 1 and weight rows past the group read its last row, and splits cover
         whole unrolled steps, so the loop carries no masks; only the store is masked.
@@ -220,12 +234,18 @@ if AVAILABLE:
         kb_lo = split * KB_PER_SPLIT
         w_ptrs = w_ptr + wrows[:, None] * s_wn + kb_lo * 32 + kk[None, :]
         s_ptrs = s_ptr + (wrows // 32) * s_sn + kb_lo
-        a_ptrs = a_ptr + src[:, None] * s_am + g * s_ag + kb_lo * 32 + kk[None, :]
+        if K_ORDER:  # see _fp8_k_order: the activations read in the permuted K order
+            ka = (kk % 8 // 2) * 8 + (kk // 8) * 2 + kk % 2
+        else:
+            ka = kk
+        a_ptrs = a_ptr + src[:, None] * s_am + g * s_ag + kb_lo * 32 + ka[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for kb0 in range(0, KB_PER_SPLIT, UNROLL):
             for u in tl.static_range(UNROLL):
                 kb = kb0 + u
                 w = tl.load(w_ptrs + kb * 32)
+                if K_ORDER:
+                    w = w.reshape(BLOCK_N, 4, 4, 2).permute(0, 2, 1, 3).reshape(BLOCK_N, 32)
                 sc = _ue8m0(tl.load(s_ptrs + kb))[:, None]
                 a_k = tl.load(a_ptrs + kb * 32)
                 if SCALE_AFTER:
@@ -773,6 +793,7 @@ def _fp8_tile_swap(a3: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, n: i
         UNROLL=unroll,
         DOT_F32=_dot_f32(a3),
         SCALE_AFTER=cfg.get("scale_after", bm <= 16),
+        K_ORDER=cfg.get("k_order", bm <= 32),
         BLOCK_M=bm,
         BLOCK_N=bn,
         num_warps=cfg.get("num_warps", 4),
@@ -797,7 +818,8 @@ def fp8_tile_gemm(
 
     config (all optional): ``swap_ab`` (the transposed decode-regime kernel ``_fp8_tile_swap_kernel``;
     default on CUDA for M <= ``FP8_SWAP_MAX_ROWS``, K a multiple of 32) with its ``block_m``,
-    ``block_n``, ``unroll``, ``scale_after`` (default ``block_m <= 16``), ``split_k`` (also the
+    ``block_n``, ``unroll``, ``scale_after`` (default ``block_m <= 16``), ``k_order`` (default
+    ``block_m <= 32``), ``split_k`` (also the
     argument; rounded down to a divisor of the unrolled K steps), ``num_warps``, ``num_stages``;
     otherwise the first kernel's ``block_m``, ``block_n``, ``num_warps``, ``num_stages``.
     ``FP8_DEFAULTS`` (module level) overrides the defaults process-wide."""

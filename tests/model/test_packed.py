@@ -69,7 +69,9 @@ def test_fp8_tile_gemm_grouped_takes_each_group_through_its_rows():
         (1, 96, 160, 1, {}),  # one row; 96 columns: a partial column block (clamped loads, masked store)
         (3, 64, 256, 1, {"split_k": 4}),  # split K: the last program reduces in split order
         (7, 256, 128, 2, {"split_k": 2}),  # grouped (wo_a's form), split
-        (7, 256, 128, 2, {"scale_after": False}),  # grouped, the scale on the expanded weights
+        (7, 256, 128, 2, {"scale_after": False, "k_order": False}),  # grouped, the scale on the weights
+        (9, 64, 128, 1, {"k_order": False, "split_k": 2}),  # K in its own order
+        (40, 64, 128, 1, {"k_order": True, "scale_after": False}),  # 64-row M-block, permuted K
         (5, 128, 192, 1, {"split_k": 3, "block_n": 64, "unroll": 1}),  # 6 steps in 3 splits
         (40, 160, 96, 1, {"scale_after": True}),  # 40 rows: M-blocks of 64, the scale after the dot
         (21, 96, 256, 1, {"block_m": 16, "split_k": 2}),  # two M-blocks, the second partial
@@ -417,18 +419,20 @@ def test_weights_layout_names():
 
 
 @pytest.mark.parametrize(
-    "mode,weights,moe",
+    "mode,weights,moe,fp8",
     [
-        ("colocated", "packed", {}),
-        ("asymmetric", "packed", {}),
-        ("asymmetric", "packed-experts", {}),
+        ("colocated", "packed", {}, {}),
+        ("asymmetric", "packed", {}, {}),
+        ("asymmetric", "packed-experts", {}, {}),
+        # the transposed FP8-tile kernel (the CUDA default for <= 256 rows) on every FP8 matrix
+        ("asymmetric", "packed", {}, {"swap_ab": True}),
         # not the opt-in FP8 variant ({"fp8": True}): on the H200 it gave another first token on one
         # prompt (bench/results/test_packed_fp8_cuda_b118c33.log): FP8 wgmma does not add a 32-K block
         # in full fp32, and this fp32 check allows summation order only; its GEMM tests bound its error
     ],
-    ids=["colocated-packed", "asymmetric-packed", "asymmetric-packed-experts"],
+    ids=["colocated-packed", "asymmetric-packed", "asymmetric-packed-experts", "asymmetric-packed-fp8-swap"],
 )
-def test_packed_weights_give_the_reference_tokens(tiny_ckpt, mode, weights, moe, monkeypatch):
+def test_packed_weights_give_the_reference_tokens(tiny_ckpt, mode, weights, moe, fp8, monkeypatch):
     """Greedy tokens and logprobs in fp32 with packed weights against the same device's dequantized
     weights (on CPU: the reference; on CUDA the rest of the path is the same kernels, so this isolates
     the packing; tests/model/test_cuda.py compares CUDA with the CPU reference). The two sum in
@@ -437,14 +441,21 @@ def test_packed_weights_give_the_reference_tokens(tiny_ckpt, mode, weights, moe,
     sensitivity; seen here: one prompt of six whose prefill moves its logprobs by 0.08): so the first
     token of every prompt must match, and at least 5 of the 6 prompts must match in every token and
     every logprob to 1e-4. A wrong kernel changes nearly all of them. ``moe``: the expert GEMMs'
-    kernel variant (``gemm_kernels.MOE_DEFAULTS``) for the packed model."""
+    kernel variant (``gemm_kernels.MOE_DEFAULTS``) for the packed model; ``fp8``: the FP8-tile
+    GEMMs' (``gemm_kernels.FP8_DEFAULTS``)."""
     prompts = random_prompts([40, 9, 21, 64, 17, 100], seed=3)
     sp = asympd.SamplingParams(max_tokens=5, temperature=0, logprobs=2)
     outs = {}
+    swaps = []
+    real_swap = gemm._fp8_tile_swap
+    monkeypatch.setattr(gemm, "_fp8_tile_swap", lambda *args: swaps.append(args[0].shape) or real_swap(*args))
     for name in ("dequantized", weights):
         monkeypatch.setattr(gemm, "MOE_DEFAULTS", moe if name == weights else {})
+        monkeypatch.setattr(gemm, "FP8_DEFAULTS", fp8 if name == weights else {})
         llm = asympd.LLM(tiny_ckpt, mode=mode, device=DEVICE, dtype=torch.float32, weights=name)
         outs[name] = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+    # the transposed FP8-tile kernel ran every FP8 matrix exactly where it was asked for
+    assert bool(swaps) == (fp8.get("swap_ab", False) or (DEVICE == "cuda" and weights == "packed"))
     agree = 0
     for ref, got in zip(outs["dequantized"], outs[weights], strict=True):
         a, b = ref.outputs[0], got.outputs[0]
