@@ -360,12 +360,14 @@ def fp8_accumulation_error(k: int, g: torch.Generator, rows: int = 64, n: int = 
 # the FP8-tile kernels timed side by side (``gemm_kernels.fp8_tile_gemm`` configs): the first kernel,
 # the transposed decode-regime one at its defaults, and (at <= 16 rows, where its default applies the
 # tile scale after the dot) the same with the scale on the expanded weights, and the transposed one
-# without the K permutation (``k_order``, its default at <= 32 rows)
+# without the K permutation (``k_order``, its default at <= 32 rows), and with 64-row weight tiles
+# (twice the programs, half the splits: the other side of the split-K trade) at <= 64 rows
 LINEAR_KERNELS = {
     "old": {"swap_ab": False},
     "swap": {"swap_ab": True},
     "swap_scale_w": {"swap_ab": True, "scale_after": False},
     "swap_k_natural": {"swap_ab": True, "k_order": False},
+    "swap_bn64": {"swap_ab": True, "block_n": 64},
 }
 
 
@@ -432,7 +434,8 @@ def bench_linears(ceil: dict, g: torch.Generator) -> list[dict]:
             row["launch_bound"] = row["fp8_floor_ms"] < row["launch_ms"]
             row["copies"] = copies
             kernels = [v for v in LINEAR_KERNELS if v == "old" or m <= G.FP8_SWAP_MAX_ROWS]
-            kernels = [v for v in kernels if (v != "swap_scale_w" or m <= 16) and (v != "swap_k_natural" or m <= 32)]
+            limit = {"swap_scale_w": 16, "swap_k_natural": 32, "swap_bn64": 64}
+            kernels = [v for v in kernels if m <= limit.get(v, m)]
             for kern in kernels:
                 conf = LINEAR_KERNELS[kern]
                 try:

@@ -274,8 +274,16 @@ if AVAILABLE:
             ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if ticket == SPLITS - 1:  # the last split of this tile: reduce in split order
                 tot = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                for s in range(SPLITS):
-                    tot += tl.load(p_base + s * p_step + p_offs, mask=rmask[None, :], other=0.0, cache_modifier=".cg")
+                # four partials' loads in flight at once, added in split order
+                p_ptrs = p_base + p_offs
+                pm = rmask[None, :]
+                CG: tl.constexpr = ".cg"  # from L2: the other programs wrote them
+                for s0 in range(0, SPLITS, 4):
+                    p0 = tl.load(p_ptrs + s0 * p_step, mask=pm, other=0.0, cache_modifier=CG)
+                    p1 = tl.load(p_ptrs + (s0 + 1) * p_step, mask=pm & (s0 + 1 < SPLITS), other=0.0, cache_modifier=CG)
+                    p2 = tl.load(p_ptrs + (s0 + 2) * p_step, mask=pm & (s0 + 2 < SPLITS), other=0.0, cache_modifier=CG)
+                    p3 = tl.load(p_ptrs + (s0 + 3) * p_step, mask=pm & (s0 + 3 < SPLITS), other=0.0, cache_modifier=CG)
+                    tot = (((tot + p0) + p1) + p2) + p3
                 tl.store(out, tot.to(y_ptr.dtype.element_ty), mask=out_mask)
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
@@ -745,11 +753,17 @@ def _tickets(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def _swap_splits(n_steps: int, tiles: int, sms: int) -> int:
-    """Splits of K for the transposed FP8-tile kernel: enough programs for two per SM, each a
-    divisor of the unrolled steps (so every split is whole steps, no masks) and >= 2 steps long."""
-    want = max(1, -(-2 * sms // max(1, tiles)))
-    return max(d for d in range(1, max(1, n_steps // 2) + 1) if n_steps % d == 0 and d <= want)
+def _swap_splits(n_steps: int, tiles: int, sms: int, cap: int = 16) -> int:
+    """Splits of K for the transposed FP8-tile kernel. Fewer than two output tiles per SM: the
+    fewest splits that give four programs per SM (several resident at once keep enough loads in
+    flight), else the most allowed; each split a divisor of the unrolled steps (whole steps, no
+    masks), >= 2 steps long, and at most ``cap`` of them (the last program of a tile reads every
+    partial: its reduction's latency grows with the count)."""
+    if tiles >= 2 * sms:
+        return 1
+    want = -(-4 * sms // max(1, tiles))
+    ok = [d for d in range(1, min(cap, n_steps // 2) + 1) if n_steps % d == 0] or [1]
+    return min((d for d in ok if d >= want), default=max(ok))
 
 
 def _fp8_tile_swap(a3: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, n: int, groups: int, cfg: dict):

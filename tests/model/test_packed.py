@@ -68,6 +68,7 @@ def test_fp8_tile_gemm_grouped_takes_each_group_through_its_rows():
     [
         (1, 96, 160, 1, {}),  # one row; 96 columns: a partial column block (clamped loads, masked store)
         (3, 64, 256, 1, {"split_k": 4}),  # split K: the last program reduces in split order
+        (2, 64, 448, 1, {"split_k": 7, "unroll": 2}),  # 7 splits: a partial chunk of 4 in the reduction
         (7, 256, 128, 2, {"split_k": 2}),  # grouped (wo_a's form), split
         (7, 256, 128, 2, {"scale_after": False, "k_order": False}),  # grouped, the scale on the weights
         (9, 64, 128, 1, {"k_order": False, "split_k": 2}),  # K in its own order
@@ -104,11 +105,13 @@ def test_fp8_tile_swap_ab_equals_the_dequantized_gemm(m, n, k, groups, config):
 
 
 def test_fp8_tile_swap_ab_splits_k_to_fill_the_chip():
-    """Two programs per SM, whole unrolled steps per split, at least two steps each (132 SMs)."""
-    assert gemm._swap_splits(80, 4, 132) == 40  # wkv 512x5120 at one row: 4 column blocks
-    assert gemm._swap_splits(20, 256, 132) == 2  # wq_b 32768x1280: 256 blocks already
-    assert gemm._swap_splits(8, 64, 132) == 4  # wo_a: 8 groups x 8 column blocks, K 512
-    assert gemm._swap_splits(80, 300, 132) == 1
+    """Four programs per SM where the tiles are fewer than two per SM, whole unrolled steps per
+    split, at least two steps each, at most 16 splits (132 SMs)."""
+    assert gemm._swap_splits(80, 4, 132) == 16  # wkv 512x5120 at one row: 4 column blocks, capped
+    assert gemm._swap_splits(20, 256, 132) == 4  # wq_b 32768x1280: 256 blocks, 1024 programs
+    assert gemm._swap_splits(8, 64, 132) == 4  # wo_a: 8 groups x 8 column blocks, K 512: 4 steps of 2
+    assert gemm._swap_splits(128, 40, 132) == 16  # wo_b 5120x8192: 40 blocks want 14 -> 16
+    assert gemm._swap_splits(80, 300, 132) == 1  # enough tiles
     assert gemm._swap_splits(3, 1, 132) == 1  # 3 steps: no split leaves two steps each
 
 
