@@ -1,7 +1,9 @@
 """Triton GEMMs on the release's weight formats, so weights stay packed on the device.
 
 - ``fp8_tile_gemm``: ``y = a @ W^T`` with W e4m3 ``[N, K]`` and one UE8M0 scale per 32x32 tile (the
-  attention matrices, the shared expert, Engram's ``wkv``);
+  attention matrices, the shared expert, Engram's ``wkv``). Decode sizes (<= 256 rows, CUDA) take
+  the transposed ``_fp8_tile_swap_kernel`` (expanded weights as wgmma's register operand, split K
+  reduced in the same launch); ``config={"swap_ab": False}`` keeps the first kernel;
 - ``mxfp4_moe_gemm``: the routed experts. Rows arrive sorted by expert; row r multiplies
   ``W[expert(r)]`` packed e2m1 ``[E, N, K/2]`` with one UE8M0 scale per 32 K elements, its bytes permuted
   once at load (``repack_fp4``) so each 16-byte load meets two contiguous halves of the activations.
@@ -234,7 +236,7 @@ if AVAILABLE:
         kb_lo = split * KB_PER_SPLIT
         w_ptrs = w_ptr + wrows[:, None] * s_wn + kb_lo * 32 + kk[None, :]
         s_ptrs = s_ptr + (wrows // 32) * s_sn + kb_lo
-        if K_ORDER:  # see _fp8_k_order: the activations read in the permuted K order
+        if K_ORDER:  # see K_ORDER above: the activations read in the permuted K order
             ka = (kk % 8 // 2) * 8 + (kk // 8) * 2 + kk % 2
         else:
             ka = kk
@@ -766,7 +768,9 @@ def _swap_splits(n_steps: int, tiles: int, sms: int, cap: int = 16) -> int:
     return min((d for d in ok if d >= want), default=max(ok))
 
 
-def _fp8_tile_swap(a3: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, n: int, groups: int, cfg: dict):
+def _fp8_tile_swap(
+    a3: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, n: int, groups: int, cfg: dict
+) -> torch.Tensor:
     """Launch ``_fp8_tile_swap_kernel`` (see ``fp8_tile_gemm``); returns [M, groups, n]."""
     m, _, k = a3.shape
     if k % 32:
@@ -833,9 +837,9 @@ def fp8_tile_gemm(
     config (all optional): ``swap_ab`` (the transposed decode-regime kernel ``_fp8_tile_swap_kernel``;
     default on CUDA for M <= ``FP8_SWAP_MAX_ROWS``, K a multiple of 32) with its ``block_m``,
     ``block_n``, ``unroll``, ``scale_after`` (default ``block_m <= 16``), ``k_order`` (default
-    ``block_m <= 32``), ``split_k`` (also the
-    argument; rounded down to a divisor of the unrolled K steps), ``num_warps``, ``num_stages``;
-    otherwise the first kernel's ``block_m``, ``block_n``, ``num_warps``, ``num_stages``.
+    ``block_m <= 32``), ``split_k`` (also the argument; rounded down to a divisor of the unrolled
+    K steps; its partials reduced inside the one launch), ``num_warps``, ``num_stages``; otherwise
+    the first kernel's ``block_m``, ``block_n``, ``num_warps``, ``num_stages``.
     ``FP8_DEFAULTS`` (module level) overrides the defaults process-wide."""
     if a.dtype not in (torch.bfloat16, torch.float32, torch.float16):
         raise TypeError(f"fp8_tile_gemm: activations must be bf16/fp16/fp32, got {a.dtype}")
