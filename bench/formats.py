@@ -478,6 +478,8 @@ def bench_linears(ceil: dict, g: torch.Generator) -> list[dict]:
             row["bf16"]["frac_of_fp8_floor"] = row["fp8_floor_ms"] / tb
             row["dequant_then_cublas_ms"] = _time(run_dequant, iters=10, warmup=2, graph=True)["ms"] / copies
             timed = [v for v in kernels if "ms" in row[v]]
+            for v in timed:  # the gain over the bf16 path, as one ratio
+                row[v]["speedup_vs_bf16"] = tb / row[v]["ms"]
             if timed:
                 best = min(timed, key=lambda v: row[v]["ms"])
                 row["best_fp8"] = best

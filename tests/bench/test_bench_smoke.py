@@ -113,6 +113,7 @@ def test_formats_linears_smoke(tmp_path):
             assert "error" not in x[v], x[v]
             # bf16 outputs against cuBLAS-style bf16 (x @ W^T rounded once): rounding only
             assert x[v]["rel_err_vs_bf16"] < 1e-2 and x[v]["ms"] > 0
+            assert x[v]["speedup_vs_bf16"] == x["bf16"]["ms"] / x[v]["ms"]
         assert x["bf16"]["ms"] > 0 and x["launch_ms"] > 0 and isinstance(x["launch_bound"], bool)
         wbytes = x["out"] * x["in"] // x["groups"]
         assert x["fp8_bytes"] == wbytes * (1 + 1 / 1024) + x["rows"] * (x["in"] + x["out"]) * 2
