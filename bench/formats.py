@@ -11,6 +11,17 @@ variant's own floor (2 B/weight, bf16 rate) is reported beside it, and the gain 
                                                           # bench/results/formats_moe_variants.json
     ASYMPD_BENCH_SASS=1 python bench/formats.py           # no GPU: the MXFP4 kernels' SASS loop counts
     ASYMPD_BENCH_MOE_VARIANTS=1 python bench/formats.py --smoke   # the variants mode on CPU, tiny config
+    ASYMPD_BENCH_ONLY=linears python bench/formats.py     # the FP8-tile kernels (first, transposed)
+                                                          # vs bf16 -> bench/results/formats_linears.json
+    ASYMPD_BENCH_ONLY=linears python bench/formats.py --smoke     # the same on CPU, small matrices
+
+The FP8-tile linears (``linears``) are timed through each kernel of ``fp8_tile_gemm`` (the first one,
+the transposed decode-regime one and its variants) beside cuBLAS on the bf16 expansion. Their floor is
+the bytes alone at decode sizes (e4m3 weights + UE8M0 tiles + bf16 activations in and out), which for
+the small matrices (1-7 MB) is 0.3-2 us: about what one kernel launch costs. So each row also carries
+``launch_ms`` (an empty Triton kernel, timed the same way: graph replays, per call) and
+``launch_bound`` (the floor is below it): there no single-kernel GEMM can reach the floor, and
+``frac_of_floor_plus_launch`` is the fair fraction.
 
 What is timed is the product's code: ``FastMoE`` as the loader builds it (``FastMoE.packed``) and
 ``gemm_kernels.fp8_tile_gemm``, the kernel behind ``FP8TileLinear``. Timings are medians of CUDA
@@ -26,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-if "--smoke" in sys.argv:  # the MoE-variants mode on CPU through the Triton interpreter: plumbing only
+if "--smoke" in sys.argv:  # on CPU through the Triton interpreter: plumbing only
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
@@ -40,6 +51,15 @@ from asympd.model.cuda_ops import FastMoE  # noqa: E402
 from asympd.model.packed import FP8TileLinear, PackedExperts  # noqa: E402
 from asympd.model.quant import dequant_fp8_tiles, fp8_qdq, quant_fp8_tiles  # noqa: E402
 from bench.common import ceilings, log, record, time_cuda  # noqa: E402
+
+if G.AVAILABLE:
+    import triton  # noqa: E402
+
+    @triton.jit
+    def _empty_kernel(x_ptr):
+        """Does nothing: what a launch alone costs (``_launch_ms``)."""
+        pass
+
 
 DEV = torch.device("cuda")
 BF = torch.bfloat16
@@ -337,30 +357,104 @@ def fp8_accumulation_error(k: int, g: torch.Generator, rows: int = 64, n: int = 
     return out
 
 
+# the FP8-tile kernels timed side by side (``gemm_kernels.fp8_tile_gemm`` configs): the first kernel,
+# the transposed decode-regime one at its defaults, and (at <= 16 rows, where its default applies the
+# tile scale after the dot) the same with the scale on the expanded weights, and the transposed one
+# without the K permutation (``k_order``, its default at <= 32 rows), and with 64-row weight tiles
+# (twice the programs, half the splits: the other side of the split-K trade) at <= 64 rows
+LINEAR_KERNELS = {
+    "old": {"swap_ab": False},
+    "swap": {"swap_ab": True},
+    "swap_scale_w": {"swap_ab": True, "scale_after": False},
+    "swap_k_natural": {"swap_ab": True, "k_order": False},
+    "swap_bn64": {"swap_ab": True, "block_n": 64},
+}
+
+
+def _launch_ms(copies: int) -> float:
+    """What one launch alone costs, timed like the GEMMs: ``copies`` launches of an empty Triton
+    kernel captured in one graph, per launch."""
+    x = torch.zeros(1, device=DEV)
+
+    def run(x=x):
+        for _ in range(copies):
+            _empty_kernel[(1,)](x)
+
+    return _time(run, iters=10, warmup=2, graph=True)["ms"] / copies
+
+
+def _linear_row(name, n, k_in, groups, m, ceil, fp8_rate) -> dict:
+    """The floors of one FP8-tile GEMM: bytes (e4m3 weights + UE8M0 tiles + bf16 activations in
+    and out) over the copy rate measured in this run, FLOPs over the FP8 (bf16) GEMM rate; the
+    bf16 path's with 2 B a weight."""
+    k = k_in // groups
+    wbytes = n * k
+    act = m * k_in * 2 + m * n * 2
+    flops = 2 * m * n * k
+    bw = ceil["copy_TBps"] * 1e12
+    row = {"name": name, "out": n, "in": k_in, "groups": groups, "rows": m}
+    row["fp8_bytes"] = wbytes * FP8_BYTES + act
+    row["fp8_bytes_floor_ms"] = row["fp8_bytes"] / bw * 1e3
+    row["fp8_flops_floor_ms"] = flops / (fp8_rate * 1e12) * 1e3
+    row["fp8_floor_ms"] = max(row["fp8_bytes_floor_ms"], row["fp8_flops_floor_ms"])
+    row["bf16_floor_ms"] = max((wbytes * 2 + act) / bw, flops / (ceil["bf16_gemm_TFLOPs"] * 1e12)) * 1e3
+    return row
+
+
 def bench_linears(ceil: dict, g: torch.Generator) -> list[dict]:
+    """The FP8-stored matrices of a layer through each FP8-tile kernel (``LINEAR_KERNELS``; the
+    transposed ones at <= ``FP8_SWAP_MAX_ROWS`` rows) and through cuBLAS on the bf16 expansion,
+    each against its floor. Every call is timed as graph replays of ``copies`` calls over rotated
+    weight copies (past the L2), per call; the cost of one launch alone (an empty kernel timed the
+    same way) is reported beside it, and ``launch_bound`` says where the floor is below it (the
+    small matrices: their floor is then out of any one-kernel GEMM's reach)."""
     fp8_rate = ceil.get("fp8_gemm_TFLOPs", ceil["bf16_gemm_TFLOPs"])
     out = []
+    launch: dict[int, float] = {}
     for name, n, k_in, groups in LINEARS:
         k = k_in // groups if groups > 1 else k_in
         q, s = random_fp8(n, k, g)
         wd = dequant_fp8_tiles(q, s).to(BF)
-        wbytes = n * k
-        copies = max(1, min(32, math.ceil((256 << 20) / wbytes)))  # rotate past the 60 MB L2
+        copies = max(1, min(32, math.ceil((256 << 20) / (n * k))))  # rotate past the 60 MB L2
+        if DEV.type == "cpu":
+            copies = 1
         qs = [(q.clone(), s.clone(), wd.clone()) for _ in range(copies)]
+        if copies not in launch:
+            launch[copies] = _launch_ms(copies)
         for m in LINEAR_ROWS:
             shape = (m, groups, k) if groups > 1 else (m, k)
             x = fp8_qdq(torch.randn(*shape, device=DEV, generator=g), 32).to(BF)
-            y = G.fp8_tile_gemm(x, q, s, groups=groups)
             if groups > 1:
                 w3 = wd.view(groups, n // groups, -1)
                 ref = torch.stack([x[:, i] @ w3[i].t() for i in range(groups)], 1)
             else:
                 ref = x @ wd.t()
-            err = rel(y, ref)
+            row = _linear_row(name, n, k_in, groups, m, ceil, fp8_rate)
+            row["launch_ms"] = launch[copies]
+            row["launch_bound"] = row["fp8_floor_ms"] < row["launch_ms"]
+            row["copies"] = copies
+            kernels = [v for v in LINEAR_KERNELS if v == "old" or m <= G.FP8_SWAP_MAX_ROWS]
+            limit = {"swap_scale_w": 16, "swap_k_natural": 32, "swap_bn64": 64}
+            kernels = [v for v in kernels if m <= limit.get(v, m)]
+            for kern in kernels:
+                conf = LINEAR_KERNELS[kern]
+                try:
+                    y = G.fp8_tile_gemm(x, q, s, groups=groups, config=conf)
 
-            def run_fp8(x=x, qs=qs, groups=groups):
-                for qq, ss, _ in qs:
-                    G.fp8_tile_gemm(x, qq, ss, groups=groups)
+                    def run(x=x, qs=qs, groups=groups, conf=conf):
+                        for qq, ss, _ in qs:
+                            G.fp8_tile_gemm(x, qq, ss, groups=groups, config=conf)
+
+                    ms = _time(run, iters=10, warmup=2, graph=True)["ms"] / copies
+                    row[kern] = {
+                        "config": conf,
+                        "ms": ms,
+                        "frac_of_floor": row["fp8_floor_ms"] / ms,
+                        "frac_of_floor_plus_launch": (row["fp8_floor_ms"] + row["launch_ms"]) / ms,
+                        "rel_err_vs_bf16": rel(y, ref),
+                    }
+                except Exception as ex:  # a variant that does not compile or run: keep the others
+                    row[kern] = {"config": conf, "error": f"{type(ex).__name__}: {str(ex)[:300]}"}
 
             def run_bf16(x=x, qs=qs, groups=groups, n=n):
                 for _, _, ww in qs:
@@ -379,37 +473,38 @@ def bench_linears(ceil: dict, g: torch.Generator) -> list[dict]:
                     else:
                         F.linear(x, wb)
 
-            t8 = time_cuda(run_fp8, iters=10, warmup=2, graph=True)["ms"] / copies
-            tdq = time_cuda(run_dequant, iters=10, warmup=2, graph=True)["ms"] / copies
-            tb = time_cuda(run_bf16, iters=10, warmup=2, graph=True)["ms"] / copies
-            act = m * k_in * 2 + m * n * 2
-            flops = 2 * m * n * k
-            f8 = max((wbytes * FP8_BYTES + act) / (ceil["copy_TBps"] * 1e12), flops / (fp8_rate * 1e12)) * 1e3
-            fb = max((wbytes * 2 + act) / (ceil["copy_TBps"] * 1e12), flops / (ceil["bf16_gemm_TFLOPs"] * 1e12)) * 1e3
-            row = {
-                "name": name,
-                "out": n,
-                "in": k_in,
-                "groups": groups,
-                "rows": m,
-                "rel_err_vs_bf16": err,
-                "fp8_ms": t8,
-                "fp8_floor_ms": f8,
-                "fp8_frac_of_floor": f8 / t8,
-                "bf16_ms": tb,
-                "bf16_floor_ms": fb,
-                "bf16_frac_of_floor": fb / tb,
-                "speedup_vs_bf16": tb / t8,
-                "dequant_then_cublas_ms": tdq,
-            }
+            tb = _time(run_bf16, iters=10, warmup=2, graph=True)["ms"] / copies
+            row["bf16"] = {"ms": tb, "frac_of_own_floor": row["bf16_floor_ms"] / tb}
+            row["bf16"]["frac_of_fp8_floor"] = row["fp8_floor_ms"] / tb
+            row["dequant_then_cublas_ms"] = _time(run_dequant, iters=10, warmup=2, graph=True)["ms"] / copies
+            timed = [v for v in kernels if "ms" in row[v]]
+            for v in timed:  # the gain over the bf16 path, as one ratio
+                row[v]["speedup_vs_bf16"] = tb / row[v]["ms"]
+            if timed:
+                best = min(timed, key=lambda v: row[v]["ms"])
+                row["best_fp8"] = best
+                row["best_fp8_speedup_vs_bf16"] = tb / row[best]["ms"]
+                row["best_fp8_frac_of_floor"] = row[best]["frac_of_floor"]
+            if "ms" in row.get("swap", {}) and "ms" in row["old"]:
+                row["swap_speedup_vs_old"] = row["old"]["ms"] / row["swap"]["ms"]
             out.append(row)
+            cells = " | ".join(
+                f"{v} {row[v]['ms'] * 1e3:7.1f} us ({100 * row[v]['frac_of_floor']:5.1f}%, "
+                f"err {row[v]['rel_err_vs_bf16']:.0e})"
+                if "ms" in row[v]
+                else f"{v} {row[v]['error']}"
+                for v in kernels
+            )
+            bound = " (launch-bound)" if row["launch_bound"] else ""
             log(
-                f"{name:10s} rows {m:5d} | fp8 {t8 * 1e3:8.1f} us ({100 * f8 / t8:5.1f}% floor) | "
-                f"bf16 {tb * 1e3:8.1f} us ({100 * fb / tb:5.1f}%) | x{tb / t8:.2f} | dq+cublas {tdq * 1e3:7.1f} us"
-                f" | err {err:.1e}"
+                f"{name:10s} rows {m:5d} | floor {row['fp8_floor_ms'] * 1e3:6.2f} us "
+                f"launch {row['launch_ms'] * 1e3:5.2f} us{bound} | {cells} | bf16 {tb * 1e3:7.1f} us "
+                f"({100 * row['bf16']['frac_of_own_floor']:5.1f}% own) | "
+                f"dq+cublas {row['dequant_then_cublas_ms'] * 1e3:7.1f} us"
             )
         del qs
-        torch.cuda.empty_cache()
+        if DEV.type == "cuda":
+            torch.cuda.empty_cache()
     return out
 
 
@@ -689,14 +784,21 @@ def main() -> None:
     if os.environ.get("ASYMPD_BENCH_SASS", "0") == "1":  # offline, no GPU
         record("formats_sass", {"sass": sass_counts()}, started)
         return
-    global DEV, MOE_VARIANT_ROWS
+    global DEV, MOE_VARIANT_ROWS, LINEARS, LINEAR_ROWS
     smoke = "--smoke" in sys.argv
+    only = os.environ.get("ASYMPD_BENCH_ONLY")  # a comma list of sections, e.g. lm_head
     if smoke:  # CPU, tiny config, made-up ceilings: checks that every path runs, measures nothing
-        if os.environ.get("ASYMPD_BENCH_MOE_VARIANTS", "0") != "1":
-            raise SystemExit("--smoke covers the MoE-variants mode only (ASYMPD_BENCH_MOE_VARIANTS=1)")
+        if os.environ.get("ASYMPD_BENCH_MOE_VARIANTS", "0") != "1" and only != "linears":
+            raise SystemExit(
+                "--smoke covers the MoE-variants mode (ASYMPD_BENCH_MOE_VARIANTS=1) and ASYMPD_BENCH_ONLY=linears"
+            )
         from asympd.config import tiny
 
         DEV, MOE_VARIANT_ROWS = torch.device("cpu"), [1, 64, 2500]  # 2500: M-blocks of 128 rows
+        # small matrices of each form (plain, split K, grouped, a partial column block), rows on both
+        # sides of FP8_SWAP_MAX_ROWS
+        LINEARS = [("wq_a", 128, 512, 1), ("wkv", 96, 256, 1), ("wo_a", 256, 512, 4)]
+        LINEAR_ROWS = [1, 16, 40, G.FP8_SWAP_MAX_ROWS + 1]
     torch.manual_seed(0)
     g = torch.Generator(device=DEV).manual_seed(0)
     cfg = tiny() if smoke else v41_flash()
@@ -719,9 +821,9 @@ def main() -> None:
             ("moe_variants", lambda: bench_moe_variants(cfg, ceil, g)),
         )
         name = "formats_moe_variants_smoke" if smoke else "formats_moe_variants"
-    only = os.environ.get("ASYMPD_BENCH_ONLY")  # a comma list of sections, e.g. lm_head
-    if only:
+    if only:  # its own file (formats.json stays whole): formats_<sections>.json
         sections = tuple(s for s in sections if s[0] in only.split(","))
+        name = f"{name}_{'_'.join(sorted(only.split(',')))}" + ("_smoke" if smoke else "")
     for key, fn in sections:
         try:
             data[key] = fn()

@@ -1,7 +1,9 @@
 """Triton GEMMs on the release's weight formats, so weights stay packed on the device.
 
 - ``fp8_tile_gemm``: ``y = a @ W^T`` with W e4m3 ``[N, K]`` and one UE8M0 scale per 32x32 tile (the
-  attention matrices, the shared expert, Engram's ``wkv``);
+  attention matrices, the shared expert, Engram's ``wkv``). Decode sizes (<= 256 rows, CUDA) take
+  the transposed ``_fp8_tile_swap_kernel`` (expanded weights as wgmma's register operand, split K
+  reduced in the same launch); ``config={"swap_ab": False}`` keeps the first kernel;
 - ``mxfp4_moe_gemm``: the routed experts. Rows arrive sorted by expert; row r multiplies
   ``W[expert(r)]`` packed e2m1 ``[E, N, K/2]`` with one UE8M0 scale per 32 K elements, its bytes permuted
   once at load (``repack_fp4``) so each 16-byte load meets two contiguous halves of the activations.
@@ -161,6 +163,131 @@ if AVAILABLE:
                 acc = tl.dot(a, tl.trans(wv.to(a.dtype)), acc)
         out = y_ptr + split * s_ys + r64[:, None] * s_ym + g * s_yg + cols[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < n_per_group))
+
+    # ---- FP8-tile GEMM, decode regime (transposed tile; its own section: the MXFP4 kernels below are
+    # edited separately) ------------------------------------------------------------------------------
+
+    @triton.jit
+    def _fp8_tile_swap_kernel(
+        a_ptr,
+        w_ptr,
+        s_ptr,
+        y_ptr,
+        part_ptr,
+        cnt_ptr,
+        M,
+        s_am,
+        s_ag,
+        s_wn,
+        s_sn,
+        s_ym,
+        s_yg,
+        n_per_group,
+        KB_PER_SPLIT: tl.constexpr,
+        SPLITS: tl.constexpr,
+        UNROLL: tl.constexpr,
+        DOT_F32: tl.constexpr,
+        SCALE_AFTER: tl.constexpr,
+        K_ORDER: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """``_fp8_tile_gemm_kernel``'s tile computed transposed for few rows (the FP8-tile counterpart
+        of ``_mxfp4_moe_swap_kernel``): ``acc^T [BLOCK_N, BLOCK_M] += W [BLOCK_N, 32] @ a^T [32,
+        BLOCK_M]``, one dot per 32-K tile column. The e4m3 weights are expanded to the activations'
+        dtype in registers (exact) and are the dot's first operand, which wgmma reads from registers;
+        only the few activation rows go through shared memory. The activations arrive through the
+        reference's per-32 quantize-dequantize, so their per-(row, 32-K) scale is already in their
+        (exact) values. ``SCALE_AFTER``: each weight row's tile scale multiplies the K = 32 dot's fp32
+        result (BLOCK_M / 32 FMAs a weight) instead of the expanded weights (one multiply a weight).
+        ``K_ORDER``: K permuted within each 32-K tile column (weights and activations alike, so the
+        dot is unchanged): the thread that loads bytes 8c..8c+7 of a weight row holds exactly the
+        columns wgmma's register fragment wants from it (2c, 2c+1, +8, +16, +24: column 8i + 2c + t
+        is element 8c + 2i + t), so the weights leave shared memory in 8-byte reads instead of
+        2-byte ones; the activations are then read in 4-byte pairs.
+
+        The hot loop in sm_90a SASS (Triton 3.6's ptxas, offline: K 5120, BLOCK_N 128, UNROLL 2, 4
+        warps, 64 weights a thread an iteration), instructions a weight: BLOCK_M 16: 5.02, with
+        ``K_ORDER`` 4.42 (of which 2.1 the e4m3 -> bf16 conversion: F2F, F2FP, PRMT), the scale on
+        the weights 4.95; BLOCK_M 32: 5.52 / 5.23 / 5.19; BLOCK_M 64: 6.50 / 6.59 / 5.78 (247
+        registers with the scale after the dot, 128 without). The first kernel: 7.9 (BLOCK_M 16,
+        BLOCK_N 64). Hence the defaults: the scale after the dot for BLOCK_M <= 16, ``K_ORDER`` for
+        BLOCK_M <= 32; the device's timings decide (``bench/formats.py`` ``linears``).
+
+        Rows past M read row M - 1 and weight rows past the group read its last row, and splits cover
+        whole unrolled steps, so the loop carries no masks; only the store is masked.
+
+        ``SPLITS`` > 1 (split K, for the small-N matrices to fill the chip): every split writes its
+        fp32 partial tile to ``part_ptr``, then takes a ticket from the tile's counter; the one that
+        draws the last ticket adds the ``SPLITS`` partials in split order (the same order whichever
+        program it is: deterministic), writes the output and resets the counter for the next call.
+        One launch, no separate reduction kernel (which costs about as much as these GEMMs' floors)."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        g = tl.program_id(2) // SPLITS
+        split = tl.program_id(2) % SPLITS
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        src = tl.minimum(rows, M - 1).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < n_per_group
+        wrows = (g * n_per_group + tl.minimum(cols, n_per_group - 1)).to(tl.int64)
+        kk = tl.arange(0, 32)
+        kb_lo = split * KB_PER_SPLIT
+        w_ptrs = w_ptr + wrows[:, None] * s_wn + kb_lo * 32 + kk[None, :]
+        s_ptrs = s_ptr + (wrows // 32) * s_sn + kb_lo
+        if K_ORDER:  # see K_ORDER above: the activations read in the permuted K order
+            ka = (kk % 8 // 2) * 8 + (kk // 8) * 2 + kk % 2
+        else:
+            ka = kk
+        a_ptrs = a_ptr + src[:, None] * s_am + g * s_ag + kb_lo * 32 + ka[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for kb0 in range(0, KB_PER_SPLIT, UNROLL):
+            for u in tl.static_range(UNROLL):
+                kb = kb0 + u
+                w = tl.load(w_ptrs + kb * 32)
+                if K_ORDER:
+                    w = w.reshape(BLOCK_N, 4, 4, 2).permute(0, 2, 1, 3).reshape(BLOCK_N, 32)
+                sc = _ue8m0(tl.load(s_ptrs + kb))[:, None]
+                a_k = tl.load(a_ptrs + kb * 32)
+                if SCALE_AFTER:
+                    if DOT_F32:
+                        t = tl.dot(w.to(tl.float32), tl.trans(a_k.to(tl.float32)), input_precision="ieee")
+                    else:
+                        t = tl.dot(w.to(a_k.dtype), tl.trans(a_k))
+                    acc += t * sc
+                elif DOT_F32:
+                    wv = w.to(tl.float32) * sc
+                    acc = tl.dot(wv, tl.trans(a_k.to(tl.float32)), acc, input_precision="ieee")
+                else:
+                    wv = (w.to(tl.float32) * sc).to(a_k.dtype)  # exact: e4m3 times a power of two
+                    acc = tl.dot(wv, tl.trans(a_k), acc)
+        out_mask = rmask[None, :] & cmask[:, None]
+        out = y_ptr + rows.to(tl.int64)[None, :] * s_ym + g * s_yg + cols[:, None]
+        if SPLITS == 1:
+            tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            tile = (tl.program_id(2) // SPLITS * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_m
+            p_offs = rows.to(tl.int64)[None, :] * (tl.num_programs(1) * BLOCK_N) + cols[:, None]
+            p_base = part_ptr + (g * SPLITS).to(tl.int64) * M * tl.num_programs(1) * BLOCK_N
+            p_step = M * tl.num_programs(1) * BLOCK_N
+            tl.store(p_base + split * p_step + p_offs, acc, mask=rmask[None, :])
+            tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+            ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLITS - 1:  # the last split of this tile: reduce in split order
+                tot = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                # four partials' loads in flight at once, added in split order
+                p_ptrs = p_base + p_offs
+                pm = rmask[None, :]
+                CG: tl.constexpr = ".cg"  # from L2: the other programs wrote them
+                for s0 in range(0, SPLITS, 4):
+                    p0 = tl.load(p_ptrs + s0 * p_step, mask=pm, other=0.0, cache_modifier=CG)
+                    p1 = tl.load(p_ptrs + (s0 + 1) * p_step, mask=pm & (s0 + 1 < SPLITS), other=0.0, cache_modifier=CG)
+                    p2 = tl.load(p_ptrs + (s0 + 2) * p_step, mask=pm & (s0 + 2 < SPLITS), other=0.0, cache_modifier=CG)
+                    p3 = tl.load(p_ptrs + (s0 + 3) * p_step, mask=pm & (s0 + 3 < SPLITS), other=0.0, cache_modifier=CG)
+                    tot = (((tot + p0) + p1) + p2) + p3
+                tl.store(out, tot.to(y_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _mxfp4_moe_kernel(
@@ -607,6 +734,92 @@ def _sms(device: torch.device) -> int:
     return 4
 
 
+# process-wide overrides of ``fp8_tile_gemm``'s config defaults (e.g. ``{"swap_ab": True}``): how a
+# test or a benchmark runs the whole model on one FP8-tile kernel; empty in the product
+FP8_DEFAULTS: dict = {}
+# the largest row count the transposed FP8-tile kernel takes by default (on CUDA): decode sizes
+FP8_SWAP_MAX_ROWS = 256
+# split-K tickets of the transposed FP8-tile kernel, one zeroed int32 counter per output tile, per
+# (device, stream): the kernel leaves them zero, so a buffer is reused (and graph replays work); a
+# stream of its own keeps concurrent GEMMs on other streams from sharing a counter
+_TICKETS: dict[tuple, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, n: int) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _TICKETS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _TICKETS[key] = buf
+    return buf
+
+
+def _swap_splits(n_steps: int, tiles: int, sms: int, cap: int = 16) -> int:
+    """Splits of K for the transposed FP8-tile kernel. Fewer than two output tiles per SM: the
+    fewest splits that give four programs per SM (several resident at once keep enough loads in
+    flight), else the most allowed; each split a divisor of the unrolled steps (whole steps, no
+    masks), >= 2 steps long, and at most ``cap`` of them (the last program of a tile reads every
+    partial: its reduction's latency grows with the count)."""
+    if tiles >= 2 * sms:
+        return 1
+    want = -(-4 * sms // max(1, tiles))
+    ok = [d for d in range(1, min(cap, n_steps // 2) + 1) if n_steps % d == 0] or [1]
+    return min((d for d in ok if d >= want), default=max(ok))
+
+
+def _fp8_tile_swap(
+    a3: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, n: int, groups: int, cfg: dict
+) -> torch.Tensor:
+    """Launch ``_fp8_tile_swap_kernel`` (see ``fp8_tile_gemm``); returns [M, groups, n]."""
+    m, _, k = a3.shape
+    if k % 32:
+        raise ValueError(f"fp8_tile_gemm: the transposed kernel needs K a multiple of 32, got {k}")
+    n_kb = k // 32
+    unroll = cfg.get("unroll", 2 if n_kb % 2 == 0 else 1)
+    if n_kb % unroll:
+        raise ValueError(f"fp8_tile_gemm: unroll {unroll} does not divide the {n_kb} tile columns of K")
+    bm = cfg.get("block_m", min(_block_m(m), 64))
+    bn = cfg.get("block_n", 128)
+    grid_mn = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    tiles = grid_mn[0] * grid_mn[1] * groups
+    n_steps = n_kb // unroll
+    split = cfg.get("split_k") or _swap_splits(n_steps, tiles, _sms(a3.device))
+    split = max(d for d in range(1, min(split, n_steps) + 1) if n_steps % d == 0)  # whole steps per split
+    y = torch.empty(m, groups, n, dtype=a3.dtype, device=a3.device)
+    part, cnt = y, y  # unused without split K
+    if split > 1:
+        part = torch.empty(groups * split * m * grid_mn[1] * bn, dtype=torch.float32, device=a3.device)
+        cnt = _tickets(a3.device, tiles)
+    _fp8_tile_swap_kernel[(grid_mn[0], grid_mn[1], groups * split)](
+        a3,
+        weight,
+        s,
+        y,
+        part,
+        cnt,
+        m,
+        a3.stride(0),
+        a3.stride(1),
+        weight.stride(0),
+        s.stride(0),
+        y.stride(0),
+        y.stride(1),
+        n,
+        KB_PER_SPLIT=n_kb // split,
+        SPLITS=split,
+        UNROLL=unroll,
+        DOT_F32=_dot_f32(a3),
+        SCALE_AFTER=cfg.get("scale_after", bm <= 16),
+        K_ORDER=cfg.get("k_order", bm <= 32),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        num_warps=cfg.get("num_warps", 4),
+        num_stages=cfg.get("num_stages", 3) if a3.is_cuda else 1,
+    )
+    return y
+
+
 def fp8_tile_gemm(
     a: torch.Tensor,
     weight: torch.Tensor,
@@ -619,7 +832,15 @@ def fp8_tile_gemm(
 
     a: [M, K] (or [M, groups, K] with ``groups`` > 1: group g uses weight rows [g*N/groups, ...));
     weight: e4m3 [N, K]; scale: UE8M0 (``float8_e8m0fnu`` or uint8) [ceil(N/32), ceil(K/32)].
-    Returns [M, N] (or [M, groups, N/groups])."""
+    Returns [M, N] (or [M, groups, N/groups]).
+
+    config (all optional): ``swap_ab`` (the transposed decode-regime kernel ``_fp8_tile_swap_kernel``;
+    default on CUDA for M <= ``FP8_SWAP_MAX_ROWS``, K a multiple of 32) with its ``block_m``,
+    ``block_n``, ``unroll``, ``scale_after`` (default ``block_m <= 16``), ``k_order`` (default
+    ``block_m <= 32``), ``split_k`` (also the argument; rounded down to a divisor of the unrolled
+    K steps; its partials reduced inside the one launch), ``num_warps``, ``num_stages``; otherwise
+    the first kernel's ``block_m``, ``block_n``, ``num_warps``, ``num_stages``.
+    ``FP8_DEFAULTS`` (module level) overrides the defaults process-wide."""
     if a.dtype not in (torch.bfloat16, torch.float32, torch.float16):
         raise TypeError(f"fp8_tile_gemm: activations must be bf16/fp16/fp32, got {a.dtype}")
     n_total, k = weight.shape
@@ -632,7 +853,10 @@ def fp8_tile_gemm(
     if a3.stride(-1) != 1:
         a3 = a3.contiguous()
     m = a3.size(0)
-    cfg = config or {}
+    cfg = {**FP8_DEFAULTS, **(config or {})}
+    if cfg.get("swap_ab", a.is_cuda and m <= FP8_SWAP_MAX_ROWS and k % 32 == 0):
+        cfg = {"split_k": split_k, **cfg} if split_k is not None else cfg
+        return _fp8_tile_swap(a3, weight, scale.view(torch.uint8), n, groups, cfg).reshape(*a.shape[:-1], n)
     bm = cfg.get("block_m", _block_m(m))
     # defaults from the sweep in bench/results/formats_sweep.json (H200)
     bn = cfg.get("block_n", 64 if m <= 16 else 128)

@@ -86,3 +86,36 @@ def test_formats_moe_variants_smoke(tmp_path):
             assert x[v]["rel_err_vs_current"] < 1e-2 and x[v]["speedup_vs_bf16"] > 0
         for v in ("swap_ab_unroll4", "fp8_unroll4") if small else ():  # the tiny w2 has 2 scale blocks of K
             assert "unroll 4 does not divide the 2 scale blocks" in x[v]["error"]
+
+
+def test_formats_linears_smoke(tmp_path):
+    """bench/formats.py's FP8-tile linears (what the device runs for the transposed kernel) on CPU:
+    every kernel variant where it applies (the transposed ones at <= FP8_SWAP_MAX_ROWS rows), bf16
+    beside them, the floors and the launch cost in every row, each variant the same function."""
+    env = {**os.environ, "ASYMPD_OUT": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env["ASYMPD_BENCH_ONLY"] = "linears"
+    subprocess.run([sys.executable, "bench/formats.py", "--smoke"], cwd=ROOT, env=env, check=True, timeout=600)
+    r = json.loads((tmp_path / "formats_linears_smoke.json").read_text())
+    rows = r["linears"]
+    assert [(x["name"], x["rows"]) for x in rows] == [
+        (name, m) for name in ("wq_a", "wkv", "wo_a") for m in (1, 16, 40, 257)
+    ]
+    expect = {
+        1: {"old", "swap", "swap_scale_w", "swap_k_natural", "swap_bn64"},
+        16: {"old", "swap", "swap_scale_w", "swap_k_natural", "swap_bn64"},
+        40: {"old", "swap", "swap_bn64"},
+        257: {"old"},
+    }
+    every = {"old", "swap", "swap_scale_w", "swap_k_natural", "swap_bn64"}
+    for x in rows:
+        assert {v for v in every if v in x} == expect[x["rows"]], x
+        for v in expect[x["rows"]]:
+            assert "error" not in x[v], x[v]
+            # bf16 outputs against cuBLAS-style bf16 (x @ W^T rounded once): rounding only
+            assert x[v]["rel_err_vs_bf16"] < 1e-2 and x[v]["ms"] > 0
+            assert x[v]["speedup_vs_bf16"] == x["bf16"]["ms"] / x[v]["ms"]
+        assert x["bf16"]["ms"] > 0 and x["launch_ms"] > 0 and isinstance(x["launch_bound"], bool)
+        wbytes = x["out"] * x["in"] // x["groups"]
+        assert x["fp8_bytes"] == wbytes * (1 + 1 / 1024) + x["rows"] * (x["in"] + x["out"]) * 2
+        assert x["fp8_floor_ms"] == max(x["fp8_bytes_floor_ms"], x["fp8_flops_floor_ms"])
+        assert x["best_fp8"] in expect[x["rows"]]

@@ -63,6 +63,78 @@ def test_fp8_tile_gemm_grouped_takes_each_group_through_its_rows():
     assert y.shape == (7, 2, 64) and rel(y, ref) < 1e-6
 
 
+@pytest.mark.parametrize(
+    "m,n,k,groups,config",
+    [
+        (1, 96, 160, 1, {}),  # one row; 96 columns: a partial column block (clamped loads, masked store)
+        (3, 64, 256, 1, {"split_k": 4}),  # split K: the last program reduces in split order
+        (2, 64, 448, 1, {"split_k": 7, "unroll": 2}),  # 7 splits: a partial chunk of 4 in the reduction
+        (7, 256, 128, 2, {"split_k": 2}),  # grouped (wo_a's form), split
+        (7, 256, 128, 2, {"scale_after": False, "k_order": False}),  # grouped, the scale on the weights
+        (9, 64, 128, 1, {"k_order": False, "split_k": 2}),  # K in its own order
+        (40, 64, 128, 1, {"k_order": True, "scale_after": False}),  # 64-row M-block, permuted K
+        (5, 128, 192, 1, {"split_k": 3, "block_n": 64, "unroll": 1}),  # 6 steps in 3 splits
+        (40, 160, 96, 1, {"scale_after": True}),  # 40 rows: M-blocks of 64, the scale after the dot
+        (21, 96, 256, 1, {"block_m": 16, "split_k": 2}),  # two M-blocks, the second partial
+    ],
+)
+def test_fp8_tile_swap_ab_equals_the_dequantized_gemm(m, n, k, groups, config):
+    """The transposed decode-regime FP8-tile kernel against the float64 GEMM on the dequantized
+    weights and against the first kernel: fp32 equal up to summation order, bf16 the exact product
+    rounded once (one ulp for the order)."""
+    g = torch.Generator().manual_seed(m * 100 + n + k + groups)
+    q, s, wd = _fp8_weight(n, k, g)
+    shape = (m, groups, k) if groups > 1 else (m, k)
+    a = fp8_qdq(torch.randn(*shape, generator=g), 32).to(DEVICE)
+    if groups > 1:
+        w3 = wd.double().view(groups, n // groups, k)
+        ref = torch.stack([a[:, i].double() @ w3[i].t() for i in range(groups)], dim=1)
+    else:
+        ref = a.double() @ wd.double().t()
+    cfg = {"swap_ab": True, **config}
+    y = gemm.fp8_tile_gemm(a, q, s, groups=groups, config=cfg)
+    old = gemm.fp8_tile_gemm(a, q, s, groups=groups, config={"swap_ab": False})
+    assert y.shape == old.shape == ref.shape and y.dtype == torch.float32
+    assert rel(y, ref) < 1e-6 and rel(y, old) < 1e-6
+    assert torch.equal(gemm.fp8_tile_gemm(a, q, s, groups=groups, config=cfg), y)  # deterministic
+    yb = gemm.fp8_tile_gemm(a.bfloat16(), q, s, groups=groups, config=cfg)
+    assert yb.dtype == torch.bfloat16
+    assert torch.allclose(yb.double(), ref.bfloat16().double(), rtol=2**-7, atol=0)
+    # split K leaves every ticket counter at zero for the next call (and for CUDA graph replays)
+    assert all(int(t.abs().sum()) == 0 for t in gemm._TICKETS.values())
+
+
+def test_fp8_tile_swap_ab_splits_k_to_fill_the_chip():
+    """Four programs per SM where the tiles are fewer than two per SM, whole unrolled steps per
+    split, at least two steps each, at most 16 splits (132 SMs)."""
+    assert gemm._swap_splits(80, 4, 132) == 16  # wkv 512x5120 at one row: 4 column blocks, capped
+    assert gemm._swap_splits(20, 256, 132) == 4  # wq_b 32768x1280: 256 blocks, 1024 programs
+    assert gemm._swap_splits(8, 64, 132) == 4  # wo_a: 8 groups x 8 column blocks, K 512: 4 steps of 2
+    assert gemm._swap_splits(128, 40, 132) == 16  # wo_b 5120x8192: 40 blocks want 14 -> 16
+    assert gemm._swap_splits(80, 300, 132) == 1  # enough tiles
+    assert gemm._swap_splits(3, 1, 132) == 1  # 3 steps: no split leaves two steps each
+
+
+def test_fp8_tile_gemm_picks_the_transposed_kernel_by_rows(monkeypatch):
+    """On CUDA the transposed kernel for M <= FP8_SWAP_MAX_ROWS; ``FP8_DEFAULTS`` and ``config``
+    select either kernel anywhere (on CPU the default is the first kernel)."""
+    calls = []
+    real = gemm._fp8_tile_swap
+    monkeypatch.setattr(gemm, "_fp8_tile_swap", lambda *args: calls.append(args[0].shape) or real(*args))
+    g = torch.Generator().manual_seed(8)
+    q, s, _ = _fp8_weight(64, 96, g)
+    a = fp8_qdq(torch.randn(5, 96, generator=g), 32).to(DEVICE)
+    big = fp8_qdq(torch.randn(gemm.FP8_SWAP_MAX_ROWS + 1, 96, generator=g), 32).to(DEVICE)
+    gemm.fp8_tile_gemm(a, q, s)
+    gemm.fp8_tile_gemm(big, q, s)
+    assert calls == ([(5, 1, 96)] if DEVICE == "cuda" else [])
+    calls.clear()
+    monkeypatch.setattr(gemm, "FP8_DEFAULTS", {"swap_ab": True})
+    gemm.fp8_tile_gemm(a, q, s)
+    gemm.fp8_tile_gemm(a, q, s, config={"swap_ab": False})
+    assert calls == [(5, 1, 96)]
+
+
 def test_fp8_tile_linear_quantizes_its_input_like_the_reference():
     g = torch.Generator().manual_seed(6)
     q, s, wd = _fp8_weight(64, 96, g)
@@ -350,18 +422,20 @@ def test_weights_layout_names():
 
 
 @pytest.mark.parametrize(
-    "mode,weights,moe",
+    "mode,weights,moe,fp8",
     [
-        ("colocated", "packed", {}),
-        ("asymmetric", "packed", {}),
-        ("asymmetric", "packed-experts", {}),
+        ("colocated", "packed", {}, {}),
+        ("asymmetric", "packed", {}, {}),
+        ("asymmetric", "packed-experts", {}, {}),
+        # the transposed FP8-tile kernel (the CUDA default for <= 256 rows) on every FP8 matrix
+        ("asymmetric", "packed", {}, {"swap_ab": True}),
         # not the opt-in FP8 variant ({"fp8": True}): on the H200 it gave another first token on one
         # prompt (bench/results/test_packed_fp8_cuda_b118c33.log): FP8 wgmma does not add a 32-K block
         # in full fp32, and this fp32 check allows summation order only; its GEMM tests bound its error
     ],
-    ids=["colocated-packed", "asymmetric-packed", "asymmetric-packed-experts"],
+    ids=["colocated-packed", "asymmetric-packed", "asymmetric-packed-experts", "asymmetric-packed-fp8-swap"],
 )
-def test_packed_weights_give_the_reference_tokens(tiny_ckpt, mode, weights, moe, monkeypatch):
+def test_packed_weights_give_the_reference_tokens(tiny_ckpt, mode, weights, moe, fp8, monkeypatch):
     """Greedy tokens and logprobs in fp32 with packed weights against the same device's dequantized
     weights (on CPU: the reference; on CUDA the rest of the path is the same kernels, so this isolates
     the packing; tests/model/test_cuda.py compares CUDA with the CPU reference). The two sum in
@@ -370,14 +444,21 @@ def test_packed_weights_give_the_reference_tokens(tiny_ckpt, mode, weights, moe,
     sensitivity; seen here: one prompt of six whose prefill moves its logprobs by 0.08): so the first
     token of every prompt must match, and at least 5 of the 6 prompts must match in every token and
     every logprob to 1e-4. A wrong kernel changes nearly all of them. ``moe``: the expert GEMMs'
-    kernel variant (``gemm_kernels.MOE_DEFAULTS``) for the packed model."""
+    kernel variant (``gemm_kernels.MOE_DEFAULTS``) for the packed model; ``fp8``: the FP8-tile
+    GEMMs' (``gemm_kernels.FP8_DEFAULTS``)."""
     prompts = random_prompts([40, 9, 21, 64, 17, 100], seed=3)
     sp = asympd.SamplingParams(max_tokens=5, temperature=0, logprobs=2)
     outs = {}
+    swaps = []
+    real_swap = gemm._fp8_tile_swap
+    monkeypatch.setattr(gemm, "_fp8_tile_swap", lambda *args: swaps.append(args[0].shape) or real_swap(*args))
     for name in ("dequantized", weights):
         monkeypatch.setattr(gemm, "MOE_DEFAULTS", moe if name == weights else {})
+        monkeypatch.setattr(gemm, "FP8_DEFAULTS", fp8 if name == weights else {})
         llm = asympd.LLM(tiny_ckpt, mode=mode, device=DEVICE, dtype=torch.float32, weights=name)
         outs[name] = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+    # the transposed FP8-tile kernel ran every FP8 matrix exactly where it was asked for
+    assert bool(swaps) == (fp8.get("swap_ab", False) or (DEVICE == "cuda" and weights == "packed"))
     agree = 0
     for ref, got in zip(outs["dequantized"], outs[weights], strict=True):
         a, b = ref.outputs[0], got.outputs[0]
