@@ -303,10 +303,14 @@ def run_cell(
         row["unfused"] = run(lambda r=r, kind=kind, ce=cand_e: unfused_select(cell, r, kind, ce), iters)
         # the chosen versions' defaults in every cell (old against new in one run); in decode also
         # versions 3 and 4 with each row tile's entries split over 2 programs (256 tiles fill the
-        # resident blocks, so neither default splits there: whether splitting pays anyway)
+        # resident blocks, so neither default splits there: whether splitting pays anyway), and
+        # version 4 without its register cap (64-entry tiles at one block per SM: what the tile
+        # size alone does, apart from the second block)
         configs: list[dict[str, Any]] = [{"version": v} for v in versions]
         if cell.q <= 16:
             configs += [{"version": v, "splits": 2} for v in versions if v >= 3]
+            if 4 in versions:
+                configs.append({"version": 4, "maxnreg": 0})
         if sweep:  # then other tilings; Triton's sort as the fallback should the bitonic one fail
             configs += [{"version": 1}, {"version": 3, "rows_per_tile": 4}, {"version": 3, "rows_per_tile": 8},
                         {"version": 3, "block_n": 64}, {"version": 3, "block_n": 128},
@@ -319,6 +323,8 @@ def run_cell(
                 row.setdefault("config_errors", {})[str(kw)] = f"{type(e).__name__}: {str(e)[:300]}"
                 continue
             t["config"] = kw
+            # every config selects what the default does (splits, tiles, register caps included)
+            t["selections_equal_default"] = bool(torch.equal(fused_select(cell, r, kind, cand_b, **kw)[0], got))
             row.setdefault("fused_configs", []).append(t)
         pick_best(row)
         finish(row)
@@ -417,6 +423,11 @@ def summary(row: dict[str, Any]) -> str:
         )
         + (f"batched {row['batched']['ms']:.3f} ms ({row['speedup_vs_batched']:.2f}x) " if "batched" in row else "")
         + f"agree {row['agree']}"
+        + (
+            f" configs_select_equal {all(t['selections_equal_default'] for t in row['fused_configs'])}"
+            if row.get("fused_configs") and "selections_equal_default" in row["fused_configs"][0]
+            else ""
+        )
     )
 
 
@@ -461,6 +472,7 @@ def main() -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     # the cells asked for, in the order given (the budget cuts the last ones first)
     order = [int(c) for c in args.cells.split(",") if c] or list(range(len(cells)))
+    order = [i for i in order if i < len(cells)]  # --smoke has two cells: the GPU command runs as is
     for i in order:
         seqs, q, ctx = cells[i]
         if args.profile:

@@ -973,8 +973,8 @@ def indexer_topk(
     each row tile's entries split over ``splits`` programs (default: enough for one program per
     SM on CUDA, 1 under the interpreter), their top-k keys merged here (exact: keys are unique).
     Version 4 is version 3's kernel sized for two blocks per SM: by default 4 rows and 64 entries
-    a tile, ``maxnreg`` (ptxas's register cap per thread; CUDA only, the interpreter has none)
-    ``V4_MAXNREG``, and splits counted against two resident blocks per SM."""
+    a tile, ``maxnreg`` (ptxas's register cap per thread; CUDA only, the interpreter has none; 0
+    for no cap) ``V4_MAXNREG``, and splits counted against two resident blocks per SM."""
     version = INDEXER_VERSION if version is None else version
     if version not in (1, 2, 3, 4):
         raise ValueError(f"version must be 1, 2, 3 or 4, got {version!r}")
@@ -1039,7 +1039,7 @@ def indexer_topk(
         per_sm = V4_BLOCKS_PER_SM if version == 4 else 1
         ns = splits or _default_splits(q.is_cuda, -(-rows // bm), bound, kp, dev, per_sm)
         # ptxas's register cap: a compile option (part of the kernel's cache key); the interpreter has none
-        opts = {"maxnreg": maxnreg} if maxnreg is not None and q.is_cuda else {}
+        opts = {"maxnreg": maxnreg} if maxnreg and q.is_cuda else {}  # 0: no cap
         buf = torch.empty(row0.numel(), ns, bm, kp + NSLICE * kp, dtype=torch.int64, device=dev)
         keys = torch.empty(rows, ns, kp, dtype=torch.int64, device=dev)
         counts = torch.empty(row0.numel() * ns * bm, dtype=torch.int32, device=dev)
