@@ -17,10 +17,15 @@ and the two sum the heads in different orders), and the attention outputs' relat
 Attention is also timed as the engine's batched path runs it today (``batched``: every row at
 once, entries gathered through the block tables, ``fast_sparse_attention`` per row tile), the
 strongest unfused baseline; ``speedup_vs_batched`` compares the fused kernel with it. The indexer's
-"today" in the engine is the fused kernel itself (version 2 until version 3): ``speedup_v3_over_v2``.
+"today" in the engine is the fused kernel itself (version 3): ``speedup_v3_over_v2`` and
+``speedup_v4_over_v3`` (version 4: version 3's kernel in 64-entry tiles held to 128 registers a
+thread, two blocks per SM). ``--versions`` picks the indexer versions timed (each one's defaults;
+selections checked equal to the default version's: ``v3_equals_v4``).
 
     python -m bench.attn_kernels            # on the GPU, < 3 minutes; JSON to bench/results/
     python -m bench.attn_kernels --smoke    # tiny config on CPU through the Triton interpreter
+    python -m bench.attn_kernels --no-sweep --no-attention --versions 3,4 --cells 0,2,1 --out attn_kernels_v4
+        # version 3 against 4: decode, then prefill 16K @ 48K, then 4K @ 16K (the budget cuts the last)
 """
 
 from __future__ import annotations
@@ -262,7 +267,16 @@ def agreement(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
 # ---- the run --------------------------------------------------------------------------------------
 
 
-def run_cell(cell: Cell, run, ceil, res: dict[str, Any], iters: int, sweep: bool) -> None:
+def run_cell(
+    cell: Cell,
+    run,
+    ceil,
+    res: dict[str, Any],
+    iters: int,
+    sweep: bool,
+    versions: tuple[int, ...] = (2, 3, 4),
+    attention: bool = True,
+) -> None:
     cfg = cell.cfg
     out: dict[str, Any] = {}
     # index_r2: the ratio-2 index sources
@@ -275,7 +289,14 @@ def run_cell(cell: Cell, run, ceil, res: dict[str, Any], iters: int, sweep: bool
         ref, ref_cand = unfused_select(cell, r, kind, cand_e)
         got, got_cand = fused_select(cell, r, kind, cand_b)
         row["agree"] = agreement(got, ref)
-        row["agree"]["v2_equals_v3"] = bool(torch.equal(fused_select(cell, r, kind, cand_b, version=2)[0], got))
+        base = AK.INDEXER_VERSION  # ``got``: the default version's selection; every version timed must equal it
+        for v in versions:
+            if v != base:
+                try:
+                    same: bool | str = torch.equal(fused_select(cell, r, kind, cand_b, version=v)[0], got)
+                except Exception as e:  # a version that does not compile here: the timing loop says so too
+                    same = f"{type(e).__name__}: {str(e)[:200]}"
+                row["agree"][f"v{min(v, base)}_equals_v{max(v, base)}"] = same
         if kind == "cand_source":
             expanded = got_cand.repeat_interleave(cfg.candidate_block_size, 1)
             want = torch.cat(ref_cand)
@@ -283,12 +304,16 @@ def run_cell(cell: Cell, run, ceil, res: dict[str, Any], iters: int, sweep: bool
                 (expanded[:, : want.size(1)] == want).all(1).double().mean()
             )
         row["unfused"] = run(lambda r=r, kind=kind, ce=cand_e: unfused_select(cell, r, kind, ce), iters)
-        # the last two versions' defaults in every cell (old against new in one run); in decode also
-        # version 3 with each row tile's entries split over 2 programs (256 tiles fill the SMs, so
-        # the default does not split there: whether splitting pays anyway)
-        configs: list[dict[str, Any]] = [{"version": 2}, {"version": 3}]
+        # the chosen versions' defaults in every cell (old against new in one run); in decode also
+        # versions 3 and 4 with each row tile's entries split over 2 programs (256 tiles fill the
+        # resident blocks, so neither default splits there: whether splitting pays anyway), and
+        # version 4 without its register cap (64-entry tiles at one block per SM: what the tile
+        # size alone does, apart from the second block)
+        configs: list[dict[str, Any]] = [{"version": v} for v in versions]
         if cell.q <= 16:
-            configs.append({"version": 3, "splits": 2})
+            configs += [{"version": v, "splits": 2} for v in versions if v >= 3]
+            if 4 in versions:
+                configs.append({"version": 4, "maxnreg": 0})
         if sweep:  # then other tilings; Triton's sort as the fallback should the bitonic one fail
             configs += [{"version": 1}, {"version": 3, "rows_per_tile": 4}, {"version": 3, "rows_per_tile": 8},
                         {"version": 3, "block_n": 64}, {"version": 3, "block_n": 128},
@@ -301,11 +326,16 @@ def run_cell(cell: Cell, run, ceil, res: dict[str, Any], iters: int, sweep: bool
                 row.setdefault("config_errors", {})[str(kw)] = f"{type(e).__name__}: {str(e)[:300]}"
                 continue
             t["config"] = kw
+            # every config selects what the default does (splits, tiles, register caps included)
+            t["selections_equal_default"] = bool(torch.equal(fused_select(cell, r, kind, cand_b, **kw)[0], got))
             row.setdefault("fused_configs", []).append(t)
         pick_best(row)
         finish(row)
         out[kind] = row
         log(cell_name(cell), kind, summary(row))
+    if not attention:  # the indexer's kinds only (--no-attention)
+        res["cells"][cell_name(cell)] = out
+        return
     # attention over the ratio-1 selection (every compressed layer moves the same work)
     ref_sel, _ = unfused_select(cell, 1, "index_r2", None)
     row = attention_work(cell, ref_sel, ceil)
@@ -362,12 +392,12 @@ def pick_best(row: dict[str, Any]) -> None:
     attention has v1 and v2)."""
     timed = row.get("fused_configs", [])
     row["fused"] = min(timed, key=lambda t: t["ms"], default=None)
-    for v in (1, 2, 3):
+    for v in (1, 2, 3, 4):
         first = next((t for t in timed if t["config"].get("version") == v), None)
         if first is not None:
             row[f"fused_v{v}"] = first
             row[f"floor_fraction_v{v}"] = row["floor_ms"] / first["ms"]
-    for old, new in ((1, 2), (2, 3)):
+    for old, new in ((1, 2), (2, 3), (3, 4)):
         if f"fused_v{old}" in row and f"fused_v{new}" in row:
             row[f"speedup_v{new}_over_v{old}"] = row[f"fused_v{old}"]["ms"] / row[f"fused_v{new}"]["ms"]
 
@@ -388,8 +418,19 @@ def summary(row: dict[str, Any]) -> str:
         f"unfused {row['unfused']['ms']:.3f} ms ({row['floor_fraction_unfused'] * 100:.0f}%) "
         f"floor {row['floor_ms']:.3f} ms speedup {row.get('speedup', 0):.2f}x "
         f"v2/v1 {row.get('speedup_v2_over_v1', 0):.2f}x v3/v2 {row.get('speedup_v3_over_v2', 0):.2f}x "
+        f"v4/v3 {row.get('speedup_v4_over_v3', 0):.2f}x "
+        + "".join(
+            f"v{v} {row[f'fused_v{v}']['ms']:.3f} ms ({row[f'floor_fraction_v{v}'] * 100:.0f}%) "
+            for v in (2, 3, 4)
+            if f"fused_v{v}" in row
+        )
         + (f"batched {row['batched']['ms']:.3f} ms ({row['speedup_vs_batched']:.2f}x) " if "batched" in row else "")
         + f"agree {row['agree']}"
+        + (
+            f" configs_select_equal {all(t['selections_equal_default'] for t in row['fused_configs'])}"
+            if row.get("fused_configs") and "selections_equal_default" in row["fused_configs"][0]
+            else ""
+        )
     )
 
 
@@ -403,7 +444,10 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny config on CPU: plumbing only")
     ap.add_argument("--budget-s", type=float, default=150.0, help="start no new cell after this")
     ap.add_argument("--no-sweep", action="store_true", help="default kernel configs only")
-    ap.add_argument("--cells", default="", help="comma-separated cell indices to run (default: all)")
+    ap.add_argument("--cells", default="", help="comma-separated cell indices to run, in that order (default: all)")
+    ap.add_argument("--versions", default="2,3,4", help="indexer versions timed, each at its defaults")
+    ap.add_argument("--no-attention", action="store_true", help="the indexer's kinds only")
+    ap.add_argument("--out", default="", help="the JSON's name under bench/results/ (default attn_kernels)")
     ap.add_argument(
         "--profile", action="store_true", help="one launch of each default fused kernel per cell (for ncu); no JSON"
     )
@@ -420,7 +464,7 @@ def main() -> None:
         # decode first (cheap), then the prefill cells by importance
         cells = [(256, 4, 65536), (1, 4096, 16384), (1, 16384, 49152), (1, 4096, 49152), (1, 16384, 16384)]
         iters = 3
-    name = "attn_kernels_smoke" if args.smoke else "attn_kernels"
+    name = args.out or ("attn_kernels_smoke" if args.smoke else "attn_kernels")
     res: dict[str, Any] = {"config": "tiny" if args.smoke else "v41-flash", "peak": PEAK, "cells": {}}
     ceil = None
     if device.type == "cuda":
@@ -429,10 +473,11 @@ def main() -> None:
         log("ceilings", ceil)
     run = timer(device)
     gen = torch.Generator(device=device).manual_seed(0)
-    wanted = {int(c) for c in args.cells.split(",") if c}
-    for i, (seqs, q, ctx) in enumerate(cells):
-        if wanted and i not in wanted:
-            continue
+    # the cells asked for, in the order given (the budget cuts the last ones first)
+    order = [int(c) for c in args.cells.split(",") if c] or list(range(len(cells)))
+    order = [i for i in order if i < len(cells)]  # --smoke has two cells: the GPU command runs as is
+    for i in order:
+        seqs, q, ctx = cells[i]
         if args.profile:
             profile_cell(Cell(cfg, seqs, q, ctx, device, gen))
             continue
@@ -442,7 +487,9 @@ def main() -> None:
         t0 = time.time()
         try:
             cell = Cell(cfg, seqs, q, ctx, device, gen)
-            run_cell(cell, run, ceil, res, iters, sweep=not args.no_sweep and i == 0)
+            versions = tuple(int(v) for v in args.versions.split(",") if v)
+            sweep = not args.no_sweep and i == 0
+            run_cell(cell, run, ceil, res, iters, sweep, versions=versions, attention=not args.no_attention)
             del cell
         except Exception as e:  # keep going: later cells still report
             res.setdefault("errors", {})[f"{seqs}x{q}@{ctx}"] = traceback.format_exc()[-3000:]

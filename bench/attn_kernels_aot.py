@@ -1,19 +1,24 @@
 """Compile the fused attention kernels (asympd/model/attn_kernels.py) for Hopper (sm_90) on any
 machine, no GPU needed: registers, spills (stack bytes), shared memory, whether the GEMMs became
-wgmma, and the compile time, for the configs bench/attn_kernels.py sweeps at true V4.1 shapes.
+wgmma, and the compile time, for the configs bench/attn_kernels.py sweeps at true V4.1 shapes; for
+the indexer also the hot loop's instructions, barriers and spill loads/stores per warp and tile.
 Uses the ptxas and cuobjdump that Triton's wheel carries. A quick check before spending device time.
 
     TRITON_CACHE_DIR=$(mktemp -d) python -m bench.attn_kernels_aot   # JSON to bench/results/
-(a fresh cache, or the compile times are cache hits)
+    ... -m bench.attn_kernels_aot --versions 3,4 --no-attention --jobs 2   # the indexer's last two
+(a fresh cache, or the compile times are cache hits). A run limited by the flags records the same
+file: name a partial run's file with ``--out`` to keep the full run's JSON.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import triton
@@ -65,15 +70,23 @@ def hot_loop(sass: str) -> dict[str, int]:
                 best = body
     if best is None:
         return {}
-    return {"hot_loop_instructions": len(best), "hot_loop_barriers": sum("BAR.SYNC" in x for x in best)}
+    return {
+        "hot_loop_instructions": len(best),
+        "hot_loop_barriers": sum("BAR.SYNC" in x for x in best),
+        # spills the loop pays each pass (local-memory loads and stores), not just somewhere
+        "hot_loop_spill_ops": sum(bool(re.match(r"(@!?U?P\w+\s+)?(LDL|STL)\b", x.strip())) for x in best),
+    }
 
 
-def compile_report(fn, args: list[tuple[str, str]], constexprs: dict[str, Any], num_warps: int) -> dict[str, Any]:
+def compile_report(
+    fn, args: list[tuple[str, str]], constexprs: dict[str, Any], num_warps: int, maxnreg: int | None = None
+) -> dict[str, Any]:
     sig = dict(args) | {name: "constexpr" for name in constexprs}
     attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(args) if t.startswith("*") or n in ALIGNED}
     t0 = time.time()
+    options: dict[str, Any] = {"num_warps": num_warps} | ({"maxnreg": maxnreg} if maxnreg else {})
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), target=TARGET,
-                       options={"num_warps": num_warps})  # fmt: skip
+                       options=options)  # fmt: skip
     out: dict[str, Any] = {"compile_s": round(time.time() - t0, 1), "shared_bytes": k.metadata.shared}
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -95,40 +108,66 @@ def compile_report(fn, args: list[tuple[str, str]], constexprs: dict[str, Any], 
     return out
 
 
+# (version, rows per tile, entries per tile, Triton's sort, warps, maxnreg). Version 4 is version
+# 3's kernel at its own launch: 4 rows and 64 entries a tile, ptxas capped at V4_MAXNREG registers;
+# 8 rows a tile under the cap is reported too (it spills inside the tile loop: why v4 takes 4)
+INDEXER_CONFIGS = [
+    (1, 4, 128, False, 8, None), (2, 4, 128, False, 8, None), (2, 8, 64, False, 8, None),
+    (3, 4, 128, False, 8, None), (3, 8, 64, False, 8, None), (4, 4, AK.V4_BLOCK_N, False, 8, AK.V4_MAXNREG),
+    (4, 8, AK.V4_BLOCK_N, False, 8, AK.V4_MAXNREG),
+]  # fmt: skip
+INDEXER_KINDS = {"index": (False, 0), "cand_source": (False, -1), "reindex": (True, 0)}  # -1: L20's block
+
+
+def indexer_row(kind: str, config: tuple) -> dict[str, Any]:
+    """One indexer config's compile report (a process of its own when ``--jobs`` > 1)."""
+    cfg = v41_flash()
+    version, bm, bn, tl_sort, warps, maxnreg = config
+    cand, bmax = INDEXER_KINDS[kind]
+    bmax = cfg.candidate_block_size if bmax < 0 else bmax
+    kp = 1 << max(4, (cfg.index_topk - 1).bit_length())
+    cons = dict(
+        H=cfg.index_n_heads, D=cfg.index_head_dim, BM=bm, BN=bn, KP=kp, LOG_BM=bm.bit_length() - 1,
+        LOG_KP=kp.bit_length() - 1, HAS_CAND=cand, CAND_BLOCK=cfg.candidate_block_size, BMAX=bmax,
+        ROUND_BF16=True, DOT_F32=False, TL_SORT=tl_sort, PIPELINE=True,
+    )  # fmt: skip
+    fn, args = AK._indexer_topk_kernel, INDEXER_ARGS
+    if version == 2:
+        cons["NSLICE"] = AK.NSLICE
+        fn = AK._indexer_topk_kernel_v2
+    if version >= 3:  # as a launch at true shapes: 256-entry blocks, bf16 throughout
+        cons |= dict(NSLICE=AK.NSLICE, IN_BLOCK=True, BF16X2=True)
+        fn, args = AK._indexer_topk_kernel_v3, INDEXER_V3_ARGS
+    row = {"kernel": "indexer_topk", "version": version, "kind": kind, "rows_per_tile": bm, "block_n": bn,
+           "tl_sort": tl_sort, "num_warps": warps, "maxnreg": maxnreg}  # fmt: skip
+    try:
+        row |= compile_report(fn, args, cons, warps, maxnreg)
+    except Exception as e:  # keep going: the report says which config failed
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return row
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--versions", default="1,2,3,4", help="indexer versions to compile")
+    ap.add_argument("--no-attention", action="store_true", help="the indexer only")
+    ap.add_argument("--jobs", type=int, default=1, help="compiles at once (processes; compile_s then overlaps)")
+    ap.add_argument("--out", default="attn_kernels_aot", help="the JSON's name under bench/results/")
+    args = ap.parse_args()
     started = time.time()
     cfg = v41_flash()
-    rows: list[dict[str, Any]] = []
-    kp = 1 << max(4, (cfg.index_topk - 1).bit_length())
-    for kind, cand, bmax in (
-        ("index", False, 0),
-        ("cand_source", False, cfg.candidate_block_size),
-        ("reindex", True, 0),
-    ):
-        for version, bm, bn, tl_sort in (
-            (1, 4, 128, False), (2, 4, 128, False), (2, 8, 64, False), (3, 4, 128, False), (3, 8, 64, False),
-        ):  # fmt: skip
-            cons = dict(
-                H=cfg.index_n_heads, D=cfg.index_head_dim, BM=bm, BN=bn, KP=kp, LOG_BM=bm.bit_length() - 1,
-                LOG_KP=kp.bit_length() - 1, HAS_CAND=cand, CAND_BLOCK=cfg.candidate_block_size, BMAX=bmax,
-                ROUND_BF16=True, DOT_F32=False, TL_SORT=tl_sort, PIPELINE=True,
-            )  # fmt: skip
-            fn, args = AK._indexer_topk_kernel, INDEXER_ARGS
-            if version == 2:
-                cons["NSLICE"] = AK.NSLICE
-                fn = AK._indexer_topk_kernel_v2
-            if version == 3:  # as a launch at true shapes: 256-entry blocks, bf16 throughout
-                cons |= dict(NSLICE=AK.NSLICE, IN_BLOCK=True, BF16X2=True)
-                fn, args = AK._indexer_topk_kernel_v3, INDEXER_V3_ARGS
-            row = {"kernel": "indexer_topk", "version": version, "kind": kind, "rows_per_tile": bm, "block_n": bn,
-                   "tl_sort": tl_sort}  # fmt: skip
-            try:
-                row |= compile_report(fn, args, cons, 8)
-            except Exception as e:  # keep going: the report says which config failed
-                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    versions = {int(v) for v in args.versions.split(",") if v}
+    todo = [(kind, c) for kind in INDEXER_KINDS for c in INDEXER_CONFIGS if c[0] in versions]
+    with ProcessPoolExecutor(args.jobs) as pool:
+        rows: list[dict[str, Any]] = []
+        for row in pool.map(indexer_row, *zip(*todo, strict=True)):
             rows.append(row)
             log(row)
-    for version, bh, bn in ((1, 16, 32), (2, 64, 16)):  # the two versions' defaults
+    if args.no_attention:
+        todo_attn: tuple = ()
+    else:
+        todo_attn = ((1, 16, 32), (2, 64, 16))  # the two versions' defaults
+    for version, bh, bn in todo_attn:
         cons = dict(W=cfg.window_size, KSEL=cfg.index_topk, D=cfg.head_dim, BH=bh, BN=bn, ROUND_PROBS=True,
                     DOT_F32=False, SEL_OFFSETS=version == 2)  # fmt: skip
         row = {"kernel": "sparse_attention_paged", "version": version, "block_h": bh, "block_n": bn}
@@ -138,9 +177,7 @@ def main() -> None:
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(row)
         log(row)
-    log(
-        "wrote", record("attn_kernels_aot", {"target": "sm_90", "triton": triton.__version__, "kernels": rows}, started)
-    )
+    log("wrote", record(args.out, {"target": "sm_90", "triton": triton.__version__, "kernels": rows}, started))
 
 
 if __name__ == "__main__":

@@ -866,9 +866,15 @@ if AVAILABLE:
         )
 
 
-INDEXER_VERSION = 3  # indexer_topk's default kernel (1, 2: the earlier ones, for comparison)
+INDEXER_VERSION = 3  # indexer_topk's default kernel (1, 2: the earlier ones, 4: v3 at two blocks per SM)
 ATTENTION_VERSION = 2  # sparse_attention_paged's default tiling (1: the first one)
 NSLICE = 2  # indexer v2/v3: candidate buffer of NSLICE * k slots per row (runs of tiles between merges)
+# indexer version 4: version 3's kernel with 64-entry key tiles and ptxas held to 128 registers a
+# thread, so two 8-warp blocks share an SM (v3: ~240 registers, one block, latency exposed). Offline
+# sm_90 (bench/attn_kernels_aot.py): 128 registers, a few spilled outside the hot loop, none inside
+V4_BLOCK_N = 64
+V4_MAXNREG = 128
+V4_BLOCKS_PER_SM = 2  # what 128 registers x 256 threads allow (65536 a SM); shared memory fits three
 
 
 def _next_pow2(n: int) -> int:
@@ -879,24 +885,27 @@ def _default_rows_per_tile(version: int, cuda: bool, rows: int, n_seqs: int) -> 
     """Rows of one sequence per program. Under the interpreter 16 (fewer programs run faster). On
     CUDA, version 1 takes 4; version 2 takes 8 where sequences average 8 rows or more (prefill
     chunks: twice the reuse of each key tile, same accumulator size as 4 x 128 entries) and 4
-    otherwise (decode and verify rows: a tile never spans two requests, so 8 would idle half)."""
+    otherwise (decode and verify rows: a tile never spans two requests, so 8 would idle half).
+    Version 4 takes 4 everywhere: its 64 x 256 score tile at 8 rows does not fit 128 registers."""
     if not cuda:
         return 16
-    if version == 1:
+    if version in (1, 4):  # version 4: 8 rows under its 128-register cap spill inside the tile loop
         return 4
     return 8 if rows >= 8 * max(1, n_seqs) else 4
 
 
-def _default_splits(cuda: bool, tiles: int, entries: int, kp: int, device: torch.device) -> int:
-    """Programs per row tile in version 3 (each over a share of the entries): enough to give
-    every SM a program where the row tiles alone do not (decode of fewer sequences than SMs; at
-    one block per SM, 240 registers a thread, more programs than SMs only add waves), while each
-    share keeps at least 8 * kp entries (below that a split's own top-k is most of what it
-    reads). ``entries`` is a bound known without a sync."""
+def _default_splits(cuda: bool, tiles: int, entries: int, kp: int, device: torch.device, blocks_per_sm: int = 1) -> int:
+    """Programs per row tile in versions 3 and 4 (each over a share of the entries): enough to
+    fill every resident block slot where the row tiles alone do not (decode of fewer sequences
+    than slots), while each share keeps at least 8 * kp entries (below that a split's own top-k is
+    most of what it reads). ``entries`` is a bound known without a sync. At one block per SM
+    (version 3) a program per SM, rounded up; at two (version 4) rounded down, since a split that
+    adds a partial wave costs more than the slots it fills (decode 256 x 4 rows: 256 tiles in 264
+    slots stays one split, one wave)."""
     if not cuda or tiles <= 0:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = -(-sms // tiles)
+    slots = torch.cuda.get_device_properties(device).multi_processor_count * blocks_per_sm
+    want = -(-slots // tiles) if blocks_per_sm == 1 else slots // tiles
     return max(1, min(want, entries // (8 * kp), 16))
 
 
@@ -946,6 +955,7 @@ def indexer_topk(
     num_warps: int = 8,
     version: int | None = None,
     splits: int | None = None,
+    maxnreg: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The k best index entries per row (module docstring has the contract). ``rows_per_tile``: rows
     of one sequence scored per program (a power of two; default 4 on CUDA, where the GEMM then
@@ -961,12 +971,17 @@ def indexer_topk(
     many (prefill: each key tile read once per 8 rows instead of 4). Version 3 (the default)
     is version 2 with a block-contiguous key tile, the append path behind a uniform branch, and
     each row tile's entries split over ``splits`` programs (default: enough for one program per
-    SM on CUDA, 1 under the interpreter), their top-k keys merged here (exact: keys are unique)."""
+    SM on CUDA, 1 under the interpreter), their top-k keys merged here (exact: keys are unique).
+    Version 4 is version 3's kernel sized for two blocks per SM: by default 4 rows and 64 entries
+    a tile, ``maxnreg`` (ptxas's register cap per thread; CUDA only, the interpreter has none; 0
+    for no cap) ``V4_MAXNREG``, and splits counted against two resident blocks per SM."""
     version = INDEXER_VERSION if version is None else version
-    if version not in (1, 2, 3):
-        raise ValueError(f"version must be 1, 2 or 3, got {version!r}")
+    if version not in (1, 2, 3, 4):
+        raise ValueError(f"version must be 1, 2, 3 or 4, got {version!r}")
     if splits is not None and splits < 1:
         raise ValueError(f"splits must be positive, got {splits}")
+    if maxnreg is not None and version < 3:
+        raise ValueError(f"maxnreg is for versions 3 and 4, got version {version}")
     if sort_impl not in ("bitonic", "triton"):
         raise ValueError(f"sort_impl must be 'bitonic' or 'triton', got {sort_impl!r}")
     rows, n_heads, hd = q.shape
@@ -990,7 +1005,9 @@ def indexer_topk(
     if bm & (bm - 1):
         raise ValueError(f"rows_per_tile must be a power of two, got {bm}")
     if block_n is None:
-        block_n = 64 if version >= 2 and bm >= 8 else 128
+        block_n = V4_BLOCK_N if version == 4 or (version >= 2 and bm >= 8) else 128
+    if version == 4 and maxnreg is None:
+        maxnreg = V4_MAXNREG
     kp = max(16, _next_pow2(k))
     bn = min(kp, block_n)
     if bn < 16 or bn & (bn - 1):
@@ -1016,10 +1033,13 @@ def indexer_topk(
     cand = out
     if candidates is not None:
         cand = candidates.to(device=dev, dtype=torch.uint8).contiguous()
-    if rows and version == 3:
+    if rows and version >= 3:
         row0, count = row_tiles(seqs, tables.size(0), bm)
         bound = max_entries if max_entries is not None else tables.size(1) * key_pool.size(1)
-        ns = splits or _default_splits(q.is_cuda, -(-rows // bm), bound, kp, dev)
+        per_sm = V4_BLOCKS_PER_SM if version == 4 else 1
+        ns = splits or _default_splits(q.is_cuda, -(-rows // bm), bound, kp, dev, per_sm)
+        # ptxas's register cap: a compile option (part of the kernel's cache key); the interpreter has none
+        opts = {"maxnreg": maxnreg} if maxnreg and q.is_cuda else {}  # 0: no cap
         buf = torch.empty(row0.numel(), ns, bm, kp + NSLICE * kp, dtype=torch.int64, device=dev)
         keys = torch.empty(rows, ns, kp, dtype=torch.int64, device=dev)
         counts = torch.empty(row0.numel() * ns * bm, dtype=torch.int32, device=dev)
@@ -1033,6 +1053,7 @@ def indexer_topk(
             PIPELINE=q.is_cuda, NSLICE=NSLICE, IN_BLOCK=key_pool.size(1) % bn == 0,
             BF16X2=q.is_cuda and q.dtype == w.dtype == key_pool.dtype == torch.bfloat16 and not dot_f32,
             num_warps=num_warps,
+            **opts,
         )  # fmt: skip
         # the k best keys of the splits' (each sorted descending; keys are unique, ties cannot occur)
         best = keys[:, 0, :k] if ns == 1 else keys.view(rows, ns * kp).topk(k, dim=1, sorted=False).values
@@ -1078,6 +1099,7 @@ def indexer_topk_candidates(
     version: int | None = None,
     splits: int | None = None,
     num_warps: int = 8,
+    maxnreg: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The candidate source's selection and its candidate pool as a block mask [rows, nb]: the
     ``topk_blocks`` blocks of ``block`` entries with the best entry, the newest visible block
@@ -1100,6 +1122,7 @@ def indexer_topk_candidates(
         version=version,
         splits=splits,
         num_warps=num_warps,
+        maxnreg=maxnreg,
     )
     vis_blocks = (n_visible.to(bmax.device, torch.int64) + block - 1).div(block, rounding_mode="floor")
     if bmax.size(1) == 0:

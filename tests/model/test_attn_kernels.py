@@ -72,10 +72,10 @@ def segments(g, lens_rows, heads, hd, values):
     return out
 
 
-@pytest.fixture(params=[1, 2, 3], ids=["v1", "v2", "v3"])
+@pytest.fixture(params=[1, 2, 3, 4], ids=["v1", "v2", "v3", "v4"])
 def kernel_version(request, monkeypatch):
     """Every kernel version: the earlier ones stay selectable so benchmarks time old against new
-    (attention has versions 1 and 2; the indexer's version 3 runs beside attention's 2)."""
+    (attention has versions 1 and 2; the indexer's versions 3 and 4 run beside attention's 2)."""
     monkeypatch.setattr(AK, "INDEXER_VERSION", request.param)
     monkeypatch.setattr(AK, "ATTENTION_VERSION", min(request.param, 2))
     return request.param
@@ -159,18 +159,22 @@ def test_indexer_versions_agree_in_bf16():
     assert torch.equal(AK.indexer_topk(*args, row_seq=row_seq, version=2), v1)
     assert torch.equal(AK.indexer_topk(*args, row_seq=row_seq, version=2, rows_per_tile=4, block_n=16), v1)
     assert torch.equal(AK.indexer_topk(*args, row_seq=row_seq, version=3, splits=2), v1)
+    assert torch.equal(AK.indexer_topk(*args, row_seq=row_seq, version=4, splits=2), v1)
+    assert torch.equal(AK.indexer_topk(*args, row_seq=row_seq, version=4, rows_per_tile=4, maxnreg=128), v1)
     want = torch.cat([ref_select(s[1].float(), s[2].float(), s[0], s[3], 16)[0] for s in segs])
     assert torch.equal(v1, want)
 
 
-@pytest.mark.parametrize(("epb", "splits"), [(16, 1), (32, 3)])
-def test_indexer_v3_block_tiles_and_splits(epb, splits):
+@pytest.mark.parametrize(("epb", "splits", "version"), [(16, 1, 3), (32, 3, 3), (64, 2, 4)])
+def test_indexer_v3_block_tiles_and_splits(epb, splits, version):
     """Version 3's own paths: key tiles inside one cache block (epb a multiple of the 16-entry
     tile: one table load per tile, no per-entry gather) and a row tile's entries split over
     programs whose top-k keys the wrapper merges; ties, the candidate pool and the re-index
-    layer included, each equal to the reference."""
+    layer included, each equal to the reference. Version 4 (the same kernel at its own defaults)
+    with k = 40: 64-entry key tiles inside 64-entry blocks, a 64-wide top-k state."""
     g = torch.Generator().manual_seed(7)
-    heads, hd, k, block, topk_blocks = 4, 32, 8, 4, 3
+    heads, hd, block, topk_blocks = 4, 32, 4, 3
+    k = 8 if version == 3 else 40
     segs = segments(g, [(150, 5, 146), (45, 3, 40)], heads, hd, fp4_grid)
     segs[0][0][::3] = segs[0][0][0]  # every third entry ties with entry 0
     segs[0][0][60:90] = 0  # a run of zero scores
@@ -179,7 +183,9 @@ def test_indexer_v3_block_tiles_and_splits(epb, splits):
     q, w = torch.cat([s[1] for s in segs]), torch.cat([s[2] for s in segs])
     vis = torch.cat([s[3] for s in segs])
     row_seq = torch.tensor([0] * 5 + [1] * 3)
-    kw = dict(row_seq=row_seq, block_n=16, rows_per_tile=4, version=3, splits=splits)
+    kw = dict(row_seq=row_seq, rows_per_tile=4, version=version, splits=splits)
+    if version == 3:
+        kw["block_n"] = 16
     sel, cand = AK.indexer_topk_candidates(q, w, pool, tables, vis, k, topk_blocks, block, **kw)
     q2 = fp4_grid(g, q.size(0), heads, hd)
     sel2 = AK.indexer_topk(q2, w, pool, tables, vis, k, candidates=cand, candidate_block=block, **kw)
@@ -250,8 +256,10 @@ def test_indexer_bad_input():
         AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, rows_per_tile=3)
     with pytest.raises(ValueError, match="row_seq"):
         AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, row_seq=torch.zeros(3))
-    with pytest.raises(ValueError, match="version must be 1, 2 or 3, got 4"):
-        AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, version=4)
+    with pytest.raises(ValueError, match="version must be 1, 2, 3 or 4, got 5"):
+        AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, version=5)
+    with pytest.raises(ValueError, match="maxnreg is for versions 3 and 4, got version 2"):
+        AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, version=2, maxnreg=128)
     with pytest.raises(ValueError, match="splits must be positive"):
         AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, splits=0)
     qa, win = torch.zeros(2, 4, 64), torch.zeros(5, 64)
@@ -364,3 +372,19 @@ def test_row_tiles_cover_each_sequence_without_straddling():
     assert row0.numel() == 4 + 3  # a bound known without a sync; spare tiles are empty
     tiles = [(int(a), int(c)) for a, c in zip(row0, count, strict=True) if c > 0]
     assert tiles == [(0, 4), (4, 2), (6, 1), (7, 4), (11, 4), (15, 1)]
+
+
+def test_default_splits_fill_the_resident_blocks(monkeypatch):
+    """Version 3 (one block per SM) rounds the programs per row tile up to give every SM one;
+    version 4 (two per SM) rounds down, so 256 decode tiles stay one wave on 132 SMs; both keep
+    at least 8 * kp entries a split and at most 16 splits."""
+    props = type("Props", (), {"multi_processor_count": 132})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    dev = torch.device("cpu")
+    assert AK._default_splits(True, 256, 65536, 512, dev) == 1
+    assert AK._default_splits(True, 256, 65536, 512, dev, blocks_per_sm=2) == 1
+    assert AK._default_splits(True, 64, 65536, 512, dev) == 3
+    assert AK._default_splits(True, 64, 65536, 512, dev, blocks_per_sm=2) == 4
+    assert AK._default_splits(True, 8, 65536, 512, dev, blocks_per_sm=2) == 16
+    assert AK._default_splits(True, 8, 16384, 512, dev, blocks_per_sm=2) == 4  # 8 * kp entries a split
+    assert AK._default_splits(False, 8, 65536, 512, dev, blocks_per_sm=2) == 1  # the interpreter
