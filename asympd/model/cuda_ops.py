@@ -578,6 +578,7 @@ CUDA_KERNELS = AttentionKernels(
     topk=fast_topk,
     indexer_scores=indexer_scores,
     fused_indexer=attn_kernels.AVAILABLE,
+    fused_attention=attn_kernels.AVAILABLE,
 )
 
 
