@@ -797,7 +797,7 @@ if AVAILABLE:
             pv = tl.dot(p, kv.to(tl.float32), input_precision="ieee")
         return m_new, lsum, acc * alpha[:, None] + pv
 
-    @triton.jit
+    @triton.jit(do_not_specialize=("s_ts",))  # the table width follows the context (as _VARYING)
     def _sparse_attn_kernel(
         q_ptr,
         win_ptr,
