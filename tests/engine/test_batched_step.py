@@ -405,7 +405,9 @@ def test_the_fused_indexer_selects_what_the_batched_path_does(tiny_ckpt, monkeyp
         assert torch.equal(got_pools[name], pool), name
 
 
-@pytest.mark.parametrize(("mode", "spec", "graphs"), [("colocated", 2, False), ("asymmetric", 0, True)])
+@pytest.mark.parametrize(
+    ("mode", "spec", "graphs"), [("colocated", 2, False), ("colocated", 2, True), ("asymmetric", 0, True)]
+)
 def test_the_fused_attention_attends_as_the_gathered_path(tiny_ckpt, monkeypatch, mode, spec, graphs):
     """The batched step with the fused sparse attention kernel (``AttentionKernels.fused_attention``:
     one Triton launch reading the ring buffer, this step's rows and the pool in place; the
