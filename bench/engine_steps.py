@@ -30,17 +30,30 @@ decode worker's default: the bounded prefills alone, a graph, then the decode st
 prefill of 32 × 1K and 2 × 16K prompts (one step each at a 32K-token budget).
 
 ``--smoke``: the tiny config on CPU (plumbing only). Writes ``engine_steps.json``.
+
+``--attention``: only the fused-attention comparison (issue 15): decode B = 64 (k = 0) and B = 256
+(k = 3) at ~1K context (a row attends to W + index_topk keys whatever the context beyond that), and
+the two colocated prefills, each run twice in the same process, with the batched path's fused
+sparse attention kernel (``AttentionKernels.fused_attention``, the CUDA default) and with the
+gathered path it replaced; step, forward and per-layer times of both, ``fused_speedup`` = gathered
+÷ fused step time. Writes ``engine_steps_attention.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import os
 import statistics
+import sys
 import time
 from typing import Any
 
 import torch
+
+if "--smoke" in sys.argv and not torch.cuda.is_available():  # the fused kernels on CPU: Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from bench.common import StepState, log, record, step_block
 
@@ -386,11 +399,53 @@ def prefill_case(model, cfg, device, count: int, n: int, reps: int) -> dict[str,
     return out
 
 
+def set_fused_attention(model, on: bool) -> None:
+    """Switch the batched path's attention between the fused kernel and the gathered path."""
+    for block in model.blocks:
+        if block is not None:
+            block.attn.kernels = dataclasses.replace(block.attn.kernels, fused_attention=on)
+
+
+def attention_cases(full, cfg, device, smoke: bool, res: dict[str, Any], started: float) -> None:
+    """``--attention``: every case with the gathered path, then the fused kernel, same process."""
+    ctx, steps, reps = (96, 3, 1) if smoke else (1024, 8, 2)
+    name = "engine_steps_attention_smoke" if smoke else "engine_steps_attention"
+    decodes = ((2, 0), (4, K_SPEC)) if smoke else ((64, 0), (256, K_SPEC))
+    prefills = ((4, 48), (2, 100)) if smoke else ((32, 1024), (2, 16384))
+    cases = [("decode", b, k) for b, k in decodes] + [("prefill", c, n) for c, n in prefills]
+    for kind, a, b in cases:
+        row: dict[str, Any] = {}
+        for fused in (False, True):
+            set_fused_attention(full, fused)
+            if kind == "decode":
+                case = decode_case(full, cfg, device, a, b, ctx, steps)
+                specs, logit_rows, draft_k = [dict(n=a, q=1 + b, start=ctx + 2)], a * (1 + b), b
+            else:
+                case = prefill_case(full, cfg, device, a, b, reps)
+                specs, logit_rows, draft_k = [dict(n=a, q=b, start=0)], a, 0
+            iso = time_layers(full, specs, logit_rows, device, reps=3 if smoke else 10, draft_k=draft_k)
+            tag = "fused" if fused else "gathered"
+            row["case"] = case["case"]
+            row[f"{tag}_step_ms"] = case["step_ms"]
+            row[f"{tag}_forward_ms"] = case.get("forward_ms")
+            row[f"{tag}_layers_ms"] = iso["layers_ms"]
+            if "cuda_graphs" in case:
+                row[f"{tag}_cuda_graphs"] = case["cuda_graphs"]
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        row["fused_speedup"] = round(row["gathered_step_ms"] / row["fused_step_ms"], 3)
+        res["cases"].append(row)
+        log(row)
+        record(name, res, started)
+    set_fused_attention(full, full.blocks[0].attn.kernels.fused_indexer)
+
+
 def main() -> None:
     from asympd.model.loader import build_model
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny config on CPU: plumbing only")
+    ap.add_argument("--attention", action="store_true", help="only the fused vs gathered attention comparison")
     args = ap.parse_args()
     started = time.time()
     smoke = args.smoke
@@ -407,6 +462,9 @@ def main() -> None:
         "build_s": round(time.time() - t0, 1),
         "cases": [],
     }
+    if args.attention:
+        attention_cases(full, cfg, device, smoke, res, started)
+        return
     ctx = 96 if smoke else 1024
     steps = 3 if smoke else 8
     decode_b = [2, 4] if smoke else [16, 64, 256]

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from asympd.config import ModelConfig
-from asympd.kv.batch import BatchRows, find_positions
+from asympd.kv.batch import BatchRows, WindowIndex, find_positions
 from asympd.kv.spec import GroupKind
 from asympd.model.ops import QLinear, apply_rope, ordered_sum, rms_norm, rope_frequencies, stable_topk
 from asympd.model.quant import fp4_qdq, fp8_qdq
@@ -130,6 +130,9 @@ class AttentionKernels:
     row_chunk: int = 2048  # query rows per gathered-key tile
     score_bytes: int = 1 << 30  # indexer score tile budget
     fused_indexer: bool = False  # the batched path scores and selects in one kernel (attn_kernels.py)
+    # the batched path attends in one kernel reading the ring buffer, this step's rows and the pool in
+    # place (attn_kernels.sparse_attention_paged), instead of gathering keys per row tile
+    fused_attention: bool = False
 
 
 REFERENCE_KERNELS = AttentionKernels()
@@ -338,10 +341,20 @@ class Attention(torch.nn.Module):
             if self.is_source:
                 self._write_compressed_batched(view, x)
             sel = self._selection_batched(view, x, qr, rot)
+        attend = self._attend_fused if self.kernels.fused_attention else self._attend_gathered
+        out = attend(q, kv, win, sel, view)
+        view.append_window(self.layer, kv)  # after the reads: the slots are rewritten in place
+        return out
+
+    def _attend_gathered(
+        self, q: torch.Tensor, kv: torch.Tensor, win: WindowIndex, sel: torch.Tensor | None, view: BatchRows
+    ) -> torch.Tensor:
+        """``core``'s attention with each row tile's keys gathered ([rows, W + k, d]), then
+        ``kernels.sparse_attention``: the reference's arrangement."""
         out = torch.empty_like(q)
         step = self.kernels.row_chunk
-        for r0 in range(0, x.size(0), step):
-            r1 = min(x.size(0), r0 + step)
+        for r0 in range(0, q.size(0), step):
+            r1 = min(q.size(0), r0 + step)
             keys, mask = win.gather(kv, r0, r1), win.visible[r0:r1]
             if sel is not None:
                 s = sel[r0:r1]
@@ -351,8 +364,27 @@ class Attention(torch.nn.Module):
             out[r0:r1] = self.kernels.sparse_attention(
                 q[r0:r1], keys, mask, self.attn_sink, self.scale, self.round_probs
             )
-        view.append_window(self.layer, kv)  # after the reads: the slots are rewritten in place
         return out
+
+    def _attend_fused(
+        self, q: torch.Tensor, kv: torch.Tensor, win: WindowIndex, sel: torch.Tensor | None, view: BatchRows
+    ) -> torch.Tensor:
+        """``core``'s attention in one Triton launch: the same keys per row (its W window slots, then
+        its selected entries; the sink) read in place -- window slots from the ring buffer or from
+        this step's ``kv`` (encoded as one index, -2 - row for the latter), entries from the pool
+        through the block tables. Device ops only: a captured step captures it."""
+        from asympd.model import attn_kernels
+
+        widx = torch.where(win.visible, torch.where(win.is_new, -2 - win.new, win.old), -1)
+        if sel is None:  # a window-only layer: no entries (a one-row pool stands in, never read)
+            sel = torch.empty(q.size(0), 0, dtype=torch.long, device=q.device)
+            pool = win.cache_rows.new_zeros(1, 1, q.size(-1))
+        else:
+            pool = view.batch.cache.pools[f"{GroupKind.COMPRESSED.value}.{self.source}"]
+        return attn_kernels.sparse_attention_paged(
+            q, win.cache_rows, widx, sel, pool, view.seg("block_table"), self.attn_sink, self.scale,
+            self.round_probs, row_seq=view.row_seg, window_new=kv,
+        )  # fmt: skip
 
     def _write_compressed_batched(self, view: BatchRows, x: torch.Tensor) -> None:
         """``_write_compressed`` for every segment that writes global KV."""

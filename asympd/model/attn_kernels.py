@@ -54,11 +54,12 @@ candidate_block=1, block_max=0, rows_per_tile=None, block_n=None, version=None) 
     ``attention.select_candidate_blocks`` at block level (the newest visible block pinned) on the
     kernel's block maxima. Re-index layers pass cand with ``candidate_block=block``.
 ``sparse_attention_paged(q, window_kv, window_idx, sel, ckv_pool, block_tables, sink, scale,
-round_probs, *, row_seq=None, block_h=None, block_n=None, version=None) -> [rows, h, d]`` in q's dtype:
+round_probs, *, row_seq=None, window_new=None, block_h=None, block_n=None, version=None) -> [rows, h, d]`` in q's dtype:
     q [rows, h, d]; window_kv [n_w, d] with window_idx [rows, W] (row of window_kv, -1 = not
     visible; the batched path's window index with -1 where not visible); sel [rows, k] entry ids
     of ckv_pool [num_blocks, epb, d] (-1 = unused). Online softmax (K = V) over the window rows then
-    the selected entries, read straight from the pool through the block table; the sink joins the
+    the selected entries, read straight from the pool through the block table (``window_new``: a
+    second window tensor, this step's rows, named by window_idx -2 - i); the sink joins the
     denominator; a row with nothing visible gives zeros. fp32 logits; with ``round_probs`` the
     probabilities go to bf16 before the value product, as in the reference, except that each is
     rounded relative to the running max rather than the final one (FlashMLA's order): a rescale by
@@ -796,10 +797,11 @@ if AVAILABLE:
             pv = tl.dot(p, kv.to(tl.float32), input_precision="ieee")
         return m_new, lsum, acc * alpha[:, None] + pv
 
-    @triton.jit
+    @triton.jit(do_not_specialize=("s_ts",))  # the table width follows the context (as _VARYING)
     def _sparse_attn_kernel(
         q_ptr,
         win_ptr,
+        new_ptr,
         widx_ptr,
         sel_ptr,
         pool_ptr,
@@ -810,6 +812,7 @@ if AVAILABLE:
         s_qr,
         s_qh,
         s_wn,
+        s_nn,
         s_wir,
         s_sr,
         s_pb,
@@ -828,10 +831,13 @@ if AVAILABLE:
         ROUND_PROBS: tl.constexpr,
         DOT_F32: tl.constexpr,
         SEL_OFFSETS: tl.constexpr = False,
+        TWO_WIN: tl.constexpr = False,
     ):
         """``SEL_OFFSETS`` (version 2): sel holds each entry's element offset in the pool (the
         wrapper resolved the block table), so a key tile is one dependent load after its index
-        load instead of two."""
+        load instead of two. ``TWO_WIN``: window slots come from two tensors, the ring buffer
+        (``win_ptr``, index >= 0) and this step's rows (``new_ptr``, index -2 - i), each loaded
+        in its own dtype and cast to the pool's (fp32 with ``DOT_F32``), so neither is copied."""
         row = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BH + tl.arange(0, BH)
         hmask = h < NH
@@ -844,8 +850,20 @@ if AVAILABLE:
         for j0 in range(0, W, BN):  # W and KSEL are the model's: constant bounds, pipelined loads
             j = j0 + n
             wi = tl.load(widx_ptr + row * s_wir + j, mask=j < W, other=-1).to(tl.int64)
-            valid = wi >= 0
-            kv = tl.load(win_ptr + wi[:, None] * s_wn + d[None, :], mask=valid[:, None], other=0.0)
+            if TWO_WIN:
+                old = wi >= 0
+                fresh = wi <= -2
+                valid = old | fresh
+                ko = tl.load(win_ptr + wi[:, None] * s_wn + d[None, :], mask=old[:, None], other=0.0)
+                kn = tl.load(new_ptr + (-2 - wi)[:, None] * s_nn + d[None, :], mask=fresh[:, None], other=0.0)
+                if DOT_F32:
+                    kv = tl.where(fresh[:, None], kn.to(tl.float32), ko.to(tl.float32))
+                else:
+                    kt = pool_ptr.dtype.element_ty
+                    kv = tl.where(fresh[:, None], kn.to(kt), ko.to(kt))
+            else:
+                valid = wi >= 0
+                kv = tl.load(win_ptr + wi[:, None] * s_wn + d[None, :], mask=valid[:, None], other=0.0)
             m, lsum, acc = _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS, DOT_F32)
         table_ptr = tables_ptr + tl.load(row_seq_ptr + row).to(tl.int64) * s_ts
         for j0 in range(0, KSEL, BN):
@@ -1142,6 +1160,7 @@ def sparse_attention_paged(
     round_probs: bool,
     *,
     row_seq: torch.Tensor | None = None,
+    window_new: torch.Tensor | None = None,
     block_h: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -1151,7 +1170,12 @@ def sparse_attention_paged(
     ``version`` (``ATTENTION_VERSION`` by default): 1 = 16 heads x 32 keys per program, the
     table looked up in the kernel; 2 = every head of a row in one program (up to 64: each key tile
     read once per row, not once per 16 heads, and a wgmma-sized M) over 16-key tiles, entries
-    resolved to pool offsets before the launch (one dependent load fewer per tile)."""
+    resolved to pool offsets before the launch (one dependent load fewer per tile).
+    ``window_new`` [n_new, d]: a second window source, the engine's own case (its window slots are
+    either earlier rows in the slot's ring buffer, ``window_kv``, or rows of this step, not yet
+    appended): then ``window_idx`` -2 - i names row i of ``window_new`` (>= 0 still a row of
+    ``window_kv``, -1 not visible), and neither tensor is copied or converted (a ring buffer of
+    every slot and layer may be large; the kernel casts what it loads)."""
     version = ATTENTION_VERSION if version is None else version
     if version not in (1, 2):
         raise ValueError(f"version must be 1 or 2, got {version!r}")
@@ -1179,9 +1203,16 @@ def sparse_attention_paged(
     if ckv_pool.stride(-1) != 1:
         ckv_pool = ckv_pool.contiguous()
     kv_dtype = ckv_pool.dtype
-    if window_kv.dtype != kv_dtype:
+    mixed = False
+    if window_new is not None:
+        if window_new.dim() != 2 or window_new.size(-1) != d:
+            raise ValueError(f"window_new {tuple(window_new.shape)} does not match head_dim {d}")
+        if window_new.stride(-1) != 1:
+            window_new = window_new.contiguous()
+        mixed = window_kv.dtype != kv_dtype or window_new.dtype != kv_dtype
+    elif window_kv.dtype != kv_dtype:
         window_kv = window_kv.to(kv_dtype)
-    dot_f32 = _dot_f32(q) or kv_dtype != torch.bfloat16 or q.dtype != kv_dtype or not round_probs
+    dot_f32 = _dot_f32(q) or kv_dtype != torch.bfloat16 or q.dtype != kv_dtype or not round_probs or mixed
     if block_h is None:
         block_h = 16 if version == 1 else max(16, min(64, _next_pow2(n_heads)))
     if block_n is None:
@@ -1189,13 +1220,14 @@ def sparse_attention_paged(
     if version == 2:
         sel = _pool_offsets(sel, tables, seqs, ckv_pool)
     grid = (rows, triton.cdiv(n_heads, block_h))
+    new = window_kv if window_new is None else window_new
     _sparse_attn_kernel[grid](
-        q, window_kv, widx, sel, ckv_pool, tables, seqs, sink.float().contiguous(), out,
-        q.stride(0), q.stride(1), window_kv.stride(0), widx.stride(0), sel.stride(0),
+        q, window_kv, new, widx, sel, ckv_pool, tables, seqs, sink.float().contiguous(), out,
+        q.stride(0), q.stride(1), window_kv.stride(0), new.stride(0), widx.stride(0), sel.stride(0),
         ckv_pool.stride(0), ckv_pool.stride(1), tables.stride(0), out.stride(0), out.stride(1),
         n_heads, ckv_pool.size(1), float(scale), W=widx.size(1), KSEL=sel.size(1),
         D=d, BH=block_h, BN=block_n, ROUND_PROBS=bool(round_probs), DOT_F32=dot_f32,
-        SEL_OFFSETS=version == 2, num_warps=num_warps or (4 if d <= 128 else 8),
+        SEL_OFFSETS=version == 2, TWO_WIN=window_new is not None, num_warps=num_warps or (4 if d <= 128 else 8),
     )  # fmt: skip
     return out
 

@@ -27,7 +27,12 @@ What changes, and what it costs in numerics (``docs/performance.md`` has the mea
   top-k is a radix ``torch.topk`` instead of a full stable sort (identical except for exact score
   ties at the k-th place, which the packed key below also decides by lowest index); the latent
   attention is two batched GEMMs in bf16 with fp32 outputs (``bmm(..., out_dtype=float32)``: bf16
-  operands are exact in fp32, so the products are the reference's).
+  operands are exact in fp32, so the products are the reference's). The engine's batched path
+  instead runs the fused kernels of ``attn_kernels.py`` (``fused_indexer``, ``fused_attention``:
+  keys read in place from the ring buffer, this step's rows and the pool; the attention's
+  probabilities are rounded to bf16 against the running max, FlashMLA's order, within about one
+  bf16 ulp of the reference's); ``dataclasses.replace(CUDA_KERNELS, fused_attention=False)`` gives
+  back the gathered path (``bench/engine_steps.py --attention`` times both).
 """
 
 from __future__ import annotations
@@ -578,6 +583,7 @@ CUDA_KERNELS = AttentionKernels(
     topk=fast_topk,
     indexer_scores=indexer_scores,
     fused_indexer=attn_kernels.AVAILABLE,
+    fused_attention=attn_kernels.AVAILABLE,
 )
 
 

@@ -142,6 +142,52 @@ def test_graphs_captured_at_startup_serve_generate_without_a_capture(tiny_ckpt, 
         assert g.stats["replayed"] >= 5, g.stats
 
 
+@pytest.mark.parametrize(("mode", "spec"), [("colocated", 2), ("asymmetric", 0)])
+def test_fused_attention_on_cuda_attends_as_the_gathered_path(tiny_ckpt, monkeypatch, mode, spec):
+    """The batched path's fused sparse attention (on by default on CUDA) against the gathered path
+    it replaced, fp32, decode/verify steps replayed as CUDA graphs captured with the fused kernel
+    (lazily): every eager call's output within 1e-5 (per row, relative) of the gathered path's on
+    the same inputs, the graphs replayed, and the gathered engine's greedy tokens."""
+    import dataclasses
+
+    from asympd.model.attention import Attention
+    from asympd.model.cuda_ops import CUDA_KERNELS
+
+    assert CUDA_KERNELS.fused_attention
+    sem = "split" if mode == "colocated" else "full"
+    checked: list[int] = []
+    original = Attention._attend_fused
+
+    def attend(self, q, kv, win, sel, view):
+        got = original(self, q, kv, win, sel, view)
+        if not torch.cuda.is_current_stream_capturing():
+            want = self._attend_gathered(q, kv, win, sel, view)
+            err = (got - want).abs().flatten(1).amax(1) / want.abs().flatten(1).amax(1).clamp_min(1e-30)
+            assert float(err.max()) < 1e-5, f"layer {self.layer}: {float(err.max())}"
+            checked.append(q.size(0))
+        return got
+
+    def llm(fused: bool) -> LLM:
+        out = LLM(
+            tiny_ckpt, mode, sem, device="cuda", dtype=torch.float32, num_spec_tokens=spec, cuda_graph_capture="lazy"
+        )
+        for e in (out.prefill, out.engine):
+            for block in [] if e is None else e.runner.model.blocks:
+                if getattr(block, "attn", None) is not None:
+                    block.attn.kernels = dataclasses.replace(CUDA_KERNELS, fused_attention=fused)
+        return out
+
+    want = _tokens(llm(False))
+    assert not checked
+    monkeypatch.setattr(Attention, "_attend_fused", attend)
+    fused = llm(True)
+    got = _tokens(fused)
+    stats = fused.engine.runner.graphs.stats
+    print(f"fused attention, {mode} k={spec}: {len(checked)} calls checked; graphs {stats}")
+    assert checked and stats["captured"] >= 1 and stats["replayed"] >= 5, stats
+    assert got == want
+
+
 def test_images_through_asymmetric_pd_on_cuda(tiny_ckpt):
     """Image rows (the vision tower, ``gate.bias_vl`` in the CUDA MoE) on the GPU in fp32: asymmetric
     P->D gives colocated ``split``'s greedy tokens with images at the start, in the middle, inside

@@ -313,6 +313,70 @@ def test_sparse_attention_paged_matches_reference(round_probs, attention_version
     assert torch.equal(got[6], torch.zeros(h, d))
 
 
+@pytest.mark.parametrize("ring_dtype", [torch.float32, torch.bfloat16])
+def test_sparse_attention_paged_reads_two_window_sources(ring_dtype, attention_version):
+    """``window_new``: window slots from a ring buffer (index >= 0) and from this step's rows
+    (-2 - i), -1 hidden, as the engine's batched path names them. Equals the reference over the
+    same keys gathered (the ring buffer's values upcast, as the gathered path does) within 1e-5;
+    a window-only call (no entries, a one-row pool) too; the ring buffer is not copied."""
+    g = torch.Generator().manual_seed(6)
+    h, d, win, k, epb = 4, 64, 16, 8, 4
+    ns, ms = [21, 12], [6, 4]
+    entries = [torch.randn(n, d, generator=g) for n in ns]
+    pool, tables = paged(entries, epb, g)
+    rows = sum(ms)
+    q = torch.randn(rows, h, d, generator=g)
+    ring = torch.randn(50, d, generator=g).to(ring_dtype)
+    new = torch.randn(rows, d, generator=g)
+    widx = torch.randint(0, 50, (rows, win), generator=g)
+    fresh = torch.rand(rows, win, generator=g) < 0.4
+    widx = torch.where(fresh, -2 - torch.randint(0, rows, (rows, win), generator=g), widx)
+    widx[torch.rand(rows, win, generator=g) < 0.2] = -1
+    widx[3] = -2 - torch.arange(win) % rows  # a row whose window is all this step's rows
+    widx[4] = torch.arange(win)  # ... all the ring buffer's
+    row_seq = torch.tensor([0] * ms[0] + [1] * ms[1])
+    sel = torch.stack([torch.randperm(ns[int(s)], generator=g)[:k] for s in row_seq])
+    sel[torch.rand(rows, k, generator=g) < 0.25] = -1
+    sink = torch.randn(h, generator=g)
+    scale = d**-0.5
+    seen = []
+    original = torch.Tensor.to
+    with pytest.MonkeyPatch.context() as mp:  # the ring buffer is never converted (at true shape it is large)
+        mp.setattr(torch.Tensor, "to", lambda t, *a, **kw: seen.append(t.shape) or original(t, *a, **kw))
+        got = AK.sparse_attention_paged(
+            q, ring, widx, sel, pool, tables, sink, scale, False, row_seq=row_seq, window_new=new
+        )
+    assert ring.shape not in seen
+    wkeys = torch.where((widx <= -2).unsqueeze(-1), new[(-2 - widx).clamp_min(0)], ring[widx.clamp_min(0)].float())
+    ent = torch.stack([entries[int(s)][sel[i].clamp_min(0)] for i, s in enumerate(row_seq)])
+    for got_i, keys, mask in (
+        (got, torch.cat([wkeys, ent], dim=1), torch.cat([widx != -1, sel >= 0], dim=1)),
+        (
+            AK.sparse_attention_paged(
+                q,
+                ring,
+                widx,
+                sel[:, :0],
+                pool.new_zeros(1, 1, d),
+                tables,
+                sink,
+                scale,
+                False,
+                row_seq=row_seq,
+                window_new=new,
+            ),  # fmt: skip
+            wkeys,
+            widx != -1,
+        ),
+    ):
+        want = sparse_attention(q, keys, mask, sink, scale, False)
+        assert got_i.shape == want.shape and got_i.dtype == want.dtype
+        err = (got_i - want).abs().flatten(1).amax(1) / want.abs().flatten(1).amax(1)
+        assert float(err.max()) < 1e-5
+    with pytest.raises(ValueError, match="window_new"):
+        AK.sparse_attention_paged(q, ring, widx, sel, pool, tables, sink, scale, False, window_new=new[:, :32])
+
+
 def test_indexer_on_the_tiny_checkpoint(tiny_ckpt, monkeypatch, kernel_version):
     """Every index layer of a tiny-checkpoint prefill and decode step (fp32, paged KV through a
     shuffled block table): the kernel selects exactly what ``Attention._select`` does, the candidate

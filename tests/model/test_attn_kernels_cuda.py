@@ -104,3 +104,62 @@ def test_indexer_v3_on_the_gpu_selects_the_reference(epb, splits, version):
     s2 = s2.masked_fill((torch.arange(n, device=dev) >= vis.unsqueeze(-1)) | ~want_cand, float("-inf"))
     want2 = stable_topk(s2, k).sort(dim=-1).values
     assert torch.equal(re3, torch.where(want2 < vis.unsqueeze(-1), want2, -1))
+
+
+@pytest.mark.parametrize(("rows_per_seq", "n_seqs"), [(4, 64), (512, 2)])
+def test_fused_attention_two_window_sources_at_true_shapes(rows_per_seq, n_seqs):
+    """The engine's fused attention call at V4.1's shapes (64 heads x 512, window 128, top-512, bf16,
+    probabilities rounded): window slots from a ring buffer and this step's rows, entries from a
+    shuffled pool, against ``fast_sparse_attention`` (the gathered CUDA path) on the same keys; then
+    captured in a CUDA graph and replayed on new inputs: equal to the eager call."""
+    from asympd.model.cuda_ops import fast_sparse_attention
+
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(1)
+    h, d, win, k, epb, n_ent = 64, 512, 128, 512, 64, 4096
+    rows = rows_per_seq * n_seqs
+    q = torch.randn(rows, h, d, generator=g, device=dev).to(bf)
+    ring = torch.randn(n_seqs * 160, d, generator=g, device=dev).to(bf)
+    new = torch.randn(rows, d, generator=g, device=dev).to(bf)
+    nb = n_ent // epb
+    pool = torch.randn(n_seqs * nb + 3, epb, d, generator=g, device=dev).to(bf)
+    tables = torch.randperm(n_seqs * nb + 3, device=dev)[: n_seqs * nb].view(n_seqs, nb).to(torch.int32)
+    row_seq = torch.arange(n_seqs, device=dev).repeat_interleave(rows_per_seq)
+    sink = torch.randn(h, generator=g, device=dev)
+
+    def inputs():
+        widx = torch.randint(0, ring.size(0), (rows, win), generator=g, device=dev)
+        fresh = torch.rand(rows, win, generator=g, device=dev) < 0.3
+        widx = torch.where(fresh, -2 - torch.randint(0, rows, (rows, win), generator=g, device=dev), widx)
+        widx[torch.rand(rows, win, generator=g, device=dev) < 0.1] = -1
+        sel = torch.rand(rows, n_ent, generator=g, device=dev).argsort(-1)[:, :k].sort(-1).values
+        sel[torch.rand(rows, k, generator=g, device=dev) < 0.1] = -1
+        return widx, sel
+
+    def fused(widx, sel):
+        return AK.sparse_attention_paged(
+            q, ring, widx, sel, pool, tables, sink, d**-0.5, True, row_seq=row_seq, window_new=new
+        )
+
+    widx, sel = inputs()
+    got = fused(widx, sel)
+    wkeys = torch.where((widx <= -2).unsqueeze(-1), new[(-2 - widx).clamp_min(0)], ring[widx.clamp_min(0)])
+    blk = tables.long()[row_seq.unsqueeze(-1), sel.clamp_min(0) // epb]
+    ent = pool.view(-1, d)[blk * epb + sel.clamp_min(0) % epb]
+    want = fast_sparse_attention(
+        q, torch.cat([wkeys, ent], 1), torch.cat([widx != -1, sel >= 0], 1), sink, d**-0.5, True
+    )
+    rel = float((got.float() - want.float()).norm() / want.float().norm())
+    assert rel < 1e-2, rel  # bf16 probabilities rounded against the running max (measured ~2e-3)
+    static_w, static_s = widx.clone(), sel.clone()
+    fused(static_w, static_s)  # compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused(static_w, static_s)
+    widx2, sel2 = inputs()
+    static_w.copy_(widx2)
+    static_s.copy_(sel2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fused(widx2, sel2))
