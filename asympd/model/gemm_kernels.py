@@ -403,15 +403,15 @@ if AVAILABLE:
         tiled weights (``tile_fp4``)        302, 76 r (6 an SM)         340, 126 r
         tiled, ``maxnreg`` 72               314, 72 r (7 an SM), no     (96: 17 spill loads)
                                             spills
-        ``wide`` (one dot a step), tiled    291, 80 r                   314, 128 r
+        ``wide`` (one dot a step), tiled    322, 95 r (5 an SM)         338, 116 r
         ==================================  ==========================  ==========================
 
         The loads behind them: each thread's weight load is one row's 16 bytes (LDGSTS.128); in the
         row layout a warp's 32 rows lie 2.5 KB apart, half a sector each (the profile's excess
         sectors), tiled they are 512 contiguous bytes, and a step's scales are 128 consecutive
-        bytes instead of a byte a row. ``wide`` saves the second dot's barrier and 8 instructions
-        but Triton then stages the activations with 2-byte loads and stores instead of cp.async
-        (LDG.E.U16 + STS.U16, 9 a step): which wins is the device's to say."""
+        bytes instead of a byte a row. ``wide`` stages one activation tile per step (3 barriers a
+        step instead of 4, still cp.async) for 20 more instructions and 19 more registers (scales
+        on the weights, HMUL2): which wins is the device's to say."""
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.load(block_expert_ptr + pid_b)
@@ -424,9 +424,8 @@ if AVAILABLE:
         w_ptrs, s_ptrs = _tile_bases(w_ptr, s_ptr, e, pid_n, s_we, s_wt, s_wn, s_se, s_st, s_sn, BLOCK_N)
         w_ptrs = w_ptrs[:, None] + kk[None, :]
         KW: tl.constexpr = 32 * UNROLL if WIDE else 32  # K of one dot
-        kc = tl.arange(0, KW)
-        r32 = kc % 32  # see _mma_k_order (each 32-block permuted within itself)
-        k_elem = (kc // 32) * 32 + (r32 // 16) * 16 + ((r32 // 2) % 4) * 4 + ((r32 // 8) % 2) * 2 + r32 % 2
+        kc = tl.arange(0, KW)  # see _mma_k_order: each 16-element half permuted within itself
+        k_elem = (kc // 16) * 16 + ((kc // 2) % 4) * 4 + ((kc // 8) % 2) * 2 + kc % 2
         a_ptrs = a_ptr + src[:, None] * s_am + k_elem[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         kb_lo = tl.program_id(2) * KB_PER_SPLIT
