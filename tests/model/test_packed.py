@@ -443,3 +443,42 @@ def test_packed_weights_give_the_reference_tokens(tiny_ckpt, mode, weights, moe,
         )
         agree += a.token_ids == b.token_ids and close
     assert agree >= 5, agree
+
+
+def test_tiled_experts_hold_the_same_bytes_and_give_the_same_tokens(tiny_ckpt, monkeypatch):
+    """``packed.TILE_N``: the loader stacks the experts in the tiled layout. The model then holds
+    the same bytes (the same ``resident_bytes()``, each operand the row layout's permuted) and, since
+    every kernel reads it to the bit-identical result, generates the same tokens and logprobs."""
+    import asympd.model.packed as packed_mod
+
+    def experts(model):
+        return [
+            e
+            for m in _modules(model)
+            for e in (getattr(m, "w13", None), getattr(m, "w2f", None))
+            if isinstance(e, packed_mod.PackedExperts)
+        ]
+
+    prompts = random_prompts([40, 9, 21], seed=5)
+    sp = asympd.SamplingParams(max_tokens=4, temperature=0, logprobs=2)
+    built, outs = {}, {}
+    for tile in (0, 128):
+        monkeypatch.setattr(packed_mod, "TILE_N", tile)
+        built[tile] = load_model(
+            tiny_ckpt, "decode", device=DEVICE, dtype=torch.float32, weights="packed", vision=False
+        )
+        llm = asympd.LLM(tiny_ckpt, mode="colocated", device=DEVICE, dtype=torch.float32, weights="packed")
+        outs[tile] = [
+            (o.outputs[0].token_ids, o.outputs[0].logprobs)
+            for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+        ]
+    rows, tiled = experts(built[0]), experts(built[128])
+    assert rows and len(rows) == len(tiled)
+    assert all(e.weight.dim() == 3 for e in rows) and all(e.weight.dim() == 5 for e in tiled)
+    for r, t in zip(rows, tiled, strict=True):
+        assert (r.nbytes(), r.in_features) == (t.nbytes(), t.in_features)
+        w, s = gemm.untile_fp4(t.weight, t.scale)
+        assert torch.equal(w, r.weight) and torch.equal(s, r.scale)
+        assert torch.equal(t.dequantized(1), r.dequantized(1))
+    assert built[128].resident_bytes() == built[0].resident_bytes()
+    assert outs[128] == outs[0]
