@@ -65,9 +65,15 @@ MOE_VARIANTS = {
     "fp8_tiled": {"fp8": True, "tiled": True},
 }
 # above 2048 rows (M-blocks of 64 and 128 rows: prefill chunks) only these are timed: the default
-# (the first kernel there) on both layouts and the FP8 kernel (docs/moe_fp8.md)
-MOE_LARGE_VARIANTS = ("current", "current_tiled", "fp8")
+# (the first kernel there) on both layouts, with the shorter decode (offline at BM 128, 8 warps:
+# 232 instead of 290 loop instructions), and the transposed kernel with 8 warps (the expanded
+# weights stay in registers instead of going through shared memory, 64 2-byte STS an iteration at
+# BM 64: the profile's mio_throttle; offline 6.9 / 7.4 instructions a weight against 8.3 / 9.1,
+# 90 / 134 registers). The FP8 kernel there was measured at b118c33 (0.95-1.04x).
+MOE_LARGE_VARIANTS = ("current", "current_tiled", "current_tiled_lut_pairs", "swap_ab_tiled_w8")
 MOE_VARIANTS["current_tiled"] = {"tiled": True}
+MOE_VARIANTS["current_tiled_lut_pairs"] = {"tiled": True, "lut_pairs": True}
+MOE_VARIANTS["swap_ab_tiled_w8"] = {"swap_ab": True, "tiled": True, "num_warps": 8}
 LINEAR_ROWS = [1, 16, 64, 256, 1024]
 # (name, out, in, groups): the FP8-stored matrices of one V4.1 layer (attention, indexer, shared expert)
 LINEARS = [
@@ -251,7 +257,8 @@ def bench_moe_variants(cfg, ceil: dict, g: torch.Generator) -> list[dict]:
         bf_floor = moe_floor(cfg, rows, touched, ceil, 2.0, ceil["bf16_gemm_TFLOPs"])["floor_ms"]
         row["bf16"] = {"moe_graph_ms": bf_ms, "frac_of_own_floor": bf_floor / bf_ms, "own_floor_ms": bf_floor}
         row["bf16"]["frac_of_release_floor"] = floor / bf_ms
-        names = [v for v in MOE_VARIANTS if rows <= 2048 or v in MOE_LARGE_VARIANTS]
+        large = set(MOE_LARGE_VARIANTS)
+        names = [v for v in MOE_VARIANTS if (v in large if rows > 2048 else v not in large - {"current"})]
         first = None
         for name in names:
             conf = dict(MOE_VARIANTS[name])
@@ -654,6 +661,9 @@ def sass_counts() -> list[dict]:
     for bm, warps in ((64, 4), (128, 8)):
         first = dict(UNROLL=2, BLOCK_M=bm, LUT_PAIRS=False, num_warps=warps)
         cases += [("current", G._mxfp4_moe_kernel, first), ("current_tiled", G._mxfp4_moe_kernel, first | tiled)]
+        cases.append(("current_tiled_lut_pairs", G._mxfp4_moe_kernel, first | tiled | dict(LUT_PAIRS=True)))
+        w8 = swap | tiled | dict(BLOCK_M=bm, SCALE_AFTER=False, num_warps=8)
+        cases.append(("swap_ab_tiled_w8", G._mxfp4_moe_swap_kernel, w8))
     cases.append(("fp8_unroll4", G._mxfp4_moe_fp8_kernel, dict(UNROLL=4, BLOCK_M=16)))
     # prefill-sized M-blocks: the FP8 kernel as the wrapper launches it there (8 warps)
     cases += [("fp8", G._mxfp4_moe_fp8_kernel, dict(UNROLL=2, BLOCK_M=bm, num_warps=8)) for bm in (64, 128)]

@@ -279,7 +279,7 @@ def test_mxfp4_moe_fp8_equals_the_reference(rows, n, block_m, config):
     [{}, {"swap_ab": True}, {"swap_ab": True, "scale_after": False}, {"fp8": True}],
     ids=["current", "swap_ab", "swap_ab_per_weight", "fp8"],
 )
-@pytest.mark.parametrize("rows,block_m,split", [(1, 16, None), (7, 16, 1), (50, 32, 2), (90, 64, 1)])
+@pytest.mark.parametrize("rows,block_m,split", [(1, 16, None), (7, 16, 1), (50, 32, 2), (90, 64, 1), (90, 128, None)])
 def test_tiled_experts_give_the_row_layouts_result(rows, block_m, split, cfg):
     """``tile_fp4`` holds the same bytes in contiguous [tile, K step] runs; every kernel reads it
     to the bit-identical result of the row layout (same products, same order), gathered or not,
