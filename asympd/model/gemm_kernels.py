@@ -11,6 +11,8 @@
   ``config={"fp8": True}`` runs that transposed tile on FP8 tensor cores (``_mxfp4_moe_fp8_kernel``:
   e2m1 expanded to e4m3 in registers, the activations' own e4m3 codes, one FP8 wgmma per 32-K scale
   block rescaled in fp32; docs/moe_fp8.md); off by default until timed on the device.
+  Every MXFP4 kernel also reads the experts tiled (``tile_fp4``, ``packed.TILE_N``: the same bytes
+  as ``[E, N/BN, K/32, BN, 16]``), so one program's 32-K step is one contiguous run of whole lines.
 
 The bf16 kernels expand the weight tile in registers to the activation dtype and run one dot with fp32
 accumulation. The expansion is exact (e4m3 and e2m1 values times a power of two fit bf16), and the
