@@ -68,21 +68,32 @@ FP8_SWEEP = (("wq_b", 32768, 1280), ("wo_b", 5120, 8192), ("wq_a", 1280, 5120))
 MOE_ROWS = [1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 MOE_VARIANT_ROWS = [1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 # the MXFP4 GEMMs' kernel configs timed side by side (gemm_kernels.mxfp4_moe_gemm): the default
-# kernel, the same with the shorter table decode (``lut_pairs``: what the decode alone gains), the
-# transposed decode-regime kernel (``swap_ab``), at its defaults and unrolled 4x, and the same
-# transposed tile on FP8 tensor cores (``fp8``: e2m1 -> e4m3 in registers, the activations' e4m3
-# codes, the per-32 scales applied to each block's dot in fp32), at its defaults and unrolled 4x
+# kernels (``current`` runs the transposed ``swap_ab`` kernel for M-blocks <= 32 rows on CUDA, the
+# first kernel above), and the experts in the tiled layout
+# (``tiled``: gemm_kernels.tile_fp4, one contiguous run per program and 32-K step instead of
+# half-sectors of rows 2.5 KB apart), alone, capped at 72 registers (7 programs an SM instead of
+# 6; no spills offline), and with the whole unrolled step as one dot (``wide``: one activation
+# tile staged per two scale blocks); the FP8 kernel on both layouts. ``tiled`` is the bench's key
+# (the layout is the operand's), not a kernel config. Earlier variants (``lut_pairs``, unroll 4)
+# are in formats_moe_variants.json at 75972d4 / b118c33.
 MOE_VARIANTS = {
     "current": {},
-    "current_lut_pairs": {"lut_pairs": True},
-    "swap_ab": {"swap_ab": True},
-    "swap_ab_unroll4": {"swap_ab": True, "unroll": 4},
+    "swap_ab_tiled": {"swap_ab": True, "tiled": True},
+    "swap_ab_tiled_r72": {"swap_ab": True, "tiled": True, "maxnreg": 72},
+    "swap_ab_wide_tiled": {"swap_ab": True, "wide": True, "tiled": True},
     "fp8": {"fp8": True},
-    "fp8_unroll4": {"fp8": True, "unroll": 4},
+    "fp8_tiled": {"fp8": True, "tiled": True},
 }
 # above 2048 rows (M-blocks of 64 and 128 rows: prefill chunks) only these are timed: the default
-# (the first kernel there) and the FP8 kernel, whose count says it can gain there (docs/moe_fp8.md)
-MOE_LARGE_VARIANTS = ("current", "fp8")
+# (the first kernel there) on both layouts, with the shorter decode (offline at BM 128, 8 warps:
+# 232 instead of 290 loop instructions), and the transposed kernel with 8 warps (the expanded
+# weights stay in registers instead of going through shared memory, 64 2-byte STS an iteration at
+# BM 64: the profile's mio_throttle; offline 6.9 / 7.4 instructions a weight against 8.3 / 9.1,
+# 90 / 134 registers). The FP8 kernel there was measured at b118c33 (0.95-1.04x).
+MOE_LARGE_VARIANTS = ("current", "current_tiled", "current_tiled_lut_pairs", "swap_ab_tiled_w8")
+MOE_VARIANTS["current_tiled"] = {"tiled": True}
+MOE_VARIANTS["current_tiled_lut_pairs"] = {"tiled": True, "lut_pairs": True}
+MOE_VARIANTS["swap_ab_tiled_w8"] = {"swap_ab": True, "tiled": True, "num_warps": 8}
 LINEAR_ROWS = [1, 16, 64, 256, 1024]
 # (name, out, in, groups): the FP8-stored matrices of one V4.1 layer (attention, indexer, shared expert)
 LINEARS = [
@@ -240,6 +251,8 @@ def bench_moe_variants(cfg, ceil: dict, g: torch.Generator) -> list[dict]:
 
     packed, bf16 = build_moes(cfg, g)
     w13, w2 = packed.w13, packed.w2f
+    # the tiled layout's copies of the same experts (the product holds one layout: packed.TILE_N)
+    tiled = {False: (w13, w2), True: (w13.tiled(), w2.tiled())}
     fp8_rate = ceil.get("fp8_gemm_TFLOPs", ceil["bf16_gemm_TFLOPs"])
     n_exp, k_top, d, inter = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
     out = []
@@ -264,30 +277,32 @@ def bench_moe_variants(cfg, ceil: dict, g: torch.Generator) -> list[dict]:
         bf_floor = moe_floor(cfg, rows, touched, ceil, 2.0, ceil["bf16_gemm_TFLOPs"])["floor_ms"]
         row["bf16"] = {"moe_graph_ms": bf_ms, "frac_of_own_floor": bf_floor / bf_ms, "own_floor_ms": bf_floor}
         row["bf16"]["frac_of_release_floor"] = floor / bf_ms
-        names = [v for v in MOE_VARIANTS if rows <= 2048 or v in MOE_LARGE_VARIANTS]
+        large = set(MOE_LARGE_VARIANTS)
+        names = [v for v in MOE_VARIANTS if (v in large if rows > 2048 else v not in large - {"current"})]
         first = None
         for name in names:
-            conf = MOE_VARIANTS[name]
-            packed.w13, packed.w2f = _Configured(w13, conf), _Configured(w2, conf)
+            conf = dict(MOE_VARIANTS[name])
+            e13, e2 = tiled[conf.pop("tiled", False)]
+            packed.w13, packed.w2f = _Configured(e13, conf), _Configured(e2, conf)
             try:
                 y = packed(x)
                 first = y if first is None else first
                 timed = _time(lambda m=packed, x=x: m(x), iters=10, warmup=1, graph=True)
                 moe = timed["ms"]
                 t13 = _time(
-                    lambda c=conf, b=blocks, t=token, a=xq, r=r, bm=bm: w13.matmul(a, b, r, bm, t, c),
+                    lambda c=conf, b=blocks, t=token, a=xq, r=r, bm=bm, w=e13: w.matmul(a, b, r, bm, t, c),
                     iters=10,
                     warmup=1,
                     graph=True,
                 )["ms"]
                 t2 = _time(
-                    lambda c=conf, b=blocks, a=h, r=r, bm=bm: w2.matmul(a, b, r, bm, None, c),
+                    lambda c=conf, b=blocks, a=h, r=r, bm=bm, w=e2: w.matmul(a, b, r, bm, None, c),
                     iters=10,
                     warmup=1,
                     graph=True,
                 )["ms"]
                 row[name] = {
-                    "config": conf,
+                    "config": MOE_VARIANTS[name],
                     "mode": timed["mode"],
                     "moe_graph_ms": moe,
                     "moe_frac_of_release_floor": floor / moe,
@@ -300,11 +315,11 @@ def bench_moe_variants(cfg, ceil: dict, g: torch.Generator) -> list[dict]:
                     "speedup_vs_bf16": bf_ms / moe,
                 }
             except Exception as ex:  # a variant that does not compile or run: keep the others
-                row[name] = {"config": conf, "error": f"{type(ex).__name__}: {str(ex)[:300]}"}
+                row[name] = {"config": MOE_VARIANTS[name], "error": f"{type(ex).__name__}: {str(ex)[:300]}"}
         packed.w13, packed.w2f = w13, w2
         cur = row["current"]
         log(
-            f"moe variants rows {rows:5d} bm {bm:3d} touched {touched:3d} | bf16              moe {bf_ms:.3f} ms "
+            f"moe variants rows {rows:5d} bm {bm:3d} touched {touched:3d} | bf16               moe {bf_ms:.3f} ms "
             f"({100 * floor / bf_ms:4.1f}% release floor, {100 * bf_floor / bf_ms:4.1f}% own floor)"
         )
         for name in names:
@@ -313,7 +328,7 @@ def bench_moe_variants(cfg, ceil: dict, g: torch.Generator) -> list[dict]:
                 keys = {"moe": "moe_graph_ms", "w13": "w13_ms", "w2": "w2_ms"}
                 row[f"{name}_speedup"] = {k: cur[ms] / v[ms] for k, ms in keys.items()}
             log(
-                f"moe variants rows {rows:5d} bm {bm:3d} touched {touched:3d} | {name:17s} "
+                f"moe variants rows {rows:5d} bm {bm:3d} touched {touched:3d} | {name:18s} "
                 + (
                     v["error"]
                     if "error" in v
@@ -325,7 +340,7 @@ def bench_moe_variants(cfg, ceil: dict, g: torch.Generator) -> list[dict]:
             )
         out.append(row)
         del x, h
-    del packed, bf16
+    del packed, bf16, tiled
     if DEV.type == "cuda":
         torch.cuda.empty_cache()
     return out
@@ -683,8 +698,8 @@ def _loop_instructions(sass: str) -> int:
     return len(_loop_opcodes(sass))
 
 
-def _loop_opcodes(sass: str) -> list[str]:
-    """The hot loop's opcodes (without modifiers), in order: see ``_loop_instructions``."""
+def _loop_opcodes(sass: str, modifiers: bool = False) -> list[str]:
+    """The hot loop's opcodes (without modifiers unless asked), in order: see ``_loop_instructions``."""
     import re
 
     lines = sass.splitlines()
@@ -697,8 +712,8 @@ def _loop_opcodes(sass: str) -> list[str]:
     start, end = max(loops, key=lambda t: t[1] - t[0])
     ops = []
     for ln in lines[start : end + 1]:
-        if m := re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln):
-            ops.append(m.group(1))
+        if m := re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", ln):
+            ops.append(m.group(1) if modifiers else m.group(1).split(".")[0])
     return ops
 
 
@@ -717,13 +732,17 @@ def sass_counts() -> list[dict]:
     from triton.compiler import ASTSource
 
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    ints = ["N", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_ys", "s_ym"]
+    ints = ["N", "s_am", "s_we", "s_wt", "s_wn", "s_se", "s_st", "s_sn", "s_ys", "s_ym"]
     sig = {"a_ptr": "*bf16", "a_rows_ptr": "*i64", "w_ptr": "*i8", "s_ptr": "*u8", "y_ptr": "*bf16"}
     sig |= {"block_expert_ptr": "*i32", "block_row0_ptr": "*i32", "block_row1_ptr": "*i32"} | dict.fromkeys(ints, "i32")
     # the FP8 kernel: e4m3 activation codes and their fp32 scales instead of bf16 activations
     sig8 = {**sig, "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "s_asm": "i32"}
+    # the K step of the row layout (16 bytes, 1 scale); ``tiled`` cases: tile_fp4's (BN x 16, BN)
+    rows_step, tiled = dict(W_STEP=16, S_STEP=1), dict(W_STEP=128 * 16, S_STEP=128)
     base = dict(K=5120, KB_PER_SPLIT=32, N_EXPERTS=384, GATHER=True, DOT_F32=False, LUT=True, BLOCK_N=128)
     base8 = dict(K=5120, KB_PER_SPLIT=32, N_EXPERTS=384, GATHER=True, ASM=True, BLOCK_N=128, EVEN_N=True)
+    base, base8 = base | rows_step, base8 | rows_step
+    swap = dict(UNROLL=2, EVEN_N=True, SCALE_AFTER=True, WIDE=False)
     cases = []
     for bm in (16, 32):
         cases += [
@@ -732,30 +751,53 @@ def sass_counts() -> list[dict]:
             (
                 "swap_ab_scale_after",
                 G._mxfp4_moe_swap_kernel,
-                dict(UNROLL=2, BLOCK_M=bm, EVEN_N=True, SCALE_AFTER=True),
+                dict(UNROLL=2, BLOCK_M=bm, EVEN_N=True, SCALE_AFTER=True, WIDE=False),
             ),
             (
                 "swap_ab_scale_per_weight",
                 G._mxfp4_moe_swap_kernel,
-                dict(UNROLL=2, BLOCK_M=bm, EVEN_N=True, SCALE_AFTER=False),
+                dict(UNROLL=2, BLOCK_M=bm, EVEN_N=True, SCALE_AFTER=False, WIDE=False),
             ),
+            ("swap_ab_tiled", G._mxfp4_moe_swap_kernel, swap | tiled | dict(BLOCK_M=bm)),
+            ("swap_ab_wide", G._mxfp4_moe_swap_kernel, swap | dict(BLOCK_M=bm, SCALE_AFTER=False, WIDE=True)),
+            (
+                "swap_ab_wide_tiled",
+                G._mxfp4_moe_swap_kernel,
+                swap | tiled | dict(BLOCK_M=bm, SCALE_AFTER=False, WIDE=True),
+            ),
+            ("swap_ab_tiled_r72", G._mxfp4_moe_swap_kernel, swap | tiled | dict(BLOCK_M=bm, maxnreg=72)),
             ("fp8", G._mxfp4_moe_fp8_kernel, dict(UNROLL=2, BLOCK_M=bm)),
         ]
+    cases.append(("swap_ab_unroll4", G._mxfp4_moe_swap_kernel, swap | dict(UNROLL=4, BLOCK_M=16)))
     cases.append(
-        ("swap_ab_unroll4", G._mxfp4_moe_swap_kernel, dict(UNROLL=4, BLOCK_M=16, EVEN_N=True, SCALE_AFTER=True))
+        (
+            "swap_ab_wide_tiled_unroll4",
+            G._mxfp4_moe_swap_kernel,
+            swap | tiled | dict(UNROLL=4, BLOCK_M=16, SCALE_AFTER=False, WIDE=True),
+        )
     )
+    # prefill-sized M-blocks: the first kernel as the wrapper launches it there (8 warps at 128)
+    for bm, warps in ((64, 4), (128, 8)):
+        first = dict(UNROLL=2, BLOCK_M=bm, LUT_PAIRS=False, num_warps=warps)
+        cases += [("current", G._mxfp4_moe_kernel, first), ("current_tiled", G._mxfp4_moe_kernel, first | tiled)]
+        cases.append(("current_tiled_lut_pairs", G._mxfp4_moe_kernel, first | tiled | dict(LUT_PAIRS=True)))
+        w8 = swap | tiled | dict(BLOCK_M=bm, SCALE_AFTER=False, num_warps=8)
+        cases.append(("swap_ab_tiled_w8", G._mxfp4_moe_swap_kernel, w8))
     cases.append(("fp8_unroll4", G._mxfp4_moe_fp8_kernel, dict(UNROLL=4, BLOCK_M=16)))
     # prefill-sized M-blocks: the FP8 kernel as the wrapper launches it there (8 warps)
     cases += [("fp8", G._mxfp4_moe_fp8_kernel, dict(UNROLL=2, BLOCK_M=bm, num_warps=8)) for bm in (64, 128)]
     out = []
     for name, fn, consts in cases:
-        warps = consts.pop("num_warps", 4)
+        consts = dict(consts)
+        warps, maxnreg = consts.pop("num_warps", 4), consts.pop("maxnreg", None)
         fp8 = fn is G._mxfp4_moe_fp8_kernel
         consts = {**(base8 if fp8 else base), **consts}
         sig_fn = {a: t for a, t in (sig8 if fp8 else sig).items() if a in fn.arg_names}
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig_fn}
         src = ASTSource(fn, {**sig_fn, **dict.fromkeys(consts, "constexpr")}, consts, attrs)
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3})
+        k = triton.compile(
+            src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3, "maxnreg": maxnreg}
+        )
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(k.asm["cubin"])
             f.flush()
@@ -767,9 +809,14 @@ def sass_counts() -> list[dict]:
         regs = int(usage.split("REG:")[1].split()[0])
         spill = int(usage.split("LOCAL:")[1].split()[0]) if "LOCAL:" in usage else None  # local memory: spills
         row = {"kernel": name, "block_m": consts["BLOCK_M"], "unroll": consts["UNROLL"], "num_warps": warps}
+        row["tiled"], row["maxnreg"] = consts["W_STEP"] != 16, maxnreg
         row["registers"] = regs
         row |= {"local_bytes": spill, "loop_instructions": n, "weights_per_thread": weights, "per_weight": n / weights}
         row["loop_opcodes"] = dict(sorted(((o, ops.count(o)) for o in set(ops)), key=lambda t: -t[1]))
+        # the memory side with its widths (LDG.E.128 vs .U8: what coalescing and vectorizing change)
+        mem = _loop_opcodes(sass, modifiers=True)
+        mem = [o for o in mem if o.split(".")[0] in ("LDG", "LDS", "STS", "LDSM", "BAR", "LDGSTS")]
+        row["loop_memory_ops"] = dict(sorted(((o, mem.count(o)) for o in set(mem)), key=lambda t: -t[1]))
         out.append(row)
         log(
             f"sass {name:26s} BM {consts['BLOCK_M']:3d} unroll {consts['UNROLL']} warps {warps} | "

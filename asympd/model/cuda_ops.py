@@ -348,7 +348,7 @@ class FastMoE(MoE):
         moe.bias_vl = gate.get("bias_vl")  # vision: image-span rows route with it (MoE.route_bias)
         moe.w1 = moe.w2 = moe.w3 = moe.s1 = moe.s3 = None
         moe.w13, moe.w2f, moe.s13, moe.s2 = w13, w2, s13, s2
-        moe.inter = w2.weight.size(-1) * 2
+        moe.inter = w2.in_features
         moe.shared_inter = s2.in_features if isinstance(s2, FP8TileLinear) else s2.size(1)
         moe.experts = "mxfp4"
         moe.gate_bf16 = (

@@ -13,6 +13,8 @@
   ``config={"fp8": True}`` runs that transposed tile on FP8 tensor cores (``_mxfp4_moe_fp8_kernel``:
   e2m1 expanded to e4m3 in registers, the activations' own e4m3 codes, one FP8 wgmma per 32-K scale
   block rescaled in fp32; docs/moe_fp8.md); off by default until timed on the device.
+  Every MXFP4 kernel also reads the experts tiled (``tile_fp4``, ``packed.TILE_N``: the same bytes
+  as ``[E, N/BN, K/32, BN, 16]``), so one program's 32-K step is one contiguous run of whole lines.
 
 The bf16 kernels expand the weight tile in registers to the activation dtype and run one dot with fp32
 accumulation. The expansion is exact (e4m3 and e2m1 values times a power of two fit bf16), and the
@@ -290,6 +292,16 @@ if AVAILABLE:
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
+    def _tile_bases(w_ptr, s_ptr, e, pid_n, s_we, s_wt, s_wn, s_se, s_st, s_sn, BLOCK_N: tl.constexpr):
+        """Per weight row of an N-block: the address of its first packed byte and first scale, for
+        either layout (``tile_fp4``): rows [E, N, K/2] (``s_wt`` = BLOCK_N rows) or tiles [E, N/BN,
+        K/32, BN, 16] (``s_wn`` = 16). The K step (``W_STEP``/``S_STEP``) is the caller's constexpr."""
+        nl = tl.arange(0, BLOCK_N).to(tl.int64)
+        e64 = e.to(tl.int64)
+        t64 = pid_n.to(tl.int64)
+        return w_ptr + e64 * s_we + t64 * s_wt + nl * s_wn, s_ptr + e64 * s_se + t64 * s_st + nl * s_sn
+
+    @triton.jit
     def _mxfp4_moe_kernel(
         a_ptr,
         a_rows_ptr,
@@ -302,8 +314,10 @@ if AVAILABLE:
         N,
         s_am,
         s_we,
+        s_wt,
         s_wn,
         s_se,
+        s_st,
         s_sn,
         s_ys,
         s_ym,
@@ -312,6 +326,8 @@ if AVAILABLE:
         UNROLL: tl.constexpr,
         N_EXPERTS: tl.constexpr,
         GATHER: tl.constexpr,
+        W_STEP: tl.constexpr,
+        S_STEP: tl.constexpr,
         DOT_F32: tl.constexpr,
         LUT: tl.constexpr,
         LUT_PAIRS: tl.constexpr,
@@ -337,9 +353,8 @@ if AVAILABLE:
             src = rows.to(tl.int64)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
-        e64 = e.to(tl.int64)
-        w_base = w_ptr + e64 * s_we + cols.to(tl.int64)[:, None] * s_wn
-        s_base = s_ptr + e64 * s_se + cols.to(tl.int64) * s_sn
+        w_base, s_base = _tile_bases(w_ptr, s_ptr, e, pid_n, s_we, s_wt, s_wn, s_se, s_st, s_sn, BLOCK_N)
+        w_base = w_base[:, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         kk = tl.arange(0, 16)
         kb_lo = tl.program_id(2) * KB_PER_SPLIT
@@ -347,8 +362,8 @@ if AVAILABLE:
             for u in tl.static_range(UNROLL):  # one 32-element scale block: 16 bytes of every row
                 kb = kb_lo + kb0 + u
                 live = kb < K // 32
-                p = tl.load(w_base + kb * 16 + kk[None, :], mask=cmask[:, None] & live, other=0)
-                sc = _ue8m0(tl.load(s_base + kb, mask=cmask & live, other=0))[:, None]
+                p = tl.load(w_base + kb * W_STEP + kk[None, :], mask=cmask[:, None] & live, other=0)
+                sc = _ue8m0(tl.load(s_base + kb * S_STEP, mask=cmask & live, other=0))[:, None]
                 if LUT:  # elements kb*32 + j and kb*32 + 16 + j (see repack_fp4)
                     if LUT_PAIRS:
                         lo, hi = _fp4_lut_pairs(p)
@@ -452,8 +467,10 @@ if AVAILABLE:
         N,
         s_am,
         s_we,
+        s_wt,
         s_wn,
         s_se,
+        s_st,
         s_sn,
         s_ys,
         s_ym,
@@ -462,10 +479,13 @@ if AVAILABLE:
         UNROLL: tl.constexpr,
         N_EXPERTS: tl.constexpr,
         GATHER: tl.constexpr,
+        W_STEP: tl.constexpr,
+        S_STEP: tl.constexpr,
         EVEN_N: tl.constexpr,
         DOT_F32: tl.constexpr,
         LUT: tl.constexpr,
         SCALE_AFTER: tl.constexpr,
+        WIDE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -498,7 +518,29 @@ if AVAILABLE:
         decode (``_FP4_LUT_PAIRS_ASM``, 15 a packed word), ~30 copies of its table constant that
         ptxas rematerializes, 32 FMAs, 16 PRMTs that pack the loaded bytes (two rows' pairs) for
         the decode, the rest loads, scales, wgmma, loop. UNROLL 4: 534 per 128 weights (4.2 / w),
-        126 registers."""
+        126 registers.
+
+        After the ncu profile (bench/results/ncu_moe_0c746c4.txt: 59 % excess global sectors, 5
+        programs an SM at 83 registers, waits on shared memory and barriers), the same offline
+        count for the variants it suggested (BLOCK_M 16 / 32; r: registers; programs an SM from
+        registers rounded to 8 a thread):
+
+        ==================================  ==========================  ==========================
+        variant                             BLOCK_M = 16                BLOCK_M = 32
+        ==================================  ==========================  ==========================
+        as above (rows layout)              299, 83 r (5 an SM)         341, 127 r
+        tiled weights (``tile_fp4``)        302, 76 r (6 an SM)         340, 126 r
+        tiled, ``maxnreg`` 72               314, 72 r (7 an SM), no     (96: 17 spill loads)
+                                            spills
+        ``wide`` (one dot a step), tiled    322, 95 r (5 an SM)         338, 116 r
+        ==================================  ==========================  ==========================
+
+        The loads behind them: each thread's weight load is one row's 16 bytes (LDGSTS.128); in the
+        row layout a warp's 32 rows lie 2.5 KB apart, half a sector each (the profile's excess
+        sectors), tiled they are 512 contiguous bytes, and a step's scales are 128 consecutive
+        bytes instead of a byte a row. ``wide`` stages one activation tile per step (3 barriers a
+        step instead of 4, still cp.async) for 20 more instructions and 19 more registers (scales
+        on the weights, HMUL2): which wins is the device's to say."""
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.load(block_expert_ptr + pid_b)
@@ -507,49 +549,72 @@ if AVAILABLE:
         rows, rmask, src = _block_rows_unmasked(pid_b, block_row0_ptr, block_row1_ptr, a_rows_ptr, BLOCK_M, GATHER)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
-        e64 = e.to(tl.int64)
         kk = tl.arange(0, 16)
-        w_ptrs = w_ptr + e64 * s_we + cols.to(tl.int64)[:, None] * s_wn + kk[None, :]
-        s_ptrs = s_ptr + e64 * s_se + cols.to(tl.int64) * s_sn
-        kc = tl.arange(0, 32)
-        k_elem = (kc // 16) * 16 + ((kc // 2) % 4) * 4 + ((kc // 8) % 2) * 2 + kc % 2  # see _mma_k_order
+        w_ptrs, s_ptrs = _tile_bases(w_ptr, s_ptr, e, pid_n, s_we, s_wt, s_wn, s_se, s_st, s_sn, BLOCK_N)
+        w_ptrs = w_ptrs[:, None] + kk[None, :]
+        KW: tl.constexpr = 32 * UNROLL if WIDE else 32  # K of one dot
+        kc = tl.arange(0, KW)  # see _mma_k_order: each 16-element half permuted within itself
+        k_elem = (kc // 16) * 16 + ((kc // 2) % 4) * 4 + ((kc // 8) % 2) * 2 + kc % 2
         a_ptrs = a_ptr + src[:, None] * s_am + k_elem[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         kb_lo = tl.program_id(2) * KB_PER_SPLIT
         uu = tl.arange(0, UNROLL)
         for kb0 in range(0, KB_PER_SPLIT, UNROLL):  # splits divide K exactly (see the wrapper): no masks
-            if SCALE_AFTER:  # the step's scales in one load (one layout conversion, not UNROLL)
-                s_step = _ue8m0(tl.load(s_ptrs[:, None] + kb_lo + kb0 + uu[None, :], mask=cmask[:, None], other=0))
-            for u in tl.static_range(UNROLL):
-                kb = kb_lo + kb0 + u
+            if SCALE_AFTER or WIDE:  # the step's scales in one load (one layout conversion, not UNROLL)
+                s_step = _ue8m0(
+                    tl.load(s_ptrs[:, None] + (kb_lo + kb0 + uu[None, :]) * S_STEP, mask=cmask[:, None], other=0)
+                )
+            if WIDE:  # the whole step as one dot: one activation tile staged per UNROLL blocks
+                kbw = kb_lo + kb0
+                pw = w_ptrs[:, None, :] + (kbw + uu)[None, :, None] * W_STEP  # [BLOCK_N, UNROLL, 16]
                 if EVEN_N:
-                    p = tl.load(w_ptrs + kb * 16)
+                    p = tl.load(pw)
                 else:
-                    p = tl.load(w_ptrs + kb * 16, mask=cmask[:, None], other=0)
-                if SCALE_AFTER:
-                    sc = tl.sum(tl.where(uu[None, :] == u, s_step, 0.0), axis=1)[:, None]  # column u, exact
-                else:
-                    sc = _ue8m0(tl.load(s_ptrs + kb, mask=cmask, other=0))[:, None]
-                a_k = tl.load(a_ptrs + kb * 32)
+                    p = tl.load(pw, mask=cmask[:, None, None], other=0)
                 if LUT:
                     lo, hi = _fp4_lut_pairs(p)
-                    if not SCALE_AFTER:
-                        lo, hi = lo * sc.to(tl.bfloat16), hi * sc.to(tl.bfloat16)
-                elif SCALE_AFTER:
-                    lo, hi = _fp4_halves(p.to(tl.int32), 1.0)
+                    sc = s_step.to(tl.bfloat16)[:, :, None]
+                    lo, hi = lo * sc, hi * sc
                 else:
-                    lo, hi = _fp4_halves(p.to(tl.int32), sc)
-                w = _mma_k_order(lo, hi, BLOCK_N)
-                if SCALE_AFTER:
-                    if DOT_F32:
-                        t = tl.dot(w.to(tl.float32), tl.trans(a_k.to(tl.float32)), input_precision="ieee")
-                    else:
-                        t = tl.dot(w.to(a_k.dtype), tl.trans(a_k))
-                    acc += t * sc
-                elif DOT_F32:
+                    lo, hi = _fp4_halves(p.to(tl.int32), s_step[:, :, None])
+                x = tl.join(lo.reshape(BLOCK_N, UNROLL, 4, 2, 2), hi.reshape(BLOCK_N, UNROLL, 4, 2, 2))
+                w = x.permute(0, 1, 5, 3, 2, 4).reshape(BLOCK_N, KW)  # _mma_k_order per block
+                a_k = tl.load(a_ptrs + kbw * 32)
+                if DOT_F32:
                     acc = tl.dot(w.to(tl.float32), tl.trans(a_k.to(tl.float32)), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(w.to(a_k.dtype), tl.trans(a_k), acc)
+            else:
+                for u in tl.static_range(UNROLL):
+                    kb = kb_lo + kb0 + u
+                    if EVEN_N:
+                        p = tl.load(w_ptrs + kb * W_STEP)
+                    else:
+                        p = tl.load(w_ptrs + kb * W_STEP, mask=cmask[:, None], other=0)
+                    if SCALE_AFTER:
+                        sc = tl.sum(tl.where(uu[None, :] == u, s_step, 0.0), axis=1)[:, None]  # column u, exact
+                    else:
+                        sc = _ue8m0(tl.load(s_ptrs + kb * S_STEP, mask=cmask, other=0))[:, None]
+                    a_k = tl.load(a_ptrs + kb * 32)
+                    if LUT:
+                        lo, hi = _fp4_lut_pairs(p)
+                        if not SCALE_AFTER:
+                            lo, hi = lo * sc.to(tl.bfloat16), hi * sc.to(tl.bfloat16)
+                    elif SCALE_AFTER:
+                        lo, hi = _fp4_halves(p.to(tl.int32), 1.0)
+                    else:
+                        lo, hi = _fp4_halves(p.to(tl.int32), sc)
+                    w = _mma_k_order(lo, hi, BLOCK_N)
+                    if SCALE_AFTER:
+                        if DOT_F32:
+                            t = tl.dot(w.to(tl.float32), tl.trans(a_k.to(tl.float32)), input_precision="ieee")
+                        else:
+                            t = tl.dot(w.to(a_k.dtype), tl.trans(a_k))
+                        acc += t * sc
+                    elif DOT_F32:
+                        acc = tl.dot(w.to(tl.float32), tl.trans(a_k.to(tl.float32)), acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(w.to(a_k.dtype), tl.trans(a_k), acc)
         y_ptr += tl.program_id(2) * s_ys
         out = y_ptr + rows.to(tl.int64)[None, :] * s_ym + cols[:, None]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rmask[None, :] & cmask[:, None])
@@ -623,8 +688,10 @@ if AVAILABLE:
         s_am,
         s_asm,
         s_we,
+        s_wt,
         s_wn,
         s_se,
+        s_st,
         s_sn,
         s_ys,
         s_ym,
@@ -633,6 +700,8 @@ if AVAILABLE:
         UNROLL: tl.constexpr,
         N_EXPERTS: tl.constexpr,
         GATHER: tl.constexpr,
+        W_STEP: tl.constexpr,
+        S_STEP: tl.constexpr,
         EVEN_N: tl.constexpr,
         ASM: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -684,10 +753,9 @@ if AVAILABLE:
         rows, rmask, src = _block_rows_unmasked(pid_b, block_row0_ptr, block_row1_ptr, a_rows_ptr, BLOCK_M, GATHER)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
-        e64 = e.to(tl.int64)
         kk = tl.arange(0, 16)
-        w_ptrs = w_ptr + e64 * s_we + cols.to(tl.int64)[:, None] * s_wn + kk[None, :]
-        s_ptrs = s_ptr + e64 * s_se + cols.to(tl.int64) * s_sn
+        w_ptrs, s_ptrs = _tile_bases(w_ptr, s_ptr, e, pid_n, s_we, s_wt, s_wn, s_se, s_st, s_sn, BLOCK_N)
+        w_ptrs = w_ptrs[:, None] + kk[None, :]
         a_ptrs = a_ptr + src[:, None] * s_am + tl.arange(0, 32)[None, :]
         as_ptrs = as_ptr + src * s_asm
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -696,14 +764,14 @@ if AVAILABLE:
         for kb0 in range(0, KB_PER_SPLIT, UNROLL):  # splits divide K exactly (see the wrapper): no masks
             kbs = kb_lo + kb0 + uu
             # the step's scales in one load each; 2^6 undoes the decode's 2^-6 (exact)
-            ws_step = _ue8m0(tl.load(s_ptrs[:, None] + kbs[None, :], mask=cmask[:, None], other=0)) * 64.0
+            ws_step = _ue8m0(tl.load(s_ptrs[:, None] + kbs[None, :] * S_STEP, mask=cmask[:, None], other=0)) * 64.0
             as_step = tl.load(as_ptrs[:, None] + kbs[None, :])
             for u in tl.static_range(UNROLL):
                 kb = kb_lo + kb0 + u
                 if EVEN_N:
-                    p = tl.load(w_ptrs + kb * 16)
+                    p = tl.load(w_ptrs + kb * W_STEP)
                 else:
-                    p = tl.load(w_ptrs + kb * 16, mask=cmask[:, None], other=0)
+                    p = tl.load(w_ptrs + kb * W_STEP, mask=cmask[:, None], other=0)
                 ws = tl.sum(tl.where(uu[None, :] == u, ws_step, 0.0), axis=1)  # column u, exact
                 sa = tl.sum(tl.where(uu[None, :] == u, as_step, 0.0), axis=1)
                 a_k = tl.load(a_ptrs + kb * 32)
@@ -914,6 +982,28 @@ def unrepack_fp4(packed: torch.Tensor) -> torch.Tensor:
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous().view(torch.int8)
 
 
+def tile_fp4(weight: torch.Tensor, scale: torch.Tensor, block_n: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel-order codes ``[E, N, K/2]`` and scales ``[E, N, K/32]`` -> the tiled layout: codes
+    ``[E, N/BN, K/32, BN, 16]``, scales ``[E, N/BN, K/32, BN]``. The same bytes, permuted, so that
+    what one program of ``mxfp4_moe_gemm`` reads per 32-K step (BN rows x 16 bytes, BN scales) is
+    one contiguous run: full 128-byte lines instead of half-sectors of rows 2.5 KB apart, and the
+    scales one byte apart instead of a sector each (the ncu profile's excess sectors)."""
+    e, n, half_k = weight.shape
+    if n % block_n or half_k % 16:
+        raise ValueError(f"tile_fp4: N = {n} is not a multiple of {block_n}, or K = {2 * half_k} of 32")
+    w = weight.reshape(e, n // block_n, block_n, half_k // 16, 16).permute(0, 1, 3, 2, 4).contiguous()
+    s = scale.reshape(e, n // block_n, block_n, half_k // 16).permute(0, 1, 3, 2).contiguous()
+    return w, s
+
+
+def untile_fp4(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of ``tile_fp4`` (any leading dims before the last four / three)."""
+    *lead, t, kb, bn, _ = weight.shape
+    w = weight.transpose(-3, -2).reshape(*lead, t * bn, kb * 16)
+    s = scale.transpose(-2, -1).reshape(*lead, t * bn, kb)
+    return w, s
+
+
 def moe_blocks(
     expert_ids: torch.Tensor, n_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -989,11 +1079,23 @@ def mxfp4_moe_gemm(
     ``block_m <= 16``); ``fp8`` (the same transposed tile on FP8 tensor cores,
     ``_mxfp4_moe_fp8_kernel``: the activations re-quantized to their e4m3 codes, exact; default
     off until measured); the transposed kernels' ``unroll`` must divide K/32 and their ``split``
-    is rounded down to a divisor of the unrolled steps. ``MOE_DEFAULTS`` (module level) overrides
+    is rounded down to a divisor of the unrolled steps. ``wide`` (transposed bf16 kernel): the whole
+    unrolled step as one dot, scales on the weights; ``maxnreg``: a register cap (CUDA). weight and
+    scale may instead be tiled (``tile_fp4``: 5-D / 4-D), read as whole lines; ``block_n`` is then
+    the tile. ``MOE_DEFAULTS`` (module level) overrides
     the defaults process-wide (tests and benchmarks run the model on one variant with it).
     Returns [rows, N] in a's dtype."""
-    n_experts, n, half_k = weight.shape
-    k = half_k * 2
+    cfg = {**MOE_DEFAULTS, **(config or {})}
+    if weight.dim() == 5:  # tiled (``tile_fp4``): the N-block is the tile
+        n_experts, n_tiles, n_kb, bn, _ = weight.shape
+        n, k = n_tiles * bn, n_kb * 32
+        if cfg.get("block_n", bn) != bn:
+            raise ValueError(f"mxfp4_moe_gemm: weights tiled by {bn} rows, block_n {cfg['block_n']}")
+    else:
+        n_experts, n, half_k = weight.shape
+        k = half_k * 2
+        # the sweep's best at 16, 512 and 16384 rows (formats_sweep.json)
+        bn = cfg.get("block_n", 128)
     if k % 32:
         raise ValueError(f"mxfp4_moe_gemm: K = {k} is not a multiple of the 32-element scale block")
     if a.size(-1) != k:
@@ -1002,8 +1104,6 @@ def mxfp4_moe_gemm(
         a = a.contiguous()
     s = scale.view(torch.uint8)
     block_expert, row0, row1 = blocks
-    cfg = {**MOE_DEFAULTS, **(config or {})}
-    bn = cfg.get("block_n", 128)  # the sweep's best at 16, 512 and 16384 rows (formats_sweep.json)
     n_blocks = triton.cdiv(n, bn)
     n_kb = k // 32
     unroll = cfg.get("unroll", 2 if n_kb % 2 == 0 else 1)
@@ -1023,10 +1123,18 @@ def mxfp4_moe_gemm(
     y = torch.empty(split, rows, n, dtype=a.dtype if split == 1 else torch.float32, device=a.device)
     grid = (block_expert.numel(), n_blocks, split)
     args = (a, a_rows if a_rows is not None else row0, weight, s, y, block_expert, row0, row1, n, a.stride(0))
-    args += (weight.stride(0), weight.stride(1), s.stride(0), s.stride(1), y.stride(0), y.stride(1))
+    if weight.dim() == 5:  # (expert, tile, row, K step) strides of either layout; see _tile_bases
+        w_str, w_step = (weight.stride(0), weight.stride(1), weight.stride(3)), weight.stride(2)
+        s_str, s_step = (s.stride(0), s.stride(1), s.stride(3)), s.stride(2)
+    else:
+        w_str, w_step = (weight.stride(0), bn * weight.stride(1), weight.stride(1)), 16 * weight.stride(2)
+        s_str, s_step = (s.stride(0), bn * s.stride(1), s.stride(1)), s.stride(2)
+    args += (*w_str, *s_str, y.stride(0), y.stride(1))
     lut = cfg.get("lut", a.is_cuda and a.dtype == torch.bfloat16)
     common = dict(K=k, KB_PER_SPLIT=kb_per_split, UNROLL=unroll, N_EXPERTS=n_experts, GATHER=a_rows is not None)
+    common.update(W_STEP=w_step, S_STEP=s_step)
     common.update(DOT_F32=_dot_f32(a), LUT=lut, BLOCK_M=block_m, BLOCK_N=bn)
+    launch = {"maxnreg": cfg["maxnreg"]} if a.is_cuda and cfg.get("maxnreg") else {}
     if fp8:
         codes, a_scale = fp8_codes32(a)
         _mxfp4_moe_fp8_kernel[grid](
@@ -1036,26 +1144,24 @@ def mxfp4_moe_gemm(
             codes.stride(0),
             a_scale.stride(0),
             *args[10:],
-            K=k,
-            KB_PER_SPLIT=kb_per_split,
-            UNROLL=unroll,
-            N_EXPERTS=n_experts,
-            GATHER=a_rows is not None,
+            **{k_: v for k_, v in common.items() if k_ not in ("DOT_F32", "LUT")},
             EVEN_N=n % bn == 0,
             ASM=a.is_cuda,
-            BLOCK_M=block_m,
-            BLOCK_N=bn,
             num_warps=cfg.get("num_warps", 4 if block_m <= 32 else 8),  # 8: the [128, BM] accumulator
             num_stages=cfg.get("num_stages", 3) if a.is_cuda else 1,
+            **launch,
         )
     elif swap_ab:
+        wide = cfg.get("wide", False)
         _mxfp4_moe_swap_kernel[grid](
             *args,
             **common,
             EVEN_N=n % bn == 0,
-            SCALE_AFTER=cfg.get("scale_after", block_m <= 16),
+            SCALE_AFTER=cfg.get("scale_after", block_m <= 16) and not wide,
+            WIDE=wide,
             num_warps=cfg.get("num_warps", 4),
             num_stages=cfg.get("num_stages", 3) if a.is_cuda else 1,
+            **launch,
         )
     else:
         _mxfp4_moe_kernel[grid](
@@ -1064,6 +1170,7 @@ def mxfp4_moe_gemm(
             LUT_PAIRS=cfg.get("lut_pairs", False),
             num_warps=cfg.get("num_warps", 4 if block_m <= 64 else 8),
             num_stages=cfg.get("num_stages", 3) if a.is_cuda else 1,
+            **launch,
         )
     if split == 1:
         return y[0]

@@ -60,29 +60,54 @@ class FP8TileLinear(torch.nn.Module):
         return dequant_fp8_tiles(self.weight, self.scale.view(torch.float8_e8m0fnu)).to(self.dtype)
 
 
+# N rows per tile of the experts' tiled layout (``gemm_kernels.tile_fp4``: each 32-K step of a
+# 128-row block one contiguous 2 KB run) that ``PackedExperts.stack`` builds; 0 keeps the row
+# layout [E, N, K/2]. Off until the device times both (bench/formats.py ``*_tiled`` variants).
+TILE_N = 0
+
+
 @dataclass
 class PackedExperts:
     """One projection of every routed expert: int8 ``[E, N, K/2]`` codes in the kernel's nibble order
     (``gemm_kernels.repack_fp4``: the release's bytes, permuted within each 32-element block), UE8M0
-    ``[E, N, K/32]``."""
+    ``[E, N, K/32]``; or the same bytes tiled (``gemm_kernels.tile_fp4``: ``[E, N/BN, K/32, BN, 16]``
+    and ``[E, N/BN, K/32, BN]``), which the kernels read as whole lines."""
 
     weight: torch.Tensor
     scale: torch.Tensor
 
     @classmethod
-    def stack(cls, parts: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> PackedExperts:
+    def stack(
+        cls, parts: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device, tile_n: int | None = None
+    ) -> PackedExperts:
         """Per-expert (packed, scale) pairs in the release's layout -> one operand (w1|w3 pairs are
-        concatenated along N)."""
+        concatenated along N), tiled by ``tile_n`` rows (default ``TILE_N``; 0: the row layout)."""
         w = G.repack_fp4(torch.stack([p for p, _ in parts]).to(device))
         s = torch.stack([s.view(torch.uint8) for _, s in parts]).to(device)
-        return cls(w, s)
+        out = cls(w, s)
+        tile_n = TILE_N if tile_n is None else tile_n
+        return out.tiled(tile_n) if tile_n else out
+
+    def tiled(self, tile_n: int = 128) -> PackedExperts:
+        """The same bytes in the tiled layout (a new operand; the row layout's tensors can be freed)."""
+        if self.weight.dim() == 5:
+            raise ValueError("PackedExperts.tiled: already tiled")
+        return PackedExperts(*G.tile_fp4(self.weight, self.scale, tile_n))
 
     @property
     def n_experts(self) -> int:
         return self.weight.size(0)
 
+    @property
+    def in_features(self) -> int:
+        return self.scale.size(-2 if self.weight.dim() == 5 else -1) * 32
+
     def dequantized(self, expert: int) -> torch.Tensor:
-        return dequant_fp4(G.unrepack_fp4(self.weight[expert]), self.scale[expert].view(torch.float8_e8m0fnu))
+        w = self.weight[expert]
+        s = self.scale[expert]
+        if w.dim() == 4:
+            w, s = G.untile_fp4(w, s)
+        return dequant_fp4(G.unrepack_fp4(w), s.view(torch.float8_e8m0fnu))
 
     def matmul(
         self,

@@ -346,6 +346,61 @@ def test_mxfp4_moe_fp8_equals_the_reference(rows, n, block_m, config):
         assert ((yb.double() - ref).abs() <= 2**-7 * ref.abs() + (0 if exact else 2**-8) * mag).all()
 
 
+@pytest.mark.parametrize(
+    "cfg",
+    [{}, {"swap_ab": True}, {"swap_ab": True, "scale_after": False}, {"fp8": True}],
+    ids=["current", "swap_ab", "swap_ab_per_weight", "fp8"],
+)
+@pytest.mark.parametrize("rows,block_m,split", [(1, 16, None), (7, 16, 1), (50, 32, 2), (90, 64, 1), (90, 128, None)])
+def test_tiled_experts_give_the_row_layouts_result(rows, block_m, split, cfg):
+    """``tile_fp4`` holds the same bytes in contiguous [tile, K step] runs; every kernel reads it
+    to the bit-identical result of the row layout (same products, same order), gathered or not,
+    split or not, every M-block size."""
+    x, w, sc, blocks, token, ref = _moe_problem(rows, 96, block_m, seed=rows + block_m)
+    wt, st = gemm.tile_fp4(w, sc, 32)
+    assert wt.shape == (5, 3, 8, 32, 16) and st.shape == (5, 3, 8, 32)
+    assert wt.numel() == w.numel() and st.numel() == sc.numel()  # no extra bytes
+    assert torch.equal(wt[2, 1, 3, 5], w[2, 32 + 5, 3 * 16 : 4 * 16]) and st[2, 1, 3, 5] == sc[2, 37, 3]
+    wb, sb = gemm.untile_fp4(wt, st)
+    assert torch.equal(wb, w) and torch.equal(sb, sc)
+    r, conf = token.numel(), {**cfg, "block_n": 32} | ({"split": split} if split else {})
+    for xs, a_rows in ((x, token), (x[token], None)):
+        for dt in (torch.float32, torch.bfloat16):
+            y_rows = gemm.mxfp4_moe_gemm(xs.to(dt), w, sc, blocks, r, block_m, a_rows=a_rows, config=conf)
+            y = gemm.mxfp4_moe_gemm(xs.to(dt), wt, st, blocks, r, block_m, a_rows=a_rows, config=conf)
+            assert y.shape == (r, 96) and y.dtype == dt and torch.equal(y, y_rows)
+            if dt == torch.float32:  # and the reference (the FP8 MMA's in-block sum: its own test's bounds)
+                assert rel(y, ref) < (1e-3 if cfg.get("fp8") and DEVICE != "cpu" else 1e-6)
+    with pytest.raises(ValueError, match="tiled by 32"):
+        gemm.mxfp4_moe_gemm(x, wt, st, blocks, r, block_m, a_rows=token, config={**cfg, "block_n": 64})
+
+
+@pytest.mark.parametrize(
+    "n,block_m,config",
+    [
+        (96, 16, {}),  # partial column block (masked loads)
+        (128, 16, {"split": 2, "unroll": 4}),
+        (128, 8, {"unroll": 1, "split": 3}),
+        (96, 32, {"unroll": 4, "tile": 32}),  # tiled weights
+    ],
+)
+def test_mxfp4_moe_swap_ab_wide_equals_the_reference(n, block_m, config):
+    """``wide``: the whole unrolled step (UNROLL scale blocks, each scaled per weight) as one dot,
+    so one activation tile is staged per step: the same products in another order (fp32 to 1e-6,
+    bf16 within one ulp of the exact product), gathered or not."""
+    x, w, sc, blocks, token, ref = _moe_problem(13, n, block_m, seed=n + 3 * block_m)
+    config = dict(config)
+    if tile := config.pop("tile", None):
+        w, sc = gemm.tile_fp4(w, sc, tile)
+        config["block_n"] = tile
+    r, cfg = token.numel(), {"swap_ab": True, "wide": True, **config}
+    for xs, a_rows in ((x, token), (x[token], None)):
+        y = gemm.mxfp4_moe_gemm(xs, w, sc, blocks, r, block_m, a_rows=a_rows, config=cfg)
+        assert y.shape == (r, n) and rel(y, ref) < 1e-6
+        yb = gemm.mxfp4_moe_gemm(xs.bfloat16(), w, sc, blocks, r, block_m, a_rows=a_rows, config=cfg)
+        assert torch.allclose(yb.double(), ref.bfloat16().double(), rtol=2**-7, atol=0)
+
+
 def test_moe_defaults_select_the_variant_process_wide(monkeypatch):
     """``MOE_DEFAULTS`` is how the model runs on one kernel variant: an explicit config still wins."""
     x, w, sc, blocks, token, ref = _moe_problem(7, 96, 16, seed=2)
@@ -469,3 +524,42 @@ def test_packed_weights_give_the_reference_tokens(tiny_ckpt, mode, weights, moe,
         )
         agree += a.token_ids == b.token_ids and close
     assert agree >= 5, agree
+
+
+def test_tiled_experts_hold_the_same_bytes_and_give_the_same_tokens(tiny_ckpt, monkeypatch):
+    """``packed.TILE_N``: the loader stacks the experts in the tiled layout. The model then holds
+    the same bytes (the same ``resident_bytes()``, each operand the row layout's permuted) and, since
+    every kernel reads it to the bit-identical result, generates the same tokens and logprobs."""
+    import asympd.model.packed as packed_mod
+
+    def experts(model):
+        return [
+            e
+            for m in _modules(model)
+            for e in (getattr(m, "w13", None), getattr(m, "w2f", None))
+            if isinstance(e, packed_mod.PackedExperts)
+        ]
+
+    prompts = random_prompts([40, 9, 21], seed=5)
+    sp = asympd.SamplingParams(max_tokens=4, temperature=0, logprobs=2)
+    built, outs = {}, {}
+    for tile in (0, 128):
+        monkeypatch.setattr(packed_mod, "TILE_N", tile)
+        built[tile] = load_model(
+            tiny_ckpt, "decode", device=DEVICE, dtype=torch.float32, weights="packed", vision=False
+        )
+        llm = asympd.LLM(tiny_ckpt, mode="colocated", device=DEVICE, dtype=torch.float32, weights="packed")
+        outs[tile] = [
+            (o.outputs[0].token_ids, o.outputs[0].logprobs)
+            for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+        ]
+    rows, tiled = experts(built[0]), experts(built[128])
+    assert rows and len(rows) == len(tiled)
+    assert all(e.weight.dim() == 3 for e in rows) and all(e.weight.dim() == 5 for e in tiled)
+    for r, t in zip(rows, tiled, strict=True):
+        assert (r.nbytes(), r.in_features) == (t.nbytes(), t.in_features)
+        w, s = gemm.untile_fp4(t.weight, t.scale)
+        assert torch.equal(w, r.weight) and torch.equal(s, r.scale)
+        assert torch.equal(t.dequantized(1), r.dequantized(1))
+    assert built[128].resident_bytes() == built[0].resident_bytes()
+    assert outs[128] == outs[0]
