@@ -884,7 +884,7 @@ if AVAILABLE:
         )
 
 
-INDEXER_VERSION = 3  # indexer_topk's default kernel (1, 2: the earlier ones, 4: v3 at two blocks per SM)
+INDEXER_VERSION = 4  # indexer_topk's default kernel: v3's at two blocks per SM (1-3: the earlier ones)
 ATTENTION_VERSION = 2  # sparse_attention_paged's default tiling (1: the first one)
 NSLICE = 2  # indexer v2/v3: candidate buffer of NSLICE * k slots per row (runs of tiles between merges)
 # indexer version 4: version 3's kernel with 64-entry key tiles and ptxas held to 128 registers a
