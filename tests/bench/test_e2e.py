@@ -265,3 +265,32 @@ def test_merge_command(tmp_path):
     b.write_text(json.dumps({**PART2, "source_digest": "other"}))
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "cannot merge: p2.json differs from p1.json in 'source_digest'" in p.stdout
+
+
+def test_co_run_stretch_pairs_steps_beside_with_steps_alone():
+    """P's steps of 100 rows: alone 0.5 s (two of them), beside D's steps 1.0 s (covered whole):
+    stretch 2. One half covered (f = 0.5) for 0.75 s: alone part 0.375 s, so the shared half did
+    0.125 s of work in 0.375 s: stretch 3. A step of other rows has no alone pair; a step a tenth
+    covered is neither."""
+    from bench.e2e import co_run_stretch, d_key, p_key
+
+    d = [[10.0, 1.0, 0, 4], [20.0, 0.375, 0, 4], [30.0, 0.1, 0, 4]]
+    p = [[0.0, 0.5, 100, 0], [2.0, 0.5, 100, 0], [10.0, 1.0, 100, 0], [19.625, 0.75, 100, 0]]
+    p += [[10.0, 1.0, 300, 0], [29.1, 1.0, 100, 0]]
+    got = co_run_stretch(p, d, p_key)
+    assert got == {"stretch": 2.5, "steps_beside": 2, "steps_alone": 2, "keys": [100]}
+    assert d_key([0.0, 0.1, 0, 4]) == 4 and d_key([0.0, 0.1, 16, 4]) is None and p_key([0.0, 0.1, 0, 4]) is None
+    assert co_run_stretch([], d, p_key) == {"stretch": None, "steps_beside": 0, "steps_alone": 0, "keys": []}
+
+
+def test_co_run_is_recorded_per_mode(result):
+    """The tiny run's co-run: both workers' step logs, the P side read against alone steps of the
+    same rows; colocated says why it has none."""
+    for mode in ("asymmetric", "encoder-only"):
+        c = result["modes"][mode]["calibration"]["co_run"]
+        assert c["prompts"] == 3 and c["decoders"] == 4
+        assert c["steps"]["prefill"] and c["steps"]["decode"]
+        assert all(len(s) == 4 and s[1] > 0 for s in c["steps"]["prefill"] + c["steps"]["decode"])
+        assert c["p"]["steps_alone"] >= 3  # the three prompts sent alone
+        assert set(c["p"]) == {"stretch", "steps_beside", "steps_alone", "keys"}
+    assert "skipped" in result["modes"]["colocated"]["calibration"]["co_run"]
