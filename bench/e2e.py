@@ -728,7 +728,8 @@ def predict_mode_s(args: argparse.Namespace, seen: list[dict[str, Any]]) -> floa
     """Seconds one more mode takes: the slowest start and calibration measured so far (or the
     scale's guess), plus every rate."""
     startup = max([m["startup_s"] for m in seen if "startup_s" in m] or [args.startup_s])
-    calib = max([m["calibration"]["wall_s"] for m in seen if "calibration" in m] or [15.0])
+    cals = [m["calibration"] for m in seen if "calibration" in m]
+    calib = max([c["wall_s"] + c.get("co_run", {}).get("wall_s", 0.0) for c in cals] or [15.0])  # co-run after it
     warm = max([m["warmup"]["wall_s"] for m in seen if "warmup" in m] or [15.0 if args.warmup_prompts else 0.0])
     return startup + calib + warm + sum(predict_rate_s(args, r) for r in args.rate_list)
 

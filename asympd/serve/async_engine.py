@@ -260,8 +260,9 @@ class AsyncEngine:
                     continue
                 dt = time.perf_counter() - t0
                 rows = getattr(engine, "last_step", None) or (engine.counters["prompt_tokens"] - prompt_before, 0)
-                with self._steps_lock:
-                    self._steps.append((wall0, dt, int(rows[0]), int(rows[1])))
+                if rows[0] or rows[1]:  # not the empty steps of an engine waiting on held transfers
+                    with self._steps_lock:
+                        self._steps.append((wall0, dt, int(rows[0]), int(rows[1])))
                 if dt > SLOW_S:  # a stall worth a line in the log (a compile, a capture, a slow import)
                     log.warning(
                         "slow engine step: %.2f s, %d outputs, %d prompt rows, %d requests; "

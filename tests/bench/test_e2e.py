@@ -294,3 +294,19 @@ def test_co_run_is_recorded_per_mode(result):
         assert c["p"]["steps_alone"] >= 3  # the three prompts sent alone
         assert set(c["p"]) == {"stretch", "steps_beside", "steps_alone", "keys"}
     assert "skipped" in result["modes"]["colocated"]["calibration"]["co_run"]
+
+
+def test_the_time_budget_counts_the_co_run():
+    """One more mode: the slowest start, calibration plus co-run, warm-up, and each rate (16 prompts
+    at 2 req/s: 8 s, 1.5 x 32 x 0.1 s, 4 s)."""
+    import argparse
+
+    from bench.e2e import predict_mode_s
+
+    args = argparse.Namespace(startup_s=150.0, num_prompts=16, output_len=32, step_s=0.1, rate_list=[2.0])
+    args.warmup_prompts = 4
+    seen = [
+        {"startup_s": 100.0, "calibration": {"wall_s": 20.0, "co_run": {"wall_s": 9.0}}, "warmup": {"wall_s": 12.0}},
+        {"startup_s": 90.0, "calibration": {"wall_s": 25.0, "co_run": {"skipped": "one process"}}},
+    ]
+    assert predict_mode_s(args, seen) == pytest.approx(100 + 29 + 12 + 8 + 4.8 + 4)
