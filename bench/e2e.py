@@ -536,11 +536,21 @@ def co_run_stretch(mine: list[list], other: list[list], key: Callable[[list], An
             r = _stretch(dt, statistics.median(alone[k]), f)
             if r is not None:
                 ratios.append(r)
+    keys = sorted({k for k, _, _ in beside if k in alone})
     return {
         "stretch": statistics.median(ratios) if ratios else None,
         "steps_beside": len(ratios),
         "steps_alone": sum(len(v) for v in alone.values()),
-        "keys": sorted({k for k, _, _ in beside if k in alone}),
+        "keys": keys,
+        # per key, for reading: the median step alone and beside (seconds), and how much of it was covered
+        "by_key": {
+            str(k): {
+                "alone_s": statistics.median(alone[k]),
+                "beside_s": statistics.median([dt for j, dt, _ in beside if j == k]),
+                "covered": statistics.median([f for j, _, f in beside if j == k]),
+            }
+            for k in keys
+        },
     }
 
 

@@ -278,9 +278,11 @@ def test_co_run_stretch_pairs_steps_beside_with_steps_alone():
     p = [[0.0, 0.5, 100, 0], [2.0, 0.5, 100, 0], [10.0, 1.0, 100, 0], [19.625, 0.75, 100, 0]]
     p += [[10.0, 1.0, 300, 0], [29.1, 1.0, 100, 0]]
     got = co_run_stretch(p, d, p_key)
-    assert got == {"stretch": 2.5, "steps_beside": 2, "steps_alone": 2, "keys": [100]}
+    by_key = {"100": {"alone_s": 0.5, "beside_s": 0.875, "covered": 0.75}}
+    assert got == {"stretch": 2.5, "steps_beside": 2, "steps_alone": 2, "keys": [100], "by_key": by_key}
     assert d_key([0.0, 0.1, 0, 4]) == 4 and d_key([0.0, 0.1, 16, 4]) is None and p_key([0.0, 0.1, 0, 4]) is None
-    assert co_run_stretch([], d, p_key) == {"stretch": None, "steps_beside": 0, "steps_alone": 0, "keys": []}
+    empty = {"stretch": None, "steps_beside": 0, "steps_alone": 0, "keys": [], "by_key": {}}
+    assert co_run_stretch([], d, p_key) == empty
 
 
 def test_co_run_is_recorded_per_mode(result):
@@ -292,7 +294,7 @@ def test_co_run_is_recorded_per_mode(result):
         assert c["steps"]["prefill"] and c["steps"]["decode"]
         assert all(len(s) == 4 and s[1] > 0 for s in c["steps"]["prefill"] + c["steps"]["decode"])
         assert c["p"]["steps_alone"] >= 3  # the three prompts sent alone
-        assert set(c["p"]) == {"stretch", "steps_beside", "steps_alone", "keys"}
+        assert set(c["p"]) == {"stretch", "steps_beside", "steps_alone", "keys", "by_key"}
     assert "skipped" in result["modes"]["colocated"]["calibration"]["co_run"]
 
 
