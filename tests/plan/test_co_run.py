@@ -34,3 +34,23 @@ def test_no_co_run_or_nothing_to_share_keeps_the_old_model():
     assert co_run_stretch({"co_run": {"skipped": "one process"}}, dep("colocated")) is None
     assert co_run_stretch(cal(2.5, 1.25), dep(shared=False)) is None  # GPUs of their own
     assert co_run_stretch(cal(2.5, 1.25), dep("colocated")) is None
+
+
+def test_a_co_run_of_equal_shares_is_the_model_before_it():
+    """A measured stretch of 2 on both sides is the equal shares: the committed true-depth
+    validation comes out the same (only the mode's ``co_run_stretch`` is added)."""
+    import copy
+    import json
+
+    from asympd.plan.steps import RESULTS_DIR
+    from asympd.plan.validate import validate_e2e
+
+    result = json.loads((RESULTS_DIR / "e2e_h200x1_depth40.json").read_text())
+    result["modes"] = {k: v for k, v in result["modes"].items() if k in ("asymmetric", "colocated")}
+    equal = copy.deepcopy(result)
+    for m in equal["modes"].values():
+        m["calibration"]["co_run"] = {"p": {"stretch": 2.0}, "d": {"stretch": 2.0}}
+    before, after = validate_e2e(result), validate_e2e(equal)
+    assert after["modes"]["asymmetric"].pop("co_run_stretch") == {"p": 2.0, "d": 2.0}
+    assert "co_run_stretch" not in after["modes"]["colocated"]  # one process: nothing shared to measure
+    assert json.dumps(after) == json.dumps(before)
