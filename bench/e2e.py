@@ -583,7 +583,7 @@ def co_run(
     def ids() -> list[int]:
         return rng.integers(3, vocab, size=length).tolist()
 
-    async def go() -> tuple[float, float]:
+    async def go() -> tuple[float, int, list[str]]:
         async with httpx.AsyncClient(timeout=httpx.Timeout(900.0)) as client:
             for _ in range(prompts):
                 await _one(client, url, ids(), 2)
@@ -603,11 +603,12 @@ def co_run(
             still = sum(not b.done() for b in busy)
             for b in busy:
                 b.cancel()
-            await asyncio.gather(*busy, return_exceptions=True)
-            return t_mid, still
+            ends = await asyncio.gather(*busy, return_exceptions=True)
+            failed = [repr(e)[:300] for e in ends if isinstance(e, Exception)]  # (a cancel is no Exception)
+            return t_mid, still, failed
 
     t0 = time.time()
-    t_mid, still = asyncio.run(go())
+    t_mid, still, failed = asyncio.run(go())
     time.sleep(0.2)  # the cancelled requests' aborts reach D
     p_steps = httpx.get(f"{workers['prefill']}/asympd/steps", params={"since": t0}, timeout=30).json()["steps"]
     d_steps = httpx.get(f"{workers['decode']}/asympd/steps", params={"since": t0}, timeout=30).json()["steps"]
@@ -616,7 +617,8 @@ def co_run(
         "prompts": prompts,
         "decoders": decoders,
         "decode_tokens": tokens,
-        "decoders_running_at_end": still,
+        "decoders_running_at_end": still,  # fewer than ``decoders``: D stopped decoding before the prompts ended
+        "decoders_failed": failed,
         "t_mid": t_mid,
         "p": co_run_stretch(p_steps, d_steps, p_key),
         "d": co_run_stretch([s for s in d_steps if s[0] >= t_mid], p_steps, d_key),

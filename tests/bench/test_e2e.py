@@ -290,7 +290,7 @@ def test_co_run_is_recorded_per_mode(result):
     same rows; colocated says why it has none."""
     for mode in ("asymmetric", "encoder-only"):
         c = result["modes"][mode]["calibration"]["co_run"]
-        assert c["prompts"] == 3 and c["decoders"] == 4
+        assert c["prompts"] == 3 and c["decoders"] == 4 and c["decoders_failed"] == []
         assert c["steps"]["prefill"] and c["steps"]["decode"]
         assert all(len(s) == 4 and s[1] > 0 for s in c["steps"]["prefill"] + c["steps"]["decode"])
         assert c["p"]["steps_alone"] >= 3  # the three prompts sent alone
