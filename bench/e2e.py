@@ -50,11 +50,13 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -420,8 +422,11 @@ def worker_info(url: str) -> dict[str, Any]:
 # ---- calibration --------------------------------------------------------------------------------------
 
 
-async def _one(client: httpx.AsyncClient, url: str, ids: list[int], max_tokens: int) -> dict[str, Any]:
-    """One streamed completion: client TTFT and per-chunk gaps, the server's timings and usage."""
+async def _one(
+    client: httpx.AsyncClient, url: str, ids: list[int], max_tokens: int, on_first: Callable[[], None] | None = None
+) -> dict[str, Any]:
+    """One streamed completion: client TTFT and per-chunk gaps, the server's timings and usage;
+    ``on_first()`` when its first token arrives."""
     body = {
         "prompt": ids,
         "max_tokens": max_tokens,
@@ -449,6 +454,8 @@ async def _one(client: httpx.AsyncClient, url: str, ids: list[int], max_tokens: 
                     continue
                 if first is None:
                     first = now - t0
+                    if on_first is not None:
+                        on_first()
                 else:
                     gaps.append(now - last)
                 last = now
@@ -481,6 +488,142 @@ def calibrate(url: str, lengths: list[int], tokens: int, batch: int, vocab: int,
         return {"lone": lone, "batch": {"size": batch, "requests": list(together)}}
 
     return asyncio.run(go())
+
+
+# ---- co-run: P's and D's steps beside each other ---------------------------------------------------------
+
+BESIDE = 0.5  # a step counts as beside the other process's steps when they cover at least this much of it
+
+
+def _overlap(s: list, other: list[list]) -> float:
+    """The fraction of step ``s`` ([start, seconds, ...]) that steps of ``other`` covered."""
+    a, b = s[0], s[0] + s[1]
+    cover = sum(max(0.0, min(b, o[0] + o[1]) - max(a, o[0])) for o in other)
+    return min(1.0, cover / s[1]) if s[1] > 0 else 0.0
+
+
+def _stretch(dt: float, alone: float, f: float) -> float | None:
+    """The slowdown ``s`` of a step while it shared the GPU, as the simulator shares it: the step
+    took ``dt``, ran beside the other process for the fraction ``f`` of it at 1/s of its alone
+    speed and alone for the rest, and costs ``alone`` by itself: alone = dt(1-f) + dt f / s."""
+    left = alone - dt * (1.0 - f)
+    return dt * f / left if left > 0 else None
+
+
+def co_run_stretch(mine: list[list], other: list[list], key: Callable[[list], Any]) -> dict[str, Any]:
+    """How much slower this process's steps ran beside the other process's steps than alone.
+
+    ``mine``/``other``: step logs ([wall start, seconds, prompt rows, decode sequences], from
+    ``/asympd/steps``); ``key``: which steps are alike (P: the prompt rows; D: the batch of a
+    decode-only step; None: not compared). A step is alone when no step of the other process
+    overlaps it, beside when they cover at least ``BESIDE`` of it; each beside step's stretch is
+    read against the median alone step of the same key (``_stretch``). ``stretch``: their median,
+    None without a pair."""
+    alone: dict[Any, list[float]] = {}
+    beside: list[tuple[Any, float, float]] = []
+    for s in mine:
+        k = key(s)
+        if k is None:
+            continue
+        f = _overlap(s, other)
+        if f == 0.0:
+            alone.setdefault(k, []).append(s[1])
+        elif f >= BESIDE:
+            beside.append((k, s[1], f))
+    ratios = []
+    for k, dt, f in beside:
+        if k in alone:
+            r = _stretch(dt, statistics.median(alone[k]), f)
+            if r is not None:
+                ratios.append(r)
+    keys = sorted({k for k, _, _ in beside if k in alone})
+    return {
+        "stretch": statistics.median(ratios) if ratios else None,
+        "steps_beside": len(ratios),
+        "steps_alone": sum(len(v) for v in alone.values()),
+        "keys": keys,
+        # per key, for reading: the median step alone and beside (seconds), and how much of it was covered
+        "by_key": {
+            str(k): {
+                "alone_s": statistics.median(alone[k]),
+                "beside_s": statistics.median([dt for j, dt, _ in beside if j == k]),
+                "covered": statistics.median([f for j, _, f in beside if j == k]),
+            }
+            for k in keys
+        },
+    }
+
+
+def p_key(s: list) -> int | None:
+    """P's steps are alike at the same prompt rows."""
+    return s[2] if s[2] > 0 else None
+
+
+def d_key(s: list) -> int | None:
+    """D's decode-only steps are alike at the same batch (a step with prompt rows is not compared)."""
+    return s[3] if s[2] == 0 and s[3] > 0 else None
+
+
+def co_run(
+    url: str, workers: dict[str, str], length: int, prompts: int, decoders: int, tokens: int, vocab: int, seed: int
+) -> dict[str, Any]:
+    """P's steps and D's steps alone and beside each other, on the same servers.
+
+    ``prompts`` requests of ``length`` tokens one after another (P's steps alone: D has nothing
+    to decode while P computes), then ``decoders`` requests of ``tokens`` output tokens and, once
+    all of them decode, the same number of prompts again (P's steps beside D's decoding, D's
+    decode steps beside P's steps and alone between them); the decoders are cancelled when the
+    prompts are done. ``workers``: role -> worker URL (``prefill`` and ``decode``). Why: P and D
+    on one GPU without MPS are time-sliced by the driver, and what each loses beside the other
+    is measured here, not assumed (asympd.plan.validate reads ``p``/``d`` ``stretch``)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed + 2000)
+
+    def ids() -> list[int]:
+        return rng.integers(3, vocab, size=length).tolist()
+
+    async def go() -> tuple[float, int, list[str]]:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(900.0)) as client:
+            for _ in range(prompts):
+                await _one(client, url, ids(), 2)
+            t_mid = time.time()
+            started = asyncio.Event()
+            seen = [0]
+
+            def first() -> None:
+                seen[0] += 1
+                if seen[0] == decoders:
+                    started.set()
+
+            busy = [asyncio.ensure_future(_one(client, url, ids(), tokens, first)) for _ in range(decoders)]
+            await asyncio.wait([asyncio.ensure_future(started.wait()), *busy], return_when=asyncio.FIRST_COMPLETED)
+            for _ in range(prompts):
+                await _one(client, url, ids(), 2)
+            still = sum(not b.done() for b in busy)
+            for b in busy:
+                b.cancel()
+            ends = await asyncio.gather(*busy, return_exceptions=True)
+            failed = [repr(e)[:300] for e in ends if isinstance(e, Exception)]  # (a cancel is no Exception)
+            return t_mid, still, failed
+
+    t0 = time.time()
+    t_mid, still, failed = asyncio.run(go())
+    time.sleep(0.2)  # the cancelled requests' aborts reach D
+    p_steps = httpx.get(f"{workers['prefill']}/asympd/steps", params={"since": t0}, timeout=30).json()["steps"]
+    d_steps = httpx.get(f"{workers['decode']}/asympd/steps", params={"since": t0}, timeout=30).json()["steps"]
+    return {
+        "prompt_len": length,
+        "prompts": prompts,
+        "decoders": decoders,
+        "decode_tokens": tokens,
+        "decoders_running_at_end": still,  # fewer than ``decoders``: D stopped decoding before the prompts ended
+        "decoders_failed": failed,
+        "t_mid": t_mid,
+        "p": co_run_stretch(p_steps, d_steps, p_key),
+        "d": co_run_stretch([s for s in d_steps if s[0] >= t_mid], p_steps, d_key),
+        "steps": {"prefill": p_steps, "decode": d_steps},
+    }
 
 
 # ---- one load run ---------------------------------------------------------------------------------------
@@ -597,7 +740,8 @@ def predict_mode_s(args: argparse.Namespace, seen: list[dict[str, Any]]) -> floa
     """Seconds one more mode takes: the slowest start and calibration measured so far (or the
     scale's guess), plus every rate."""
     startup = max([m["startup_s"] for m in seen if "startup_s" in m] or [args.startup_s])
-    calib = max([m["calibration"]["wall_s"] for m in seen if "calibration" in m] or [15.0])
+    cals = [m["calibration"] for m in seen if "calibration" in m]
+    calib = max([c["wall_s"] + c.get("co_run", {}).get("wall_s", 0.0) for c in cals] or [15.0])  # co-run after it
     warm = max([m["warmup"]["wall_s"] for m in seen if "warmup" in m] or [15.0 if args.warmup_prompts else 0.0])
     return startup + calib + warm + sum(predict_rate_s(args, r) for r in args.rate_list)
 
@@ -616,6 +760,20 @@ def run_mode(args, mode: str, ckpt: str, vocab: int, work: Path, out: dict[str, 
         t = time.perf_counter()
         out["calibration"] = calibrate(dep.url, sorted({lo, hi}), args.calib_tokens, args.calib_batch, vocab, args.seed)
         out["calibration"]["wall_s"] = round(time.perf_counter() - t, 1)
+        t = time.perf_counter()
+        urls = dict(zip(dep.roles, dep.urls, strict=True))
+        if args.co_run_prompts and {"prefill", "decode"} <= urls.keys():
+            out["calibration"]["co_run"] = co_run(
+                dep.url, urls, lo, args.co_run_prompts, args.co_run_decoders, args.co_run_tokens, vocab, args.seed
+            )
+            out["calibration"]["co_run"]["wall_s"] = round(time.perf_counter() - t, 1)
+            c = out["calibration"]["co_run"]
+            log(
+                f"{mode} co-run: P stretch {c['p']['stretch']} ({c['p']['steps_beside']} steps), "
+                f"D stretch {c['d']['stretch']} ({c['d']['steps_beside']} steps), {c['wall_s']} s"
+            )
+        elif args.co_run_prompts:  # colocated: one engine in one process, its P and D steps never overlap
+            out["calibration"]["co_run"] = {"skipped": "one process: its prompt and decode steps never run at once"}
         if args.warmup_prompts:
             # one discarded run at the highest rate with other prompts (no prefix-cache hits later):
             # Triton compiles and the CUDA-graph captures of the batch sizes it meets happen here,
@@ -831,6 +989,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--colocated-semantics", default="split", choices=("full", "decoder-replay", "split"))
     ap.add_argument("--calib-tokens", type=int, default=None)
     ap.add_argument("--calib-batch", type=int, default=None)
+    ap.add_argument(
+        "--co-run-prompts",
+        type=int,
+        default=3,
+        help="calibration: prompts sent alone and again beside D's decoding, to measure how P and D slow "
+        "each other on a shared GPU (0: off)",
+    )
+    ap.add_argument("--co-run-decoders", type=int, default=4, help="co-run: requests D keeps decoding")
+    ap.add_argument("--co-run-tokens", type=int, default=200, help="co-run: their output tokens (cancelled when done)")
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="paged KV pool per worker")
     ap.add_argument("--p-step-tokens", type=int, default=None, help="P's max_num_batched_tokens")
     ap.add_argument("--gpus", type=int, default=None, help="default: 0 with --tiny, else min(2, visible GPUs)")

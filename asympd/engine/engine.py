@@ -453,6 +453,8 @@ class LLMEngine:
             if not req.phases:  # nothing to compute here (asymmetric P with N <= W)
                 outputs.extend(self._prompt_done(req, None))
         chunks = [c for c in sched.chunks if c.request.status is Status.RUNNING]
+        # what this step ran, for the server's step log (bench/e2e.py's co-run calibration)
+        self.last_step = (sum(c.num_rows for c in chunks if c.phase is not None), sum(c.phase is None for c in chunks))
         wants = [self._wants_logits(c) for c in chunks]
         logits = self.runner.execute(chunks, wants) if chunks else []
         drawn = self._draw(chunks, logits, self.runner.last_argmax) if chunks else []

@@ -22,6 +22,19 @@ class Deployment:
     replicas: int = 1  # colocated workers (P/D: one of each)
     shared_gpu: bool = False  # every worker on one GPU, their steps sharing it
     seed: int = 0  # D's draws
+    # how much slower P's and D's steps ran beside each other on the shared GPU than alone (the
+    # calibration's co-run, bench/e2e.py ``co_run``); None: not measured, equal shares (2, 2)
+    co_run: tuple[float, float] | None = None
+
+    @property
+    def p_share(self) -> float:
+        """P's rate while a D step shares its GPU: 1 / P's measured stretch, else half."""
+        return 1.0 / self.co_run[0] if self.co_run else 0.5
+
+    @property
+    def d_share(self) -> float:
+        """D's rate while a P step shares its GPU: 1 / D's measured stretch, else half."""
+        return 1.0 / self.co_run[1] if self.co_run else 0.5
 
     @property
     def pd(self) -> bool:

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from asympd.plan.deployment import Deployment, ServingPath
-from asympd.plan.simulate import gpu_share
 
 
 @dataclass(frozen=True)
@@ -169,18 +168,23 @@ def p_busy_until(rows: list[tuple[dict, dict]], shared_gpu: bool) -> float:
 
 
 def _step_points(
-    rows: list[tuple[dict, dict]], decode_ms: Callable[[int], float], p_busy_s: float, first_at_start: bool
+    rows: list[tuple[dict, dict]],
+    decode_ms: Callable[[int], float],
+    p_busy_s: float,
+    first_at_start: bool,
+    d_share: float = 0.5,
 ) -> list[tuple[int, float]]:
     """(requests in the TTFT path at the step's start, excess ms over ``decode_ms(batch)``) for the
     batch's decode-only steps: a token gap in which no request got its first token (such a step also
     ran prompt rows), the batch the requests decoding through the whole gap, read at D's alone
-    speed where P's steps shared the GPU (the simulator shares it again). One step is seen in the
-    gap of every request decoding through it: it counts once (``BatchGap.same_step``)."""
+    speed where P's steps shared the GPU (D at ``d_share`` of it, as the simulator shares it
+    again). One step is seen in the gap of every request decoding through it: it counts once
+    (``BatchGap.same_step``)."""
     steps: list[BatchGap] = []
     for g in batch_gaps(rows, p_busy_s, first_at_start):
         if not g.firsts and not any(g.same_step(s) for s in steps):
             steps.append(g)
-    return [(g.in_path, g.alone_ms(gpu_share(2)) - decode_ms(g.batch)) for g in steps]
+    return [(g.in_path, g.alone_ms(d_share) - decode_ms(g.batch)) for g in steps]
 
 
 def recurring_per_request(points: list[tuple[int, float]]) -> float:
@@ -238,7 +242,7 @@ def fit_stage_load(cal: dict[str, Any], lone: LoneCosts, dep: Deployment, path: 
             fetch.append((hops_n, _stream_work_s(s, e, p_end, stream) * 1e3 - lone.fetch_ms(r["prompt_len"])))
             starts.append(n)
     step = (
-        _step_points(rows, lone.decode_ms, p_busy_until(rows, dep.shared_gpu), path.first_at_start)
+        _step_points(rows, lone.decode_ms, p_busy_until(rows, dep.shared_gpu), path.first_at_start, dep.d_share)
         if pd and lone.decode_ms is not None
         else []
     )

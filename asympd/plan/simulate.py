@@ -420,18 +420,22 @@ def gpu_share(n: int) -> float:
     return 1.0 / max(n, 1)
 
 
-def gpu_shares(steps: list[_Step]) -> dict[int, float]:
-    """Each GPU's rate per step in progress on it (``gpu_share``)."""
+def gpu_shares(steps: list[_Step], pair: dict[int, float] | None = None) -> dict[int, float]:
+    """Each step's rate, by engine: ``gpu_share`` of the steps in progress on its GPU, or, for an
+    engine in ``pair`` whose step shares its GPU with exactly one other step, ``pair[engine]``
+    (the rate measured beside the other process: bench/e2e.py's co-run)."""
     count: dict[int, int] = {}
     for s in steps:
         count[s.gpu] = count.get(s.gpu, 0) + 1
-    return {g: gpu_share(n) for g, n in count.items()}
+    pair = pair or {}
+    return {s.engine: pair.get(s.engine, 0.5) if count[s.gpu] == 2 else gpu_share(count[s.gpu]) for s in steps}
 
 
 def run_engines(
     engines: list[_Engine],
     gpu_of: list[int],
     on_export: Callable[[int, int, float], None] | None = None,
+    pair: dict[int, float] | None = None,
 ) -> None:
     """Drive engines to completion; engines with the same ``gpu_of`` share one GPU.
 
@@ -440,7 +444,8 @@ def run_engines(
     that GPU starts or ends; it ends when its work (its duration alone) is done. Engines on GPUs of
     their own never slow each other. Events run in time order (a step's end before an issue at the
     same time), which keeps every arrival an engine sees in time order. ``on_export(engine,
-    request index, time)`` hands on what an engine exported."""
+    request index, time)`` hands on what an engine exported. ``pair``: the measured rates of
+    engines whose step shares a GPU with one other step (``gpu_shares``; default equal shares)."""
     now = 0.0
     active: dict[int, _Step] = {}
 
@@ -452,10 +457,10 @@ def run_engines(
                 on_export(k, i, t)
 
     while True:
-        rate = gpu_shares(list(active.values()))
+        rate = gpu_shares(list(active.values()), pair)
         ending: tuple[float, int] | None = None
         for k, s in active.items():
-            t = now + s.left / rate[s.gpu]
+            t = now + s.left / rate[k]
             if ending is None or t < ending[0]:
                 ending = (t, k)
         for k, e in enumerate(engines):  # side work of an engine with no step in progress, sharing its stream
@@ -472,7 +477,7 @@ def run_engines(
             break
         t, k = ending if ending is not None and (issuing is None or ending[0] <= issuing[0]) else issuing
         for s in active.values():
-            s.left = max(0.0, s.left - (t - now) * rate[s.gpu])
+            s.left = max(0.0, s.left - (t - now) * rate[s.engine])
         for j, e in enumerate(engines):
             if j not in active:
                 for task in e.side:

@@ -39,7 +39,6 @@ from asympd.plan.simulate import (
     PrefillEngine,
     PrefillSetup,
     SideTask,
-    gpu_share,
     run_decode,
     run_engines,
 )
@@ -235,17 +234,21 @@ def fit_steps(
     p_budget: int = 16384,
     on_gpu: bool = True,
     shared_gpu: bool = False,
+    d_share: float = 0.5,
 ) -> MeasuredSteps:
     """Step times from the calibration of one deployment (see bench/e2e.py ``calibrate``);
     ``on_gpu``: the result ran on a GPU (``first_out_at_launch``); ``shared_gpu``: P computed the
-    batch on D's GPU (the batch's gaps are read at D's alone speed where P shared it)."""
+    batch on D's GPU (the batch's gaps are read at D's alone speed where P shared it, D then
+    running at ``d_share`` of the GPU: ``Deployment.d_share``)."""
     lone = cal["lone"]
     gaps = [g for r in lone for g in r["gaps_s"][1:]]  # the first gap can hold a replay or a flush
     d_step = _median(gaps) * 1e3
     batch = cal["batch"]
     steady = [g for r in batch["requests"] for g in r["gaps_s"][2:]]
     d_seq = max(0.0, (_median(steady) * 1e3 - d_step) / max(batch["size"] - 1, 1)) if steady else 0.0
-    d_seq = _decode_seq_ms(cal, d_step, d_seq, mode != "colocated", shared_gpu, first_out_at_launch(cfg, mode, on_gpu))
+    d_seq = _decode_seq_ms(
+        cal, d_step, d_seq, mode != "colocated", shared_gpu, first_out_at_launch(cfg, mode, on_gpu), d_share
+    )
     d_pre, d_row = _fixed_or_line(_lone_first_points(cfg, mode, cal, semantics, d_budget, d_step, on_gpu))
     p_points, move_points = [], []
     if mode != "colocated":
@@ -270,7 +273,13 @@ def fit_steps(
 
 
 def _decode_seq_ms(
-    cal: dict[str, Any], d_step: float, fallback: float, pd: bool, shared_gpu: bool, first_at_start: bool
+    cal: dict[str, Any],
+    d_step: float,
+    fallback: float,
+    pd: bool,
+    shared_gpu: bool,
+    first_at_start: bool,
+    d_share: float = 0.5,
 ) -> float:
     """D's cost per further request in a decode step, read at the batch that was decoding: a line
     through (requests decoding through the gap, gap) over the calibration batch's decode-only gaps
@@ -291,7 +300,7 @@ def _decode_seq_ms(
     by_batch: dict[int, list[float]] = {}
     for g in batch_gaps(rows, p_busy_until(rows, shared_gpu) if pd else 0.0, first_at_start):
         if g.in_path == 0 and not g.firsts:
-            by_batch.setdefault(g.batch, []).append(g.alone_ms(gpu_share(2)))
+            by_batch.setdefault(g.batch, []).append(g.alone_ms(d_share))
     points = [(b - 1, _median(ms) - d_step) for b, ms in by_batch.items() if b > 1]
     if not points:
         return fallback
@@ -330,7 +339,7 @@ def fit_admission_steps(
     by_step: dict[tuple[int, ...], list[float]] = {}  # one step, seen in each decoding request's gap
     for g in batch_gaps(rows, p_busy_until(rows, dep.shared_gpu), first_out_at_launch(cfg, mode, on_gpu)):
         if g.firsts:
-            excess = g.alone_ms(gpu_share(2)) - steps.decode_ms(g.batch, 0, 1) - load.step_extra_ms(g.in_path)
+            excess = g.alone_ms(dep.d_share) - steps.decode_ms(g.batch, 0, 1) - load.step_extra_ms(g.in_path)
             by_step.setdefault(g.firsts, []).append(excess)
     points = []
     for firsts, excess in by_step.items():
@@ -458,7 +467,7 @@ def simulate_deployment(
 
         if load.d_step_ms:
             d.steps = _LoadedSteps(steps, lambda: load.step_extra_ms(n_at(d.t)))
-        run_engines([p, d], [0, 0] if shared_gpu else [0, 1], to_d)
+        run_engines([p, d], [0, 0] if shared_gpu else [0, 1], to_d, {0: dep.p_share, 1: dep.d_share})
         runs = [d.run]
         roles = {"prefill": [p.run], "decode": [d.run]}
     start = {a.index: a.time_s for a in arrivals}
@@ -546,6 +555,21 @@ def _batch_check(
     }
 
 
+def co_run_stretch(cal: dict[str, Any], dep: Deployment) -> tuple[float, float] | None:
+    """P's and D's measured stretch beside each other (the calibration's ``co_run``, bench/e2e.py),
+    for a P/D deployment on one shared GPU. A side the co-run could not read (no step pair) keeps
+    the equal share's 2; a stretch below 1 (noise: a step is not faster beside another) reads as 1.
+    None (equal shares, the model before the co-run) when the result has no co-run or neither side
+    was read."""
+    c = cal.get("co_run") or {}
+    if not (dep.pd and dep.shared_gpu) or "p" not in c:
+        return None
+    p, d = c["p"].get("stretch"), c["d"].get("stretch")
+    if p is None and d is None:
+        return None
+    return (max(1.0, p) if p is not None else 2.0, max(1.0, d) if d is not None else 2.0)
+
+
 def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, study: _Study) -> None:
     """One mode's rows (and fitted steps) into ``out``."""
     mode, cfg, gpu = dep.mode, study.cfg, study.on_gpu
@@ -557,7 +581,10 @@ def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, stud
         handoff_on_p_stream=gpu, outputs_at_launch=gpu, first_at_start=first_out_at_launch(cfg, mode, gpu)
     )
     cal = m["calibration"]
-    steps = fit_steps(cfg, mode, cal, study.d_budget, dep.colocated_semantics, dep.p_step_tokens, gpu, dep.shared_gpu)
+    dep = replace(dep, co_run=co_run_stretch(cal, dep))
+    steps = fit_steps(
+        cfg, mode, cal, study.d_budget, dep.colocated_semantics, dep.p_step_tokens, gpu, dep.shared_gpu, dep.d_share
+    )
     steps.ttft_offset_ms = _ttft_offset(cal, path.first_at_start)
     load = None
     if study.serving_load:
@@ -565,6 +592,7 @@ def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, stud
         load = fit_stage_load(cal, lone, dep, path)
     steps = fit_admission_steps(cfg, cal, steps, load or StageLoad(), dep, study.d_budget, gpu)
     out["modes"][mode] = {
+        **({"co_run_stretch": {"p": dep.co_run[0], "d": dep.co_run[1]}} if dep.co_run else {}),
         "steps_ms": asdict(steps),
         "serving_load_ms": asdict(load or StageLoad()),
         "batch_check": _batch_check(cfg, steps, m, dep, path, load),

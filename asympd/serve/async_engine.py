@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from asympd.serve.stall_watch import CompileWatch
 
 log = logging.getLogger(__name__)
 SLOW_S = 1.0  # a step (or a batch of commands) slower than this is logged
+STEP_LOG = 4096  # engine steps kept for ``steps_since`` (the co-run calibration reads a few hundred)
 
 _STOP = object()
 
@@ -96,6 +98,15 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.error: str | None = None
+        # (wall-clock start, seconds, prompt rows, decode sequences) of the last STEP_LOG steps: another
+        # process's steps on the same GPU line up with these by wall clock (bench/e2e.py co-run)
+        self._steps: deque[tuple[float, float, int, int]] = deque(maxlen=STEP_LOG)
+        self._steps_lock = threading.Lock()
+
+    def steps_since(self, t: float) -> list[tuple[float, float, int, int]]:
+        """The logged steps that started at or after wall-clock time ``t`` (any thread)."""
+        with self._steps_lock:
+            return [s for s in self._steps if s[0] >= t]
 
     # ---- lifetime ----------------------------------------------------------------------------------
 
@@ -240,7 +251,7 @@ class AsyncEngine:
                 graphs = getattr(getattr(engine, "runner", None), "graphs", None)  # a CP engine has no runner
                 captured = None if graphs is None else graphs.stats.get("captured")
                 compiled = compiles.mark()
-                t0 = time.perf_counter()
+                wall0, t0 = time.time(), time.perf_counter()
                 try:
                     outputs = engine.step()
                 except Exception as e:  # a bug in a step: fail what is in flight, keep serving
@@ -248,6 +259,10 @@ class AsyncEngine:
                     self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
                     continue
                 dt = time.perf_counter() - t0
+                rows = getattr(engine, "last_step", None) or (engine.counters["prompt_tokens"] - prompt_before, 0)
+                if rows[0] or rows[1]:  # not the empty steps of an engine waiting on held transfers
+                    with self._steps_lock:
+                        self._steps.append((wall0, dt, int(rows[0]), int(rows[1])))
                 if dt > SLOW_S:  # a stall worth a line in the log (a compile, a capture, a slow import)
                     log.warning(
                         "slow engine step: %.2f s, %d outputs, %d prompt rows, %d requests; "

@@ -101,6 +101,12 @@ def build_app(server: WorkerServer) -> FastAPI:
             {**server.info(internal=has_internal(request, server.secret)), "engine": engine, "transfers": transfers}
         )
 
+    @app.get("/asympd/steps")
+    async def steps(since: float = 0.0) -> JSONResponse:
+        """The engine's recent steps from wall-clock time ``since``: [start, seconds, prompt rows,
+        decode sequences] each, so a calibration can line up two processes' steps on one GPU."""
+        return JSONResponse({"steps": server.aengine.steps_since(since)})
+
     @app.get("/asympd/tokenizer.json")
     async def tokenizer() -> Response:
         path = Path(server.cfg.checkpoint) / "tokenizer.json"

@@ -265,3 +265,50 @@ def test_merge_command(tmp_path):
     b.write_text(json.dumps({**PART2, "source_digest": "other"}))
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "cannot merge: p2.json differs from p1.json in 'source_digest'" in p.stdout
+
+
+def test_co_run_stretch_pairs_steps_beside_with_steps_alone():
+    """P's steps of 100 rows: alone 0.5 s (two of them), beside D's steps 1.0 s (covered whole):
+    stretch 2. One half covered (f = 0.5) for 0.75 s: alone part 0.375 s, so the shared half did
+    0.125 s of work in 0.375 s: stretch 3. A step of other rows has no alone pair; a step a tenth
+    covered is neither."""
+    from bench.e2e import co_run_stretch, d_key, p_key
+
+    d = [[10.0, 1.0, 0, 4], [20.0, 0.375, 0, 4], [30.0, 0.1, 0, 4]]
+    p = [[0.0, 0.5, 100, 0], [2.0, 0.5, 100, 0], [10.0, 1.0, 100, 0], [19.625, 0.75, 100, 0]]
+    p += [[10.0, 1.0, 300, 0], [29.1, 1.0, 100, 0]]
+    got = co_run_stretch(p, d, p_key)
+    by_key = {"100": {"alone_s": 0.5, "beside_s": 0.875, "covered": 0.75}}
+    assert got == {"stretch": 2.5, "steps_beside": 2, "steps_alone": 2, "keys": [100], "by_key": by_key}
+    assert d_key([0.0, 0.1, 0, 4]) == 4 and d_key([0.0, 0.1, 16, 4]) is None and p_key([0.0, 0.1, 0, 4]) is None
+    empty = {"stretch": None, "steps_beside": 0, "steps_alone": 0, "keys": [], "by_key": {}}
+    assert co_run_stretch([], d, p_key) == empty
+
+
+def test_co_run_is_recorded_per_mode(result):
+    """The tiny run's co-run: both workers' step logs, the P side read against alone steps of the
+    same rows; colocated says why it has none."""
+    for mode in ("asymmetric", "encoder-only"):
+        c = result["modes"][mode]["calibration"]["co_run"]
+        assert c["prompts"] == 3 and c["decoders"] == 4 and c["decoders_failed"] == []
+        assert c["steps"]["prefill"] and c["steps"]["decode"]
+        assert all(len(s) == 4 and s[1] > 0 for s in c["steps"]["prefill"] + c["steps"]["decode"])
+        assert c["p"]["steps_alone"] >= 3  # the three prompts sent alone
+        assert set(c["p"]) == {"stretch", "steps_beside", "steps_alone", "keys", "by_key"}
+    assert "skipped" in result["modes"]["colocated"]["calibration"]["co_run"]
+
+
+def test_the_time_budget_counts_the_co_run():
+    """One more mode: the slowest start, calibration plus co-run, warm-up, and each rate (16 prompts
+    at 2 req/s: 8 s, 1.5 x 32 x 0.1 s, 4 s)."""
+    import argparse
+
+    from bench.e2e import predict_mode_s
+
+    args = argparse.Namespace(startup_s=150.0, num_prompts=16, output_len=32, step_s=0.1, rate_list=[2.0])
+    args.warmup_prompts = 4
+    seen = [
+        {"startup_s": 100.0, "calibration": {"wall_s": 20.0, "co_run": {"wall_s": 9.0}}, "warmup": {"wall_s": 12.0}},
+        {"startup_s": 90.0, "calibration": {"wall_s": 25.0, "co_run": {"skipped": "one process"}}},
+    ]
+    assert predict_mode_s(args, seen) == pytest.approx(100 + 29 + 12 + 8 + 4.8 + 4)

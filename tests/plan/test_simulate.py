@@ -114,3 +114,27 @@ def test_side_tasks_of_one_engine_share_its_stream():
     assert run(idle(), [10, 10]) == pytest.approx([20, 20])
     assert run(idle(), [10, 10, 5]) == pytest.approx([25, 25, 15])
     assert run(engines()[0], [10, 10]) == pytest.approx([50, 50])
+
+
+def test_measured_shares_replace_the_equal_ones():
+    """The case above with the co-run's measured rates: P keeps its whole speed beside D (stretch
+    1), D runs at half (stretch 2). D's 5 ms left at 15 take 10 (ends 25) while P does 10 of its
+    30; D's next step [25, 45] does its 10 ms at half speed while P does its last 20: both end at
+    45. D's last two steps run alone: [45, 55], [55, 65]. Gaps 15, 20, 10, 10."""
+    p, d = engines()
+    run_engines([p, d], [0, 0], pair={0: 1.0, 1: 0.5})
+    assert ms(d.run.itl_s) == pytest.approx([15, 20, 10, 10])
+    assert d.run.done_s[0] * 1e3 == pytest.approx(65)
+    assert (p.run.wall_s, d.run.wall_s) == pytest.approx((0.030, 0.065))
+
+
+def test_gpu_shares_take_a_measured_pair_only_for_two_steps():
+    from asympd.plan.simulate import _Step, gpu_shares
+
+    two = [_Step(0, 0, 0.0, 1.0), _Step(1, 0, 0.0, 1.0)]
+    assert gpu_shares(two) == {0: 0.5, 1: 0.5}
+    assert gpu_shares(two, {0: 0.8, 1: 0.4}) == {0: 0.8, 1: 0.4}
+    apart = [_Step(0, 0, 0.0, 1.0), _Step(1, 1, 0.0, 1.0)]
+    assert gpu_shares(apart, {0: 0.8, 1: 0.4}) == {0: 1.0, 1: 1.0}  # alone on its GPU: all of it
+    three = [*two, _Step(2, 0, 0.0, 1.0)]
+    assert gpu_shares(three, {0: 0.8, 1: 0.4}) == {0: 1 / 3, 1: 1 / 3, 2: 1 / 3}

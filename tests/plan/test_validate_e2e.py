@@ -434,3 +434,19 @@ def test_decode_cost_per_request_read_at_the_batch_decoding_through_the_gap():
     assert (got.d_step_ms, got.d_seq_ms) == pytest.approx((20.0, 10.0))
     # through the simulator: a decode step of three requests costs the lone step plus two of them
     assert got.decode_ms(3, 0, 1) == pytest.approx(40.0)
+
+
+def test_a_measured_co_run_replaces_the_equal_shares():
+    """The synthetic result above with a co-run that measured P at full speed beside D (stretch 1)
+    and D at half (stretch 2). Req 0 at D at 26 with P's step for req 1 6 ms from its end: P ends
+    at 32, D's prompt step did 3 of its 14 by then and ends at 43 (req 0's first token). The
+    hand-off of req 1 runs on P's idle stream: at D at 32 + 3 + 7 = 42, before D's next step, so
+    that step (43) decodes req 0 beside req 1's prompt: 20 + 14, ending at 77 (req 1's first
+    token, TTFT 67). Without a co-run nothing changes (the test above)."""
+    res = e2e_result(gpus=1)
+    res["modes"]["asymmetric"]["calibration"]["co_run"] = {"p": {"stretch": 1.0}, "d": {"stretch": 2.0}}
+    v = validate_e2e(res)
+    assert v["modes"]["asymmetric"]["co_run_stretch"] == {"p": 1.0, "d": 2.0}
+    assert v["rows"][0]["predicted"]["ttft_p50_ms"] == pytest.approx((43 + 67) / 2 + HTTP_MS)
+    assert v["rows"][0]["engine_step_s"]["prefill"]["wall"] == pytest.approx(0.016 + 0.016)  # not stretched
+    assert "co_run_stretch" not in validate_e2e(e2e_result(gpus=1))["modes"]["asymmetric"]

@@ -233,3 +233,17 @@ def test_abort_endpoint(url, client):
     assert httpx.post(f"{url}/asympd/abort", json={"request_id": "x"}).status_code == 403
     assert client.post(f"{url}/asympd/abort", json={"request_id": "x"}).status_code == 403  # the client key
     assert client.post(f"{url}/asympd/abort", json={}, headers=internal).status_code == 400
+
+
+def test_step_log_endpoint(url, client):
+    """``GET /asympd/steps?since=T``: the worker's steps from wall time T (bench/e2e.py's co-run)."""
+    import time
+
+    wait_idle([url], timeout=10)
+    t0 = time.time()
+    r = client.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200
+    steps = httpx.get(f"{url}/asympd/steps", params={"since": t0}).json()["steps"]
+    assert [(s[2], s[3]) for s in steps][:2] == [(4, 0), (0, 1)] and len(steps) == 2
+    assert all(s[0] >= t0 and s[1] > 0 for s in steps)
+    assert httpx.get(f"{url}/asympd/steps", params={"since": time.time() + 60}).json() == {"steps": []}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 
@@ -70,3 +71,28 @@ def test_a_slow_step_is_logged_with_its_prompt_rows_and_compiles(tiny_ckpt, monk
     assert lines, caplog.text
     assert "5 prompt rows, 1 requests" in lines[0]
     assert lines[0].endswith("Triton compiles in the step: none")
+
+
+def test_the_step_log_has_each_step_s_rows_by_wall_clock(tiny_ckpt):
+    """``steps_since``: one entry per step that ran rows, [wall start, seconds, prompt rows, decode
+    sequences]: the 5-row prompt's step, then one decoding sequence per step (bench/e2e.py's
+    co-run lines up two processes' steps by these)."""
+    llm = LLM(tiny_ckpt, dtype="float32")
+    aengine = async_engine.AsyncEngine(llm.engine)
+
+    async def one_request() -> float:
+        aengine.start()
+        try:
+            t0 = time.time()
+            stream = await aengine.add("r0", [5, 6, 7, 8, 9], SamplingParams(max_tokens=3))
+            await stream.result()
+            return t0
+        finally:
+            aengine.stop()
+
+    t0 = asyncio.run(one_request())
+    steps = aengine.steps_since(t0)
+    assert [(s[2], s[3]) for s in steps][:2] == [(5, 0), (0, 1)]
+    assert all((p, d) == (0, 1) for _, _, p, d in steps[1:]) and 2 <= len(steps) <= 3
+    assert all(s[1] > 0 for s in steps) and [s[0] for s in steps] == sorted(s[0] for s in steps)
+    assert aengine.steps_since(steps[-1][0] + 1e-3) == []
