@@ -62,8 +62,10 @@ class FP8TileLinear(torch.nn.Module):
 
 # N rows per tile of the experts' tiled layout (``gemm_kernels.tile_fp4``: each 32-K step of a
 # 128-row block one contiguous 2 KB run) that ``PackedExperts.stack`` builds; 0 keeps the row
-# layout [E, N, K/2]. Off until the device times both (bench/formats.py ``*_tiled`` variants).
-TILE_N = 0
+# layout [E, N, K/2]; None (the default): 128 on CUDA, where it measured 1.01-1.09x the row layout
+# at 1-2048 rows and 1.12-1.21x at 4K-16K (bench/results/formats_moe_variants_tiled.json), the row
+# layout elsewhere (the interpreter tests choose a layout explicitly).
+TILE_N: int | None = None
 
 
 @dataclass
@@ -81,11 +83,12 @@ class PackedExperts:
         cls, parts: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device, tile_n: int | None = None
     ) -> PackedExperts:
         """Per-expert (packed, scale) pairs in the release's layout -> one operand (w1|w3 pairs are
-        concatenated along N), tiled by ``tile_n`` rows (default ``TILE_N``; 0: the row layout)."""
+        concatenated along N), tiled by ``tile_n`` rows (default ``TILE_N``, which see; 0: the row layout)."""
         w = G.repack_fp4(torch.stack([p for p, _ in parts]).to(device))
         s = torch.stack([s.view(torch.uint8) for _, s in parts]).to(device)
         out = cls(w, s)
-        tile_n = TILE_N if tile_n is None else tile_n
+        if tile_n is None:
+            tile_n = TILE_N if TILE_N is not None else (128 if w.is_cuda else 0)
         return out.tiled(tile_n) if tile_n else out
 
     def tiled(self, tile_n: int = 128) -> PackedExperts:
