@@ -418,7 +418,7 @@ def _linear_row(name, n, k_in, groups, m, ceil, fp8_rate) -> dict:
 
 def bench_linears(ceil: dict, g: torch.Generator) -> list[dict]:
     """The FP8-stored matrices of a layer through each FP8-tile kernel (``LINEAR_KERNELS``; the
-    transposed ones at <= ``FP8_SWAP_MAX_ROWS`` rows) and through cuBLAS on the bf16 expansion,
+    transposed ones at <= ``SWAP_VARIANT_ROWS`` rows) and through cuBLAS on the bf16 expansion,
     each against its floor. Every call is timed as graph replays of ``copies`` calls over rotated
     weight copies (past the L2), per call; the cost of one launch alone (an empty kernel timed the
     same way) is reported beside it, and ``launch_bound`` says where the floor is below it (the
@@ -448,7 +448,7 @@ def bench_linears(ceil: dict, g: torch.Generator) -> list[dict]:
             row["launch_ms"] = launch[copies]
             row["launch_bound"] = row["fp8_floor_ms"] < row["launch_ms"]
             row["copies"] = copies
-            kernels = [v for v in LINEAR_KERNELS if v == "old" or m <= G.FP8_SWAP_MAX_ROWS]
+            kernels = [v for v in LINEAR_KERNELS if v == "old" or m <= G.SWAP_VARIANT_ROWS]
             limit = {"swap_scale_w": 16, "swap_k_natural": 32, "swap_bn64": 64}
             kernels = [v for v in kernels if m <= limit.get(v, m)]
             for kern in kernels:
@@ -561,12 +561,9 @@ def bench_lm_head(cfg, ceil: dict, g: torch.Generator) -> list[dict]:
 
 
 def bench_engram(cfg, g: torch.Generator) -> list[dict]:
-    """Host-table lookups as the packed build does them (``Engram.fetch``: the rows gathered into a
-    pinned staging buffer, copied on a side stream) beside the way it did them before (gather into
-    pageable memory, then pin a copy), same run. A 20M-row table (5 GB; the real ones have 384M rows)
-    keeps the gather out of caches. ``host_ms`` is what the engine thread spends before the layers
-    can be launched; ``end_to_end_ms`` adds the copy and the dequantization."""
-    from asympd.model.engram import Engram, Fetched
+    """Host-table lookups as the packed build does them: gather the FP8 rows on the host, copy them
+    to the GPU. A 20M-row table (5 GB; the real ones have 384M rows) keeps the gather out of caches."""
+    from asympd.model.engram import Engram
 
     rows_tab = 20_000_000
     d = cfg.engram_head_dim
@@ -575,40 +572,19 @@ def bench_engram(cfg, g: torch.Generator) -> list[dict]:
     n_cols = cfg.engram_n_heads * (cfg.engram_max_ngram_size - 1)
     e = Engram.__new__(Engram)
     torch.nn.Module.__init__(e)
-    e.table, e.table_scale, e._stream, e._staging = table, scale, None, None
-    side = torch.cuda.Stream(DEV)
-
-    def pin_after_gather(ids: torch.Tensor) -> Fetched:  # the previous method, the baseline
-        flat = ids.reshape(-1)
-        rows, scales = table.index_select(0, flat).pin_memory(), scale.index_select(0, flat).pin_memory()
-        with torch.cuda.stream(side):
-            rows, scales = rows.to(DEV, non_blocking=True), scales.to(DEV, non_blocking=True)
-        return Fetched(rows.view(*ids.shape, -1), scales.view(*ids.shape, -1), side)
-
+    e.table, e.table_scale, e._stream = table, scale, None
     out = []
     for tokens in (1, 256, 4096, 16384):
         ids = torch.randint(0, rows_tab, (tokens, n_cols))
+        t0 = time.perf_counter()
+        for _ in range(3):
+            f = e.fetch(ids, DEV)
+            e.lookup(f)
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) / 3 * 1e3
         mb = tokens * n_cols * (d + d // 32) / 1e6
-        row = {"tokens": tokens, "rows": tokens * n_cols, "MB": mb}
-        for name, fetch in (("staged", lambda i: e.fetch(i, DEV)), ("pin_after_gather", pin_after_gather)):
-            e.lookup(fetch(ids))  # warm-up: buffers, streams
-            torch.cuda.synchronize()
-            host, t0 = 0.0, time.perf_counter()
-            for _ in range(5):
-                h0 = time.perf_counter()
-                f = fetch(ids)
-                host += time.perf_counter() - h0
-                e.lookup(f)
-            torch.cuda.synchronize()
-            row[f"{name}_host_ms"] = host / 5 * 1e3
-            row[f"{name}_end_to_end_ms"] = (time.perf_counter() - t0) / 5 * 1e3
-        row["host_speedup"] = row["pin_after_gather_host_ms"] / row["staged_host_ms"]
-        out.append(row)
-        log(
-            f"engram host lookup: {tokens:6d} tokens, {mb:7.1f} MB: staged {row['staged_host_ms']:.2f} ms host / "
-            f"{row['staged_end_to_end_ms']:.2f} ms end to end; gather-then-pin {row['pin_after_gather_host_ms']:.2f} / "
-            f"{row['pin_after_gather_end_to_end_ms']:.2f} ms"
-        )
+        out.append({"tokens": tokens, "rows": tokens * n_cols, "MB": mb, "fetch_and_dequant_ms": ms})
+        log(f"engram host lookup: {tokens:6d} tokens, {mb:7.1f} MB -> {ms:7.2f} ms (host gather + H2D + dequant)")
     return out
 
 
@@ -843,9 +819,9 @@ def main() -> None:
 
         DEV, MOE_VARIANT_ROWS = torch.device("cpu"), [1, 64, 2500]  # 2500: M-blocks of 128 rows
         # small matrices of each form (plain, split K, grouped, a partial column block), rows on both
-        # sides of FP8_SWAP_MAX_ROWS
+        # sides of SWAP_VARIANT_ROWS
         LINEARS = [("wq_a", 128, 512, 1), ("wkv", 96, 256, 1), ("wo_a", 256, 512, 4)]
-        LINEAR_ROWS = [1, 16, 40, G.FP8_SWAP_MAX_ROWS + 1]
+        LINEAR_ROWS = [1, 16, 40, G.SWAP_VARIANT_ROWS + 1]
     torch.manual_seed(0)
     g = torch.Generator(device=DEV).manual_seed(0)
     cfg = tiny() if smoke else v41_flash()

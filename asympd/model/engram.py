@@ -35,24 +35,23 @@ class Engram(torch.nn.Module):
         self.wkv = wkv
         self.qk = w["q_weight"].float() * w["k_weight"].float()  # only ever used as a product
         self._stream: Any = None  # the host-table copy stream, made on first use
-        self._staging: HostStaging | None = None
 
     def fetch(self, hash_ids: torch.Tensor, device: torch.device) -> Fetched:
         """Gather the rows ``hash_ids`` name where the table lives and start moving them to ``device``.
         A table in host memory (the GPU build's, facts: 203 GB at real size) sends only the FP8 rows
         looked up, on a side stream, so the copy overlaps the layers that run before this one."""
         flat = hash_ids.reshape(-1).to(self.table.device)
+        rows, scales = self.table.index_select(0, flat), self.table_scale.index_select(0, flat)
         shape = (*hash_ids.shape, -1)
-        if self.table.device == device or device.type != "cuda":
-            rows, scales = self.table.index_select(0, flat), self.table_scale.index_select(0, flat)
+        if rows.device == device:
+            return Fetched(rows.view(shape), scales.view(shape), None)
+        if device.type != "cuda":
             return Fetched(rows.to(device).view(shape), scales.to(device).view(shape), None)
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
-            self._staging = HostStaging(pin=True)
-        rows, scales = self._staging.gather(self.table, self.table_scale, flat)
+        rows, scales = rows.pin_memory(), scales.pin_memory()
         with torch.cuda.stream(self._stream):
             rows, scales = rows.to(device, non_blocking=True), scales.to(device, non_blocking=True)
-            self._staging.copied(self._stream)
         return Fetched(rows.view(shape), scales.view(shape), self._stream)
 
     def lookup(self, fetched: Fetched) -> torch.Tensor:
@@ -83,39 +82,3 @@ class Engram(torch.nn.Module):
         if text is not None:
             gate = gate.masked_fill(~text.to(gate.device).unsqueeze(-1), 0)
         return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)
-
-
-class HostStaging:
-    """Two host buffers (pinned on a GPU build) that a step's looked-up rows are gathered into, used
-    in turn: the gather writes the rows once, straight into memory the GPU copies from, instead of
-    gathering into pageable memory and pinning a second copy (16K prompt tokens look up ~100 MB).
-    A buffer is reused only after the copy that read it has run (its event), so a host running a
-    step ahead never overwrites rows still in flight."""
-
-    def __init__(self, pin: bool):
-        self.pin = pin
-        self._slots: list[list[Any]] = [[None, None, None], [None, None, None]]  # rows, scales, event
-        self._turn = 0
-
-    def gather(
-        self, table: torch.Tensor, table_scale: torch.Tensor, flat: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``table[flat]`` and ``table_scale[flat]`` in this turn's buffers (grown as needed)."""
-        slot = self._slots[self._turn]
-        if slot[2] is not None:
-            slot[2].synchronize()
-        n = flat.numel()
-        if slot[0] is None or slot[0].shape[0] < n:
-            cap = max(n, 2 * (0 if slot[0] is None else slot[0].shape[0]))
-            slot[0] = torch.empty((cap, table.shape[1]), dtype=table.dtype, pin_memory=self.pin)
-            slot[1] = torch.empty((cap, table_scale.shape[1]), dtype=table_scale.dtype, pin_memory=self.pin)
-        rows = torch.index_select(table, 0, flat, out=slot[0][:n])
-        scales = torch.index_select(table_scale, 0, flat, out=slot[1][:n])
-        return rows, scales
-
-    def copied(self, stream: Any) -> None:
-        """Mark this turn's buffers as read by copies queued on ``stream``; the next turn begins."""
-        event = torch.cuda.Event()
-        event.record(stream)
-        self._slots[self._turn][2] = event
-        self._turn ^= 1

@@ -805,8 +805,11 @@ def _sms(device: torch.device) -> int:
 # process-wide overrides of ``fp8_tile_gemm``'s config defaults (e.g. ``{"swap_ab": True}``): how a
 # test or a benchmark runs the whole model on one FP8-tile kernel; empty in the product
 FP8_DEFAULTS: dict = {}
-# the largest row count the transposed FP8-tile kernel takes by default (on CUDA): decode sizes
-FP8_SWAP_MAX_ROWS = 256
+# the largest row count the transposed FP8-tile kernel takes by default (on CUDA). 0: opt-in only,
+# since on the H200 it measured slower than the first kernel at most decode sizes (0.5-1.25x,
+# bench/results/formats_linears.json); ``SWAP_VARIANT_ROWS`` is where the benchmark times it
+FP8_SWAP_MAX_ROWS = 0
+SWAP_VARIANT_ROWS = 256
 # split-K tickets of the transposed FP8-tile kernel, one zeroed int32 counter per output tile, per
 # (device, stream): the kernel leaves them zero, so a buffer is reused (and graph replays work); a
 # stream of its own keeps concurrent GEMMs on other streams from sharing a counter

@@ -90,7 +90,7 @@ def test_formats_moe_variants_smoke(tmp_path):
 
 def test_formats_linears_smoke(tmp_path):
     """bench/formats.py's FP8-tile linears (what the device runs for the transposed kernel) on CPU:
-    every kernel variant where it applies (the transposed ones at <= FP8_SWAP_MAX_ROWS rows), bf16
+    every kernel variant where it applies (the transposed ones at <= SWAP_VARIANT_ROWS rows), bf16
     beside them, the floors and the launch cost in every row, each variant the same function."""
     env = {**os.environ, "ASYMPD_OUT": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env["ASYMPD_BENCH_ONLY"] = "linears"

@@ -116,8 +116,11 @@ def test_fp8_tile_swap_ab_splits_k_to_fill_the_chip():
 
 
 def test_fp8_tile_gemm_picks_the_transposed_kernel_by_rows(monkeypatch):
-    """On CUDA the transposed kernel for M <= FP8_SWAP_MAX_ROWS; ``FP8_DEFAULTS`` and ``config``
-    select either kernel anywhere (on CPU the default is the first kernel)."""
+    """On CUDA the transposed kernel for M <= FP8_SWAP_MAX_ROWS (0 in the product: opt-in; set here
+    to test the rule); ``FP8_DEFAULTS`` and ``config`` select either kernel anywhere (on CPU the
+    default is the first kernel)."""
+    assert gemm.FP8_SWAP_MAX_ROWS == 0
+    monkeypatch.setattr(gemm, "FP8_SWAP_MAX_ROWS", 16)
     calls = []
     real = gemm._fp8_tile_swap
     monkeypatch.setattr(gemm, "_fp8_tile_swap", lambda *args: calls.append(args[0].shape) or real(*args))
@@ -513,7 +516,7 @@ def test_packed_weights_give_the_reference_tokens(tiny_ckpt, mode, weights, moe,
         llm = asympd.LLM(tiny_ckpt, mode=mode, device=DEVICE, dtype=torch.float32, weights=name)
         outs[name] = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
     # the transposed FP8-tile kernel ran every FP8 matrix exactly where it was asked for
-    assert bool(swaps) == (fp8.get("swap_ab", False) or (DEVICE == "cuda" and weights == "packed"))
+    assert bool(swaps) == fp8.get("swap_ab", False)
     agree = 0
     for ref, got in zip(outs["dequantized"], outs[weights], strict=True):
         a, b = ref.outputs[0], got.outputs[0]
