@@ -63,7 +63,7 @@ class FP8TileLinear(torch.nn.Module):
 # N rows per tile of the experts' tiled layout (``gemm_kernels.tile_fp4``: each 32-K step of a
 # 128-row block one contiguous 2 KB run) that ``PackedExperts.stack`` builds; 0 keeps the row
 # layout [E, N, K/2]; None (the default): 128 on CUDA, where it measured 1.01-1.09x the row layout
-# at 1-2048 rows and 1.12-1.21x at 4K-16K (bench/results/formats_moe_variants_tiled.json), the row
+# at 16-2048 rows (0.98x at one), 1.11-1.21x at 4K-16K (bench/results/formats_moe_variants_tiled.json), the row
 # layout elsewhere (the interpreter tests choose a layout explicitly).
 TILE_N: int | None = None
 
