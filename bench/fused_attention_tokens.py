@@ -2,7 +2,9 @@
 tiny random checkpoint): each attention path eagerly and with CUDA graphs, same prompts. Eager
 fused = eager gathered but graphs differ points at the replay; eager paths already differing at
 per-call errors below 1e-5 points at the random model's sensitivity (a value crossing an FP8/FP4
-quantizer step). Writes ``fused_attention_tokens.json``.
+quantizer step). At each first difference it records the reference run's top-2 logprob gap there: a
+gap of ~1e-5 or less says the two paths chose between near-tied tokens (sensitivity); a gap of
+whole nats says one path computed something else. Writes ``fused_attention_tokens.json``.
 
     python3 bench/fused_attention_tokens.py
 """
@@ -29,7 +31,8 @@ from tests.util import random_prompts  # noqa: E402
 LENGTHS = [20, 40, 90, 150, 300]  # tests/engine/test_cuda_engine.py's prompts
 
 
-def tokens(ckpt: str, mode: str, spec: int, fused: bool, eager: bool) -> list[list[int]]:
+def tokens(ckpt: str, mode: str, spec: int, fused: bool, eager: bool) -> tuple[list[list[int]], list[list[float]]]:
+    """Each prompt's greedy tokens and, per position, the gap between its top two logprobs."""
     llm = LLM(
         ckpt,
         mode,
@@ -44,9 +47,15 @@ def tokens(ckpt: str, mode: str, spec: int, fused: bool, eager: bool) -> list[li
         for block in [] if e is None else e.runner.model.blocks:
             if getattr(block, "attn", None) is not None:
                 block.attn.kernels = dataclasses.replace(CUDA_KERNELS, fused_attention=fused)
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     outs = llm.generate(prompt_token_ids=random_prompts(LENGTHS, seed=41), sampling_params=params)
-    return [o.outputs[0].token_ids for o in outs]
+    gaps = [[top2_gap(lp) for lp in o.outputs[0].logprobs] for o in outs]
+    return [o.outputs[0].token_ids for o in outs], gaps
+
+
+def top2_gap(logprobs: dict[int, float]) -> float:
+    best = sorted(logprobs.values(), reverse=True)
+    return best[0] - best[1] if len(best) > 1 else float("inf")
 
 
 def first_difference(a: list[list[int]], b: list[list[int]]) -> list[int | None]:
@@ -62,16 +71,20 @@ def main() -> None:
         ckpt = str(Path(d) / "tiny")
         write_checkpoint(tiny(), ckpt, seed=0)
         for mode, spec in (("colocated", 2), ("asymmetric", 0)):
-            runs = {
-                f"{'fused' if f else 'gathered'}_{'eager' if e else 'graphs'}": tokens(ckpt, mode, spec, f, e)
-                for f in (False, True)
-                for e in (True, False)
-            }
+            runs, gaps = {}, {}
+            for f in (False, True):
+                for e in (True, False):
+                    name = f"{'fused' if f else 'gathered'}_{'eager' if e else 'graphs'}"
+                    runs[name], gaps[name] = tokens(ckpt, mode, spec, f, e)
             ref = runs["gathered_eager"]
-            case = {"mode": mode, "spec": spec, "tokens": runs}
+            case = {"mode": mode, "spec": spec, "tokens": runs, "top2_gaps": gaps}
             case["first_difference_vs_gathered_eager"] = {k: first_difference(ref, v) for k, v in runs.items()}
+            case["reference_top2_gap_at_difference"] = {
+                k: [None if i is None else gaps["gathered_eager"][p][i] for p, i in enumerate(firsts)]
+                for k, firsts in case["first_difference_vs_gathered_eager"].items()
+            }
             out["cases"].append(case)
-            log(mode, spec, case["first_difference_vs_gathered_eager"])
+            log(mode, spec, case["first_difference_vs_gathered_eager"], case["reference_top2_gap_at_difference"])
     record("fused_attention_tokens", out, started)
 
 
