@@ -493,6 +493,10 @@ def calibrate(url: str, lengths: list[int], tokens: int, batch: int, vocab: int,
 # ---- co-run: P's and D's steps beside each other ---------------------------------------------------------
 
 BESIDE = 0.5  # a step counts as beside the other process's steps when they cover at least this much of it
+# P's burst of the co-run's fill phase: its later steps overlap D's import of the prompts the first
+# step finished (a few short D steps beside a long P step); below this much covered, a P step still
+# counts as alone (it reads at most this fraction x (stretch - 1) long: < 10 % at stretch 2)
+ALONE_P = 0.08
 
 
 def _overlap(s: list, other: list[list]) -> float:
@@ -510,15 +514,21 @@ def _stretch(dt: float, alone: float, f: float) -> float | None:
     return dt * f / left if left > 0 else None
 
 
-def co_run_stretch(mine: list[list], other: list[list], key: Callable[[list], Any]) -> dict[str, Any]:
+def co_run_stretch(
+    mine: list[list], other: list[list], key: Callable[[list], Any], between: bool = False, alone_below: float = 0.0
+) -> dict[str, Any]:
     """How much slower this process's steps ran beside the other process's steps than alone.
 
     ``mine``/``other``: step logs ([wall start, seconds, prompt rows, decode sequences], from
     ``/asympd/steps``); ``key``: which steps are alike (P: the prompt rows; D: the batch of a
     decode-only step; None: not compared). A step is alone when no step of the other process
-    overlaps it, beside when they cover at least ``BESIDE`` of it; each beside step's stretch is
-    read against the median alone step of the same key (``_stretch``). ``stretch``: their median,
-    None without a pair."""
+    overlaps it (or covers less than ``alone_below`` of it), beside when they cover at least
+    ``BESIDE`` of it; each beside step's stretch is
+    read against the median alone step of the same key (``_stretch``). ``between`` (numeric keys:
+    P's rows): a beside key with no alone step is read against the line between the nearest alone
+    keys below and above it (a burst's steps need not split the same way twice). ``stretch``: the
+    median over all pairs, None without one; ``stretch_by_key``: the median per key (P: per step
+    size, what the validation interpolates over rows)."""
     alone: dict[Any, list[float]] = {}
     beside: list[tuple[Any, float, float]] = []
     for s in mine:
@@ -526,26 +536,39 @@ def co_run_stretch(mine: list[list], other: list[list], key: Callable[[list], An
         if k is None:
             continue
         f = _overlap(s, other)
-        if f == 0.0:
+        if f == 0.0 or f < alone_below:
             alone.setdefault(k, []).append(s[1])
         elif f >= BESIDE:
             beside.append((k, s[1], f))
-    ratios = []
+    ref = {k: statistics.median(v) for k, v in alone.items()}
+
+    def alone_s(k: Any) -> float | None:
+        if k in ref:
+            return ref[k]
+        lo = max((j for j in ref if j < k), default=None) if between else None
+        hi = min((j for j in ref if j > k), default=None) if between else None
+        if lo is None or hi is None:
+            return None
+        return ref[lo] + (ref[hi] - ref[lo]) * (k - lo) / (hi - lo)
+
+    ratios: dict[Any, list[float]] = {}
     for k, dt, f in beside:
-        if k in alone:
-            r = _stretch(dt, statistics.median(alone[k]), f)
-            if r is not None:
-                ratios.append(r)
-    keys = sorted({k for k, _, _ in beside if k in alone})
+        a = alone_s(k)
+        r = _stretch(dt, a, f) if a is not None else None
+        if r is not None:
+            ratios.setdefault(k, []).append(r)
+    keys = sorted(ratios)
+    every = [r for v in ratios.values() for r in v]
     return {
-        "stretch": statistics.median(ratios) if ratios else None,
-        "steps_beside": len(ratios),
+        "stretch": statistics.median(every) if every else None,
+        "steps_beside": len(every),
         "steps_alone": sum(len(v) for v in alone.values()),
         "keys": keys,
+        "stretch_by_key": {str(k): statistics.median(ratios[k]) for k in keys},
         # per key, for reading: the median step alone and beside (seconds), and how much of it was covered
         "by_key": {
             str(k): {
-                "alone_s": statistics.median(alone[k]),
+                "alone_s": alone_s(k),
                 "beside_s": statistics.median([dt for j, dt, _ in beside if j == k]),
                 "covered": statistics.median([f for j, _, f in beside if j == k]),
             }
@@ -564,8 +587,35 @@ def d_key(s: list) -> int | None:
     return s[3] if s[2] == 0 and s[3] > 0 else None
 
 
+def fill_lengths(rng: Any, rows: int, mean: int, dist: str, ratio: float) -> list[int]:
+    """Prompt lengths from the traffic's distribution that fill ``rows`` prompt rows exactly (the
+    last one cut to fit): sent at once, they make P run steps of its whole ``--p-step-tokens``
+    budget, as several queued prompts do under load."""
+    from asympd.bench.serve_load import sample_lengths
+
+    out: list[int] = []
+    while sum(out) < rows:
+        out += sample_lengths(rng, 1, mean, dist, ratio)
+    out[-1] -= sum(out) - rows
+    return out
+
+
+def load_decoders(rate: float, output_len: int, step_s: float, most: int) -> int:
+    """The decode batch a rate keeps in flight (Little's law): ``rate`` x a request's life on D
+    (``output_len`` steps of ``step_s``), at least 1, at most ``most``."""
+    return max(1, min(most, math.ceil(rate * output_len * step_s)))
+
+
 def co_run(
-    url: str, workers: dict[str, str], length: int, prompts: int, decoders: int, tokens: int, vocab: int, seed: int
+    url: str,
+    workers: dict[str, str],
+    length: int,
+    prompts: int,
+    decoders: int,
+    tokens: int,
+    vocab: int,
+    seed: int,
+    fill: tuple[list[int], int] | None = None,
 ) -> dict[str, Any]:
     """P's steps and D's steps alone and beside each other, on the same servers.
 
@@ -573,42 +623,64 @@ def co_run(
     to decode while P computes), then ``decoders`` requests of ``tokens`` output tokens and, once
     all of them decode, the same number of prompts again (P's steps beside D's decoding, D's
     decode steps beside P's steps and alone between them); the decoders are cancelled when the
-    prompts are done. ``workers``: role -> worker URL (``prefill`` and ``decode``). Why: P and D
-    on one GPU without MPS are time-sliced by the driver, and what each loses beside the other
-    is measured here, not assumed (asympd.plan.validate reads ``p``/``d`` ``stretch``)."""
+    prompts are done. ``fill`` (lengths, decoders): then the load's step sizes: those prompts sent
+    at once (P's full-budget steps alone), the decoders (the batch the rates keep in flight) and,
+    once all decode, the same lengths at once again. ``workers``: role -> worker URL (``prefill``
+    and ``decode``). Why: P and D on one GPU without MPS are time-sliced by the driver, and what
+    each loses beside the other is measured here, not assumed (asympd.plan.validate reads
+    ``p``/``d`` ``stretch``, and P's ``stretch_by_key`` over rows)."""
     import numpy as np
 
     rng = np.random.default_rng(seed + 2000)
 
-    def ids() -> list[int]:
-        return rng.integers(3, vocab, size=length).tolist()
+    def ids(n: int = length) -> list[int]:
+        return rng.integers(3, vocab, size=n).tolist()
 
-    async def go() -> tuple[float, int, list[str]]:
+    async def beside(client: httpx.AsyncClient, n: int, send: Callable[[], Any]) -> tuple[int, list[str]]:
+        """``n`` decoders started; once all of them decode, ``send()``; then they are cancelled."""
+        started = asyncio.Event()
+        seen = [0]
+
+        def first() -> None:
+            seen[0] += 1
+            if seen[0] == n:
+                started.set()
+
+        busy = [asyncio.ensure_future(_one(client, url, ids(), tokens, first)) for _ in range(n)]
+        await asyncio.wait([asyncio.ensure_future(started.wait()), *busy], return_when=asyncio.FIRST_COMPLETED)
+        await send()
+        still = sum(not b.done() for b in busy)
+        for b in busy:
+            b.cancel()
+        ends = await asyncio.gather(*busy, return_exceptions=True)
+        return still, [repr(e)[:300] for e in ends if isinstance(e, Exception)]  # (a cancel is no Exception)
+
+    async def go() -> tuple[float, int, list[str], dict[str, Any]]:
         async with httpx.AsyncClient(timeout=httpx.Timeout(900.0)) as client:
-            for _ in range(prompts):
-                await _one(client, url, ids(), 2)
+
+            async def one_by_one() -> None:
+                for _ in range(prompts):
+                    await _one(client, url, ids(), 2)
+
+            await one_by_one()
             t_mid = time.time()
-            started = asyncio.Event()
-            seen = [0]
+            still, failed = await beside(client, decoders, one_by_one)
+            load: dict[str, Any] = {}
+            if fill is not None:
+                lengths, n = fill
 
-            def first() -> None:
-                seen[0] += 1
-                if seen[0] == decoders:
-                    started.set()
+                async def burst() -> None:
+                    await asyncio.gather(*(_one(client, url, ids(k), 2) for k in lengths))
 
-            busy = [asyncio.ensure_future(_one(client, url, ids(), tokens, first)) for _ in range(decoders)]
-            await asyncio.wait([asyncio.ensure_future(started.wait()), *busy], return_when=asyncio.FIRST_COMPLETED)
-            for _ in range(prompts):
-                await _one(client, url, ids(), 2)
-            still = sum(not b.done() for b in busy)
-            for b in busy:
-                b.cancel()
-            ends = await asyncio.gather(*busy, return_exceptions=True)
-            failed = [repr(e)[:300] for e in ends if isinstance(e, Exception)]  # (a cancel is no Exception)
-            return t_mid, still, failed
+                await asyncio.sleep(0.2)  # the cancelled decoders' aborts reach D: P's burst runs alone
+                load = {"prompt_lens": lengths, "rows": sum(lengths), "decoders": n, "t_alone": time.time()}
+                await burst()
+                load["t_beside"] = time.time()
+                load["decoders_running_at_end"], load["decoders_failed"] = await beside(client, n, burst)
+            return t_mid, still, failed, load
 
     t0 = time.time()
-    t_mid, still, failed = asyncio.run(go())
+    t_mid, still, failed, load = asyncio.run(go())
     time.sleep(0.2)  # the cancelled requests' aborts reach D
     p_steps = httpx.get(f"{workers['prefill']}/asympd/steps", params={"since": t0}, timeout=30).json()["steps"]
     d_steps = httpx.get(f"{workers['decode']}/asympd/steps", params={"since": t0}, timeout=30).json()["steps"]
@@ -620,7 +692,8 @@ def co_run(
         "decoders_running_at_end": still,  # fewer than ``decoders``: D stopped decoding before the prompts ended
         "decoders_failed": failed,
         "t_mid": t_mid,
-        "p": co_run_stretch(p_steps, d_steps, p_key),
+        **({"fill": load} if load else {}),
+        "p": co_run_stretch(p_steps, d_steps, p_key, between=True, alone_below=ALONE_P),
         "d": co_run_stretch([s for s in d_steps if s[0] >= t_mid], p_steps, d_key),
         "steps": {"prefill": p_steps, "decode": d_steps},
     }
@@ -746,6 +819,21 @@ def predict_mode_s(args: argparse.Namespace, seen: list[dict[str, Any]]) -> floa
     return startup + calib + warm + sum(predict_rate_s(args, r) for r in args.rate_list)
 
 
+def co_run_fill(args: argparse.Namespace) -> tuple[list[int], int] | None:
+    """The co-run's fill phase from the traffic: prompt lengths of its distribution filling twice
+    ``--co-run-fill-rows`` (default: P's step budget; twice: the burst's first step holds the
+    prompts that arrived first, its second one a whole budget) and the decode batch the highest
+    rate keeps in flight (``load_decoders``, at most ``--co-run-max-decoders``); None when off."""
+    import numpy as np
+
+    rows = args.p_step_tokens if args.co_run_fill_rows is None else args.co_run_fill_rows
+    if rows <= 0:
+        return None
+    rng = np.random.default_rng(args.seed + 3000)
+    lengths = fill_lengths(rng, 2 * rows, args.input_len, args.len_dist, args.range_ratio)
+    return lengths, load_decoders(max(args.rate_list), args.output_len, args.step_s, args.co_run_max_decoders)
+
+
 def run_mode(args, mode: str, ckpt: str, vocab: int, work: Path, out: dict[str, Any], save) -> None:
     """One deployment into ``out``: start, calibrate, each rate (``save()`` after each), stop."""
     dep = Deployment(args, mode, ckpt, work)
@@ -763,13 +851,15 @@ def run_mode(args, mode: str, ckpt: str, vocab: int, work: Path, out: dict[str, 
         t = time.perf_counter()
         urls = dict(zip(dep.roles, dep.urls, strict=True))
         if args.co_run_prompts and {"prefill", "decode"} <= urls.keys():
+            fill = co_run_fill(args)
             out["calibration"]["co_run"] = co_run(
-                dep.url, urls, lo, args.co_run_prompts, args.co_run_decoders, args.co_run_tokens, vocab, args.seed
+                dep.url, urls, lo, args.co_run_prompts, args.co_run_decoders, args.co_run_tokens, vocab, args.seed, fill
             )
             out["calibration"]["co_run"]["wall_s"] = round(time.perf_counter() - t, 1)
             c = out["calibration"]["co_run"]
+            by_rows = ", ".join(f"{k} rows {v:.2f}" for k, v in c["p"]["stretch_by_key"].items())
             log(
-                f"{mode} co-run: P stretch {c['p']['stretch']} ({c['p']['steps_beside']} steps), "
+                f"{mode} co-run: P stretch {c['p']['stretch']} ({c['p']['steps_beside']} steps: {by_rows}), "
                 f"D stretch {c['d']['stretch']} ({c['d']['steps_beside']} steps), {c['wall_s']} s"
             )
         elif args.co_run_prompts:  # colocated: one engine in one process, its P and D steps never overlap
@@ -998,6 +1088,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--co-run-decoders", type=int, default=4, help="co-run: requests D keeps decoding")
     ap.add_argument("--co-run-tokens", type=int, default=200, help="co-run: their output tokens (cancelled when done)")
+    ap.add_argument(
+        "--co-run-fill-rows",
+        type=int,
+        default=None,
+        help="co-run: then prompts of the traffic's lengths filling twice this many rows sent at once, alone and "
+        "beside the rates' decode batch: P's stretch at the load's step size (default: --p-step-tokens; 0: off)",
+    )
+    ap.add_argument(
+        "--co-run-max-decoders",
+        type=int,
+        default=32,
+        help="co-run fill: the most requests D keeps decoding (the batch is the highest rate x output_len x step_s)",
+    )
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="paged KV pool per worker")
     ap.add_argument("--p-step-tokens", type=int, default=None, help="P's max_num_batched_tokens")
     ap.add_argument("--gpus", type=int, default=None, help="default: 0 with --tiny, else min(2, visible GPUs)")

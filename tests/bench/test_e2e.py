@@ -26,6 +26,7 @@ from bench.p_throughput import reduced_config  # noqa: E402
 
 MODES = ("asymmetric", "encoder-only", "colocated")
 PROMPTS = 4
+FILL_ROWS = 200  # the co-run's fill phase at a fraction of the tiny P budget (2048): the suite stays fast
 LATENCY = [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p90", "p99")]
 
 
@@ -34,6 +35,7 @@ def result(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("e2e")
     cmd = [sys.executable, "bench/e2e.py", "--tiny", "--modes", ",".join(MODES), "--rates", "20"]
     cmd += ["--num-prompts", str(PROMPTS), "--calib-batch", "2", "--calib-tokens", "4"]
+    cmd += ["--co-run-fill-rows", str(FILL_ROWS)]
     env = {**os.environ, "ASYMPD_OUT": str(out), "OMP_NUM_THREADS": "1", "ASYMPD_COMMIT": "test-commit"}
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -279,10 +281,51 @@ def test_co_run_stretch_pairs_steps_beside_with_steps_alone():
     p += [[10.0, 1.0, 300, 0], [29.1, 1.0, 100, 0]]
     got = co_run_stretch(p, d, p_key)
     by_key = {"100": {"alone_s": 0.5, "beside_s": 0.875, "covered": 0.75}}
-    assert got == {"stretch": 2.5, "steps_beside": 2, "steps_alone": 2, "keys": [100], "by_key": by_key}
+    want = {"stretch": 2.5, "steps_beside": 2, "steps_alone": 2, "keys": [100], "stretch_by_key": {"100": 2.5}}
+    assert got == {**want, "by_key": by_key}
     assert d_key([0.0, 0.1, 0, 4]) == 4 and d_key([0.0, 0.1, 16, 4]) is None and p_key([0.0, 0.1, 0, 4]) is None
-    empty = {"stretch": None, "steps_beside": 0, "steps_alone": 0, "keys": [], "by_key": {}}
+    empty = {"stretch": None, "steps_beside": 0, "steps_alone": 0, "keys": [], "stretch_by_key": {}, "by_key": {}}
     assert co_run_stretch([], d, p_key) == empty
+
+
+def test_the_fill_phase_reads_each_step_size_between_the_alone_ones():
+    """P alone: 100 rows 0.5 s, 300 rows 1.5 s, and a 500-row step of 2.0 s that D's import
+    covered 5 % of (under ``ALONE_P``: alone). Beside a whole-covering D step: 200 rows in 2.0 s
+    (alone read between 100 and 300 rows: 1.0 s, stretch 2) and 500 rows in 6.0 s (stretch 3).
+    Without ``between``/``alone_below`` neither size has a pair."""
+    from bench.e2e import ALONE_P, co_run_stretch, p_key
+
+    p = [[0.0, 0.5, 100, 0], [2.0, 1.5, 300, 0], [5.0, 2.0, 500, 0], [10.0, 2.0, 200, 0], [20.0, 6.0, 500, 0]]
+    d = [[5.0, 0.1, 0, 2], [10.0, 2.0, 0, 8], [20.0, 6.0, 0, 8]]
+    got = co_run_stretch(p, d, p_key, between=True, alone_below=ALONE_P)
+    assert got == {
+        "stretch": 2.5,
+        "steps_beside": 2,
+        "steps_alone": 3,
+        "keys": [200, 500],
+        "stretch_by_key": {"200": 2.0, "500": 3.0},
+        "by_key": {
+            "200": {"alone_s": 1.0, "beside_s": 2.0, "covered": 1.0},
+            "500": {"alone_s": 2.0, "beside_s": 6.0, "covered": 1.0},
+        },
+    }
+    assert co_run_stretch(p, d, p_key)["keys"] == [] and co_run_stretch(p, d, p_key)["steps_alone"] == 2
+    assert co_run_stretch(p, d, p_key, between=True)["keys"] == [200]  # 500 rows: nothing alone above it
+
+
+def test_the_fill_phase_follows_the_traffic():
+    """Prompts of the traffic's lengths filling the rows exactly (the last cut to fit); the decode
+    batch of the highest rate (Little's law: rate x output_len x step_s), 1 to the cap."""
+    import numpy as np
+
+    from bench.e2e import fill_lengths, load_decoders
+
+    got = fill_lengths(np.random.default_rng(7), 16384, 2048, "uniform", 0.5)
+    assert sum(got) == 16384 and all(1024 <= n <= 3072 for n in got[:-1]) and 1 <= got[-1] <= 3072
+    assert got == fill_lengths(np.random.default_rng(7), 16384, 2048, "uniform", 0.5)  # the seed's draw
+    assert fill_lengths(np.random.default_rng(7), 100, 40, "uniform", 0.0) == [40, 40, 20]
+    assert [load_decoders(1.5, 32, 0.15, 32), load_decoders(20, 6, 0.05, 32)] == [8, 6]  # depth 40 oos2; tiny
+    assert [load_decoders(10, 32, 0.15, 32), load_decoders(0.01, 32, 0.15, 32)] == [32, 1]
 
 
 def test_co_run_is_recorded_per_mode(result):
@@ -294,7 +337,11 @@ def test_co_run_is_recorded_per_mode(result):
         assert c["steps"]["prefill"] and c["steps"]["decode"]
         assert all(len(s) == 4 and s[1] > 0 for s in c["steps"]["prefill"] + c["steps"]["decode"])
         assert c["p"]["steps_alone"] >= 3  # the three prompts sent alone
-        assert set(c["p"]) == {"stretch", "steps_beside", "steps_alone", "keys", "by_key"}
+        assert set(c["p"]) == {"stretch", "steps_beside", "steps_alone", "keys", "stretch_by_key", "by_key"}
+        assert set(c["p"]["stretch_by_key"]) == {str(k) for k in c["p"]["keys"]}
+        f = c["fill"]  # the load's step size: prompts filling --co-run-fill-rows, beside the rate's batch
+        assert f["rows"] == sum(f["prompt_lens"]) == 2 * FILL_ROWS and f["decoders"] == 6 and f["decoders_failed"] == []
+        assert any(s[2] > 40 for s in c["steps"]["prefill"] if s[0] >= f["t_alone"])  # steps of several prompts
     assert "skipped" in result["modes"]["colocated"]["calibration"]["co_run"]
 
 
