@@ -25,11 +25,28 @@ class Deployment:
     # how much slower P's and D's steps ran beside each other on the shared GPU than alone (the
     # calibration's co-run, bench/e2e.py ``co_run``); None: not measured, equal shares (2, 2)
     co_run: tuple[float, float] | None = None
+    # P's stretch per step size, (rows, stretch) by rows, where the co-run measured more than one
+    # size (its fill phase: the load's full-budget steps); None: ``co_run``'s one value at every size
+    p_by_rows: tuple[tuple[int, float], ...] | None = None
 
     @property
     def p_share(self) -> float:
         """P's rate while a D step shares its GPU: 1 / P's measured stretch, else half."""
         return 1.0 / self.co_run[0] if self.co_run else 0.5
+
+    def p_share_at(self, rows: int) -> float:
+        """P's rate beside a D step for a P step of ``rows`` prompt rows: 1 / the stretch read
+        linearly between the two measured sizes around it (the nearest one's outside them), so a
+        loaded P's multi-prompt step is not read at a calibration prompt's stretch."""
+        pts = self.p_by_rows
+        if not pts:
+            return self.p_share
+        if rows <= pts[0][0]:
+            return 1.0 / pts[0][1]
+        for (r0, s0), (r1, s1) in zip(pts, pts[1:], strict=False):
+            if rows <= r1:
+                return 1.0 / (s0 + (s1 - s0) * (rows - r0) / (r1 - r0))
+        return 1.0 / pts[-1][1]
 
     @property
     def d_share(self) -> float:

@@ -238,6 +238,7 @@ class PrefillEngine(_Engine):
             self._stalled = True
             return None
         self._chunks = out.chunks
+        self.step_rows = sum(c.num_rows for c in out.chunks)
         self.run.max_batch = max(self.run.max_batch, len(out.chunks))
         self.run.preemptions += len(out.preempted)
         chunks = [(c.num_rows, self._lengths[c.request.request_id]) for c in out.chunks]
@@ -340,6 +341,7 @@ class DecodeEngine(_Engine):
         if self._at_launch and not dec and not any(c.phase.sample for c in out.chunks):
             self._launched(out.chunks, at)
         self._chunks = out.chunks
+        self.step_rows = sum(c.num_rows for c in out.chunks)
         self.run.max_batch = max(self.run.max_batch, len(dec))
         self.run.step_kinds.append("mixed" if dec and rows else "decode" if dec else "prompt")
         self._dt = self.steps.decode_ms(len(dec), rows, self.gpus) / 1e3
@@ -435,7 +437,7 @@ def run_engines(
     engines: list[_Engine],
     gpu_of: list[int],
     on_export: Callable[[int, int, float], None] | None = None,
-    pair: dict[int, float] | None = None,
+    pair: dict[int, float | Callable[[int], float]] | None = None,
 ) -> None:
     """Drive engines to completion; engines with the same ``gpu_of`` share one GPU.
 
@@ -445,9 +447,12 @@ def run_engines(
     their own never slow each other. Events run in time order (a step's end before an issue at the
     same time), which keeps every arrival an engine sees in time order. ``on_export(engine,
     request index, time)`` hands on what an engine exported. ``pair``: the measured rates of
-    engines whose step shares a GPU with one other step (``gpu_shares``; default equal shares)."""
+    engines whose step shares a GPU with one other step (``gpu_shares``; default equal shares); a
+    callable one is read at each step's issue with its prompt rows (P: ``Deployment.p_share_at``)."""
     now = 0.0
     active: dict[int, _Step] = {}
+    pair = pair or {}
+    beside: dict[int, float] = {k: v for k, v in pair.items() if not callable(v)}
 
     def drain(k: int) -> None:
         e = engines[k]
@@ -457,7 +462,7 @@ def run_engines(
                 on_export(k, i, t)
 
     while True:
-        rate = gpu_shares(list(active.values()), pair)
+        rate = gpu_shares(list(active.values()), beside)
         ending: tuple[float, int] | None = None
         for k, s in active.items():
             t = now + s.left / rate[k]
@@ -500,6 +505,8 @@ def run_engines(
         drain(k)
         if dt is not None:
             active[k] = _Step(k, gpu_of[k], now, dt)
+            if callable(pair.get(k)):
+                beside[k] = pair[k](getattr(engines[k], "step_rows", 0))
     stuck = [k for k, e in enumerate(engines) if e.has_work]
     if stuck:
         raise RuntimeError(f"engine {stuck[0]}'s scheduler made no progress")

@@ -467,7 +467,12 @@ def simulate_deployment(
 
         if load.d_step_ms:
             d.steps = _LoadedSteps(steps, lambda: load.step_extra_ms(n_at(d.t)))
-        run_engines([p, d], [0, 0] if shared_gpu else [0, 1], to_d, {0: dep.p_share, 1: dep.d_share})
+        run_engines(
+            [p, d],
+            [0, 0] if shared_gpu else [0, 1],
+            to_d,
+            {0: dep.p_share_at if dep.p_by_rows else dep.p_share, 1: dep.d_share},
+        )
         runs = [d.run]
         roles = {"prefill": [p.run], "decode": [d.run]}
     start = {a.index: a.time_s for a in arrivals}
@@ -570,6 +575,19 @@ def co_run_stretch(cal: dict[str, Any], dep: Deployment) -> tuple[float, float] 
     return (max(1.0, p) if p is not None else 2.0, max(1.0, d) if d is not None else 2.0)
 
 
+def co_run_p_by_rows(cal: dict[str, Any], dep: Deployment) -> tuple[tuple[int, float], ...] | None:
+    """P's measured stretch per step size (the co-run's ``p`` ``stretch_by_key``: prompt rows ->
+    stretch, below 1 read as 1), by rows, for ``Deployment.p_share_at``; None (``co_run_stretch``'s
+    one value at every size) for a result with fewer than two sizes or none (the co-run before its
+    fill phase) or where the co-run does not apply."""
+    if co_run_stretch(cal, dep) is None:
+        return None
+    by = cal["co_run"]["p"].get("stretch_by_key") or {}
+    if len(by) < 2:
+        return None
+    return tuple(sorted((int(k), max(1.0, v)) for k, v in by.items()))
+
+
 def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, study: _Study) -> None:
     """One mode's rows (and fitted steps) into ``out``."""
     mode, cfg, gpu = dep.mode, study.cfg, study.on_gpu
@@ -581,7 +599,7 @@ def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, stud
         handoff_on_p_stream=gpu, outputs_at_launch=gpu, first_at_start=first_out_at_launch(cfg, mode, gpu)
     )
     cal = m["calibration"]
-    dep = replace(dep, co_run=co_run_stretch(cal, dep))
+    dep = replace(dep, co_run=co_run_stretch(cal, dep), p_by_rows=co_run_p_by_rows(cal, dep))
     steps = fit_steps(
         cfg, mode, cal, study.d_budget, dep.colocated_semantics, dep.p_step_tokens, gpu, dep.shared_gpu, dep.d_share
     )
@@ -593,6 +611,7 @@ def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, stud
     steps = fit_admission_steps(cfg, cal, steps, load or StageLoad(), dep, study.d_budget, gpu)
     out["modes"][mode] = {
         **({"co_run_stretch": {"p": dep.co_run[0], "d": dep.co_run[1]}} if dep.co_run else {}),
+        **({"co_run_p_by_rows": [list(x) for x in dep.p_by_rows]} if dep.p_by_rows else {}),
         "steps_ms": asdict(steps),
         "serving_load_ms": asdict(load or StageLoad()),
         "batch_check": _batch_check(cfg, steps, m, dep, path, load),

@@ -128,6 +128,26 @@ def test_measured_shares_replace_the_equal_ones():
     assert (p.run.wall_s, d.run.wall_s) == pytest.approx((0.030, 0.065))
 
 
+def test_a_measured_pair_per_step_size_is_read_at_the_step_rows():
+    """P's rate beside D given per step size (``Deployment.p_share_at``): read once per P step,
+    at its prompt rows (the 40-token prompt is 24 rows for P). Rate 1 at 24 rows is the case
+    above, to the millisecond; the same callable at other rows would give another timeline."""
+    seen: list[int] = []
+
+    def p_rate(rows: int) -> float:
+        seen.append(rows)
+        return 1.0 if rows == 24 else 0.25
+
+    p, d = engines()
+    run_engines([p, d], [0, 0], pair={0: p_rate, 1: 0.5})
+    assert seen == [24]
+    assert ms(d.run.itl_s) == pytest.approx([15, 20, 10, 10])
+    assert (p.run.wall_s, d.run.wall_s) == pytest.approx((0.030, 0.065))
+    p, d = engines()
+    run_engines([p, d], [0, 0], pair={0: lambda rows: 0.5, 1: 0.5})  # equal shares: the shared-GPU case
+    assert ms(d.run.itl_s) == pytest.approx([15, 20, 20, 15])
+
+
 def test_gpu_shares_take_a_measured_pair_only_for_two_steps():
     from asympd.plan.simulate import _Step, gpu_shares
 
