@@ -588,9 +588,9 @@ def d_key(s: list) -> int | None:
 
 
 def fill_lengths(rng: Any, rows: int, mean: int, dist: str, ratio: float) -> list[int]:
-    """Prompt lengths from the traffic's distribution that fill ``rows`` prompt rows exactly (the
-    last one cut to fit): sent at once, they make P run steps of its whole ``--p-step-tokens``
-    budget, as several queued prompts do under load."""
+    """Prompt lengths from the traffic's distribution that sum to ``rows`` tokens exactly (the last
+    one cut to fit; P computes each less what its mode leaves to D): sent at once, they make P run
+    steps of its whole ``--p-step-tokens`` budget, as several queued prompts do under load."""
     from asympd.bench.serve_load import sample_lengths
 
     out: list[int] = []
