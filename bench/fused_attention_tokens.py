@@ -1,10 +1,12 @@
 """Where the fused sparse attention's greedy tokens part from the gathered path's on CUDA (fp32, the
-tiny random checkpoint): each attention path eagerly and with CUDA graphs, same prompts. Eager
-fused = eager gathered but graphs differ points at the replay; eager paths already differing at
-per-call errors below 1e-5 points at the random model's sensitivity (a value crossing an FP8/FP4
-quantizer step). At each first difference it records the reference run's top-2 logprob gap there: a
-gap of ~1e-5 or less says the two paths chose between near-tied tokens (sensitivity); a gap of
-whole nats says one path computed something else. Writes ``fused_attention_tokens.json``.
+tiny random checkpoint), and whether the kernel's approximate exp / division are why: the gathered
+path eagerly; the fused kernel with its fp32 default (``precise``: libdevice exp, IEEE division)
+eagerly and with CUDA graphs; and the fused kernel with the approximate instructions (``fast``,
+what it used before). Every eager fused call is also checked against the gathered path on the
+same inputs (max relative error per row, by layer). At each first difference it records the
+gathered run's top-2 logprob gap there: ~1e-5 or less says the two paths chose between near-tied
+tokens; whole nats say one path computed something else (or a small error was amplified by the
+FP8 / FP4 quantizers and top-k selections downstream). Writes ``fused_attention_tokens.json``.
 
     python3 bench/fused_attention_tokens.py
 """
@@ -12,6 +14,7 @@ whole nats says one path computed something else. Writes ``fused_attention_token
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import tempfile
 import time
@@ -23,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asympd import LLM, SamplingParams  # noqa: E402
 from asympd.config import tiny  # noqa: E402
+from asympd.model import attn_kernels  # noqa: E402
+from asympd.model.attention import Attention  # noqa: E402
 from asympd.model.checkpoint import write_checkpoint  # noqa: E402
 from asympd.model.cuda_ops import CUDA_KERNELS  # noqa: E402
 from bench.common import log, record  # noqa: E402
@@ -31,8 +36,12 @@ from tests.util import random_prompts  # noqa: E402
 LENGTHS = [20, 40, 90, 150, 300]  # tests/engine/test_cuda_engine.py's prompts
 
 
-def tokens(ckpt: str, mode: str, spec: int, fused: bool, eager: bool) -> tuple[list[list[int]], list[list[float]]]:
-    """Each prompt's greedy tokens and, per position, the gap between its top two logprobs."""
+def tokens(
+    ckpt: str, mode: str, spec: int, fused: bool, eager: bool, errors: dict[int, float] | None = None
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Each prompt's greedy tokens and, per position, the gap between its top two logprobs.
+    ``errors``: filled with each layer's largest relative error of a fused call against the
+    gathered path on the same inputs (eager runs only)."""
     llm = LLM(
         ckpt,
         mode,
@@ -47,8 +56,22 @@ def tokens(ckpt: str, mode: str, spec: int, fused: bool, eager: bool) -> tuple[l
         for block in [] if e is None else e.runner.model.blocks:
             if getattr(block, "attn", None) is not None:
                 block.attn.kernels = dataclasses.replace(CUDA_KERNELS, fused_attention=fused)
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
-    outs = llm.generate(prompt_token_ids=random_prompts(LENGTHS, seed=41), sampling_params=params)
+    original = Attention._attend_fused
+    if errors is not None:
+
+        def checked(self, q, kv, win, sel, view):
+            got = original(self, q, kv, win, sel, view)
+            want = self._attend_gathered(q, kv, win, sel, view)
+            err = (got - want).abs().flatten(1).amax(1) / want.abs().flatten(1).amax(1).clamp_min(1e-30)
+            errors[self.layer] = max(errors.get(self.layer, 0.0), float(err.max()))
+            return got
+
+        Attention._attend_fused = checked
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+        outs = llm.generate(prompt_token_ids=random_prompts(LENGTHS, seed=41), sampling_params=params)
+    finally:
+        Attention._attend_fused = original
     gaps = [[top2_gap(lp) for lp in o.outputs[0].logprobs] for o in outs]
     return [o.outputs[0].token_ids for o in outs], gaps
 
@@ -71,13 +94,25 @@ def main() -> None:
         ckpt = str(Path(d) / "tiny")
         write_checkpoint(tiny(), ckpt, seed=0)
         for mode, spec in (("colocated", 2), ("asymmetric", 0)):
-            runs, gaps = {}, {}
-            for f in (False, True):
-                for e in (True, False):
-                    name = f"{'fused' if f else 'gathered'}_{'eager' if e else 'graphs'}"
-                    runs[name], gaps[name] = tokens(ckpt, mode, spec, f, e)
+            runs, gaps, errors = {}, {}, {}
+            paged = attn_kernels.sparse_attention_paged
+            for name, fused, eager, precise in (
+                ("gathered_eager", False, True, None),
+                ("fused_eager", True, True, None),
+                ("fused_graphs", True, False, None),
+                ("fused_fast_eager", True, True, False),
+            ):
+                if precise is not None:
+                    attn_kernels.sparse_attention_paged = functools.partial(paged, precise=precise)
+                err = {} if fused and eager else None
+                try:
+                    runs[name], gaps[name] = tokens(ckpt, mode, spec, fused, eager, err)
+                finally:
+                    attn_kernels.sparse_attention_paged = paged
+                if err is not None:
+                    errors[name] = {str(k): v for k, v in sorted(err.items())}
             ref = runs["gathered_eager"]
-            case = {"mode": mode, "spec": spec, "tokens": runs, "top2_gaps": gaps}
+            case = {"mode": mode, "spec": spec, "tokens": runs, "top2_gaps": gaps, "max_rel_err_by_layer": errors}
             case["first_difference_vs_gathered_eager"] = {k: first_difference(ref, v) for k, v in runs.items()}
             case["reference_top2_gap_at_difference"] = {
                 k: [None if i is None else gaps["gathered_eager"][p][i] for p, i in enumerate(firsts)]
@@ -85,6 +120,7 @@ def main() -> None:
             }
             out["cases"].append(case)
             log(mode, spec, case["first_difference_vs_gathered_eager"], case["reference_top2_gap_at_difference"])
+            log({k: max(v.values(), default=0.0) for k, v in errors.items()})
     record("fused_attention_tokens", out, started)
 
 
