@@ -6,7 +6,9 @@ what it used before). Every eager fused call is also checked against the gathere
 same inputs (max relative error per row, by layer). At each first difference it records the
 gathered run's top-2 logprob gap there: ~1e-5 or less says the two paths chose between near-tied
 tokens; whole nats say one path computed something else (or a small error was amplified by the
-FP8 / FP4 quantizers and top-k selections downstream). Writes ``fused_attention_tokens.json``.
+FP8 / FP4 quantizers and top-k selections downstream). The control: the gathered path with a
+random relative error of 1e-6 and 1e-7 added to its output (does an error of the fused kernel's
+size part the tokens too?). Writes ``fused_attention_tokens.json``.
 
     python3 bench/fused_attention_tokens.py
 """
@@ -36,12 +38,25 @@ from tests.util import random_prompts  # noqa: E402
 LENGTHS = [20, 40, 90, 150, 300]  # tests/engine/test_cuda_engine.py's prompts
 
 
+def exact_attention(q, keys, key_mask, sink, scale, round_probs):
+    """``attention.sparse_attention``'s formula in float64 (the reference function computes in
+    fp32): the value both fp32 paths approximate. ``round_probs`` is False in fp32 runs."""
+    assert not round_probs, "the fp64 oracle is for fp32 runs"
+    logits = torch.einsum("mhd,mnd->mhn", q.double(), keys.double()) * scale
+    logits = logits.masked_fill(~key_mask.unsqueeze(1), float("-inf"))
+    top = logits.amax(dim=-1).clamp_min(-1e30)
+    p = torch.exp(logits - top.unsqueeze(-1))
+    denom = p.sum(-1) + torch.exp(sink.double() - top)
+    return (torch.einsum("mhn,mnd->mhd", p, keys.double()) / denom.unsqueeze(-1)).to(q.dtype)
+
+
 def tokens(
-    ckpt: str, mode: str, spec: int, fused: bool, eager: bool, errors: dict[int, float] | None = None
+    ckpt: str, mode: str, spec: int, fused: bool, eager: bool, errors: dict | None = None, noise: float = 0.0
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Each prompt's greedy tokens and, per position, the gap between its top two logprobs.
-    ``errors``: filled with each layer's largest relative error of a fused call against the
-    gathered path on the same inputs (eager runs only)."""
+    ``errors``: filled with each layer's largest relative error per row of a fused call against
+    the gathered path and against float64, and of the gathered path against float64, on the same
+    inputs (eager runs only). ``noise``: the gathered path's output times (1 + U(-noise, noise))."""
     llm = LLM(
         ckpt,
         mode,
@@ -56,22 +71,36 @@ def tokens(
         for block in [] if e is None else e.runner.model.blocks:
             if getattr(block, "attn", None) is not None:
                 block.attn.kernels = dataclasses.replace(CUDA_KERNELS, fused_attention=fused)
-    original = Attention._attend_fused
+    original, gathered = Attention._attend_fused, Attention._attend_gathered
     if errors is not None:
 
         def checked(self, q, kv, win, sel, view):
             got = original(self, q, kv, win, sel, view)
-            want = self._attend_gathered(q, kv, win, sel, view)
-            err = (got - want).abs().flatten(1).amax(1) / want.abs().flatten(1).amax(1).clamp_min(1e-30)
-            errors[self.layer] = max(errors.get(self.layer, 0.0), float(err.max()))
+            want = gathered(self, q, kv, win, sel, view)
+            kernels = self.kernels
+            self.kernels = dataclasses.replace(kernels, sparse_attention=exact_attention)
+            exact = gathered(self, q, kv, win, sel, view)
+            self.kernels = kernels
+            for name, a, b in (("vs_gathered", got, want), ("vs_fp64", got, exact), ("gathered_vs_fp64", want, exact)):
+                err = (a - b).abs().flatten(1).amax(1) / b.abs().flatten(1).amax(1).clamp_min(1e-30)
+                by_layer = errors.setdefault(name, {})
+                by_layer[self.layer] = max(by_layer.get(self.layer, 0.0), float(err.max()))
             return got
 
         Attention._attend_fused = checked
+    if noise:  # the control: the gathered path with a random relative error of the fused kernel's size
+
+        def noisy(self, q, kv, win, sel, view):
+            out = gathered(self, q, kv, win, sel, view)
+            g = torch.Generator(device=out.device).manual_seed(self.layer * 1_000_003 + out.size(0))
+            return out * (1 + noise * (2 * torch.rand(out.shape, generator=g, device=out.device) - 1))
+
+        Attention._attend_gathered = noisy
     try:
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
         outs = llm.generate(prompt_token_ids=random_prompts(LENGTHS, seed=41), sampling_params=params)
     finally:
-        Attention._attend_fused = original
+        Attention._attend_fused, Attention._attend_gathered = original, gathered
     gaps = [[top2_gap(lp) for lp in o.outputs[0].logprobs] for o in outs]
     return [o.outputs[0].token_ids for o in outs], gaps
 
@@ -96,21 +125,23 @@ def main() -> None:
         for mode, spec in (("colocated", 2), ("asymmetric", 0)):
             runs, gaps, errors = {}, {}, {}
             paged = attn_kernels.sparse_attention_paged
-            for name, fused, eager, precise in (
-                ("gathered_eager", False, True, None),
-                ("fused_eager", True, True, None),
-                ("fused_graphs", True, False, None),
-                ("fused_fast_eager", True, True, False),
+            for name, fused, eager, precise, noise in (
+                ("gathered_eager", False, True, None, 0.0),
+                ("fused_eager", True, True, None, 0.0),
+                ("fused_graphs", True, False, None, 0.0),
+                ("fused_fast_eager", True, True, False, 0.0),
+                ("gathered_noise_1e-6_eager", False, True, None, 1e-6),
+                ("gathered_noise_1e-7_eager", False, True, None, 1e-7),
             ):
                 if precise is not None:
                     attn_kernels.sparse_attention_paged = functools.partial(paged, precise=precise)
                 err = {} if fused and eager else None
                 try:
-                    runs[name], gaps[name] = tokens(ckpt, mode, spec, fused, eager, err)
+                    runs[name], gaps[name] = tokens(ckpt, mode, spec, fused, eager, err, noise)
                 finally:
                     attn_kernels.sparse_attention_paged = paged
                 if err is not None:
-                    errors[name] = {str(k): v for k, v in sorted(err.items())}
+                    errors[name] = {k: {str(layer): e for layer, e in sorted(v.items())} for k, v in err.items()}
             ref = runs["gathered_eager"]
             case = {"mode": mode, "spec": spec, "tokens": runs, "top2_gaps": gaps, "max_rel_err_by_layer": errors}
             case["first_difference_vs_gathered_eager"] = {k: first_difference(ref, v) for k, v in runs.items()}
@@ -120,7 +151,7 @@ def main() -> None:
             }
             out["cases"].append(case)
             log(mode, spec, case["first_difference_vs_gathered_eager"], case["reference_top2_gap_at_difference"])
-            log({k: max(v.values(), default=0.0) for k, v in errors.items()})
+            log({k: {n: max(e.values(), default=0.0) for n, e in v.items()} for k, v in errors.items()})
     record("fused_attention_tokens", out, started)
 
 
