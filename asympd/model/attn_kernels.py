@@ -82,11 +82,9 @@ from asympd.model.gemm_kernels import _dot_f32
 try:  # Triton ships with CUDA builds of torch; on CPU-only installs it is optional (tests use it)
     import triton
     import triton.language as tl
-    from triton.language.extra import libdevice
 except Exception:  # pragma: no cover - depends on the install
     triton = None
     tl = None
-    libdevice = None
 
 AVAILABLE = triton is not None
 
@@ -780,18 +778,7 @@ if AVAILABLE:
         tl.store(out_ptr + ((rows.to(tl.int64) * NSPLIT + split) * KP)[:, None] + j[None, :], best, mask=rmask[:, None])
 
     @triton.jit
-    def _exp(x, PRECISE: tl.constexpr):
-        """e^x: with ``PRECISE`` (fp32 runs on CUDA) libdevice's ``expf`` (<= 2 ulp, as torch's CUDA
-        exp), else Triton's ``ex2.approx`` of x * log2(e), whose error grows with |x|."""
-        if PRECISE:
-            return libdevice.exp(x)
-        else:
-            return tl.exp(x)
-
-    @triton.jit
-    def _attend(
-        q, kv, valid, m, lsum, acc, scale, ROUND_PROBS: tl.constexpr, DOT_F32: tl.constexpr, PRECISE: tl.constexpr
-    ):
+    def _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS: tl.constexpr, DOT_F32: tl.constexpr):
         """One online-softmax step over a key tile kv [BN, D] (K = V)."""
         if DOT_F32:
             logits = tl.dot(q.to(tl.float32), tl.trans(kv.to(tl.float32)), input_precision="ieee")
@@ -799,8 +786,8 @@ if AVAILABLE:
             logits = tl.dot(q, tl.trans(kv))
         logits = tl.where(valid[None, :], logits * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(logits, axis=1))
-        alpha = _exp(m - m_new, PRECISE)
-        p = _exp(logits - m_new[:, None], PRECISE)
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(logits - m_new[:, None])
         lsum = lsum * alpha + tl.sum(p, axis=1)
         if ROUND_PROBS and not DOT_F32:  # bf16 probabilities and values, fp32 accumulation
             pv = tl.dot(p.to(tl.bfloat16), kv)
@@ -845,7 +832,6 @@ if AVAILABLE:
         DOT_F32: tl.constexpr,
         SEL_OFFSETS: tl.constexpr = False,
         TWO_WIN: tl.constexpr = False,
-        PRECISE: tl.constexpr = False,
     ):
         """``SEL_OFFSETS`` (version 2): sel holds each entry's element offset in the pool (the
         wrapper resolved the block table), so a key tile is one dependent load after its index
@@ -878,7 +864,7 @@ if AVAILABLE:
             else:
                 valid = wi >= 0
                 kv = tl.load(win_ptr + wi[:, None] * s_wn + d[None, :], mask=valid[:, None], other=0.0)
-            m, lsum, acc = _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS, DOT_F32, PRECISE)
+            m, lsum, acc = _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS, DOT_F32)
         table_ptr = tables_ptr + tl.load(row_seq_ptr + row).to(tl.int64) * s_ts
         for j0 in range(0, KSEL, BN):
             j = j0 + n
@@ -890,13 +876,9 @@ if AVAILABLE:
                 blk = tl.load(table_ptr + e // EPB, mask=valid, other=0).to(tl.int64)
                 off = blk * s_pb + (e % EPB) * s_pe
             kv = tl.load(pool_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            m, lsum, acc = _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS, DOT_F32, PRECISE)
+            m, lsum, acc = _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS, DOT_F32)
         sink = tl.load(sink_ptr + h, mask=hmask, other=0.0).to(tl.float32)
-        denom = lsum + _exp(sink - m, PRECISE)
-        if PRECISE:  # IEEE division, not div.full's 2 ulp
-            out = tl.math.div_rn(acc, tl.broadcast_to(denom[:, None], (BH, D)))
-        else:
-            out = acc / denom[:, None]
+        out = acc / (lsum + tl.exp(sink - m))[:, None]
         tl.store(
             out_ptr + row * s_or + h[:, None] * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty), mask=hmask[:, None]
         )
@@ -1183,7 +1165,6 @@ def sparse_attention_paged(
     block_n: int | None = None,
     num_warps: int | None = None,
     version: int | None = None,
-    precise: bool | None = None,
 ) -> torch.Tensor:
     """Sparse latent attention over window rows and selected pool entries (module docstring).
     ``version`` (``ATTENTION_VERSION`` by default): 1 = 16 heads x 32 keys per program, the
@@ -1194,10 +1175,7 @@ def sparse_attention_paged(
     either earlier rows in the slot's ring buffer, ``window_kv``, or rows of this step, not yet
     appended): then ``window_idx`` -2 - i names row i of ``window_new`` (>= 0 still a row of
     ``window_kv``, -1 not visible), and neither tensor is copied or converted (a ring buffer of
-    every slot and layer may be large; the kernel casts what it loads). ``precise`` (default: for fp32
-    queries on CUDA, the checking runs; bf16 serving keeps the fast instructions): libdevice's
-    exp and IEEE division instead of the approximate instructions (``_exp``); under the
-    interpreter exp and division are numpy's either way."""
+    every slot and layer may be large; the kernel casts what it loads)."""
     version = ATTENTION_VERSION if version is None else version
     if version not in (1, 2):
         raise ValueError(f"version must be 1 or 2, got {version!r}")
@@ -1249,9 +1227,7 @@ def sparse_attention_paged(
         ckv_pool.stride(0), ckv_pool.stride(1), tables.stride(0), out.stride(0), out.stride(1),
         n_heads, ckv_pool.size(1), float(scale), W=widx.size(1), KSEL=sel.size(1),
         D=d, BH=block_h, BN=block_n, ROUND_PROBS=bool(round_probs), DOT_F32=dot_f32,
-        SEL_OFFSETS=version == 2, TWO_WIN=window_new is not None,
-        PRECISE=q.is_cuda and (q.dtype == torch.float32 if precise is None else precise),
-        num_warps=num_warps or (4 if d <= 128 else 8),
+        SEL_OFFSETS=version == 2, TWO_WIN=window_new is not None, num_warps=num_warps or (4 if d <= 128 else 8),
     )  # fmt: skip
     return out
 
