@@ -164,10 +164,24 @@ def test_cuda_bf16_within_bf16_tolerance(tiny_ckpt):
 
 @needs_cuda
 def test_cuda_batched_layers_match_the_per_sequence_path(tiny_ckpt):
+    """bf16, layer by layer and the caches after: the batched path with the gathered attention (the
+    reference's arrangement, so this checks the batching) within 2e-2 of the per-sequence path; with
+    the fused kernel (the CUDA default) within 0.1. Measured on the H200 at 27f29c9: the fused
+    kernel's residual stream drifts ~0.01 a layer, 0.058 at most, since it rounds probabilities to
+    bf16 against the running max (FlashMLA's order, ~1 bf16 ulp each) and this random model
+    amplifies bf16 roundings (its CPU bf16 run is ~35 % off fp32); a wrong key or mask is O(1)."""
+    import dataclasses
+
     model = load_model(tiny_ckpt, "full", device="cuda", dtype=torch.bfloat16)
-    for specs in SPECS:
-        errs = _batched_vs_per_sequence(model, specs, torch.device("cuda"))
-        assert max(errs) < 2e-2, errs
+    attns = [b.attn for b in model.blocks if getattr(b, "attn", None) is not None]
+    fused = attns[0].kernels
+    assert fused.fused_attention
+    for kernels, bound in ((dataclasses.replace(fused, fused_attention=False), 2e-2), (fused, 0.1)):
+        for a in attns:
+            a.kernels = kernels
+        for specs in SPECS:
+            errs = _batched_vs_per_sequence(model, specs, torch.device("cuda"))
+            assert max(errs) < bound, (kernels.fused_attention, errs)
 
 
 @needs_cuda
