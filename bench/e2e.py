@@ -82,7 +82,7 @@ SUMMARY_FIELDS = (
     "output_throughput",
     "total_token_throughput",
 )
-PER_REQUEST = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "e2els", "errors")
+PER_REQUEST = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "e2els", "errors", "asympd_timings")
 
 
 # ---- settings -------------------------------------------------------------------------------------
@@ -799,8 +799,22 @@ def run_rate(args, dep: Deployment, ckpt: str, rate: float, work: Path) -> dict[
     out["request_goodput_per_gpu"] = (res.get("request_goodput") or 0.0) / gpus
     out["output_throughput_per_gpu"] = res["output_throughput"] / gpus
     out["requests"] = {k: res.get(k) for k in PER_REQUEST}
+    out["timeline"] = timeline(dep, res.get("start_wall"))
     out["bench_command"] = res["bench_command"]
     return out
+
+
+def timeline(dep: Deployment, start_wall: float | None) -> dict[str, Any] | None:
+    """Every worker's engine steps during the run ([start, seconds, prompt rows, decode sequences],
+    start relative to the requests' ``start_times`` zero), so a planner miss can be read request by
+    request against what P and D were doing (the hand-off beside P's steps: docs/planner.md)."""
+    if start_wall is None:
+        return None
+    steps = {}
+    for url, role in zip(dep.urls, dep.roles, strict=True):
+        got = httpx.get(f"{url}/asympd/steps", params={"since": start_wall - 1.0}, timeout=30).json()["steps"]
+        steps.setdefault(role, []).append([[s[0] - start_wall, *s[1:]] for s in got])
+    return {"start_wall": start_wall, "steps": steps}
 
 
 def predict_rate_s(args: argparse.Namespace, rate: float) -> float:

@@ -181,6 +181,7 @@ class RequestResult:
     text: str = ""
     error: str = ""
     usage_reported: bool = False
+    timings: dict[str, Any] = field(default_factory=dict)  # the server's ``asympd_timings``, if it sends them
 
 
 def request_body(req: BenchRequest, model: str, chat: bool, args_extra: dict[str, Any]) -> dict[str, Any]:
@@ -247,6 +248,7 @@ async def send_request(
                     chunks += 1
                     last = now
                     texts.append(text)
+                res.timings = ev.get("asympd_timings") or res.timings
                 usage = ev.get("usage")
                 if usage:
                     res.output_tokens = int(usage.get("completion_tokens", 0))
@@ -372,6 +374,7 @@ def per_request_fields(results: Sequence[RequestResult], t_start: float) -> dict
         "start_times": [r.start - t_start for r in results],
         "generated_texts": [r.text for r in results],
         "errors": [r.error for r in results],
+        "asympd_timings": [r.timings for r in results],
     }
 
 
@@ -672,6 +675,8 @@ def run(args: argparse.Namespace) -> int:
     results, duration, t_start = asyncio.run(run_load(cfg, requests))
     result: dict[str, Any] = {
         "date": datetime.now(UTC).strftime("%Y%m%d-%H%M%S"),
+        # wall-clock time of start_times' zero: lines the requests up with the workers' step logs
+        "start_wall": time.time() - (time.perf_counter() - t_start),
         "command": command_line(args),
         "machine": machine_info(),
         "commit": git_commit(),

@@ -68,6 +68,13 @@ def test_result_fields_and_counts(result):
         side = "colocated" if mode == "colocated" else "prefill"  # busy time from the step histogram
         assert 0 < run[f"{side}_busy_s"] and 0 < run[f"{side}_busy_fraction"] <= 1
         assert run["prompt_tokens_per_p_busy_s"] == pytest.approx(sum(lens) / run[f"{side}_busy_s"])
+        # every worker's steps during the run, on the requests' clock: they cover the run's prompts
+        tl = run["timeline"]
+        assert set(tl["steps"]) == {w["role"] for w in m["workers"].values()}
+        p_steps = [st for worker in tl["steps"][side] for st in worker]
+        assert sum(st[2] for st in p_steps) >= run["p_prompt_rows_computed"]
+        assert all(-1.0 <= st[0] <= run["duration"] + 5 and st[1] > 0 for st in p_steps)
+        assert len(req["asympd_timings"]) == PROMPTS
         split = [split_point(tiny(), n, "carry") for n in lens]
         if mode == "asymmetric":  # P computes [0, N - W), D the rest; one prefix moved per request
             assert run["p_prompt_rows_computed"] == sum(split)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -98,6 +99,16 @@ def test_poisson_load_through_router(cluster, tiny_ckpt, tmp_path, capsys):
     assert res["request_goodput"] == pytest.approx(6 / res["duration"])  # a loose SLO: every request
     assert res["request_throughput"] == pytest.approx(6 / res["duration"])
     assert (tmp_path / "lat.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the server's TTFT split per request (P's compute and round trip, the fetch, D's first step), and
+    # the wall-clock zero of start_times, to line requests up with the workers' step logs
+    # (prompts within D's window go "local": D computes them whole, nothing crosses)
+    paths = [t["prefill_path"] for t in res["asympd_timings"]]
+    assert "remote" in paths and set(paths) <= {"remote", "local"}
+    for t, ttft in zip(res["asympd_timings"], res["ttfts"], strict=True):
+        assert 0 < t["decode_first_step_s"] < ttft
+        if t["prefill_path"] == "remote":
+            assert 0 < t["prefill_s"] <= t["prefill_rtt_s"] < ttft and 0 <= t["publish_s"] and 0 < t["transfer_s"]
+    assert abs(res["start_wall"] - time.time()) < 120
 
 
 def test_fixed_concurrency_ignore_eos_and_tight_slo(cluster, tiny_ckpt, tmp_path):
