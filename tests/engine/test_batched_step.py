@@ -16,11 +16,26 @@ from asympd.kv.paged_cache import PagedKVCache
 from asympd.kv.spec import KVCacheSpec
 from tests.util import random_prompts
 
-LENGTHS = [3, 17, 40, 61, 100]  # tiny: window 16, ratios 2 and 1; a 24-row budget chunks the long ones
+LENGTHS = (3, 17, 40, 61, 100)  # tiny: window 16, ratios 2 and 1; a 24-row budget chunks the long ones
 
 
 def _engines(llm: LLM) -> list:
     return [e for e in (llm.prefill, llm.engine) if e is not None]
+
+
+_EAGER: dict[tuple, tuple[list, list[dict[str, torch.Tensor]]]] = {}
+
+
+def _eager(
+    ckpt: str, mode: str, spec: int, budget: int = 24, greedy: bool = False, lengths: tuple[int, ...] = LENGTHS
+) -> tuple[list, list]:
+    """The eager batched step's tokens, logprobs, counters and cache bytes, the reference most tests
+    here compare against: run once per workload in the session (a run takes 3-10 s and is
+    deterministic; the same workloads recur across tests). Callers only read the result."""
+    key = (ckpt, mode, spec, budget, greedy, lengths)
+    if key not in _EAGER:
+        _EAGER[key] = _run(ckpt, mode, batched=True, spec=spec, budget=budget, greedy=greedy, lengths=lengths)
+    return _EAGER[key]
 
 
 def _run(
@@ -35,6 +50,7 @@ def _run(
     greedy: bool = False,
     markov: bool = False,
     seed: bool = False,
+    lengths: tuple[int, ...] = LENGTHS,
 ) -> tuple[list, list[dict[str, torch.Tensor]]]:
     """``graphs``: give each decoding engine the static (graph) decode path without capture, and
     collect its DecodeGraphs here. ``startup``: build them first, from padding only, for the
@@ -42,7 +58,8 @@ def _run(
     ``SchedulerConfig.mixed_steps``; ``budget``: its ``max_num_batched_tokens``. ``greedy``: every
     request greedy (else one samples); ``markov``: the drafter's graphs run the greedy Markov loop
     of ``spec`` drafts (``DraftGraphs.num_drafts``, as the engine builds them); ``seed``: they seed
-    the windows with each request's 1 + ``spec`` accepted rows too (``DraftGraphs.seed_rows``)."""
+    the windows with each request's 1 + ``spec`` accepted rows too (``DraftGraphs.seed_rows``);
+    ``lengths``: the prompts' (one request each)."""
     sem = "split" if mode == "colocated" else "full"
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, mixed_steps=mixed)
     llm = LLM(ckpt, mode, sem, scheduler=sched, num_spec_tokens=spec)
@@ -77,10 +94,10 @@ def _run(
                 prefills = e._first_steps.most if e._first_steps else 0  # W rows: padded request counts
                 e.config.cuda_graph_max_captures = len(e.runner.graphs.sizes) * (1 + spec) + prefills
                 startup.append(e.capture_graphs())
-    params = [SamplingParams(max_tokens=10, temperature=0, logprobs=2) for _ in LENGTHS]
+    params = [SamplingParams(max_tokens=10, temperature=0, logprobs=2) for _ in lengths]
     if not greedy:
         params[1] = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, logprobs=1)
-    outs = llm.generate(prompt_token_ids=random_prompts(LENGTHS, seed=3), sampling_params=params)
+    outs = llm.generate(prompt_token_ids=random_prompts(list(lengths), seed=3), sampling_params=params)
     result = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
     # drafts do not change greedy tokens, only how many are accepted: compare those counts too
     result += [{k: v for k, v in e.counters.items() if k.startswith("spec_")} for e in _engines(llm)]
@@ -105,7 +122,7 @@ def test_batched_step_equals_the_per_sequence_path(tiny_ckpt, mode, spec):
     """Mixed steps (chunked prefills beside decodes, speculative verify rows and their rollback, a
     seeded sampled request): tokens, logprobs and every cache byte match the reference path."""
     want_out, want_cache = _run(tiny_ckpt, mode, batched=False, spec=spec)
-    got_out, got_cache = _run(tiny_ckpt, mode, batched=True, spec=spec)
+    got_out, got_cache = _eager(tiny_ckpt, mode, spec)
     assert got_out == want_out
     for want, got in zip(want_cache, got_cache, strict=True):
         assert want.keys() == got.keys()
@@ -125,7 +142,7 @@ def test_graph_decode_path_equals_the_eager_step(tiny_ckpt, mode, spec):
     step: tokens, logprobs and every cache byte equal the eager batched step's. With speculation the
     drafter's blocks take their static path too (DraftGraphs), and the other steps run each layer's
     parts around attention as padded pieces (PiecewiseGraphs)."""
-    want_out, want_cache = _run(tiny_ckpt, mode, batched=True, spec=spec)
+    want_out, want_cache = _eager(tiny_ckpt, mode, spec)
     graphs: list = []
     got_out, got_cache = _run(tiny_ckpt, mode, batched=True, spec=spec, graphs=graphs)
     assert got_out == want_out
@@ -155,7 +172,7 @@ def test_the_draft_graphs_markov_loop_equals_the_eager_drafts(tiny_ckpt, mode, s
     request runs the loop eagerly on the graph's base logits. Tokens, logprobs, the drafts' acceptance
     counts and every cache byte equal the eager engine's."""
     budget = max(24, 8 * (1 + spec))  # a decode step of all 8 requests fits
-    want_out, want_cache = _run(tiny_ckpt, mode, batched=True, spec=spec, budget=budget, greedy=greedy)
+    want_out, want_cache = _eager(tiny_ckpt, mode, spec, budget=budget, greedy=greedy)
     graphs: list = []
     got_out, got_cache = _run(
         tiny_ckpt, mode, batched=True, spec=spec, graphs=graphs, budget=budget, greedy=greedy, markov=True
@@ -186,7 +203,7 @@ def test_the_draft_graphs_seeding_equals_the_eager_seeding(tiny_ckpt, monkeypatc
     byte (windows, their row counts) equal the eager engine's; right after each seeded step every
     seeded slot's host row counts match its window's positions (the next rollback would hide them)."""
     budget = max(24, 8 * (1 + spec))  # a decode step of all 8 requests fits
-    want_out, want_cache = _run(tiny_ckpt, mode, batched=True, spec=spec, budget=budget, greedy=greedy)
+    want_out, want_cache = _eager(tiny_ckpt, mode, spec, budget=budget, greedy=greedy)
     checked = []
     run = DraftGraphs.run
 
@@ -240,7 +257,7 @@ def test_graphs_built_at_startup_serve_the_real_steps(tiny_ckpt, mode, spec):
     tokens, logprobs and every cache byte equal the eager batched step's. Run without capture, the
     static path re-runs its layers, but over the buffers and the batch the padding step built, and
     any host read of a segment's start or slot (which a graph would bake in) raises."""
-    want_out, want_cache = _run(tiny_ckpt, mode, batched=True, spec=spec)
+    want_out, want_cache = _eager(tiny_ckpt, mode, spec)
     graphs: list = []
     reports: list = []
     got_out, got_cache = _run(tiny_ckpt, mode, batched=True, spec=spec, graphs=graphs, startup=reports)
@@ -274,7 +291,7 @@ def test_unmixed_steps_replay_the_first_steps_as_graphs(tiny_ckpt, mode, monkeyp
     each: asymmetric's bounded prefill, symmetric-split's replay) come without decode rows and take
     the graphs built at start-up, as decode steps do; tokens and logprobs stay the eager mixed
     engine's. Mixed, those chunks ride in decode steps, which then run eagerly."""
-    want_out, _ = _run(tiny_ckpt, mode, batched=True, spec=0, budget=32)
+    want_out, _ = _eager(tiny_ckpt, mode, 0, budget=32)
     steps: list[tuple[list[int], bool]] = []  # (rows of each chunk, served by a graph) of D's steps
     key = DecodeGraphs.key
 
@@ -406,9 +423,10 @@ def test_the_fused_indexer_selects_what_the_batched_path_does(tiny_ckpt, monkeyp
 
 
 @pytest.mark.parametrize(
-    ("mode", "spec", "graphs"), [("colocated", 2, False), ("colocated", 2, True), ("asymmetric", 0, True)]
+    ("mode", "spec", "graphs", "prompts"),
+    [("colocated", 2, False, 3), ("colocated", 2, True, 3), ("asymmetric", 0, True, 4)],
 )
-def test_the_fused_attention_attends_as_the_gathered_path(tiny_ckpt, monkeypatch, mode, spec, graphs):
+def test_the_fused_attention_attends_as_the_gathered_path(tiny_ckpt, monkeypatch, mode, spec, graphs, prompts):
     """The batched step with the fused sparse attention kernel (``AttentionKernels.fused_attention``:
     one Triton launch reading the ring buffer, this step's rows and the pool in place; the
     interpreter here, fp32): in every layer call its output equals the gathered path's on the same
@@ -453,13 +471,22 @@ def test_the_fused_attention_attends_as_the_gathered_path(tiny_ckpt, monkeypatch
     calls = []
     kern = attn_kernels.sparse_attention_paged
     monkeypatch.setattr(attn_kernels, "sparse_attention_paged", lambda *a, **k: calls.append(1) or kern(*a, **k))
-    want_out, _ = _run(tiny_ckpt, mode, batched=True, spec=spec, greedy=True, graphs=[] if graphs else None)
+    # the shortest ``prompts`` reach every kind of call checked at the end (the interpreted kernel's
+    # cost is per row: all five took 3 x ~20 s); an asymmetric D needs a fourth for a chunk of prompt
+    # rows whose window is partly in the ring buffer
+    lengths = LENGTHS[:prompts]
+    if graphs:
+        want_out, _ = _run(tiny_ckpt, mode, batched=True, spec=spec, greedy=True, graphs=[], lengths=lengths)
+    else:
+        want_out, _ = _eager(tiny_ckpt, mode, spec, greedy=True, lengths=lengths)
     assert not calls
     monkeypatch.setattr(Attention, "_attend_fused", checked)
     monkeypatch.setattr(Attention, "kernels", dataclasses.replace(REFERENCE_KERNELS, fused_attention=True))
-    got_out, _ = _run(tiny_ckpt, mode, batched=True, spec=spec, greedy=True, graphs=[] if graphs else None)
+    got_out, _ = _run(
+        tiny_ckpt, mode, batched=True, spec=spec, greedy=True, graphs=[] if graphs else None, lengths=lengths
+    )
     assert calls  # the fused kernel attended
-    n = len(LENGTHS)
+    n = len(lengths)
     assert [t for t, _ in got_out[:n]] == [t for t, _ in want_out[:n]]
     assert got_out[n:] == want_out[n:]  # the drafts' acceptance counts
     # logprobs are not compared: a 1e-7 difference in one attention output can move an FP8/FP4

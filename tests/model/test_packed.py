@@ -349,12 +349,33 @@ def test_mxfp4_moe_fp8_equals_the_reference(rows, n, block_m, config):
         assert ((yb.double() - ref).abs() <= 2**-7 * ref.abs() + (0 if exact else 2**-8) * mag).all()
 
 
+_VARIANTS = {
+    "current": {},
+    "swap_ab": {"swap_ab": True},
+    "swap_ab_per_weight": {"swap_ab": True, "scale_after": False},
+    "fp8": {"fp8": True},
+}
+# The tiled layout changes only the weight and scale addressing (strides, W_STEP/S_STEP; the kernels'
+# code is the same), which the K split's offset enters and the M-block does not: every kernel variant
+# split and not, and every M-block size (16 to 128) in some variant, not their cross product (20 cases
+# of ~5 s each under the interpreter; these 9 take the same branches).
+_TILED_CASES = [
+    ("current", 7, 16, 1),
+    ("current", 50, 32, 2),
+    ("current", 90, 128, None),
+    ("swap_ab", 1, 16, None),  # scale_after (block_m <= 16)
+    ("swap_ab", 7, 16, 2),  # split
+    ("swap_ab_per_weight", 7, 16, 1),
+    ("swap_ab_per_weight", 50, 32, 2),  # also the default above block_m 16
+    ("fp8", 90, 64, 1),
+    ("fp8", 50, 32, 2),
+]
+
+
 @pytest.mark.parametrize(
-    "cfg",
-    [{}, {"swap_ab": True}, {"swap_ab": True, "scale_after": False}, {"fp8": True}],
-    ids=["current", "swap_ab", "swap_ab_per_weight", "fp8"],
+    "rows,block_m,split,cfg",
+    [pytest.param(r, bm, sp, _VARIANTS[v], id=f"{r}-{bm}-{sp}-{v}") for v, r, bm, sp in _TILED_CASES],
 )
-@pytest.mark.parametrize("rows,block_m,split", [(1, 16, None), (7, 16, 1), (50, 32, 2), (90, 64, 1), (90, 128, None)])
 def test_tiled_experts_give_the_row_layouts_result(rows, block_m, split, cfg):
     """``tile_fp4`` holds the same bytes in contiguous [tile, K step] runs; every kernel reads it
     to the bit-identical result of the row layout (same products, same order), gathered or not,
