@@ -20,7 +20,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check asympd tests
-	$(BIN)/python -m pytest -x -q tests
+	$(BIN)/python -m pytest -x -q -n 2 --dist loadfile tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check asympd tests
