@@ -600,10 +600,38 @@ def fill_lengths(rng: Any, rows: int, mean: int, dist: str, ratio: float) -> lis
     return out
 
 
-def load_decoders(rate: float, output_len: int, step_s: float, most: int) -> int:
+def load_decoders(rate: float, output_len: int, step_s: float | Callable[[int], float], most: int) -> int:
     """The decode batch a rate keeps in flight (Little's law): ``rate`` x a request's life on D
-    (``output_len`` steps of ``step_s``), at least 1, at most ``most``."""
-    return max(1, min(most, math.ceil(rate * output_len * step_s)))
+    (``output_len`` steps of ``step_s``), at least 1, at most ``most``. ``step_s`` may be the step
+    time at a batch size (``measured_step``): then the batch is the fixed point n = ceil(rate x
+    output_len x step(n)), found from n = 1 upwards (a step grows with its batch)."""
+    if not callable(step_s):
+        return max(1, min(most, math.ceil(rate * output_len * step_s)))
+    n = 1
+    for _ in range(most):
+        m = load_decoders(rate, output_len, step_s(n), most)
+        if m <= n:
+            return n
+        n = m
+    return n
+
+
+def measured_step(cal: dict[str, Any]) -> Callable[[int], float] | None:
+    """D's decode step at a batch of n, from the calibration's token gaps (the first gap of each
+    request left out: it can hold the request's own admission): the lone requests' median at 1,
+    the batch's median at its size, linear between and beyond. None without gaps. The co-run's
+    decode batch comes from this, not from ``--step-s`` (the time budget's conservative guess: at
+    true depth 0.15 s where the calibration measures ~0.04 s, which sized the co-run's batch at 8
+    where the rates keep 1-4 decoding)."""
+    lone = [g for r in cal.get("lone", []) for g in (r.get("gaps_s") or [])[1:]]
+    if not lone:
+        return None
+    s1 = statistics.median(lone)
+    batch = cal.get("batch", {})
+    together = [g for r in batch.get("requests", []) for g in (r.get("gaps_s") or [])[1:]]
+    size = batch.get("size", 1)
+    slope = (statistics.median(together) - s1) / (size - 1) if together and size > 1 else 0.0
+    return lambda n: s1 + max(0.0, slope) * (n - 1)
 
 
 def co_run(
@@ -833,11 +861,12 @@ def predict_mode_s(args: argparse.Namespace, seen: list[dict[str, Any]]) -> floa
     return startup + calib + warm + sum(predict_rate_s(args, r) for r in args.rate_list)
 
 
-def co_run_fill(args: argparse.Namespace) -> tuple[list[int], int] | None:
+def co_run_fill(args: argparse.Namespace, step: Callable[[int], float] | None = None) -> tuple[list[int], int] | None:
     """The co-run's fill phase from the traffic: prompt lengths of its distribution filling twice
     ``--co-run-fill-rows`` (default: P's step budget; twice: the burst's first step holds the
     prompts that arrived first, its second one a whole budget) and the decode batch the highest
-    rate keeps in flight (``load_decoders``, at most ``--co-run-max-decoders``); None when off."""
+    rate keeps in flight (``load_decoders`` at the calibration's measured decode ``step``, else at
+    ``--step-s``; at most ``--co-run-max-decoders``); None when off."""
     import numpy as np
 
     rows = args.p_step_tokens if args.co_run_fill_rows is None else args.co_run_fill_rows
@@ -845,7 +874,7 @@ def co_run_fill(args: argparse.Namespace) -> tuple[list[int], int] | None:
         return None
     rng = np.random.default_rng(args.seed + 3000)
     lengths = fill_lengths(rng, 2 * rows, args.input_len, args.len_dist, args.range_ratio)
-    return lengths, load_decoders(max(args.rate_list), args.output_len, args.step_s, args.co_run_max_decoders)
+    return lengths, load_decoders(max(args.rate_list), args.output_len, step or args.step_s, args.co_run_max_decoders)
 
 
 def run_mode(args, mode: str, ckpt: str, vocab: int, work: Path, out: dict[str, Any], save) -> None:
@@ -865,12 +894,15 @@ def run_mode(args, mode: str, ckpt: str, vocab: int, work: Path, out: dict[str, 
         t = time.perf_counter()
         urls = dict(zip(dep.roles, dep.urls, strict=True))
         if args.co_run_prompts and {"prefill", "decode"} <= urls.keys():
-            fill = co_run_fill(args)
+            step = measured_step(out["calibration"])
+            fill = co_run_fill(args, step)
             out["calibration"]["co_run"] = co_run(
                 dep.url, urls, lo, args.co_run_prompts, args.co_run_decoders, args.co_run_tokens, vocab, args.seed, fill
             )
             out["calibration"]["co_run"]["wall_s"] = round(time.perf_counter() - t, 1)
             c = out["calibration"]["co_run"]
+            if fill is not None and step is not None:  # the decode step the fill's batch was sized at
+                c["fill"]["decode_step_s"] = step(fill[1])
             by_rows = ", ".join(f"{k} rows {v:.2f}" for k, v in c["p"]["stretch_by_key"].items())
             log(
                 f"{mode} co-run: P stretch {c['p']['stretch']} ({c['p']['steps_beside']} steps: {by_rows}), "
@@ -1113,7 +1145,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--co-run-max-decoders",
         type=int,
         default=32,
-        help="co-run fill: the most requests D keeps decoding (the batch is the highest rate x output_len x step_s)",
+        help="co-run fill: the most requests D keeps decoding (the batch: the highest rate x output_len x D's "
+        "calibrated step)",
     )
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="paged KV pool per worker")
     ap.add_argument("--p-step-tokens", type=int, default=None, help="P's max_num_batched_tokens")

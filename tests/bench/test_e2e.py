@@ -335,9 +335,35 @@ def test_the_fill_phase_follows_the_traffic():
     assert [load_decoders(10, 32, 0.15, 32), load_decoders(0.01, 32, 0.15, 32)] == [32, 1]
 
 
+def test_the_co_run_batch_follows_the_calibrated_decode_step():
+    """Little's law at D's measured step (the calibration's gaps, first gap of each request left
+    out): the oos3 calibration's 37.4 ms alone and 57.0 ms at 8 give 2 decoders at 1.5 req/s x 32
+    tokens (the rate runs kept 1-4), where the budget's 0.15 s gave 8; 1 at 0.75 req/s."""
+    from bench.e2e import load_decoders, measured_step
+
+    cal = {
+        "lone": [{"gaps_s": [0.9, 0.0374, 0.0374]}, {"gaps_s": [0.5, 0.0374]}],
+        "batch": {"size": 8, "requests": [{"gaps_s": [0.9, 0.057, 0.057]}]},
+    }
+    step = measured_step(cal)
+    assert step(1) == pytest.approx(0.0374) and step(8) == pytest.approx(0.057)
+    assert step(2) == pytest.approx(0.0374 + 0.0196 / 7)
+    assert load_decoders(1.5, 32, step, 32) == 2 and load_decoders(0.75, 32, step, 32) == 1
+    assert load_decoders(1.5, 32, 0.15, 32) == 8
+    # the fixed point climbs with the step: at 4 req/s ceil(128 x 0.0374) = 5, ceil(128 x step(5)) = 7,
+    # ceil(128 x step(7)) = 7; at 10 req/s it climbs to the cap
+    assert load_decoders(4, 32, step, 32) == 7 and load_decoders(10, 32, step, 32) == 32
+    assert load_decoders(10, 32, step, 12) == 12
+    assert measured_step({"lone": [{"gaps_s": [0.5]}]}) is None  # no gap past the first
+    flat = measured_step({"lone": [{"gaps_s": [0.5, 0.04]}], "batch": {"size": 1, "requests": []}})
+    assert flat(1) == flat(16) == pytest.approx(0.04)
+
+
 def test_co_run_is_recorded_per_mode(result):
     """The tiny run's co-run: both workers' step logs, the P side read against alone steps of the
     same rows; colocated says why it has none."""
+    from bench.e2e import load_decoders, measured_step
+
     for mode in ("asymmetric", "encoder-only"):
         c = result["modes"][mode]["calibration"]["co_run"]
         assert c["prompts"] == 3 and c["decoders"] == 4 and c["decoders_failed"] == []
@@ -347,7 +373,9 @@ def test_co_run_is_recorded_per_mode(result):
         assert set(c["p"]) == {"stretch", "steps_beside", "steps_alone", "keys", "stretch_by_key", "by_key"}
         assert set(c["p"]["stretch_by_key"]) == {str(k) for k in c["p"]["keys"]}
         f = c["fill"]  # the load's step size: prompts filling --co-run-fill-rows, beside the rate's batch
-        assert f["rows"] == sum(f["prompt_lens"]) == 2 * FILL_ROWS and f["decoders"] == 6 and f["decoders_failed"] == []
+        assert f["rows"] == sum(f["prompt_lens"]) == 2 * FILL_ROWS and f["decoders_failed"] == []
+        step = measured_step(result["modes"][mode]["calibration"])  # the batch at the calibrated step
+        assert f["decoders"] == load_decoders(20, 6, step, 32) and f["decode_step_s"] == step(f["decoders"])
         assert any(s[2] > 40 for s in c["steps"]["prefill"] if s[0] >= f["t_alone"])  # steps of several prompts
     assert "skipped" in result["modes"]["colocated"]["calibration"]["co_run"]
 
