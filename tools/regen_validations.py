@@ -20,7 +20,9 @@ def regenerate(path: Path) -> str:
     old = json.loads(path.read_text())
     exclude = [f"{r['mode']}@{r['rate']:g}={r['excluded']}" for r in old["rows"] if r.get("excluded")]
     source = path.with_name(path.name.replace("_validation.json", ".json"))
-    return json.dumps(validate_e2e(json.loads(source.read_text()), exclude=parse_exclusions(exclude)), indent=1) + "\n"
+    shares = old.get("shares", "equal")
+    v = validate_e2e(json.loads(source.read_text()), exclude=parse_exclusions(exclude), shares=shares)
+    return json.dumps(v, indent=1) + "\n"
 
 
 def main() -> int:

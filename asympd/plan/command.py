@@ -53,6 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--validate-out", default=None, metavar="JSON", help="with --validate: write the table here too")
     p.add_argument(
+        "--validate-shares",
+        choices=("equal", "co-run"),
+        default="equal",
+        help="with --validate: a shared GPU split equally (default) or at the calibration co-run's measured stretch",
+    )
+    p.add_argument(
         "--validate-exclude",
         action="append",
         default=[],
@@ -122,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     if args.validate:
         from asympd.plan.validate import run_validation
 
-        return run_validation(args.validate, args.json, args.validate_out, args.validate_exclude)
+        return run_validation(args.validate, args.json, args.validate_out, args.validate_exclude, args.validate_shares)
     result = Planner(build_request(args), results_dir=args.results).plan()
     if args.plot:
         plot(result, args.plot)

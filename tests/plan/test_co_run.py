@@ -50,7 +50,7 @@ def test_a_co_run_of_equal_shares_is_the_model_before_it():
     equal = copy.deepcopy(result)
     for m in equal["modes"].values():
         m["calibration"]["co_run"] = {"p": {"stretch": 2.0}, "d": {"stretch": 2.0}}
-    before, after = validate_e2e(result), validate_e2e(equal)
+    before, after = validate_e2e(result, shares="co-run"), validate_e2e(equal, shares="co-run")
     assert after["modes"]["asymmetric"].pop("co_run_stretch") == {"p": 2.0, "d": 2.0}
     assert "co_run_stretch" not in after["modes"]["colocated"]  # one process: nothing shared to measure
     assert json.dumps(after) == json.dumps(before)
@@ -98,7 +98,7 @@ def test_the_stretch_at_every_size_equal_is_the_single_value():
     from asympd.plan.validate import validate_e2e
 
     result = json.loads((RESULTS_DIR / "e2e_h200x1_depth40_oos.json").read_text())
-    before = validate_e2e(result)
+    before = validate_e2e(result, shares="co-run")
     p = result["modes"]["asymmetric"]["calibration"]["co_run"]["p"]
     assert p["keys"] == [896] and "stretch_by_key" not in p  # the co-run before its fill phase
     assert "co_run_p_by_rows" not in before["modes"]["asymmetric"]
@@ -108,9 +108,9 @@ def test_the_stretch_at_every_size_equal_is_the_single_value():
         "16384": p["stretch"],
     }
     steep["modes"]["asymmetric"]["calibration"]["co_run"]["p"]["stretch_by_key"] = {"896": p["stretch"], "16384": 3.0}
-    after = validate_e2e(flat)
+    after = validate_e2e(flat, shares="co-run")
     assert after["modes"]["asymmetric"].pop("co_run_p_by_rows") == [[896, p["stretch"]], [16384, p["stretch"]]]
     assert json.dumps(after) == json.dumps(before)
-    moved = validate_e2e(steep)
+    moved = validate_e2e(steep, shares="co-run")
     assert moved["modes"]["asymmetric"]["co_run_p_by_rows"] == [[896, p["stretch"]], [16384, 3.0]]
     assert [r["predicted"] for r in moved["rows"]] != [r["predicted"] for r in before["rows"]]

@@ -445,8 +445,16 @@ def test_a_measured_co_run_replaces_the_equal_shares():
     token, TTFT 67). Without a co-run nothing changes (the test above)."""
     res = e2e_result(gpus=1)
     res["modes"]["asymmetric"]["calibration"]["co_run"] = {"p": {"stretch": 1.0}, "d": {"stretch": 2.0}}
-    v = validate_e2e(res)
-    assert v["modes"]["asymmetric"]["co_run_stretch"] == {"p": 1.0, "d": 2.0}
+    v = validate_e2e(res, shares="co-run")
+    assert v["modes"]["asymmetric"]["co_run_stretch"] == {"p": 1.0, "d": 2.0} and v["shares"] == "co-run"
     assert v["rows"][0]["predicted"]["ttft_p50_ms"] == pytest.approx((43 + 67) / 2 + HTTP_MS)
     assert v["rows"][0]["engine_step_s"]["prefill"]["wall"] == pytest.approx(0.016 + 0.016)  # not stretched
     assert "co_run_stretch" not in validate_e2e(e2e_result(gpus=1))["modes"]["asymmetric"]
+    # by default the shares stay equal: the measured stretch is recorded, the prediction is the one
+    # without a co-run (out of sample equal shares predicted better: docs/planner.md)
+    default, without = validate_e2e(res), validate_e2e(e2e_result(gpus=1))
+    assert default["shares"] == "equal" and "co_run_stretch" not in default["modes"]["asymmetric"]
+    assert default["modes"]["asymmetric"].pop("co_run_measured") == {"p": 1.0, "d": 2.0}
+    assert default == without
+    with pytest.raises(ValidationError, match="shares must be one of equal, co-run, got 'half'"):
+        validate_e2e(res, shares="half")
