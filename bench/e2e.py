@@ -616,10 +616,28 @@ def load_decoders(rate: float, output_len: int, step_s: float | Callable[[int], 
     return n
 
 
+def _steady_gaps(requests: list[dict[str, Any]]) -> list[float]:
+    """The gaps of requests sent together that start once every one of them has its first token:
+    D then decodes the whole batch, with no admission of theirs between its steps (earlier gaps
+    hold the later requests' bounded prefills). All gaps but each first one if none start so late."""
+    firsts = [r["ttft_s"] for r in requests if r.get("ttft_s") is not None]
+    if not firsts:
+        return []
+    steady, start = [], max(firsts)
+    for r in requests:
+        t = r.get("ttft_s") or 0.0
+        for g in r.get("gaps_s") or []:
+            if t >= start:
+                steady.append(g)
+            t += g
+    return steady or [g for r in requests for g in (r.get("gaps_s") or [])[1:]]
+
+
 def measured_step(cal: dict[str, Any]) -> Callable[[int], float] | None:
     """D's decode step at a batch of n, from the calibration's token gaps (the first gap of each
     request left out: it can hold the request's own admission): the lone requests' median at 1,
-    the batch's median at its size, linear between and beyond. None without gaps. The co-run's
+    the batch's median at its size once all of it decodes (``_steady_gaps``), linear between and
+    beyond. None without gaps. The co-run's
     decode batch comes from this, not from ``--step-s`` (the time budget's conservative guess: at
     true depth 0.15 s where the calibration measures ~0.04 s, which sized the co-run's batch at 8
     where the rates keep 1-4 decoding)."""
@@ -628,8 +646,8 @@ def measured_step(cal: dict[str, Any]) -> Callable[[int], float] | None:
         return None
     s1 = statistics.median(lone)
     batch = cal.get("batch", {})
-    together = [g for r in batch.get("requests", []) for g in (r.get("gaps_s") or [])[1:]]
     size = batch.get("size", 1)
+    together = _steady_gaps(batch.get("requests", []))
     slope = (statistics.median(together) - s1) / (size - 1) if together and size > 1 else 0.0
     return lambda n: s1 + max(0.0, slope) * (n - 1)
 

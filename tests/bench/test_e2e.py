@@ -336,15 +336,20 @@ def test_the_fill_phase_follows_the_traffic():
 
 
 def test_the_co_run_batch_follows_the_calibrated_decode_step():
-    """Little's law at D's measured step (the calibration's gaps, first gap of each request left
-    out): the oos3 calibration's 37.4 ms alone and 57.0 ms at 8 give 2 decoders at 1.5 req/s x 32
+    """Little's law at D's measured step (the lone requests' gaps, first gap of each left out; the
+    batch's once all of it decodes): the oos3 calibration's 37.4 ms alone and 56.7 ms at 8 (57 here)
+    give 2 decoders at 1.5 req/s x 32
     tokens (the rate runs kept 1-4), where the budget's 0.15 s gave 8; 1 at 0.75 req/s."""
-    from bench.e2e import load_decoders, measured_step
+    from bench.e2e import _steady_gaps, load_decoders, measured_step
 
-    cal = {
-        "lone": [{"gaps_s": [0.9, 0.0374, 0.0374]}, {"gaps_s": [0.5, 0.0374]}],
-        "batch": {"size": 8, "requests": [{"gaps_s": [0.9, 0.057, 0.057]}]},
-    }
+    # the batch's gaps count from the moment all of it decodes: request 0's first gap (0.2 s, from
+    # 0.1 to 0.3) held request 1's admission; from 0.3 on both decode
+    batch = [{"ttft_s": 0.1, "gaps_s": [0.2, 0.057, 0.057]}, {"ttft_s": 0.3, "gaps_s": [0.057, 0.057]}]
+    lone = [{"gaps_s": [0.9, 0.0374, 0.0374]}, {"gaps_s": [0.5, 0.0374]}]
+    cal = {"lone": lone, "batch": {"size": 8, "requests": batch}}
+    assert _steady_gaps(batch) == [0.057] * 4
+    none_late = [{"ttft_s": 0.1, "gaps_s": [0.2, 0.05]}, {"ttft_s": 9.0, "gaps_s": []}]
+    assert _steady_gaps(none_late) == [0.05]  # then every gap but each first one
     step = measured_step(cal)
     assert step(1) == pytest.approx(0.0374) and step(8) == pytest.approx(0.057)
     assert step(2) == pytest.approx(0.0374 + 0.0196 / 7)
