@@ -1,0 +1,48 @@
+"""tools/timeline_report.py on the committed H200 result whose rate runs kept timelines (oos3): P's
+steps stretched over their calibrated lone time, by the decode batch D ran beside them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tools.regen_validations import RESULTS
+from tools.timeline_report import p_steps_beside, report
+
+
+def test_p_steps_are_read_against_the_lone_fit_and_the_d_steps_beside():
+    run = {
+        "timeline": {
+            "steps": {
+                "prefill": [[[0.0, 0.2, 1000, 0], [1.0, 0.4, 1000, 0], [2.0, 0.1, 0, 0]]],
+                "decode": [[[1.0, 0.1, 0, 2], [1.1, 0.1, 0, 3], [0.19, 0.05, 0, 1]]],
+            }
+        }
+    }
+    got = p_steps_beside(run, lambda rows: 0.1 * rows)  # 100 ms lone at 1000 rows
+    assert [round(s["stretch"], 6) for s in got] == [2.0, 4.0]  # the 0-row step is no prompt step
+    assert [round(s["covered"], 6) for s in got] == [0.05, 0.5] and [s["d_batch"] for s in got] == [1, 3]
+
+
+def test_the_oos3_rate_runs():
+    r = report(json.loads((RESULTS / "e2e_h200x1_depth40_oos3.json").read_text()))
+    a = r["modes"]["asymmetric"]
+    assert a["p_lone_fit_ms"] == pytest.approx([62.004, 0.08985], rel=1e-3)
+    by = a["p_stretch_by_d_batch"]
+    assert by["alone"]["steps"] == 7 and by["alone"]["median_stretch"] == pytest.approx(1.26, abs=0.01)
+    assert by["1"]["steps"] == 8 and by["1"]["median_stretch"] == pytest.approx(2.06, abs=0.01)
+    assert [b["rate"] for b in a["busy"]] == [0.75, 1.5]
+    assert set(r["modes"]) == {"asymmetric", "encoder-only"}
+
+
+def test_a_result_without_timelines_says_so():
+    p = subprocess.run(
+        [sys.executable, "tools/timeline_report.py", str(RESULTS / "e2e_h200x1_depth40_oos2.json")],
+        capture_output=True,
+        text=True,
+        cwd=RESULTS.parents[1],
+    )
+    assert p.returncode == 1 and "no P/D mode with a timeline" in p.stdout

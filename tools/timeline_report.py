@@ -1,0 +1,141 @@
+"""How P's steps stretched beside D's during an e2e result's rate runs, from their timelines
+(``bench/e2e.py`` keeps every worker's steps per run since the seventh session): each P step's
+duration over its lone time (the planner's fit to the mode's own calibration), grouped by the
+largest decode batch D ran beside it, and the simulated vs measured busy time. This is the reading
+the planner's shared-GPU model misses (docs/planner.md, "Plan7 on the GPU"): the calibration co-run
+measured P beside a different D than the load's.
+
+    python tools/timeline_report.py bench/results/e2e_h200x1_depth40_oos3.json [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from asympd.plan.validate import validate_e2e  # noqa: E402
+
+BESIDE = 0.5  # a P step counts as beside D when D's steps cover at least this much of it (bench/e2e.py)
+
+
+def p_steps_beside(run: dict[str, Any], lone_ms: Any) -> list[dict[str, Any]]:
+    """Every P step of a run's timeline: rows, seconds, its stretch over ``lone_ms(rows)``, how much
+    of it D's steps covered and the largest decode batch among them (0: D idle)."""
+    tl = run.get("timeline") or {}
+    steps = tl.get("steps", {})
+    p_all = [s for worker in steps.get("prefill", []) for s in worker]
+    d_all = [s for worker in steps.get("decode", []) for s in worker]
+    out = []
+    for start, dur, rows, _ in p_all:
+        if rows <= 0 or dur <= 0:
+            continue
+        end = start + dur
+        beside = [d for d in d_all if d[0] < end and d[0] + d[1] > start]
+        covered = sum(min(d[0] + d[1], end) - max(d[0], start) for d in beside) / dur
+        out.append(
+            {
+                "rows": rows,
+                "s": dur,
+                "stretch": dur * 1e3 / lone_ms(rows),
+                "covered": min(1.0, covered),
+                "d_batch": max((d[3] for d in beside), default=0),
+            }
+        )
+    return out
+
+
+def report(result: dict[str, Any]) -> dict[str, Any]:
+    """Per mode with P and D apart on one GPU: the P steps' stretch by D's batch beside them, the
+    co-run's measured stretch, and each rate's simulated vs measured P and D busy seconds."""
+    v = validate_e2e(result)
+    out: dict[str, Any] = {"benchmark": result.get("benchmark"), "commit": result.get("commit"), "modes": {}}
+    for mode, m in result["modes"].items():
+        fit = v["modes"].get(mode, {}).get("steps_ms")
+        runs = [r for r in m.get("runs", []) if r.get("timeline")]
+        if not fit or not runs or mode == "colocated":
+            continue
+
+        def lone_ms(rows: int, fit: dict[str, float] = fit) -> float:
+            return fit["p_step_ms"] + fit["p_row_ms"] * rows
+
+        steps = [s for r in runs for s in p_steps_beside(r, lone_ms)]
+        by_batch: dict[str, dict[str, Any]] = {}
+        groups = [("alone", [s for s in steps if s["covered"] < BESIDE])]
+        groups += [
+            (str(b), [s for s in steps if s["covered"] >= BESIDE and s["d_batch"] == b])
+            for b in sorted({s["d_batch"] for s in steps if s["covered"] >= BESIDE})
+        ]
+        for key, sel in groups:
+            if sel:
+                by_batch[key] = {
+                    "steps": len(sel),
+                    "median_stretch": statistics.median(s["stretch"] for s in sel),
+                    "rows": [min(s["rows"] for s in sel), max(s["rows"] for s in sel)],
+                }
+        busy = [
+            {
+                "rate": row["rate"],
+                **{
+                    f"{role}_sim_over_measured": s["wall"] / s["measured"]
+                    for role, s in row["engine_step_s"].items()
+                    if s.get("measured")
+                },
+            }
+            for row in v["rows"]
+            if row["mode"] == mode
+        ]
+        out["modes"][mode] = {
+            "p_lone_fit_ms": [fit["p_step_ms"], fit["p_row_ms"]],
+            "co_run_measured": v["modes"][mode].get("co_run_measured"),
+            "p_stretch_by_d_batch": by_batch,
+            "busy": busy,
+        }
+    return out
+
+
+def format_report(r: dict[str, Any]) -> str:
+    lines = [f"P beside D in the rate runs of {r['benchmark']} (commit {r['commit']})"]
+    for mode, m in r["modes"].items():
+        co = m["co_run_measured"] or {}
+        lines.append(
+            f"{mode}: P alone fit {m['p_lone_fit_ms'][0]:.1f} ms + {m['p_lone_fit_ms'][1]:.4f} ms/row; "
+            f"co-run measured P {co.get('p', float('nan')):.2f}, D {co.get('d', float('nan')):.2f}"
+        )
+        for key, b in m["p_stretch_by_d_batch"].items():
+            label = "alone" if key == "alone" else f"beside a decode batch of {key}"
+            lines.append(
+                f"  {label:28s} {b['steps']:3d} steps, {b['rows'][0]}-{b['rows'][1]} rows: "
+                f"median stretch {b['median_stretch']:.2f}"
+            )
+        for row in m["busy"]:
+            parts = ", ".join(f"{k.split('_')[0]} {v:.2f}" for k, v in row.items() if k != "rate")
+            lines.append(f"  {row['rate']:g} req/s: simulated / measured busy time: {parts}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("result", help="a bench/e2e.py result with timelines (seventh session on)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    try:
+        result = json.loads(Path(args.result).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"cannot read {args.result!r}: {e}", file=sys.stderr)
+        return 2
+    r = report(result)
+    if not r["modes"]:
+        print(f"{args.result}: no P/D mode with a timeline (results before the seventh session have none)")
+        return 1
+    print(json.dumps(r, indent=1) if args.json else format_report(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
