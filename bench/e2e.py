@@ -637,10 +637,9 @@ def measured_step(cal: dict[str, Any]) -> Callable[[int], float] | None:
     """D's decode step at a batch of n, from the calibration's token gaps (the first gap of each
     request left out: it can hold the request's own admission): the lone requests' median at 1,
     the batch's median at its size once all of it decodes (``_steady_gaps``), linear between and
-    beyond. None without gaps. The co-run's
-    decode batch comes from this, not from ``--step-s`` (the time budget's conservative guess: at
-    true depth 0.15 s where the calibration measures ~0.04 s, which sized the co-run's batch at 8
-    where the rates keep 1-4 decoding)."""
+    beyond. None without gaps. The co-run's decode batch comes from this, not from ``--step-s``
+    (the time budget's conservative guess: at true depth 0.15 s where the calibration measures
+    ~0.04 s, which sized the co-run's batch at 8 where the rates keep 1-4 decoding)."""
     lone = [g for r in cal.get("lone", []) for g in (r.get("gaps_s") or [])[1:]]
     if not lone:
         return None
