@@ -20,8 +20,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asympd.plan.validate import validate_e2e  # noqa: E402
-
-BESIDE = 0.5  # a P step counts as beside D when D's steps cover at least this much of it (bench/e2e.py)
+from bench.e2e import BESIDE, _overlap  # noqa: E402  (the co-run's reading of "beside")
 
 
 def p_steps_beside(run: dict[str, Any], lone_ms: Any) -> list[dict[str, Any]]:
@@ -32,18 +31,17 @@ def p_steps_beside(run: dict[str, Any], lone_ms: Any) -> list[dict[str, Any]]:
     p_all = [s for worker in steps.get("prefill", []) for s in worker]
     d_all = [s for worker in steps.get("decode", []) for s in worker]
     out = []
-    for start, dur, rows, _ in p_all:
+    for step in p_all:
+        start, dur, rows = step[:3]
         if rows <= 0 or dur <= 0:
             continue
-        end = start + dur
-        beside = [d for d in d_all if d[0] < end and d[0] + d[1] > start]
-        covered = sum(min(d[0] + d[1], end) - max(d[0], start) for d in beside) / dur
+        beside = [d for d in d_all if d[0] < start + dur and d[0] + d[1] > start]
         out.append(
             {
                 "rows": rows,
                 "s": dur,
                 "stretch": dur * 1e3 / lone_ms(rows),
-                "covered": min(1.0, covered),
+                "covered": _overlap(step, beside),
                 "d_batch": max((d[3] for d in beside), default=0),
             }
         )
