@@ -1274,6 +1274,9 @@ def main(argv: list[str] | None = None) -> int:
             "p_step_tokens": args.p_step_tokens,
             "colocated_semantics": args.colocated_semantics,
             "kv_cache_gb_per_worker": args.kv_cache_gb,
+            # where P packs and copies its hand-off on a GPU: a stream of its own since this field
+            # exists ("pack"), before on the compute stream, between P's steps (what --validate models)
+            "handoff_stream": "pack",
             "modes": {},
         }
 

@@ -8,7 +8,8 @@ enqueued behind it while the copy engine drains. Whoever reads the bytes (the ha
 transport, the offline ``LLM``) calls ``wait()`` first, off the engine's thread; and so that no
 reader can forget, the state's own accessors (``named_buffers``, hence ``to_buffers``, ``serialize``,
 ``to``) wait too (``PrefixState.pending``). Under the ``fp4`` wire format the gathered KV stays on
-the device, where ``to_buffers`` packs it; the wait covers that gather too.
+the device, where ``to_buffers`` packs it (once, on the exporter's ``pack_stream``, so the hand-off
+never queues behind P's next steps); the wait covers that gather too.
 
 Block lifetime: the copy reads the request's cache blocks and slot after the step that wrote them.
 Until it has completed (``ready()``), the engine must not free those blocks, or a later step could
@@ -192,6 +193,9 @@ class PrefixExporter:
         """``side_stream=False``: copy synchronously on the current stream, as on CPU."""
         device = torch.device(device)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" and side_stream else None
+        # the hand-off's own stream: packing the wire format and copying it to the host there waits
+        # for nothing but that work (not the next step's compute, not the next export's copy)
+        self.pack_stream = torch.cuda.Stream(device) if self.stream is not None else None
         self.pool = PinnedPool(max_idle_bytes, pin=self.stream is not None)
 
     def begin(self) -> ExportCopy:

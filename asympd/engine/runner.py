@@ -159,8 +159,9 @@ class ModelRunner:
                 rows = view.window_tail(layer, lo, n) or _masked(view.window(layer), lo, None)
                 wins[layer] = [t.clone() for t in rows]
         copy = self.exporter.begin()
-        # fp4: the entries stay on the cache's device, where to_buffers packs them (the host gets the
-        # packed bytes, 3.6x fewer than bf16); unpacked: the host copy is made here
+        # fp4: the entries stay on the cache's device, where to_buffers packs them on the exporter's
+        # pack stream (the host gets the packed bytes, 3.6x fewer than bf16); unpacked: the host copy
+        # is made here
         entries = copy.keep if kv_format == "fp4" else copy.host
         with copy:
             for layer in self.cfg.kv_source_layers:
@@ -191,6 +192,7 @@ class ModelRunner:
                 num_prompt_tokens=req.num_prompt_tokens,
                 kv_format=kv_format,
                 start=start,
+                pack_stream=self.exporter.pack_stream,
                 **images,
             )
         )

@@ -515,8 +515,11 @@ class _Study:
     cfg: ModelConfig
     slo: dict[str, float]
     d_budget: int
-    on_gpu: bool  # a GPU: the hand-off waits for P's steps, a D step that samples nothing answers at launch
+    on_gpu: bool  # a GPU: a D step that samples nothing answers at launch
     serving_load: bool = True
+    # P's hand-off (the seal, the fetch) packed on P's compute stream, so it advanced only between P's
+    # steps: every GPU result before P packed on a stream of its own (the result's ``handoff_stream``)
+    handoff_on_p_stream: bool = False
     shares: str = "equal"  # a shared GPU's split: "equal", or "co-run" (the calibration's measured stretch)
 
 
@@ -598,7 +601,9 @@ def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, stud
         return
     dep = replace(dep, replicas=sum(1 for w in m["workers"].values() if w["role"] == "colocated") or 1)
     path = ServingPath(
-        handoff_on_p_stream=gpu, outputs_at_launch=gpu, first_at_start=first_out_at_launch(cfg, mode, gpu)
+        handoff_on_p_stream=study.handoff_on_p_stream,
+        outputs_at_launch=gpu,
+        first_at_start=first_out_at_launch(cfg, mode, gpu),
     )
     cal = m["calibration"]
     measured = co_run_stretch(cal, dep)
@@ -737,7 +742,19 @@ def validate_e2e(
     shared = result.get("gpus") == 1  # bench/e2e.py --gpus 1: every worker of a mode on one GPU
     out["placement"] = "shared" if shared else "separate"
     out["shares"] = shares
-    study = _Study(cfg, slo, d_budget, on_gpu=out["device"] != "cpu", serving_load=serving_load, shares=shares)
+    on_gpu = out["device"] != "cpu"
+    handoff_stream = result.get("handoff_stream", "compute")  # results before the field: the compute stream
+    if "handoff_stream" in result:
+        out["handoff_stream"] = handoff_stream
+    study = _Study(
+        cfg,
+        slo,
+        d_budget,
+        on_gpu,
+        serving_load=serving_load,
+        shares=shares,
+        handoff_on_p_stream=on_gpu and handoff_stream == "compute",
+    )
     for mode, m in modes_in.items():
         dep = Deployment(mode, policy, p_tokens, sem, shared_gpu=shared, seed=seed)
         try:

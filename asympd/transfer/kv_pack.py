@@ -62,35 +62,56 @@ _CANDIDATES = E2M1_VALUES[1:].flip(0).tolist()
 def pack(values: torch.Tensor, fmt: FP4Format) -> tuple[torch.Tensor, torch.Tensor]:
     """[n, d] cache values -> (codes uint8 [n, d/2], scales [n, d/block]) on ``values``' device;
     lossless or KVPackError."""
+    codes, scales, ok = pack_unchecked(values, fmt)
+    bad = (~ok).nonzero()
+    if bad.numel():
+        row, group = divmod(int(bad[0]), values.size(1) // fmt.block)
+        raise KVPackError(
+            f"row {row}, values {group * fmt.block}..{(group + 1) * fmt.block - 1} are not on the {fmt.name} grid"
+            " (not a quantized cache entry): it cannot be packed losslessly"
+        )
+    return codes, scales
+
+
+def pack_unchecked(values: torch.Tensor, fmt: FP4Format) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``pack`` without the refusal: also ``ok`` (bool, one per block of ``fmt.block`` values in
+    row-major order), False where a block is off the grid (its codes and scale are then garbage).
+
+    Two host synchronisations whatever the size (which blocks the natural scale missed, and none
+    once they are known), so on a GPU the pack advances without waiting on the host between small
+    steps. Every block the quantizer wrote with its largest code 6 takes the natural scale amax / 6
+    in one pass over all of them; the few left (a scale that rounding moved off amax / 6, an
+    all-zero block's floor) try the remaining candidates side by side and take the first exact one,
+    which is the scale the one-candidate-at-a-time search would take."""
     n, d = values.shape
     if d % fmt.block:
         raise KVPackError(f"width {d} is not a multiple of the {fmt.name} block {fmt.block}")
     g = values.detach().float().reshape(-1, fmt.block)  # [n * G, b]
     amax = g.abs().amax(-1)
     table, grid = _on(FP4_TABLE, g.device), _on(E2M1_VALUES, g.device)
-    scale = torch.full_like(amax, float("nan"))
-    codes = torch.zeros(g.shape, dtype=torch.uint8, device=g.device)
-    todo = torch.arange(g.size(0), device=g.device)
-    for i, c in enumerate(_CANDIDATES):  # each pass only over the blocks still without a scale
-        if todo.numel() == 0:
-            break
-        gt, at = g[todo], amax[todo]
-        s = at / c
-        if i == 0:  # an all-zero block takes the quantizer's scale for it
-            s = torch.where(at == 0, torch.full_like(at, fmt.zero_scale), s)
-        cand = _grid_codes(gt / s.unsqueeze(-1), grid)
-        exact = (table[cand.long()] * s.unsqueeze(-1)).view(torch.int32) == gt.view(torch.int32)
-        ok = fmt.scale_ok(s) & exact.all(-1)
-        scale[todo[ok]], codes[todo[ok]] = s[ok], cand[ok]
-        todo = todo[~ok]
+    scale = torch.where(amax == 0, torch.full_like(amax, fmt.zero_scale), amax / _CANDIDATES[0])
+    codes, ok = _try_scales(g, scale, fmt, table, grid)
+    todo = (~ok).nonzero().squeeze(1)
     if todo.numel():
-        row, group = divmod(int(todo[0]), d // fmt.block)
-        raise KVPackError(
-            f"row {row}, values {group * fmt.block}..{(group + 1) * fmt.block - 1} are not on the {fmt.name} grid"
-            " (not a quantized cache entry): it cannot be packed losslessly"
-        )
+        gt, at = g[todo].unsqueeze(1), amax[todo]  # [m, 1, b], [m]
+        s = torch.stack([at / c for c in _CANDIDATES[1:]], -1)  # [m, C], each as the search divides
+        cand, fits = _try_scales(gt, s, fmt, table, grid)  # [m, C, b], [m, C]
+        first = fits.to(torch.uint8).argmax(-1, keepdim=True)  # the first exact candidate (argmax: first max)
+        scale[todo] = s.gather(1, first).squeeze(1)
+        codes[todo] = cand.gather(1, first.unsqueeze(-1).expand(-1, 1, fmt.block)).squeeze(1)
+        ok[todo] = fits.any(-1)
     codes, scale = codes.reshape(n, d), scale.reshape(n, d // fmt.block)
-    return pack_fp4(codes).view(torch.uint8), scale.to(fmt.scale_dtype)
+    return pack_fp4(codes).view(torch.uint8), scale.to(fmt.scale_dtype), ok
+
+
+def _try_scales(
+    g: torch.Tensor, s: torch.Tensor, fmt: FP4Format, table: torch.Tensor, grid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes of blocks ``g`` [..., b] at scales ``s`` [...] (broadcast), and whether the scale is
+    one the format stores and reproduces every value bit for bit."""
+    cand = _grid_codes(g / s.unsqueeze(-1), grid)
+    exact = (table[cand.long()] * s.unsqueeze(-1)).view(torch.int32) == g.view(torch.int32)
+    return cand, fmt.scale_ok(s) & exact.all(-1)
 
 
 def _grid_codes(q: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:

@@ -38,8 +38,10 @@ import hashlib
 import json
 import math
 import struct
+import threading
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,6 +173,14 @@ class PrefixState:
     # P on a GPU: the copy still filling these buffers (engine/export.py); every read through this
     # class (named_buffers and all that build on it) waits for it first
     pending: Any = field(default=None, repr=False, compare=False)
+    # P on a GPU: the CUDA stream its hand-off packs and copies on (engine/export.py), never the
+    # compute stream, where each host sync of the pack would wait for the step in progress
+    pack_stream: Any = field(default=None, repr=False, compare=False)
+    # the wire buffers once made: packed once, by whoever asks first (P's seal, then its send); a
+    # state's buffers are not changed after that (a changed state is a new one: ``to``, ``from_buffers``)
+    _wire: dict[str, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
+    _wire_host: dict[str, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
+    _wire_lock: Any = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0 and self.start > 0:
@@ -262,10 +272,31 @@ class PrefixState:
                 total += _nbytes(t)
         return total
 
-    def wire_buffers(self) -> dict[str, torch.Tensor]:
+    def wire_buffers(self, host: bool = False) -> dict[str, torch.Tensor]:
         """The buffers as they cross the wire: ``named_buffers`` with ckv/idx packed under ``fp4``
         (codes under the same name, then their scales). Raises PrefixStateError if a value is not
-        on its format's grid, naming the buffer."""
+        on its format's grid, naming the buffer. Made once and kept (the buffers are read-only);
+        ``host``: every buffer in host memory, copied there on ``pack_stream`` where one is set."""
+        with self._wire_lock:
+            if self._wire is None:
+                with self._on_pack_stream():
+                    self._wire = self._make_wire()
+            if not host:
+                return dict(self._wire)
+            if self._wire_host is None:
+                with self._on_pack_stream():  # .cpu() waits for this stream's work only
+                    self._wire_host = {n: t.cpu() for n, t in self._wire.items()}
+            return dict(self._wire_host)
+
+    @contextmanager
+    def _on_pack_stream(self) -> Iterator[None]:
+        if self.pack_stream is None:
+            yield
+            return
+        with torch.cuda.stream(self.pack_stream):
+            yield
+
+    def _make_wire(self) -> dict[str, torch.Tensor]:
         if self.kv_format == "unpacked":
             return self.named_buffers()
         out: dict[str, torch.Tensor] = {}
@@ -309,11 +340,12 @@ class PrefixState:
 
     # ---- buffers ---------------------------------------------------------------------------------
 
-    def to_buffers(self) -> tuple[bytes, list[torch.Tensor]]:
+    def to_buffers(self, host: bool = False) -> tuple[bytes, list[torch.Tensor]]:
         """(JSON header, contiguous buffers in table order). Offsets lay the buffers out in one
-        64-byte-aligned payload, which is how ``serialize`` and the TCP plane ship them."""
+        64-byte-aligned payload, which is how ``serialize`` and the TCP plane ship them. ``host``:
+        the buffers in host memory (what hashing and sockets read), else where they were made."""
         table, buffers, offset = [], [], 0
-        for name, t in self.wire_buffers().items():
+        for name, t in self.wire_buffers(host).items():
             t = t.detach().contiguous()
             n = _nbytes(t)
             table.append(
@@ -362,7 +394,7 @@ class PrefixState:
     def serialize(self) -> bytes:
         """magic | version | header length | header crc32 | payload length | payload crc32 | header |
         payload. The checksums make a corrupted blob (disk, copy) fail loudly instead of loading."""
-        header, buffers = self.to_buffers()
+        header, buffers = self.to_buffers(host=True)
         payload_nbytes = json.loads(header)["payload_nbytes"]
         parts: list[bytes | memoryview] = []
         written, crc = 0, 0

@@ -25,7 +25,7 @@ def new_transfer_id() -> str:
 def seal(secret: bytes, transfer_id: str, state: PrefixState) -> str:
     """The state's tag (hex) for ``transfer_id``."""
     mac = hmac.new(secret, b"asympd-prefix-state\0" + transfer_id.encode() + b"\0", hashlib.sha256)
-    header, buffers = state.to_buffers()
+    header, buffers = state.to_buffers(host=True)
     mac.update(len(header).to_bytes(8, "little") + header)
     for b in buffers:
         data = tensor_bytes(b)

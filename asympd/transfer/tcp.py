@@ -253,7 +253,7 @@ class PrefixStateServer(ControlServer):
     def _send_state(self, conn: socket.socket, tid: str, state: PrefixState, extra: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         try:
-            header, buffers = state.to_buffers()
+            header, buffers = state.to_buffers(host=True)
         except PrefixStateError as e:  # e.g. values that cannot be packed: say so, keep the connection
             send_msg(conn, {"ok": False, "error": f"transfer {tid!r} cannot be sent: {e}"})
             return

@@ -47,6 +47,7 @@ def test_result_fields_and_counts(result):
     assert result["command"].split()[1:3] == ["bench/e2e.py", "--tiny"]
     assert result["source_digest"] and "torch" in result["device"]
     assert result["model"]["depth"] == 7 and result["model"]["checkpoint"] == "tiny"
+    assert result["handoff_stream"] == "pack"  # P's hand-off off its compute stream (what --validate reads)
     assert set(result["modes"]) == set(MODES)
     window = tiny().window_size
     for mode, m in result["modes"].items():

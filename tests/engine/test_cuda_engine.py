@@ -251,3 +251,34 @@ def test_prefix_export_on_a_side_stream_gives_the_synchronous_bytes(tiny_ckpt, k
     while p.has_unfinished_requests():  # b's copy, should it still be draining: an idle step waits for it
         p.step()
     assert p.blocks.num_used_blocks == 0 and not p.draining
+
+
+def test_the_hand_off_packs_beside_the_compute_stream(tiny_ckpt):
+    """Under fp4 the hand-off (P's seal, then its send) packs the wire format and copies it to the
+    host on the exporter's pack stream: with the compute stream still busy (a long sleep enqueued
+    after the export, standing in for P's next steps), the packed host bytes are ready before that
+    work ends, and they are the bytes a CPU packs. Before, each host sync of the pack waited for the
+    compute stream: the hand-off advanced only between P's steps (docs/planner.md)."""
+    from asympd.engine.engine import EngineConfig, LLMEngine
+    from asympd.engine.scheduler import SchedulerConfig
+    from asympd.model.loader import load_model
+    from asympd.transfer.prefix_state import PrefixState, tensor_bytes
+
+    model = load_model(tiny_ckpt, "prefill", device="cuda", dtype=torch.float32)
+    sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512)
+    p = LLMEngine(model, EngineConfig(role="prefill", mode="asymmetric", kv_wire_format="fp4", scheduler=sched))
+    p.add_request("a", random_prompts([301], seed=5)[0])
+    (out,) = [o for o in p.step() if o.finished]
+    state = out.exported_state()
+    assert state.pack_stream is p.runner.exporter.pack_stream is not None
+    compute = torch.cuda.current_stream()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of the compute stream, enqueued after the export
+    header, buffers = state.to_buffers(host=True)
+    assert not compute.query(), "the hand-off waited for the compute stream"
+    assert all(not b.is_cuda for b in buffers)
+    cpu_header, cpu_buffers = state.to("cpu").to_buffers()
+    assert header == cpu_header
+    assert [tensor_bytes(b).tobytes() for b in buffers] == [tensor_bytes(b).tobytes() for b in cpu_buffers]
+    assert PrefixState.from_buffers(header, buffers).equal(state.to("cpu"))
+    torch.cuda.synchronize()
+    p.release_transfer("a")

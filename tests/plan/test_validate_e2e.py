@@ -219,6 +219,13 @@ def test_on_a_gpu_the_hand_off_waits_for_p_steps():
         assert row["predicted"]["ttft_p50_ms"] == pytest.approx(sum(ttfts) / 2)
         assert row["predicted"]["itl_p50_ms"] == pytest.approx(25.0)
         assert row["engine_step_s"]["prefill"]["wall"] == pytest.approx(0.032)  # D idle: nothing shared
+    # since P packs its hand-off on a stream of its own (a result's handoff_stream "pack"), the answer
+    # and the fetch run beside P's steps at their own cost, as on a CPU: req 0 at D at 16 + 3 + 7
+    for gpus in (1, 2):
+        res = {**e2e_result(gpus=gpus), "device": {"gpu": "NVIDIA H200"}, "handoff_stream": "pack"}
+        v = validate_e2e(res)
+        assert v["handoff_stream"] == "pack" and "handoff_stream" not in validate_e2e(e2e_result(gpus=gpus))
+        assert v["rows"][0]["predicted"] == validate_e2e(e2e_result(gpus=gpus))["rows"][0]["predicted"]
 
 
 def test_malformed_result_is_a_typed_error():

@@ -10,9 +10,10 @@ import torch
 
 from asympd import LLM, SamplingParams
 from asympd.config import tiny, v41_flash
-from asympd.model.quant import fp4_qdq
-from asympd.transfer import PrefixState, PrefixStateError
-from asympd.transfer.kv_pack import MXFP4, NVFP4, KVPackError, pack, unpack, wire_bytes_per_token
+from asympd.model.quant import E2M1_VALUES, FP4_TABLE, fp4_qdq, pack_fp4
+from asympd.transfer import PrefixState, PrefixStateError, kv_pack
+from asympd.transfer.kv_pack import MXFP4, NVFP4, KVPackError, pack, pack_unchecked, unpack, wire_bytes_per_token
+from asympd.transfer.seal import seal
 from tests.transfer.transfer_peer import make_state
 from tests.util import random_prompts
 
@@ -45,6 +46,51 @@ def test_pack_is_lossless_on_bits(fmt, dtype):
     assert torch.equal(bits(back), bits(values))
     assert torch.signbit(back[1, : fmt.block]).all() and not torch.signbit(back[0]).any()
     assert codes.nbytes + scales.nbytes == 64 * fmt.bytes_per_entry(128)
+
+
+def one_at_a_time(values: torch.Tensor, fmt) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale search as written first: each block tries amax / c for the e2m1 magnitudes c,
+    largest first, and keeps the first scale the format stores that puts every value back bit for
+    bit (amax 0: the quantizer's floor)."""
+    g = values.float().reshape(-1, fmt.block)
+    codes = torch.zeros(g.shape, dtype=torch.uint8)
+    scales = torch.zeros(g.size(0))
+    for i, block in enumerate(g):
+        amax = float(block.abs().max())
+        for c in E2M1_VALUES[1:].flip(0).tolist():
+            s = torch.tensor(fmt.zero_scale) if amax == 0 else torch.tensor(amax) / c
+            if not fmt.scale_ok(s):
+                continue
+            code = torch.searchsorted(E2M1_VALUES, (block / s).abs()).clamp_max(7).to(torch.uint8)
+            code |= torch.signbit(block).to(torch.uint8) << 3
+            if torch.equal((FP4_TABLE[code.long()] * s).view(torch.int32), block.view(torch.int32)):
+                codes[i], scales[i] = code, s
+                break
+    n, d = values.shape
+    return pack_fp4(codes.reshape(n, d)).view(torch.uint8), scales.reshape(n, -1).to(fmt.scale_dtype)
+
+
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.name)
+def test_pack_takes_the_scale_the_one_at_a_time_search_takes(fmt):
+    """One pass at the natural scale, then every other candidate side by side for the blocks it
+    missed (most MXFP4 blocks: their power-of-two scale is rarely amax / 6), gives the search's bytes."""
+    values = quantized(40, 128, fmt, torch.bfloat16, seed=3)
+    codes, scales, ok = pack_unchecked(values, fmt)
+    want = one_at_a_time(values, fmt)
+    assert ok.all() and torch.equal(codes, want[0]) and torch.equal(scales.view(torch.uint8), want[1].view(torch.uint8))
+    amax = values.float().reshape(-1, fmt.block).abs().amax(-1)
+    later = (scales.float().reshape(-1) != amax / 6) & (amax > 0)
+    assert later.sum() >= 10  # the side-by-side pass is covered, not only the first
+
+
+def test_pack_unchecked_flags_the_blocks_off_the_grid():
+    values = quantized(6, 64, NVFP4)
+    values[2, 40] = 0.1234567
+    values[4, 0] = float("nan")
+    codes, scales, ok = pack_unchecked(values, NVFP4)
+    assert ok.view(6, 4).logical_not().nonzero().tolist() == [[2, 2], [4, 0]]
+    good = pack(values[:2], NVFP4)
+    assert torch.equal(codes[:2], good[0]) and torch.equal(scales[:2].view(torch.uint8), good[1].view(torch.uint8))
 
 
 def test_values_off_the_grid_are_refused():
@@ -120,6 +166,26 @@ def test_state_off_the_grid_cannot_ship_packed():
     state.kv_format = "fp4"
     with pytest.raises(PrefixStateError, match=r"ckv\[1\]: row 0, values 0\.\.15 are not on the nvfp4 grid"):
         state.serialize()
+
+
+def test_the_wire_is_packed_once_for_the_seal_and_the_send(monkeypatch):
+    """P seals a state (HMAC over its wire bytes), then sends it: the ckv/idx buffers are packed
+    once, by the first, and both read the same host bytes."""
+    state = packed_state()
+    calls = []
+    real = kv_pack.pack
+
+    def counting(values, fmt):
+        calls.append(fmt.name)
+        return real(values, fmt)
+
+    monkeypatch.setattr(kv_pack, "pack", counting)
+    tag = seal(b"k", "xfer-1", state)
+    header, buffers = state.to_buffers(host=True)
+    blob = state.serialize()
+    assert sorted(calls) == ["mxfp4"] * 2 + ["nvfp4"] * 2  # one per packed buffer of the two sources
+    assert seal(b"k", "xfer-1", PrefixState.from_buffers(header, buffers)) == tag
+    assert PrefixState.deserialize(blob).equal(state) and all(not b.is_cuda for b in buffers)
 
 
 def _tamper(state: PrefixState, name: str, fn):
