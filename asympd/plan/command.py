@@ -19,6 +19,7 @@ from asympd.plan.planner import (
     poisson_arrivals,
 )
 from asympd.plan.steps import PLANNED_MODES
+from asympd.plan.validate import HANDOFF_STREAMS
 
 DEFAULT_PROMPT = "1024:0.4,4096:0.3,16384:0.2,65536:0.1"  # the mix of docs/performance.md
 
@@ -57,6 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("equal", "co-run"),
         default="equal",
         help="with --validate: a shared GPU split equally (default) or at the calibration co-run's measured stretch",
+    )
+    p.add_argument(
+        "--validate-handoff-stream",
+        choices=HANDOFF_STREAMS,
+        default=None,
+        help="with --validate: where P's hand-off packs on a GPU (default: as the result records it; the other"
+        " value predicts the same run with the other hand-off)",
     )
     p.add_argument(
         "--validate-exclude",
@@ -128,7 +136,14 @@ def run(args: argparse.Namespace) -> int:
     if args.validate:
         from asympd.plan.validate import run_validation
 
-        return run_validation(args.validate, args.json, args.validate_out, args.validate_exclude, args.validate_shares)
+        return run_validation(
+            args.validate,
+            args.json,
+            args.validate_out,
+            args.validate_exclude,
+            args.validate_shares,
+            args.validate_handoff_stream,
+        )
     result = Planner(build_request(args), results_dir=args.results).plan()
     if args.plot:
         plot(result, args.plot)

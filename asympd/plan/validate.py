@@ -98,6 +98,7 @@ def validate_admission(
 
 TARGET = 0.15  # issue 18: within 15 % of the measured TTFT p50, ITL p50 and goodput
 SHARES = ("equal", "co-run")  # validate_e2e's ways to split a shared GPU
+HANDOFF_STREAMS = ("compute", "pack")  # where P's hand-off packs on a GPU (bench/e2e.py's handoff_stream)
 METRICS = ("ttft_p50_ms", "itl_p50_ms", "goodput_req_s")
 
 
@@ -518,8 +519,10 @@ class _Study:
     on_gpu: bool  # a GPU: a D step that samples nothing answers at launch
     serving_load: bool = True
     # P's hand-off (the seal, the fetch) packed on P's compute stream, so it advanced only between P's
-    # steps: every GPU result before P packed on a stream of its own (the result's ``handoff_stream``)
+    # steps: every GPU result before P packed on a stream of its own (the result's ``handoff_stream``);
+    # as simulated, and as the calibration ran it (what the serving-load slopes are read with)
     handoff_on_p_stream: bool = False
+    measured_on_p_stream: bool = False
     shares: str = "equal"  # a shared GPU's split: "equal", or "co-run" (the calibration's measured stretch)
 
 
@@ -605,6 +608,7 @@ def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, stud
         outputs_at_launch=gpu,
         first_at_start=first_out_at_launch(cfg, mode, gpu),
     )
+    as_measured = replace(path, handoff_on_p_stream=study.measured_on_p_stream)  # how the calibration ran
     cal = m["calibration"]
     measured = co_run_stretch(cal, dep)
     if study.shares == "co-run":
@@ -616,7 +620,7 @@ def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, stud
     load = None
     if study.serving_load:
         lone = LoneCosts(steps.handoff_ms, steps.move_for, steps.ttft_offset_ms, lambda b: steps.decode_ms(b, 0, 1))
-        load = fit_stage_load(cal, lone, dep, path)
+        load = fit_stage_load(cal, lone, dep, as_measured)
     steps = fit_admission_steps(cfg, cal, steps, load or StageLoad(), dep, study.d_budget, gpu)
     out["modes"][mode] = {
         **({"co_run_stretch": {"p": dep.co_run[0], "d": dep.co_run[1]}} if dep.co_run else {}),
@@ -624,7 +628,7 @@ def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, stud
         **({"co_run_p_by_rows": [list(x) for x in dep.p_by_rows]} if dep.p_by_rows else {}),
         "steps_ms": asdict(steps),
         "serving_load_ms": asdict(load or StageLoad()),
-        "batch_check": _batch_check(cfg, steps, m, dep, path, load),
+        "batch_check": _batch_check(cfg, steps, m, dep, as_measured, load),
     }
     slo = study.slo
     for run in m["runs"]:
@@ -702,6 +706,7 @@ def validate_e2e(
     serving_load: bool = True,
     exclude: dict[tuple[str, float], str] | None = None,
     shares: str = "equal",
+    handoff_stream: str | None = None,
 ) -> dict[str, Any]:
     """Predicted vs measured TTFT p50, ITL p50 and request goodput for every mode and rate of a
     ``bench/e2e.py`` result, the prediction made on the same arrivals (send times, prompt and
@@ -712,9 +717,14 @@ def validate_e2e(
     (the default: half each) or ``co-run`` (the calibration co-run's measured stretch, per P step
     size where measured). Out of sample on the H200 equal shares predicted better (all three
     metrics within 15 % in 5 of 12 rows against 3; docs/planner.md), so the measured stretch is
-    recorded (``co_run_measured``) but applied only on request."""
+    recorded (``co_run_measured``) but applied only on request. ``handoff_stream``: where P's
+    hand-off packs on a GPU, ``compute`` (P's compute stream: it advances between P's steps) or
+    ``pack`` (a stream of its own: beside them); None: as the result records it (``compute`` for
+    results made before the field), another value: what the same run would do with that hand-off."""
     if shares not in SHARES:
         raise ValidationError(f"shares must be one of {', '.join(SHARES)}, got {shares!r}")
+    if handoff_stream not in (None, *HANDOFF_STREAMS):
+        raise ValidationError(f"handoff_stream must be one of {', '.join(HANDOFF_STREAMS)}, got {handoff_stream!r}")
     from asympd.engine.scheduler import SchedulerConfig
 
     try:
@@ -743,8 +753,9 @@ def validate_e2e(
     out["placement"] = "shared" if shared else "separate"
     out["shares"] = shares
     on_gpu = out["device"] != "cpu"
-    handoff_stream = result.get("handoff_stream", "compute")  # results before the field: the compute stream
-    if "handoff_stream" in result:
+    recorded = result.get("handoff_stream", "compute")  # results before the field: the compute stream
+    handoff_stream = handoff_stream or recorded
+    if "handoff_stream" in result or handoff_stream != recorded:
         out["handoff_stream"] = handoff_stream
     study = _Study(
         cfg,
@@ -754,6 +765,7 @@ def validate_e2e(
         serving_load=serving_load,
         shares=shares,
         handoff_on_p_stream=on_gpu and handoff_stream == "compute",
+        measured_on_p_stream=on_gpu and recorded == "compute",
     )
     for mode, m in modes_in.items():
         dep = Deployment(mode, policy, p_tokens, sem, shared_gpu=shared, seed=seed)
@@ -827,7 +839,12 @@ def format_validation(v: dict[str, Any]) -> str:
 
 
 def run_validation(
-    path: str, as_json: bool = False, out: str | None = None, exclude: list[str] | None = None, shares: str = "equal"
+    path: str,
+    as_json: bool = False,
+    out: str | None = None,
+    exclude: list[str] | None = None,
+    shares: str = "equal",
+    handoff_stream: str | None = None,
 ) -> int:
     """``asympd plan --validate RESULT.json``: print (and optionally write) the table; exit 0 when
     every counted row (``exclude``: ``MODE@RATE=REASON``) is within the target, 1 otherwise."""
@@ -836,7 +853,7 @@ def run_validation(
         result = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValidationError(f"cannot read {path!r}: {e}") from None
-    v = validate_e2e(result, exclude=excluded, shares=shares)
+    v = validate_e2e(result, exclude=excluded, shares=shares, handoff_stream=handoff_stream)
     print(json.dumps(v, indent=2) if as_json else format_validation(v))
     if out:
         Path(out).write_text(json.dumps(v, indent=1) + "\n")

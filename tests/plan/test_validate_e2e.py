@@ -226,6 +226,12 @@ def test_on_a_gpu_the_hand_off_waits_for_p_steps():
         v = validate_e2e(res)
         assert v["handoff_stream"] == "pack" and "handoff_stream" not in validate_e2e(e2e_result(gpus=gpus))
         assert v["rows"][0]["predicted"] == validate_e2e(e2e_result(gpus=gpus))["rows"][0]["predicted"]
+        # the same prediction for a run measured with the old hand-off, asked what the new one would do
+        old = {**e2e_result(gpus=gpus), "device": {"gpu": "NVIDIA H200"}}
+        what_if = validate_e2e(old, handoff_stream="pack")
+        assert what_if["handoff_stream"] == "pack" and what_if["rows"][0]["predicted"] == v["rows"][0]["predicted"]
+    with pytest.raises(ValidationError, match="handoff_stream must be one of compute, pack, got 'side'"):
+        validate_e2e(old, handoff_stream="side")
 
 
 def test_malformed_result_is_a_typed_error():
