@@ -113,6 +113,10 @@ def test_validate_reads_the_result(result, tmp_path):
     assert p.returncode in (0, 1), p.stderr
     assert "planner vs measured" in p.stdout and "asymmetric" in p.stdout
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(v["rows"]))
+    assert json.loads(out.read_text())["handoff_stream"] == "pack"  # as the result records it
+    p = subprocess.run([*cmd, "--validate-handoff-stream", "compute"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode in (0, 1), p.stderr
+    assert json.loads(out.read_text())["handoff_stream"] == "compute"  # asked: the old hand-off (no GPU here)
     with pytest.raises(ValidationError, match="not a bench/e2e.py result"):
         validate_e2e({"modes": {}})
     broken = {**result, "modes": {"asymmetric": {**result["modes"]["asymmetric"], "workers": None}}}
