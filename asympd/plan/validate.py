@@ -761,9 +761,10 @@ def validate_e2e(
     ``exclude``: (mode, rate) rows reported with the reason but left out of the count.
     ``shares``: how P and D split one shared GPU while both have a step in progress: ``equal``
     (the default: half each) or ``co-run`` (the calibration co-run's measured stretch, per P step
-    size where measured). Out of sample on the H200 equal shares predicted better (all three
-    metrics within 15 % in 5 of 12 rows against 3; docs/planner.md), so the measured stretch is
-    recorded (``co_run_measured``) but applied only on request."""
+    size where measured). Out of sample on the H200, with P's lone fit, equal shares predicted
+    better (all three metrics within 15 % in 5 of 12 rows against 3; docs/planner.md), so the
+    measured stretch is recorded (``co_run_measured``) but applied only on request; with P fitted
+    to the co-run's alone steps (``fit_p_step``) the same rows give 5 equal, 6 measured."""
     if shares not in SHARES:
         raise ValidationError(f"shares must be one of {', '.join(SHARES)}, got {shares!r}")
     from asympd.engine.scheduler import SchedulerConfig
