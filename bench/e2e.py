@@ -65,6 +65,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
+from asympd.plan.step_log import ALONE_P, BESIDE  # noqa: E402
+from asympd.plan.step_log import overlap as _overlap  # noqa: E402
 from asympd.serve.admission import POLICIES, default_policy  # noqa: E402
 from bench.common import ROOT, log, record  # noqa: E402
 
@@ -492,20 +494,9 @@ def calibrate(url: str, lengths: list[int], tokens: int, batch: int, vocab: int,
 
 # ---- co-run: P's and D's steps beside each other ---------------------------------------------------------
 
-BESIDE = 0.5  # a step counts as beside the other process's steps when they cover at least this much of it
-# P's burst of the co-run's fill phase: its later steps overlap D's import of the prompts the first
-# step finished (a few short D steps beside a long P step); below this much covered, a P step still
-# counts as alone (it reads at most this fraction x (stretch - 1) long: < 10 % at stretch 2)
-ALONE_P = 0.08
 
-
-def _overlap(s: list, other: list[list]) -> float:
-    """The fraction of step ``s`` ([start, seconds, ...]) that steps of ``other`` covered."""
-    a, b = s[0], s[0] + s[1]
-    cover = sum(max(0.0, min(b, o[0] + o[1]) - max(a, o[0])) for o in other)
-    return min(1.0, cover / s[1]) if s[1] > 0 else 0.0
-
-
+# BESIDE, ALONE_P and _overlap live in the planner (asympd/plan/step_log.py), which reads P's alone
+# steps by the same rule; tools/timeline_report.py imports them from here
 def _stretch(dt: float, alone: float, f: float) -> float | None:
     """The slowdown ``s`` of a step while it shared the GPU, as the simulator shares it: the step
     took ``dt``, ran beside the other process for the fraction ``f`` of it at 1/s of its alone

@@ -1,6 +1,7 @@
 """How P's steps stretched beside D's during an e2e result's rate runs, from their timelines
 (``bench/e2e.py`` keeps every worker's steps per run since the seventh session): each P step's
-duration over its lone time (the planner's fit to the mode's own calibration), grouped by the
+duration over its lone time (the lone requests' line of the mode's own calibration; the planner's
+own P line, from the co-run's alone steps where logged, is printed beside it), grouped by the
 largest decode batch D ran beside it, and the simulated vs measured busy time. This is the reading
 the planner's shared-GPU model misses (docs/planner.md, "Plan7 on the GPU"): the calibration co-run
 measured P beside a different D than the load's.
@@ -54,13 +55,17 @@ def report(result: dict[str, Any]) -> dict[str, Any]:
     v = validate_e2e(result)
     out: dict[str, Any] = {"benchmark": result.get("benchmark"), "commit": result.get("commit"), "modes": {}}
     for mode, m in result["modes"].items():
-        fit = v["modes"].get(mode, {}).get("steps_ms")
+        vm = v["modes"].get(mode, {})
+        fit = vm.get("steps_ms")
         runs = [r for r in m.get("runs", []) if r.get("timeline")]
         if not fit or not runs or mode == "colocated":
             continue
+        # the lone requests' line, whichever line the planner used (``p_fit``: it fits P to the
+        # co-run's alone steps where the result logged them)
+        lone_fit = (vm.get("p_fit") or {}).get("lone_ms") or [fit["p_step_ms"], fit["p_row_ms"]]
 
-        def lone_ms(rows: int, fit: dict[str, float] = fit) -> float:
-            return fit["p_step_ms"] + fit["p_row_ms"] * rows
+        def lone_ms(rows: int, fit: list[float] = lone_fit) -> float:
+            return fit[0] + fit[1] * rows
 
         steps = [s for r in runs for s in p_steps_beside(r, lone_ms)]
         by_batch: dict[str, dict[str, Any]] = {}
@@ -89,7 +94,9 @@ def report(result: dict[str, Any]) -> dict[str, Any]:
             if row["mode"] == mode
         ]
         out["modes"][mode] = {
-            "p_lone_fit_ms": [fit["p_step_ms"], fit["p_row_ms"]],
+            "p_lone_fit_ms": lone_fit,
+            "p_planner_fit_ms": [fit["p_step_ms"], fit["p_row_ms"]],
+            "p_fit": vm.get("p_fit"),
             "co_run_measured": v["modes"][mode].get("co_run_measured"),
             "p_stretch_by_d_batch": by_batch,
             "busy": busy,
@@ -104,6 +111,11 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(
             f"{mode}: P alone fit {m['p_lone_fit_ms'][0]:.1f} ms + {m['p_lone_fit_ms'][1]:.4f} ms/row; "
             f"co-run measured P {co.get('p', float('nan')):.2f}, D {co.get('d', float('nan')):.2f}"
+        )
+        pf = m["p_fit"] or {}
+        lines.append(
+            f"  planner's P fit: {m['p_planner_fit_ms'][0]:.1f} ms + {m['p_planner_fit_ms'][1]:.4f} ms/row"
+            f" ({pf.get('source', 'lone requests')})"
         )
         for key, b in m["p_stretch_by_d_batch"].items():
             label = "alone" if key == "alone" else f"beside a decode batch of {key}"

@@ -42,6 +42,7 @@ from asympd.plan.simulate import (
     run_decode,
     run_engines,
 )
+from asympd.plan.step_log import p_alone_steps
 from asympd.plan.steps import RESULTS_DIR, StepModel, load_results
 from asympd.serve.admission import POLICIES, AdmissionPolicy
 
@@ -238,7 +239,8 @@ def fit_steps(
     shared_gpu: bool = False,
     d_share: float = 0.5,
 ) -> MeasuredSteps:
-    """Step times from the calibration of one deployment (see bench/e2e.py ``calibrate``);
+    """Step times from the calibration of one deployment (see bench/e2e.py ``calibrate``; P's
+    from the co-run's alone steps where it logged them at two sizes or more: ``fit_p_step``);
     ``on_gpu``: the result ran on a GPU (``first_out_at_launch``); ``shared_gpu``: P computed the
     batch on D's GPU (the batch's gaps are read at D's alone speed where P shared it, D then
     running at ``d_share`` of the GPU: ``Deployment.d_share``)."""
@@ -252,18 +254,12 @@ def fit_steps(
         cal, d_step, d_seq, mode != "colocated", shared_gpu, first_out_at_launch(cfg, mode, on_gpu), d_share
     )
     d_pre, d_row = _fixed_or_line(_lone_first_points(cfg, mode, cal, semantics, d_budget, d_step, on_gpu))
-    p_points, move_points = [], []
-    if mode != "colocated":
-        for r in lone:
-            t = r["timings"]
-            phases = modes.prefill_plan(cfg, r["prompt_len"], mode).phases
-            p_rows = sum(p.hi - p.lo for p in phases)
-            if t.get("prefill_s") is not None and p_rows > 0:
-                p_steps = sum(-(-(p.hi - p.lo) // p_budget) for p in phases)
-                p_points.append((p_steps, p_rows, t["prefill_s"] * 1e3))
-            if t.get("transfer_s") is not None:
-                move_points.append((r["prompt_len"], t["transfer_s"] * 1e3))
-    p_step, p_row = _steps_and_rows(p_points) if p_points else (0.0, 0.0)
+    p_step, p_row = fit_p_step(cfg, mode, cal, p_budget)[:2]
+    move_points = [
+        (r["prompt_len"], r["timings"]["transfer_s"] * 1e3)
+        for r in lone
+        if mode != "colocated" and r["timings"].get("transfer_s") is not None
+    ]
     move, move_row = _line(move_points) if move_points else (0.0, 0.0)
     handoff = [
         (r["timings"]["prefill_rtt_s"] - r["timings"]["prefill_s"]) * 1e3
@@ -272,6 +268,64 @@ def fit_steps(
     ]
     handoff_ms = max(0.0, _median(handoff))
     return MeasuredSteps(p_step, p_row, d_step, d_seq, d_row, move, move_row, handoff_ms, d_pre_ms=d_pre)
+
+
+def _lone_p_points(cfg: ModelConfig, mode: str, cal: dict[str, Any], p_budget: int) -> list[tuple[int, int, float]]:
+    """(steps, rows, ms) of P's compute for each lone request (``prefill_s``), split as P splits it."""
+    out = []
+    for r in cal["lone"] if mode != "colocated" else []:
+        phases = modes.prefill_plan(cfg, r["prompt_len"], mode).phases
+        rows = sum(p.hi - p.lo for p in phases)
+        if r["timings"].get("prefill_s") is not None and rows > 0:
+            steps = sum(-(-(p.hi - p.lo) // p_budget) for p in phases)
+            out.append((steps, rows, r["timings"]["prefill_s"] * 1e3))
+    return out
+
+
+P_FIT_CO_RUN = "co-run alone steps"
+P_FIT_LONE = "lone requests"
+
+
+def co_run_p_alone(cal: dict[str, Any]) -> list[tuple[int, float]] | None:
+    """(prompt rows, ms) of every P step of the calibration's co-run that ran alone (D's steps
+    covered less than ``ALONE_P`` of it: ``step_log.p_alone_steps``, bench/e2e.py's rule); None
+    for a result without the co-run's step log (older ones, colocated modes)."""
+    log = ((cal.get("co_run") or {}).get("steps") or {}).get("prefill")
+    if log is None:
+        return None
+    d = cal["co_run"]["steps"].get("decode") or []
+    return [(rows, s * 1e3) for rows, s in p_alone_steps(log, d)]
+
+
+def fit_p_step(
+    cfg: ModelConfig, mode: str, cal: dict[str, Any], p_budget: int = 16384
+) -> tuple[float, float, dict[str, Any] | None]:
+    """P's step cost (fixed ms, ms per prompt row) and where it came from. Under load P runs
+    multi-prompt steps of 1-13K rows, and its alone steps there ran 1.17-1.26x the line through
+    the lone requests (one prompt a step, two lengths; docs/planner.md, "P's step from the
+    calibration's alone steps"). So where the co-run's log has P steps alone at two or more row
+    counts (its fill phase's burst: load-sized steps), the line is a least-squares fit through
+    them (``_line``, each step one point); otherwise the lone requests' fit. The record (None
+    without a co-run step log, so older validations keep their bytes): ``source``, ``steps``
+    and ``rows`` [min, max] of the points fitted, and ``lone_ms`` (the lone requests' line)."""
+    lone_points = _lone_p_points(cfg, mode, cal, p_budget)
+    lone = _steps_and_rows(lone_points) if lone_points else (0.0, 0.0)
+    alone = co_run_p_alone(cal) if mode != "colocated" else None
+    if alone is None:
+        return lone[0], lone[1], None
+    if len({rows for rows, _ in alone}) >= 2:
+        (p_step, p_row), source = _line([(float(rows), ms) for rows, ms in alone]), P_FIT_CO_RUN
+        rows = [r for r, _ in alone]
+    else:
+        (p_step, p_row), source = lone, P_FIT_LONE
+        rows = [r for _, r, _ in lone_points]
+    record = {
+        "source": source,
+        "steps": len(rows),
+        "rows": [min(rows), max(rows)] if rows else [],
+        "lone_ms": list(lone),
+    }
+    return p_step, p_row, record
 
 
 def _decode_seq_ms(
@@ -617,6 +671,7 @@ def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, stud
         cfg, mode, cal, study.d_budget, dep.colocated_semantics, dep.p_step_tokens, gpu, dep.shared_gpu, dep.d_share
     )
     steps.ttft_offset_ms = _ttft_offset(cal, path.first_at_start)
+    p_fit = fit_p_step(cfg, mode, cal, dep.p_step_tokens)[2]
     load = None
     if study.serving_load:
         lone = LoneCosts(steps.handoff_ms, steps.move_for, steps.ttft_offset_ms, lambda b: steps.decode_ms(b, 0, 1))
@@ -627,6 +682,7 @@ def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, stud
         **({"co_run_measured": {"p": measured[0], "d": measured[1]}} if measured and not dep.co_run else {}),
         **({"co_run_p_by_rows": [list(x) for x in dep.p_by_rows]} if dep.p_by_rows else {}),
         "steps_ms": asdict(steps),
+        **({"p_fit": p_fit} if p_fit else {}),
         "serving_load_ms": asdict(load or StageLoad()),
         "batch_check": _batch_check(cfg, steps, m, dep, as_measured, load),
     }
@@ -715,12 +771,14 @@ def validate_e2e(
     ``exclude``: (mode, rate) rows reported with the reason but left out of the count.
     ``shares``: how P and D split one shared GPU while both have a step in progress: ``equal``
     (the default: half each) or ``co-run`` (the calibration co-run's measured stretch, per P step
-    size where measured). Out of sample on the H200 equal shares predicted better (all three
-    metrics within 15 % in 5 of 12 rows against 3; docs/planner.md), so the measured stretch is
-    recorded (``co_run_measured``) but applied only on request. ``handoff_stream``: where P's
-    hand-off packs on a GPU, ``compute`` (P's compute stream: it advances between P's steps) or
-    ``pack`` (a stream of its own: beside them); None: as the result records it (``compute`` for
-    results made before the field), another value: what the same run would do with that hand-off."""
+    size where measured). Out of sample on the H200, with P's lone fit, equal shares predicted
+    better (all three metrics within 15 % in 5 of 12 rows against 3; docs/planner.md), so the
+    measured stretch is recorded (``co_run_measured``) but applied only on request; with P fitted
+    to the co-run's alone steps (``fit_p_step``) the same rows give 5 equal, 6 measured.
+    ``handoff_stream``: where P's hand-off packs on a GPU, ``compute`` (P's compute stream: it
+    advances between P's steps) or ``pack`` (a stream of its own: beside them); None: as the result
+    records it (``compute`` for results made before the field), another value: what the same run
+    would do with that hand-off."""
     if shares not in SHARES:
         raise ValidationError(f"shares must be one of {', '.join(SHARES)}, got {shares!r}")
     if handoff_stream not in (None, *HANDOFF_STREAMS):
@@ -785,6 +843,15 @@ def validate_e2e(
     return out
 
 
+def _p_fit_note(m: dict[str, Any]) -> str:
+    """Where P's line came from, for a mode whose result logged the co-run's steps."""
+    f = m.get("p_fit")
+    if not f:
+        return ""
+    rows = f"{f['rows'][0]}-{f['rows'][1]} rows" if f["rows"] else "no rows"
+    return f" ({f['source']}: {f['steps']} steps, {rows})"
+
+
 def format_validation(v: dict[str, Any]) -> str:
     lines = [
         f"planner vs measured ({v['source'].get('benchmark')}, {v['device']}, depth {v['model_depth']}, "
@@ -819,7 +886,8 @@ def format_validation(v: dict[str, Any]) -> str:
         else:
             s = m["steps_ms"]
             lines.append(
-                f"{mode}: fitted steps (ms) P {s['p_step_ms']:.1f} + {s['p_row_ms']:.4f}/row; D {s['d_step_ms']:.1f}"
+                f"{mode}: fitted steps (ms) P {s['p_step_ms']:.1f} + {s['p_row_ms']:.4f}/row{_p_fit_note(m)};"
+                f" D {s['d_step_ms']:.1f}"
                 f" + {s['d_seq_ms']:.2f}/request, prompt rows {s['d_pre_ms']:.1f} + {s['d_row_ms']:.4f}/row;"
                 + (
                     f" mixed: decode + {s['mix_pre_ms']:.1f} + {s['mix_row_ms']:.4f}/row;"

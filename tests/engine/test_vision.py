@@ -5,6 +5,7 @@ gives the bits of D computing the prefix alone; and each side encodes only what 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import numpy as np
@@ -185,7 +186,7 @@ def test_decode_worker_refuses_image_rows_it_did_not_ask_for(tiny_ckpt):
         "are not this request's": dict(image_spans=torch.tensor([[19, 9]])),
     }
     for needle, change in cases.items():
-        bad = type(state)(**{**vars(state), **change})
+        bad = dataclasses.replace(state, **change)
         with pytest.raises(PrefixStateError, match=needle):
             llm.engine.add_request("d", ids, SamplingParams(max_tokens=1), prefix_state=bad, images=images)
     assert not llm.engine.requests and llm.engine.blocks.num_used_blocks == 0
