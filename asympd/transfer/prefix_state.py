@@ -181,6 +181,10 @@ class PrefixState:
     _wire: dict[str, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
     _wire_host: dict[str, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
     _wire_lock: Any = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    # a received state: the header bytes and buffers exactly as they crossed the wire, set by the
+    # transport that read them. D authenticates these (transfer/seal.py ``verify``) instead of packing
+    # the unpacked values again, which costs a CPU several times the unpacking
+    arrived: tuple[bytes, list[torch.Tensor]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0 and self.start > 0:

@@ -14,6 +14,8 @@ import hashlib
 import hmac
 import secrets
 
+import torch
+
 from .prefix_state import PrefixState, PrefixStateError, tensor_bytes
 
 
@@ -23,9 +25,12 @@ def new_transfer_id() -> str:
 
 
 def seal(secret: bytes, transfer_id: str, state: PrefixState) -> str:
-    """The state's tag (hex) for ``transfer_id``."""
+    """The state's tag (hex) for ``transfer_id``: over its wire bytes, as P sends them."""
+    return _tag(secret, transfer_id, *state.to_buffers(host=True))
+
+
+def _tag(secret: bytes, transfer_id: str, header: bytes, buffers: list[torch.Tensor]) -> str:
     mac = hmac.new(secret, b"asympd-prefix-state\0" + transfer_id.encode() + b"\0", hashlib.sha256)
-    header, buffers = state.to_buffers(host=True)
     mac.update(len(header).to_bytes(8, "little") + header)
     for b in buffers:
         data = tensor_bytes(b)
@@ -36,10 +41,12 @@ def seal(secret: bytes, transfer_id: str, state: PrefixState) -> str:
 
 def verify(secret: bytes, transfer_id: str, state: PrefixState, tag: object, token_ids: list[int]) -> None:
     """Raise PrefixStateError unless ``state`` is what P sealed under ``transfer_id`` for exactly
-    this prompt."""
+    this prompt. A received state is checked over the bytes that arrived (``state.arrived``: its
+    values were unpacked from them), else over its wire bytes made again."""
     if not isinstance(tag, str) or not tag:
         raise PrefixStateError("the prefix state carries no authentication tag (state_mac)")
-    if not hmac.compare_digest(seal(secret, transfer_id, state), tag):
+    got = _tag(secret, transfer_id, *state.arrived) if state.arrived is not None else seal(secret, transfer_id, state)
+    if not hmac.compare_digest(got, tag):
         raise PrefixStateError("the prefix state failed authentication: forged or corrupted in transit")
     if state.token_ids.tolist() != list(token_ids):
         raise PrefixStateError("the prefix state was made for a different prompt than this request's")

@@ -380,7 +380,8 @@ def fetch(
 
 def _recv_state(sock: socket.socket, reply: dict[str, Any], deadline: Deadline) -> tuple[PrefixState, int]:
     """The header and buffers that follow a positive get/get_slice reply: (state, payload bytes)."""
-    header = parse_header(recv_exact(sock, int(reply["header_nbytes"]), deadline))
+    raw = recv_exact(sock, int(reply["header_nbytes"]), deadline)
+    header = parse_header(raw)
     buffers = [torch.empty(e["shape"], dtype=DTYPES[e["dtype"]]) for e in header["buffers"]]
     stream = sum(b.numel() * b.element_size() for b in buffers)
     if stream != reply["stream_nbytes"]:
@@ -388,7 +389,9 @@ def _recv_state(sock: socket.socket, reply: dict[str, Any], deadline: Deadline) 
     for b in buffers:
         if b.numel():
             recv_into(sock, memoryview(tensor_bytes(b)), deadline)
-    return PrefixState.from_buffers(header, buffers), stream
+    state = PrefixState.from_buffers(header, buffers)
+    state.arrived = (bytes(raw), buffers)  # what the tag is checked over (seal.verify)
+    return state, stream
 
 
 def fetch_stream(

@@ -4,11 +4,14 @@ secret serves only tagged operations."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from asympd.transfer import PrefixStateError, TcpTransport, TransferError
+from asympd.transfer import PrefixStateError, TcpTransport, TransferError, kv_pack
 from asympd.transfer.seal import new_transfer_id, op_tag, seal, verify
+from tests.transfer.test_kv_pack import packed_state
 from tests.transfer.transfer_peer import fingerprint, make_state
 
 KEY = b"k" * 32
@@ -65,3 +68,29 @@ def test_tcp_plane_with_a_secret_serves_only_tagged_ops():
         assert p.server is not None and len(p.server.refusals) == 2
         assert d.fetch(params, fp, timeout=5, ack=True).equal(state)
     assert op_tag(KEY, "get", "a") != op_tag(KEY, "ack", "a") != op_tag(KEY, "get", "b")
+
+
+def test_a_received_state_is_checked_over_the_bytes_that_arrived(monkeypatch):
+    """D authenticates what arrived over TCP (``state.arrived``), from which its values were
+    unpacked, without packing them again (several times the unpacking's CPU time); a flipped byte
+    of what arrived, or another key, still fails."""
+    state = packed_state()
+    ids = state.token_ids.tolist()
+    tag = seal(KEY, "xfer-1", state)
+    with TcpTransport(fingerprint(), secret=KEY) as p, TcpTransport(fingerprint(), secret=KEY) as d:
+        params = p.publish("xfer-1", state)
+        got = d.fetch(params, fingerprint(), timeout=5, ack=True)
+
+    def no_pack(*_args):
+        raise AssertionError("D packed the received state again")
+
+    monkeypatch.setattr(kv_pack, "pack", no_pack)
+    verify(KEY, "xfer-1", got, tag, ids)
+    assert got.equal(state) and got.arrived is not None
+    with pytest.raises(PrefixStateError, match="failed authentication"):
+        verify(b"other" * 8, "xfer-1", got, tag, ids)
+    header, buffers = got.arrived
+    codes = [b for b, e in zip(buffers, json.loads(header)["buffers"], strict=True) if e["name"] == "ckv.1"][0]
+    codes.view(-1)[0] ^= 1
+    with pytest.raises(PrefixStateError, match="failed authentication"):
+        verify(KEY, "xfer-1", got, tag, ids)
