@@ -119,3 +119,16 @@ def test_formats_linears_smoke(tmp_path):
         assert x["fp8_bytes"] == wbytes * (1 + 1 / 1024) + x["rows"] * (x["in"] + x["out"]) * 2
         assert x["fp8_floor_ms"] == max(x["fp8_bytes_floor_ms"], x["fp8_flops_floor_ms"])
         assert x["best_fp8"] in expect[x["rows"]]
+
+
+def test_handoff_smoke(tmp_path):
+    """bench/handoff.py: P's wire and D's receipt through a real TCP transport, old and new check."""
+    _smoke("bench/handoff.py", tmp_path)
+    r = json.loads((tmp_path / "handoff_smoke.json").read_text())
+    assert r["config"] == "tiny" and [row["prompt_tokens"] for row in r["rows"]] == [200, 1000]
+    for row in r["rows"]:
+        assert row["split"] == row["prompt_tokens"] - 16 and row["wire_bytes"] > 0
+        for k in ("p_wire_s", "p_old_pack_s", "d_recv_s", "d_verify_s", "d_verify_repack_s", "hmac_floor_s"):
+            assert row[k] > 0, k
+        assert row["d_total_s"] == round(row["d_recv_s"] + row["d_verify_s"], 6)
+        assert row["d_total_old_s"] == round(row["d_recv_s"] + row["d_verify_repack_s"], 6)
