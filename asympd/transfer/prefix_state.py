@@ -446,7 +446,9 @@ class PrefixState:
             if entry["nbytes"]:
                 raw.numpy()[:] = np.frombuffer(payload, dtype=np.uint8, count=entry["nbytes"], offset=entry["offset"])
             buffers.append(raw)
-        return cls.from_buffers(parsed, buffers)
+        state = cls.from_buffers(parsed, buffers)
+        state.arrived = (header, buffers)  # a blob is received bytes too: its tag is checked over them
+        return state
 
     # ---- the receiver's check ----------------------------------------------------------------------
 
