@@ -1,0 +1,45 @@
+"""tools/ttft_breakdown.py: a request's TTFT split into the servers' own parts, and the committed
+oos3 / oos4 results read per mode and rate."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tools.regen_validations import RESULTS
+from tools.ttft_breakdown import breakdown, parts
+
+
+def test_a_request_splits_into_the_servers_parts():
+    t = {
+        "prefill_path": "remote",
+        "prefill_s": 0.5,
+        "prefill_rtt_s": 0.65,
+        "publish_s": 0.1,
+        "transfer_s": 0.2,
+        "decode_first_step_s": 0.15,
+    }
+    got = parts(t, ttft_s=1.02)
+    assert got == pytest.approx({"p": 0.5, "publish": 0.1, "answer": 0.05, "fetch": 0.2, "d": 0.15, "other": 0.02})
+    assert sum(got.values()) == pytest.approx(1.02)
+    assert parts({**t, "prefill_path": "local"}, 1.0) is None  # P failed and D recomputed: no split
+    assert parts({**t, "transfer_s": None}, 1.0) is None
+
+
+def test_the_oos3_rate_runs():
+    result = json.loads((RESULTS / "e2e_h200x1_depth40_oos3.json").read_text())
+    rows = breakdown(result)
+    assert list(rows) == ["asymmetric@0.75", "asymmetric@1.5", "encoder-only@0.75", "encoder-only@1.5"]
+    run = result["modes"]["asymmetric"]["runs"][1]
+    t, ttft = run["requests"]["asympd_timings"][3], run["requests"]["ttfts"][3]
+    assert parts(t, ttft)["publish"] == t["publish_s"] and rows["asymmetric@1.5"]["requests"] == 16
+    # under load the hand-off (publish + fetch, p50s 371 + 372 ms) held as much of TTFT as P
+    hand_off = rows["asymmetric@1.5"]["publish"]["p50"] + rows["asymmetric@1.5"]["fetch"]["p50"]
+    assert round(hand_off * 1e3) == 744 and round(rows["asymmetric@1.5"]["p"]["p50"] * 1e3) == 755
+    cmd = [sys.executable, "tools/ttft_breakdown.py", str(RESULTS / "e2e_h200x1_depth40_oos3.json"),
+           str(RESULTS / "e2e_h200x1_depth40_oos4.json")]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=RESULTS.parents[1]).stdout
+    assert "asymmetric@1.5" in out and "(0.87)" in out  # oos4's TTFT p50 over oos3's at 1.5 req/s

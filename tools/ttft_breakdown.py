@@ -1,0 +1,114 @@
+"""Where each request's time to first token went, per mode and rate of a ``bench/e2e.py`` result, from
+the servers' own timings (``requests.asympd_timings``, kept since the seventh session); given a second
+result, the same for it and the ratio of each part (second / first).
+
+The parts of a P/D request's TTFT (the client's clock; every part a server measured itself):
+
+- ``p``: P's prefill, from its add to the prefix ready (queue and compute: ``prefill_s``);
+- ``publish``: P sealing and registering the prefix (``publish_s``; packing it is in here);
+- ``answer``: the rest of P's round trip as the router saw it (HTTP, JSON:
+  ``prefill_rtt_s - prefill_s - publish_s``);
+- ``fetch``: D pulling the prefix from P and checking it (``transfer_s``);
+- ``d``: D's add to its first token (its queue and the bounded prefill: ``decode_first_step_s``);
+- ``other``: the client's TTFT less all of the above (the router's hops, D's HTTP).
+
+What it is for: reading a change of the hand-off (docs/prefix-transfer.md §1) or of P's steps
+off two runs at the same rates, part by part, instead of off TTFT alone.
+
+    python tools/ttft_breakdown.py bench/results/e2e_h200x1_depth40_oos3.json [NEW.json] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+PARTS = ("p", "publish", "answer", "fetch", "d", "other")
+
+
+def parts(timings: dict[str, Any], ttft_s: float) -> dict[str, float] | None:
+    """One request's TTFT split in seconds; None for a request that did not go through P and D."""
+    need = ("prefill_s", "prefill_rtt_s", "publish_s", "transfer_s", "decode_first_step_s")
+    if timings.get("prefill_path") != "remote" or any(timings.get(k) is None for k in need):
+        return None
+    t = {k: float(timings[k]) for k in need}
+    out = {
+        "p": t["prefill_s"],
+        "publish": t["publish_s"],
+        "answer": t["prefill_rtt_s"] - t["prefill_s"] - t["publish_s"],
+        "fetch": t["transfer_s"],
+        "d": t["decode_first_step_s"],
+    }
+    out["other"] = ttft_s - t["prefill_rtt_s"] - t["transfer_s"] - t["decode_first_step_s"]
+    return out
+
+
+def breakdown(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{"MODE@RATE": {"requests": n, "ttft": {p50, p90}, PART: {p50, p90}}}`` in seconds, for every
+    rate run whose requests kept their timings."""
+    out: dict[str, dict[str, Any]] = {}
+    for mode, m in result.get("modes", {}).items():
+        for run in m.get("runs", []):
+            req = run.get("requests", {})
+            timings = req.get("asympd_timings")
+            if not timings:
+                continue
+            split = [
+                (ttft, p)
+                for t, ttft, err in zip(timings, req["ttfts"], req["errors"], strict=True)
+                if not err and t and (p := parts(t, ttft)) is not None
+            ]
+            if not split:
+                continue
+            row: dict[str, Any] = {"requests": len(split), "ttft": _pcts([ttft for ttft, _ in split])}
+            for k in PARTS:
+                row[k] = _pcts([p[k] for _, p in split])
+            out[f"{mode}@{run['request_rate']:g}"] = row
+    return out
+
+
+def _pcts(xs: list[float]) -> dict[str, float]:
+    xs = sorted(xs)
+    return {"p50": statistics.median(xs), "p90": xs[min(len(xs) - 1, int(0.9 * len(xs)))]}
+
+
+def format_table(name: str, rows: dict[str, dict[str, Any]], base: dict[str, dict[str, Any]] | None = None) -> str:
+    head = f"{'mode@rate':24} {'n':>3} " + " ".join(f"{k + ' p50':>12}" for k in ("ttft", *PARTS))
+    lines = [f"TTFT parts, ms (p50; p90 in --json): {name}", head, "-" * len(head)]
+    for key, row in rows.items():
+        cells = []
+        for k in ("ttft", *PARTS):
+            v = row[k]["p50"] * 1e3
+            ref = (base or {}).get(key, {}).get(k)
+            cells.append(f"{v:7.0f} ({v / (ref['p50'] * 1e3):.2f})" if ref and ref["p50"] > 0 else f"{v:12.0f}")
+        lines.append(f"{key:24} {row['requests']:>3} " + " ".join(f"{c:>12}" for c in cells))
+    if base:
+        lines.append("(in brackets: this result's p50 over the first's, same mode and rate)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", nargs="+", metavar="RESULT.json", help="one result, or a first and a second")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if len(args.results) > 2:
+        ap.error("give one result, or two to compare")
+    loaded = [(p, json.loads(Path(p).read_text())) for p in args.results]
+    tables = [(p, breakdown(r)) for p, r in loaded]
+    if args.json:
+        print(json.dumps({p: t for p, t in tables}, indent=1))
+        return 0
+    base = None
+    for path, rows in tables:
+        print(format_table(Path(path).name, rows, base))
+        base = rows
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
