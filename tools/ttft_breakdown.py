@@ -86,6 +86,10 @@ def format_table(name: str, rows: dict[str, dict[str, Any]], base: dict[str, dic
             ref = (base or {}).get(key, {}).get(k)
             cells.append(f"{v:7.0f} ({v / (ref['p50'] * 1e3):.2f})" if ref and ref["p50"] > 0 else f"{v:12.0f}")
         lines.append(f"{key:24} {row['requests']:>3} " + " ".join(f"{c:>12}" for c in cells))
+    if not rows:
+        lines.append(
+            "no rate run kept the servers' timings (requests.asympd_timings: results since the seventh session)"
+        )
     if base:
         lines.append("(in brackets: this result's p50 over the first's, same mode and rate)")
     return "\n".join(lines)
