@@ -9,7 +9,8 @@ values and checks the tag before anything touches its cache. Per prompt length t
   hand-off packed twice, with a host sync per candidate scale and buffer, so it is also timed here:
   ``old_pack_s`` is the one-at-a-time search the packer replaced, run on every buffer, times two.
 - **D, the receipt**: a real TCP fetch from a real ``TcpTransport`` (``recv_s``: the socket plus
-  ``from_buffers``' unpacking), then ``seal.verify``. The current D checks the tag over the bytes
+  the unpacking, on ``--device`` as a D on that device unpacks: ``tcp.unpack_received``), then
+  ``seal.verify``. The current D checks the tag over the bytes
   that arrived (``verify_s``). The old D packed the received values again to check it
   (``verify_repack_s``, the same call on the same state without ``arrived``).
 - **the floor of the check**: HMAC-SHA256 over the wire bytes alone (``hmac_s``): no check can take
@@ -122,7 +123,7 @@ def measure(cfg: ModelConfig, n_tokens: int, device: torch.device, repeats: int)
     old_pack_s, _ = timed(lambda: [one_at_a_time(t, f) for t, f in zip(packed, fmts, strict=True)], device, repeats)
     tag = seal(SECRET, "xfer-bench", state)
     ids = state.token_ids.tolist()
-    with TcpTransport("bench", secret=SECRET) as p, TcpTransport("bench", secret=SECRET) as d:
+    with TcpTransport("bench", secret=SECRET) as p, TcpTransport("bench", secret=SECRET, device=device) as d:
         recv, verify_s, verify_repack_s = [], [], []
         for i in range(repeats):
             params = p.publish(f"xfer-{i}", state)
@@ -184,6 +185,7 @@ def main() -> int:
         {
             "config": "tiny" if args.smoke else "v41_flash",
             "p_device": str(device),
+            "d_unpack_device": str(device),
             "d_host_threads": torch.get_num_threads(),
             "rows": rows,
         },

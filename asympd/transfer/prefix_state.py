@@ -367,9 +367,13 @@ class PrefixState:
         return json.dumps(header, separators=(",", ":")).encode(), buffers
 
     @classmethod
-    def from_buffers(cls, header: bytes | Mapping[str, Any], buffers: list[torch.Tensor]) -> PrefixState:
+    def from_buffers(
+        cls, header: bytes | Mapping[str, Any], buffers: list[torch.Tensor], device: torch.device | str | None = None
+    ) -> PrefixState:
         """Rebuild a state from ``to_buffers`` output. Buffers may be the typed tensors or flat
-        uint8 tensors of the right size (what a receiver that allocated raw bytes has)."""
+        uint8 tensors of the right size (what a receiver that allocated raw bytes has). ``device``
+        (fp4): move the packed ckv/idx there and unpack them there (D's GPU: 3.6x fewer bytes over
+        PCIe than the values, and no CPU time), on the current stream; the rest stays put."""
         parsed = parse_header(header)
         table = parsed["buffers"]
         if len(buffers) != len(table):
@@ -388,7 +392,7 @@ class PrefixState:
         tokens = named.pop("token_ids")
         meta = {k: parsed["metadata"][k] for k in _META_KEYS}
         if meta["kv_format"] == "fp4":
-            named = _unpack_named(named, meta["dtype"])
+            named = _unpack_named(named, meta["dtype"], device)
         elif any(_parse_name(n)[0] in _SCALE_KINDS for n in named):
             raise PrefixStateError("scale buffers in a state whose kv_format is unpacked")
         return cls._from_named(named, {**meta, "version": parsed["version"]}, tokens)
@@ -558,7 +562,9 @@ class PrefixState:
                 raise PrefixStateError(f"swa_kv[{layer}] does not hold the last {need.numel()} prompt rows")
 
 
-def _unpack_named(named: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+def _unpack_named(
+    named: dict[str, torch.Tensor], dtype: str, device: torch.device | str | None = None
+) -> dict[str, torch.Tensor]:
     """The fp4 wire buffers back to cache values in ``dtype``: every packed buffer needs its scales
     and every scale buffer its codes; a mismatch or an invalid scale is a PrefixStateError."""
     if dtype not in DTYPES:
@@ -578,6 +584,8 @@ def _unpack_named(named: dict[str, torch.Tensor], dtype: str) -> dict[str, torch
             raise PrefixStateError(f"packed {_display(name)} arrived without its scales ({kind}_scale.{layer})")
         if t.dtype != torch.uint8:
             raise PrefixStateError(f"packed {_display(name)} is {dtype_name(t.dtype)}, expected uint8 codes")
+        if device is not None:
+            t, scales = t.to(device), scales.to(device)
         try:
             out[name] = kv_pack.unpack(t, scales, _PACKED[kind]).to(DTYPES[dtype])
         except kv_pack.KVPackError as e:

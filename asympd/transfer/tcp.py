@@ -352,9 +352,12 @@ def fetch(
     ack: bool = True,
     metrics: TransferMetrics | None = None,
     secret: bytes | None = None,
+    *,
+    device: torch.device | str | None = None,
 ) -> PrefixState:
-    """D: pull a prefix state from P's server into fresh CPU tensors (bit-exact). With ``ack``, P
-    may release it as soon as it is here. The caller still runs ``state.validate``."""
+    """D: pull a prefix state from P's server into fresh CPU tensors (bit-exact; ``device``: its
+    packed KV unpacked there, ``unpack_received``). With ``ack``, P may release it as soon as it is
+    here. The caller still runs ``state.validate``."""
     deadline = Deadline(timeout)
     where = f"{host}:{port}"
 
@@ -363,7 +366,7 @@ def fetch(
         sock = connect(host, port, fingerprint, deadline)
         with sock:
             reply = request(sock, {"op": "get", "transfer_id": transfer_id}, deadline, where, secret)
-            state, stream = _recv_state(sock, reply, deadline)
+            state, stream = _recv_state(sock, reply, deadline, device)
             if ack:
                 request(sock, {"op": "ack", "transfer_id": transfer_id}, deadline, where, secret)
         if metrics is not None:
@@ -378,8 +381,11 @@ def fetch(
         raise
 
 
-def _recv_state(sock: socket.socket, reply: dict[str, Any], deadline: Deadline) -> tuple[PrefixState, int]:
-    """The header and buffers that follow a positive get/get_slice reply: (state, payload bytes)."""
+def _recv_state(
+    sock: socket.socket, reply: dict[str, Any], deadline: Deadline, device: torch.device | str | None = None
+) -> tuple[PrefixState, int]:
+    """The header and buffers that follow a positive get/get_slice reply: (state, payload bytes);
+    ``device``: where the packed KV is unpacked (``unpack_received``)."""
     raw = recv_exact(sock, int(reply["header_nbytes"]), deadline)
     header = parse_header(raw)
     buffers = [torch.empty(e["shape"], dtype=DTYPES[e["dtype"]]) for e in header["buffers"]]
@@ -389,9 +395,30 @@ def _recv_state(sock: socket.socket, reply: dict[str, Any], deadline: Deadline) 
     for b in buffers:
         if b.numel():
             recv_into(sock, memoryview(tensor_bytes(b)), deadline)
-    state = PrefixState.from_buffers(header, buffers)
+    state = unpack_received(header, buffers, device)
     state.arrived = (bytes(raw), buffers)  # what the tag is checked over (seal.verify)
     return state, stream
+
+
+def unpack_received(
+    header: bytes | dict[str, Any], buffers: list[torch.Tensor], device: torch.device | str | None = None
+) -> PrefixState:
+    """A received state, its packed KV unpacked on ``device`` (None: the host). On a GPU that runs on
+    a stream of its own, not the engine's, whose queued step it would wait for; the values are
+    complete on return, and held for the engine's stream (``record_stream``) until it is done with
+    them."""
+    dev = torch.device(device) if device is not None else None
+    if dev is None or dev.type != "cuda":
+        return PrefixState.from_buffers(header, buffers, dev)
+    stream = torch.cuda.Stream(dev)
+    with torch.cuda.stream(stream):
+        state = PrefixState.from_buffers(header, buffers, dev)
+    stream.synchronize()
+    engine = torch.cuda.default_stream(dev)
+    for t in (*state.ckv.values(), *state.idx.values()):
+        if t.is_cuda:
+            t.record_stream(engine)
+    return state
 
 
 def fetch_stream(
@@ -404,6 +431,8 @@ def fetch_stream(
     metrics: TransferMetrics | None = None,
     secret: bytes | None = None,
     with_tags: bool = False,
+    *,
+    device: torch.device | str | None = None,
 ) -> Iterator[PrefixState] | Iterator[tuple[PrefixState, str | None]]:
     """D: the slices of a streamed prefix, each as soon as P has pushed it (``timeout``: the most to
     wait for any one slice), over one connection; acked after the last. The caller checks them
@@ -419,7 +448,7 @@ def fetch_stream(
             msg = {"op": "get_slice", "transfer_id": transfer_id, "index": index, "wait_s": timeout}
             try:
                 reply = guarded(lambda m=msg, d=deadline: request(sock, m, d, where, secret), deadline, where)
-                piece, nbytes = guarded(lambda r=reply, d=deadline: _recv_state(sock, r, d), deadline, where)
+                piece, nbytes = guarded(lambda r=reply, d=deadline: _recv_state(sock, r, d, device), deadline, where)
             except TransferError:
                 if metrics is not None:
                     metrics.failed()
@@ -469,10 +498,13 @@ class TcpTransport(Transport):
         ttl_s: float = 60.0,
         on_release: ReleaseFn | None = None,
         secret: bytes | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
+        """``device``: where D unpacks the packed KV it receives (its engine's device)."""
         super().__init__()
         self.fingerprint = fingerprint
         self.secret = secret
+        self.device = device
         self.host, self.port = host, port
         self.advertise_host = advertise_host or host
         self.ttl_s = ttl_s
@@ -530,12 +562,14 @@ class TcpTransport(Transport):
         """D: the slices of a stream as P pushes them (see ``fetch_stream``)."""
         check_params(params, self.name)
         host, port, tid = params["host"], params["port"], params["transfer_id"]
-        return fetch_stream(host, port, tid, fingerprint, timeout, ack, self.metrics, self.secret, with_tags)
+        return fetch_stream(
+            host, port, tid, fingerprint, timeout, ack, self.metrics, self.secret, with_tags, device=self.device
+        )
 
     def fetch(self, params: dict[str, Any], fingerprint: str, timeout: float = 30.0, ack: bool = True) -> PrefixState:
         check_params(params, self.name)
         host, port, tid = params["host"], params["port"], params["transfer_id"]
-        return fetch(host, port, tid, fingerprint, timeout, ack, self.metrics, self.secret)
+        return fetch(host, port, tid, fingerprint, timeout, ack, self.metrics, self.secret, device=self.device)
 
     def ack(self, params: dict[str, Any], fingerprint: str, timeout: float = 10.0) -> None:
         check_params(params, self.name)

@@ -13,7 +13,9 @@ from asympd.config import tiny, v41_flash
 from asympd.model.quant import E2M1_VALUES, FP4_TABLE, fp4_qdq, pack_fp4
 from asympd.transfer import PrefixState, PrefixStateError, kv_pack
 from asympd.transfer.kv_pack import MXFP4, NVFP4, KVPackError, pack, pack_unchecked, unpack, wire_bytes_per_token
-from asympd.transfer.seal import seal
+from asympd.transfer.seal import seal, verify
+from asympd.transfer.tcp import TcpTransport, unpack_received
+from asympd.transfer.transport import make_transport
 from tests.transfer.transfer_peer import make_state
 from tests.util import random_prompts
 
@@ -241,6 +243,35 @@ def test_packing_on_the_device_gives_the_host_bytes():
         assert torch.equal(codes.cpu(), want[0])
         assert torch.equal(scales.cpu().view(torch.uint8), want[1].view(torch.uint8))
         assert torch.equal(bits(unpack(codes, scales, fmt).cpu()), bits(unpack(*want, fmt)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_d_unpacks_what_it_receives_on_its_gpu():
+    """A D on a GPU (``TcpTransport(device=...)``, its engine's device) moves the packed KV there and
+    unpacks it on a stream of its own: the values on the device, bit for bit the host's unpacking,
+    the tag still checked over the host bytes that arrived."""
+    state = packed_state()
+    tag = seal(b"k", "xfer-1", state)
+    with (
+        TcpTransport(state.fingerprint, secret=b"k") as p,
+        TcpTransport(state.fingerprint, secret=b"k", device="cuda") as d,
+    ):
+        got = d.fetch(p.publish("xfer-1", state), state.fingerprint, timeout=10)
+    for layer in CFG.kv_source_layers:
+        assert got.ckv[layer].is_cuda and got.idx[layer].is_cuda
+        assert torch.equal(bits(got.ckv[layer].cpu()), bits(state.ckv[layer]))
+        assert torch.equal(bits(got.idx[layer].cpu()), bits(state.idx[layer]))
+    assert not got.token_ids.is_cuda and all(not b.is_cuda for b in got.arrived[1])
+    verify(b"k", "xfer-1", got, tag, state.token_ids.tolist())
+    got.validate(CFG, state.fingerprint)
+
+
+def test_a_tcp_receiver_unpacks_where_it_is_told():
+    state = packed_state()
+    header, buffers = state.to_buffers(host=True)
+    assert make_transport("tcp", state.fingerprint, device="cpu").device == "cpu"
+    assert unpack_received(header, buffers, None).equal(state)
+    assert unpack_received(header, buffers, "cpu").equal(state)
 
 
 # ---- through the engines ----------------------------------------------------------------------------
