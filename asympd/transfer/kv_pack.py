@@ -77,12 +77,13 @@ def pack_unchecked(values: torch.Tensor, fmt: FP4Format) -> tuple[torch.Tensor, 
     """``pack`` without the refusal: also ``ok`` (bool, one per block of ``fmt.block`` values in
     row-major order), False where a block is off the grid (its codes and scale are then garbage).
 
-    Two host synchronisations whatever the size (which blocks the natural scale missed, and none
-    once they are known), so on a GPU the pack advances without waiting on the host between small
-    steps. Every block the quantizer wrote with its largest code 6 takes the natural scale amax / 6
-    in one pass over all of them; the few left (a scale that rounding moved off amax / 6, an
-    all-zero block's floor) try the remaining candidates side by side and take the first exact one,
-    which is the scale the one-candidate-at-a-time search would take."""
+    One host synchronisation whatever the size (which blocks the natural scale missed; ``pack``
+    adds one for the refusal), where the search it replaces synchronised once per candidate: on a
+    GPU each of those waited for every kernel queued before it. Every block takes the natural scale
+    amax / 6 in one pass (an all-zero block the quantizer's floor); the blocks it does not
+    reproduce (most MXFP4 blocks, whose power-of-two scale is rarely amax / 6; NVFP4 blocks whose
+    E4M3 rounding moved the scale) try the other candidates side by side and take the first exact
+    one: the scale the one-candidate-at-a-time search takes, with the same division.
     n, d = values.shape
     if d % fmt.block:
         raise KVPackError(f"width {d} is not a multiple of the {fmt.name} block {fmt.block}")
