@@ -83,7 +83,7 @@ def pack_unchecked(values: torch.Tensor, fmt: FP4Format) -> tuple[torch.Tensor, 
     amax / 6 in one pass (an all-zero block the quantizer's floor); the blocks it does not
     reproduce (most MXFP4 blocks, whose power-of-two scale is rarely amax / 6; NVFP4 blocks whose
     E4M3 rounding moved the scale) try the other candidates side by side and take the first exact
-    one: the scale the one-candidate-at-a-time search takes, with the same division.
+    one: the scale the one-candidate-at-a-time search takes, with the same division."""
     n, d = values.shape
     if d % fmt.block:
         raise KVPackError(f"width {d} is not a multiple of the {fmt.name} block {fmt.block}")

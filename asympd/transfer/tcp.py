@@ -353,9 +353,9 @@ def fetch(
     metrics: TransferMetrics | None = None,
     secret: bytes | None = None,
     *,
-    device: torch.device | str | None = None,
+    unpack_on: UnpackOn | None = None,
 ) -> PrefixState:
-    """D: pull a prefix state from P's server into fresh CPU tensors (bit-exact; ``device``: its
+    """D: pull a prefix state from P's server into fresh CPU tensors (bit-exact; ``unpack_on``: its
     packed KV unpacked there, ``unpack_received``). With ``ack``, P may release it as soon as it is
     here. The caller still runs ``state.validate``."""
     deadline = Deadline(timeout)
@@ -366,7 +366,7 @@ def fetch(
         sock = connect(host, port, fingerprint, deadline)
         with sock:
             reply = request(sock, {"op": "get", "transfer_id": transfer_id}, deadline, where, secret)
-            state, stream = _recv_state(sock, reply, deadline, device)
+            state, stream = _recv_state(sock, reply, deadline, unpack_on)
             if ack:
                 request(sock, {"op": "ack", "transfer_id": transfer_id}, deadline, where, secret)
         if metrics is not None:
@@ -382,10 +382,10 @@ def fetch(
 
 
 def _recv_state(
-    sock: socket.socket, reply: dict[str, Any], deadline: Deadline, device: torch.device | str | None = None
+    sock: socket.socket, reply: dict[str, Any], deadline: Deadline, unpack_on: UnpackOn | None = None
 ) -> tuple[PrefixState, int]:
     """The header and buffers that follow a positive get/get_slice reply: (state, payload bytes);
-    ``device``: where the packed KV is unpacked (``unpack_received``)."""
+    ``unpack_on``: where the packed KV is unpacked (``unpack_received``)."""
     raw = recv_exact(sock, int(reply["header_nbytes"]), deadline)
     header = parse_header(raw)
     buffers = [torch.empty(e["shape"], dtype=DTYPES[e["dtype"]]) for e in header["buffers"]]
@@ -395,22 +395,30 @@ def _recv_state(
     for b in buffers:
         if b.numel():
             recv_into(sock, memoryview(tensor_bytes(b)), deadline)
-    state = unpack_received(header, buffers, device)
+    state = unpack_received(header, buffers, unpack_on)
     state.arrived = (bytes(raw), buffers)  # what the tag is checked over (seal.verify)
     return state, stream
 
 
+class UnpackOn:
+    """Where a receiver unpacks the packed KV it gets: its engine's device, and on a GPU one stream of
+    the receiver's own (not the engine's, whose queued step it would wait for; one, so the caching
+    allocator keeps one pool for these buffers, not one per stream of torch's pool)."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+
 def unpack_received(
-    header: bytes | dict[str, Any], buffers: list[torch.Tensor], device: torch.device | str | None = None
+    header: bytes | dict[str, Any], buffers: list[torch.Tensor], unpack_on: UnpackOn | None = None
 ) -> PrefixState:
-    """A received state, its packed KV unpacked on ``device`` (None: the host). On a GPU that runs on
-    a stream of its own, not the engine's, whose queued step it would wait for; the values are
-    complete on return, and held for the engine's stream (``record_stream``) until it is done with
-    them."""
-    dev = torch.device(device) if device is not None else None
-    if dev is None or dev.type != "cuda":
-        return PrefixState.from_buffers(header, buffers, dev)
-    stream = torch.cuda.Stream(dev)
+    """A received state, its packed KV unpacked where ``unpack_on`` says (None: the host). On a GPU
+    the values are complete on return, and held for the engine's stream (``record_stream``) until
+    it is done with them."""
+    if unpack_on is None or unpack_on.stream is None:
+        return PrefixState.from_buffers(header, buffers, unpack_on.device if unpack_on else None)
+    dev, stream = unpack_on.device, unpack_on.stream
     with torch.cuda.stream(stream):
         state = PrefixState.from_buffers(header, buffers, dev)
     stream.synchronize()
@@ -432,7 +440,7 @@ def fetch_stream(
     secret: bytes | None = None,
     with_tags: bool = False,
     *,
-    device: torch.device | str | None = None,
+    unpack_on: UnpackOn | None = None,
 ) -> Iterator[PrefixState] | Iterator[tuple[PrefixState, str | None]]:
     """D: the slices of a streamed prefix, each as soon as P has pushed it (``timeout``: the most to
     wait for any one slice), over one connection; acked after the last. The caller checks them
@@ -448,7 +456,7 @@ def fetch_stream(
             msg = {"op": "get_slice", "transfer_id": transfer_id, "index": index, "wait_s": timeout}
             try:
                 reply = guarded(lambda m=msg, d=deadline: request(sock, m, d, where, secret), deadline, where)
-                piece, nbytes = guarded(lambda r=reply, d=deadline: _recv_state(sock, r, d, device), deadline, where)
+                piece, nbytes = guarded(lambda r=reply, d=deadline: _recv_state(sock, r, d, unpack_on), deadline, where)
             except TransferError:
                 if metrics is not None:
                     metrics.failed()
@@ -505,6 +513,7 @@ class TcpTransport(Transport):
         self.fingerprint = fingerprint
         self.secret = secret
         self.device = device
+        self.unpack_on = UnpackOn(device)
         self.host, self.port = host, port
         self.advertise_host = advertise_host or host
         self.ttl_s = ttl_s
@@ -563,13 +572,13 @@ class TcpTransport(Transport):
         check_params(params, self.name)
         host, port, tid = params["host"], params["port"], params["transfer_id"]
         return fetch_stream(
-            host, port, tid, fingerprint, timeout, ack, self.metrics, self.secret, with_tags, device=self.device
+            host, port, tid, fingerprint, timeout, ack, self.metrics, self.secret, with_tags, unpack_on=self.unpack_on
         )
 
     def fetch(self, params: dict[str, Any], fingerprint: str, timeout: float = 30.0, ack: bool = True) -> PrefixState:
         check_params(params, self.name)
         host, port, tid = params["host"], params["port"], params["transfer_id"]
-        return fetch(host, port, tid, fingerprint, timeout, ack, self.metrics, self.secret, device=self.device)
+        return fetch(host, port, tid, fingerprint, timeout, ack, self.metrics, self.secret, unpack_on=self.unpack_on)
 
     def ack(self, params: dict[str, Any], fingerprint: str, timeout: float = 10.0) -> None:
         check_params(params, self.name)

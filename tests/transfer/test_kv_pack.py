@@ -14,7 +14,7 @@ from asympd.model.quant import E2M1_VALUES, FP4_TABLE, fp4_qdq, pack_fp4
 from asympd.transfer import PrefixState, PrefixStateError, kv_pack
 from asympd.transfer.kv_pack import MXFP4, NVFP4, KVPackError, pack, pack_unchecked, unpack, wire_bytes_per_token
 from asympd.transfer.seal import seal, verify
-from asympd.transfer.tcp import TcpTransport, unpack_received
+from asympd.transfer.tcp import TcpTransport, UnpackOn, unpack_received
 from asympd.transfer.transport import make_transport
 from tests.transfer.transfer_peer import make_state
 from tests.util import random_prompts
@@ -271,7 +271,7 @@ def test_a_tcp_receiver_unpacks_where_it_is_told():
     header, buffers = state.to_buffers(host=True)
     assert make_transport("tcp", state.fingerprint, device="cpu").device == "cpu"
     assert unpack_received(header, buffers, None).equal(state)
-    assert unpack_received(header, buffers, "cpu").equal(state)
+    assert unpack_received(header, buffers, UnpackOn("cpu")).equal(state)
 
 
 # ---- through the engines ----------------------------------------------------------------------------
