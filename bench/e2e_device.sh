@@ -3,7 +3,8 @@
 # Installs the serving wheels carried in .whl (the device image lacks fastapi/uvicorn), keeps Triton's
 # cache in .triton_cache (carry it into the next call: compiles cost 1-2 minutes a call at true depth)
 # and returns it as $OUT/triton_cache.tgz. TESTS="test files" (and TESTS_K="a -k expression"): run those
-# CUDA tests first and stop if they fail. Set ASYMPD_COMMIT to the commit checked out (the device copy has no git history).
+# CUDA tests first and stop if they fail; AFTER="a command": run it after the study (e.g. a short benchmark).
+# Set ASYMPD_COMMIT to the commit checked out (the device copy has no git history).
 set -uo pipefail
 out=${OUT:?set OUT to the output folder}
 export PYTHONPATH=.
@@ -25,7 +26,11 @@ if [ -n "${TESTS:-}" ]; then
     [ "$rc" -eq 0 ] || exit "$rc"
 fi
 python3 bench/e2e.py --gpus 1 --depth 40 --modes "$modes" --name "$name" "$@" 2>&1 | tee "$out/$name.log"
-rc=$?
+rc=${PIPESTATUS[0]}
+if [ -n "${AFTER:-}" ]; then  # one more command in the same call (its output beside the study's)
+    bash -c "$AFTER" >"$out/after_$name.log" 2>&1
+    echo "AFTER exit $?: $(tail -3 "$out/after_$name.log")"
+fi
 tar czf "$out/triton_cache.tgz" .triton_cache
 echo "triton cache returned: $(du -sh "$out/triton_cache.tgz" | cut -f1)"
 exit "$rc"
