@@ -3,7 +3,9 @@ values off the grid and of malformed packed buffers, and the bytes per prompt to
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -188,6 +190,14 @@ def test_the_wire_is_packed_once_for_the_seal_and_the_send(monkeypatch):
     assert sorted(calls) == ["mxfp4"] * 2 + ["nvfp4"] * 2  # one per packed buffer of the two sources
     assert seal(b"k", "xfer-1", PrefixState.from_buffers(header, buffers)) == tag
     assert PrefixState.deserialize(blob).equal(state) and all(not b.is_cuda for b in buffers)
+    # the seal and the send ask from two threads at once (P's handler and its transport): one pack
+    calls.clear()
+    fresh = dataclasses.replace(state)
+    with ThreadPoolExecutor(4) as pool:
+        wires = list(pool.map(lambda _: fresh.to_buffers(host=True), range(4)))
+    assert sorted(calls) == ["mxfp4"] * 2 + ["nvfp4"] * 2
+    same = [all(a.data_ptr() == b.data_ptr() for a, b in zip(w[1], wires[0][1], strict=True)) for w in wires]
+    assert all(w[0] == header for w in wires) and all(same)  # the same host buffers, not copies
 
 
 def _tamper(state: PrefixState, name: str, fn):
