@@ -1,5 +1,6 @@
-"""Regenerate every committed ``bench/results/*_validation.json`` with this tree (each file's own
-exclusions) and say which differ from the committed bytes: a change to the planner that should
+"""Regenerate every committed ``bench/results/*_validation*.json`` with this tree (each file's own
+exclusions, shares and hand-off: ``*_validation_handoff_pack.json`` asks the old runs what the new
+hand-off would give) and say which differ from the committed bytes: a change to the planner that should
 leave older results alone (a field they lack) is checked here. Exit 1 when any differs;
 ``--write`` rewrites the ones that do."""
 
@@ -19,9 +20,12 @@ def regenerate(path: Path) -> str:
     """The validation of ``path``'s source result, as ``asympd plan --validate-out`` writes it."""
     old = json.loads(path.read_text())
     exclude = [f"{r['mode']}@{r['rate']:g}={r['excluded']}" for r in old["rows"] if r.get("excluded")]
-    source = path.with_name(path.name.replace("_validation.json", ".json"))
+    source = path.with_name(path.name.split("_validation")[0] + ".json")
     shares = old.get("shares", "equal")
-    v = validate_e2e(json.loads(source.read_text()), exclude=parse_exclusions(exclude), shares=shares)
+    handoff = old.get("handoff_stream")  # recorded where the result has it, or asked (a what-if)
+    v = validate_e2e(
+        json.loads(source.read_text()), exclude=parse_exclusions(exclude), shares=shares, handoff_stream=handoff
+    )
     return json.dumps(v, indent=1) + "\n"
 
 
@@ -30,7 +34,7 @@ def main() -> int:
     ap.add_argument("--write", action="store_true", help="rewrite the validations that differ")
     args = ap.parse_args()
     differ = 0
-    for path in sorted(RESULTS.glob("*_validation.json")):
+    for path in sorted(RESULTS.glob("*_validation*.json")):
         new = regenerate(path)
         same = new == path.read_text()
         differ += not same
