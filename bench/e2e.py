@@ -496,7 +496,7 @@ def calibrate(url: str, lengths: list[int], tokens: int, batch: int, vocab: int,
 
 
 # BESIDE, ALONE_P and _overlap live in the planner (asympd/plan/step_log.py), which reads P's alone
-# steps by the same rule; tools/timeline_report.py imports them from here
+# steps by the same rule
 def _stretch(dt: float, alone: float, f: float) -> float | None:
     """The slowdown ``s`` of a step while it shared the GPU, as the simulator shares it: the step
     took ``dt``, ran beside the other process for the fraction ``f`` of it at 1/s of its alone

@@ -20,8 +20,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from asympd.plan.step_log import BESIDE  # noqa: E402  (the co-run's reading of "beside")
+from asympd.plan.step_log import overlap as _overlap  # noqa: E402
 from asympd.plan.validate import validate_e2e  # noqa: E402
-from bench.e2e import BESIDE, _overlap  # noqa: E402  (the co-run's reading of "beside")
 
 
 def p_steps_beside(run: dict[str, Any], lone_ms: Any) -> list[dict[str, Any]]:

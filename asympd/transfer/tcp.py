@@ -24,6 +24,7 @@ numeric formats would silently corrupt D's cache.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import socket
@@ -407,7 +408,11 @@ class UnpackOn:
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    @functools.cached_property
+    def stream(self) -> torch.cuda.Stream | None:
+        """Made on the first receipt: a publisher (P) never needs one."""
+        return torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
 
 def unpack_received(
