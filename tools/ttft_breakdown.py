@@ -12,6 +12,11 @@ The parts of a P/D request's TTFT (the client's clock; every part a server measu
 - ``d``: D's add to its first token (its queue and the bounded prefill: ``decode_first_step_s``);
 - ``other``: the client's TTFT less all of the above (the router's hops, D's HTTP).
 
+Results since the ninth session also split ``fetch`` as D timed it (``FETCH_PARTS``): ``arrive``
+(the bytes arriving: the socket, or the NIXL read), ``unpack`` (the packed KV to values, on D's
+GPU where it has one) and ``check`` (the tag and ``PrefixState.validate``); the rest of ``fetch``
+is the connection, the request and the ack.
+
 What it is for: reading a change of the hand-off (docs/prefix-transfer.md §1) or of P's steps
 off two runs at the same rates, part by part, instead of off TTFT alone.
 
@@ -28,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 PARTS = ("p", "publish", "answer", "fetch", "d", "other")
+FETCH_PARTS = ("arrive", "unpack", "check")
 
 
 def parts(timings: dict[str, Any], ttft_s: float) -> dict[str, float] | None:
@@ -45,6 +51,12 @@ def parts(timings: dict[str, Any], ttft_s: float) -> dict[str, float] | None:
     }
     out["other"] = ttft_s - t["prefill_rtt_s"] - t["transfer_s"] - t["decode_first_step_s"]
     return out
+
+
+def fetch_parts(timings: dict[str, Any]) -> dict[str, float] | None:
+    """D's fetch of one request split (seconds), where its server timed the parts."""
+    got = {k: timings.get(f"transfer_{k}_s") for k in FETCH_PARTS}
+    return None if any(v is None for v in got.values()) else {k: float(v) for k, v in got.items()}
 
 
 def breakdown(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -67,6 +79,9 @@ def breakdown(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
             row: dict[str, Any] = {"requests": len(split), "ttft": _pcts([ttft for ttft, _ in split])}
             for k in PARTS:
                 row[k] = _pcts([p[k] for _, p in split])
+            fetched = [f for t in timings if t and (f := fetch_parts(t)) is not None]
+            if fetched:
+                row["fetch_split"] = {k: _pcts([f[k] for f in fetched]) for k in FETCH_PARTS}
             out[f"{mode}@{run['request_rate']:g}"] = row
     return out
 
@@ -92,6 +107,11 @@ def format_table(name: str, rows: dict[str, dict[str, Any]], base: dict[str, dic
         )
     if base:
         lines.append("(in brackets: this result's p50 over the first's, same mode and rate)")
+    split = {key: row["fetch_split"] for key, row in rows.items() if "fetch_split" in row}
+    if split:
+        lines.append("D's fetch split, ms (p50): " + ", ".join(FETCH_PARTS))
+        for key, f in split.items():
+            lines.append(f"{key:24} " + " ".join(f"{f[k]['p50'] * 1e3:12.1f}" for k in FETCH_PARTS))
     return "\n".join(lines)
 
 

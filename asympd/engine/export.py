@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
-from asympd.transfer.prefix_state import PrefixState
+from asympd.transfer.prefix_state import HANDOFF_STREAM_PRIORITY, PrefixState
 
 MIN_CLASS = 4 << 10  # smallest pinned buffer: open compressor pairs are a few KB
 
@@ -194,8 +194,11 @@ class PrefixExporter:
         device = torch.device(device)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" and side_stream else None
         # the hand-off's own stream: packing the wire format and copying it to the host there waits
-        # for nothing but that work (not the next step's compute, not the next export's copy)
-        self.pack_stream = torch.cuda.Stream(device) if self.stream is not None else None
+        # for nothing but that work (not the next step's compute, not the next export's copy), and
+        # at high priority its small kernels go ahead of the pending blocks of the step in flight
+        self.pack_stream = (
+            torch.cuda.Stream(device, priority=HANDOFF_STREAM_PRIORITY) if self.stream is not None else None
+        )
         self.pool = PinnedPool(max_idle_bytes, pin=self.stream is not None)
 
     def begin(self) -> ExportCopy:

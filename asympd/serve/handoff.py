@@ -199,8 +199,10 @@ class Handoff:
         state = self._fetcher(str(kv.get("transport", "tcp"))).fetch(
             kv, self.fingerprint, timeout=self.transfer_timeout, ack=True
         )
+        t0 = time.perf_counter()
         verify(self.secret, tid, state, kv.get("state_mac"), ids)
         state.validate(self.model_cfg, self.fingerprint)
+        state.receipt["check_s"] = time.perf_counter() - t0
         return state
 
     def check_stream(self, kv: dict[str, Any]) -> None:
@@ -259,6 +261,8 @@ class Handoff:
             else:
                 timings["transfer_s"] = time.perf_counter() - t0
                 timings["transfer_bytes"] = state.wire_nbytes  # as it crossed (FP4 global KV by default)
+                for part, secs in state.receipt.items():  # arrive_s, unpack_s, check_s where measured
+                    timings[f"transfer_{part}"] = secs
                 metrics.ttft_transfer.observe(timings["transfer_s"])
                 if timings["prefill_s"] is not None:
                     metrics.ttft_prefill.observe(float(timings["prefill_s"]))

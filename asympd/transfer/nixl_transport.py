@@ -304,14 +304,19 @@ class NixlTransport(Transport):
             reply = guarded(control, deadline, where)
             header = parse_header(reply["header"].encode())
             buffers = [torch.empty(e["shape"], dtype=DTYPES[e["dtype"]], device=self.device) for e in header["buffers"]]
+            t1 = time.perf_counter()
             nbytes = self._read(reply, buffers, tid, ack, deadline)
+            arrive_s = time.perf_counter() - t1
             if ack and not reply["indices"]:  # nothing was read, so no notification carried the ack
                 self.ack(params, fingerprint, deadline.left())
             self.metrics.record(TransferRecord(self.name, "recv", tid, nbytes, time.perf_counter() - t0))
         except TransferError:
             self.metrics.failed()
             raise
-        return PrefixState.from_buffers(header, buffers)
+        t1 = time.perf_counter()
+        state = PrefixState.from_buffers(header, buffers)
+        state.receipt = {"arrive_s": arrive_s, "unpack_s": time.perf_counter() - t1}
+        return state
 
     def _read(
         self,

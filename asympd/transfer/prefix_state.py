@@ -80,6 +80,10 @@ _META_KEYS = ("split", "num_prompt_tokens", "boundary_policy", "mode", "dtype", 
 KV_FORMATS = ("fp4", "unpacked")
 # packed kinds: the format of each, and the name of its scale buffer on the wire
 _PACKED = {"ckv": kv_pack.NVFP4, "idx": kv_pack.MXFP4}
+# CUDA priority of the hand-off's own streams (P's pack, D's unpack); lower is higher, and torch
+# maps it into the device's range. Their kernels are few and small: scheduled ahead of the pending
+# blocks of the steps in flight, they do not wait for a prefill's kernels to drain first.
+HANDOFF_STREAM_PRIORITY = -1
 _SCALE_KINDS = tuple(f"{k}_scale" for k in _PACKED)
 
 
@@ -185,6 +189,9 @@ class PrefixState:
     # transport that read them. D authenticates these (transfer/seal.py ``verify``) instead of packing
     # the unpacked values again, which costs a CPU several times the unpacking
     arrived: tuple[bytes, list[torch.Tensor]] | None = field(default=None, init=False, repr=False, compare=False)
+    # a received state: how long its bytes took to arrive and to unpack (``arrive_s``, ``unpack_s``)
+    # and D's checks (``check_s``), in seconds, for the request's TTFT split (tools/ttft_breakdown.py)
+    receipt: dict[str, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0 and self.start > 0:
@@ -566,10 +573,15 @@ def _unpack_named(
     named: dict[str, torch.Tensor], dtype: str, device: torch.device | str | None = None
 ) -> dict[str, torch.Tensor]:
     """The fp4 wire buffers back to cache values in ``dtype``: every packed buffer needs its scales
-    and every scale buffer its codes; a mismatch or an invalid scale is a PrefixStateError."""
+    and every scale buffer its codes; a mismatch or an invalid scale is a PrefixStateError.
+
+    Each kind's layers are unpacked together, in one batch (one copy to ``device`` and one check
+    of the scales for all of them): a D on a GPU shares it with the steps in flight, P's among them
+    where they share one, and every kernel and host sync of the unpack waits its turn there."""
     if dtype not in DTYPES:
         raise PrefixStateError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
     out: dict[str, torch.Tensor] = {}
+    batches: dict[str, list[tuple[str, torch.Tensor, torch.Tensor]]] = {kind: [] for kind in _PACKED}
     for name, t in named.items():
         kind, layer = _parse_name(name)
         if kind in _SCALE_KINDS:
@@ -584,10 +596,47 @@ def _unpack_named(
             raise PrefixStateError(f"packed {_display(name)} arrived without its scales ({kind}_scale.{layer})")
         if t.dtype != torch.uint8:
             raise PrefixStateError(f"packed {_display(name)} is {dtype_name(t.dtype)}, expected uint8 codes")
+        out[name] = t  # replaced below, in this order
+        batches[kind].append((name, t, scales))
+    for kind, entries in batches.items():
+        for name, values in _unpack_batch(entries, _PACKED[kind], device):
+            out[name] = values.to(DTYPES[dtype])
+    return out
+
+
+def _unpack_batch(
+    entries: list[tuple[str, torch.Tensor, torch.Tensor]], fmt: kv_pack.FP4Format, device: torch.device | str | None
+) -> list[tuple[str, torch.Tensor]]:
+    """(name, codes, scales) of one format -> (name, values) on ``device``: concatenated when their
+    shapes allow it, unpacked once, split back by rows. A malformed buffer is named."""
+    if not entries:
+        return []
+    codes, scales = [c for _, c, _ in entries], [s for _, _, s in entries]
+    batched = len(entries) > 1 and all(
+        c.dim() == 2
+        and s.dim() == 2
+        and c.shape[1:] == codes[0].shape[1:]
+        and s.shape[1:] == scales[0].shape[1:]
+        and c.size(0) == s.size(0)
+        for c, s in zip(codes, scales, strict=True)
+    )
+    if batched:
+        rows = [c.size(0) for c in codes]
+        c, s = torch.cat(codes), torch.cat(scales)
         if device is not None:
-            t, scales = t.to(device), scales.to(device)
+            c, s = c.to(device), s.to(device)
         try:
-            out[name] = kv_pack.unpack(t, scales, _PACKED[kind]).to(DTYPES[dtype])
+            values = kv_pack.unpack(c, s, fmt)
+        except kv_pack.KVPackError:
+            pass  # the buffer-by-buffer pass below names the one at fault
+        else:
+            return list(zip([n for n, _, _ in entries], values.split(rows), strict=True))
+    out = []
+    for name, c, s in entries:
+        if device is not None:
+            c, s = c.to(device), s.to(device)
+        try:
+            out.append((name, kv_pack.unpack(c, s, fmt)))
         except kv_pack.KVPackError as e:
             raise PrefixStateError(f"packed {_display(name)}: {e}") from None
     return out

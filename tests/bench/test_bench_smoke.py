@@ -132,3 +132,14 @@ def test_handoff_smoke(tmp_path):
             assert row[k] > 0, k
         assert row["d_total_s"] == round(row["d_recv_s"] + row["d_verify_s"], 6)
         assert row["d_total_old_s"] == round(row["d_recv_s"] + row["d_verify_repack_s"], 6)
+
+
+def test_gil_contention_smoke(tmp_path):
+    """bench/gil_contention.py: fetches beside a stepping engine in one process, per switch interval,
+    and the interval the process had is given back."""
+    _smoke("bench/gil_contention.py", tmp_path)
+    r = json.loads((tmp_path / "gil_contention_smoke.json").read_text())
+    assert [row["switch_interval_ms"] for row in r["rows"]] == [5.0, 0.5]
+    for row in r["rows"]:
+        assert row["fetch_idle_ms"] > 0 and row["fetch_busy_ms"] > 0 and row["steps_per_s_alone"] > 0
+        assert row["fetch_busy_over_idle"] == round(row["fetch_busy_ms"] / row["fetch_idle_ms"], 2)

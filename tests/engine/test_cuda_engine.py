@@ -271,6 +271,7 @@ def test_the_hand_off_packs_beside_the_compute_stream(tiny_ckpt):
     (out,) = [o for o in p.step() if o.finished]
     state = out.exported_state()
     assert state.pack_stream is p.runner.exporter.pack_stream is not None
+    assert state.pack_stream.priority < torch.cuda.default_stream().priority  # ahead of P's next step
     compute = torch.cuda.current_stream()
     torch.cuda._sleep(2_000_000_000)  # ~1 s of the compute stream, enqueued after the export
     header, buffers = state.to_buffers(host=True)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tools.regen_validations import RESULTS
-from tools.ttft_breakdown import breakdown, parts
+from tools.ttft_breakdown import breakdown, fetch_parts, format_table, parts
 
 
 def test_a_request_splits_into_the_servers_parts():
@@ -43,3 +43,20 @@ def test_the_oos3_rate_runs():
            str(RESULTS / "e2e_h200x1_depth40_oos4.json")]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=RESULTS.parents[1]).stdout
     assert "asymmetric@1.5" in out and "(0.87)" in out  # oos4's TTFT p50 over oos3's at 1.5 req/s
+
+
+def test_the_fetch_splits_where_d_timed_its_parts():
+    t = {"transfer_arrive_s": 0.01, "transfer_unpack_s": 0.2, "transfer_check_s": 0.03}
+    assert fetch_parts(t) == {"arrive": 0.01, "unpack": 0.2, "check": 0.03}
+    assert fetch_parts({**t, "transfer_unpack_s": None}) is None  # a result from before the split
+    result = {"modes": {"asymmetric": {"runs": [{"request_rate": 1.0, "requests": {
+        "asympd_timings": [{"prefill_path": "remote", "prefill_s": 0.5, "prefill_rtt_s": 0.6, "publish_s": 0.05,
+                            "transfer_s": 0.25, "decode_first_step_s": 0.1, **t}],
+        "ttfts": [1.0], "errors": [None]}}]}}}  # fmt: skip
+    row = breakdown(result)["asymmetric@1"]
+    assert row["fetch_split"]["unpack"] == {"p50": 0.2, "p90": 0.2}
+    assert "D's fetch split" in format_table("r", {"asymmetric@1": row})
+    assert (
+        "fetch_split"
+        not in breakdown(json.loads((RESULTS / "e2e_h200x1_depth40_oos3.json").read_text()))["asymmetric@1.5"]
+    )

@@ -69,6 +69,9 @@ def test_greedy_completions_equal_offline(cluster, offline, client):
         else:
             assert t["prefill_path"] == "remote"
             assert t["transfer_bytes"] > 0 and t["transfer_s"] > 0 and t["prefill_s"] > 0
+            # D's fetch split into its parts (tools/ttft_breakdown.py), each inside the whole
+            split = [t["transfer_arrive_s"], t["transfer_unpack_s"], t["transfer_check_s"]]
+            assert all(x > 0 for x in split) and sum(split) < t["transfer_s"], t
             # what crossed is the packed FP4 global KV: far below its fp32 size in P's cache (for a prefix
             # long enough that the KV, not the token ids and the open pair, dominates)
             cfg, s = offline.cfg, len(ids) - 16

@@ -238,6 +238,21 @@ def test_truncated_or_misscaled_packed_buffers_are_refused():
             PrefixState.from_buffers(*_tamper(state, name, fn))
 
 
+def test_a_receiver_unpacks_each_kind_in_one_batch(monkeypatch):
+    """Every layer's ckv in one unpack and every layer's idx in another (a GPU receiver shares the
+    device with the steps in flight: fewer kernels and syncs to wait behind them); the values are
+    the buffer-by-buffer unpacking's, bit for bit."""
+    state = packed_state()
+    header, buffers = state.to_buffers(host=True)
+    calls = []
+    real = kv_pack.unpack
+    monkeypatch.setattr(kv_pack, "unpack", lambda c, s, fmt: calls.append((c.size(0), fmt.name)) or real(c, s, fmt))
+    got = PrefixState.from_buffers(header, buffers)
+    rows = {kind: sum(getattr(state, kind)[k].size(0) for k in CFG.kv_source_layers) for kind in ("ckv", "idx")}
+    assert sorted(calls) == sorted([(rows["ckv"], NVFP4.name), (rows["idx"], MXFP4.name)])
+    assert got.equal(state)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_packing_on_the_device_gives_the_host_bytes():
     """On a GPU the state's ckv/idx are packed where they live (the runner keeps them there under
@@ -267,6 +282,9 @@ def test_d_unpacks_what_it_receives_on_its_gpu():
         TcpTransport(state.fingerprint, secret=b"k", device="cuda") as d,
     ):
         got = d.fetch(p.publish("xfer-1", state), state.fingerprint, timeout=10)
+        # ahead of the steps in flight (lower is higher; the engine's stream is at 0)
+        assert d.unpack_on.stream.priority < torch.cuda.default_stream().priority
+    assert set(got.receipt) == {"arrive_s", "unpack_s"} and got.receipt["unpack_s"] > 0
     for layer in CFG.kv_source_layers:
         assert got.ckv[layer].is_cuda and got.idx[layer].is_cuda
         assert torch.equal(bits(got.ckv[layer].cpu()), bits(state.ckv[layer]))
