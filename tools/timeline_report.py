@@ -1,7 +1,7 @@
 """How P's steps stretched beside D's during an e2e result's rate runs, from their timelines
 (``bench/e2e.py`` keeps every worker's steps per run since the seventh session): each P step's
 duration over its lone time (the lone requests' line of the mode's own calibration; the planner's
-own P line, from the co-run's alone steps where logged, is printed beside it), grouped by the
+own P line, from the co-run's steps where logged, is printed beside it), grouped by the
 largest decode batch D ran beside it, and the simulated vs measured busy time. This is the reading
 the planner's shared-GPU model misses (docs/planner.md, "Plan7 on the GPU"): the calibration co-run
 measured P beside a different D than the load's.
@@ -62,7 +62,7 @@ def report(result: dict[str, Any]) -> dict[str, Any]:
         if not fit or not runs or mode == "colocated":
             continue
         # the lone requests' line, whichever line the planner used (``p_fit``: it fits P to the
-        # co-run's alone steps where the result logged them)
+        # co-run's steps where the result logged them)
         lone_fit = (vm.get("p_fit") or {}).get("lone_ms") or [fit["p_step_ms"], fit["p_row_ms"]]
 
         def lone_ms(rows: int, fit: list[float] = lone_fit) -> float:

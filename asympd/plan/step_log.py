@@ -10,6 +10,11 @@ BESIDE = 0.5  # a step counts as beside the other process's steps when they cove
 # step finished (a few short D steps beside a long P step); below this much covered, a P step still
 # counts as alone (it reads at most this fraction x (stretch - 1) long: < 10 % at stretch 2)
 ALONE_P = 0.08
+# P's step fit (asympd.plan.validate.fit_p_step) also takes the P steps D's steps covered up to this
+# much, priced as if alone by the validation's own sharing rule (``alone_priced``). In the true-depth
+# co-runs the covered fractions fall at <= 0.17 (the fill burst's full-budget step beside D's first
+# step for the prompt P finished first) or >= 0.25 (steps beside the decode batch), none between.
+P_FIT_MAX_OVERLAP = 0.2
 
 
 def overlap(s: list, other: list[list]) -> float:
@@ -30,4 +35,28 @@ def p_alone_steps(p_steps: list[list], d_steps: list[list], alone_below: float =
         f = overlap(s, d_steps)
         if f == 0.0 or f < alone_below:
             out.append((int(s[2]), float(s[1])))
+    return out
+
+
+def alone_priced(seconds: float, covered: float, p_share: float = 0.5) -> float:
+    """A P step's time had it run alone: the ``covered`` fraction of it ran at ``p_share`` of the
+    GPU (equal shares: half), the rest at all of it."""
+    return seconds * (1.0 - covered + covered * p_share)
+
+
+def p_fit_steps(
+    p_steps: list[list], d_steps: list[list], max_overlap: float = P_FIT_MAX_OVERLAP
+) -> list[tuple[int, float, float]]:
+    """(prompt rows, seconds priced alone, fraction covered) of every P step with prompt rows that
+    D's steps covered less than ``max_overlap`` of: the points P's step line is fitted to. Why not
+    only the alone steps (``p_alone_steps``): the fill burst's full-budget step, P's largest, is
+    covered 10-17 % by D's first step of the prompt finished before it, and without it the alone
+    steps of oos5/oos6 spanned 896-1792 rows, where the fitted slope moved 4.7x between two runs."""
+    out = []
+    for s in p_steps:
+        if s[2] <= 0:
+            continue
+        f = overlap(s, d_steps)
+        if f < max_overlap:
+            out.append((int(s[2]), alone_priced(float(s[1]), f), f))
     return out

@@ -42,7 +42,7 @@ from asympd.plan.simulate import (
     run_decode,
     run_engines,
 )
-from asympd.plan.step_log import p_alone_steps
+from asympd.plan.step_log import p_fit_steps
 from asympd.plan.steps import RESULTS_DIR, StepModel, load_results
 from asympd.serve.admission import POLICIES, AdmissionPolicy
 
@@ -240,7 +240,7 @@ def fit_steps(
     d_share: float = 0.5,
 ) -> MeasuredSteps:
     """Step times from the calibration of one deployment (see bench/e2e.py ``calibrate``; P's
-    from the co-run's alone steps where it logged them at two sizes or more: ``fit_p_step``);
+    from the co-run's steps at most partly beside D, where it logged two sizes or more: ``fit_p_step``);
     ``on_gpu``: the result ran on a GPU (``first_out_at_launch``); ``shared_gpu``: P computed the
     batch on D's GPU (the batch's gaps are read at D's alone speed where P shared it, D then
     running at ``d_share`` of the GPU: ``Deployment.d_share``)."""
@@ -282,47 +282,53 @@ def _lone_p_points(cfg: ModelConfig, mode: str, cal: dict[str, Any], p_budget: i
     return out
 
 
-P_FIT_CO_RUN = "co-run alone steps"
+P_FIT_CO_RUN = "co-run steps"
 P_FIT_LONE = "lone requests"
 
 
-def co_run_p_alone(cal: dict[str, Any]) -> list[tuple[int, float]] | None:
-    """(prompt rows, ms) of every P step of the calibration's co-run that ran alone (D's steps
-    covered less than ``ALONE_P`` of it: ``step_log.p_alone_steps``, bench/e2e.py's rule); None
-    for a result without the co-run's step log (older ones, colocated modes)."""
+def co_run_p_points(cal: dict[str, Any]) -> list[tuple[int, float, float]] | None:
+    """(prompt rows, ms priced alone, fraction D covered) of every P step of the calibration's
+    co-run that D's steps covered less than ``P_FIT_MAX_OVERLAP`` of (``step_log.p_fit_steps``);
+    None for a result without the co-run's step log (older ones, colocated modes)."""
     log = ((cal.get("co_run") or {}).get("steps") or {}).get("prefill")
     if log is None:
         return None
     d = cal["co_run"]["steps"].get("decode") or []
-    return [(rows, s * 1e3) for rows, s in p_alone_steps(log, d)]
+    return [(rows, s * 1e3, f) for rows, s, f in p_fit_steps(log, d)]
 
 
 def fit_p_step(
     cfg: ModelConfig, mode: str, cal: dict[str, Any], p_budget: int = 16384
 ) -> tuple[float, float, dict[str, Any] | None]:
     """P's step cost (fixed ms, ms per prompt row) and where it came from. Under load P runs
-    multi-prompt steps of 1-13K rows, and its alone steps there ran 1.17-1.26x the line through
-    the lone requests (one prompt a step, two lengths; docs/planner.md, "P's step from the
-    calibration's alone steps"). So where the co-run's log has P steps alone at two or more row
-    counts (its fill phase's burst: load-sized steps), the line is a least-squares fit through
-    them (``_line``, each step one point); otherwise the lone requests' fit. The record (None
-    without a co-run step log, so older validations keep their bytes): ``source``, ``steps``
-    and ``rows`` [min, max] of the points fitted, and ``lone_ms`` (the lone requests' line)."""
+    multi-prompt steps of 1-16K rows, longer per row than the line through the lone requests (one
+    prompt a step, two lengths; docs/planner.md, "P's step from the calibration's alone steps").
+    So where the co-run's log has P steps at two or more row counts that D's steps covered less
+    than ``P_FIT_MAX_OVERLAP`` of (its fill phase's burst: load-sized steps, up to P's budget), the
+    line is a least-squares fit through them (``_line``, each step one point), a step partly
+    beside D priced as if alone by equal shares (``step_log.alone_priced``; docs/planner.md, "oos5
+    and oos6"); otherwise the lone requests' fit. The record (None without a co-run step log, so
+    older validations keep their bytes): ``source``, ``steps`` and ``rows`` [min, max] of the
+    points fitted, ``beside_d`` (how many of them D partly covered) and ``lone_ms`` (the lone
+    requests' line)."""
     lone_points = _lone_p_points(cfg, mode, cal, p_budget)
     lone = _steps_and_rows(lone_points) if lone_points else (0.0, 0.0)
-    alone = co_run_p_alone(cal) if mode != "colocated" else None
-    if alone is None:
+    points = co_run_p_points(cal) if mode != "colocated" else None
+    if points is None:
         return lone[0], lone[1], None
-    if len({rows for rows, _ in alone}) >= 2:
-        (p_step, p_row), source = _line([(float(rows), ms) for rows, ms in alone]), P_FIT_CO_RUN
-        rows = [r for r, _ in alone]
+    if len({rows for rows, _, _ in points}) >= 2:
+        (p_step, p_row), source = _line([(float(rows), ms) for rows, ms, _ in points]), P_FIT_CO_RUN
+        rows = [r for r, _, _ in points]
+        beside = sum(f > 0 for _, _, f in points)
     else:
         (p_step, p_row), source = lone, P_FIT_LONE
         rows = [r for _, r, _ in lone_points]
+        beside = 0
     record = {
         "source": source,
         "steps": len(rows),
         "rows": [min(rows), max(rows)] if rows else [],
+        "beside_d": beside,
         "lone_ms": list(lone),
     }
     return p_step, p_row, record
@@ -774,7 +780,8 @@ def validate_e2e(
     size where measured). Out of sample on the H200, with P's lone fit, equal shares predicted
     better (all three metrics within 15 % in 5 of 12 rows against 3; docs/planner.md), so the
     measured stretch is recorded (``co_run_measured``) but applied only on request; with P fitted
-    to the co-run's alone steps (``fit_p_step``) the same rows give 5 equal, 6 measured.
+    to the co-run's steps (``fit_p_step``) the six out-of-sample results' 19 rows give 12 equal,
+    5 measured.
     ``handoff_stream``: where P's hand-off packs on a GPU, ``compute`` (P's compute stream: it
     advances between P's steps) or ``pack`` (a stream of its own: beside them); None: as the result
     records it (``compute`` for results made before the field), another value: what the same run
@@ -849,7 +856,8 @@ def _p_fit_note(m: dict[str, Any]) -> str:
     if not f:
         return ""
     rows = f"{f['rows'][0]}-{f['rows'][1]} rows" if f["rows"] else "no rows"
-    return f" ({f['source']}: {f['steps']} steps, {rows})"
+    beside = f", {f['beside_d']} partly beside D" if f.get("beside_d") else ""
+    return f" ({f['source']}: {f['steps']} steps, {rows}{beside})"
 
 
 def format_validation(v: dict[str, Any]) -> str:
