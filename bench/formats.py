@@ -100,7 +100,11 @@ MOE_VARIANTS["swap_ab_tiled_w8"] = {"swap_ab": True, "tiled": True, "num_warps":
 # (prefill). CUDA only (the interpreter has no dot_scaled): skipped by --smoke.
 MOE_VARIANTS["scaled_swap"] = {"scaled_swap": True, "tiled": True}
 MOE_VARIANTS["scaled"] = {"scaled": True, "tiled": True}
-MOE_EVERY_SIZE = ("current", "scaled_swap", "scaled")
+# the same reading the experts in the release's nibble order (``natural``: unrepack_fp4 of the tiles,
+# a layout the loader could build instead), so no shuffle in registers before the upcast
+MOE_VARIANTS["scaled_swap_natural"] = {"scaled_swap": True, "tiled": True, "natural": True}
+MOE_VARIANTS["scaled_natural"] = {"scaled": True, "tiled": True, "natural": True}
+MOE_EVERY_SIZE = ("current", "scaled_swap", "scaled", "scaled_swap_natural", "scaled_natural")
 LINEAR_ROWS = [1, 16, 64, 256, 1024]
 # (name, out, in, groups): the FP8-stored matrices of one V4.1 layer (attention, indexer, shared expert)
 LINEARS = [
@@ -260,6 +264,7 @@ def bench_moe_variants(cfg, ceil: dict, g: torch.Generator) -> list[dict]:
     w13, w2 = packed.w13, packed.w2f
     # the tiled layout's copies of the same experts (the product holds one layout: packed.TILE_N)
     tiled = {False: (w13, w2), True: (w13.tiled(), w2.tiled())}
+    natural: dict[int, tuple[PackedExperts, PackedExperts]] = {}  # release nibble order, by layout
     fp8_rate = ceil.get("fp8_gemm_TFLOPs", ceil["bf16_gemm_TFLOPs"])
     n_exp, k_top, d, inter = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
     out = []
@@ -294,6 +299,10 @@ def bench_moe_variants(cfg, ceil: dict, g: torch.Generator) -> list[dict]:
             if DEV.type != "cuda" and (conf.get("scaled") or conf.get("scaled_swap")):
                 row[name] = {"config": MOE_VARIANTS[name], "skipped": "tl.dot_scaled runs on CUDA only"}
                 continue
+            if conf.get("natural"):  # the same tiles, each 16-byte block in the release's nibble order
+                if id(e13) not in natural:  # built once, on first use (CUDA only: skipped above on CPU)
+                    natural[id(e13)] = tuple(PackedExperts(G.unrepack_fp4(e.weight), e.scale) for e in (e13, e2))
+                e13, e2 = natural[id(e13)]
             packed.w13, packed.w2f = _Configured(e13, conf), _Configured(e2, conf)
             try:
                 y = packed(x)
@@ -351,7 +360,7 @@ def bench_moe_variants(cfg, ceil: dict, g: torch.Generator) -> list[dict]:
             )
         out.append(row)
         del x, h
-    del packed, bf16, tiled
+    del packed, bf16, tiled, natural
     if DEV.type == "cuda":
         torch.cuda.empty_cache()
     return out
@@ -778,13 +787,15 @@ def sass_counts() -> list[dict]:
         sc = dict(UNROLL=2, BLOCK_M=bm, num_warps=4 if bm <= 64 else 8) | tiled
         cases += [("scaled_swap", G._mxfp4_moe_scaled_kernel, sc | dict(SWAP=True))]
         cases += [("scaled", G._mxfp4_moe_scaled_kernel, sc | dict(SWAP=False))]
+        cases += [("scaled_swap_natural", G._mxfp4_moe_scaled_kernel, sc | dict(SWAP=True, NATURAL=True))]
+        cases += [("scaled_natural", G._mxfp4_moe_scaled_kernel, sc | dict(SWAP=False, NATURAL=True))]
     out = []
     for name, fn, consts in cases:
         consts = dict(consts)
         warps, maxnreg = consts.pop("num_warps", 4), consts.pop("maxnreg", None)
         fp8 = fn is G._mxfp4_moe_fp8_kernel
         if fn is G._mxfp4_moe_scaled_kernel:  # bf16 activations, no ASM / LUT / DOT_F32
-            consts = {**{c: v for c, v in base8.items() if c != "ASM"}, "STAND_IN": False, **consts}
+            consts = {**{c: v for c, v in base8.items() if c != "ASM"}, "STAND_IN": False, "NATURAL": False, **consts}
         else:
             consts = {**(base8 if fp8 else base), **consts}
         sig_fn = {a: t for a, t in (sig8 if fp8 else sig).items() if a in fn.arg_names}

@@ -837,6 +837,7 @@ if AVAILABLE:
         S_STEP: tl.constexpr,
         EVEN_N: tl.constexpr,
         SWAP: tl.constexpr,
+        NATURAL: tl.constexpr,
         STAND_IN: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -855,8 +856,13 @@ if AVAILABLE:
 
         dot_scaled reads e2m1 in the release's nibble order (low nibble = even K element); the
         weights are held in the kernel order of ``repack_fp4``, so ``_fp4_natural_order`` restores
-        the release's bytes in registers (4 integer ops per 2 bytes, ~0.5 an e2m1 value against the
-        decode's 2-4). ``STAND_IN``: the interpreter's replacement for dot_scaled (the same values,
+        the release's bytes in registers: 4 integer ops per 2 bytes, but in sm_90a SASS (K 5120, BN
+        128, BM 16, UNROLL 2, 4 warps) 660 loop instructions against 503 with ``NATURAL`` (weights
+        given in the release's order, ``unrepack_fp4`` at load): the shuffled bytes no longer match
+        the MMA operand's layout and make a round trip through shared memory (41 STS instead of 9),
+        and Triton's own upcast of bytes in that layout (kWidth 1: PRMT and SEL a value) is ~7.9
+        instructions a weight, against the swap kernel's 4.7 (bench/results/formats_sass.json); which
+        is faster is the device's to say. ``STAND_IN``: the interpreter's replacement for dot_scaled (the same values,
         ``_e2m1_stand_in`` then an fp32 dot), how the CPU suite checks the addressing, the order and
         the scales; never on the device. Rows and splits as in the swap kernel: no masks in the loop."""
         pid_b = tl.program_id(0)
@@ -884,7 +890,10 @@ if AVAILABLE:
             else:
                 p = tl.load(w_ptrs + kb * W_STEP, mask=cmask[:, None, None], other=0)
             sc = tl.load(s_ptrs + kb * S_STEP, mask=cmask[:, None], other=0)  # uint8 [BLOCK_N, UNROLL]
-            w = _fp4_natural_order(p, BLOCK_N, UNROLL)  # uint8 [BLOCK_N, 16 UNROLL]
+            if NATURAL:  # the bytes already in the release's order (``unrepack_fp4`` at load)
+                w = p.to(tl.uint8, bitcast=True).reshape(BLOCK_N, UNROLL * 16)
+            else:
+                w = _fp4_natural_order(p, BLOCK_N, UNROLL)  # uint8 [BLOCK_N, 16 UNROLL]
             a_k = tl.load(a_ptrs + kb * 32)  # [BLOCK_M, 32 UNROLL]
             if STAND_IN:
                 wv = _e2m1_stand_in(w, sc, BLOCK_N, UNROLL)
@@ -1205,6 +1214,8 @@ def mxfp4_moe_gemm(
     off until measured); ``scaled`` (``_mxfp4_moe_scaled_kernel``: Triton's ``tl.dot_scaled`` upcasts
     the e2m1 weights and their scales itself; bf16 activations, CUDA only, off by default) and
     ``scaled_swap`` (the same with the weight as the left operand, the decode regime);
+    ``natural`` (with those: weight holds the bytes in the release's nibble order, ``unrepack_fp4`` of
+    the kernel order or of its tiles, so the kernel skips restoring it in registers);
     ``dot_scaled_stand_in`` (tests only: the interpreter's stand-in for dot_scaled, see the kernel);
     the transposed and scaled kernels' ``unroll`` must divide K/32 and their ``split``
     is rounded down to a divisor of the unrolled steps. ``wide`` (transposed bf16 kernel): the whole
@@ -1243,6 +1254,9 @@ def mxfp4_moe_gemm(
     scaled_swap = cfg.get("scaled_swap", False)
     scaled = cfg.get("scaled", False) or scaled_swap
     stand_in = cfg.get("dot_scaled_stand_in", False)
+    natural = cfg.get("natural", False)  # the weights in the release's nibble order (unrepack_fp4)
+    if natural and not scaled:
+        raise ValueError("mxfp4_moe_gemm: only the tl.dot_scaled variants read the release's nibble order")
     if scaled and not (a.is_cuda or stand_in):
         raise RuntimeError(
             "mxfp4_moe_gemm: the tl.dot_scaled variants (config 'scaled' / 'scaled_swap') run on CUDA only "
@@ -1280,6 +1294,7 @@ def mxfp4_moe_gemm(
             **{k_: v for k_, v in common.items() if k_ not in ("DOT_F32", "LUT")},
             EVEN_N=n % bn == 0,
             SWAP=scaled_swap,
+            NATURAL=natural,
             STAND_IN=stand_in,
             num_warps=cfg.get("num_warps", 4 if block_m <= 64 else 8),
             num_stages=cfg.get("num_stages", 3) if a.is_cuda else 1,

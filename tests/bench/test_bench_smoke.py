@@ -78,7 +78,7 @@ def test_formats_moe_variants_smoke(tmp_path):
     assert [x["rows"] for x in rows] == [1, 64, 2500] and [x["block_m"] for x in rows] == [16, 16, 128]
     small_set = {"current", "swap_ab_tiled", "swap_ab_tiled_r72", "swap_ab_wide_tiled", "fp8", "fp8_tiled"}
     large_set = {"current", "current_tiled", "current_tiled_lut_pairs", "swap_ab_tiled_w8"}
-    scaled = {"scaled", "scaled_swap"}
+    scaled = {"scaled", "scaled_swap", "scaled_natural", "scaled_swap_natural"}
     every = small_set | large_set | scaled
     for x in rows:
         assert x["bf16"]["moe_graph_ms"] > 0

@@ -425,7 +425,17 @@ def test_mxfp4_moe_swap_ab_wide_equals_the_reference(n, block_m, config):
         assert torch.allclose(yb.double(), ref.bfloat16().double(), rtol=2**-7, atol=0)
 
 
-_SCALED = {"scaled": {"scaled": True}, "scaled_swap": {"scaled_swap": True}}
+_SCALED = {
+    "scaled": {"scaled": True},
+    "scaled_swap": {"scaled_swap": True},
+    "scaled_natural": {"scaled": True, "natural": True},
+    "scaled_swap_natural": {"scaled_swap": True, "natural": True},
+}
+
+
+def _natural(w: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """The weight operand a config reads: with ``natural``, the release's nibble order."""
+    return gemm.unrepack_fp4(w) if cfg.get("natural") else w
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="tl.dot_scaled runs on CUDA only (Triton's interpreter has none)")
@@ -437,7 +447,8 @@ _SCALED = {"scaled": {"scaled": True}, "scaled_swap": {"scaled_swap": True}}
 def test_mxfp4_moe_scaled_equals_the_default_kernel(variant, rows, block_m, tile):
     """The tl.dot_scaled kernel (Triton's own e2m1 upcast, the weights' nibbles restored to the
     release's order in registers) against the default kernel on the same bf16 operands, gathered and
-    not, split K and not, the row layout and the tiled one: both the exact product rounded once to
+    not, split K and not, the row layout and the tiled one, the weights' bytes in the kernel's order
+    or (``natural``) the release's: both the exact product rounded once to
     bf16 up to fp32 summation order (within one bf16 ulp of the float64 reference each, so within
     two of each other), and no worse on the whole than that rounding."""
     x, w, sc, blocks, token, ref = _moe_problem(rows, 96, block_m, seed=rows + block_m)
@@ -450,7 +461,7 @@ def test_mxfp4_moe_scaled_equals_the_default_kernel(variant, rows, block_m, tile
         cur = gemm.mxfp4_moe_gemm(xb, w, sc, blocks, r, block_m, a_rows=token, config={**conf, "split": split})
         for xs, a_rows in ((xb, token), (xb[token], None)):
             cfg = {**_SCALED[variant], **conf, "split": split}
-            y = gemm.mxfp4_moe_gemm(xs, w, sc, blocks, r, block_m, a_rows=a_rows, config=cfg)
+            y = gemm.mxfp4_moe_gemm(xs, _natural(w, cfg), sc, blocks, r, block_m, a_rows=a_rows, config=cfg)
             assert y.shape == (r, 96) and y.dtype == torch.bfloat16
             assert torch.allclose(y.double(), ref.bfloat16().double(), rtol=2**-7, atol=0)
             assert torch.allclose(y.double(), cur.double(), rtol=2**-6, atol=0)
@@ -467,25 +478,31 @@ def test_mxfp4_moe_scaled_stand_in_equals_the_reference(variant, rows, block_m, 
     order, the scale blocks, the gather, M-blocks, whole splits, partial column blocks), checked on
     CPU with the interpreter's stand-in for tl.dot_scaled (its documented semantics: low nibble =
     even K element, one UE8M0 scale per 32 along K): the exact product rounded once to bf16, up to
-    fp32 summation order. A wrong nibble or scale order is off by O(1)."""
+    fp32 summation order. A wrong nibble or scale order is off by O(1). ``natural``: the weights
+    given in the release's order read to the same bits."""
     n = 128 if config.get("block_n") == 64 else 96
     x, w, sc, blocks, token, ref = _moe_problem(rows, n, block_m, seed=rows + 7 * block_m)
     r, xb = token.numel(), x.bfloat16()
     cfg = {**_SCALED[variant], **config, "dot_scaled_stand_in": True}
     for xs, a_rows in ((xb, token), (xb[token], None)):
-        y = gemm.mxfp4_moe_gemm(xs, w, sc, blocks, r, block_m, a_rows=a_rows, config=cfg)
+        y = gemm.mxfp4_moe_gemm(xs, _natural(w, cfg), sc, blocks, r, block_m, a_rows=a_rows, config=cfg)
         assert y.shape == (r, n) and y.dtype == torch.bfloat16
         assert torch.allclose(y.double(), ref.bfloat16().double(), rtol=2**-7, atol=0) and rel(y, ref) < 4e-3
+    if cfg.get("natural"):  # the kernel order, restored in registers: the same bits
+        kernel_order = {**cfg, "natural": False}
+        assert torch.equal(y, gemm.mxfp4_moe_gemm(xs, w, sc, blocks, r, block_m, a_rows=a_rows, config=kernel_order))
     wt, st = gemm.tile_fp4(w, sc, 32)  # the tiled layout: the same result
     cfg_t = {**cfg, "block_n": 32}
-    yt = gemm.mxfp4_moe_gemm(xb, wt, st, blocks, r, block_m, a_rows=token, config=cfg_t)
-    assert torch.equal(yt, gemm.mxfp4_moe_gemm(xb, w, sc, blocks, r, block_m, a_rows=token, config=cfg_t))
+    yt = gemm.mxfp4_moe_gemm(xb, _natural(wt, cfg), st, blocks, r, block_m, a_rows=token, config=cfg_t)
+    y_rows = gemm.mxfp4_moe_gemm(xb, _natural(w, cfg), sc, blocks, r, block_m, a_rows=token, config=cfg_t)
+    assert torch.equal(yt, y_rows)
 
 
-@pytest.mark.parametrize("variant", list(_SCALED))
+@pytest.mark.parametrize("variant", ["scaled", "scaled_swap"])
 def test_mxfp4_moe_scaled_without_cuda_raises(variant):
     """Requesting a dot_scaled variant on CPU tensors is a clear error, not the interpreter's
-    missing-attribute failure; fp32 activations (dot_scaled takes bf16) are one too."""
+    missing-attribute failure; fp32 activations (dot_scaled takes bf16) are one too, and so is the
+    release's nibble order for a kernel that reads only its own."""
     x, w, sc, blocks, token, _ = _moe_problem(3, 96, 16, seed=4)
     x, w, sc, token = x.cpu(), w.cpu(), sc.cpu(), token.cpu()
     blocks = [b.cpu() for b in blocks]
@@ -496,6 +513,8 @@ def test_mxfp4_moe_scaled_without_cuda_raises(variant):
     with pytest.raises(TypeError, match="take bf16 activations, got torch.float32"):
         cfg = {**_SCALED[variant], "dot_scaled_stand_in": True}
         gemm.mxfp4_moe_gemm(x, w, sc, blocks, token.numel(), 16, a_rows=token, config=cfg)
+    with pytest.raises(ValueError, match="only the tl.dot_scaled variants read the release's nibble order"):
+        gemm.mxfp4_moe_gemm(x, w, sc, blocks, token.numel(), 16, a_rows=token, config={"natural": True})
 
 
 def test_moe_defaults_select_the_variant_process_wide(monkeypatch):
