@@ -15,7 +15,8 @@
   block rescaled in fp32; docs/moe_fp8.md); off by default until timed on the device.
   ``config={"scaled": True}`` / ``{"scaled_swap": True}`` hand the e2m1 upcast to Triton's
   ``tl.dot_scaled`` (``_mxfp4_moe_scaled_kernel``; the swap form makes the weight the left operand,
-  as Triton's own Hopper MoE kernels do); CUDA only, off by default until timed on the device.
+  as Triton's own Hopper MoE kernels do; docs/moe_dot_scaled.md); CUDA only, off by default until
+  timed on the device.
   Every MXFP4 kernel also reads the experts tiled (``tile_fp4``, ``packed.TILE_N``: the same bytes
   as ``[E, N/BN, K/32, BN, 16]``), so one program's 32-K step is one contiguous run of whole lines.
 
