@@ -94,6 +94,17 @@ MOE_LARGE_VARIANTS = ("current", "current_tiled", "current_tiled_lut_pairs", "sw
 MOE_VARIANTS["current_tiled"] = {"tiled": True}
 MOE_VARIANTS["current_tiled_lut_pairs"] = {"tiled": True, "lut_pairs": True}
 MOE_VARIANTS["swap_ab_tiled_w8"] = {"swap_ab": True, "tiled": True, "num_warps": 8}
+# Triton's tl.dot_scaled (gemm_kernels._mxfp4_moe_scaled_kernel: Triton upcasts the e2m1 weights in
+# the MMA operand's layout), on the product's (tiled) layout, timed at every size beside ``current``:
+# ``scaled_swap`` the weight as wgmma's register operand (decode), ``scaled`` the activations as A
+# (prefill). CUDA only (the interpreter has no dot_scaled): skipped by --smoke.
+MOE_VARIANTS["scaled_swap"] = {"scaled_swap": True, "tiled": True}
+MOE_VARIANTS["scaled"] = {"scaled": True, "tiled": True}
+# the same reading the experts in the release's nibble order (``natural``: unrepack_fp4 of the tiles,
+# a layout the loader could build instead), so no shuffle in registers before the upcast
+MOE_VARIANTS["scaled_swap_natural"] = {"scaled_swap": True, "tiled": True, "natural": True}
+MOE_VARIANTS["scaled_natural"] = {"scaled": True, "tiled": True, "natural": True}
+MOE_EVERY_SIZE = ("current", "scaled_swap", "scaled", "scaled_swap_natural", "scaled_natural")
 LINEAR_ROWS = [1, 16, 64, 256, 1024]
 # (name, out, in, groups): the FP8-stored matrices of one V4.1 layer (attention, indexer, shared expert)
 LINEARS = [
@@ -253,6 +264,7 @@ def bench_moe_variants(cfg, ceil: dict, g: torch.Generator) -> list[dict]:
     w13, w2 = packed.w13, packed.w2f
     # the tiled layout's copies of the same experts (the product holds one layout: packed.TILE_N)
     tiled = {False: (w13, w2), True: (w13.tiled(), w2.tiled())}
+    natural: dict[int, tuple[PackedExperts, PackedExperts]] = {}  # release nibble order, by layout
     fp8_rate = ceil.get("fp8_gemm_TFLOPs", ceil["bf16_gemm_TFLOPs"])
     n_exp, k_top, d, inter = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
     out = []
@@ -278,11 +290,19 @@ def bench_moe_variants(cfg, ceil: dict, g: torch.Generator) -> list[dict]:
         row["bf16"] = {"moe_graph_ms": bf_ms, "frac_of_own_floor": bf_floor / bf_ms, "own_floor_ms": bf_floor}
         row["bf16"]["frac_of_release_floor"] = floor / bf_ms
         large = set(MOE_LARGE_VARIANTS)
-        names = [v for v in MOE_VARIANTS if (v in large if rows > 2048 else v not in large - {"current"})]
+        every = set(MOE_EVERY_SIZE)
+        names = [v for v in MOE_VARIANTS if v in every or (v in large if rows > 2048 else v not in large)]
         first = None
         for name in names:
             conf = dict(MOE_VARIANTS[name])
             e13, e2 = tiled[conf.pop("tiled", False)]
+            if DEV.type != "cuda" and (conf.get("scaled") or conf.get("scaled_swap")):
+                row[name] = {"config": MOE_VARIANTS[name], "skipped": "tl.dot_scaled runs on CUDA only"}
+                continue
+            if conf.get("natural"):  # the same tiles, each 16-byte block in the release's nibble order
+                if id(e13) not in natural:  # built once, on first use (CUDA only: skipped above on CPU)
+                    natural[id(e13)] = tuple(PackedExperts(G.unrepack_fp4(e.weight), e.scale) for e in (e13, e2))
+                e13, e2 = natural[id(e13)]
             packed.w13, packed.w2f = _Configured(e13, conf), _Configured(e2, conf)
             try:
                 y = packed(x)
@@ -324,14 +344,14 @@ def bench_moe_variants(cfg, ceil: dict, g: torch.Generator) -> list[dict]:
         )
         for name in names:
             v = row[name]
-            if name != "current" and "error" not in v and "error" not in cur:
+            if name != "current" and "moe_graph_ms" in v and "moe_graph_ms" in cur:
                 keys = {"moe": "moe_graph_ms", "w13": "w13_ms", "w2": "w2_ms"}
                 row[f"{name}_speedup"] = {k: cur[ms] / v[ms] for k, ms in keys.items()}
             log(
                 f"moe variants rows {rows:5d} bm {bm:3d} touched {touched:3d} | {name:18s} "
                 + (
-                    v["error"]
-                    if "error" in v
+                    v.get("error", f"skipped: {v.get('skipped')}")
+                    if "moe_graph_ms" not in v
                     else f"moe {v['moe_graph_ms']:.3f} ms ({100 * v['moe_frac_of_release_floor']:4.1f}% floor) | "
                     f"w13 {v['w13_ms']:.3f} ms ({100 * v['w13_frac_of_floor']:4.1f}%) | "
                     f"w2 {v['w2_ms']:.3f} ms ({100 * v['w2_frac_of_floor']:4.1f}%) | err {v['rel_err_vs_bf16']:.1e} | "
@@ -340,7 +360,7 @@ def bench_moe_variants(cfg, ceil: dict, g: torch.Generator) -> list[dict]:
             )
         out.append(row)
         del x, h
-    del packed, bf16, tiled
+    del packed, bf16, tiled, natural
     if DEV.type == "cuda":
         torch.cuda.empty_cache()
     return out
@@ -762,12 +782,22 @@ def sass_counts() -> list[dict]:
     cases.append(("fp8_unroll4", G._mxfp4_moe_fp8_kernel, dict(UNROLL=4, BLOCK_M=16)))
     # prefill-sized M-blocks: the FP8 kernel as the wrapper launches it there (8 warps)
     cases += [("fp8", G._mxfp4_moe_fp8_kernel, dict(UNROLL=2, BLOCK_M=bm, num_warps=8)) for bm in (64, 128)]
+    # the tl.dot_scaled kernel (Triton's own e2m1 upcast) on the tiled layout, as the wrapper launches it
+    for bm in (16, 32, 64, 128):
+        sc = dict(UNROLL=2, BLOCK_M=bm, num_warps=4 if bm <= 64 else 8) | tiled
+        cases += [("scaled_swap", G._mxfp4_moe_scaled_kernel, sc | dict(SWAP=True))]
+        cases += [("scaled", G._mxfp4_moe_scaled_kernel, sc | dict(SWAP=False))]
+        cases += [("scaled_swap_natural", G._mxfp4_moe_scaled_kernel, sc | dict(SWAP=True, NATURAL=True))]
+        cases += [("scaled_natural", G._mxfp4_moe_scaled_kernel, sc | dict(SWAP=False, NATURAL=True))]
     out = []
     for name, fn, consts in cases:
         consts = dict(consts)
         warps, maxnreg = consts.pop("num_warps", 4), consts.pop("maxnreg", None)
         fp8 = fn is G._mxfp4_moe_fp8_kernel
-        consts = {**(base8 if fp8 else base), **consts}
+        if fn is G._mxfp4_moe_scaled_kernel:  # bf16 activations, no ASM / LUT / DOT_F32
+            consts = {**{c: v for c, v in base8.items() if c != "ASM"}, "STAND_IN": False, "NATURAL": False, **consts}
+        else:
+            consts = {**(base8 if fp8 else base), **consts}
         sig_fn = {a: t for a, t in (sig8 if fp8 else sig).items() if a in fn.arg_names}
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig_fn}
         src = ASTSource(fn, {**sig_fn, **dict.fromkeys(consts, "constexpr")}, consts, attrs)

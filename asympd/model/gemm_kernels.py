@@ -13,6 +13,10 @@
   ``config={"fp8": True}`` runs that transposed tile on FP8 tensor cores (``_mxfp4_moe_fp8_kernel``:
   e2m1 expanded to e4m3 in registers, the activations' own e4m3 codes, one FP8 wgmma per 32-K scale
   block rescaled in fp32; docs/moe_fp8.md); off by default until timed on the device.
+  ``config={"scaled": True}`` / ``{"scaled_swap": True}`` hand the e2m1 upcast to Triton's
+  ``tl.dot_scaled`` (``_mxfp4_moe_scaled_kernel``; the swap form makes the weight the left operand,
+  as Triton's own Hopper MoE kernels do; docs/moe_dot_scaled.md); CUDA only, off by default until
+  timed on the device.
   Every MXFP4 kernel also reads the experts tiled (``tile_fp4``, ``packed.TILE_N``: the same bytes
   as ``[E, N/BN, K/32, BN, 16]``), so one program's 32-K step is one contiguous run of whole lines.
 
@@ -783,6 +787,133 @@ if AVAILABLE:
         out = y_ptr + rows.to(tl.int64)[None, :] * s_ym + cols[:, None]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rmask[None, :] & cmask[:, None])
 
+    @triton.jit
+    def _fp4_natural_order(p, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
+        """Kernel-order packed bytes [BLOCK_N, UNROLL, 16] (``repack_fp4``: byte j of a 32-element
+        block = elements j, j + 16) -> the release's order [BLOCK_N, 16 UNROLL] uint8 (byte i =
+        elements 2i low, 2i + 1 high), the order ``tl.dot_scaled`` reads e2m1 in. Bytes 2i and 2i + 1
+        of a block give natural bytes i (their low nibbles) and 8 + i (their high nibbles): four
+        integer ops per two bytes, within the 16 bytes one thread loads, so no data crosses lanes."""
+        q = p.to(tl.uint8, bitcast=True).reshape(BLOCK_N, UNROLL, 8, 2)
+        ev, od = tl.split(q)  # [BLOCK_N, UNROLL, 8]: bytes 2i and 2i + 1
+        lo = (ev & 0x0F) | (od << 4).to(tl.uint8)  # elements 2i, 2i + 1 (< 16)
+        hi = (ev >> 4) | (od & 0xF0)  # elements 16 + 2i, 17 + 2i
+        return tl.join(lo, hi).permute(0, 1, 3, 2).reshape(BLOCK_N, UNROLL * 16)
+
+    @triton.jit
+    def _e2m1_stand_in(q, s, R: tl.constexpr, UNROLL: tl.constexpr):
+        """What ``tl.dot_scaled`` makes of an e2m1 operand, for the interpreter (which has no
+        dot_scaled): packed bytes [R, 16 UNROLL] in the release's order (low nibble first) and UE8M0
+        scales [R, UNROLL] -> fp32 values [R, 32 UNROLL] (value times 2^(s - 127), per 32 along K)."""
+        lo, hi = _fp4_halves(q.to(tl.int32), 1.0)
+        v = tl.join(lo, hi).reshape(R, UNROLL, 32) * _ue8m0(s)[:, :, None]
+        return v.reshape(R, UNROLL * 32)
+
+    @triton.jit
+    def _mxfp4_moe_scaled_kernel(
+        a_ptr,
+        a_rows_ptr,
+        w_ptr,
+        s_ptr,
+        y_ptr,
+        block_expert_ptr,
+        block_row0_ptr,
+        block_row1_ptr,
+        N,
+        s_am,
+        s_we,
+        s_wt,
+        s_wn,
+        s_se,
+        s_st,
+        s_sn,
+        s_ys,
+        s_ym,
+        K: tl.constexpr,
+        KB_PER_SPLIT: tl.constexpr,
+        UNROLL: tl.constexpr,
+        N_EXPERTS: tl.constexpr,
+        GATHER: tl.constexpr,
+        W_STEP: tl.constexpr,
+        S_STEP: tl.constexpr,
+        EVEN_N: tl.constexpr,
+        SWAP: tl.constexpr,
+        NATURAL: tl.constexpr,
+        STAND_IN: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """The MoE tile on Triton's ``tl.dot_scaled`` (``config={"scaled": True}`` /
+        ``{"scaled_swap": True}``): Triton upcasts the packed e2m1 weights and applies their UE8M0
+        scales itself, in the MMA operand's layout, instead of the hand expansion of the other
+        kernels (whose ncu profile blames shared-memory bank conflicts and a barrier per K step).
+        One dot a step of UNROLL scale blocks (K = 32 UNROLL); the activations (bf16, already FP8
+        quantize-dequantized) go in as "bf16" with no scale.
+
+        ``SWAP`` (decode): ``acc^T [BLOCK_N, BLOCK_M] += W [BLOCK_N, K] @ a^T``, the weight as the
+        left operand so its upcast feeds wgmma's register operand (how Triton's own MoE kernels
+        take MXFP4 weights on Hopper); otherwise ``acc [BLOCK_M, BLOCK_N] += a @ W^T`` (the weight
+        upcast into shared memory, wgmma's B operand).
+
+        dot_scaled reads e2m1 in the release's nibble order (low nibble = even K element); the
+        weights are held in the kernel order of ``repack_fp4``, so ``_fp4_natural_order`` restores
+        the release's bytes in registers: 4 integer ops per 2 bytes, but in sm_90a SASS (K 5120, BN
+        128, BM 16, UNROLL 2, 4 warps) 660 loop instructions against 503 with ``NATURAL`` (weights
+        given in the release's order, ``unrepack_fp4`` at load): the shuffled bytes no longer match
+        the MMA operand's layout and make a round trip through shared memory (41 STS instead of 9),
+        and Triton's own upcast of bytes in that layout (kWidth 1: PRMT and SEL a value) is ~7.9
+        instructions a weight, against the swap kernel's 4.7 (bench/results/formats_sass.json); which
+        is faster is the device's to say. ``STAND_IN``: the interpreter's replacement for dot_scaled (the same values,
+        ``_e2m1_stand_in`` then an fp32 dot), how the CPU suite checks the addressing, the order and
+        the scales; never on the device. Rows and splits as in the swap kernel: no masks in the loop."""
+        pid_b = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        e = tl.load(block_expert_ptr + pid_b)
+        if e >= N_EXPERTS:
+            return
+        rows, rmask, src = _block_rows_unmasked(pid_b, block_row0_ptr, block_row1_ptr, a_rows_ptr, BLOCK_M, GATHER)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        w_ptrs, s_ptrs = _tile_bases(w_ptr, s_ptr, e, pid_n, s_we, s_wt, s_wn, s_se, s_st, s_sn, BLOCK_N)
+        uu = tl.arange(0, UNROLL)
+        w_ptrs = w_ptrs[:, None, None] + uu[None, :, None] * W_STEP + tl.arange(0, 16)[None, None, :]
+        s_ptrs = s_ptrs[:, None] + uu[None, :] * S_STEP
+        a_ptrs = a_ptr + src[:, None] * s_am + tl.arange(0, 32 * UNROLL)[None, :]
+        if SWAP:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        kb_lo = tl.program_id(2) * KB_PER_SPLIT
+        for kb0 in range(0, KB_PER_SPLIT, UNROLL):  # splits divide K exactly (see the wrapper): no masks
+            kb = kb_lo + kb0
+            if EVEN_N:
+                p = tl.load(w_ptrs + kb * W_STEP)
+            else:
+                p = tl.load(w_ptrs + kb * W_STEP, mask=cmask[:, None, None], other=0)
+            sc = tl.load(s_ptrs + kb * S_STEP, mask=cmask[:, None], other=0)  # uint8 [BLOCK_N, UNROLL]
+            if NATURAL:  # the bytes already in the release's order (``unrepack_fp4`` at load)
+                w = p.to(tl.uint8, bitcast=True).reshape(BLOCK_N, UNROLL * 16)
+            else:
+                w = _fp4_natural_order(p, BLOCK_N, UNROLL)  # uint8 [BLOCK_N, 16 UNROLL]
+            a_k = tl.load(a_ptrs + kb * 32)  # [BLOCK_M, 32 UNROLL]
+            if STAND_IN:
+                wv = _e2m1_stand_in(w, sc, BLOCK_N, UNROLL)
+                if SWAP:
+                    acc = tl.dot(wv, tl.trans(a_k.to(tl.float32)), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a_k.to(tl.float32), tl.trans(wv), acc, input_precision="ieee")
+            elif SWAP:
+                acc = tl.dot_scaled(w, sc, "e2m1", tl.trans(a_k), None, "bf16", acc)
+            else:
+                acc = tl.dot_scaled(a_k, None, "bf16", tl.trans(w), sc, "e2m1", acc)
+        y_ptr += tl.program_id(2) * s_ys
+        if SWAP:
+            out = y_ptr + rows.to(tl.int64)[None, :] * s_ym + cols[:, None]
+            tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rmask[None, :] & cmask[:, None])
+        else:
+            out = y_ptr + rows.to(tl.int64)[:, None] * s_ym + cols[None, :]
+            tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
 
 # process-wide overrides of ``mxfp4_moe_gemm``'s config defaults (e.g. ``{"fp8": True}``): how a
 # test or a benchmark runs the whole model on one kernel variant; empty in the product
@@ -1081,7 +1212,13 @@ def mxfp4_moe_gemm(
     kernel, default on CUDA in bf16 for M-blocks of <= 32 rows) with ``scale_after`` (default
     ``block_m <= 16``); ``fp8`` (the same transposed tile on FP8 tensor cores,
     ``_mxfp4_moe_fp8_kernel``: the activations re-quantized to their e4m3 codes, exact; default
-    off until measured); the transposed kernels' ``unroll`` must divide K/32 and their ``split``
+    off until measured); ``scaled`` (``_mxfp4_moe_scaled_kernel``: Triton's ``tl.dot_scaled`` upcasts
+    the e2m1 weights and their scales itself; bf16 activations, CUDA only, off by default) and
+    ``scaled_swap`` (the same with the weight as the left operand, the decode regime);
+    ``natural`` (with those: weight holds the bytes in the release's nibble order, ``unrepack_fp4`` of
+    the kernel order or of its tiles, so the kernel skips restoring it in registers);
+    ``dot_scaled_stand_in`` (tests only: the interpreter's stand-in for dot_scaled, see the kernel);
+    the transposed and scaled kernels' ``unroll`` must divide K/32 and their ``split``
     is rounded down to a divisor of the unrolled steps. ``wide`` (transposed bf16 kernel): the whole
     unrolled step as one dot, scales on the weights; ``maxnreg``: a register cap (CUDA). weight and
     scale may instead be tiled (``tile_fp4``: 5-D / 4-D), read as whole lines; ``block_n`` is then
@@ -1114,10 +1251,24 @@ def mxfp4_moe_gemm(
     # (bench/results/formats_moe_variants.json); larger M-blocks (prefill chunks) keep the other
     swap_ab = cfg.get("swap_ab", a.is_cuda and a.dtype == torch.bfloat16 and block_m <= 32)
     fp8 = cfg.get("fp8", False)  # FP8 tensor cores (docs/moe_fp8.md); off until the device measures it
+    # Triton's tl.dot_scaled (``_mxfp4_moe_scaled_kernel``); off until the device measures it
+    scaled_swap = cfg.get("scaled_swap", False)
+    scaled = cfg.get("scaled", False) or scaled_swap
+    stand_in = cfg.get("dot_scaled_stand_in", False)
+    natural = cfg.get("natural", False)  # the weights in the release's nibble order (unrepack_fp4)
+    if natural and not scaled:
+        raise ValueError("mxfp4_moe_gemm: only the tl.dot_scaled variants read the release's nibble order")
+    if scaled and not (a.is_cuda or stand_in):
+        raise RuntimeError(
+            "mxfp4_moe_gemm: the tl.dot_scaled variants (config 'scaled' / 'scaled_swap') run on CUDA only "
+            f"(Triton's interpreter has no dot_scaled); the activations are on {a.device}"
+        )
+    if scaled and a.dtype != torch.bfloat16:
+        raise TypeError(f"mxfp4_moe_gemm: the tl.dot_scaled variants take bf16 activations, got {a.dtype}")
     # few rows (decode): split K so the few experts' weights stream through every SM
     busy = (min(n_experts, rows) + triton.cdiv(rows, block_m)) * n_blocks
     split = cfg.get("split", max(1, min(n_kb // (8 * unroll), (4 * _sms(a.device)) // max(1, busy))))
-    if swap_ab or fp8:  # whole splits of whole unrolled steps, so its loop needs no masks
+    if swap_ab or fp8 or scaled:  # whole splits of whole unrolled steps, so its loop needs no masks
         if n_kb % unroll:
             raise ValueError(f"mxfp4_moe_gemm: unroll {unroll} does not divide the {n_kb} scale blocks of K")
         split = max(d for d in range(1, min(split, n_kb // unroll) + 1) if (n_kb // unroll) % d == 0)
@@ -1138,7 +1289,19 @@ def mxfp4_moe_gemm(
     common.update(W_STEP=w_step, S_STEP=s_step)
     common.update(DOT_F32=_dot_f32(a), LUT=lut, BLOCK_M=block_m, BLOCK_N=bn)
     launch = {"maxnreg": cfg["maxnreg"]} if a.is_cuda and cfg.get("maxnreg") else {}
-    if fp8:
+    if scaled:
+        _mxfp4_moe_scaled_kernel[grid](
+            *args,
+            **{k_: v for k_, v in common.items() if k_ not in ("DOT_F32", "LUT")},
+            EVEN_N=n % bn == 0,
+            SWAP=scaled_swap,
+            NATURAL=natural,
+            STAND_IN=stand_in,
+            num_warps=cfg.get("num_warps", 4 if block_m <= 64 else 8),
+            num_stages=cfg.get("num_stages", 3) if a.is_cuda else 1,
+            **launch,
+        )
+    elif fp8:
         codes, a_scale = fp8_codes32(a)
         _mxfp4_moe_fp8_kernel[grid](
             codes,

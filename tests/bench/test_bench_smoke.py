@@ -66,7 +66,8 @@ def test_engine_host_graphs_smoke(tmp_path):
 def test_formats_moe_variants_smoke(tmp_path):
     """bench/formats.py's MoE-variants mode (what the device runs for the FP8 expert GEMM) on CPU:
     every variant at every row count, bf16 beside them, only the default and the FP8 kernel above
-    2048 rows, and the FP8 accumulation check (exact in fp32 here: the interpreter's FP8 dot)."""
+    2048 rows, the tl.dot_scaled ones at every size but skipped (the interpreter has no dot_scaled),
+    and the FP8 accumulation check (exact in fp32 here: the interpreter's FP8 dot)."""
     env = {**os.environ, "ASYMPD_OUT": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env["ASYMPD_BENCH_MOE_VARIANTS"] = "1"
     subprocess.run([sys.executable, "bench/formats.py", "--smoke"], cwd=ROOT, env=env, check=True, timeout=600)
@@ -77,11 +78,14 @@ def test_formats_moe_variants_smoke(tmp_path):
     assert [x["rows"] for x in rows] == [1, 64, 2500] and [x["block_m"] for x in rows] == [16, 16, 128]
     small_set = {"current", "swap_ab_tiled", "swap_ab_tiled_r72", "swap_ab_wide_tiled", "fp8", "fp8_tiled"}
     large_set = {"current", "current_tiled", "current_tiled_lut_pairs", "swap_ab_tiled_w8"}
-    every = small_set | large_set
+    scaled = {"scaled", "scaled_swap", "scaled_natural", "scaled_swap_natural"}
+    every = small_set | large_set | scaled
     for x in rows:
         assert x["bf16"]["moe_graph_ms"] > 0
         want = small_set if x["rows"] <= 2048 else large_set
-        assert {v for v in every if v in x} == want
+        assert {v for v in every if v in x} == want | scaled
+        for v in scaled:
+            assert x[v]["skipped"] == "tl.dot_scaled runs on CUDA only" and f"{v}_speedup" not in x
         for v in want:
             assert "error" not in x[v], x[v]
             # the same function up to summation order (fp32 dots on CPU) as the current kernel

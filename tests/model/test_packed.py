@@ -425,6 +425,102 @@ def test_mxfp4_moe_swap_ab_wide_equals_the_reference(n, block_m, config):
         assert torch.allclose(yb.double(), ref.bfloat16().double(), rtol=2**-7, atol=0)
 
 
+_SCALED = {
+    "scaled": {"scaled": True},
+    "scaled_swap": {"scaled_swap": True},
+    "scaled_natural": {"scaled": True, "natural": True},
+    "scaled_swap_natural": {"scaled_swap": True, "natural": True},
+}
+
+
+def _natural(w: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """The weight operand a config reads: with ``natural``, the release's nibble order."""
+    return gemm.unrepack_fp4(w) if cfg.get("natural") else w
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="tl.dot_scaled runs on CUDA only (Triton's interpreter has none)")
+@pytest.mark.parametrize("variant", ["scaled", "scaled_swap"])
+@pytest.mark.parametrize(
+    "rows,block_m,tile",
+    [(1, 16, None), (16, 16, 32), (300, 32, None), (300, 128, 32), (2500, 128, None), (2500, 64, 32)],
+)
+def test_mxfp4_moe_scaled_equals_the_default_kernel(variant, rows, block_m, tile):
+    """The tl.dot_scaled kernel (Triton's own e2m1 upcast, the weights' nibbles restored to the
+    release's order in registers) against the default kernel on the same bf16 operands, gathered and
+    not, split K and not, the row layout and the tiled one, the weights' bytes in the kernel's order
+    or (``natural``) the release's: both the exact product rounded once to
+    bf16 up to fp32 summation order (within one bf16 ulp of the float64 reference each, so within
+    two of each other), and no worse on the whole than that rounding."""
+    x, w, sc, blocks, token, ref = _moe_problem(rows, 96, block_m, seed=rows + block_m)
+    conf = {}
+    if tile:
+        w, sc = gemm.tile_fp4(w, sc, tile)
+        conf["block_n"] = tile
+    r, xb = token.numel(), x.bfloat16()
+    for split in (1, 2):
+        cur = gemm.mxfp4_moe_gemm(xb, w, sc, blocks, r, block_m, a_rows=token, config={**conf, "split": split})
+        for xs, a_rows in ((xb, token), (xb[token], None)):
+            cfg = {**_SCALED[variant], **conf, "split": split}
+            y = gemm.mxfp4_moe_gemm(xs, _natural(w, cfg), sc, blocks, r, block_m, a_rows=a_rows, config=cfg)
+            assert y.shape == (r, 96) and y.dtype == torch.bfloat16
+            assert torch.allclose(y.double(), ref.bfloat16().double(), rtol=2**-7, atol=0)
+            assert torch.allclose(y.double(), cur.double(), rtol=2**-6, atol=0)
+            assert rel(y, ref) < 4e-3
+        # the release's nibble order (no shuffle in registers): the same values into the same dots
+        cfg = {**_SCALED[f"{variant}_natural"], **conf, "split": split}
+        yn = gemm.mxfp4_moe_gemm(xb, _natural(w, cfg), sc, blocks, r, block_m, a_rows=token, config=cfg)
+        assert torch.allclose(yn.double(), ref.bfloat16().double(), rtol=2**-7, atol=0) and rel(yn, ref) < 4e-3
+
+
+@pytest.mark.parametrize("variant", list(_SCALED))
+@pytest.mark.parametrize(
+    "rows,block_m,config",
+    [(7, 16, {}), (13, 16, {"split": 2, "block_n": 64}), (50, 32, {"unroll": 4}), (13, 8, {"unroll": 1, "split": 3})],
+)
+def test_mxfp4_moe_scaled_stand_in_equals_the_reference(variant, rows, block_m, config):
+    """What the dot_scaled kernel does around the dot (the weights' nibbles back in the release's
+    order, the scale blocks, the gather, M-blocks, whole splits, partial column blocks), checked on
+    CPU with the interpreter's stand-in for tl.dot_scaled (its documented semantics: low nibble =
+    even K element, one UE8M0 scale per 32 along K): the exact product rounded once to bf16, up to
+    fp32 summation order. A wrong nibble or scale order is off by O(1). ``natural``: the weights
+    given in the release's order read to the same bits."""
+    n = 128 if config.get("block_n") == 64 else 96
+    x, w, sc, blocks, token, ref = _moe_problem(rows, n, block_m, seed=rows + 7 * block_m)
+    r, xb = token.numel(), x.bfloat16()
+    cfg = {**_SCALED[variant], **config, "dot_scaled_stand_in": True}
+    for xs, a_rows in ((xb, token), (xb[token], None)):
+        y = gemm.mxfp4_moe_gemm(xs, _natural(w, cfg), sc, blocks, r, block_m, a_rows=a_rows, config=cfg)
+        assert y.shape == (r, n) and y.dtype == torch.bfloat16
+        assert torch.allclose(y.double(), ref.bfloat16().double(), rtol=2**-7, atol=0) and rel(y, ref) < 4e-3
+    if cfg.get("natural"):  # the kernel order, restored in registers: the same bits
+        kernel_order = {**cfg, "natural": False}
+        assert torch.equal(y, gemm.mxfp4_moe_gemm(xs, w, sc, blocks, r, block_m, a_rows=a_rows, config=kernel_order))
+    wt, st = gemm.tile_fp4(w, sc, 32)  # the tiled layout: the same result
+    cfg_t = {**cfg, "block_n": 32}
+    yt = gemm.mxfp4_moe_gemm(xb, _natural(wt, cfg), st, blocks, r, block_m, a_rows=token, config=cfg_t)
+    y_rows = gemm.mxfp4_moe_gemm(xb, _natural(w, cfg), sc, blocks, r, block_m, a_rows=token, config=cfg_t)
+    assert torch.equal(yt, y_rows)
+
+
+@pytest.mark.parametrize("variant", ["scaled", "scaled_swap"])
+def test_mxfp4_moe_scaled_without_cuda_raises(variant):
+    """Requesting a dot_scaled variant on CPU tensors is a clear error, not the interpreter's
+    missing-attribute failure; fp32 activations (dot_scaled takes bf16) are one too, and so is the
+    release's nibble order for a kernel that reads only its own."""
+    x, w, sc, blocks, token, _ = _moe_problem(3, 96, 16, seed=4)
+    x, w, sc, token = x.cpu(), w.cpu(), sc.cpu(), token.cpu()
+    blocks = [b.cpu() for b in blocks]
+    with pytest.raises(RuntimeError, match="tl.dot_scaled variants .* run on CUDA only .* on cpu"):
+        gemm.mxfp4_moe_gemm(x.bfloat16(), w, sc, blocks, token.numel(), 16, a_rows=token, config=_SCALED[variant])
+    if DEVICE == "cuda":
+        x, w, sc, token, blocks = x.cuda(), w.cuda(), sc.cuda(), token.cuda(), [b.cuda() for b in blocks]
+    with pytest.raises(TypeError, match="take bf16 activations, got torch.float32"):
+        cfg = {**_SCALED[variant], "dot_scaled_stand_in": True}
+        gemm.mxfp4_moe_gemm(x, w, sc, blocks, token.numel(), 16, a_rows=token, config=cfg)
+    with pytest.raises(ValueError, match="only the tl.dot_scaled variants read the release's nibble order"):
+        gemm.mxfp4_moe_gemm(x, w, sc, blocks, token.numel(), 16, a_rows=token, config={"natural": True})
+
+
 def test_moe_defaults_select_the_variant_process_wide(monkeypatch):
     """``MOE_DEFAULTS`` is how the model runs on one kernel variant: an explicit config still wins."""
     x, w, sc, blocks, token, ref = _moe_problem(7, 96, 16, seed=2)
