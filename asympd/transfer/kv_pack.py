@@ -30,6 +30,13 @@ import torch
 from asympd.config import ModelConfig
 from asympd.model.quant import E2M1_VALUES, FP4_TABLE, _on, pack_fp4, unpack_fp4
 
+try:  # Triton ships with CUDA builds of torch; on CPU-only installs it is optional (tests use it)
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
 
 class KVPackError(ValueError):
     """Values that are not on the FP4 grid, or packed buffers that do not describe valid ones."""
@@ -123,9 +130,19 @@ def _grid_codes(q: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
     return code.to(torch.uint8) | (torch.signbit(q).to(torch.uint8) << 3)
 
 
-def unpack(codes: torch.Tensor, scales: torch.Tensor, fmt: FP4Format) -> torch.Tensor:
-    """(codes uint8 [n, d/2], scales [n, d/block]) -> fp32 [n, d] on their device; malformed input is
-    KVPackError."""
+def unpack(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    fmt: FP4Format,
+    dtype: torch.dtype = torch.float32,
+    checked: bool = False,
+    kernel: bool | None = None,
+) -> torch.Tensor:
+    """(codes uint8 [n, d/2], scales [n, d/block]) -> values [n, d] in ``dtype`` on their device;
+    malformed input is KVPackError. ``checked``: the caller already ran ``check_scales`` (on the
+    host, where the bytes arrived: no device sync here). ``kernel`` (default: on CUDA): one Triton
+    launch (``_unpack_kernel``) instead of a dozen torch ops; a receiver on a GPU shares it with
+    the steps in flight, and each of its kernels waits its turn there. Both give the same bits."""
     if codes.dim() != 2 or scales.dim() != 2:
         raise KVPackError(f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} must be 2-D")
     if scales.dtype != fmt.scale_dtype:
@@ -138,12 +155,63 @@ def unpack(codes: torch.Tensor, scales: torch.Tensor, fmt: FP4Format) -> torch.T
             f" per row here)"
         )
     s = scales.float()
-    bad = ~fmt.scale_ok(s)
+    if not checked:
+        check_scales(s, fmt)
+    if kernel is None:
+        kernel = codes.is_cuda and triton is not None
+    if kernel:
+        return _unpack_launch(codes, s, fmt, dtype)
+    vals = unpack_fp4(codes.contiguous()).unflatten(-1, (-1, fmt.block))
+    return (vals * s.unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+def check_scales(scales: torch.Tensor, fmt: FP4Format) -> None:
+    """KVPackError naming the first scale (row, block) that is not positive, finite and stored
+    exactly by ``fmt``; ``scales`` as fp32 [n, d/block] (one host sync where they live)."""
+    bad = ~fmt.scale_ok(scales.float())
     if bad.any():
         row, group = (int(i) for i in bad.nonzero()[0])
-        raise KVPackError(f"scale of row {row}, block {group} is {s[row, group].item()}: not a positive finite scale")
-    vals = unpack_fp4(codes.contiguous()).unflatten(-1, (-1, fmt.block))
-    return (vals * s.unsqueeze(-1)).flatten(-2)
+        value = scales[row, group].item()
+        raise KVPackError(f"scale of row {row}, block {group} is {value}: not a positive finite scale")
+
+
+def _unpack_launch(codes: torch.Tensor, scales: torch.Tensor, fmt: FP4Format, dtype: torch.dtype) -> torch.Tensor:
+    if triton is None:
+        raise RuntimeError("kv_pack.unpack(kernel=True) needs Triton")
+    n, half = codes.shape
+    out = torch.empty(n, 2 * half, dtype=dtype, device=codes.device)
+    total = out.numel()
+    if total:
+        block = 1024
+        _unpack_kernel[(triton.cdiv(total, block),)](
+            codes.contiguous(), scales.contiguous(), out, total, WIDTH=2 * half, GROUP=fmt.block, BLOCK=block
+        )
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _unpack_kernel(
+        codes_ptr, scales_ptr, out_ptr, total, WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        """One output value per lane: its nibble (the low one holds the even element), the e2m1
+        magnitude from the exponent and mantissa bits, the sign (code 8 is -0), times its
+        block's fp32 scale, in fp32 (exact: at most 7 significant bits), then the output dtype."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < total
+        row = offs // WIDTH
+        col = offs % WIDTH
+        byte = tl.load(codes_ptr + row * (WIDTH // 2) + col // 2, mask=mask, other=0).to(tl.int32)
+        nib = (byte >> ((col % 2) * 4)) & 0xF
+        e = (nib >> 1) & 3
+        m = (nib & 1).to(tl.float32)
+        sub = m * 0.5  # e = 0: 0 or 0.5
+        norm = (1.0 + 0.5 * m) * tl.where(e == 3, 4.0, tl.where(e == 2, 2.0, 1.0))  # 1, 1.5, 2, 3, 4, 6
+        mag = tl.where(e == 0, sub, norm)
+        val = mag * (1.0 - 2.0 * (nib >> 3).to(tl.float32))
+        scale = tl.load(scales_ptr + row * (WIDTH // GROUP) + col // GROUP, mask=mask, other=0.0)
+        tl.store(out_ptr + offs, (val * scale).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def wire_bytes_per_token(cfg: ModelConfig, kv_format: str, dtype_size: int = 2) -> float:

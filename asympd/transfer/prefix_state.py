@@ -599,16 +599,21 @@ def _unpack_named(
         out[name] = t  # replaced below, in this order
         batches[kind].append((name, t, scales))
     for kind, entries in batches.items():
-        for name, values in _unpack_batch(entries, _PACKED[kind], device):
-            out[name] = values.to(DTYPES[dtype])
+        for name, values in _unpack_batch(entries, _PACKED[kind], DTYPES[dtype], device):
+            out[name] = values
     return out
 
 
 def _unpack_batch(
-    entries: list[tuple[str, torch.Tensor, torch.Tensor]], fmt: kv_pack.FP4Format, device: torch.device | str | None
+    entries: list[tuple[str, torch.Tensor, torch.Tensor]],
+    fmt: kv_pack.FP4Format,
+    dtype: torch.dtype,
+    device: torch.device | str | None,
 ) -> list[tuple[str, torch.Tensor]]:
-    """(name, codes, scales) of one format -> (name, values) on ``device``: concatenated when their
-    shapes allow it, unpacked once, split back by rows. A malformed buffer is named."""
+    """(name, codes, scales) of one format -> (name, values in ``dtype``) on ``device``:
+    concatenated when their shapes allow it, the scales checked where they arrived (the host, so
+    no device sync), moved once, unpacked once (one kernel on a GPU: ``kv_pack.unpack``), split
+    back by rows. A malformed buffer is named."""
     if not entries:
         return []
     codes, scales = [c for _, c, _ in entries], [s for _, _, s in entries]
@@ -618,25 +623,27 @@ def _unpack_batch(
         and c.shape[1:] == codes[0].shape[1:]
         and s.shape[1:] == scales[0].shape[1:]
         and c.size(0) == s.size(0)
+        and s.dtype == fmt.scale_dtype
         for c, s in zip(codes, scales, strict=True)
     )
     if batched:
         rows = [c.size(0) for c in codes]
         c, s = torch.cat(codes), torch.cat(scales)
-        if device is not None:
-            c, s = c.to(device), s.to(device)
         try:
-            values = kv_pack.unpack(c, s, fmt)
+            kv_pack.check_scales(s, fmt)
         except kv_pack.KVPackError:
             pass  # the buffer-by-buffer pass below names the one at fault
         else:
+            if device is not None:
+                c, s = c.to(device), s.to(device)
+            values = kv_pack.unpack(c, s, fmt, dtype, checked=True)
             return list(zip([n for n, _, _ in entries], values.split(rows), strict=True))
     out = []
     for name, c, s in entries:
         if device is not None:
             c, s = c.to(device), s.to(device)
         try:
-            out.append((name, kv_pack.unpack(c, s, fmt)))
+            out.append((name, kv_pack.unpack(c, s, fmt, dtype)))
         except kv_pack.KVPackError as e:
             raise PrefixStateError(f"packed {_display(name)}: {e}") from None
     return out

@@ -238,6 +238,30 @@ def test_truncated_or_misscaled_packed_buffers_are_refused():
             PrefixState.from_buffers(*_tamper(state, name, fn))
 
 
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_the_unpack_kernel_gives_the_torch_bits(fmt, dtype):
+    """``kv_pack.unpack``'s one-launch Triton kernel (a GPU receiver's path; here under the
+    interpreter) against its torch ops: every byte value (so every 4-bit code in both nibbles, -0
+    included), scales across the format's range, a total that does not fill the last program."""
+    g = torch.Generator().manual_seed(3)
+    n, d = 37, 256
+    codes = torch.randint(0, 256, (n, d // 2), generator=g, dtype=torch.uint8)
+    codes[0] = torch.arange(128, dtype=torch.uint8)
+    codes[1] = torch.arange(128, 256, dtype=torch.uint8)
+    exps = torch.randint(-10, 4, (n, d // fmt.block), generator=g).float()
+    scales = (2.0**exps * (1.0 if fmt is MXFP4 else 1.125)).to(fmt.scale_dtype)
+    want = unpack(codes, scales, fmt, dtype, kernel=False)
+    got = unpack(codes, scales, fmt, dtype, kernel=True)
+    assert got.dtype == dtype and got.shape == (n, d) and (n * d) % 1024
+    assert torch.equal(bits(got), bits(want))
+    minus_zero = got[1, 16:18]  # byte 0x88 (row 1, byte 8): code 8 in both nibbles
+    assert (minus_zero == 0).all() and torch.signbit(minus_zero).all()
+    assert got[0, 14].item() == 6.0 * scales[0, 0].float().item()  # byte 7: low nibble 7 (6), the even element
+    if torch.cuda.is_available():  # compiled for the GPU, the default there
+        assert torch.equal(bits(unpack(codes.cuda(), scales.cuda(), fmt, dtype).cpu()), bits(want))
+
+
 def test_a_receiver_unpacks_each_kind_in_one_batch(monkeypatch):
     """Every layer's ckv in one unpack and every layer's idx in another (a GPU receiver shares the
     device with the steps in flight: fewer kernels and syncs to wait behind them); the values are
@@ -246,7 +270,9 @@ def test_a_receiver_unpacks_each_kind_in_one_batch(monkeypatch):
     header, buffers = state.to_buffers(host=True)
     calls = []
     real = kv_pack.unpack
-    monkeypatch.setattr(kv_pack, "unpack", lambda c, s, fmt: calls.append((c.size(0), fmt.name)) or real(c, s, fmt))
+    monkeypatch.setattr(
+        kv_pack, "unpack", lambda c, s, fmt, *a, **k: calls.append((c.size(0), fmt.name)) or real(c, s, fmt, *a, **k)
+    )
     got = PrefixState.from_buffers(header, buffers)
     rows = {kind: sum(getattr(state, kind)[k].size(0) for k in CFG.kv_source_layers) for kind in ("ckv", "idx")}
     assert sorted(calls) == sorted([(rows["ckv"], NVFP4.name), (rows["idx"], MXFP4.name)])
