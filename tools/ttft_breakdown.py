@@ -15,7 +15,8 @@ The parts of a P/D request's TTFT (the client's clock; every part a server measu
 Results since the ninth session also split ``fetch`` as D timed it (``FETCH_PARTS``): ``arrive``
 (the bytes arriving: the socket, or the NIXL read), ``unpack`` (the packed KV to values, on D's
 GPU where it has one) and ``check`` (the tag and ``PrefixState.validate``); the rest of ``fetch``
-is the connection, the request and the ack.
+is the connection, the request and the ack. They also split ``answer``: ``export`` (P waiting
+for its prefix's copy off the device after the prefill, ``export_s``) and the rest (HTTP, JSON).
 
 What it is for: reading a change of the hand-off (docs/prefix-transfer.md §1) or of P's steps
 off two runs at the same rates, part by part, instead of off TTFT alone.
@@ -70,18 +71,24 @@ def breakdown(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
             if not timings:
                 continue
             split = [
-                (ttft, p)
+                (t, ttft, p)
                 for t, ttft, err in zip(timings, req["ttfts"], req["errors"], strict=True)
                 if not err and t and (p := parts(t, ttft)) is not None
             ]
             if not split:
                 continue
-            row: dict[str, Any] = {"requests": len(split), "ttft": _pcts([ttft for ttft, _ in split])}
+            row: dict[str, Any] = {"requests": len(split), "ttft": _pcts([ttft for _, ttft, _ in split])}
             for k in PARTS:
-                row[k] = _pcts([p[k] for _, p in split])
+                row[k] = _pcts([p[k] for _, _, p in split])
             fetched = [f for t in timings if t and (f := fetch_parts(t)) is not None]
             if fetched:
                 row["fetch_split"] = {k: _pcts([f[k] for f in fetched]) for k in FETCH_PARTS}
+            answered = [(t["export_s"], p["answer"]) for t, _, p in split if t.get("export_s") is not None]
+            if answered:
+                row["answer_split"] = {
+                    "export": _pcts([e for e, _ in answered]),
+                    "rest": _pcts([a - e for e, a in answered]),
+                }
             out[f"{mode}@{run['request_rate']:g}"] = row
     return out
 
@@ -112,6 +119,11 @@ def format_table(name: str, rows: dict[str, dict[str, Any]], base: dict[str, dic
         lines.append("D's fetch split, ms (p50): " + ", ".join(FETCH_PARTS))
         for key, f in split.items():
             lines.append(f"{key:24} " + " ".join(f"{f[k]['p50'] * 1e3:12.1f}" for k in FETCH_PARTS))
+    split = {key: row["answer_split"] for key, row in rows.items() if "answer_split" in row}
+    if split:
+        lines.append("P's answer split, ms (p50): export, rest")
+        for key, f in split.items():
+            lines.append(f"{key:24} " + " ".join(f"{f[k]['p50'] * 1e3:12.1f}" for k in ("export", "rest")))
     return "\n".join(lines)
 
 

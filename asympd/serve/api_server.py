@@ -354,10 +354,12 @@ class WorkerServer:
             raise P.APIError(out.message, 500)
         if out.error or out.prefix_state is None:
             raise P.APIError(out.error or "the prefill produced no prefix state", 400 if out.error else 500)
-        prefill_s = time.perf_counter() - t_add
+        t_done = time.perf_counter()
+        prefill_s = t_done - t_add
         self.metrics.prefill_compute.observe(prefill_s)
         state = await self.off_loop(out.exported_state)  # its copy off the device may still run
         t_pub = time.perf_counter()
+        export_s = t_pub - t_done  # waiting for that copy (engine/export.py), on the TTFT path
         try:
             published = await self.off_loop(self.handoff.publish, rid, state)
         except Exception as e:
@@ -377,6 +379,7 @@ class WorkerServer:
             "split": state.split,
             "num_prompt_tokens": len(ids),
             "prefill_s": prefill_s,
+            "export_s": export_s,
             "publish_s": publish_s,
         }
         if comp.token_ids:  # symmetric: P sampled the first token
@@ -390,6 +393,7 @@ class WorkerServer:
         body["kv_transfer_params"] = kv_out
         body["asympd_timings"] = {
             "prefill_s": prefill_s,
+            "export_s": export_s,
             "publish_s": publish_s,
             "prefill_total_s": time.perf_counter() - t_arrival,
         }

@@ -56,6 +56,12 @@ def test_the_fetch_splits_where_d_timed_its_parts():
     row = breakdown(result)["asymmetric@1"]
     assert row["fetch_split"]["unpack"] == {"p50": 0.2, "p90": 0.2}
     assert "D's fetch split" in format_table("r", {"asymmetric@1": row})
+    assert "answer_split" not in row  # no export_s: a result from before it was timed
+    result["modes"]["asymmetric"]["runs"][0]["requests"]["asympd_timings"][0]["export_s"] = 0.03
+    row = breakdown(result)["asymmetric@1"]  # P's answer (0.6 - 0.5 - 0.05) = export 0.03 + the rest
+    assert row["answer_split"]["export"]["p50"] == 0.03
+    assert row["answer_split"]["rest"]["p50"] == pytest.approx(0.02)
+    assert "P's answer split" in format_table("r", {"asymmetric@1": row})
     assert (
         "fetch_split"
         not in breakdown(json.loads((RESULTS / "e2e_h200x1_depth40_oos3.json").read_text()))["asymmetric@1.5"]

@@ -72,6 +72,8 @@ def test_greedy_completions_equal_offline(cluster, offline, client):
             # D's fetch split into its parts (tools/ttft_breakdown.py), each inside the whole
             split = [t["transfer_arrive_s"], t["transfer_unpack_s"], t["transfer_check_s"]]
             assert all(x > 0 for x in split) and sum(split) < t["transfer_s"], t
+            # P's wait for its prefix's copy off the device, inside its answer
+            assert 0 <= t["export_s"] < t["prefill_rtt_s"] - t["prefill_s"] - t["publish_s"], t
             # what crossed is the packed FP4 global KV: far below its fp32 size in P's cache (for a prefix
             # long enough that the KV, not the token ids and the open pair, dominates)
             cfg, s = offline.cfg, len(ids) - 16
