@@ -705,14 +705,21 @@ def co_run(
             if fill is not None:
                 lengths, n = fill
 
-                async def burst() -> None:
-                    await asyncio.gather(*(_one(client, url, ids(k), 2) for k in lengths))
+                timed: dict[str, list[dict[str, Any]]] = {"alone": [], "beside": []}
+
+                def burst(phase: str) -> Callable[[], Any]:
+                    async def send() -> None:  # the servers' timings of each request (its hand-off beside P)
+                        done = await asyncio.gather(*(_one(client, url, ids(k), 2) for k in lengths))
+                        timed[phase] = [r["timings"] for r in done]
+
+                    return send
 
                 await asyncio.sleep(0.2)  # the cancelled decoders' aborts reach D: P's burst runs alone
                 load = {"prompt_lens": lengths, "rows": sum(lengths), "decoders": n, "t_alone": time.time()}
-                await burst()
+                await burst("alone")()
                 load["t_beside"] = time.time()
-                load["decoders_running_at_end"], load["decoders_failed"] = await beside(client, n, burst)
+                load["decoders_running_at_end"], load["decoders_failed"] = await beside(client, n, burst("beside"))
+                load["timings"] = timed
             return t_mid, still, failed, load
 
     t0 = time.time()

@@ -387,6 +387,10 @@ def test_co_run_is_recorded_per_mode(result):
         step = measured_step(result["modes"][mode]["calibration"])  # the batch at the calibrated step
         assert f["decoders"] == load_decoders(20, 6, step, 32) and f["decode_step_s"] == step(f["decoders"])
         assert any(s[2] > 40 for s in c["steps"]["prefill"] if s[0] >= f["t_alone"])  # steps of several prompts
+        # each burst request's hand-off as the servers timed it (D's fetch beside P's next prompts)
+        for phase in ("alone", "beside"):
+            got = f["timings"][phase]
+            assert len(got) == len(f["prompt_lens"]) and all(t["transfer_unpack_s"] > 0 for t in got), phase
     assert "skipped" in result["modes"]["colocated"]["calibration"]["co_run"]
 
 
