@@ -28,14 +28,12 @@ def p_alone_steps(p_steps: list[list], d_steps: list[list], alone_below: float =
     """(prompt rows, seconds) of every P step with prompt rows that D's steps covered less than
     ``alone_below`` of (or not at all): P's cost with the GPU to itself, at whatever size it ran
     (bench/e2e.py ``co_run_stretch`` reads P's alone steps by the same rule)."""
-    out = []
-    for s in p_steps:
-        if s[2] <= 0:
-            continue
-        f = overlap(s, d_steps)
-        if f == 0.0 or f < alone_below:
-            out.append((int(s[2]), float(s[1])))
-    return out
+    return [(rows, secs) for rows, secs, f in _covered_p_steps(p_steps, d_steps) if f == 0.0 or f < alone_below]
+
+
+def _covered_p_steps(p_steps: list[list], d_steps: list[list]) -> list[tuple[int, float, float]]:
+    """(prompt rows, seconds, fraction D's steps covered) of every P step with prompt rows."""
+    return [(int(s[2]), float(s[1]), overlap(s, d_steps)) for s in p_steps if s[2] > 0]
 
 
 def alone_priced(seconds: float, covered: float, p_share: float = 0.5) -> float:
@@ -52,11 +50,4 @@ def p_fit_steps(
     only the alone steps (``p_alone_steps``): the fill burst's full-budget step, P's largest, is
     covered 10-17 % by D's first step of the prompt finished before it, and without it the alone
     steps of oos5/oos6 spanned 896-1792 rows, where the fitted slope moved 4.7x between two runs."""
-    out = []
-    for s in p_steps:
-        if s[2] <= 0:
-            continue
-        f = overlap(s, d_steps)
-        if f < max_overlap:
-            out.append((int(s[2]), alone_priced(float(s[1]), f), f))
-    return out
+    return [(rows, alone_priced(secs, f), f) for rows, secs, f in _covered_p_steps(p_steps, d_steps) if f < max_overlap]
