@@ -252,14 +252,15 @@ def test_the_unpack_kernel_gives_the_torch_bits(fmt, dtype):
     exps = torch.randint(-10, 4, (n, d // fmt.block), generator=g).float()
     scales = (2.0**exps * (1.0 if fmt is MXFP4 else 1.125)).to(fmt.scale_dtype)
     want = unpack(codes, scales, fmt, dtype, kernel=False)
-    got = unpack(codes, scales, fmt, dtype, kernel=True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # compiled there, else the interpreter
+    got = unpack(codes.to(dev), scales.to(dev), fmt, dtype, kernel=True).cpu()
     assert got.dtype == dtype and got.shape == (n, d) and (n * d) % 1024
     assert torch.equal(bits(got), bits(want))
     minus_zero = got[1, 16:18]  # byte 0x88 (row 1, byte 8): code 8 in both nibbles
     assert (minus_zero == 0).all() and torch.signbit(minus_zero).all()
     assert got[0, 14].item() == 6.0 * scales[0, 0].float().item()  # byte 7: low nibble 7 (6), the even element
-    if torch.cuda.is_available():  # compiled for the GPU, the default there
-        assert torch.equal(bits(unpack(codes.cuda(), scales.cuda(), fmt, dtype).cpu()), bits(want))
+    if torch.cuda.is_available():  # the default on the GPU is the kernel
+        assert torch.equal(bits(unpack(codes.cuda(), scales.cuda(), fmt, dtype).cpu()), bits(got))
 
 
 def test_a_receiver_unpacks_each_kind_in_one_batch(monkeypatch):
