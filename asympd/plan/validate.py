@@ -124,6 +124,31 @@ def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return max(0.0, my - slope * mx), slope
 
 
+# a stall (not P's cost): a step this many robust deviations (1.4826 x MAD) above P's line and
+# over this many times the line's time; two conditions, as P's alone steps cluster at one size
+# (the MAD of oos7's was 3 ms: a 2076-row step 1.4x the line was 30 deviations off)
+STALL_MADS, STALL_FACTOR = 3.0, 2.0
+
+
+def stalls(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points of a step line that are stalls, not the line's cost: those above the
+    least-squares line through all of them by over ``STALL_MADS`` robust standard deviations (the
+    median absolute residual x 1.4826) and over ``STALL_FACTOR`` x its time. oos8's P spent 1.19 s
+    on a 1201-row step its neighbours ran at 0.2 s, which tripled the line's intercept
+    (docs/planner.md, "oos8"). None when that would leave the line fewer than two row counts."""
+    a, b = _line(points)
+    resid = [y - a - b * x for x, y in points]
+    mad = _median([abs(r) for r in resid])
+    out = [
+        (x, y)
+        for (x, y), r in zip(points, resid, strict=True)
+        if r > STALL_MADS * 1.4826 * mad and y > STALL_FACTOR * (a + b * x)
+    ]
+    if mad == 0.0 or len({pt[0] for pt in points if pt not in out}) < 2:
+        return []
+    return out
+
+
 @dataclass
 class MeasuredSteps:
     """``StepModel``'s interface with step times fitted to an end-to-end result's own calibration
@@ -142,6 +167,7 @@ class MeasuredSteps:
     d_pre_ms: float = 0.0  # D: fixed cost of a step's prompt-row path
     mix_pre_ms: float | None = None  # D: a mixed step's cost over its decode path (None: the two paths add)
     mix_row_ms: float = 0.0  # D: ... and per prompt row of a mixed step
+    move_beside_p_ms: float | None = None  # P -> D while P computes (``fetch_beside_p_ms``); None: not measured
 
     def prefill_ms(self, mode: str, chunks: list[tuple[int, int]], gpus: int) -> float:
         rows = sum(r for r, _ in chunks)
@@ -261,13 +287,28 @@ def fit_steps(
         if mode != "colocated" and r["timings"].get("transfer_s") is not None
     ]
     move, move_row = _line(move_points) if move_points else (0.0, 0.0)
+    move_beside = fetch_beside_p_ms(cal) if mode != "colocated" else None
     handoff = [
         (r["timings"]["prefill_rtt_s"] - r["timings"]["prefill_s"]) * 1e3
         for r in lone
         if r["timings"].get("prefill_rtt_s") is not None and r["timings"].get("prefill_s") is not None
     ]
     handoff_ms = max(0.0, _median(handoff))
-    return MeasuredSteps(p_step, p_row, d_step, d_seq, d_row, move, move_row, handoff_ms, d_pre_ms=d_pre)
+    return MeasuredSteps(
+        p_step, p_row, d_step, d_seq, d_row, move, move_row, handoff_ms, d_pre_ms=d_pre, move_beside_p_ms=move_beside
+    )
+
+
+def fetch_beside_p_ms(cal: dict[str, Any]) -> float | None:
+    """D's fetch of a prefix while P computes the next prompts, in ms: the median ``transfer_s``
+    of the co-run's fill bursts (bench/e2e.py: load-sized prompts sent at once, twice, P's steps
+    running while D fetches the prompts finished before them). On a GPU both share, D's unpack
+    kernels wait for P's: in oos5-oos8 a fetch overlapping a P step took 30-600 ms, one with P
+    idle 7-90 ms (the lone line's 8-17 ms at these lengths; docs/planner.md, "D's fetch beside
+    P"). None for a result whose co-run kept no fill timings (before 2ab3336)."""
+    timings = ((cal.get("co_run") or {}).get("fill") or {}).get("timings") or {}
+    fetches = [t["transfer_s"] * 1e3 for phase in timings.values() for t in phase if t.get("transfer_s") is not None]
+    return _median(fetches) if fetches else None
 
 
 def _lone_p_points(cfg: ModelConfig, mode: str, cal: dict[str, Any], p_budget: int) -> list[tuple[int, int, float]]:
@@ -305,30 +346,34 @@ def fit_p_step(
     prompt a step, two lengths; docs/planner.md, "P's step from the calibration's alone steps").
     So where the co-run's log has P steps at two or more row counts that D's steps covered less
     than ``P_FIT_MAX_OVERLAP`` of (its fill phase's burst: load-sized steps, up to P's budget), the
-    line is a least-squares fit through them (``_line``, each step one point), a step partly
-    beside D priced as if alone by equal shares (``step_log.alone_priced``; docs/planner.md, "oos5
-    and oos6"); otherwise the lone requests' fit. The record (None without a co-run step log, so
-    older validations keep their bytes): ``source``, ``steps`` and ``rows`` [min, max] of the
-    points fitted, ``beside_d`` (how many of them D partly covered) and ``lone_ms`` (the lone
-    requests' line)."""
+    line is a least-squares fit through them (``_line_without_outliers``: each step one point,
+    stalls dropped), a step partly beside D priced as if alone by equal shares
+    (``step_log.alone_priced``; docs/planner.md, "oos5 and oos6"); otherwise the lone requests'
+    fit. The record (None without a co-run step log, so older validations keep their bytes):
+    ``source``, ``steps`` and ``rows`` [min, max] of the points fitted, ``beside_d`` (how many of
+    them D partly covered), ``stalls`` ([rows, ms] of the steps dropped as stalls) and ``lone_ms``
+    (the lone requests' line)."""
     lone_points = _lone_p_points(cfg, mode, cal, p_budget)
     lone = _steps_and_rows(lone_points) if lone_points else (0.0, 0.0)
     points = co_run_p_points(cal) if mode != "colocated" else None
     if points is None:
         return lone[0], lone[1], None
     if len({rows for rows, _, _ in points}) >= 2:
+        stalled = stalls([(float(rows), ms) for rows, ms, _ in points])
+        points = [pt for pt in points if (float(pt[0]), pt[1]) not in stalled]
         (p_step, p_row), source = _line([(float(rows), ms) for rows, ms, _ in points]), P_FIT_CO_RUN
         rows = [r for r, _, _ in points]
         beside = sum(f > 0 for _, _, f in points)
     else:
         (p_step, p_row), source = lone, P_FIT_LONE
         rows = [r for _, r, _ in lone_points]
-        beside = 0
+        beside, stalled = 0, []
     record = {
         "source": source,
         "steps": len(rows),
         "rows": [min(rows), max(rows)] if rows else [],
         "beside_d": beside,
+        "stalls": [[int(r), ms] for r, ms in stalled],
         "lone_ms": list(lone),
     }
     return p_step, p_row, record
@@ -516,6 +561,10 @@ def simulate_deployment(
             def fetch(t: float) -> None:
                 hops_n[i] = n = n_at(t)
                 cost = (steps.move_for(a.prompt_len) + load.extra_ms("fetch", n)) / 1e3
+                nxt = p.next_issue()  # P's next step: already running, or when its next prompt arrives
+                if steps.move_beside_p_ms is not None and shared_gpu and not handoff_on_p_stream:
+                    if nxt is not None and nxt < t + cost:  # P computes on the GPU while D unpacks
+                        cost = steps.move_beside_p_ms / 1e3
                 if handoff_on_p_stream:
                     p.hold(SideTask(cost, lambda t: d.push(Arrival(i, t, a.prompt_len, a.output_len))))
                 else:
@@ -857,7 +906,8 @@ def _p_fit_note(m: dict[str, Any]) -> str:
         return ""
     rows = f"{f['rows'][0]}-{f['rows'][1]} rows" if f["rows"] else "no rows"
     beside = f", {f['beside_d']} partly beside D" if f.get("beside_d") else ""
-    return f" ({f['source']}: {f['steps']} steps, {rows}{beside})"
+    stalled = "".join(f", a {r}-row step of {ms:.0f} ms left out as a stall" for r, ms in f.get("stalls") or [])
+    return f" ({f['source']}: {f['steps']} steps, {rows}{beside}{stalled})"
 
 
 def format_validation(v: dict[str, Any]) -> str:
@@ -902,7 +952,9 @@ def format_validation(v: dict[str, Any]) -> str:
                     if s.get("mix_pre_ms") is not None
                     else ""
                 )
-                + f" move {s['move_ms']:.1f} + {s['move_row_ms']:.5f}/token; TTFT offset {s['ttft_offset_ms']:.1f}"
+                + f" move {s['move_ms']:.1f} + {s['move_row_ms']:.5f}/token"
+                + (f", {s['move_beside_p_ms']:.1f} beside P" if s.get("move_beside_p_ms") is not None else "")
+                + f"; TTFT offset {s['ttft_offset_ms']:.1f}"
             )
             ld = m.get("serving_load_ms")
             if ld:

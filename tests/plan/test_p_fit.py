@@ -12,7 +12,7 @@ import pytest
 
 from asympd.config import tiny
 from asympd.plan.step_log import ALONE_P, BESIDE, P_FIT_MAX_OVERLAP, alone_priced, overlap, p_alone_steps, p_fit_steps
-from asympd.plan.validate import P_FIT_CO_RUN, P_FIT_LONE, fit_p_step, fit_steps, validate_e2e
+from asympd.plan.validate import P_FIT_CO_RUN, P_FIT_LONE, fit_p_step, fit_steps, stalls, validate_e2e
 from tests.plan.test_validate_e2e import TRUE, calibration
 from tools.regen_validations import RESULTS
 
@@ -83,6 +83,24 @@ def test_alone_steps_at_two_sizes_give_p_line():
     )
 
 
+def test_a_stall_is_left_out_of_p_line():
+    """Two more steps on the line (2000 rows 0.3 s, 3000 rows 0.4 s) and a 1500-row step that
+    took 2 s (the line gives 0.25 s): 3 robust deviations above the first line and over twice its
+    time, so a stall, reported and not fitted: the line stays 100 ms + 0.1 ms/row. A step at 1.5x
+    the line is P's cost, whatever its deviations."""
+    log = co_run_log()
+    log["steps"]["prefill"] += [[7.0, 0.3, 2000, 0], [8.0, 0.4, 3000, 0], [9.0, 2.0, 1500, 0]]
+    cal = {**calibration("asymmetric"), "co_run": log}
+    a, b, record = fit_p_step(CFG, "asymmetric", cal)
+    assert (a, b) == pytest.approx((100.0, 0.1))
+    assert record["stalls"] == [[1500, 2000.0]] and record["steps"] == 6 and record["rows"] == [1000, 3000]
+    assert stalls([(1000.0, 200.0), (1000.0, 201.0), (3000.0, 400.0), (2000.0, 450.0)]) == []
+    assert stalls([(1000.0, 200.0), (3000.0, 400.0)]) == []  # a perfect line: nothing deviates
+    log["steps"]["prefill"][-1] = [9.0, 0.375, 1500, 0]  # 1.5 x the line: kept, and it pulls the line
+    a, b, record = fit_p_step(CFG, "asymmetric", {**calibration("asymmetric"), "co_run": log})
+    assert record["stalls"] == [] and record["steps"] == 7 and a > 100.0
+
+
 def test_alone_steps_at_one_size_keep_the_lone_fit():
     log = co_run_log()
     log["steps"]["prefill"] = [s for s in log["steps"]["prefill"] if s[2] in (1000, 0)] + [[4.0, 0.9, 2000, 0]]
@@ -90,7 +108,7 @@ def test_alone_steps_at_one_size_keep_the_lone_fit():
     a, b, record = fit_p_step(CFG, "asymmetric", cal)
     assert (a, b) == pytest.approx((TRUE.p_step_ms, TRUE.p_row_ms))
     rows = [n - CFG.window_size for n in (40, 100)]  # asymmetric P computes all but the last W
-    assert record == {"source": P_FIT_LONE, "steps": 4, "rows": rows, "beside_d": 0, "lone_ms": [a, b]}
+    assert record == {"source": P_FIT_LONE, "steps": 4, "rows": rows, "beside_d": 0, "stalls": [], "lone_ms": [a, b]}
 
 
 def test_no_co_run_step_log_is_the_lone_fit_with_no_record():

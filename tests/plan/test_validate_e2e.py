@@ -206,6 +206,23 @@ def test_validate_a_synthetic_result(tmp_path):
     assert json.loads(out.read_text())["rows"][0]["predicted"] == row["predicted"]
 
 
+def test_a_fetch_while_p_computes_costs_what_the_fill_bursts_measured():
+    """The synthetic result with the co-run's fill timings (D's fetches of 10, 20, 20 and 30 ms
+    while P computed a burst: median 20). On one GPU, req 0's fetch starts at 19, during P's step
+    for req 1 [16, 32]: 20 ms, at D at 39; req 1's starts at 35 with P idle: the lone 7 ms, at D at
+    42. D's prompt step for req 0 [39, 53] (first token), then req 0's decode with req 1's prompt
+    [53, 87]: TTFTs 53 and 87 - 10, plus HTTP. On two GPUs nothing changes (no P kernels beside D's)."""
+    fill = {"alone": [{"transfer_s": 0.010}, {"transfer_s": 0.020}], "beside": [{"transfer_s": 0.020}, {}]}
+    fill["beside"].append({"transfer_s": 0.030})
+    for gpus, ttfts in ((1, [53, 77]), (2, [40, 84])):
+        res = e2e_result(gpus=gpus)
+        res["modes"]["asymmetric"]["calibration"]["co_run"] = {"fill": {"timings": fill}}
+        v = validate_e2e(res)
+        assert v["modes"]["asymmetric"]["steps_ms"]["move_beside_p_ms"] == pytest.approx(20.0)
+        assert v["rows"][0]["predicted"]["ttft_p50_ms"] == pytest.approx(sum(ttfts) / 2 + HTTP_MS)
+    assert validate_e2e(e2e_result(gpus=1))["modes"]["asymmetric"]["steps_ms"]["move_beside_p_ms"] is None
+
+
 def test_on_a_gpu_the_hand_off_waits_for_p_steps():
     """The same two requests, the result made on a GPU: P's answer seals the prefix on P's stream,
     so it waits for P's step in progress, on a GPU of P's own too (ms). P [0, 16] req 0, then P's
