@@ -26,6 +26,7 @@ from asympd.engine.sampler import Drawn, SampleJob, sample_step
 from asympd.engine.sampling import SamplingParams
 from asympd.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from asympd.engine.spec_decode import DraftRequest, DSparkProposer, Proposer, rollback, spec_metrics
+from asympd.engine.warm_up import WarmUp, warm_up
 from asympd.kv.block_manager import BlockManager
 from asympd.kv.paged_cache import PagedKVCache
 from asympd.kv.spec import KVCacheSpec
@@ -103,6 +104,9 @@ class EngineConfig:
     # start-up capture covers contexts up to this many tokens (vLLM's max_seq_len_to_capture); steps of
     # longer ones are captured when first met
     max_seq_len_to_capture: int = 8192
+    # run a throwaway prompt at each shape class of the eager prompt path before serving, so that its
+    # Triton kernels compile at start-up, not mid-traffic (engine/warm_up.py); None: on a CUDA device
+    warm_up: bool | None = None
 
     def validate(self) -> None:
         modes.check_role_mode(self.role, self.mode)
@@ -226,6 +230,9 @@ class LLMEngine:
             "spec_accepted": 0,
             "spec_steps": 0,
         }
+        self.warm_up_report: WarmUp | None = None
+        if self.config.warm_up or (self.config.warm_up is None and model.device.type == "cuda"):
+            self.warm_up_report = warm_up(self)
 
     def capture_graphs(self) -> StartupCapture:
         """Build the CUDA graphs now, so that serving never pays a capture or a first-shape compile
@@ -728,6 +735,7 @@ class LLMEngine:
             "kv_usage_bytes": self.blocks.usage(),
             **self.counters,
             "graphed_steps": self._graphed_steps(),
+            "warm_up_prompts": len(self.warm_up_report.rows) if self.warm_up_report else 0,
             "num_spec_tokens": self.num_spec_tokens,
             **spec_metrics(self.counters["spec_proposed"], self.counters["spec_accepted"], self.counters["spec_steps"]),
         }

@@ -162,6 +162,8 @@ _HELP = {
     "weights": "auto: packed-experts on CUDA (MXFP4 experts as released), dequantized on CPU",
     "cuda_graph_mode": "full: steps that are not pure decode/verify run eagerly; full_and_piecewise: they "
     "replay piecewise graphs around attention",
+    "warm_up": "run a throwaway prompt at each prompt-step size class before serving, so that Triton compiles"
+    " at start-up, not mid-traffic (default: on a CUDA device; --no-warm-up skips it)",
     "enforce_eager": "run every step eagerly (default on CUDA: decode and verify steps replay CUDA graphs)",
     "cuda_graph_capture": "startup: capture the decode/verify and drafter graphs before serving (logged: sizes, "
     "seconds, memory); lazy: the first step of each shape captures it",
@@ -225,7 +227,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
             flag = "--" + f.name.replace("_", "-")
             kind, default = _scalar(tp), _default(f)
             if kind is bool:
-                if default:
+                if default is None:  # unset: the engine decides (e.g. warm_up: on a CUDA device)
+                    p.add_argument(flag, dest=f.name, action="store_true", default=None, help=_HELP.get(f.name))
+                    p.add_argument(f"--no-{f.name.replace('_', '-')}", dest=f.name, action="store_false", default=None)
+                elif default:
                     p.add_argument(f"--no-{f.name.replace('_', '-')}", dest=f.name, action="store_false")
                 else:
                     p.add_argument(flag, dest=f.name, action="store_true")

@@ -1,0 +1,118 @@
+"""Start-up warm-up of the eager prompt path: one throwaway prompt per shape class before serving.
+
+D's decode and verify steps replay CUDA graphs built at start-up (``cuda_graphs.capture_at_startup``),
+so serving never compiles them. Prompt steps run eagerly, and their Triton kernels take a new
+variant, which means a compile, the first time a step's row count meets one:
+
+- a new expert block size (``packed.moe_block_m``: at V4.1's 384 experts and 6 per token, prompt
+  steps of 1024, 2048 and 4096 rows are the edges);
+- a new split of K for the expert GEMMs (a few rows a step);
+- an integer argument that newly does or does not divide by 16 (Triton specialises on it).
+
+At true depth each such compile stalled a step 0.7-1.4 s mid-traffic, and a stalled step costs the
+ITL SLO of every request decoding through it (docs/planner.md, "oos9"). So the engine runs one
+prompt at each power of two up to its step budget, one at one row more, and one at the budget,
+before it takes a request. vLLM does the same with its profile and compile-size runs. The prompts
+are ordinary requests through the engine's own ``add_request`` and ``step``, with nothing cached
+(no import, so no prefix-cache entry). Each is aborted, or released once exported, as soon as its
+prompt is done, and the counters are put back, so that the metrics count served work only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from asympd.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from asympd.engine.engine import Engine
+
+log = logging.getLogger("asympd.engine")
+
+WARM_UP_ID = "__asympd_warm_up_"
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """What ``warm_up`` ran: the prompt rows of each throwaway prompt, and the seconds it took."""
+
+    rows: tuple[int, ...]
+    seconds: float
+
+    def line(self) -> str:
+        sizes = f"{self.rows[0]}-{self.rows[-1]}" if self.rows else "none"
+        return f"warm-up: {len(self.rows)} prompts of {sizes} prompt rows in {self.seconds:.1f} s"
+
+
+def warm_up_rows(budget: int) -> list[int]:
+    """The prompt rows to warm: every power of two up to ``budget``, each one row more (an odd
+    count: the other side of Triton's divisibility specialisation), and ``budget`` itself."""
+    if budget < 1:
+        raise ValueError(f"the step budget must be positive, got {budget}")
+    powers = [1 << i for i in range(budget.bit_length()) if 1 << i <= budget]
+    return sorted({*powers, *(p + 1 for p in powers if p + 1 <= budget), budget})
+
+
+def _prompt_len(engine: Engine, rows: int) -> int | None:
+    """A prompt length whose phases compute ``rows`` prompt rows on this engine, or None where
+    none does. Every role and mode computes either all of a prompt's rows or all but its last W
+    (asymmetric P), so the length is ``rows`` or ``rows + W``."""
+    for n in (rows, rows + engine.cfg.window_size):
+        if _rows_of(engine, n) == rows:
+            return n
+    return None
+
+
+def _rows_of(engine: Engine, n: int) -> int | None:
+    try:
+        req = engine._plan_request(WARM_UP_ID, [0] * n, SamplingParams(max_tokens=1), None, None)
+    except ValueError:
+        return None
+    return sum(p.hi - p.lo for p in req.phases)
+
+
+def warm_up(engine: Engine) -> WarmUp:
+    """Run ``warm_up_rows`` prompts through ``engine`` (idle, before serving). Sizes the cache or
+    the context cannot hold are skipped. Returns what ran."""
+    if engine.requests or engine.held:
+        raise RuntimeError("warm-up runs on an idle engine, before it serves")
+    t0 = time.perf_counter()
+    counters = dict(engine.counters)
+    graphs = getattr(engine.runner, "graphs", None)
+    graph_steps = {k: graphs.stats[k] for k in ("replayed", "first", "eager")} if graphs is not None else {}
+    done: list[int] = []
+    vocab = engine.cfg.vocab_size
+    for rows in warm_up_rows(engine.config.scheduler.max_num_batched_tokens):
+        n = _prompt_len(engine, rows)
+        if n is None:
+            continue
+        rid = f"{WARM_UP_ID}{rows}"
+        ids = [(7919 * i + rows) % vocab for i in range(n)]  # spread over the experts, as text is
+        try:
+            engine.add_request(rid, ids, SamplingParams(max_tokens=1, ignore_eos=True))
+        except ValueError as e:  # larger than the cache or the context: nothing to warm at this size
+            log.debug("warm-up skips %d rows: %s", rows, e)
+            continue
+        for _ in range(n + 8):  # every step computes a row of it at least: this never runs out
+            if rid not in engine.requests or not engine.requests[rid].in_prompt:
+                break
+            engine.step()
+        else:
+            raise RuntimeError(f"warm-up: the {rows}-row prompt made no progress in {n + 8} steps")
+        engine.abort_request(rid)  # a colocated or D prompt: done, or one token in
+        engine.release_transfer(rid)  # a P prompt: exported and held
+        done.append(rows)
+    for req in list(engine.draining.values()):  # exports still copying out of the blocks
+        for e in req.exports:
+            e.wait()
+        engine._free(req)
+    engine.counters.update(counters)
+    graphs = getattr(engine.runner, "graphs", None)
+    if graphs is not None:  # the steps ran eagerly: not served steps either (graphs built stay counted)
+        graphs.stats.update(graph_steps)
+    report = WarmUp(tuple(done), time.perf_counter() - t0)
+    log.info(report.line())
+    return report
