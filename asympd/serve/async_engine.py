@@ -263,17 +263,22 @@ class AsyncEngine:
                 if rows[0] or rows[1]:  # not the empty steps of an engine waiting on held transfers
                     with self._steps_lock:
                         self._steps.append((wall0, dt, int(rows[0]), int(rows[1])))
-                if dt > SLOW_S:  # a stall worth a line in the log (a compile, a capture, a slow import)
+                new_compiles = compiles.since(compiled)
+                new_graphs = None if graphs is None else graphs.stats.get("captured", 0) - (captured or 0)
+                # a stall worth a line in the log (a compile, a capture, a slow import); and any step
+                # that compiled or captured, however short: a shape serving should have met at start-up
+                if dt > SLOW_S or new_compiles or new_graphs:
                     log.warning(
-                        "slow engine step: %.2f s, %d outputs, %d prompt rows, %d requests; "
+                        "%s: %.2f s, %d outputs, %d prompt rows, %d requests; "
                         "graphs captured in the step: %s (%s); Triton compiles in the step: %s",
+                        "slow engine step" if dt > SLOW_S else "engine step met a new shape",
                         dt,
                         len(outputs),
                         engine.counters["prompt_tokens"] - prompt_before,
                         len(engine.requests),
-                        None if graphs is None else graphs.stats.get("captured", 0) - (captured or 0),
+                        new_graphs,
                         None if graphs is None else graphs.stats,
-                        compiles.since(compiled) or "none",
+                        new_compiles or "none",
                     )
                 for out in outputs:
                     stream = self._streams.get(out.request_id)

@@ -73,6 +73,38 @@ def test_a_slow_step_is_logged_with_its_prompt_rows_and_compiles(tiny_ckpt, monk
     assert lines[0].endswith("Triton compiles in the step: none")
 
 
+def test_a_quick_step_that_compiled_is_logged_too(tiny_ckpt, monkeypatch, caplog):
+    """A compile or capture under a second (D's 0.5-0.9 s stalls in oos9) is still a shape serving
+    should have met at start-up: its step leaves a line; a step that compiled nothing does not."""
+    llm = LLM(tiny_ckpt, dtype="float32")
+    step = llm.engine.step
+    calls = []
+
+    def compiling_step():
+        calls.append(1)
+        if len(calls) == 1:
+            _compiled("_first_shape_kernel")
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", compiling_step)
+    aengine = async_engine.AsyncEngine(llm.engine)
+
+    async def one_request() -> None:
+        aengine.start()
+        try:
+            stream = await aengine.add("r0", [5, 6, 7, 8, 9], SamplingParams(max_tokens=3))
+            await stream.result()
+        finally:
+            aengine.stop()
+
+    with caplog.at_level(logging.WARNING, logger=async_engine.__name__):
+        asyncio.run(one_request())
+    lines = [r.getMessage() for r in caplog.records if "engine step" in r.getMessage()]
+    assert len(calls) >= 2 and len(lines) == 1, caplog.text
+    assert lines[0].startswith("engine step met a new shape: ") and "5 prompt rows" in lines[0]
+    assert lines[0].endswith("Triton compiles in the step: {'_first_shape_kernel': 1}")
+
+
 def test_the_step_log_has_each_step_s_rows_by_wall_clock(tiny_ckpt):
     """``steps_since``: one entry per step that ran rows, [wall start, seconds, prompt rows, decode
     sequences]: the 5-row prompt's step, then one decoding sequence per step (bench/e2e.py's
