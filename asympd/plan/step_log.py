@@ -51,3 +51,13 @@ def p_fit_steps(
     covered 10-17 % by D's first step of the prompt finished before it, and without it the alone
     steps of oos5/oos6 spanned 896-1792 rows, where the fitted slope moved 4.7x between two runs."""
     return [(rows, alone_priced(secs, f), f) for rows, secs, f in _covered_p_steps(p_steps, d_steps) if f < max_overlap]
+
+
+def d_prompt_alone_steps(
+    d_steps: list[list], p_steps: list[list], alone_below: float = ALONE_P
+) -> list[tuple[int, float]]:
+    """(prompt rows, seconds) of every D step with prompt rows and no decode sequence (a D's
+    first-step chunks alone, a CUDA graph on a GPU) that P's steps covered less than
+    ``alone_below`` of: D's prompt-step cost with the GPU to itself, by its own step log."""
+    p = [s for s in p_steps if s[2] > 0]
+    return [(int(s[2]), float(s[1])) for s in d_steps if s[2] > 0 and s[3] == 0 and overlap(s, p) < alone_below]

@@ -42,7 +42,7 @@ from asympd.plan.simulate import (
     run_decode,
     run_engines,
 )
-from asympd.plan.step_log import p_fit_steps
+from asympd.plan.step_log import d_prompt_alone_steps, p_fit_steps
 from asympd.plan.steps import RESULTS_DIR, StepModel, load_results
 from asympd.serve.admission import POLICIES, AdmissionPolicy
 
@@ -431,17 +431,21 @@ def fit_admission_steps(
     d_budget: int,
     on_gpu: bool = True,
 ) -> MeasuredSteps:
-    """D's steps that take prompt rows, from the calibration batch: a decoding request's token gap
-    in which other requests got their first token held their prompt rows. With mixed steps that
-    gap is one mixed step: the median step's cost over the decode path (``mix_pre_ms``; at most
-    4 x W rows, and the batch's first admission step is an outlier a row fit would follow).
-    Without (alone-4) it is a prompt-only step followed by a decode step: the prompt-only step's
-    cost joins the lone first steps' fit (``d_pre_ms``, ``d_row_ms``) as the median per row
-    count, now over several row counts. The decode
+    """D's steps that take prompt rows. Prompt-only steps come from the co-run's step log where
+    it has them at two row counts or more (``co_run_d_prompt_line``). Otherwise, and for mixed
+    steps, they come from the calibration batch: a decoding request's token gap in which other
+    requests got their first token held their prompt rows. With mixed steps that gap is one mixed
+    step: the median step's cost over the decode path (``mix_pre_ms``; at most 4 x W rows, and
+    the batch's first admission step is an outlier a row fit would follow). Without (alone-4) it
+    is a prompt-only step followed by a decode step: the prompt-only step's cost joins the lone
+    first steps' fit (``d_pre_ms``, ``d_row_ms``) as the median per row count. The decode
     path and its host time per request in the TTFT path are the fitted ones; ``shared_gpu``: the
     gaps are read at D's alone speed where P's steps shared the GPU (the simulator shares it
     again). Nothing here reads the rate runs."""
     mode, semantics, policy = dep.mode, dep.colocated_semantics, dep.policy
+    logged = co_run_d_prompt_line(cal)  # D's prompt-only steps as its own step log timed them
+    if logged is not None:
+        steps = replace(steps, d_pre_ms=logged[0], d_row_ms=logged[1])
     rows = batch_rows(cal, dep.pd)
     by_step: dict[tuple[int, ...], list[float]] = {}  # one step, seen in each decoding request's gap
     for g in batch_gaps(rows, p_busy_until(rows, dep.shared_gpu), first_out_at_launch(cfg, mode, on_gpu)):
@@ -457,12 +461,30 @@ def fit_admission_steps(
         return steps
     if policy.mixed_steps:  # the median step: the batch's first admission step can carry start-up costs
         return replace(steps, mix_pre_ms=_median([y for _, _, y in points]), mix_row_ms=0.0)
+    if logged is not None:
+        return steps
     both = _lone_first_points(cfg, mode, cal, semantics, d_budget, steps.d_step_ms, on_gpu) + points
     by_rows: dict[tuple[int, int], list[float]] = {}
     for k, r, y in both:
         by_rows.setdefault((k, r), []).append(y)
     d_pre, d_row = _fixed_or_line([(k, r, _median(ys)) for (k, r), ys in by_rows.items()])
     return replace(steps, d_pre_ms=d_pre, d_row_ms=d_row)
+
+
+def co_run_d_prompt_line(cal: dict[str, Any]) -> tuple[float, float] | None:
+    """D's prompt-only step (fixed ms, ms per row) from the co-run's own step log: the line through
+    its prompt-only steps with P idle (``step_log.d_prompt_alone_steps``; the fill phase gives
+    128-512 rows), stalls left out (``stalls``). Measured, where the calibration batch's gaps only
+    infer it: in oos10 one inferred 256-row step cost 499 ms over the decode path, the logged
+    ones 134-160 ms (docs/planner.md, "oos10"). None without the log or with one row count."""
+    log = (cal.get("co_run") or {}).get("steps") or {}
+    if not log.get("decode") or log.get("prefill") is None:
+        return None
+    points = [(float(r), s * 1e3) for r, s in d_prompt_alone_steps(log["decode"], log["prefill"])]
+    if len({x for x, _ in points}) < 2:
+        return None
+    stalled = stalls(points)
+    return _line([pt for pt in points if pt not in stalled])
 
 
 @dataclass

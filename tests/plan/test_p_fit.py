@@ -11,8 +11,29 @@ import json
 import pytest
 
 from asympd.config import tiny
-from asympd.plan.step_log import ALONE_P, BESIDE, P_FIT_MAX_OVERLAP, alone_priced, overlap, p_alone_steps, p_fit_steps
-from asympd.plan.validate import P_FIT_CO_RUN, P_FIT_LONE, fit_p_step, fit_steps, stalls, validate_e2e
+from asympd.plan.deployment import Deployment
+from asympd.plan.serving_load import StageLoad
+from asympd.plan.step_log import (
+    ALONE_P,
+    BESIDE,
+    P_FIT_MAX_OVERLAP,
+    alone_priced,
+    d_prompt_alone_steps,
+    overlap,
+    p_alone_steps,
+    p_fit_steps,
+)
+from asympd.plan.validate import (
+    P_FIT_CO_RUN,
+    P_FIT_LONE,
+    co_run_d_prompt_line,
+    fit_admission_steps,
+    fit_p_step,
+    fit_steps,
+    stalls,
+    validate_e2e,
+)
+from asympd.serve.admission import POLICIES
 from tests.plan.test_validate_e2e import TRUE, calibration
 from tools.regen_validations import RESULTS
 
@@ -168,3 +189,23 @@ def test_a_result_without_the_co_run_log_validates_as_before():
     v = validate_e2e(bare)["modes"]["asymmetric"]
     assert "p_fit" not in v
     assert [v["steps_ms"]["p_step_ms"], v["steps_ms"]["p_row_ms"]] == pytest.approx([62.004, 0.08985], rel=1e-3)
+
+
+def test_d_prompt_steps_come_from_the_co_run_log_alone_and_without_stalls():
+    """D's prompt-only steps in the co-run's log with P idle: 128 rows at 90 ms (three), 256 at
+    150 (two), 512 at 270, and a 256-row stall of 600 ms (a compile): the line 30 ms + 0.46875
+    ms/row. A 512-row step beside P's (500 ms) and a step with decode sequences are not points;
+    one row count alone gives no line (the calibration batch's inference stays)."""
+    d = [[float(i), s, rows, 0] for i, (s, rows) in enumerate([(0.09, 128)] * 3 + [(0.15, 256)] * 2)]
+    d += [[5.0, 0.27, 512, 0], [6.0, 0.6, 256, 0], [7.0, 0.5, 512, 0], [9.0, 0.3, 128, 3]]
+    p = [[7.0, 1.0, 2000, 0], [8.5, 0.2, 0, 0]]
+    cal = {**calibration("asymmetric"), "co_run": {"steps": {"prefill": p, "decode": d}}}
+    assert d_prompt_alone_steps(d, p) == [(128, 0.09)] * 3 + [(256, 0.15)] * 2 + [(512, 0.27), (256, 0.6)]
+    assert co_run_d_prompt_line(cal) == pytest.approx((30.0, 0.46875))
+    dep = Deployment("asymmetric", POLICIES["alone-4"], p_step_tokens=2048, colocated_semantics="split")
+    base = fit_steps(CFG, "asymmetric", cal, d_budget=512, semantics="split")
+    steps = fit_admission_steps(CFG, cal, base, StageLoad(), dep, 512)
+    assert (steps.d_pre_ms, steps.d_row_ms) == pytest.approx((30.0, 0.46875))
+    one = {**cal, "co_run": {"steps": {"prefill": p, "decode": [s for s in d if s[2] == 128]}}}
+    assert co_run_d_prompt_line(one) is None
+    assert co_run_d_prompt_line(calibration("asymmetric")) is None
