@@ -52,21 +52,26 @@ def test_compile_watch_names_the_kernels_compiled_since_a_mark_and_chains_the_ho
         knobs.runtime.jit_post_compile_hook = before
 
 
-def test_a_slow_step_is_logged_with_its_prompt_rows_and_compiles(tiny_ckpt, monkeypatch, caplog):
-    monkeypatch.setattr(async_engine, "SLOW_S", -1.0)  # every step counts as slow
-    llm = LLM(tiny_ckpt, dtype="float32")
+def _serve_one(llm: LLM, max_tokens: int) -> None:
+    """One 5-token prompt through the server's engine thread (``AsyncEngine``), to its end."""
     aengine = async_engine.AsyncEngine(llm.engine)
 
     async def one_request() -> None:
         aengine.start()
         try:
-            stream = await aengine.add("r0", [5, 6, 7, 8, 9], SamplingParams(max_tokens=2))
+            stream = await aengine.add("r0", [5, 6, 7, 8, 9], SamplingParams(max_tokens=max_tokens))
             await stream.result()
         finally:
             aengine.stop()
 
+    asyncio.run(one_request())
+
+
+def test_a_slow_step_is_logged_with_its_prompt_rows_and_compiles(tiny_ckpt, monkeypatch, caplog):
+    monkeypatch.setattr(async_engine, "SLOW_S", -1.0)  # every step counts as slow
+    llm = LLM(tiny_ckpt, dtype="float32")
     with caplog.at_level(logging.WARNING, logger=async_engine.__name__):
-        asyncio.run(one_request())
+        _serve_one(llm, max_tokens=2)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slow engine step")]
     assert lines, caplog.text
     assert "5 prompt rows, 1 requests" in lines[0]
@@ -87,18 +92,8 @@ def test_a_quick_step_that_compiled_is_logged_too(tiny_ckpt, monkeypatch, caplog
         return step()
 
     monkeypatch.setattr(llm.engine, "step", compiling_step)
-    aengine = async_engine.AsyncEngine(llm.engine)
-
-    async def one_request() -> None:
-        aengine.start()
-        try:
-            stream = await aengine.add("r0", [5, 6, 7, 8, 9], SamplingParams(max_tokens=3))
-            await stream.result()
-        finally:
-            aengine.stop()
-
     with caplog.at_level(logging.WARNING, logger=async_engine.__name__):
-        asyncio.run(one_request())
+        _serve_one(llm, max_tokens=3)
     lines = [r.getMessage() for r in caplog.records if "engine step" in r.getMessage()]
     assert len(calls) >= 2 and len(lines) == 1, caplog.text
     assert lines[0].startswith("engine step met a new shape: ") and "5 prompt rows" in lines[0]
