@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from asympd.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from asympd.engine.engine import Engine
+    from asympd.engine.engine import LLMEngine
 
 log = logging.getLogger("asympd.engine")
 
@@ -56,7 +56,7 @@ def warm_up_rows(budget: int) -> list[int]:
     return sorted({*powers, *(p + 1 for p in powers if p + 1 <= budget), budget})
 
 
-def _prompt_len(engine: Engine, rows: int) -> int | None:
+def _prompt_len(engine: LLMEngine, rows: int) -> int | None:
     """A prompt length whose phases compute ``rows`` prompt rows on this engine, or None where
     none does. Every role and mode computes either all of a prompt's rows or all but its last W
     (asymmetric P), so the length is ``rows`` or ``rows + W``."""
@@ -66,7 +66,7 @@ def _prompt_len(engine: Engine, rows: int) -> int | None:
     return None
 
 
-def _rows_of(engine: Engine, n: int) -> int | None:
+def _rows_of(engine: LLMEngine, n: int) -> int | None:
     try:
         req = engine._plan_request(WARM_UP_ID, [0] * n, SamplingParams(max_tokens=1), None, None)
     except ValueError:
@@ -74,7 +74,7 @@ def _rows_of(engine: Engine, n: int) -> int | None:
     return sum(p.hi - p.lo for p in req.phases)
 
 
-def warm_up(engine: Engine) -> WarmUp:
+def warm_up(engine: LLMEngine) -> WarmUp:
     """Run ``warm_up_rows`` prompts through ``engine`` (idle, before serving). Sizes the cache or
     the context cannot hold are skipped. Returns what ran."""
     if engine.requests or engine.held:
@@ -110,7 +110,6 @@ def warm_up(engine: Engine) -> WarmUp:
             e.wait()
         engine._free(req)
     engine.counters.update(counters)
-    graphs = getattr(engine.runner, "graphs", None)
     if graphs is not None:  # the steps ran eagerly: not served steps either (graphs built stay counted)
         graphs.stats.update(graph_steps)
     report = WarmUp(tuple(done), time.perf_counter() - t0)

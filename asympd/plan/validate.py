@@ -135,7 +135,7 @@ def stalls(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     least-squares line through all of them by over ``STALL_MADS`` robust standard deviations (the
     median absolute residual x 1.4826) and over ``STALL_FACTOR`` x its time. oos8's P spent 1.19 s
     on a 1201-row step its neighbours ran at 0.2 s, which tripled the line's intercept
-    (docs/planner.md, "oos8"). None when that would leave the line fewer than two row counts."""
+    (docs/planner.md, "oos8"). Nothing when that would leave the line fewer than two row counts."""
     a, b = _line(points)
     resid = [y - a - b * x for x, y in points]
     mad = _median([abs(r) for r in resid])
@@ -303,9 +303,9 @@ def fetch_beside_p_ms(cal: dict[str, Any]) -> float | None:
     """D's fetch of a prefix while P computes the next prompts, in ms: the median ``transfer_s``
     of the co-run's fill bursts (bench/e2e.py: load-sized prompts sent at once, twice, P's steps
     running while D fetches the prompts finished before them). On a GPU both share, D's unpack
-    kernels wait for P's: in oos5-oos8 a fetch overlapping a P step took 30-600 ms, one with P
-    idle 7-90 ms (the lone line's 8-17 ms at these lengths; docs/planner.md, "D's fetch beside
-    P"). None for a result whose co-run kept no fill timings (before 2ab3336)."""
+    kernels wait for P's: in the rate runs of oos6-oos8 a fetch overlapping a P step took 19-599
+    ms, one with P idle 7-263 ms, mostly under 90 (the lone line's 8-17 ms at these lengths;
+    docs/planner.md, "oos8"). None for a result whose co-run kept no fill timings (before 2ab3336)."""
     timings = ((cal.get("co_run") or {}).get("fill") or {}).get("timings") or {}
     fetches = [t["transfer_s"] * 1e3 for phase in timings.values() for t in phase if t.get("transfer_s") is not None]
     return _median(fetches) if fetches else None
@@ -346,8 +346,8 @@ def fit_p_step(
     prompt a step, two lengths; docs/planner.md, "P's step from the calibration's alone steps").
     So where the co-run's log has P steps at two or more row counts that D's steps covered less
     than ``P_FIT_MAX_OVERLAP`` of (its fill phase's burst: load-sized steps, up to P's budget), the
-    line is a least-squares fit through them (``_line_without_outliers``: each step one point,
-    stalls dropped), a step partly beside D priced as if alone by equal shares
+    line is a least-squares fit through them (``_line``, each step one point, ``stalls`` left
+    out), a step partly beside D priced as if alone by equal shares
     (``step_log.alone_priced``; docs/planner.md, "oos5 and oos6"); otherwise the lone requests'
     fit. The record (None without a co-run step log, so older validations keep their bytes):
     ``source``, ``steps`` and ``rows`` [min, max] of the points fitted, ``beside_d`` (how many of
