@@ -119,9 +119,6 @@ def test_the_serve_flags_leave_it_to_the_device_or_force_it():
 
     p = argparse.ArgumentParser()
     add_serve_arguments(p)
-    got = [serve_config_from_args(p.parse_args(["--checkpoint", "c", *a])).engine.warm_up for a in ([], ["--warm-up"])]
-    assert got + [serve_config_from_args(p.parse_args(["--checkpoint", "c", "--no-warm-up"])).engine.warm_up] == [
-        None,
-        True,
-        False,
-    ]
+    flags = ([], ["--warm-up"], ["--no-warm-up"])
+    got = [serve_config_from_args(p.parse_args(["--checkpoint", "c", *a])).engine.warm_up for a in flags]
+    assert got == [None, True, False]
