@@ -83,12 +83,17 @@ def breakdown(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
             fetched = [f for t in timings if t and (f := fetch_parts(t)) is not None]
             if fetched:
                 row["fetch_split"] = {k: _pcts([f[k] for f in fetched]) for k in FETCH_PARTS}
-            answered = [(t["export_s"], p["answer"]) for t, _, p in split if t.get("export_s") is not None]
+            answered = [(t["export_s"], p["answer"], t) for t, _, p in split if t.get("export_s") is not None]
             if answered:
                 row["answer_split"] = {
-                    "export": _pcts([e for e, _ in answered]),
-                    "rest": _pcts([a - e for e, a in answered]),
+                    "export": _pcts([e for e, _, _ in answered]),
+                    "rest": _pcts([a - e for e, a, _ in answered]),
                 }
+                # of the export, the copy itself on P's GPU (timed since the tenth session; the rest
+                # of the export is P's step still computing when the server asked for the bytes)
+                copies = [t["export_copy_s"] for _, _, t in answered if t.get("export_copy_s") is not None]
+                if copies:
+                    row["answer_split"]["export copy"] = _pcts(copies)
             out[f"{mode}@{run['request_rate']:g}"] = row
     return out
 
@@ -121,9 +126,10 @@ def format_table(name: str, rows: dict[str, dict[str, Any]], base: dict[str, dic
             lines.append(f"{key:24} " + " ".join(f"{f[k]['p50'] * 1e3:12.1f}" for k in FETCH_PARTS))
     split = {key: row["answer_split"] for key, row in rows.items() if "answer_split" in row}
     if split:
-        lines.append("P's answer split, ms (p50): export, rest")
+        cols = [k for k in ("export", "export copy", "rest") if any(k in f for f in split.values())]
+        lines.append("P's answer split, ms (p50): " + ", ".join(cols))
         for key, f in split.items():
-            lines.append(f"{key:24} " + " ".join(f"{f[k]['p50'] * 1e3:12.1f}" for k in ("export", "rest")))
+            lines.append(f"{key:24} " + " ".join(f"{f[k]['p50'] * 1e3:12.1f}" if k in f else " " * 12 for k in cols))
     return "\n".join(lines)
 
 

@@ -108,8 +108,9 @@ class PendingExport:
         buffers: list[torch.Tensor],
         pool: PinnedPool,
         kept: list[torch.Tensor] | None = None,
+        started: _Event | None = None,
     ) -> None:
-        self.state, self.done = state, done
+        self.state, self.done, self.started = state, done, started
         self._buffers, self._pool, self._kept = buffers, pool, kept or []
 
     def ready(self) -> bool:
@@ -124,6 +125,14 @@ class PendingExport:
             t.record_stream(torch.cuda.current_stream(t.device))
         self.state.pending = None  # done: later reads need no wait (and the state no longer pins this)
         return self.state
+
+    def copy_s(self) -> float | None:
+        """Seconds on the GPU from the end of the compute the export waited for to the end of its
+        copy, once the copy is done (None on CPU, or before). A reader's wait beyond it is P's step
+        itself still computing: the server reports both (``export_s``, ``export_copy_s``)."""
+        if self.done is None or self.started is None or not self.done.query():
+            return None
+        return self.started.elapsed_time(self.done) / 1e3
 
     def release(self) -> None:
         """The transfer is done: give the host buffers back (after the copy, should it still run)."""
@@ -143,13 +152,18 @@ class ExportCopy:
         self.stream = exporter.stream
         self.buffers: list[torch.Tensor] = []
         self.kept: list[torch.Tensor] = []
+        self.started: torch.cuda.Event | None = None  # the compute stream at the copy's start (timed)
 
     @contextmanager
     def _on_stream(self) -> Iterator[None]:
         if self.stream is None:
             yield
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # after the step's compute
+        compute = torch.cuda.current_stream(self.stream.device)
+        if self.started is None:
+            self.started = torch.cuda.Event(enable_timing=True)
+        self.started.record(compute)
+        self.stream.wait_event(self.started)  # after the step's compute
         with torch.cuda.stream(self.stream):
             yield
 
@@ -180,7 +194,7 @@ class ExportCopy:
 
     def finish(self, state: PrefixState) -> PendingExport:
         done = self.exporter.completion()
-        pending = PendingExport(state, done, self.buffers, self.exporter.pool, self.kept)
+        pending = PendingExport(state, done, self.buffers, self.exporter.pool, self.kept, self.started)
         if done is not None:
             state.pending = pending  # a consumer that reads the bytes without wait() waits all the same
         return pending
@@ -209,6 +223,6 @@ class PrefixExporter:
         copies; None without a stream (the copy is done when it returns)."""
         if self.stream is None:
             return None
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(enable_timing=True)  # timed against the copy's start (``copy_s``)
         done.record(self.stream)
         return done

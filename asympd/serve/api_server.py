@@ -360,6 +360,8 @@ class WorkerServer:
         state = await self.off_loop(out.exported_state)  # its copy off the device may still run
         t_pub = time.perf_counter()
         export_s = t_pub - t_done  # waiting for that copy (engine/export.py), on the TTFT path
+        # of which the copy itself on the GPU (None on CPU); the rest is P's step still computing
+        export_copy_s = out.prefix_export.copy_s() if out.prefix_export is not None else None
         try:
             published = await self.off_loop(self.handoff.publish, rid, state)
         except Exception as e:
@@ -380,6 +382,7 @@ class WorkerServer:
             "num_prompt_tokens": len(ids),
             "prefill_s": prefill_s,
             "export_s": export_s,
+            "export_copy_s": export_copy_s,
             "publish_s": publish_s,
         }
         if comp.token_ids:  # symmetric: P sampled the first token
@@ -394,6 +397,7 @@ class WorkerServer:
         body["asympd_timings"] = {
             "prefill_s": prefill_s,
             "export_s": export_s,
+            "export_copy_s": export_copy_s,
             "publish_s": publish_s,
             "prefill_total_s": time.perf_counter() - t_arrival,
         }

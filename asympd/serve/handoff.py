@@ -235,6 +235,7 @@ class Handoff:
         timings["prefill_rtt_s"] = kv.get("prefill_rtt_s")
         timings["publish_s"] = kv.get("publish_s")
         timings["export_s"] = kv.get("export_s")
+        timings["export_copy_s"] = kv.get("export_copy_s")
         if failure is None:
             missing = [k for k in ("host", "port", "transfer_id") if k not in kv]
             if missing:

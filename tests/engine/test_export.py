@@ -80,6 +80,7 @@ def test_export_gives_the_bytes_of_a_masked_copy_without_a_sync(models, monkeypa
     (out,) = [o for o in run(p) if o.finished]
     state = out.exported_state()
     assert out.prefix_export.ready() and state is out.prefix_state
+    assert out.prefix_export.copy_s() is None  # a CPU copies as it exports: nothing to time
     want = masked_export(p, "x")
     got = {k: v for k, v in state.named_buffers().items() if not k.startswith("image") and k != "token_ids"}
     assert got.keys() == want.keys()
@@ -90,6 +91,19 @@ def test_export_gives_the_bytes_of_a_masked_copy_without_a_sync(models, monkeypa
     assert again.equal(PrefixState.deserialize(state.serialize()))
     p.release_transfer("x")
     assert p.blocks.num_used_blocks == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_export_times_its_copy(tiny_ckpt):
+    """``copy_s``: the GPU time from the step's compute end to the copy's end, once it is done;
+    the server reports it beside its wait (``export_copy_s``)."""
+    p = prefill_engine(load_model(tiny_ckpt, "prefill", device="cuda", dtype=torch.bfloat16))
+    p.add_request("x", random_prompts([41], seed=41)[0], GREEDY)
+    (out,) = [o for o in run(p) if o.finished]
+    out.exported_state()
+    copy = out.prefix_export.copy_s()
+    assert copy is not None and 0.0 <= copy < 1.0, copy
+    p.release_transfer("x")
 
 
 def test_streamed_slices_are_exported_without_a_sync(models, monkeypatch):

@@ -61,7 +61,13 @@ def test_the_fetch_splits_where_d_timed_its_parts():
     row = breakdown(result)["asymmetric@1"]  # P's answer (0.6 - 0.5 - 0.05) = export 0.03 + the rest
     assert row["answer_split"]["export"]["p50"] == 0.03
     assert row["answer_split"]["rest"]["p50"] == pytest.approx(0.02)
-    assert "P's answer split" in format_table("r", {"asymmetric@1": row})
+    assert "P's answer split, ms (p50): export, rest" in format_table("r", {"asymmetric@1": row})
+    assert "export copy" not in row["answer_split"]  # not timed (before the tenth session, or a CPU)
+    result["modes"]["asymmetric"]["runs"][0]["requests"]["asympd_timings"][0]["export_copy_s"] = 0.004
+    row = breakdown(result)["asymmetric@1"]
+    assert row["answer_split"]["export copy"] == {"p50": 0.004, "p90": 0.004}
+    table = format_table("r", {"asymmetric@1": row})
+    assert "export, export copy, rest" in table and "         4.0" in table
     assert (
         "fetch_split"
         not in breakdown(json.loads((RESULTS / "e2e_h200x1_depth40_oos3.json").read_text()))["asymmetric@1.5"]

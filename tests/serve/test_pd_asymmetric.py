@@ -74,6 +74,7 @@ def test_greedy_completions_equal_offline(cluster, offline, client):
             assert all(x > 0 for x in split) and sum(split) < t["transfer_s"], t
             # P's wait for its prefix's copy off the device, inside its answer
             assert 0 <= t["export_s"] < t["prefill_rtt_s"] - t["prefill_s"] - t["publish_s"], t
+            assert t["export_copy_s"] is None  # timed on a GPU only (a CPU copies as it exports)
             # what crossed is the packed FP4 global KV: far below its fp32 size in P's cache (for a prefix
             # long enough that the KV, not the token ids and the open pair, dominates)
             cfg, s = offline.cfg, len(ids) - 16
