@@ -417,7 +417,7 @@ def scrape(url: str) -> dict[str, float]:
 
 def worker_info(url: str) -> dict[str, Any]:
     info = httpx.get(f"{url}/asympd/info", timeout=30).json()
-    keep = ("role", "mode", "prefill_semantics", "device", "dtype", "transport", "resident_bytes", "memory")
+    keep = ("role", "mode", "prefill_semantics", "device", "dtype", "transport", "resident_bytes", "memory", "warm_up")
     return {k: info.get(k) for k in keep}
 
 

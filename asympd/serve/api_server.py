@@ -190,10 +190,19 @@ class WorkerServer:
             "cp": c.cp,
             "cp_pids": self.engine.group.pids() if isinstance(self.engine, CPPrefillEngine) else [],
             "memory": self.memory(),
+            "warm_up": self.warm_up(),
         }
         if internal:
             out["fingerprint"] = self.fingerprint
         return out
+
+    def warm_up(self) -> dict[str, Any] | None:
+        """What the engine's start-up warm-up ran (engine/warm_up.py); None where it did not run."""
+        report = getattr(self.engine, "warm_up_report", None)
+        if report is None:
+            return None
+        rows = [min(report.rows), max(report.rows)] if report.rows else []
+        return {"prompts": len(report.rows), "rows": rows, "seconds": round(report.seconds, 3)}
 
     def admission(self) -> dict[str, Any]:
         """How new requests join this worker's steps (serve/admission.py): the policy and what it set."""

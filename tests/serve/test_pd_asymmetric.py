@@ -22,7 +22,9 @@ LENGTHS = [5, 16, 17, 30, 41, 90]
 
 @pytest.fixture(scope="module")
 def cluster(tiny_ckpt, tmp_path_factory):
-    with one_p_one_d(tiny_ckpt, tmp_path_factory.mktemp("pd-asym-logs")) as c:
+    # warmed as on a GPU (``--warm-up``; a CPU skips it by default): every test here then also
+    # checks that the warm-up's throwaway prompts leave what the servers serve unchanged
+    with one_p_one_d(tiny_ckpt, tmp_path_factory.mktemp("pd-asym-logs"), "asymmetric", "--warm-up") as c:
         yield c
 
 
@@ -242,6 +244,8 @@ def test_models_health_metrics(cluster, client):
         assert mem["kv_cache_bytes"] > 0 and mem["device_allocated_bytes"] is None
         assert mem["cuda_graphs"] is None  # CPU: every step eager
     assert p_info["fingerprint"] == d_info["fingerprint"]
+    for info in (p_info, d_info):  # --warm-up: one throwaway prompt per size class, from a single row
+        assert info["warm_up"]["prompts"] > 10 and info["warm_up"]["rows"][0] == 1, info["warm_up"]
     # D runs its default admission policy (alone-4: capped, unmixed steps); P is never capped
     assert d_info["admission"] == {
         "policy": "alone-4",
