@@ -108,6 +108,10 @@ class EngineConfig:
     # Triton kernels compile at start-up, not mid-traffic (engine/warm_up.py); None: on a CUDA device
     warm_up: bool | None = None
 
+    def warms_up(self, device: torch.device) -> bool:
+        """Whether an engine on ``device`` runs the start-up warm-up (``warm_up``; None: on CUDA)."""
+        return bool(self.warm_up) or (self.warm_up is None and device.type == "cuda")
+
     def validate(self) -> None:
         modes.check_role_mode(self.role, self.mode)
         if self.prefill_semantics not in modes.SEMANTICS:
@@ -231,7 +235,7 @@ class LLMEngine:
             "spec_steps": 0,
         }
         self.warm_up_report: WarmUp | None = None
-        if self.config.warm_up or (self.config.warm_up is None and model.device.type == "cuda"):
+        if self.config.warms_up(model.device):
             self.warm_up_report = warm_up(self)
 
     def capture_graphs(self) -> StartupCapture:

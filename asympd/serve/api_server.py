@@ -20,6 +20,7 @@ never reaches the engine thread as an exception: it becomes a 4xx.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import json
 import logging
@@ -40,6 +41,7 @@ from asympd.engine.images import ImageLimits
 from asympd.engine.llm import eos_id, load_tokenizer
 from asympd.engine.request import RequestOutput
 from asympd.engine.sampling import SamplingParams
+from asympd.engine.warm_up import warm_up
 from asympd.model.loader import load_model
 from asympd.parallel import launch_ep
 from asympd.parallel.cp_engine import CPPrefillEngine, launch_cp
@@ -100,9 +102,15 @@ class WorkerServer:
         shared = cfg.benchmark_shared_experts  # benchmark checkpoints only (asympd/model/shared_experts.py)
         model = load_model(cfg.checkpoint, model_role, cfg.device, cfg.dtype, cfg.weights, ep=ep, shared_experts=shared)
         cfg.engine.eos_token_id = eos_id(self.tokenizer)
-        self.engine: Any = LLMEngine(model, cfg.engine) if cp is None else CPPrefillEngine(model, cfg.engine, cp)
+        # rank 0 of an expert-parallel worker computes its share of the experts only once the other
+        # ranks are attached: its warm-up waits until then
+        deferred = self.ep is not None and cfg.engine.warms_up(model.device)
+        engine_cfg = dataclasses.replace(cfg.engine, warm_up=False) if deferred else cfg.engine
+        self.engine: Any = LLMEngine(model, engine_cfg) if cp is None else CPPrefillEngine(model, cfg.engine, cp)
         if self.ep is not None:
             self.ep.attach(self.engine)  # resident bytes are rank 0's
+            if deferred:
+                self.engine.warm_up_report = warm_up(self.engine)
         self.resident_bytes = model.resident_bytes()
         self.model_cfg = self.engine.cfg
         self.fingerprint = self.engine.fingerprint

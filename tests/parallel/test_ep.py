@@ -241,13 +241,17 @@ def _children(pid: int) -> set[int]:
 
 
 def test_serve_ep2_answers_like_ep1_and_stops_cleanly(ep_ckpt, tmp_path):
-    one = worker("ep1", ep_ckpt, "colocated", "colocated", tmp_path)
-    two = worker("ep2", ep_ckpt, "colocated", "colocated", tmp_path, "--ep", "2")
+    """Both warmed (``--warm-up``, as on a GPU): the EP worker's warm-up runs once its ranks are
+    attached (before that, rank 0 holds only its own experts), and serves the same tokens."""
+    one = worker("ep1", ep_ckpt, "colocated", "colocated", tmp_path, "--warm-up")
+    two = worker("ep2", ep_ckpt, "colocated", "colocated", tmp_path, "--ep", "2", "--warm-up")
     procs = [one, two]
     try:
         url1, url2 = start_all(procs)
         info = httpx.get(f"{url2}/asympd/info", timeout=10).json()
         assert info["ep"] == 2 and len(info["ep_pids"]) == 1
+        warmed = httpx.get(f"{url1}/asympd/info", timeout=10).json()["warm_up"]
+        assert info["warm_up"]["prompts"] == warmed["prompts"] > 10, (info["warm_up"], warmed)
         assert _children(two.pid) == set(info["ep_pids"])  # one process per rank, started by the worker
         ids = random_prompts([2 * W + 1], seed=25)[0]
         body = {"prompt": ids, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
