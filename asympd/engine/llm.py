@@ -66,6 +66,7 @@ class LLM:
         stream_prefix: bool = False,
         enforce_eager: bool = False,
         cuda_graph_capture: str = "startup",
+        warm_up: bool | None = None,
     ):
         """``num_spec_tokens`` > 0 turns on speculative decoding with the checkpoint's DSpark draft
         blocks in the engine that decodes (the colocated engine, or D); the prefill worker never drafts.
@@ -75,7 +76,9 @@ class LLM:
         ``stream_prefix``: P hands its prefix over in slices as each prefill chunk finishes, and D
         writes each into its cache as it arrives (asymmetric, encoder-only). ``enforce_eager``: no
         CUDA graphs (by default decode and verify steps replay them on CUDA). ``cuda_graph_capture``:
-        startup builds them before the first request, lazy when a step first needs one."""
+        startup builds them before the first request, lazy when a step first needs one.
+        ``warm_up``: run the eager prompt path once per size class before the first request
+        (engine/warm_up.py; None: on CUDA)."""
         self.mode = mode
         self.tokenizer = load_tokenizer(checkpoint)
         detok = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer else None
@@ -97,6 +100,7 @@ class LLM:
                 stream_prefix=stream_prefix and role == "prefill",
                 enforce_eager=enforce_eager,
                 cuda_graph_capture=cuda_graph_capture,
+                warm_up=warm_up,
             )
 
         self.prefill: LLMEngine | None = None

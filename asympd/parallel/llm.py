@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,7 @@ import torch
 
 from asympd.engine import modes
 from asympd.engine.llm import LLM
+from asympd.engine.warm_up import warm_up
 from asympd.model.dtypes import resolve_dtype
 from asympd.model.loader import load_model
 from asympd.parallel.executor import DistributedExecutor
@@ -56,9 +58,14 @@ class ParallelLLM(LLM):
         spec = RankSpec(str(checkpoint), role, device, str(dtype).removeprefix("torch."), weights=weights)
         self.executor = DistributedExecutor(RankGroup(ep, spec))  # children load while we do
         kwargs["enforce_eager"] = True  # no CUDA graphs across ranks (attach): none built at start-up
+        want = kwargs.get("warm_up")
+        kwargs["warm_up"] = False  # rank 0 holds its own experts only until attached: warm up after
         try:
             super().__init__(checkpoint, mode, prefill_semantics, device=device, dtype=dtype, **kwargs)
             self.executor.attach(self.prefill if shard == "prefill" else self.engine)
+            for eng in (e for e in (self.prefill, self.engine) if e is not None):
+                if replace(eng.config, warm_up=want).warms_up(eng.model.device):
+                    eng.warm_up_report = warm_up(eng)
         except BaseException:
             self.executor.close()
             raise

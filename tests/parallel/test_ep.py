@@ -125,6 +125,17 @@ def test_colocated(ep_ckpt, semantics):
         _assert_caches_equal(llm)
 
 
+def test_a_warmed_sharded_engine_gives_the_single_rank_tokens(ep_ckpt):
+    """``warm_up=True`` (the CUDA default) over 2 ranks: the warm-up runs once the ranks are
+    attached, on both engines of a P/D pair (P sharded here), and changes no token."""
+    prompts = random_prompts(LENGTHS, seed=22)
+    want = _tokens(LLM(ep_ckpt, "asymmetric"), prompts)
+    with ParallelLLM(ep_ckpt, "asymmetric", ep=2, shard="prefill", warm_up=True) as llm:
+        assert llm.prefill.warm_up_report.rows and llm.engine.warm_up_report.rows
+        assert _tokens(llm, prompts) == want
+        _assert_caches_equal(llm)
+
+
 def test_colocated_packed_experts(ep_ckpt):
     """The CUDA default layout (MXFP4 experts through the grouped GEMM) over 2 ranks: each rank
     built with its own packed experts only, the tokens and caches of 1 rank."""
