@@ -24,9 +24,9 @@ def models(tiny_ckpt):
     return {"full": load_model(tiny_ckpt, "full"), "prefill": load_model(tiny_ckpt, "prefill")}
 
 
-def engine(model, role: str, mode: str, warm: bool | None) -> LLMEngine:
+def engine(model, role: str, mode: str, warm: bool | None, **kw) -> LLMEngine:
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=96)
-    return LLMEngine(model, EngineConfig(role=role, mode=mode, scheduler=sched, warm_up=warm))
+    return LLMEngine(model, EngineConfig(role=role, mode=mode, scheduler=sched, warm_up=warm, **kw))
 
 
 def test_the_sizes_are_the_powers_of_two_one_row_more_and_the_budget():
@@ -38,13 +38,14 @@ def test_the_sizes_are_the_powers_of_two_one_row_more_and_the_budget():
 
 
 @pytest.mark.parametrize(
-    "role,mode,model", [("colocated", "colocated", "full"), ("prefill", "asymmetric", "prefill"),
-                        ("decode", "asymmetric", "full")],
+    "role,mode,model,stream", [("colocated", "colocated", "full", False), ("prefill", "asymmetric", "prefill", False),
+                               ("prefill", "asymmetric", "prefill", True), ("decode", "asymmetric", "full", False)],
 )  # fmt: skip
-def test_warm_up_leaves_the_engine_as_it_found_it(models, role, mode, model):
+def test_warm_up_leaves_the_engine_as_it_found_it(models, role, mode, model, stream):
     """Every size runs (the tiny context holds them all), as one prompt step each: the prefill
-    worker's prompts are 16 tokens (W) longer than their rows, the others' as long."""
-    eng = engine(models[model], role, mode, warm=True)
+    worker's prompts are 16 tokens (W) longer than their rows, the others' as long. A prefill
+    worker that streams its prefix in slices leaves none of them held either."""
+    eng = engine(models[model], role, mode, warm=True, stream_prefix=stream)
     report = eng.warm_up_report
     assert report.rows == tuple(warm_up_rows(96)) and report.seconds > 0
     stats = eng.stats()
