@@ -583,8 +583,8 @@ def simulate_deployment(
             def fetch(t: float) -> None:
                 hops_n[i] = n = n_at(t)
                 cost = (steps.move_for(a.prompt_len) + load.extra_ms("fetch", n)) / 1e3
-                nxt = p.next_issue()  # P's next step: already running, or when its next prompt arrives
                 if steps.move_beside_p_ms is not None and shared_gpu and not handoff_on_p_stream:
+                    nxt = p.next_issue()  # P's next step: already running, or when its next prompt arrives
                     if nxt is not None and nxt < t + cost:  # P computes on the GPU while D unpacks
                         cost = steps.move_beside_p_ms / 1e3
                 if handoff_on_p_stream:
