@@ -16,6 +16,8 @@ before it takes a request. vLLM does the same with its profile and compile-size 
 are ordinary requests through the engine's own ``add_request`` and ``step``, with nothing cached
 (no import, so no prefix-cache entry). Each is aborted, or released once exported, as soon as its
 prompt is done, and the counters are put back, so that the metrics count served work only.
+A prompt of a CUDA graph's shape (1 + k rows or fewer, or W on a D) takes a graph of one request,
+captured here rather than by the first served step of that shape.
 """
 
 from __future__ import annotations

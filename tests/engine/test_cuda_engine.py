@@ -106,7 +106,8 @@ def test_greedy_drafts_come_from_the_drafter_graph_on_cuda(tiny_ckpt):
 def test_graphs_captured_at_startup_serve_generate_without_a_capture(tiny_ckpt, mode, spec, mixed):
     """Start-up capture (the default): every decode/verify graph and drafter graph is built from
     padding-only steps before the first request; greedy generation then gives the eager engine's
-    tokens (fp32) and captures nothing more: each step replays a graph built at start-up. Unmixed
+    tokens (fp32) and captures nothing more: each step replays a graph built before the first request
+    (at start-up, or by the warm-up's throwaway prompts). Unmixed
     (the alone-4 policy), a D's first steps alone (asymmetric's bounded prefills, symmetric-split's
     replays without logits or global writes) replay their graphs too."""
     sem = "split" if mode == "colocated" else "full"
@@ -130,7 +131,13 @@ def test_graphs_captured_at_startup_serve_generate_without_a_capture(tiny_ckpt, 
     assert len(report.keys) == 4 * (1 + spec) * len(contexts) + prefills
     before = [dict(g.stats) for g in every]
     for g, b in zip(every, before, strict=True):
-        assert b["startup"] == b["captured"] == len(g.graphs) > 0 and b["replayed"] == b["first"] == 0, b
+        assert b["captured"] == len(g.graphs) >= b["startup"] > 0 and b["replayed"] == b["first"] == 0, b
+    # the start-up warm-up (on by default on CUDA) runs one prompt at a time; a prompt of a graph's
+    # row count (1 + k or fewer rows, or W on a D) takes a graph of one request, captured then,
+    # before the first request, as a served step of that shape would capture it mid-traffic
+    extra = set(decode.graphs) - set(report.keys)
+    assert len(extra) == before[0]["captured"] - before[0]["startup"], extra
+    assert all(k.segments == 1 for k in extra), extra
     want, got = _tokens(eager), _tokens(graphed)
     first_steps = sum(n for k, n in decode.steps_by_key.items() if k.rows == 16)  # tiny's W
     print(f"start-up graphs, {mode} k={spec} mixed={mixed}: {decode.stats}, {first_steps} first steps")

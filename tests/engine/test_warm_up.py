@@ -98,7 +98,8 @@ def test_on_a_gpu_the_warmed_engine_compiles_nothing_while_serving(tiny_ckpt, ro
     watch = CompileWatch()
     try:
         eng = LLMEngine(m, EngineConfig(role=role, mode=mode, scheduler=SchedulerConfig(max_num_batched_tokens=512)))
-        assert eng.warm_up_report is not None and watch.total > 0  # it compiled what it met
+        # what it ran (whether it compiled anything depends on what this process compiled before)
+        assert eng.warm_up_report is not None and eng.warm_up_report.rows == tuple(warm_up_rows(512))
         mark = watch.mark()
         for batch, seed in (([37, 250, 61], 11), ([300, 151], 12), ([500], 13), ([23, 29, 31, 100, 47], 14)):
             for i, ids in enumerate(random_prompts(batch, seed=seed)):
