@@ -830,12 +830,19 @@ def run_rate(args, dep: Deployment, ckpt: str, rate: float, work: Path) -> dict[
     out["transfer_bytes_per_request"] = out["transfer_bytes_total"] / n_tr if n_tr else 0.0
     out["transfer_s_per_request"] = moved("asympd_transfer_seconds_total", "decode") / n_tr if n_tr else 0.0
     out["preemptions"] = moved("asympd_num_preemptions_total")
-    # busy time (the sum of engine step durations): prompt tokens per second of P's compute
+    # busy time: the sum of engine step durations on the host (what the planner's step times are),
+    # and the wall time with a step in flight on the host or the GPU (asympd/serve/busy.py), which
+    # counts the GPU work a P step leaves queued; prompt tokens per second of P's compute use the
+    # second where the workers report it (results before it have the host time only)
+    gpu_counted = all("asympd_engine_busy_seconds_total" in a for a in after)
     for role in sorted(set(dep.roles)):
         busy = moved("asympd_engine_step_seconds_sum", role)
         out[f"{role}_busy_s"] = busy
         out[f"{role}_busy_fraction"] = busy / dur / dep.roles.count(role)
-    p_busy = out[f"{p_side}_busy_s"]
+        if gpu_counted:
+            out[f"{role}_busy_with_gpu_s"] = moved("asympd_engine_busy_seconds_total", role)
+    p_busy = out[f"{p_side}_busy_with_gpu_s" if gpu_counted else f"{p_side}_busy_s"]
+    out["p_busy_basis"] = "host and gpu" if gpu_counted else "host steps"
     out["prompt_tokens_per_p_busy_s"] = res["total_input_tokens"] / p_busy if p_busy else None
     gpus = max(1, args.gpus) if args.gpus else 1
     out["gpus"] = gpus

@@ -22,10 +22,12 @@ from typing import Any
 from asympd.engine.engine import LLMEngine
 from asympd.engine.request import RequestOutput
 from asympd.engine.sampling import SamplingParams
+from asympd.serve.busy import BusyClock
 from asympd.serve.stall_watch import CompileWatch
 
 log = logging.getLogger(__name__)
 SLOW_S = 1.0  # a step (or a batch of commands) slower than this is logged
+BUSY_POLL_S = 0.005  # idle, with a step's GPU work still running: how often to look for its end
 STEP_LOG = 4096  # engine steps kept for ``steps_since`` (the co-run calibration reads a few hundred)
 
 _STOP = object()
@@ -102,6 +104,8 @@ class AsyncEngine:
         # process's steps on the same GPU line up with these by wall clock (bench/e2e.py co-run)
         self._steps: deque[tuple[float, float, int, int]] = deque(maxlen=STEP_LOG)
         self._steps_lock = threading.Lock()
+        # busy seconds, host and GPU (``busy.BusyClock``); the engine thread makes it and reads it
+        self.busy = BusyClock()
 
     def steps_since(self, t: float) -> list[tuple[float, float, int, int]]:
         """The logged steps that started at or after wall-clock time ``t`` (any thread)."""
@@ -139,6 +143,11 @@ class AsyncEngine:
     async def call(self, fn: Callable[[LLMEngine], Any], timeout: float = 10.0) -> Any:
         """Run ``fn(engine)`` on the engine thread and return its result (stats, for /metrics)."""
         return await asyncio.wait_for(self._submit(("call", fn)), timeout)
+
+    async def stats(self, timeout: float = 5.0) -> dict[str, Any]:
+        """The engine's ``stats()`` and its busy seconds, host and GPU (``busy_seconds``), read on
+        the engine thread."""
+        return await self.call(lambda e: {**e.stats(), "busy_seconds": self.busy.poll()}, timeout)
 
     def abort(self, request_id: str) -> None:
         """Thread-safe: abort a request wherever it is (waiting, running, held for transfer)."""
@@ -226,9 +235,16 @@ class AsyncEngine:
         idle_wait = 0.0  # how long to wait for a command before the next step
         compiles = CompileWatch()
         try:
+            # made here: its events go on this thread's stream, the one the steps queue on
+            self.busy = BusyClock(getattr(getattr(engine, "model", None), "device", None))
             while True:
-                # nothing to step: block until a command comes
-                timeout = None if not engine.has_unfinished_requests() else idle_wait
+                self.busy.poll()
+                # nothing to step: block until a command comes (or, while a step's GPU work is
+                # still running, wake to count its end)
+                if engine.has_unfinished_requests():
+                    timeout = idle_wait
+                else:
+                    timeout = BUSY_POLL_S if self.busy.pending else None
                 try:
                     cmd = self._cmds.get(timeout=timeout) if timeout != 0.0 else self._cmds.get_nowait()
                 except queue.Empty:
@@ -259,6 +275,7 @@ class AsyncEngine:
                     self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
                     continue
                 dt = time.perf_counter() - t0
+                self.busy.step_done(t0, t0 + dt)
                 rows = getattr(engine, "last_step", None) or (engine.counters["prompt_tokens"] - prompt_before, 0)
                 if rows[0] or rows[1]:  # not the empty steps of an engine waiting on held transfers
                     with self._steps_lock:

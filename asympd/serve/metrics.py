@@ -80,6 +80,13 @@ class _EngineCollector(Collector):
             yield counter("asympd_prompt_tokens", "Prompt rows computed by this engine.", s.get("prompt_tokens", 0))
             yield counter("asympd_generation_tokens", "Tokens generated.", s.get("generation_tokens", 0))
             yield counter("asympd_engine_steps", "Engine steps run.", s.get("steps", 0))
+            if "busy_seconds" in s:
+                yield counter(
+                    "asympd_engine_busy_seconds",
+                    "Wall seconds with a step in flight, on the host or on the GPU (the GPU work a step "
+                    "leaves queued included; asympd_engine_step_seconds times the host alone).",
+                    s["busy_seconds"],
+                )
             yield counter(
                 "asympd_engine_steps_graphed",
                 "Engine steps whose forward replayed a CUDA graph (the others ran eagerly).",

@@ -79,7 +79,7 @@ def build_app(server: WorkerServer) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         try:
-            stats = await server.aengine.call(lambda e: e.stats(), timeout=5)
+            stats = await server.aengine.stats()
         except Exception:
             stats = None
         return Response(server.metrics.render(stats, server.transfer_snapshots()), media_type=CONTENT_TYPE)
@@ -91,7 +91,7 @@ def build_app(server: WorkerServer) -> FastAPI:
     @app.get("/asympd/stats")
     async def stats(request: Request) -> JSONResponse:
         try:
-            engine = await server.aengine.call(lambda e: e.stats(), timeout=5)
+            engine = await server.aengine.stats()
         except Exception as e:
             raise P.APIError(f"engine did not answer: {e}", 503) from None
         transfers = server.transfer_snapshots()

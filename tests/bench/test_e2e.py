@@ -68,7 +68,11 @@ def test_result_fields_and_counts(result):
         assert math.isclose(run["request_goodput_per_gpu"], run["request_goodput"])
         side = "colocated" if mode == "colocated" else "prefill"  # busy time from the step histogram
         assert 0 < run[f"{side}_busy_s"] and 0 < run[f"{side}_busy_fraction"] <= 1
-        assert run["prompt_tokens_per_p_busy_s"] == pytest.approx(sum(lens) / run[f"{side}_busy_s"])
+        # P's busy time counts the GPU work its steps leave queued; a CPU leaves none, so it is the
+        # step histogram's time here
+        assert run["p_busy_basis"] == "host and gpu"
+        assert run[f"{side}_busy_with_gpu_s"] == pytest.approx(run[f"{side}_busy_s"], rel=1e-6)
+        assert run["prompt_tokens_per_p_busy_s"] == pytest.approx(sum(lens) / run[f"{side}_busy_with_gpu_s"])
         # every worker's steps during the run, on the requests' clock: they cover the run's prompts
         tl = run["timeline"]
         assert set(tl["steps"]) == {w["role"] for w in m["workers"].values()}

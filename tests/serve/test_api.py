@@ -160,6 +160,17 @@ def test_chat_schema(url, client):
     assert s["text"] == r["choices"][0]["message"]["content"]
 
 
+def test_busy_seconds_on_a_cpu_are_the_step_seconds(url, client):
+    """``asympd_engine_busy_seconds`` counts the GPU work a step leaves queued (asympd/serve/busy.py);
+    on a CPU nothing is left queued, so it is the steps' own time."""
+    r = client.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    wait_idle([url])
+    m = metrics(url)
+    assert m["asympd_engine_step_seconds_sum"] > 0
+    assert m["asympd_engine_busy_seconds_total"] == pytest.approx(m["asympd_engine_step_seconds_sum"], rel=1e-6)
+
+
 def test_models_health_metrics_need_no_key_but_v1_does(url, client):
     assert httpx.get(f"{url}/health").status_code == 200
     assert "asympd_kv_blocks_used" in httpx.get(f"{url}/metrics").text
