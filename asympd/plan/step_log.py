@@ -1,7 +1,7 @@
 """The workers' step logs read against each other (``GET /asympd/steps``: each step as [wall start,
-seconds, prompt rows, decode sequences]). Here, not in bench/e2e.py, so that the planner's
-validation and the benchmark read "alone" and "beside" by one rule (the planner does not import
-bench/)."""
+seconds, prompt rows, decode sequences], and since the busy clock the seconds to its GPU end).
+Here, not in bench/e2e.py, so that the planner's validation and the benchmark read "alone" and
+"beside" by one rule (the planner does not import bench/)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,26 @@ ALONE_P = 0.08
 # co-runs the covered fractions fall at <= 0.17 (the fill burst's full-budget step beside D's first
 # step for the prompt P finished first) or >= 0.25 (steps beside the decode batch), none between.
 P_FIT_MAX_OVERLAP = 0.2
+
+
+def gpu_held(steps: list[list]) -> list[list]:
+    """The steps as the GPU held them, where the log has each step's seconds to its GPU end (a fifth
+    field, asympd/serve/busy.py): [start, seconds, prompt rows, decode sequences] from the step's
+    start, or the GPU end of the step before if that came later (the GPU runs a worker's steps in
+    order), to its own GPU end. A P that samples nothing returns from a step before its GPU work
+    ends, so its host seconds leave that tail out; a step without the field keeps them."""
+    out, before = [], float("-inf")
+    for s in sorted(steps, key=lambda s: s[0]):
+        end = s[0] + (s[4] if len(s) > 4 else s[1])
+        start = max(s[0], before) if len(s) > 4 else s[0]
+        out.append([start, max(0.0, end - start), s[2], s[3]])
+        before = max(before, end)
+    return out
+
+
+def timed_to_gpu_end(steps: list[list]) -> bool:
+    """Whether every step of the log carries its seconds to its GPU end."""
+    return bool(steps) and all(len(s) > 4 for s in steps)
 
 
 def overlap(s: list, other: list[list]) -> float:

@@ -42,7 +42,7 @@ from asympd.plan.simulate import (
     run_decode,
     run_engines,
 )
-from asympd.plan.step_log import d_prompt_alone_steps, p_fit_steps
+from asympd.plan.step_log import d_prompt_alone_steps, gpu_held, p_fit_steps, timed_to_gpu_end
 from asympd.plan.steps import RESULTS_DIR, StepModel, load_results
 from asympd.serve.admission import POLICIES, AdmissionPolicy
 
@@ -280,7 +280,7 @@ def fit_steps(
         cal, d_step, d_seq, mode != "colocated", shared_gpu, first_out_at_launch(cfg, mode, on_gpu), d_share
     )
     d_pre, d_row = _fixed_or_line(_lone_first_points(cfg, mode, cal, semantics, d_budget, d_step, on_gpu))
-    p_step, p_row = fit_p_step(cfg, mode, cal, p_budget)[:2]
+    p_step, p_row, p_fit = fit_p_step(cfg, mode, cal, p_budget, on_gpu)
     move_points = [
         (r["prompt_len"], r["timings"]["transfer_s"] * 1e3)
         for r in lone
@@ -293,7 +293,9 @@ def fit_steps(
         for r in lone
         if r["timings"].get("prefill_rtt_s") is not None and r["timings"].get("prefill_s") is not None
     ]
-    handoff_ms = max(0.0, _median(handoff))
+    # P's line timed to its steps' GPU end holds the GPU tail that the lone answers hold too
+    tail = p_gpu_tail_ms(cal) if p_fit is not None and "timed" in p_fit else 0.0
+    handoff_ms = max(0.0, _median(handoff) - tail)
     return MeasuredSteps(
         p_step, p_row, d_step, d_seq, d_row, move, move_row, handoff_ms, d_pre_ms=d_pre, move_beside_p_ms=move_beside
     )
@@ -327,19 +329,35 @@ P_FIT_CO_RUN = "co-run steps"
 P_FIT_LONE = "lone requests"
 
 
-def co_run_p_points(cal: dict[str, Any]) -> list[tuple[int, float, float]] | None:
+def p_gpu_tail_ms(cal: dict[str, Any]) -> float:
+    """P's GPU work after its step returned to the host, on the lone requests (median ms): the wait
+    from the step's end to its export's copy, less the copy (``export_s - export_copy_s``). An
+    asymmetric or encoder-only P samples nothing and does not wait for its kernels; a symmetric P
+    waits for its token, and its tail is ~0."""
+    tails = [
+        max(0.0, t["export_s"] - (t.get("export_copy_s") or 0.0)) * 1e3
+        for r in cal["lone"]
+        if (t := r.get("timings") or {}).get("export_s") is not None
+    ]
+    return _median(tails)
+
+
+def co_run_p_points(cal: dict[str, Any], on_gpu: bool = True) -> list[tuple[int, float, float]] | None:
     """(prompt rows, ms priced alone, fraction D covered) of every P step of the calibration's
     co-run that D's steps covered less than ``P_FIT_MAX_OVERLAP`` of (``step_log.p_fit_steps``);
-    None for a result without the co-run's step log (older ones, colocated modes)."""
+    None for a result without the co-run's step log (older ones, colocated modes). On a GPU, steps
+    timed to their GPU end are read as the GPU held them (``step_log.gpu_held``)."""
     log = ((cal.get("co_run") or {}).get("steps") or {}).get("prefill")
     if log is None:
         return None
     d = cal["co_run"]["steps"].get("decode") or []
+    if on_gpu and timed_to_gpu_end(log):  # the GPU time P's steps held, not their host time
+        log = gpu_held(log)
     return [(rows, s * 1e3, f) for rows, s, f in p_fit_steps(log, d)]
 
 
 def fit_p_step(
-    cfg: ModelConfig, mode: str, cal: dict[str, Any], p_budget: int = 16384
+    cfg: ModelConfig, mode: str, cal: dict[str, Any], p_budget: int = 16384, on_gpu: bool = True
 ) -> tuple[float, float, dict[str, Any] | None]:
     """P's step cost (fixed ms, ms per prompt row) and where it came from. Under load P runs
     multi-prompt steps of 1-16K rows, longer per row than the line through the lone requests (one
@@ -355,7 +373,7 @@ def fit_p_step(
     (the lone requests' line)."""
     lone_points = _lone_p_points(cfg, mode, cal, p_budget)
     lone = _steps_and_rows(lone_points) if lone_points else (0.0, 0.0)
-    points = co_run_p_points(cal) if mode != "colocated" else None
+    points = co_run_p_points(cal, on_gpu) if mode != "colocated" else None
     if points is None:
         return lone[0], lone[1], None
     if len({rows for rows, _, _ in points}) >= 2:
@@ -376,6 +394,8 @@ def fit_p_step(
         "stalls": [[int(r), ms] for r, ms in stalled],
         "lone_ms": list(lone),
     }
+    if on_gpu and source == P_FIT_CO_RUN and timed_to_gpu_end(cal["co_run"]["steps"]["prefill"]):
+        record["timed"] = "to the GPU end"  # and P's answer starts there (``p_gpu_tail_ms``)
     return p_step, p_row, record
 
 
@@ -748,7 +768,7 @@ def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, stud
         cfg, mode, cal, study.d_budget, dep.colocated_semantics, dep.p_step_tokens, gpu, dep.shared_gpu, dep.d_share
     )
     steps.ttft_offset_ms = _ttft_offset(cal, path.first_at_start)
-    p_fit = fit_p_step(cfg, mode, cal, dep.p_step_tokens)[2]
+    p_fit = fit_p_step(cfg, mode, cal, dep.p_step_tokens, gpu)[2]
     load = None
     if study.serving_load:
         lone = LoneCosts(steps.handoff_ms, steps.move_for, steps.ttft_offset_ms, lambda b: steps.decode_ms(b, 0, 1))
@@ -791,7 +811,11 @@ def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, stud
         }
         ratio = {k: predicted[k] / measured[k] if measured[k] else math.nan for k in predicted}
         # not validated, for reading a miss: the engines' step seconds (their step-duration counters)
-        steps_s = {role: {**s, "measured": run.get(f"{role}_busy_s")} for role, s in sim.step_s.items()}
+        # (to their GPU end where the workers counted it: bench/e2e.py ``*_busy_with_gpu_s``)
+        steps_s = {
+            role: {**s, "measured": run.get(f"{role}_busy_with_gpu_s", run.get(f"{role}_busy_s"))}
+            for role, s in sim.step_s.items()
+        }
         out["rows"].append(
             {
                 "mode": mode,
@@ -929,7 +953,8 @@ def _p_fit_note(m: dict[str, Any]) -> str:
     rows = f"{f['rows'][0]}-{f['rows'][1]} rows" if f["rows"] else "no rows"
     beside = f", {f['beside_d']} partly beside D" if f.get("beside_d") else ""
     stalled = "".join(f", a {r}-row step of {ms:.0f} ms left out as a stall" for r, ms in f.get("stalls") or [])
-    return f" ({f['source']}: {f['steps']} steps, {rows}{beside}{stalled})"
+    timed = f", timed {f['timed']}" if f.get("timed") else ""
+    return f" ({f['source']}: {f['steps']} steps, {rows}{beside}{stalled}{timed})"
 
 
 def format_validation(v: dict[str, Any]) -> str:

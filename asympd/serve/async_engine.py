@@ -100,17 +100,27 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.error: str | None = None
-        # (wall-clock start, seconds, prompt rows, decode sequences) of the last STEP_LOG steps: another
-        # process's steps on the same GPU line up with these by wall clock (bench/e2e.py co-run)
-        self._steps: deque[tuple[float, float, int, int]] = deque(maxlen=STEP_LOG)
+        # [wall-clock start, seconds, prompt rows, decode sequences, once known seconds to the GPU end]
+        # of the last STEP_LOG steps: another process's steps on the same GPU line up with these by
+        # wall clock (bench/e2e.py co-run)
+        self._steps: deque[list[float]] = deque(maxlen=STEP_LOG)
         self._steps_lock = threading.Lock()
         # busy seconds, host and GPU (``busy.BusyClock``); the engine thread makes it and reads it
         self.busy = BusyClock()
 
-    def steps_since(self, t: float) -> list[tuple[float, float, int, int]]:
-        """The logged steps that started at or after wall-clock time ``t`` (any thread)."""
+    def steps_since(self, t: float) -> list[list[float]]:
+        """The logged steps that started at or after wall-clock time ``t`` (any thread): [start,
+        seconds, prompt rows, decode sequences], and once known the seconds to the step's GPU end
+        (``busy.BusyClock``: a step that samples nothing returns before its GPU work ends)."""
         with self._steps_lock:
-            return [s for s in self._steps if s[0] >= t]
+            return [list(s) for s in self._steps if s[0] >= t]
+
+    def _logger(self, entry: list[float]) -> Callable[[float], None]:
+        def add(seconds: float) -> None:
+            with self._steps_lock:
+                entry.append(seconds)
+
+        return add
 
     # ---- lifetime ----------------------------------------------------------------------------------
 
@@ -275,11 +285,13 @@ class AsyncEngine:
                     self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
                     continue
                 dt = time.perf_counter() - t0
-                self.busy.step_done(t0, t0 + dt)
                 rows = getattr(engine, "last_step", None) or (engine.counters["prompt_tokens"] - prompt_before, 0)
+                logged = None
                 if rows[0] or rows[1]:  # not the empty steps of an engine waiting on held transfers
+                    logged = [wall0, dt, int(rows[0]), int(rows[1])]
                     with self._steps_lock:
-                        self._steps.append((wall0, dt, int(rows[0]), int(rows[1])))
+                        self._steps.append(logged)
+                self.busy.step_done(t0, t0 + dt, None if logged is None else self._logger(logged))
                 new_compiles = compiles.since(compiled)
                 new_graphs = None if graphs is None else graphs.stats.get("captured", 0) - (captured or 0)
                 # a stall worth a line in the log (a compile, a capture, a slow import); and any step

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -25,7 +26,7 @@ class BusyClock:
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.total = 0.0
         self._covered = float("-inf")  # host-clock end of what is counted
-        self._pending: deque[tuple[float, float, torch.cuda.Event]] = deque()
+        self._pending: deque[tuple[float, float, torch.cuda.Event, Callable[[float], None] | None]] = deque()
         dev = torch.device(device) if device is not None else None
         self._device = dev if dev is not None and dev.type == "cuda" else None
         self._t_ref = 0.0
@@ -38,22 +39,27 @@ class BusyClock:
         """Steps whose GPU work has not been seen to end yet (poll again soon)."""
         return bool(self._pending)
 
-    def step_done(self, start: float, end: float) -> None:
+    def step_done(self, start: float, end: float, on_end: Callable[[float], None] | None = None) -> None:
         """A step ran on the host from ``start`` to ``end`` (``time.perf_counter``); call it right
-        after the step returns, on the thread that queued the step's kernels."""
+        after the step returns, on the thread that queued the step's kernels. ``on_end`` gets the
+        step's seconds from its start to its host or GPU end, whichever is later, once known."""
         if self._device is None:
             self.count(start, end)
+            if on_end is not None:
+                on_end(end - start)
             return
         ev = torch.cuda.Event(enable_timing=True)
         ev.record(torch.cuda.current_stream(self._device))
-        self._pending.append((start, end, ev))
+        self._pending.append((start, end, ev, on_end))
 
     def poll(self) -> float:
         """Count the steps whose GPU work has ended (never waits). Returns the busy seconds."""
         while self._pending and self._pending[0][2].query():
-            start, end, ev = self._pending.popleft()
-            gpu_end = self._t_ref + self._ref.elapsed_time(ev) / 1e3
-            self.count(start, max(end, gpu_end))
+            start, end, ev, on_end = self._pending.popleft()
+            done = max(end, self._t_ref + self._ref.elapsed_time(ev) / 1e3)
+            self.count(start, done)
+            if on_end is not None:
+                on_end(done - start)
         if self._device is not None and not self._pending and time.perf_counter() - self._t_ref > ANCHOR_EVERY_S:
             self._anchor()
         return self.total

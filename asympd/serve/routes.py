@@ -104,7 +104,8 @@ def build_app(server: WorkerServer) -> FastAPI:
     @app.get("/asympd/steps")
     async def steps(since: float = 0.0) -> JSONResponse:
         """The engine's recent steps from wall-clock time ``since``: [start, seconds, prompt rows,
-        decode sequences] each, so a calibration can line up two processes' steps on one GPU."""
+        decode sequences, and once known seconds to the step's GPU end] each, so a calibration can
+        line up two processes' steps on one GPU."""
         return JSONResponse({"steps": server.aengine.steps_since(since)})
 
     @app.get("/asympd/tokenizer.json")

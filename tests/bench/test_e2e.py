@@ -382,7 +382,9 @@ def test_co_run_is_recorded_per_mode(result):
         c = result["modes"][mode]["calibration"]["co_run"]
         assert c["prompts"] == 3 and c["decoders"] == 4 and c["decoders_failed"] == []
         assert c["steps"]["prefill"] and c["steps"]["decode"]
-        assert all(len(s) == 4 and s[1] > 0 for s in c["steps"]["prefill"] + c["steps"]["decode"])
+        # [start, seconds, prompt rows, sequences, seconds to the GPU end: on a CPU the host's]
+        steps = c["steps"]["prefill"] + c["steps"]["decode"]
+        assert all(len(s) == 5 and s[1] > 0 and s[4] == pytest.approx(s[1], abs=1e-9) for s in steps)
         assert c["p"]["steps_alone"] >= 3  # the three prompts sent alone
         assert set(c["p"]) == {"stretch", "steps_beside", "steps_alone", "keys", "stretch_by_key", "by_key"}
         assert set(c["p"]["stretch_by_key"]) == {str(k) for k in c["p"]["keys"]}

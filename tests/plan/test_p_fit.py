@@ -19,6 +19,7 @@ from asympd.plan.step_log import (
     P_FIT_MAX_OVERLAP,
     alone_priced,
     d_prompt_alone_steps,
+    gpu_held,
     overlap,
     p_alone_steps,
     p_fit_steps,
@@ -209,3 +210,35 @@ def test_d_prompt_steps_come_from_the_co_run_log_alone_and_without_stalls():
     one = {**cal, "co_run": {"steps": {"prefill": p, "decode": [s for s in d if s[2] == 128]}}}
     assert co_run_d_prompt_line(one) is None
     assert co_run_d_prompt_line(calibration("asymmetric")) is None
+
+
+def test_steps_timed_to_their_gpu_end_give_the_line_and_the_answer_starts_there():
+    """Since the busy clock each logged step carries its seconds to its GPU end. A P that samples
+    nothing returns before its GPU work ends, so its line is fitted to the time the GPU held each
+    step: from its start, or the step before's GPU end when that came later (the GPU runs them in
+    order), to its own GPU end. The line is 100 ms + 0.1 ms/row here, though the host seconds
+    (150-350 ms, and 100 ms for a step queued behind the one before) make no line. P's answer then
+    starts at the GPU end: the lone requests' tail (``export_s - export_copy_s``, 2 ms) comes off it."""
+    p = [
+        [0.0, 0.15, 1000, 0, 0.2],
+        [1.0, 0.15, 1000, 0, 0.2],
+        [2.0, 0.35, 3000, 0, 0.4],
+        [3.0, 0.25, 2000, 0, 0.3],
+        [3.25, 0.1, 2000, 0, 0.35],  # queued behind the step before: the GPU held it 3.3-3.6 s
+    ]
+    assert gpu_held(p)[-1] == pytest.approx([3.3, 0.3, 2000, 0])
+    cal = {**calibration("asymmetric"), "co_run": {"steps": {"prefill": p, "decode": [[10.0, 0.05, 0, 1]]}}}
+    for r in cal["lone"]:
+        r["timings"] = {**r["timings"], "export_s": 0.0025, "export_copy_s": 0.0005}
+    a, b, record = fit_p_step(CFG, "asymmetric", cal)
+    assert (a, b) == pytest.approx((100.0, 0.1)) and record["timed"] == "to the GPU end"
+    steps = fit_steps(CFG, "asymmetric", cal, d_budget=512, semantics="split")
+    assert steps.handoff_ms == pytest.approx(TRUE.handoff_ms - 2.0)
+    # a CPU result (its fifth field is the host's seconds) and a log with host seconds only: the
+    # line through the host seconds, the answer as measured
+    assert "timed" not in fit_p_step(CFG, "asymmetric", cal, on_gpu=False)[2]
+    host = {**cal, "co_run": {"steps": {"prefill": [s[:4] for s in p], "decode": [[10.0, 0.05, 0, 1]]}}}
+    assert "timed" not in fit_p_step(CFG, "asymmetric", host)[2]
+    assert fit_steps(CFG, "asymmetric", host, d_budget=512, semantics="split").handoff_ms == pytest.approx(
+        TRUE.handoff_ms
+    )

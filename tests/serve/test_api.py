@@ -257,4 +257,6 @@ def test_step_log_endpoint(url, client):
     steps = httpx.get(f"{url}/asympd/steps", params={"since": t0}).json()["steps"]
     assert [(s[2], s[3]) for s in steps][:2] == [(4, 0), (0, 1)] and len(steps) == 2
     assert all(s[0] >= t0 and s[1] > 0 for s in steps)
+    # the seconds to the step's GPU end: on a CPU nothing is left queued, so the host's seconds
+    assert all(len(s) == 5 and s[4] == pytest.approx(s[1], abs=1e-9) for s in steps)
     assert httpx.get(f"{url}/asympd/steps", params={"since": time.time() + 60}).json() == {"steps": []}

@@ -22,10 +22,11 @@ def test_overlapping_steps_count_once_and_gaps_not_at_all():
 
 
 def test_on_the_cpu_a_step_is_its_host_time():
-    clock = BusyClock("cpu")
-    clock.step_done(10.0, 10.25)
+    clock, seen = BusyClock("cpu"), []
+    clock.step_done(10.0, 10.25, seen.append)
     clock.step_done(10.25, 10.5)
     assert not clock.pending and clock.poll() == pytest.approx(0.5, abs=1e-12)
+    assert seen == [pytest.approx(0.25, abs=1e-12)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -36,9 +37,11 @@ def test_on_a_gpu_the_work_a_step_leaves_queued_is_counted():
     t0 = time.perf_counter()
     torch.cuda._sleep(cycles)
     t1 = time.perf_counter()
-    clock.step_done(t0, t1)
-    assert clock.pending and t1 - t0 < 0.05
+    seen: list[float] = []
+    clock.step_done(t0, t1, seen.append)
+    assert clock.pending and t1 - t0 < 0.05 and not seen
     torch.cuda.synchronize()
     busy = clock.poll()
     assert not clock.pending
     assert 0.1 < busy < time.perf_counter() - t0 + 1e-3, (busy, t1 - t0)
+    assert seen == [pytest.approx(busy, abs=1e-9)]  # the step's own seconds to its GPU end
