@@ -58,6 +58,12 @@ def warm_up_rows(budget: int) -> list[int]:
     return sorted({*powers, *(p + 1 for p in powers if p + 1 <= budget), budget})
 
 
+def warm_up_ids(n: int, rows: int, vocab: int) -> list[int]:
+    """A throwaway prompt of ``n`` tokens, spread over the vocabulary (and so over the experts) as
+    text is, different for each size."""
+    return [(7919 * i + rows) % vocab for i in range(n)]
+
+
 def _prompt_len(engine: LLMEngine, rows: int) -> int | None:
     """A prompt length whose phases compute ``rows`` prompt rows on this engine, or None where
     none does. Every role and mode computes either all of a prompt's rows or all but its last W
@@ -92,7 +98,7 @@ def warm_up(engine: LLMEngine) -> WarmUp:
         if n is None:
             continue
         rid = f"{WARM_UP_ID}{rows}"
-        ids = [(7919 * i + rows) % vocab for i in range(n)]  # spread over the experts, as text is
+        ids = warm_up_ids(n, rows, vocab)
         try:
             engine.add_request(rid, ids, SamplingParams(max_tokens=1, ignore_eos=True))
         except ValueError as e:  # larger than the cache or the context: nothing to warm at this size

@@ -12,13 +12,15 @@ computes one slice, the layers overlap as a wavefront); throughput comes from mo
 prefix shorter than the group runs on rank 0 alone.
 
 The engine is the part of ``LLMEngine``'s interface the server drives (``add_request``, ``step``,
-``abort_request``, ``release_transfer``, ``stats``). It has no paged cache: a prefix's KV lives in
+``abort_request``, ``release_transfer``, ``stats``), and on CUDA it warms up as that engine does,
+one throwaway prefix per slice-size class (``warm_up``). It has no paged cache: a prefix's KV lives in
 the ranks' dense sequence caches while it is computed, then only in the exported state, which the
 transport holds until D acks.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import Any
@@ -29,11 +31,14 @@ from asympd.engine import modes
 from asympd.engine.engine import EngineConfig, RequestError, check_prompt, checkpoint_id
 from asympd.engine.request import CompletionOutput, RequestOutput, Status
 from asympd.engine.sampling import SamplingParams
+from asympd.engine.warm_up import WARM_UP_ID, WarmUp, warm_up_ids, warm_up_rows
 from asympd.model.transformer import Transformer
 from asympd.parallel.cp import cp_prefill, local_prefill
 from asympd.parallel.executor import ExecutorBroken
 from asympd.parallel.launch import RankGroup
 from asympd.transfer.prefix_state import model_fingerprint
+
+log = logging.getLogger("asympd.engine")
 
 CP_MODES = ("asymmetric", "encoder-only")  # P computes only layers < K and K's KV path on its rows
 
@@ -72,6 +77,41 @@ class CPPrefillEngine:
         self.closed = False
         if not group.joined:
             group.join()
+        self.warm_up_report: WarmUp | None = self.warm_up() if config.warms_up(model.device) else None
+
+    def warm_up(self) -> WarmUp:
+        """One throwaway prefix per slice-size class before serving, so that Triton compiles at
+        start-up, not mid-traffic (engine/warm_up.py says why). Every rank computes its slice in one
+        forward, so the classes are the slice's rows: each ``warm_up_rows`` size up to P's step
+        budget (``max_num_batched_tokens``), as long as the context allows. Slices longer than the
+        budget are not warmed. The counters are put back; nothing is exported."""
+        t0, counters, done = time.perf_counter(), dict(self.counters), []
+        c = self.config
+        budget = min(c.scheduler.max_num_batched_tokens, (self.cfg.max_seq_len - 1) // self.world)
+        for rows in warm_up_rows(max(1, budget)):
+            split = rows * self.world  # near-equal slices of ``rows`` rows each
+            n = next(
+                (
+                    n
+                    for n in (split, split + self.cfg.window_size)
+                    if n < self.cfg.max_seq_len
+                    and modes.prefill_plan(self.cfg, n, c.mode, c.boundary_policy).export_upto == split
+                ),
+                None,
+            )
+            if n is None:
+                continue
+            try:
+                self.add_request(f"{WARM_UP_ID}{rows}", warm_up_ids(n, rows, self.cfg.vocab_size))
+            except RequestError as e:  # a prompt this worker refuses: nothing to warm at this size
+                log.debug("warm-up skips %d rows: %s", rows, e)
+                continue
+            self.step()
+            done.append(rows)
+        self.counters.update(counters)
+        report = WarmUp(tuple(done), time.perf_counter() - t0)
+        log.info("context-parallel %s", report.line())
+        return report
 
     # ---- requests ------------------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """``asympd serve --role prefill --cp 2`` through real processes: a router in front of a CP = 2
 prefill worker and one in front of a CP = 1 prefill worker, sharing a decode worker, give the same
 tokens and move the same number of bytes (the exported state is the same); the worker starts its
-rank, answers prompts whose prefix is shorter than the group, and stops it cleanly."""
+rank, warms up when asked, answers prompts whose prefix is shorter than the group, and stops it
+cleanly."""
 
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ LENGTHS = [5, W + 1, W + 2, 45, 90]
 
 def test_serve_cp2_answers_like_cp1(tiny_ckpt, tmp_path):
     p1 = worker("p-cp1", tiny_ckpt, "prefill", "asymmetric", tmp_path)
-    p2 = worker("p-cp2", tiny_ckpt, "prefill", "asymmetric", tmp_path, "--cp", "2")
+    # warmed (on a CPU only when asked): prefixes whose slices take each size class up to the step
+    # budget, 1-64 rows a rank here, run before serving and change nothing that is served
+    warmed = ("--warm-up", "--max-num-batched-tokens", "64")
+    p2 = worker("p-cp2", tiny_ckpt, "prefill", "asymmetric", tmp_path, "--cp", "2", *warmed)
     d = worker("d", tiny_ckpt, "decode", "asymmetric", tmp_path)
     procs = [p1, p2, d]
     try:
@@ -37,6 +41,7 @@ def test_serve_cp2_answers_like_cp1(tiny_ckpt, tmp_path):
             wait_router(r)
         info = httpx.get(f"{u2}/asympd/info", timeout=10).json()
         assert info["cp"] == 2 and len(info["cp_pids"]) == 1
+        assert (info["warm_up"]["prompts"], info["warm_up"]["rows"]) == (12, [1, 64])  # 1, 2, 3, 4, 5, 8, ... 64
         for ids in random_prompts(LENGTHS, seed=41):
             body = {"prompt": ids, "max_tokens": 5, "temperature": 0, "return_token_ids": True}
             one, two = (httpx.post(f"{r}/v1/completions", json=body, timeout=120).json() for r in (r1, r2))
