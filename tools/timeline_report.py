@@ -20,7 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asympd.plan.step_log import BESIDE  # noqa: E402  (the co-run's reading of "beside")
+from asympd.plan.step_log import BESIDE, gpu_held, timed_to_gpu_end  # noqa: E402  (BESIDE: the co-run's reading)
 from asympd.plan.step_log import overlap as _overlap  # noqa: E402
 from asympd.plan.validate import validate_e2e  # noqa: E402
 
@@ -31,6 +31,8 @@ def p_steps_beside(run: dict[str, Any], lone_ms: Any) -> list[dict[str, Any]]:
     tl = run.get("timeline") or {}
     steps = tl.get("steps", {})
     p_all = [s for worker in steps.get("prefill", []) for s in worker]
+    if timed_to_gpu_end(p_all):  # as the planner reads them: the time the GPU held each step
+        p_all = [s for worker in steps["prefill"] for s in gpu_held(worker)]
     d_all = [s for worker in steps.get("decode", []) for s in worker]
     out = []
     for step in p_all:

@@ -11,11 +11,14 @@ time during which the worker had a step in flight on either side.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 ANCHOR_EVERY_S = 60.0  # re-read the GPU clock against the host's this often (drift is ppm)
 
@@ -32,7 +35,10 @@ class BusyClock:
         self._t_ref = 0.0
         self._ref: torch.cuda.Event | None = None
         if self._device is not None:
-            self._anchor()
+            try:
+                self._anchor()
+            except RuntimeError as e:
+                self._host_only(e)
 
     @property
     def pending(self) -> bool:
@@ -43,25 +49,29 @@ class BusyClock:
         """A step ran on the host from ``start`` to ``end`` (``time.perf_counter``); call it right
         after the step returns, on the thread that queued the step's kernels. ``on_end`` gets the
         step's seconds from its start to its host or GPU end, whichever is later, once known."""
-        if self._device is None:
-            self.count(start, end)
-            if on_end is not None:
-                on_end(end - start)
-            return
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(torch.cuda.current_stream(self._device))
-        self._pending.append((start, end, ev, on_end))
+        if self._device is not None:
+            try:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record(torch.cuda.current_stream(self._device))
+            except RuntimeError as e:
+                self._host_only(e)
+            else:
+                self._pending.append((start, end, ev, on_end))
+                return
+        self._done(start, end, on_end)
 
     def poll(self) -> float:
         """Count the steps whose GPU work has ended (never waits). Returns the busy seconds."""
-        while self._pending and self._pending[0][2].query():
-            start, end, ev, on_end = self._pending.popleft()
-            done = max(end, self._t_ref + self._ref.elapsed_time(ev) / 1e3)
-            self.count(start, done)
-            if on_end is not None:
-                on_end(done - start)
-        if self._device is not None and not self._pending and time.perf_counter() - self._t_ref > ANCHOR_EVERY_S:
-            self._anchor()
+        try:
+            while self._pending and self._pending[0][2].query():
+                start, end, ev, on_end = self._pending[0]
+                gpu_end = self._t_ref + self._ref.elapsed_time(ev) / 1e3
+                self._pending.popleft()
+                self._done(start, max(end, gpu_end), on_end)
+            if self._device is not None and not self._pending and time.perf_counter() - self._t_ref > ANCHOR_EVERY_S:
+                self._anchor()
+        except RuntimeError as e:
+            self._host_only(e)
         return self.total
 
     def count(self, start: float, end: float) -> None:
@@ -71,6 +81,20 @@ class BusyClock:
         if end > lo:
             self.total += end - lo
         self._covered = max(self._covered, end)
+
+    def _done(self, start: float, end: float, on_end: Callable[[float], None] | None) -> None:
+        self.count(start, end)
+        if on_end is not None:
+            on_end(end - start)
+
+    def _host_only(self, error: Exception) -> None:
+        """A CUDA event failed: a metric must not stop serving. Count host times from here on
+        (the steps in flight at their host ends) and say so once."""
+        log.warning("busy clock: timing the GPU failed (%s); busy time counts host step times from here on", error)
+        self._device = None
+        while self._pending:
+            start, end, _, on_end = self._pending.popleft()
+            self._done(start, end, on_end)
 
     def _anchor(self) -> None:
         """Tie the GPU's event clock to the host's: an event on the compute stream, waited for (the

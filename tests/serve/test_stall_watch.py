@@ -102,7 +102,7 @@ def test_a_quick_step_that_compiled_is_logged_too(tiny_ckpt, monkeypatch, caplog
 
 def test_the_step_log_has_each_step_s_rows_by_wall_clock(tiny_ckpt):
     """``steps_since``: one entry per step that ran rows, [wall start, seconds, prompt rows, decode
-    sequences]: the 5-row prompt's step, then one decoding sequence per step (bench/e2e.py's
+    sequences, seconds to the GPU end]: the 5-row prompt's step, then one decoding sequence per step (bench/e2e.py's
     co-run lines up two processes' steps by these)."""
     llm = LLM(tiny_ckpt, dtype="float32")
     aengine = async_engine.AsyncEngine(llm.engine)
@@ -120,6 +120,8 @@ def test_the_step_log_has_each_step_s_rows_by_wall_clock(tiny_ckpt):
     t0 = asyncio.run(one_request())
     steps = aengine.steps_since(t0)
     assert [(s[2], s[3]) for s in steps][:2] == [(5, 0), (0, 1)]
-    assert all((p, d) == (0, 1) for _, _, p, d in steps[1:]) and 2 <= len(steps) <= 3
+    assert all((s[2], s[3]) == (0, 1) for s in steps[1:]) and 2 <= len(steps) <= 3
+    # and each step's seconds to its GPU end (asympd/serve/busy.py): on a CPU, the host's
+    assert all(len(s) == 5 and s[4] == pytest.approx(s[1], abs=1e-9) for s in steps)
     assert all(s[1] > 0 for s in steps) and [s[0] for s in steps] == sorted(s[0] for s in steps)
     assert aengine.steps_since(steps[-1][0] + 1e-3) == []
