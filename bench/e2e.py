@@ -725,8 +725,7 @@ def co_run(
     t0 = time.time()
     t_mid, still, failed, load = asyncio.run(go())
     time.sleep(0.2)  # the cancelled requests' aborts reach D
-    p_steps = httpx.get(f"{workers['prefill']}/asympd/steps", params={"since": t0}, timeout=30).json()["steps"]
-    d_steps = httpx.get(f"{workers['decode']}/asympd/steps", params={"since": t0}, timeout=30).json()["steps"]
+    p_steps, d_steps = fetch_steps(workers["prefill"], t0), fetch_steps(workers["decode"], t0)
     return {
         "prompt_len": length,
         "prompts": prompts,
@@ -855,16 +854,29 @@ def run_rate(args, dep: Deployment, ckpt: str, rate: float, work: Path) -> dict[
 
 
 def timeline(dep: Deployment, start_wall: float | None) -> dict[str, Any] | None:
-    """Every worker's engine steps during the run ([start, seconds, prompt rows, decode sequences],
-    start relative to the requests' ``start_times`` zero), so a planner miss can be read request by
-    request against what P and D were doing (the hand-off beside P's steps: docs/planner.md)."""
+    """Every worker's engine steps during the run ([start, seconds, prompt rows, decode sequences,
+    seconds to the GPU end], start relative to the requests' ``start_times`` zero), so a planner
+    miss can be read request by request against what P and D were doing (the hand-off beside P's
+    steps: docs/planner.md)."""
     if start_wall is None:
         return None
     steps = {}
     for url, role in zip(dep.urls, dep.roles, strict=True):
-        got = httpx.get(f"{url}/asympd/steps", params={"since": start_wall - 1.0}, timeout=30).json()["steps"]
+        got = fetch_steps(url, start_wall - 1.0)
         steps.setdefault(role, []).append([[s[0] - start_wall, *s[1:]] for s in got])
     return {"start_wall": start_wall, "steps": steps}
+
+
+def fetch_steps(url: str, since: float, settle_s: float = 2.0) -> list[list[float]]:
+    """A worker's step log from wall time ``since``, once every step has its seconds to its GPU
+    end (a fifth field: a P step's GPU work can outlast its host step by ~0.1 s,
+    asympd/serve/busy.py), or after ``settle_s``, whichever comes first."""
+    deadline = time.time() + settle_s
+    while True:
+        got = httpx.get(f"{url}/asympd/steps", params={"since": since}, timeout=30).json()["steps"]
+        if all(len(s) > 4 for s in got) or time.time() > deadline:
+            return got
+        time.sleep(0.05)
 
 
 def predict_rate_s(args: argparse.Namespace, rate: float) -> float:
