@@ -20,15 +20,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from asympd.plan.validate import gpu_tail_s  # noqa: E402  (one reading of the tail, the planner's)
+
 
 def tail_s(run: dict[str, Any]) -> tuple[float, float] | None:
     """(the median tail per step, the seconds of it the host steps left out), or None where the
     run has no P steps or no export timings."""
-    lags = [
-        max(0.0, t["export_s"] - t.get("export_copy_s", 0.0))
-        for t in run["requests"].get("asympd_timings", [])
-        if t and t.get("export_s") is not None
-    ]
+    lags = [x for t in run["requests"].get("asympd_timings", []) if t and (x := gpu_tail_s(t)) is not None]
     steps = sorted(s for worker in run.get("timeline", {}).get("steps", {}).get("prefill", []) for s in worker)
     if not lags or not steps:
         return None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -64,14 +65,11 @@ def warm_up_ids(n: int, rows: int, vocab: int) -> list[int]:
     return [(7919 * i + rows) % vocab for i in range(n)]
 
 
-def _prompt_len(engine: LLMEngine, rows: int) -> int | None:
-    """A prompt length whose phases compute ``rows`` prompt rows on this engine, or None where
-    none does. Every role and mode computes either all of a prompt's rows or all but its last W
-    (asymmetric P), so the length is ``rows`` or ``rows + W``."""
-    for n in (rows, rows + engine.cfg.window_size):
-        if _rows_of(engine, n) == rows:
-            return n
-    return None
+def prompt_len(rows: int, window: int, rows_of: Callable[[int], int | None]) -> int | None:
+    """A prompt length for which ``rows_of`` (prompt length -> rows computed, None where refused)
+    gives ``rows``, or None where none does. Every role and mode computes either all of a prompt's
+    rows or all but its last W (asymmetric P), so the length is ``rows`` or ``rows + W``."""
+    return next((n for n in (rows, rows + window) if rows_of(n) == rows), None)
 
 
 def _rows_of(engine: LLMEngine, n: int) -> int | None:
@@ -94,7 +92,7 @@ def warm_up(engine: LLMEngine) -> WarmUp:
     done: list[int] = []
     vocab = engine.cfg.vocab_size
     for rows in warm_up_rows(engine.config.scheduler.max_num_batched_tokens):
-        n = _prompt_len(engine, rows)
+        n = prompt_len(rows, engine.cfg.window_size, lambda n: _rows_of(engine, n))
         if n is None:
             continue
         rid = f"{WARM_UP_ID}{rows}"

@@ -31,7 +31,7 @@ from asympd.engine import modes
 from asympd.engine.engine import EngineConfig, RequestError, check_prompt, checkpoint_id
 from asympd.engine.request import CompletionOutput, RequestOutput, Status
 from asympd.engine.sampling import SamplingParams
-from asympd.engine.warm_up import WARM_UP_ID, WarmUp, warm_up_ids, warm_up_rows
+from asympd.engine.warm_up import WARM_UP_ID, WarmUp, prompt_len, warm_up_ids, warm_up_rows
 from asympd.model.transformer import Transformer
 from asympd.parallel.cp import cp_prefill, local_prefill
 from asympd.parallel.executor import ExecutorBroken
@@ -86,19 +86,10 @@ class CPPrefillEngine:
         budget (``max_num_batched_tokens``), as long as the context allows. Slices longer than the
         budget are not warmed. The counters are put back; nothing is exported."""
         t0, counters, done = time.perf_counter(), dict(self.counters), []
-        c = self.config
-        budget = min(c.scheduler.max_num_batched_tokens, (self.cfg.max_seq_len - 1) // self.world)
+        budget = min(self.config.scheduler.max_num_batched_tokens, (self.cfg.max_seq_len - 1) // self.world)
         for rows in warm_up_rows(max(1, budget)):
             split = rows * self.world  # near-equal slices of ``rows`` rows each
-            n = next(
-                (
-                    n
-                    for n in (split, split + self.cfg.window_size)
-                    if n < self.cfg.max_seq_len
-                    and modes.prefill_plan(self.cfg, n, c.mode, c.boundary_policy).export_upto == split
-                ),
-                None,
-            )
+            n = prompt_len(split, self.cfg.window_size, self._split_of)
             if n is None:
                 continue
             try:
@@ -112,6 +103,12 @@ class CPPrefillEngine:
         report = WarmUp(tuple(done), time.perf_counter() - t0)
         log.info("context-parallel %s", report.line())
         return report
+
+    def _split_of(self, n: int) -> int | None:
+        """The rows this worker computes of an ``n``-token prompt (None past the context)."""
+        if n >= self.cfg.max_seq_len:
+            return None
+        return modes.prefill_plan(self.cfg, n, self.config.mode, self.config.boundary_policy).export_upto
 
     # ---- requests ------------------------------------------------------------------------------------
 

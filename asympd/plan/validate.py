@@ -329,17 +329,27 @@ P_FIT_CO_RUN = "co-run steps"
 P_FIT_LONE = "lone requests"
 
 
+def gpu_tail_s(timings: dict[str, Any]) -> float | None:
+    """One request's P GPU work after its step returned to the host: the wait from the step's end
+    to its export's copy, less the copy (``export_s - export_copy_s``; None without ``export_s``).
+    An asymmetric or encoder-only P samples nothing and does not wait for its kernels; a symmetric
+    P waits for its token, and its tail is ~0."""
+    if timings.get("export_s") is None:
+        return None
+    return max(0.0, timings["export_s"] - (timings.get("export_copy_s") or 0.0))
+
+
 def p_gpu_tail_ms(cal: dict[str, Any]) -> float:
-    """P's GPU work after its step returned to the host, on the lone requests (median ms): the wait
-    from the step's end to its export's copy, less the copy (``export_s - export_copy_s``). An
-    asymmetric or encoder-only P samples nothing and does not wait for its kernels; a symmetric P
-    waits for its token, and its tail is ~0."""
-    tails = [
-        max(0.0, t["export_s"] - (t.get("export_copy_s") or 0.0)) * 1e3
-        for r in cal["lone"]
-        if (t := r.get("timings") or {}).get("export_s") is not None
-    ]
+    """P's GPU tail on the lone requests (``gpu_tail_s``), median ms."""
+    tails = [x * 1e3 for r in cal["lone"] if (x := gpu_tail_s(r.get("timings") or {})) is not None]
     return _median(tails)
+
+
+def _p_log_timed(cal: dict[str, Any], on_gpu: bool) -> bool:
+    """Whether P's co-run steps are read as the GPU held them: on a GPU, every step timed to its
+    GPU end (``step_log.timed_to_gpu_end``)."""
+    log = ((cal.get("co_run") or {}).get("steps") or {}).get("prefill")
+    return on_gpu and log is not None and timed_to_gpu_end(log)
 
 
 def co_run_p_points(cal: dict[str, Any], on_gpu: bool = True) -> list[tuple[int, float, float]] | None:
@@ -351,7 +361,7 @@ def co_run_p_points(cal: dict[str, Any], on_gpu: bool = True) -> list[tuple[int,
     if log is None:
         return None
     d = cal["co_run"]["steps"].get("decode") or []
-    if on_gpu and timed_to_gpu_end(log):  # the GPU time P's steps held, not their host time
+    if _p_log_timed(cal, on_gpu):  # the GPU time P's steps held, not their host time
         log = gpu_held(log)
     return [(rows, s * 1e3, f) for rows, s, f in p_fit_steps(log, d)]
 
@@ -394,7 +404,7 @@ def fit_p_step(
         "stalls": [[int(r), ms] for r, ms in stalled],
         "lone_ms": list(lone),
     }
-    if on_gpu and source == P_FIT_CO_RUN and timed_to_gpu_end(cal["co_run"]["steps"]["prefill"]):
+    if source == P_FIT_CO_RUN and _p_log_timed(cal, on_gpu):
         record["timed"] = "to the GPU end"  # and P's answer starts there (``p_gpu_tail_ms``)
     return p_step, p_row, record
 
