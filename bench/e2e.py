@@ -105,6 +105,8 @@ def defaults(tiny: bool, depth: int = 3) -> dict[str, Any]:
             slo_itl_ms=1000.0,
             calib_tokens=10,
             calib_batch=6,
+            ladder="1,2",
+            ladder_tokens=4,
             kv_cache_gb=0.0625,
             p_step_tokens=2048,
             start_timeout=120.0,
@@ -124,6 +126,8 @@ def defaults(tiny: bool, depth: int = 3) -> dict[str, Any]:
             slo_itl_ms=600.0,
             calib_tokens=6,
             calib_batch=8,
+            ladder="1,2,4,8,16",
+            ladder_tokens=24,
             kv_cache_gb=8.0,
             p_step_tokens=16384,
             start_timeout=400.0,
@@ -142,6 +146,8 @@ def defaults(tiny: bool, depth: int = 3) -> dict[str, Any]:
         slo_itl_ms=100.0,
         calib_tokens=24,
         calib_batch=16,
+        ladder="1,2,4,8,16",
+        ladder_tokens=24,
         kv_cache_gb=8.0,
         p_step_tokens=16384,
         start_timeout=300.0,
@@ -490,6 +496,46 @@ def calibrate(url: str, lengths: list[int], tokens: int, batch: int, vocab: int,
         return {"lone": lone, "batch": {"size": batch, "requests": list(together)}}
 
     return asyncio.run(go())
+
+
+def decode_ladder(
+    url: str, workers: dict[str, str], length: int, sizes: list[int], tokens: int, vocab: int, seed: int
+) -> dict[str, Any]:
+    """D's decode steps at each of ``sizes`` requests decoding together: ``b`` requests of
+    ``length`` tokens sent at once, ``tokens`` output tokens each, then D's step log read for its
+    steps of exactly ``b`` decodes and no prompt row, P's steps covering less than ``ALONE_P`` of
+    each (``workers``: role -> worker URL). Why: on a GPU a decode step replays the CUDA graph of
+    its padded batch, and over the depth-40 runs its time went up in steps of that size and
+    flattened past 8, where the planner's line, fitted to the calibration batch at 3-6 requests,
+    over-predicted by 1.12-1.25x (docs/planner.md, "The GPU-held P fit out of sample").
+    asympd.plan.validate prices a GPU result's decode steps from these medians."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed + 3000)
+    spans: list[tuple[int, float, float]] = []
+
+    async def go() -> None:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(900.0)) as client:
+            for b in sizes:
+                t0 = time.time()
+                ids = [rng.integers(3, vocab, size=length).tolist() for _ in range(b)]
+                await asyncio.gather(*(_one(client, url, x, tokens) for x in ids))
+                spans.append((b, t0, time.time()))
+
+    since = time.time()
+    asyncio.run(go())
+    d_steps = fetch_steps(workers.get("decode") or workers["colocated"], since)
+    p_steps = fetch_steps(workers["prefill"], since) if "prefill" in workers else []
+    steps: dict[str, list[float]] = {}
+    for b, t0, t1 in spans:
+        mine = [s for s in d_steps if t0 <= s[0] < t1 and s[2] == 0 and s[3] == b]
+        steps[str(b)] = [s[1] * 1e3 for s in mine if _overlap(s, p_steps) < ALONE_P]
+    return {
+        "prompt_len": length,
+        "tokens": tokens,
+        "step_ms": {b: statistics.median(ms) if ms else None for b, ms in steps.items()},
+        "steps_ms": steps,
+    }
 
 
 # ---- co-run: P's and D's steps beside each other ---------------------------------------------------------
@@ -924,9 +970,15 @@ def run_mode(args, mode: str, ckpt: str, vocab: int, work: Path, out: dict[str, 
         hi = math.ceil(args.input_len * (1 + args.range_ratio))
         t = time.perf_counter()
         out["calibration"] = calibrate(dep.url, sorted({lo, hi}), args.calib_tokens, args.calib_batch, vocab, args.seed)
+        urls = dict(zip(dep.roles, dep.urls, strict=True))
+        sizes = [int(b) for b in args.ladder.split(",") if b.strip()]
+        if sizes and args.ladder_tokens:
+            out["calibration"]["ladder"] = ladder = decode_ladder(
+                dep.url, urls, lo, sizes, args.ladder_tokens, vocab, args.seed
+            )
+            log(f"{mode} decode ladder (ms): " + ", ".join(f"{b}: {v:.1f}" for b, v in ladder["step_ms"].items() if v))
         out["calibration"]["wall_s"] = round(time.perf_counter() - t, 1)
         t = time.perf_counter()
-        urls = dict(zip(dep.roles, dep.urls, strict=True))
         if args.co_run_prompts and {"prefill", "decode"} <= urls.keys():
             step = measured_step(out["calibration"])
             fill = co_run_fill(args, step)
@@ -1159,6 +1211,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--colocated-semantics", default="split", choices=("full", "decoder-replay", "split"))
     ap.add_argument("--calib-tokens", type=int, default=None)
     ap.add_argument("--calib-batch", type=int, default=None)
+    ap.add_argument(
+        "--ladder",
+        default=None,
+        help="calibration: D's decode steps at these batch sizes, each decoding together (the CUDA graphs' padded "
+        "sizes; empty: off)",
+    )
+    ap.add_argument("--ladder-tokens", type=int, default=None, help="the ladder requests' output tokens")
     ap.add_argument(
         "--co-run-prompts",
         type=int,

@@ -153,8 +153,10 @@ class DecodeGraphs:
         prefill_rows: int | None = None,
     ):
         """``piecewise``: the steps that do not qualify run as :class:`PiecewiseGraphs` (else eagerly).
-        ``max_rows``: the most rows per request of a decode or verify step (the engine's 1 + k);
-        ``prefill_rows``: the rows of a D's first step for a request (W), whose steps alone replay
+        ``max_rows``: the most rows per request of a decode or verify step (the engine's 1 + k; 0 for
+        a prefill worker, whose steps never decode);
+        ``prefill_rows``: the rows of a D's first step for a request (W; a symmetric P's last phase),
+        whose steps alone replay
         too (at true depth one of one request takes 0.105 s as a graph, 0.43 s eagerly). Steps of
         other row counts (prompt chunks that happen to be equal, a prompt shorter than W) run as the
         mixed steps do, not as graphs of their own."""

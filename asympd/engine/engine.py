@@ -30,7 +30,7 @@ from asympd.engine.warm_up import WarmUp, warm_up
 from asympd.kv.block_manager import BlockManager
 from asympd.kv.paged_cache import PagedKVCache
 from asympd.kv.spec import KVCacheSpec
-from asympd.model.transformer import Transformer
+from asympd.model.transformer import Depth, Transformer
 from asympd.model.vision import ImageInput, check_spans
 from asympd.transfer.prefix_state import KV_FORMATS, PrefixState, PrefixStateError, model_fingerprint
 from asympd.transfer.stream import PrefixStream
@@ -62,6 +62,8 @@ def check_prompt(cfg: ModelConfig, ids: list[int], params: SamplingParams) -> No
 
 CUDA_GRAPH_MODES = ("full", "full_and_piecewise")
 CUDA_GRAPH_CAPTURE = ("startup", "lazy")
+# a symmetric P's steps of at most this many window chunks alone replay CUDA graphs (more run eagerly)
+P_WINDOW_GRAPH_BATCH = 4
 STREAM_MODES = ("asymmetric", "encoder-only")  # P exports the global KV only: no windows, no first token
 
 
@@ -195,26 +197,21 @@ class LLMEngine:
         )
         num_blocks = self.config.num_blocks or max(1, self.config.kv_cache_bytes // self.spec.bytes_per_block)
         self.blocks = BlockManager(self.spec, num_blocks, sc.max_num_seqs, self.config.enable_prefix_caching)
-        decodes = self.config.role != "prefill"  # a decoding worker's cache has room for padded graph rows
-        self.cache = PagedKVCache(self.spec, num_blocks, sc.max_num_seqs, device=model.device, scratch=decodes)
+        decodes = self.config.role != "prefill"
+        self._first_steps = self._first_step_graphs()
+        if not decodes and self._first_steps is not None:  # a symmetric P: its window chunks come alone
+            sc = self.config.scheduler = dataclasses.replace(sc, one_depth_per_step=True)
+        graphed = decodes or self._first_steps is not None  # its cache has room for padded graph rows
+        self.cache = PagedKVCache(self.spec, num_blocks, sc.max_num_seqs, device=model.device, scratch=graphed)
         self.fingerprint = model_fingerprint(self.cfg, checkpoint_id(getattr(model, "checkpoint", None)), model.dtype)
         self.scheduler = Scheduler(sc, self.blocks, prefix_cache_key=self.fingerprint)
         self.runner = ModelRunner(model, self.cache, self.blocks)
         self.startup_capture: StartupCapture | None = None  # what the CUDA graphs' start-up built
-        self._first_steps = self._first_step_graphs()
         graphable = not any(getattr(m, "syncs_host", False) for m in model.modules())
-        if decodes and model.device.type == "cuda" and model.batched and not graphable:
+        if graphed and model.device.type == "cuda" and model.batched and not graphable:
             log.info("CUDA graphs off: the routed experts read expert bounds on the host (unpacked fp32 experts)")
-        if decodes and model.device.type == "cuda" and model.batched and graphable and not self.config.enforce_eager:
-            piecewise = self.config.cuda_graph_mode == "full_and_piecewise"
-            self.runner.graphs = DecodeGraphs(
-                model,
-                self.cache,
-                max_batch=sc.max_num_seqs,
-                piecewise=piecewise,
-                max_rows=1 + k,
-                prefill_rows=self._first_steps.rows if self._first_steps else None,
-            )
+        if graphed and model.device.type == "cuda" and model.batched and graphable and not self.config.enforce_eager:
+            self.runner.graphs = self.make_graphs(capture=True)
             if isinstance(self.proposer, DSparkProposer):
                 self.proposer.graphs = DraftGraphs(
                     self.proposer.drafter, self.cache, max_batch=sc.max_num_seqs, num_drafts=k, seed_rows=1 + k
@@ -238,6 +235,22 @@ class LLMEngine:
         if self.config.warms_up(model.device):
             self.warm_up_report = warm_up(self)
 
+    def make_graphs(self, capture: bool) -> DecodeGraphs:
+        """This engine's CUDA graphs (``capture=False``: their static path, eagerly, as the CPU tests
+        run it). A decoding worker's serve its decode and verify steps and its first steps alone; a
+        symmetric P's serve only its steps of window chunks alone (``_first_step_graphs``)."""
+        sc, first = self.config.scheduler, self._first_steps
+        decodes = self.config.role != "prefill"
+        return DecodeGraphs(
+            self.model,
+            self.cache,
+            max_batch=sc.max_num_seqs if decodes else first.most,
+            capture=capture,
+            piecewise=decodes and self.config.cuda_graph_mode == "full_and_piecewise",
+            max_rows=1 + self.num_spec_tokens if decodes else 0,
+            prefill_rows=first.rows if first else None,
+        )
+
     def capture_graphs(self) -> StartupCapture:
         """Build the CUDA graphs now, so that serving never pays a capture or a first-shape compile
         mid-traffic: verify steps of 1 + k rows, decode steps of 1, verify steps of fewer drafts, up
@@ -248,6 +261,8 @@ class LLMEngine:
         longest = min(self.cfg.max_seq_len + k, self.blocks.num_blocks * self.spec.block_size)
         drafts = getattr(self.proposer, "graphs", None)
         rows = [1 + k, 1, *range(k, 1, -1)] if k else [1]  # verify, decode, fewer drafts (near max_tokens)
+        if self.config.role == "prefill":
+            rows = []  # P never decodes: its window steps only
         prefills = [self._first_steps] if self._first_steps else []
         c = self.config
         report = capture_at_startup(
@@ -257,20 +272,31 @@ class LLMEngine:
         return report
 
     def _first_step_graphs(self) -> PrefillSteps | None:
-        """A D's first step for a request runs its last W prompt rows through every layer (asymmetric:
-        a bounded prefill writing global KV; the symmetric modes and encoder-only: a replay over P's):
-        steps of those alone replay graphs too, for as many requests as one step admits. None where D
-        computes no prompt row (symmetric-windows) or the rows are no more than a verify step's."""
-        if self.config.role != "decode":
+        """The W-row chunks through every layer whose steps alone replay graphs too. A D's first step
+        for a request (asymmetric: a bounded prefill writing global KV; the symmetric modes and
+        encoder-only: a replay over P's), for as many requests as one step admits. A symmetric P's
+        last phase (the prompt's last W rows through all 40 layers, sampling the first token), for up
+        to ``P_WINDOW_GRAPH_BATCH`` requests: eagerly it took 250-390 ms a request at true depth,
+        where a D's graph of the same shape takes ~90 ms (docs/performance.md §10, twelfth session),
+        work the symmetric baselines need not do. None where the worker computes no such rows
+        (symmetric-windows' D, an asymmetric or encoder-only P) or they are no more than a verify
+        step's."""
+        sc, w, c = self.config.scheduler, self.cfg.window_size, self.config
+        if c.role == "decode":
+            phases = modes.decode_plan(self.cfg, 2 * w, c.mode, c.boundary_policy).phases
+            first = phases[0] if phases else None
+        elif c.role == "prefill":
+            phases = modes.prefill_plan(self.cfg, 2 * w, c.mode, c.boundary_policy).phases
+            first = phases[-1] if phases and phases[-1].depth is Depth.ALL else None
+        else:
             return None
-        sc, w = self.config.scheduler, self.cfg.window_size
-        phases = modes.decode_plan(self.cfg, 2 * w, self.config.mode, self.config.boundary_policy).phases
-        first = phases[0] if phases else None
         rows = first.hi - first.lo if first else 0
         if rows <= 1 + self.num_spec_tokens:
             return None
         admit = min(sc.max_num_seqs, (sc.admission_token_budget or sc.max_num_batched_tokens) // rows)
         admit = min(admit, sc.max_new_admissions or admit)
+        if c.role == "prefill":
+            admit = min(admit, P_WINDOW_GRAPH_BATCH)
         return PrefillSteps(rows, max(admit, 1), "last" if first.sample else "none", first.write_global)
 
     # ---- requests ----------------------------------------------------------------------------

@@ -32,6 +32,9 @@ class SchedulerConfig:
     admission_token_budget: int | None = None  # prompt rows per step for prefills; None = the step budget
     num_spec_tokens: int = 0
     mixed_steps: bool = True  # False: prompt rows and decode rows in separate steps, taking turns
+    # True: a step's prompt chunks all run at one depth (the first chunk's; the others wait their
+    # turn), so that a symmetric P's window chunks (every layer) come alone and replay CUDA graphs
+    one_depth_per_step: bool = False
 
     def validate(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
@@ -142,6 +145,8 @@ class Scheduler:
             if budget <= 0 or prompt_budget <= 0:
                 break
             if req.in_prompt and req.status is Status.RUNNING and not req.awaiting_import:
+                if not self._depth_fits(req.phases[req.phase_index], out):
+                    continue
                 n = self._prompt_chunk(req, min(budget, prompt_budget), out)
                 budget -= n
                 prompt_budget -= n
@@ -150,6 +155,8 @@ class Scheduler:
             if self.config.max_new_admissions is not None and admitted >= self.config.max_new_admissions:
                 break
             req = self.waiting[0]
+            if req.phases and not self._depth_fits(req.phases[0], out):
+                break  # FCFS: the next step takes it
             verdict = self._admit(req, out)
             if verdict == "wait":
                 break
@@ -161,6 +168,14 @@ class Scheduler:
                 n = self._prompt_chunk(req, min(budget, prompt_budget), out)
                 budget -= n
                 prompt_budget -= n
+
+    def _depth_fits(self, phase: Phase, out: SchedulerOutput) -> bool:
+        """Whether a chunk of ``phase`` may join this step (``one_depth_per_step``: the depth of the
+        step's first prompt chunk)."""
+        if not self.config.one_depth_per_step:
+            return True
+        first = next((c.phase for c in out.chunks if c.phase is not None), None)
+        return first is None or first.depth == phase.depth
 
     def _prompt_chunk(self, req: Request, limit: int, out: SchedulerOutput) -> int:
         phase = req.phases[req.phase_index]

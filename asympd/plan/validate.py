@@ -21,6 +21,7 @@ from typing import Any
 
 from asympd.config import ModelConfig, v41_flash
 from asympd.engine import modes
+from asympd.engine.cuda_graphs import BATCH_SIZES
 from asympd.plan.deployment import Deployment, ServingPath
 from asympd.plan.gpus import GPUS
 from asympd.plan.serving_load import (
@@ -168,6 +169,7 @@ class MeasuredSteps:
     mix_pre_ms: float | None = None  # D: a mixed step's cost over its decode path (None: the two paths add)
     mix_row_ms: float = 0.0  # D: ... and per prompt row of a mixed step
     move_beside_p_ms: float | None = None  # P -> D while P computes (``fetch_beside_p_ms``); None: not measured
+    d_ladder_ms: dict[int, float] | None = None  # D: decode step by batch size (``decode_ladder_ms``); None: the line
 
     def prefill_ms(self, mode: str, chunks: list[tuple[int, int]], gpus: int) -> float:
         rows = sum(r for r, _ in chunks)
@@ -179,8 +181,15 @@ class MeasuredSteps:
         (a D's first-step chunks: a graph too since 684acfe) from the lone requests' first step;
         a step mixing both (eager on a GPU) at the decode path plus what the calibration batch's
         mixed steps cost over it (``fit_admission_steps``). Without that measurement a mixed
-        step pays both paths, one after the other."""
-        decode = self.d_step_ms + self.d_seq_ms * (batch - 1) if batch else 0.0
+        step pays both paths, one after the other. Decode rows: the lone step plus, where the
+        calibration measured a ladder (a GPU result), what the graph of the padded batch adds to a
+        batch of one (``padded_excess_ms``), else a line in the batch."""
+        if not batch:
+            decode = 0.0
+        elif self.d_ladder_ms:
+            decode = self.d_step_ms + padded_excess_ms(self.d_ladder_ms, batch)
+        else:
+            decode = self.d_step_ms + self.d_seq_ms * (batch - 1)
         if not prefill_rows:
             return decode
         if batch and self.mix_pre_ms is not None:
@@ -189,6 +198,33 @@ class MeasuredSteps:
 
     def move_for(self, prompt_len: int) -> float:
         return self.move_ms + self.move_row_ms * prompt_len
+
+
+def decode_ladder_ms(cal: dict[str, Any], on_gpu: bool) -> dict[int, float] | None:
+    """D's decode step (ms) by batch size from the calibration's ladder (bench/e2e.py
+    ``decode_ladder``: each size decoding together, read from D's step log); None on a CPU (no CUDA
+    graphs pad its batches), without a ladder, or without its batch of one (what the others add to)."""
+    ladder = (cal.get("ladder") or {}).get("step_ms") or {}
+    table = {int(b): ms for b, ms in ladder.items() if ms is not None}
+    return table if on_gpu and 1 in table and len(table) > 1 else None
+
+
+def padded_excess_ms(table: dict[int, float], batch: int) -> float:
+    """What a decode step of ``batch`` requests takes over one of a single request: the ladder's
+    step at the CUDA graph's padded size (``BATCH_SIZES``), linear between the measured sizes and
+    past the largest along its last two. Over the depth-40 runs a step's time went with the padded
+    size, not the batch (docs/planner.md, "The GPU-held P fit out of sample")."""
+    size = next((b for b in BATCH_SIZES if b >= batch), batch)
+    xs = sorted(table)
+    if size in table:
+        ms = table[size]
+    else:
+        lo = max([x for x in xs if x < size], default=xs[0])
+        hi = min([x for x in xs if x > size], default=None)
+        if hi is None:  # past the largest measured size: along the last two
+            lo, hi = xs[-2], xs[-1]
+        ms = table[lo] + (table[hi] - table[lo]) * (size - lo) / (hi - lo)
+    return max(0.0, ms - table[1])
 
 
 def _d_first_steps(cfg: ModelConfig, mode: str, n: int, semantics: str, budget: int) -> tuple[int, int]:
@@ -297,8 +333,26 @@ def fit_steps(
     tail = p_gpu_tail_ms(cal) if p_fit is not None and "timed" in p_fit else 0.0
     handoff_ms = max(0.0, _median(handoff) - tail)
     return MeasuredSteps(
-        p_step, p_row, d_step, d_seq, d_row, move, move_row, handoff_ms, d_pre_ms=d_pre, move_beside_p_ms=move_beside
+        p_step,
+        p_row,
+        d_step,
+        d_seq,
+        d_row,
+        move,
+        move_row,
+        handoff_ms,
+        d_pre_ms=d_pre,
+        move_beside_p_ms=move_beside,
+        d_ladder_ms=decode_ladder_ms(cal, on_gpu),
     )
+
+
+def _steps_json(steps: MeasuredSteps) -> dict[str, Any]:
+    """``steps`` as the validation records them (the ladder only where the result measured one)."""
+    out = asdict(steps)
+    if out["d_ladder_ms"] is None:
+        del out["d_ladder_ms"]
+    return out
 
 
 def fetch_beside_p_ms(cal: dict[str, Any]) -> float | None:
@@ -788,7 +842,7 @@ def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, stud
         **({"co_run_stretch": {"p": dep.co_run[0], "d": dep.co_run[1]}} if dep.co_run else {}),
         **({"co_run_measured": {"p": measured[0], "d": measured[1]}} if measured and not dep.co_run else {}),
         **({"co_run_p_by_rows": [list(x) for x in dep.p_by_rows]} if dep.p_by_rows else {}),
-        "steps_ms": asdict(steps),
+        "steps_ms": _steps_json(steps),
         **({"p_fit": p_fit} if p_fit else {}),
         "serving_load_ms": asdict(load or StageLoad()),
         "batch_check": _batch_check(cfg, steps, m, dep, as_measured, load),

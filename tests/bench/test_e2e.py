@@ -53,6 +53,11 @@ def test_result_fields_and_counts(result):
     for mode, m in result["modes"].items():
         assert "error" not in m, m.get("error")
         assert m["calibration"]["lone"] and m["calibration"]["batch"]["size"] == 2
+        # the decode ladder (tiny: 1 and 2 requests decoding together), from D's own step log
+        ladder = m["calibration"]["ladder"]
+        assert ladder["tokens"] == 4 and set(ladder["step_ms"]) == {"1", "2"}, ladder
+        assert all(ms and ms > 0 for ms in ladder["step_ms"].values()), ladder
+        assert all(len(ladder["steps_ms"][b]) >= 2 for b in ("1", "2")), ladder
         assert {w["role"] for w in m["workers"].values()} == ({"colocated"} if mode == "colocated" else
                                                                {"prefill", "decode"})  # fmt: skip
         assert all(w["memory"]["weights_bytes"] > 0 for w in m["workers"].values())

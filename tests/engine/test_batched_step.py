@@ -51,6 +51,7 @@ def _run(
     markov: bool = False,
     seed: bool = False,
     lengths: tuple[int, ...] = LENGTHS,
+    p_graphs: list | None = None,
 ) -> tuple[list, list[dict[str, torch.Tensor]]]:
     """``graphs``: give each decoding engine the static (graph) decode path without capture, and
     collect its DecodeGraphs here. ``startup``: build them first, from padding only, for the
@@ -59,12 +60,19 @@ def _run(
     request greedy (else one samples); ``markov``: the drafter's graphs run the greedy Markov loop
     of ``spec`` drafts (``DraftGraphs.num_drafts``, as the engine builds them); ``seed``: they seed
     the windows with each request's 1 + ``spec`` accepted rows too (``DraftGraphs.seed_rows``);
-    ``lengths``: the prompts' (one request each)."""
+    ``lengths``: the prompts' (one request each). ``p_graphs``: give a symmetric P its window
+    steps' static path (``LLMEngine.make_graphs``) and collect it here (with ``startup``: built
+    first, from padding only, every context bound the engine would)."""
     sem = "split" if mode == "colocated" else "full"
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, mixed_steps=mixed)
     llm = LLM(ckpt, mode, sem, scheduler=sched, num_spec_tokens=spec)
     for e in _engines(llm):
         e.runner.model.batched = batched
+        if p_graphs is not None and e.config.role == "prefill":  # a symmetric P's, as the engine builds them
+            e.runner.graphs = e.make_graphs(capture=False)
+            p_graphs.append(e.runner.graphs)
+            if startup is not None:
+                startup.append(e.capture_graphs())
         if graphs is not None and e.config.role != "prefill":
             n = sched.max_num_seqs  # padded sizes up to the engine's largest batch, as the engine builds them
             # as the engine builds them: a D's steps of first-step chunks alone (W rows) qualify too
@@ -283,6 +291,34 @@ def test_graphs_built_at_startup_serve_the_real_steps(tiny_ckpt, mode, spec):
         assert g.stats["startup"] == len(g.graphs), g.stats  # nothing built after start-up ...
         assert g.stats["first"] == 0 and g.stats["replayed"] >= 5, g.stats  # ... though steps ran on them
     assert decode.stats["startup"] == len(report.keys)
+
+
+@pytest.mark.parametrize(("mode", "startup"), [("symmetric-split", False), ("symmetric-windows", True)])
+def test_a_symmetric_p_replays_its_window_steps_as_graphs(tiny_ckpt, mode, startup):
+    """A symmetric P's last phase (a prompt's last W rows through every layer, sampling the first
+    token) takes the graph path when its step holds only such chunks, as a D's first steps do:
+    tokens, logprobs and every cache byte of P and D equal the eager engine's. P's graphs are keyed
+    by W rows only (P never decodes); with ``startup`` they are built from padding before any
+    request, every context bound the engine would, and no step builds its own."""
+    want_out, want_cache = _eager(tiny_ckpt, mode, 0)
+    p_graphs: list = []
+    reports: list | None = [] if startup else None
+    got_out, got_cache = _run(tiny_ckpt, mode, batched=True, spec=0, startup=reports, p_graphs=p_graphs)
+    assert got_out == want_out
+    for want, got in zip(want_cache, got_cache, strict=True):
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+    (g,) = p_graphs
+    served = g.stats["first"] + g.stats["replayed"]
+    # every window (W = 16 rows: the 17-, 40-, 61- and 100-token prompts') in a step of its own
+    # (``SchedulerConfig.one_depth_per_step``); the prefix chunks and the 3-token prompt run eagerly
+    assert served == 4 and g.stats["eager"] == 8, g.stats
+    assert {(k.rows, k.logits, k.write_global) for k in g.graphs} == {(16, "last", True)}
+    assert g.sizes == [1]  # a 24-row step holds one window (at most P_WINDOW_GRAPH_BATCH)
+    if startup:
+        (report,) = reports
+        assert [(k.rows, k.segments, k.context) for k in report.keys] == [(16, 1, c) for c in (1024, 2048, 4096)]
+        assert g.stats["startup"] == len(g.graphs) == 3 and g.stats["first"] == 0, g.stats
 
 
 @pytest.mark.parametrize("mode", ["asymmetric", "symmetric-split"])

@@ -77,6 +77,21 @@ def test_cuda_graphs_keep_the_greedy_tokens(tiny_ckpt, dtype, mode, spec):
         assert rate > 0.5
 
 
+@pytest.mark.parametrize("mode", ["symmetric-split", "symmetric-windows"])
+def test_a_symmetric_p_replays_its_window_steps_on_cuda(tiny_ckpt, mode):
+    """A symmetric P's window steps (its prompts' last W rows through every layer, alone in their
+    steps) replay the graphs built at start-up: the eager engine's greedy tokens in fp32, and no
+    step builds a graph of its own."""
+    eager = LLM(tiny_ckpt, mode, device="cuda", dtype=torch.float32, enforce_eager=True)
+    graphed = LLM(tiny_ckpt, mode, device="cuda", dtype=torch.float32)
+    want, got = _tokens(eager), _tokens(graphed)
+    stats = graphed.prefill.runner.graphs.stats
+    print(f"symmetric P's window graphs, {mode}: {stats}")
+    assert got == want
+    assert stats["startup"] >= 1 and stats["replayed"] >= 1 and stats["first"] == 0, stats
+    assert eager.prefill.runner.graphs is None
+
+
 def test_greedy_drafts_come_from_the_drafter_graph_on_cuda(tiny_ckpt):
     """Greedy generation with 3 drafts (fp32, start-up capture): every drafting step takes its drafts
     from the drafter's graph (the Markov loop replayed inside it, ``DraftGraphs.num_drafts``), none
