@@ -32,8 +32,9 @@ class SchedulerConfig:
     admission_token_budget: int | None = None  # prompt rows per step for prefills; None = the step budget
     num_spec_tokens: int = 0
     mixed_steps: bool = True  # False: prompt rows and decode rows in separate steps, taking turns
-    # True: a step's prompt chunks all run at one depth (the first chunk's; the others wait their
-    # turn), so that a symmetric P's window chunks (every layer) come alone and replay CUDA graphs
+    # True: a step's prompt chunks of requests in progress all run at one depth, the deepest they
+    # wait at (a symmetric P's window chunks, every layer, before other prefixes, and no admission
+    # beside them): those come alone and replay CUDA graphs, and each finishes its request's prompt
     one_depth_per_step: bool = False
 
     def validate(self) -> None:
@@ -141,12 +142,14 @@ class Scheduler:
         """The next chunk of prompts in progress, then new admissions (FCFS, capped), within
         ``budget`` rows (what the step's decodes left) and the admission token budget."""
         prompt_budget = self.config.admission_token_budget or self.config.max_num_batched_tokens
-        for req in self.running:
+        ready = [r for r in self.running if r.in_prompt and r.status is Status.RUNNING and not r.awaiting_import]
+        depth = max((r.phases[r.phase_index].depth for r in ready), default=None)
+        if not self.config.one_depth_per_step:
+            depth = None  # any depth joins the step
+        for req in ready:
             if budget <= 0 or prompt_budget <= 0:
                 break
-            if req.in_prompt and req.status is Status.RUNNING and not req.awaiting_import:
-                if not self._depth_fits(req.phases[req.phase_index], out):
-                    continue
+            if depth is None or req.phases[req.phase_index].depth == depth:
                 n = self._prompt_chunk(req, min(budget, prompt_budget), out)
                 budget -= n
                 prompt_budget -= n
@@ -155,8 +158,8 @@ class Scheduler:
             if self.config.max_new_admissions is not None and admitted >= self.config.max_new_admissions:
                 break
             req = self.waiting[0]
-            if req.phases and not self._depth_fits(req.phases[0], out):
-                break  # FCFS: the next step takes it
+            if depth is not None and req.phases and req.phases[0].depth != depth:
+                break  # FCFS: a later step takes it
             verdict = self._admit(req, out)
             if verdict == "wait":
                 break
@@ -168,14 +171,6 @@ class Scheduler:
                 n = self._prompt_chunk(req, min(budget, prompt_budget), out)
                 budget -= n
                 prompt_budget -= n
-
-    def _depth_fits(self, phase: Phase, out: SchedulerOutput) -> bool:
-        """Whether a chunk of ``phase`` may join this step (``one_depth_per_step``: the depth of the
-        step's first prompt chunk)."""
-        if not self.config.one_depth_per_step:
-            return True
-        first = next((c.phase for c in out.chunks if c.phase is not None), None)
-        return first is None or first.depth == phase.depth
 
     def _prompt_chunk(self, req: Request, limit: int, out: SchedulerOutput) -> int:
         phase = req.phases[req.phase_index]

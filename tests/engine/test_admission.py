@@ -6,6 +6,7 @@ import pytest
 
 from asympd import SamplingParams
 from asympd.engine.engine import EngineConfig, LLMEngine
+from asympd.engine.runner import ModelRunner
 from asympd.engine.scheduler import SchedulerConfig
 from asympd.model.loader import load_model
 from tests.util import random_prompts
@@ -101,3 +102,38 @@ def test_unmixed_steps_keep_the_tokens_of_asymmetric_pd_with_speculation(tiny_ck
     mixed = tokens(True)
     assert tokens(False) == mixed
     assert all(len(t) == 8 for t in mixed)
+
+
+def test_a_symmetric_p_runs_its_window_chunks_first_and_alone(model, monkeypatch):
+    """A symmetric P's scheduler (``one_depth_per_step``, set by the engine) runs the chunks of the
+    deepest phase its requests in progress wait at, alone: a request's window (its last W rows
+    through every layer, which then replay a CUDA graph) goes before other prefixes and with no
+    admission beside it, and finishes that request's prompt. An asymmetric P keeps mixing."""
+    steps: list[list[tuple[str, int, str]]] = []
+    execute = ModelRunner.execute
+
+    def recording(self, chunks, wants):
+        steps.append([(c.request.request_id, c.hi - c.lo, c.phase.depth.name) for c in chunks])
+        return execute(self, chunks, wants)
+
+    monkeypatch.setattr(ModelRunner, "execute", recording)
+    for mode in ("symmetric-split", "asymmetric"):
+        sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32)
+        eng = LLMEngine(model, EngineConfig(role="prefill", mode=mode, scheduler=sched))
+        assert eng.scheduler.config.one_depth_per_step == (mode == "symmetric-split")
+        for rid, p in zip("ab", random_prompts([40, 100], seed=54), strict=True):
+            eng.add_request(rid, p, SamplingParams(max_tokens=1, temperature=0))
+        steps.clear()
+        while eng.has_unfinished_requests():
+            eng.step()
+        if mode == "symmetric-split":  # tiny: W = 16; a's prefix is 24 rows, b's 84
+            assert steps == [
+                [("a", 24, "ENCODER_KV"), ("b", 8, "ENCODER_KV")],
+                [("a", 16, "ALL")],  # a's window first and alone: b's prefix waits a step
+                [("b", 32, "ENCODER_KV")],
+                [("b", 32, "ENCODER_KV")],
+                [("b", 12, "ENCODER_KV")],
+                [("b", 16, "ALL")],
+            ]
+        else:  # P stops at the split point: prefixes only, mixed as before
+            assert steps[0] == [("a", 24, "ENCODER_KV"), ("b", 8, "ENCODER_KV")]
