@@ -507,8 +507,8 @@ def decode_ladder(
     each (``workers``: role -> worker URL). Why: on a GPU a decode step replays the CUDA graph of
     its padded batch, and over the depth-40 runs its time went up in steps of that size and
     flattened past 8, where the planner's line, fitted to the calibration batch at 3-6 requests,
-    over-predicted by 1.12-1.25x (docs/planner.md, "The GPU-held P fit out of sample").
-    asympd.plan.validate prices a GPU result's decode steps from these medians."""
+    over-predicted at 7-12 requests (median 1.12x; docs/planner.md, "The GPU-held P fit out of
+    sample"). asympd.plan.validate prices a GPU result's decode steps from these medians."""
     import numpy as np
 
     rng = np.random.default_rng(seed + 3000)
