@@ -423,7 +423,18 @@ def scrape(url: str) -> dict[str, float]:
 
 def worker_info(url: str) -> dict[str, Any]:
     info = httpx.get(f"{url}/asympd/info", timeout=30).json()
-    keep = ("role", "mode", "prefill_semantics", "device", "dtype", "transport", "resident_bytes", "memory", "warm_up")
+    keep = (
+        "role",
+        "mode",
+        "prefill_semantics",
+        "device",
+        "dtype",
+        "transport",
+        "resident_bytes",
+        "memory",
+        "warm_up",
+        "admission",
+    )
     return {k: info.get(k) for k in keep}
 
 

@@ -30,7 +30,7 @@ from asympd.engine.warm_up import WarmUp, warm_up
 from asympd.kv.block_manager import BlockManager
 from asympd.kv.paged_cache import PagedKVCache
 from asympd.kv.spec import KVCacheSpec
-from asympd.model.transformer import Depth, Transformer
+from asympd.model.transformer import Transformer
 from asympd.model.vision import ImageInput, check_spans
 from asympd.transfer.prefix_state import KV_FORMATS, PrefixState, PrefixStateError, model_fingerprint
 from asympd.transfer.stream import PrefixStream
@@ -199,7 +199,8 @@ class LLMEngine:
         self.blocks = BlockManager(self.spec, num_blocks, sc.max_num_seqs, self.config.enable_prefix_caching)
         decodes = self.config.role != "prefill"
         self._first_steps = self._first_step_graphs()
-        if not decodes and self._first_steps is not None:  # a symmetric P: its window chunks come alone
+        if not decodes and self._first_steps is not None and not self.config.enforce_eager:
+            # a symmetric P: its window chunks come alone, to replay their graphs
             sc = self.config.scheduler = dataclasses.replace(sc, one_depth_per_step=True)
         graphed = decodes or self._first_steps is not None  # its cache has room for padded graph rows
         self.cache = PagedKVCache(self.spec, num_blocks, sc.max_num_seqs, device=model.device, scratch=graphed)
@@ -286,8 +287,7 @@ class LLMEngine:
             phases = modes.decode_plan(self.cfg, 2 * w, c.mode, c.boundary_policy).phases
             first = phases[0] if phases else None
         elif c.role == "prefill":
-            phases = modes.prefill_plan(self.cfg, 2 * w, c.mode, c.boundary_policy).phases
-            first = phases[-1] if phases and phases[-1].depth is Depth.ALL else None
+            first = modes.p_window_phase(self.cfg, c.mode, c.boundary_policy)
         else:
             return None
         rows = first.hi - first.lo if first else 0

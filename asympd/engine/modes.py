@@ -176,6 +176,15 @@ def prefill_plan(cfg: ModelConfig, n: int, mode: str, policy: str = "carry") -> 
     raise ValueError(f"mode {mode!r} has no prefill worker; expected one of {', '.join(PREFILL_MODEL_ROLE)}")
 
 
+def p_window_phase(cfg: ModelConfig, mode: str, policy: str = "carry") -> Phase | None:
+    """A prefill worker's last phase where it runs through every layer (the symmetric modes: the
+    prompt's last W rows, sampling the first token), for a prompt of 2W; None where P stops below
+    the top layer (asymmetric, encoder-only). Its steps run alone and replay CUDA graphs on a GPU
+    (``LLMEngine._first_step_graphs``, ``SchedulerConfig.one_depth_per_step``)."""
+    phases = prefill_plan(cfg, 2 * cfg.window_size, mode, policy).phases
+    return phases[-1] if phases and phases[-1].depth is Depth.ALL else None
+
+
 def decode_plan(cfg: ModelConfig, n: int, mode: str, policy: str = "carry") -> DecodePlan:
     if mode == "asymmetric":
         s = split_point(cfg, n, policy)

@@ -649,7 +649,9 @@ def simulate_deployment(
         hops_n = {a.index: in_path(a.time_s, spans) for a in arrivals}
     else:
         sc = SchedulerConfig()
-        p_setup = PrefillSetup(mode, max_num_seqs=sc.max_num_seqs, step_tokens=dep.p_step_tokens)
+        p_setup = PrefillSetup(
+            mode, max_num_seqs=sc.max_num_seqs, step_tokens=dep.p_step_tokens, one_depth_per_step=dep.p_one_depth
+        )
         p = PrefillEngine(cfg, steps, p_setup, arrivals)
         d = _decoder(cfg, steps, dep, [], arrivals, path.outputs_at_launch)
         by_index = {a.index: a for a in arrivals}
@@ -992,7 +994,9 @@ def validate_e2e(
         measured_on_p_stream=on_gpu and recorded == "compute",
     )
     for mode, m in modes_in.items():
-        dep = Deployment(mode, policy, p_tokens, sem, shared_gpu=shared, seed=seed)
+        p_info = next((w for w in (m.get("workers") or {}).values() if w.get("role") == "prefill"), {})
+        one_depth = bool((p_info.get("admission") or {}).get("one_depth_per_step"))
+        dep = Deployment(mode, policy, p_tokens, sem, shared_gpu=shared, seed=seed, p_one_depth=one_depth)
         try:
             _validate_mode(out, m, dep, study)
         except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:

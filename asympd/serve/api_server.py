@@ -220,6 +220,7 @@ class WorkerServer:
             "max_new_admissions": s.max_new_admissions,
             "admission_token_budget": s.admission_token_budget,
             "mixed_steps": s.mixed_steps,
+            "one_depth_per_step": s.one_depth_per_step,
         }
 
     def memory(self) -> dict[str, Any]:

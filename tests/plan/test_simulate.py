@@ -158,3 +158,24 @@ def test_gpu_shares_take_a_measured_pair_only_for_two_steps():
     assert gpu_shares(apart, {0: 0.8, 1: 0.4}) == {0: 1.0, 1: 1.0}  # alone on its GPU: all of it
     three = [*two, _Step(2, 0, 0.0, 1.0)]
     assert gpu_shares(three, {0: 0.8, 1: 0.4}) == {0: 1 / 3, 1: 1 / 3, 2: 1 / 3}
+
+
+def test_a_symmetric_p_runs_its_windows_alone_as_the_engine_does():
+    """A simulated P schedules as today's engine does (``modes.p_window_phase``): a symmetric P runs
+    its deepest waiting phase alone, so a window (16 rows on tiny) and another prompt's prefix take
+    two steps; an asymmetric P mixes. A validation sets it from what the measured P reported."""
+    arrivals = [Arrival(0, 0.0, 40, 5), Arrival(1, 0.0, 100, 5)]
+
+    def steps(mode: str, one_depth: bool | None = None) -> list[int]:
+        setup = PrefillSetup(mode, 1, 1000, max_num_seqs=8, step_tokens=32, one_depth_per_step=one_depth)
+        p = PrefillEngine(CFG, FlatSteps(), setup, arrivals)
+        rows, t = [], 0.0
+        while (dt := p.issue(t)) is not None:
+            rows.append(p.step_rows)
+            t += dt
+            p.finish(t)
+        return rows
+
+    assert steps("symmetric-split") == [32, 16, 32, 32, 12, 16]  # as the engine's (test_admission.py)
+    assert steps("symmetric-split", one_depth=False) == [32, 32, 32, 28, 16]  # a's window beside b's prefix
+    assert steps("asymmetric") == [32, 32, 32, 12]  # P stops at the split point: prefixes only

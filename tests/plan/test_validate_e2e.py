@@ -488,3 +488,22 @@ def test_a_measured_co_run_replaces_the_equal_shares():
     assert default == without
     with pytest.raises(ValidationError, match="shares must be one of equal, co-run, got 'half'"):
         validate_e2e(res, shares="half")
+
+
+def test_the_simulated_p_schedules_as_the_measured_p_reported():
+    """A P worker reports whether it ran its deepest waiting phase alone (``admission``'s
+    ``one_depth_per_step``: a symmetric P since its window steps replay graphs); the validation's
+    simulated P does the same. Results before the field ran mixed steps and validate as committed."""
+    from asympd.plan.steps import RESULTS_DIR
+
+    result = json.loads((RESULTS_DIR / "e2e_h200x1_depth40_headline3b.json").read_text())
+    committed = json.loads((RESULTS_DIR / "e2e_h200x1_depth40_headline3b_validation.json").read_text())
+    assert validate_e2e(result)["rows"] == committed["rows"]
+    for w in result["modes"]["symmetric-split"]["workers"].values():
+        if w["role"] == "prefill":
+            w["admission"] = {"one_depth_per_step": True}
+    rows = validate_e2e(result)["rows"]
+    split = [(g, w) for g, w in zip(rows, committed["rows"], strict=True) if g["mode"] == "symmetric-split"]
+    # at 1 and 2 req/s P's queue holds windows and prefixes at once: apart, they take more steps
+    assert [g["predicted"]["ttft_p50_ms"] > w["predicted"]["ttft_p50_ms"] for g, w in split[1:]] == [True, True]
+    assert [g for g in rows if g["mode"] == "colocated"] == [w for w in committed["rows"] if w["mode"] == "colocated"]

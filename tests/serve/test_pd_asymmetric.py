@@ -252,8 +252,10 @@ def test_models_health_metrics(cluster, client):
         "max_new_admissions": 4,
         "admission_token_budget": 512,
         "mixed_steps": False,
+        "one_depth_per_step": False,
     }
     assert p_info["admission"]["policy"] is None and p_info["admission"]["max_new_admissions"] is None
+    assert p_info["admission"]["one_depth_per_step"] is False  # an asymmetric P stops below the top layer
     m = metrics(cluster["decode"])
     for name in (
         "asympd_time_to_first_token_seconds_count",
