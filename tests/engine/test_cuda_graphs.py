@@ -100,6 +100,8 @@ def test_engine_config_refuses_an_unknown_graph_mode_and_cpu_engines_run_eagerly
     sym = LLM(tiny_ckpt, "symmetric-split")  # ... but a symmetric P's window steps replay graphs on CUDA
     assert sym.prefill.cache.scratch_block is not None and sym.prefill.runner.graphs is None
     assert sym.prefill.config.scheduler.one_depth_per_step and not llm.prefill.config.scheduler.one_depth_per_step
+    eager = LLM(tiny_ckpt, "symmetric-split", enforce_eager=True)  # no graphs to replay: its steps stay mixed
+    assert not eager.prefill.config.scheduler.one_depth_per_step
 
 
 def test_engine_config_refuses_a_bad_capture_setting_and_cpu_engines_capture_nothing(tiny_ckpt):
