@@ -238,8 +238,8 @@ class LLMEngine:
 
     def make_graphs(self, capture: bool) -> DecodeGraphs:
         """This engine's CUDA graphs (``capture=False``: their static path, eagerly, as the CPU tests
-        run it). A decoding worker's serve its decode and verify steps and its first steps alone; a
-        symmetric P's serve only its steps of window chunks alone (``_first_step_graphs``)."""
+        run it). A decoding worker's graphs serve its decode and verify steps and its first steps
+        alone; a symmetric P's serve only its steps of window chunks alone (``_first_step_graphs``)."""
         sc, first = self.config.scheduler, self._first_steps
         decodes = self.config.role != "prefill"
         return DecodeGraphs(
