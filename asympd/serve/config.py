@@ -164,7 +164,8 @@ _HELP = {
     "replay piecewise graphs around attention",
     "warm_up": "run a throwaway prompt at each prompt-step size class before serving, so that Triton compiles"
     " at start-up, not mid-traffic (default: on a CUDA device; --no-warm-up skips it)",
-    "enforce_eager": "run every step eagerly (default on CUDA: decode and verify steps replay CUDA graphs)",
+    "enforce_eager": "run every step eagerly (default on CUDA: decode and verify steps, a D's first steps and a "
+    "symmetric P's window steps replay CUDA graphs)",
     "cuda_graph_capture": "startup: capture the decode/verify and drafter graphs before serving (logged: sizes, "
     "seconds, memory); lazy: the first step of each shape captures it",
     "cuda_graph_max_captures": "decode/verify graphs captured at start-up, shortest contexts first; the rest "
