@@ -62,8 +62,6 @@ def check_prompt(cfg: ModelConfig, ids: list[int], params: SamplingParams) -> No
 
 CUDA_GRAPH_MODES = ("full", "full_and_piecewise")
 CUDA_GRAPH_CAPTURE = ("startup", "lazy")
-# a symmetric P's steps of at most this many window chunks alone replay CUDA graphs (more run eagerly)
-P_WINDOW_GRAPH_BATCH = 4
 STREAM_MODES = ("asymmetric", "encoder-only")  # P exports the global KV only: no windows, no first token
 
 
@@ -200,8 +198,10 @@ class LLMEngine:
         decodes = self.config.role != "prefill"
         self._first_steps = self._first_step_graphs()
         if not decodes and self._first_steps is not None and not self.config.enforce_eager:
-            # a symmetric P: its window chunks come alone, to replay their graphs
-            sc = self.config.scheduler = dataclasses.replace(sc, one_depth_per_step=True)
+            # a symmetric P: its window chunks come alone, as many as its graphs hold, to replay them
+            sc = self.config.scheduler = dataclasses.replace(
+                sc, one_depth_per_step=True, max_deepest_chunks=self._first_steps.most
+            )
         graphed = decodes or self._first_steps is not None  # its cache has room for padded graph rows
         self.cache = PagedKVCache(self.spec, num_blocks, sc.max_num_seqs, device=model.device, scratch=graphed)
         self.fingerprint = model_fingerprint(self.cfg, checkpoint_id(getattr(model, "checkpoint", None)), model.dtype)
@@ -277,26 +277,27 @@ class LLMEngine:
         for a request (asymmetric: a bounded prefill writing global KV; the symmetric modes and
         encoder-only: a replay over P's), for as many requests as one step admits. A symmetric P's
         last phase (the prompt's last W rows through all 40 layers, sampling the first token), for up
-        to ``P_WINDOW_GRAPH_BATCH`` requests: eagerly it took 250-390 ms a request at true depth,
+        to ``modes.P_WINDOW_GRAPH_BATCH`` requests: eagerly it took 250-390 ms a request at true depth,
         where a D's graph of the same shape takes ~90 ms (docs/performance.md §10, twelfth session),
         work the symmetric baselines need not do. None where the worker computes no such rows
         (symmetric-windows' D, an asymmetric or encoder-only P) or they are no more than a verify
         step's."""
         sc, w, c = self.config.scheduler, self.cfg.window_size, self.config
-        if c.role == "decode":
-            phases = modes.decode_plan(self.cfg, 2 * w, c.mode, c.boundary_policy).phases
-            first = phases[0] if phases else None
-        elif c.role == "prefill":
+        if c.role == "prefill":
             first = modes.p_window_phase(self.cfg, c.mode, c.boundary_policy)
-        else:
+            most = modes.p_window_batch(self.cfg, c.mode, sc.max_num_batched_tokens, sc.max_num_seqs, c.boundary_policy)
+            if first is None or most is None:
+                return None
+            return PrefillSteps(first.hi - first.lo, most, "last" if first.sample else "none", first.write_global)
+        if c.role != "decode":
             return None
+        phases = modes.decode_plan(self.cfg, 2 * w, c.mode, c.boundary_policy).phases
+        first = phases[0] if phases else None
         rows = first.hi - first.lo if first else 0
         if rows <= 1 + self.num_spec_tokens:
             return None
         admit = min(sc.max_num_seqs, (sc.admission_token_budget or sc.max_num_batched_tokens) // rows)
         admit = min(admit, sc.max_new_admissions or admit)
-        if c.role == "prefill":
-            admit = min(admit, P_WINDOW_GRAPH_BATCH)
         return PrefillSteps(rows, max(admit, 1), "last" if first.sample else "none", first.write_global)
 
     # ---- requests ----------------------------------------------------------------------------

@@ -176,6 +176,10 @@ def prefill_plan(cfg: ModelConfig, n: int, mode: str, policy: str = "carry") -> 
     raise ValueError(f"mode {mode!r} has no prefill worker; expected one of {', '.join(PREFILL_MODEL_ROLE)}")
 
 
+# a symmetric P's steps of window chunks hold at most this many (the batch sizes its graphs replay)
+P_WINDOW_GRAPH_BATCH = 4
+
+
 def p_window_phase(cfg: ModelConfig, mode: str, policy: str = "carry") -> Phase | None:
     """A prefill worker's last phase where it runs through every layer (the symmetric modes: the
     prompt's last W rows, sampling the first token), for a prompt of 2W; None where P stops below
@@ -183,6 +187,16 @@ def p_window_phase(cfg: ModelConfig, mode: str, policy: str = "carry") -> Phase 
     (``LLMEngine._first_step_graphs``, ``SchedulerConfig.one_depth_per_step``)."""
     phases = prefill_plan(cfg, 2 * cfg.window_size, mode, policy).phases
     return phases[-1] if phases and phases[-1].depth is Depth.ALL else None
+
+
+def p_window_batch(cfg: ModelConfig, mode: str, step_tokens: int, max_seqs: int, policy: str = "carry") -> int | None:
+    """How many window chunks one step of a symmetric P holds, and its CUDA graphs replay
+    (``P_WINDOW_GRAPH_BATCH``, what the step budget and the slots allow); None for a P without a
+    window phase (``p_window_phase``)."""
+    phase = p_window_phase(cfg, mode, policy)
+    if phase is None:
+        return None
+    return max(1, min(P_WINDOW_GRAPH_BATCH, max_seqs, step_tokens // (phase.hi - phase.lo)))
 
 
 def decode_plan(cfg: ModelConfig, n: int, mode: str, policy: str = "carry") -> DecodePlan:

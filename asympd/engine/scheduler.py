@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from asympd.engine.modes import Phase
 from asympd.engine.request import Request, Status
 from asympd.kv.block_manager import BlockManager, CacheFullError, RequestTooLargeError
+from asympd.model.transformer import Depth
 
 
 @dataclass
@@ -36,6 +37,9 @@ class SchedulerConfig:
     # wait at (a symmetric P's window chunks, every layer, before other prefixes, and no admission
     # beside them): those come alone and replay CUDA graphs, and each finishes its request's prompt
     one_depth_per_step: bool = False
+    # with one_depth_per_step: a step at the deepest depth (ALL: a symmetric P's windows) holds at most
+    # this many chunks (the batch its graphs replay); the rest take the next step. None: no cap
+    max_deepest_chunks: int | None = None
 
     def validate(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
@@ -146,8 +150,9 @@ class Scheduler:
         depth = max((r.phases[r.phase_index].depth for r in ready), default=None)
         if not self.config.one_depth_per_step:
             depth = None  # any depth joins the step
+        cap = self.config.max_deepest_chunks if depth is Depth.ALL else None
         for req in ready:
-            if budget <= 0 or prompt_budget <= 0:
+            if budget <= 0 or prompt_budget <= 0 or (cap is not None and len(out.chunks) >= cap):
                 break
             if depth is None or req.phases[req.phase_index].depth == depth:
                 n = self._prompt_chunk(req, min(budget, prompt_budget), out)

@@ -31,6 +31,7 @@ class Deployment:
     # P ran its deepest waiting phase alone (``SchedulerConfig.one_depth_per_step``), as its worker
     # reported (``admission``); results before the field: mixed
     p_one_depth: bool = False
+    p_deepest_chunks: int | None = None  # ... at most this many chunks of its deepest phase a step
 
     @property
     def p_share(self) -> float:

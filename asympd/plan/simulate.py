@@ -85,9 +85,11 @@ class PrefillSetup:
     num_blocks: int = 1 << 24
     max_num_seqs: int = 64
     step_tokens: int = P_STEP_TOKENS  # the prefill token budget the P measurements used
-    # its deepest waiting phase alone (``SchedulerConfig.one_depth_per_step``); None: as today's
-    # engine runs this mode's P (a symmetric P's window steps: ``modes.p_window_phase``)
+    # its deepest waiting phase alone (``SchedulerConfig.one_depth_per_step``), at most
+    # ``max_deepest_chunks`` of it a step; None: as today's engine runs this mode's P (a symmetric P's
+    # window steps: ``modes.p_window_phase``, ``modes.p_window_batch``)
     one_depth_per_step: bool | None = None
+    max_deepest_chunks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -204,11 +206,15 @@ class PrefillEngine(_Engine):
     """One P replica: prompts packed up to the step budget (16K tokens, as measured), exported when done."""
 
     def __init__(self, cfg: ModelConfig, steps: StepModel, setup: PrefillSetup, arrivals: list[Arrival]):
-        one_depth = setup.one_depth_per_step
+        one_depth, cap = setup.one_depth_per_step, setup.max_deepest_chunks
         if one_depth is None:
-            one_depth = modes.p_window_phase(cfg, setup.mode) is not None
+            cap = modes.p_window_batch(cfg, setup.mode, setup.step_tokens, setup.max_num_seqs)
+            one_depth = cap is not None
         sc = SchedulerConfig(
-            max_num_seqs=setup.max_num_seqs, max_num_batched_tokens=setup.step_tokens, one_depth_per_step=one_depth
+            max_num_seqs=setup.max_num_seqs,
+            max_num_batched_tokens=setup.step_tokens,
+            one_depth_per_step=one_depth,
+            max_deepest_chunks=cap,
         )
         super().__init__(_scheduler(cfg, sc, setup.num_blocks, arrivals), arrivals)
         self.cfg, self.steps, self.mode, self.gpus = cfg, steps, setup.mode, setup.gpus

@@ -650,7 +650,11 @@ def simulate_deployment(
     else:
         sc = SchedulerConfig()
         p_setup = PrefillSetup(
-            mode, max_num_seqs=sc.max_num_seqs, step_tokens=dep.p_step_tokens, one_depth_per_step=dep.p_one_depth
+            mode,
+            max_num_seqs=sc.max_num_seqs,
+            step_tokens=dep.p_step_tokens,
+            one_depth_per_step=dep.p_one_depth,
+            max_deepest_chunks=dep.p_deepest_chunks,
         )
         p = PrefillEngine(cfg, steps, p_setup, arrivals)
         d = _decoder(cfg, steps, dep, [], arrivals, path.outputs_at_launch)
@@ -995,8 +999,17 @@ def validate_e2e(
     )
     for mode, m in modes_in.items():
         p_info = next((w for w in (m.get("workers") or {}).values() if w.get("role") == "prefill"), {})
-        one_depth = bool((p_info.get("admission") or {}).get("one_depth_per_step"))
-        dep = Deployment(mode, policy, p_tokens, sem, shared_gpu=shared, seed=seed, p_one_depth=one_depth)
+        p_adm = p_info.get("admission") or {}
+        dep = Deployment(
+            mode,
+            policy,
+            p_tokens,
+            sem,
+            shared_gpu=shared,
+            seed=seed,
+            p_one_depth=bool(p_adm.get("one_depth_per_step")),
+            p_deepest_chunks=p_adm.get("max_deepest_chunks"),
+        )
         try:
             _validate_mode(out, m, dep, study)
         except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:

@@ -221,6 +221,7 @@ class WorkerServer:
             "admission_token_budget": s.admission_token_budget,
             "mixed_steps": s.mixed_steps,
             "one_depth_per_step": s.one_depth_per_step,
+            "max_deepest_chunks": s.max_deepest_chunks,
         }
 
     def memory(self) -> dict[str, Any]:

@@ -137,3 +137,24 @@ def test_a_symmetric_p_runs_its_window_chunks_first_and_alone(model, monkeypatch
             ]
         else:  # P stops at the split point: prefixes only, mixed as before
             assert steps[0] == [("a", 24, "ENCODER_KV"), ("b", 8, "ENCODER_KV")]
+
+
+def test_a_symmetric_p_steps_hold_as_many_windows_as_its_graphs(model, monkeypatch):
+    """Windows ready together go in steps of at most ``modes.P_WINDOW_GRAPH_BATCH`` (4), the
+    largest batch the P's graphs replay; the rest take the next step."""
+    steps: list[list[int]] = []
+    execute = ModelRunner.execute
+
+    def recording(self, chunks, wants):
+        steps.append([c.hi - c.lo for c in chunks])
+        return execute(self, chunks, wants)
+
+    monkeypatch.setattr(ModelRunner, "execute", recording)
+    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256)
+    eng = LLMEngine(model, EngineConfig(role="prefill", mode="symmetric-windows", scheduler=sched))
+    assert eng.scheduler.config.max_deepest_chunks == 4
+    for i, p in enumerate(random_prompts([40] * 6, seed=55)):
+        eng.add_request(str(i), p, SamplingParams(max_tokens=1, temperature=0))
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert steps == [[24] * 6, [16] * 4, [16] * 2]  # six prefixes, then the windows: 4 and 2

@@ -253,6 +253,7 @@ def test_models_health_metrics(cluster, client):
         "admission_token_budget": 512,
         "mixed_steps": False,
         "one_depth_per_step": False,
+        "max_deepest_chunks": None,
     }
     assert p_info["admission"]["policy"] is None and p_info["admission"]["max_new_admissions"] is None
     assert p_info["admission"]["one_depth_per_step"] is False  # an asymmetric P stops below the top layer
