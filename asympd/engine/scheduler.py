@@ -163,8 +163,8 @@ class Scheduler:
             if self.config.max_new_admissions is not None and admitted >= self.config.max_new_admissions:
                 break
             req = self.waiting[0]
-            if depth is not None and req.phases and req.phases[0].depth != depth:
-                break  # FCFS: a later step takes it
+            if depth is not None and (cap is not None or (req.phases and req.phases[0].depth != depth)):
+                break  # FCFS: a later step takes it (a step of windows stays one a graph replays)
             verdict = self._admit(req, out)
             if verdict == "wait":
                 break
