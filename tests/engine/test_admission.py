@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 
 from asympd import SamplingParams
@@ -104,19 +107,25 @@ def test_unmixed_steps_keep_the_tokens_of_asymmetric_pd_with_speculation(tiny_ck
     assert all(len(t) == 8 for t in mixed)
 
 
+def _record_steps(monkeypatch, what: Callable[[Any], Any]) -> list[list[Any]]:
+    """Every step's chunks, each as ``what(chunk)``, in the order the runner gets them."""
+    steps: list[list[Any]] = []
+    execute = ModelRunner.execute
+
+    def recording(self, chunks, wants):
+        steps.append([what(c) for c in chunks])
+        return execute(self, chunks, wants)
+
+    monkeypatch.setattr(ModelRunner, "execute", recording)
+    return steps
+
+
 def test_a_symmetric_p_runs_its_window_chunks_first_and_alone(model, monkeypatch):
     """A symmetric P's scheduler (``one_depth_per_step``, set by the engine) runs the chunks of the
     deepest phase its requests in progress wait at, alone: a request's window (its last W rows
     through every layer, which then replay a CUDA graph) goes before other prefixes and with no
     admission beside it, and finishes that request's prompt. An asymmetric P keeps mixing."""
-    steps: list[list[tuple[str, int, str]]] = []
-    execute = ModelRunner.execute
-
-    def recording(self, chunks, wants):
-        steps.append([(c.request.request_id, c.hi - c.lo, c.phase.depth.name) for c in chunks])
-        return execute(self, chunks, wants)
-
-    monkeypatch.setattr(ModelRunner, "execute", recording)
+    steps = _record_steps(monkeypatch, lambda c: (c.request.request_id, c.hi - c.lo, c.phase.depth.name))
     for mode in ("symmetric-split", "asymmetric"):
         sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32)
         eng = LLMEngine(model, EngineConfig(role="prefill", mode=mode, scheduler=sched))
@@ -142,14 +151,7 @@ def test_a_symmetric_p_runs_its_window_chunks_first_and_alone(model, monkeypatch
 def test_a_symmetric_p_steps_hold_as_many_windows_as_its_graphs(model, monkeypatch):
     """Windows ready together go in steps of at most ``modes.P_WINDOW_GRAPH_BATCH`` (4), the
     largest batch the P's graphs replay; the rest take the next step."""
-    steps: list[list[int]] = []
-    execute = ModelRunner.execute
-
-    def recording(self, chunks, wants):
-        steps.append([c.hi - c.lo for c in chunks])
-        return execute(self, chunks, wants)
-
-    monkeypatch.setattr(ModelRunner, "execute", recording)
+    steps = _record_steps(monkeypatch, lambda c: c.hi - c.lo)
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256)
     eng = LLMEngine(model, EngineConfig(role="prefill", mode="symmetric-windows", scheduler=sched))
     assert eng.scheduler.config.max_deepest_chunks == 4
