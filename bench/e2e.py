@@ -509,11 +509,33 @@ def calibrate(url: str, lengths: list[int], tokens: int, batch: int, vocab: int,
     return asyncio.run(go())
 
 
+def ladder_tokens(tokens: int, size: int, lone: list[dict[str, Any]], length: int) -> int:
+    """Output tokens for each of ``size`` requests sent at once, so that all of them decode together
+    for about ``tokens`` steps: the first admitted keeps decoding while P computes the other
+    ``size - 1`` prompts, each about the lone TTFT at ``length`` (``lone``: the calibration's lone
+    requests), doubled as P shares the GPU with D's decodes, a step each lone gap. headline4 sent
+    24 tokens to every size and logged no step of 8 or 16 decodes in 3 of its 5 modes: the first
+    requests had finished before the last were admitted."""
+    ttfts = [r["ttft_s"] for r in lone if r["prompt_len"] == length and r.get("ttft_s")]
+    gaps = [g for r in lone for g in r["gaps_s"][1:]]
+    if size <= 1 or not ttfts or not gaps or statistics.median(gaps) <= 0:
+        return tokens
+    return tokens + math.ceil(2 * (size - 1) * statistics.median(ttfts) / statistics.median(gaps))
+
+
 def decode_ladder(
-    url: str, workers: dict[str, str], length: int, sizes: list[int], tokens: int, vocab: int, seed: int
+    url: str,
+    workers: dict[str, str],
+    length: int,
+    sizes: list[int],
+    tokens: int,
+    vocab: int,
+    seed: int,
+    lone: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """D's decode steps at each of ``sizes`` requests decoding together: ``b`` requests of
-    ``length`` tokens sent at once, ``tokens`` output tokens each, then D's step log read for its
+    ``length`` tokens sent at once, ``ladder_tokens`` output tokens each (from ``tokens`` and the
+    calibration's ``lone`` requests), then D's step log read for its
     steps of exactly ``b`` decodes and no prompt row, P's steps covering less than ``ALONE_P`` of
     each (``workers``: role -> worker URL). Why: on a GPU a decode step replays the CUDA graph of
     its padded batch, and over the depth-40 runs its time went up in steps of that size and
@@ -524,13 +546,14 @@ def decode_ladder(
 
     rng = np.random.default_rng(seed + 3000)
     spans: list[tuple[int, float, float]] = []
+    outputs = {b: ladder_tokens(tokens, b, lone or [], length) for b in sizes}
 
     async def go() -> None:
         async with httpx.AsyncClient(timeout=httpx.Timeout(900.0)) as client:
             for b in sizes:
                 t0 = time.time()
                 ids = [rng.integers(3, vocab, size=length).tolist() for _ in range(b)]
-                await asyncio.gather(*(_one(client, url, x, tokens) for x in ids))
+                await asyncio.gather(*(_one(client, url, x, outputs[b]) for x in ids))
                 spans.append((b, t0, time.time()))
 
     since = time.time()
@@ -544,6 +567,7 @@ def decode_ladder(
     return {
         "prompt_len": length,
         "tokens": tokens,
+        "tokens_by_size": {str(b): n for b, n in outputs.items()},
         "step_ms": {b: statistics.median(ms) if ms else None for b, ms in steps.items()},
         "steps_ms": steps,
     }
@@ -985,7 +1009,7 @@ def run_mode(args, mode: str, ckpt: str, vocab: int, work: Path, out: dict[str, 
         sizes = [int(b) for b in args.ladder.split(",") if b.strip()]
         if sizes and args.ladder_tokens:
             out["calibration"]["ladder"] = ladder = decode_ladder(
-                dep.url, urls, lo, sizes, args.ladder_tokens, vocab, args.seed
+                dep.url, urls, lo, sizes, args.ladder_tokens, vocab, args.seed, out["calibration"]["lone"]
             )
             log(f"{mode} decode ladder (ms): " + ", ".join(f"{b}: {v:.1f}" for b, v in ladder["step_ms"].items() if v))
         out["calibration"]["wall_s"] = round(time.perf_counter() - t, 1)
@@ -1228,7 +1252,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="calibration: D's decode steps at these batch sizes, each decoding together (the CUDA graphs' padded "
         "sizes; empty: off)",
     )
-    ap.add_argument("--ladder-tokens", type=int, default=None, help="the ladder requests' output tokens")
+    ap.add_argument(
+        "--ladder-tokens",
+        type=int,
+        default=None,
+        help="the steps each ladder size decodes together (its requests' outputs add what P takes to admit them all)",
+    )
     ap.add_argument(
         "--co-run-prompts",
         type=int,

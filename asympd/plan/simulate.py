@@ -26,6 +26,7 @@ from asympd.engine.sampling import SamplingParams
 from asympd.engine.scheduler import Scheduler, SchedulerConfig
 from asympd.kv.block_manager import BlockManager
 from asympd.kv.spec import KVCacheSpec
+from asympd.model.transformer import Depth
 from asympd.plan.steps import P_STEP_TOKENS, StepModel
 from asympd.serve.admission import AdmissionPolicy
 
@@ -256,7 +257,11 @@ class PrefillEngine(_Engine):
         self.run.max_batch = max(self.run.max_batch, len(out.chunks))
         self.run.preemptions += len(out.preempted)
         chunks = [(c.num_rows, self._lengths[c.request.request_id]) for c in out.chunks]
-        self._dt = self.steps.prefill_ms(self.mode, chunks, self.gpus) / 1e3
+        # a symmetric P's step of window chunks alone (one_depth_per_step): a CUDA graph on a GPU,
+        # which a measured model may price apart from its prefix steps (``MeasuredSteps.p_window_ms``)
+        deep = sum(c.phase.depth is Depth.ALL for c in out.chunks)
+        windows = deep if deep == len(out.chunks) and self.sched.config.one_depth_per_step else 0
+        self._dt = self.steps.prefill_ms(self.mode, chunks, self.gpus, windows=windows) / 1e3
         return self._dt
 
     def finish(self, end: float) -> None:

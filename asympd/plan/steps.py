@@ -180,9 +180,11 @@ class StepModel:
         pts = self._p_cost[mode]
         return max(1e-6, interp(pts, min(max(math.log2(max(n_prompt, 2)), pts[0][0]), pts[-1][0])))
 
-    def prefill_ms(self, mode: str, chunks: list[tuple[int, int]], gpus: int) -> float:
+    def prefill_ms(self, mode: str, chunks: list[tuple[int, int]], gpus: int, windows: int = 0) -> float:
         """One P step over (rows, prompt length) chunks: the packed cost, never below the measured
-        time of one chunk of that many rows (a part-filled step still streams every weight)."""
+        time of one chunk of that many rows (a part-filled step still streams every weight).
+        ``windows`` (a step of that many window chunks alone) is not priced apart: the H200 tables
+        measured P's cost per prompt, its window rows included."""
         rows = sum(r for r, _ in chunks)
         if rows == 0:
             return 0.0

@@ -44,7 +44,7 @@ from asympd.plan.simulate import (
     run_engines,
 )
 from asympd.plan.step_log import d_prompt_alone_steps, gpu_held, p_fit_steps, timed_to_gpu_end
-from asympd.plan.steps import RESULTS_DIR, StepModel, load_results
+from asympd.plan.steps import RESULTS_DIR, StepModel, interp, load_results
 from asympd.serve.admission import POLICIES, AdmissionPolicy
 
 BENCH_POLICIES = ("admit-all", "cap-4", "cap-8")  # the policies admission_policy.json measured (POLICIES' names)
@@ -170,8 +170,13 @@ class MeasuredSteps:
     mix_row_ms: float = 0.0  # D: ... and per prompt row of a mixed step
     move_beside_p_ms: float | None = None  # P -> D while P computes (``fetch_beside_p_ms``); None: not measured
     d_ladder_ms: dict[int, float] | None = None  # D: decode step by batch size (``decode_ladder_ms``); None: the line
+    p_window_ms: dict[int, float] | None = None  # P: a step of k window chunks alone (``fit_p_step``); None: the line
 
-    def prefill_ms(self, mode: str, chunks: list[tuple[int, int]], gpus: int) -> float:
+    def prefill_ms(self, mode: str, chunks: list[tuple[int, int]], gpus: int, windows: int = 0) -> float:
+        """A P step: its window chunks alone (``windows``, a symmetric P's CUDA graph) from the
+        measured window steps where the calibration logged them, every other step by the line."""
+        if windows and self.p_window_ms:
+            return window_step_ms(self.p_window_ms, windows)
         rows = sum(r for r, _ in chunks)
         return self.p_step_ms + self.p_row_ms * rows if rows else 0.0
 
@@ -300,12 +305,14 @@ def fit_steps(
     on_gpu: bool = True,
     shared_gpu: bool = False,
     d_share: float = 0.5,
+    window_steps: int | None = None,
 ) -> MeasuredSteps:
     """Step times from the calibration of one deployment (see bench/e2e.py ``calibrate``; P's
     from the co-run's steps at most partly beside D, where it logged two sizes or more: ``fit_p_step``);
     ``on_gpu``: the result ran on a GPU (``first_out_at_launch``); ``shared_gpu``: P computed the
     batch on D's GPU (the batch's gaps are read at D's alone speed where P shared it, D then
-    running at ``d_share`` of the GPU: ``Deployment.d_share``)."""
+    running at ``d_share`` of the GPU: ``Deployment.d_share``); ``window_steps``: P ran its window
+    chunks alone, at most that many a step (``fit_p_step``)."""
     lone = cal["lone"]
     gaps = [g for r in lone for g in r["gaps_s"][1:]]  # the first gap can hold a replay or a flush
     d_step = _median(gaps) * 1e3
@@ -316,7 +323,7 @@ def fit_steps(
         cal, d_step, d_seq, mode != "colocated", shared_gpu, first_out_at_launch(cfg, mode, on_gpu), d_share
     )
     d_pre, d_row = _fixed_or_line(_lone_first_points(cfg, mode, cal, semantics, d_budget, d_step, on_gpu))
-    p_step, p_row, p_fit = fit_p_step(cfg, mode, cal, p_budget, on_gpu)
+    p_step, p_row, p_fit = fit_p_step(cfg, mode, cal, p_budget, on_gpu, window_steps)
     move_points = [
         (r["prompt_len"], r["timings"]["transfer_s"] * 1e3)
         for r in lone
@@ -344,14 +351,16 @@ def fit_steps(
         d_pre_ms=d_pre,
         move_beside_p_ms=move_beside,
         d_ladder_ms=decode_ladder_ms(cal, on_gpu),
+        p_window_ms={int(k): ms for k, (_, ms) in p_fit["windows"].items()} if p_fit and "windows" in p_fit else None,
     )
 
 
 def _steps_json(steps: MeasuredSteps) -> dict[str, Any]:
     """``steps`` as the validation records them (the ladder only where the result measured one)."""
     out = asdict(steps)
-    if out["d_ladder_ms"] is None:
-        del out["d_ladder_ms"]
+    for key in ("d_ladder_ms", "p_window_ms"):  # only where the result measured them
+        if out[key] is None:
+            del out[key]
     return out
 
 
@@ -421,7 +430,12 @@ def co_run_p_points(cal: dict[str, Any], on_gpu: bool = True) -> list[tuple[int,
 
 
 def fit_p_step(
-    cfg: ModelConfig, mode: str, cal: dict[str, Any], p_budget: int = 16384, on_gpu: bool = True
+    cfg: ModelConfig,
+    mode: str,
+    cal: dict[str, Any],
+    p_budget: int = 16384,
+    on_gpu: bool = True,
+    window_steps: int | None = None,
 ) -> tuple[float, float, dict[str, Any] | None]:
     """P's step cost (fixed ms, ms per prompt row) and where it came from. Under load P runs
     multi-prompt steps of 1-16K rows, longer per row than the line through the lone requests (one
@@ -434,12 +448,26 @@ def fit_p_step(
     fit. The record (None without a co-run step log, so older validations keep their bytes):
     ``source``, ``steps`` and ``rows`` [min, max] of the points fitted, ``beside_d`` (how many of
     them D partly covered), ``stalls`` ([rows, ms] of the steps dropped as stalls) and ``lone_ms``
-    (the lone requests' line)."""
+    (the lone requests' line). ``window_steps``: the P ran its window chunks alone, at most that
+    many a step (``SchedulerConfig.one_depth_per_step``: a symmetric P's CUDA graphs since
+    4f99bfc); its steps of k x W rows, k up to that many, are then such steps and are not on the
+    line: the record's ``windows`` holds their median by k ([steps, ms]), ``MeasuredSteps.p_window_ms``
+    prices them. In headline4's co-runs one window alone took 91-145 ms and four 246-478 ms, where
+    the line through every step gave 162 and 196 ms (its intercept 151 ms, 135 without them), and the
+    simulated P was 1.30-1.37x busier than measured (docs/planner.md, "A symmetric P's window
+    steps"). A window step's cost grows with its context; the median by k does not see that."""
     lone_points = _lone_p_points(cfg, mode, cal, p_budget)
     lone = _steps_and_rows(lone_points) if lone_points else (0.0, 0.0)
     points = co_run_p_points(cal, on_gpu) if mode != "colocated" else None
     if points is None:
         return lone[0], lone[1], None
+    windows: dict[int, list[float]] = {}
+    if window_steps:
+        w = cfg.window_size
+        for rows, ms, _ in points:
+            if rows % w == 0 and rows // w <= window_steps:
+                windows.setdefault(rows // w, []).append(ms)
+        points = [pt for pt in points if not (pt[0] % w == 0 and pt[0] // w <= window_steps)]
     if len({rows for rows, _, _ in points}) >= 2:
         stalled = stalls([(float(rows), ms) for rows, ms, _ in points])
         points = [pt for pt in points if (float(pt[0]), pt[1]) not in stalled]
@@ -458,9 +486,23 @@ def fit_p_step(
         "stalls": [[int(r), ms] for r, ms in stalled],
         "lone_ms": list(lone),
     }
+    if windows:
+        record["windows"] = {str(k): [len(v), statistics.median(v)] for k, v in sorted(windows.items())}
     if source == P_FIT_CO_RUN and _p_log_timed(cal, on_gpu):
         record["timed"] = "to the GPU end"  # and P's answer starts there (``p_gpu_tail_ms``)
     return p_step, p_row, record
+
+
+def window_step_ms(table: dict[int, float], windows: int) -> float:
+    """A step of ``windows`` window chunks from the measured steps of k chunks: the measured
+    median where there is one, else linear between (and past) the nearest sizes, in proportion to
+    the one size measured where there is only one."""
+    if windows in table:
+        return table[windows]
+    if len(table) == 1:
+        ((k, ms),) = table.items()
+        return ms * windows / k
+    return max(0.0, interp([(float(k), ms) for k, ms in table.items()], float(windows)))
 
 
 def _decode_seq_ms(
@@ -834,11 +876,21 @@ def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, stud
     measured = co_run_stretch(cal, dep)
     if study.shares == "co-run":
         dep = replace(dep, co_run=measured, p_by_rows=co_run_p_by_rows(cal, dep))
+    windows = dep.p_deepest_chunks if dep.p_one_depth else None
     steps = fit_steps(
-        cfg, mode, cal, study.d_budget, dep.colocated_semantics, dep.p_step_tokens, gpu, dep.shared_gpu, dep.d_share
+        cfg,
+        mode,
+        cal,
+        study.d_budget,
+        dep.colocated_semantics,
+        dep.p_step_tokens,
+        gpu,
+        dep.shared_gpu,
+        dep.d_share,
+        windows,
     )
     steps.ttft_offset_ms = _ttft_offset(cal, path.first_at_start)
-    p_fit = fit_p_step(cfg, mode, cal, dep.p_step_tokens, gpu)[2]
+    p_fit = fit_p_step(cfg, mode, cal, dep.p_step_tokens, gpu, windows)[2]
     load = None
     if study.serving_load:
         lone = LoneCosts(steps.handoff_ms, steps.move_for, steps.ttft_offset_ms, lambda b: steps.decode_ms(b, 0, 1))
@@ -1035,7 +1087,9 @@ def _p_fit_note(m: dict[str, Any]) -> str:
     beside = f", {f['beside_d']} partly beside D" if f.get("beside_d") else ""
     stalled = "".join(f", a {r}-row step of {ms:.0f} ms left out as a stall" for r, ms in f.get("stalls") or [])
     timed = f", timed {f['timed']}" if f.get("timed") else ""
-    return f" ({f['source']}: {f['steps']} steps, {rows}{beside}{stalled}{timed})"
+    windows = ", ".join(f"{k}: {ms:.0f} ms ({n})" for k, (n, ms) in (f.get("windows") or {}).items())
+    windows = f"; window steps alone by windows a step {windows}" if windows else ""
+    return f" ({f['source']}: {f['steps']} steps, {rows}{beside}{stalled}{timed}{windows})"
 
 
 def format_validation(v: dict[str, Any]) -> str:

@@ -21,7 +21,7 @@ from asympd.plan.validate import ValidationError, validate_e2e
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.e2e import write_on_device  # noqa: E402
+from bench.e2e import ladder_tokens, write_on_device  # noqa: E402
 from bench.p_throughput import reduced_config  # noqa: E402
 
 MODES = ("asymmetric", "encoder-only", "colocated")
@@ -58,6 +58,8 @@ def test_result_fields_and_counts(result):
         assert ladder["tokens"] == 4 and set(ladder["step_ms"]) == {"1", "2"}, ladder
         assert all(ms and ms > 0 for ms in ladder["step_ms"].values()), ladder
         assert all(len(ladder["steps_ms"][b]) >= 2 for b in ("1", "2")), ladder
+        lone, length = m["calibration"]["lone"], ladder["prompt_len"]
+        assert ladder["tokens_by_size"] == {"1": 4, "2": ladder_tokens(4, 2, lone, length)}, ladder
         assert {w["role"] for w in m["workers"].values()} == ({"colocated"} if mode == "colocated" else
                                                                {"prefill", "decode"})  # fmt: skip
         assert all(w["memory"]["weights_bytes"] > 0 for w in m["workers"].values())
@@ -419,3 +421,17 @@ def test_the_time_budget_counts_the_co_run():
         {"startup_s": 90.0, "calibration": {"wall_s": 25.0, "co_run": {"skipped": "one process"}}},
     ]
     assert predict_mode_s(args, seen) == pytest.approx(100 + 29 + 12 + 8 + 4.8 + 4)
+
+
+def test_ladder_requests_decode_past_the_last_admission():
+    """Each of b requests sent at once outputs the ladder's steps plus what P takes to admit the
+    other b - 1 (the lone TTFT at that length, doubled for the shared GPU) in lone decode gaps."""
+    lone = [
+        {"prompt_len": 1024, "ttft_s": 0.4, "gaps_s": [0.1, 0.04, 0.04]},
+        {"prompt_len": 1024, "ttft_s": 0.5, "gaps_s": [0.1, 0.04]},
+        {"prompt_len": 4096, "ttft_s": 2.0, "gaps_s": [0.1, 0.04]},
+    ]
+    assert ladder_tokens(24, 1, lone, 1024) == 24
+    assert ladder_tokens(24, 2, lone, 1024) == 24 + math.ceil(2 * 1 * 0.45 / 0.04)  # 47
+    assert ladder_tokens(24, 16, lone, 1024) == 24 + math.ceil(2 * 15 * 0.45 / 0.04)  # 362
+    assert ladder_tokens(24, 16, [], 1024) == 24  # nothing measured: as before

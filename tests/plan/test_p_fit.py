@@ -242,3 +242,40 @@ def test_steps_timed_to_their_gpu_end_give_the_line_and_the_answer_starts_there(
     assert fit_steps(CFG, "asymmetric", host, d_budget=512, semantics="split").handoff_ms == pytest.approx(
         TRUE.handoff_ms
     )
+
+
+def test_a_symmetric_p_window_steps_are_priced_apart_from_its_line():
+    """A P that ran its window chunks alone (``window_steps``: at most that many a step) logs steps
+    of k x W rows that are a CUDA graph's, not the line's: they leave the line and are kept by k.
+    A step of more windows than that is a prefix step and stays."""
+    w = CFG.window_size
+    log = co_run_log()
+    log["steps"]["prefill"] += [
+        [10.0, 0.05, w, 0],
+        [11.0, 0.06, w, 0],
+        [12.0, 0.05, w, 0],
+        [13.0, 0.15, 4 * w, 0],
+        [14.0, 0.1 + 0.0001 * 5 * w, 5 * w, 0],  # five windows' rows: on the line
+    ]
+    cal = {**calibration("symmetric-split"), "co_run": log}
+    a, b, record = fit_p_step(CFG, "symmetric-split", cal, window_steps=4)
+    assert (a, b) == pytest.approx((100.0, 0.1))
+    assert record["windows"] == {"1": [3, pytest.approx(50.0)], "4": [1, pytest.approx(150.0)]}
+    assert record["steps"] == 5 and record["rows"] == [5 * w, 3000]
+    steps = fit_steps(CFG, "symmetric-split", cal, d_budget=512, semantics="split", window_steps=4)
+    assert steps.p_window_ms == {1: pytest.approx(50.0), 4: pytest.approx(150.0)}
+    # a P that mixed its steps (older results, an eager P): every step on the line
+    a, b, record = fit_p_step(CFG, "symmetric-split", cal)
+    assert "windows" not in record and record["steps"] == 9 and a < 100.0
+    assert fit_steps(CFG, "symmetric-split", cal, d_budget=512, semantics="split").p_window_ms is None
+
+
+def test_the_window_steps_of_a_measured_symmetric_p():
+    """headline4 (4f99bfc): both symmetric P reported one_depth_per_step with 4 windows a step, and
+    their validations price the window steps from the co-run's; the asymmetric P has none."""
+    v = validate_e2e(json.loads((RESULTS / "e2e_h200x1_depth40_headline4_five.json").read_text()))
+    for mode in ("symmetric-split", "symmetric-windows"):
+        fit = v["modes"][mode]["p_fit"]
+        assert set(fit["windows"]) >= {"1", "4"} and fit["rows"][0] > 4 * 128
+        assert 80.0 < fit["windows"]["1"][1] < 100.0
+    assert "windows" not in v["modes"]["asymmetric"]["p_fit"]

@@ -3,10 +3,13 @@ engines on GPUs of their own never slow each other. Hand-computed timelines."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from asympd.config import tiny
 from asympd.plan.simulate import Arrival, DecodeEngine, DecodeSetup, PrefillEngine, PrefillSetup, run_engines
+from asympd.plan.validate import MeasuredSteps, window_step_ms
 
 CFG = tiny()  # window 16: a 40-token prompt is 24 rows for P, 16 for D
 D_SETUP = DecodeSetup("asymmetric", 1, 1000, 8, num_spec=0)
@@ -15,7 +18,7 @@ D_SETUP = DecodeSetup("asymmetric", 1, 1000, 8, num_spec=0)
 class FlatSteps:
     """Every P step 30 ms, every D step 10 ms (decode rows, prompt rows or both)."""
 
-    def prefill_ms(self, mode: str, chunks: list[tuple[int, int]], gpus: int) -> float:
+    def prefill_ms(self, mode: str, chunks: list[tuple[int, int]], gpus: int, windows: int = 0) -> float:
         return 30.0
 
     def decode_ms(self, batch: int, prefill_rows: int, gpus: int) -> float:
@@ -179,3 +182,39 @@ def test_a_symmetric_p_runs_its_windows_alone_as_the_engine_does():
     assert steps("symmetric-split") == [32, 16, 32, 32, 12, 16]  # as the engine's (test_admission.py)
     assert steps("symmetric-split", one_depth=False) == [32, 32, 32, 28, 16]  # a's window beside b's prefix
     assert steps("asymmetric") == [32, 32, 32, 12]  # P stops at the split point: prefixes only
+
+
+def test_a_symmetric_p_prices_its_window_steps_apart():
+    """The simulated P tells its step model how many window chunks a step runs alone
+    (``windows``), and only for a P that runs them alone: a measured model prices those from the
+    window steps it logged (``MeasuredSteps.p_window_ms``), the prefix steps by its line."""
+    arrivals = [Arrival(0, 0.0, 40, 5), Arrival(1, 0.0, 100, 5)]
+
+    class Recording(FlatSteps):
+        def __init__(self) -> None:
+            self.calls: list[tuple[int, int]] = []
+
+        def prefill_ms(self, mode: str, chunks: list[tuple[int, int]], gpus: int, windows: int = 0) -> float:
+            self.calls.append((sum(r for r, _ in chunks), windows))
+            return 30.0
+
+    def calls(mode: str, one_depth: bool | None = None) -> list[tuple[int, int]]:
+        steps = Recording()
+        setup = PrefillSetup(mode, 1, 1000, max_num_seqs=8, step_tokens=32, one_depth_per_step=one_depth)
+        p = PrefillEngine(CFG, steps, setup, arrivals)
+        t = 0.0
+        while (dt := p.issue(t)) is not None:
+            t += dt
+            p.finish(t)
+        return steps.calls
+
+    assert calls("symmetric-split") == [(32, 0), (16, 1), (32, 0), (32, 0), (12, 0), (16, 1)]
+    assert calls("symmetric-split", one_depth=False) == [(32, 0), (32, 0), (32, 0), (28, 0), (16, 0)]
+    assert calls("asymmetric") == [(32, 0), (32, 0), (32, 0), (12, 0)]
+
+    measured = MeasuredSteps(100.0, 0.1, 10.0, 1.0, 0.5, 5.0, 0.01, p_window_ms={1: 40.0, 4: 100.0})
+    assert measured.prefill_ms("symmetric-split", [(16, 40)], 1, windows=1) == 40.0
+    assert measured.prefill_ms("symmetric-split", [(16, 40)] * 2, 1, windows=2) == pytest.approx(60.0)
+    assert measured.prefill_ms("symmetric-split", [(16, 40)], 1) == pytest.approx(101.6)  # the line
+    assert replace(measured, p_window_ms=None).prefill_ms("symmetric-split", [(16, 40)], 1, windows=1) == 101.6
+    assert window_step_ms({2: 50.0}, 3) == 75.0 and window_step_ms({1: 40.0, 4: 100.0}, 6) == 140.0
