@@ -509,18 +509,26 @@ def calibrate(url: str, lengths: list[int], tokens: int, batch: int, vocab: int,
     return asyncio.run(go())
 
 
+# the ladder's prompts are at most this long: its requests decode while P admits the others, so its
+# cost grows with P's time per prompt (at 6K-token prompts a size of 16 would decode ~1000 tokens)
+LADDER_MAX_PROMPT = 2048
+
+
 def ladder_tokens(tokens: int, size: int, lone: list[dict[str, Any]], length: int) -> int:
     """Output tokens for each of ``size`` requests sent at once, so that all of them decode together
     for about ``tokens`` steps: the first admitted keeps decoding while P computes the other
     ``size - 1`` prompts, each about the lone TTFT at ``length`` (``lone``: the calibration's lone
-    requests), doubled as P shares the GPU with D's decodes, a step each lone gap. headline4 sent
-    24 tokens to every size and logged no step of 8 or 16 decodes in 3 of its 5 modes: the first
-    requests had finished before the last were admitted."""
-    ttfts = [r["ttft_s"] for r in lone if r["prompt_len"] == length and r.get("ttft_s")]
+    requests, at the nearest length measured, scaled to ``length``), doubled as P shares the GPU with
+    D's decodes, a step each lone gap. headline4 sent 24 tokens to every size and logged no step of
+    8 or 16 decodes in 3 of its 5 modes: the first requests had finished before the last were
+    admitted."""
+    timed = [r for r in lone if r.get("ttft_s")]
     gaps = [g for r in lone for g in r["gaps_s"][1:]]
-    if size <= 1 or not ttfts or not gaps or statistics.median(gaps) <= 0:
+    if size <= 1 or not timed or not gaps or statistics.median(gaps) <= 0:
         return tokens
-    return tokens + math.ceil(2 * (size - 1) * statistics.median(ttfts) / statistics.median(gaps))
+    near = min({r["prompt_len"] for r in timed}, key=lambda n: abs(n - length))
+    ttft = statistics.median(r["ttft_s"] for r in timed if r["prompt_len"] == near) * length / near
+    return tokens + math.ceil(2 * (size - 1) * ttft / statistics.median(gaps))
 
 
 def decode_ladder(
@@ -1009,7 +1017,14 @@ def run_mode(args, mode: str, ckpt: str, vocab: int, work: Path, out: dict[str, 
         sizes = [int(b) for b in args.ladder.split(",") if b.strip()]
         if sizes and args.ladder_tokens:
             out["calibration"]["ladder"] = ladder = decode_ladder(
-                dep.url, urls, lo, sizes, args.ladder_tokens, vocab, args.seed, out["calibration"]["lone"]
+                dep.url,
+                urls,
+                min(lo, LADDER_MAX_PROMPT),
+                sizes,
+                args.ladder_tokens,
+                vocab,
+                args.seed,
+                out["calibration"]["lone"],
             )
             log(f"{mode} decode ladder (ms): " + ", ".join(f"{b}: {v:.1f}" for b, v in ladder["step_ms"].items() if v))
         out["calibration"]["wall_s"] = round(time.perf_counter() - t, 1)

@@ -399,6 +399,81 @@ def prefill_case(model, cfg, device, count: int, n: int, reps: int) -> dict[str,
     return out
 
 
+def window_case(models, cfg, device, n: int, reps: int) -> dict[str, Any]:
+    """The same W-row chunk through every layer, at the end of an ``n``-token prompt, as each role runs
+    it: a symmetric P's window step (symmetric-windows: its prefix step first, then the window alone,
+    a CUDA graph on a GPU) and an asymmetric D's first step (P's prefix imported, the bounded prefill
+    alone, a graph). headline4's window steps held the GPU 91-105 ms in the co-run at 1K-token
+    prompts and 141-150 ms in the rate runs, where a D's first step took 87-100 ms
+    (docs/performance.md §10, "Thirteenth session"); this times both by context, one process."""
+    from asympd.engine.engine import EngineConfig, LLMEngine
+    from asympd.engine.sampling import SamplingParams
+    from asympd.engine.scheduler import SchedulerConfig
+    from asympd.transfer.prefix_state import PrefixState
+
+    full, p_model, d_model = models
+    kv = int((n + 64) * 3500 * 1.3 * (reps + 1)) + (64 << 20)
+    sc = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32768)
+    gen = torch.Generator().manual_seed(n)
+    one = SamplingParams(max_tokens=1, temperature=0)
+
+    def prompt() -> list[int]:
+        return torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist()
+
+    sym = LLMEngine(
+        full, EngineConfig(role="prefill", mode="symmetric-windows", kv_cache_bytes=kv, scheduler=sc, **LAZY)
+    )
+    t = Timed(sym, device)
+    prefix, window = [], []
+    for r in range(reps + 1):  # the first is warm-up (a lazy capture)
+        sym.add_request(f"s{r}", prompt(), one)
+        steps = []
+        while sym.has_unfinished_requests():
+            steps.append(t.step())
+        sym.release_transfer(f"s{r}")  # P held its blocks for D's fetch
+        if r:
+            prefix.append(steps[0])
+            window.append(steps[-1])
+    t.close()
+    sym_graphs = sym.runner.graphs
+    sym_stats = None if sym_graphs is None else dict(sym_graphs.stats, shapes=len(sym_graphs.graphs))
+    del sym
+    gc.collect()
+
+    p = LLMEngine(p_model, EngineConfig(role="prefill", mode="asymmetric", kv_cache_bytes=kv, scheduler=sc))
+    d = LLMEngine(d_model, EngineConfig(role="decode", mode="asymmetric", kv_cache_bytes=kv, scheduler=sc, **LAZY))
+    p.config.enable_prefix_caching = d.config.enable_prefix_caching = False
+    t = Timed(d, device)
+    first = []
+    for r in range(reps + 1):
+        ids = prompt()
+        p.add_request(f"a{r}", ids, one)
+        state = None
+        while state is None:
+            for o in p.step():
+                if o.finished:
+                    state = PrefixState.deserialize(o.prefix_state.serialize())
+                    p.release_transfer(f"a{r}")
+        d.add_request(f"a{r}", ids, one, prefix_state=state)
+        row = t.step()  # the bounded prefill alone: the first token comes out of it
+        while d.has_unfinished_requests():
+            d.step()
+        if r:
+            first.append(row)
+    t.close()
+    d_graphs = d.runner.graphs
+    d_stats = None if d_graphs is None else dict(d_graphs.stats, shapes=len(d_graphs.graphs))
+    del p, d
+    gc.collect()
+    out = {"case": f"window step at a {n}-token prompt", "prompt": n, "rows": cfg.window_size}
+    out["symmetric_p_prefix_step_ms"] = median_parts(prefix)["step_ms"]
+    out["symmetric_p_window_step_ms"] = median_parts(window)["step_ms"]
+    out["asymmetric_d_first_step_ms"] = median_parts(first)["step_ms"]
+    out["p_over_d"] = round(out["symmetric_p_window_step_ms"] / out["asymmetric_d_first_step_ms"], 3)
+    out["symmetric_p_cuda_graphs"], out["asymmetric_d_cuda_graphs"] = sym_stats, d_stats
+    return out
+
+
 def set_fused_attention(model, on: bool) -> None:
     """Switch the batched path's attention between the fused kernel and the gathered path."""
     for block in model.blocks:
@@ -446,6 +521,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny config on CPU: plumbing only")
     ap.add_argument("--attention", action="store_true", help="only the fused vs gathered attention comparison")
+    ap.add_argument(
+        "--windows", action="store_true", help="only the window step: a symmetric P's against a D's first step"
+    )
     args = ap.parse_args()
     started = time.time()
     smoke = args.smoke
@@ -464,6 +542,14 @@ def main() -> None:
     }
     if args.attention:
         attention_cases(full, cfg, device, smoke, res, started)
+        return
+    if args.windows:
+        name = "engine_steps_windows_smoke" if smoke else "engine_steps_windows"
+        roles = (full, *(build_model(cfg, tensors, r, dtype=dtype, device=device) for r in ("prefill", "decode")))
+        for n in (2 * w, 6 * w) if smoke else (1024, 4096, 16384):
+            res["cases"].append(window_case(roles, cfg, device, n, reps=2 if smoke else 5))
+            log(res["cases"][-1])
+            record(name, res, started)
         return
     ctx = 96 if smoke else 1024
     steps = 3 if smoke else 8

@@ -45,6 +45,22 @@ def test_engine_steps_smoke(tmp_path):
     assert [p["case"] for p in r["per_sequence_path"]] == ["decode B=2 k=0", "decode B=4 k=0"]
 
 
+def test_engine_steps_windows_smoke(tmp_path):
+    """bench/engine_steps.py --windows: a symmetric P's window step (its prefix step, then the
+    window alone; a CUDA graph on a GPU, eager here) and an asymmetric D's first step of the same
+    prompt, by prompt length."""
+    env = {**os.environ, "ASYMPD_OUT": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "bench/engine_steps.py", "--smoke", "--windows"]
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=600)
+    r = json.loads((tmp_path / "engine_steps_windows_smoke.json").read_text())
+    assert [c["prompt"] for c in r["cases"]] == [32, 96]  # tiny: W = 16
+    for c in r["cases"]:
+        assert c["rows"] == 16
+        keys = ("symmetric_p_prefix_step_ms", "symmetric_p_window_step_ms", "asymmetric_d_first_step_ms")
+        assert all(c[k] > 0 for k in keys), c
+        assert c["p_over_d"] == round(c["symmetric_p_window_step_ms"] / c["asymmetric_d_first_step_ms"], 3)
+
+
 def test_engine_host_graphs_smoke(tmp_path):
     """bench/engine_host.py --graphs: the engine's CUDA-graph path without capture on CPU; every
     drafting step after the first verify ones replays the drafter's static path and seeds the windows

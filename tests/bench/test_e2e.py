@@ -432,6 +432,8 @@ def test_ladder_requests_decode_past_the_last_admission():
         {"prompt_len": 4096, "ttft_s": 2.0, "gaps_s": [0.1, 0.04]},
     ]
     assert ladder_tokens(24, 1, lone, 1024) == 24
-    assert ladder_tokens(24, 2, lone, 1024) == 24 + math.ceil(2 * 1 * 0.45 / 0.04)  # 47
-    assert ladder_tokens(24, 16, lone, 1024) == 24 + math.ceil(2 * 15 * 0.45 / 0.04)  # 362
+    assert ladder_tokens(24, 2, lone, 1024) == 47  # 24 + ceil(2 x 1 x 0.45 / 0.04)
+    assert ladder_tokens(24, 16, lone, 1024) == 362  # 24 + ceil(2 x 15 x 0.45 / 0.04)
     assert ladder_tokens(24, 16, [], 1024) == 24  # nothing measured: as before
+    # a length not measured: the nearest measured one, scaled (2048 from 1024: 0.9 s a prompt)
+    assert ladder_tokens(24, 2, lone, 2048) == 69  # 24 + ceil(2 x 1 x 0.9 / 0.04)
