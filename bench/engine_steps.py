@@ -403,9 +403,10 @@ def window_case(models, cfg, device, n: int, reps: int) -> dict[str, Any]:
     """The same W-row chunk through every layer, at the end of an ``n``-token prompt, as each role runs
     it: a symmetric P's window step (symmetric-windows: its prefix step first, then the window alone,
     a CUDA graph on a GPU) and an asymmetric D's first step (P's prefix imported, the bounded prefill
-    alone, a graph). headline4's window steps held the GPU 91-105 ms in the co-run at 1K-token
-    prompts and 141-150 ms in the rate runs, where a D's first step took 87-100 ms
-    (docs/performance.md §10, "Thirteenth session"); this times both by context, one process."""
+    alone, a graph). In headline4 a symmetric P's window steps alone took ~61 ms + 0.033 ms per
+    prompt token (85-105 ms at 1K, 137-153 ms at 2.3-2.9K) where a D's first step took 88 ms at 1K
+    and 98 at 3K (docs/performance.md §10, "Thirteenth session"); this times both by prompt length
+    in one process, each step beside its forward alone."""
     from asympd.engine.engine import EngineConfig, LLMEngine
     from asympd.engine.sampling import SamplingParams
     from asympd.engine.scheduler import SchedulerConfig
@@ -466,9 +467,11 @@ def window_case(models, cfg, device, n: int, reps: int) -> dict[str, Any]:
     del p, d
     gc.collect()
     out = {"case": f"window step at a {n}-token prompt", "prompt": n, "rows": cfg.window_size}
-    out["symmetric_p_prefix_step_ms"] = median_parts(prefix)["step_ms"]
-    out["symmetric_p_window_step_ms"] = median_parts(window)["step_ms"]
-    out["asymmetric_d_first_step_ms"] = median_parts(first)["step_ms"]
+    # the forward alone beside each step: what the step adds around it (P exports its prefix in
+    # its window step, D samples) is the difference
+    for key, rows in (("symmetric_p_prefix", prefix), ("symmetric_p_window", window), ("asymmetric_d_first", first)):
+        med = median_parts(rows)
+        out[f"{key}_step_ms"], out[f"{key}_forward_ms"] = med["step_ms"], med.get("forward_ms", 0.0)
     out["p_over_d"] = round(out["symmetric_p_window_step_ms"] / out["asymmetric_d_first_step_ms"], 3)
     out["symmetric_p_cuda_graphs"], out["asymmetric_d_cuda_graphs"] = sym_stats, d_stats
     return out
