@@ -4,7 +4,9 @@ duration over its lone time (the lone requests' line of the mode's own calibrati
 own P line, from the co-run's steps where logged, is printed beside it), grouped by the
 largest decode batch D ran beside it, and the simulated vs measured busy time. This is the reading
 the planner's shared-GPU model misses (docs/planner.md, "Plan7 on the GPU"): the calibration co-run
-measured P beside a different D than the load's.
+measured P beside a different D than the load's. For a P that ran its window chunks alone (a
+symmetric P since 4f99bfc), also those steps by prompt length, with the line through them, beside a
+D's first step of the same phase from the lone requests (``window_steps``).
 
     python tools/timeline_report.py bench/results/e2e_h200x1_depth40_oos3.json [--json]
 """
@@ -52,6 +54,51 @@ def p_steps_beside(run: dict[str, Any], lone_ms: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _line(points: list[tuple[float, float]]) -> list[float] | None:
+    """Least-squares [intercept, slope]; None under two distinct x."""
+    if len({x for x, _ in points}) < 2:
+        return None
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return [my - slope * mx, slope]
+
+
+def _flat(logged: list) -> list[list]:
+    """Steps from a timeline (one list per worker) or a co-run log (one list of steps)."""
+    return [s for worker in logged for s in worker] if logged and isinstance(logged[0][0], list) else list(logged)
+
+
+def window_steps(m: dict[str, Any], window: int) -> dict[str, Any] | None:
+    """A symmetric P's steps of one window (``window`` rows) that no D step overlapped, nor the P
+    step before them (the prompt's prefix: its rows + W are the prompt's length), from the co-run
+    and every rate run, and their line in the prompt length. None for a P that did not run its
+    windows alone. headline4: 61 ms + 0.033 ms a prompt token over 33 steps, where an asymmetric
+    D's first step of the same phase grew 88 -> 98 ms from 1K to 3K tokens (``d_first_steps``)."""
+    p_info = next((w for w in (m.get("workers") or {}).values() if w.get("role") == "prefill"), {})
+    if not (p_info.get("admission") or {}).get("one_depth_per_step"):
+        return None
+    logs = [(m["calibration"].get("co_run") or {}).get("steps") or {}]
+    logs += [(r.get("timeline") or {}).get("steps") or {} for r in m.get("runs", [])]
+    points = []
+    for log in logs:
+        p, d = sorted(_flat(log.get("prefill") or [])), _flat(log.get("decode") or [])
+        for before, step in zip(p, p[1:], strict=False):
+            if step[2] == window and before[2] > window and _overlap(step, d) == 0 and _overlap(before, d) == 0:
+                points.append((before[2] + window, step[1] * 1e3))
+    points.sort()
+    return {"steps": [[n, round(ms, 3)] for n, ms in points], "line_ms": _line(points)}
+
+
+def d_first_steps(m: dict[str, Any]) -> list[list[float]]:
+    """[prompt length, ms] of a D's first step for each lone request of the calibration."""
+    return [
+        [r["prompt_len"], round(r["timings"]["decode_first_step_s"] * 1e3, 3)]
+        for r in m["calibration"]["lone"]
+        if (r.get("timings") or {}).get("decode_first_step_s") is not None
+    ]
+
+
 def report(result: dict[str, Any]) -> dict[str, Any]:
     """Per mode with P and D apart on one GPU: the P steps' stretch by D's batch beside them, the
     co-run's measured stretch, and each rate's simulated vs measured P and D busy seconds."""
@@ -96,7 +143,11 @@ def report(result: dict[str, Any]) -> dict[str, Any]:
             for row in v["rows"]
             if row["mode"] == mode
         ]
+        w = ((result.get("model") or {}).get("model_config") or {}).get("window_size")
+        windows = window_steps(m, w) if w else None
         out["modes"][mode] = {
+            **({"window_steps": windows} if windows else {}),
+            **({"d_first_steps": d_first_steps(m)} if mode == "asymmetric" else {}),
             "p_lone_fit_ms": lone_fit,
             "p_planner_fit_ms": [fit["p_step_ms"], fit["p_row_ms"]],
             "p_fit": vm.get("p_fit"),
@@ -129,6 +180,14 @@ def format_report(r: dict[str, Any]) -> str:
         for row in m["busy"]:
             parts = ", ".join(f"{k.split('_')[0]} {v:.2f}" for k, v in row.items() if k != "rate")
             lines.append(f"  {row['rate']:g} req/s: simulated / measured busy time: {parts}")
+        if "d_first_steps" in m:
+            pts = ", ".join(f"{n}: {ms:.1f}" for n, ms in m["d_first_steps"])
+            lines.append(f"  D's first step alone by prompt tokens (ms; lone requests): {pts}")
+        if "window_steps" in m:
+            ws, line = m["window_steps"], m["window_steps"]["line_ms"]
+            fit = f"{line[0]:.1f} ms + {line[1]:.4f} ms/prompt token" if line else "one length only"
+            pts = ", ".join(f"{n}: {ms:.0f}" for n, ms in ws["steps"])
+            lines.append(f"  window steps alone by prompt tokens ({len(ws['steps'])}; {fit}): {pts}")
     return "\n".join(lines)
 
 
