@@ -403,10 +403,10 @@ def window_case(models, cfg, device, n: int, reps: int) -> dict[str, Any]:
     """The same W-row chunk through every layer, at the end of an ``n``-token prompt, as each role runs
     it: a symmetric P's window step (symmetric-windows: its prefix step first, then the window alone,
     a CUDA graph on a GPU) and an asymmetric D's first step (P's prefix imported, the bounded prefill
-    alone, a graph). In headline4 a symmetric P's window steps alone took ~61 ms + 0.033 ms per
-    prompt token (85-105 ms at 1K, 137-153 ms at 2.3-2.9K) where a D's first step took 88 ms at 1K
-    and 98 at 3K (docs/performance.md §10, "Thirteenth session"); this times both by prompt length
-    in one process, each step beside its forward alone."""
+    alone, a graph). In headline4 both held the GPU 85-101 ms at 1-3K-token prompts (the P's host
+    time also waits for its prefix step's GPU tail; docs/performance.md §10, "Thirteenth
+    session"); this times both by prompt length, past 3K too, in one process, each step beside
+    its forward alone."""
     from asympd.engine.engine import EngineConfig, LLMEngine
     from asympd.engine.sampling import SamplingParams
     from asympd.engine.scheduler import SchedulerConfig

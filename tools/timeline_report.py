@@ -72,9 +72,11 @@ def _flat(logged: list) -> list[list]:
 def window_steps(m: dict[str, Any], window: int) -> dict[str, Any] | None:
     """A symmetric P's steps of one window (``window`` rows) that no D step overlapped, nor the P
     step before them (the prompt's prefix: its rows + W are the prompt's length), from the co-run
-    and every rate run, and their line in the prompt length. None for a P that did not run its
-    windows alone. headline4: 61 ms + 0.033 ms a prompt token over 33 steps, where an asymmetric
-    D's first step of the same phase grew 88 -> 98 ms from 1K to 3K tokens (``d_first_steps``)."""
+    and every rate run, as the GPU held them (``gpu_held``) and by host time, with the line through
+    each in the prompt length. None for a P that did not run its windows alone. Why both: a
+    prefix step samples nothing and returns before its GPU work ends, so the window step after it
+    waits for that tail in host time. headline4: host 85-153 ms, growing ~0.03 ms a prompt token;
+    as the GPU held them 85-101 ms, flat, like an asymmetric D's first step (``d_first_steps``)."""
     p_info = next((w for w in (m.get("workers") or {}).values() if w.get("role") == "prefill"), {})
     if not (p_info.get("admission") or {}).get("one_depth_per_step"):
         return None
@@ -83,11 +85,17 @@ def window_steps(m: dict[str, Any], window: int) -> dict[str, Any] | None:
     points = []
     for log in logs:
         p, d = sorted(_flat(log.get("prefill") or [])), _flat(log.get("decode") or [])
-        for before, step in zip(p, p[1:], strict=False):
+        held = gpu_held(p)  # as the GPU held them where timed to its end, else the host times
+        for i in range(1, len(p)):
+            before, step = p[i - 1], p[i]
             if step[2] == window and before[2] > window and _overlap(step, d) == 0 and _overlap(before, d) == 0:
-                points.append((before[2] + window, step[1] * 1e3))
+                points.append((before[2] + window, held[i][1] * 1e3, step[1] * 1e3))
     points.sort()
-    return {"steps": [[n, round(ms, 3)] for n, ms in points], "line_ms": _line(points)}
+    return {
+        "steps": [[n, round(g, 3), round(h, 3)] for n, g, h in points],  # [prompt, GPU-held ms, host ms]
+        "line_ms": _line([(n, g) for n, g, _ in points]),
+        "host_line_ms": _line([(n, h) for n, _, h in points]),
+    }
 
 
 def d_first_steps(m: dict[str, Any]) -> list[list[float]]:
@@ -184,10 +192,12 @@ def format_report(r: dict[str, Any]) -> str:
             pts = ", ".join(f"{n}: {ms:.1f}" for n, ms in m["d_first_steps"])
             lines.append(f"  D's first step alone by prompt tokens (ms; lone requests): {pts}")
         if "window_steps" in m:
-            ws, line = m["window_steps"], m["window_steps"]["line_ms"]
-            fit = f"{line[0]:.1f} ms + {line[1]:.4f} ms/prompt token" if line else "one length only"
-            pts = ", ".join(f"{n}: {ms:.0f}" for n, ms in ws["steps"])
-            lines.append(f"  window steps alone by prompt tokens ({len(ws['steps'])}; {fit}): {pts}")
+            ws = m["window_steps"]
+            for key, at, label in (("line_ms", 1, "as the GPU held them"), ("host_line_ms", 2, "host time")):
+                line = ws[key]
+                fit = f"{line[0]:.1f} ms + {line[1]:.4f} ms/prompt token" if line else "one length only"
+                pts = ", ".join(f"{s[0]}: {s[at]:.0f}" for s in ws["steps"])
+                lines.append(f"  window steps alone, {label} ({len(ws['steps'])}; {fit}): {pts}")
     return "\n".join(lines)
 
 

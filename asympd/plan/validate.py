@@ -452,10 +452,10 @@ def fit_p_step(
     many a step (``SchedulerConfig.one_depth_per_step``: a symmetric P's CUDA graphs since
     4f99bfc); its steps of k x W rows, k up to that many, are then such steps and are not on the
     line: the record's ``windows`` holds their median by k ([steps, ms]), ``MeasuredSteps.p_window_ms``
-    prices them. In headline4's co-runs one window alone took 91-145 ms and four 246-478 ms, where
-    the line through every step gave 162 and 196 ms (its intercept 151 ms, 135 without them), and the
-    simulated P was 1.30-1.37x busier than measured (docs/planner.md, "A symmetric P's window
-    steps"). A window step's cost grows with its context; the median by k does not see that."""
+    prices them. In headline4's co-runs one window alone held the GPU 85-101 ms and four 224-353
+    ms, where the line through every step gave 162 and 196 ms (its intercept 151 ms, 135 without
+    them), and the simulated P was 1.30-1.37x busier than measured (docs/planner.md, "A symmetric
+    P's window steps")."""
     lone_points = _lone_p_points(cfg, mode, cal, p_budget)
     lone = _steps_and_rows(lone_points) if lone_points else (0.0, 0.0)
     points = co_run_p_points(cal, on_gpu) if mode != "colocated" else None
