@@ -88,7 +88,7 @@ class PrefillSetup:
     step_tokens: int = P_STEP_TOKENS  # the prefill token budget the P measurements used
     # its deepest waiting phase alone (``SchedulerConfig.one_depth_per_step``), at most
     # ``max_deepest_chunks`` of it a step; None: as today's engine runs this mode's P (a symmetric P's
-    # window steps: ``modes.p_window_phase``, ``modes.p_window_batch``)
+    # window steps on one GPU: ``modes.p_window_phase``, ``modes.p_window_batch``; under EP, mixed)
     one_depth_per_step: bool | None = None
     max_deepest_chunks: int | None = None
 
@@ -208,8 +208,11 @@ class PrefillEngine(_Engine):
 
     def __init__(self, cfg: ModelConfig, steps: StepModel, setup: PrefillSetup, arrivals: list[Arrival]):
         one_depth, cap = setup.one_depth_per_step, setup.max_deepest_chunks
-        if one_depth is None:
-            cap = modes.p_window_batch(cfg, setup.mode, setup.step_tokens, setup.max_num_seqs)
+        if one_depth is None:  # as the engine sets it: a P replaying its window graphs, so not under EP
+            # (an --ep worker runs eagerly, with mixed steps: LLMEngine, SchedulerConfig.one_depth_per_step)
+            cap = None
+            if setup.gpus == 1:
+                cap = modes.p_window_batch(cfg, setup.mode, setup.step_tokens, setup.max_num_seqs)
             one_depth = cap is not None
         sc = SchedulerConfig(
             max_num_seqs=setup.max_num_seqs,

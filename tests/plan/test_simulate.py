@@ -169,8 +169,8 @@ def test_a_symmetric_p_runs_its_windows_alone_as_the_engine_does():
     two steps; an asymmetric P mixes. A validation sets it from what the measured P reported."""
     arrivals = [Arrival(0, 0.0, 40, 5), Arrival(1, 0.0, 100, 5)]
 
-    def steps(mode: str, one_depth: bool | None = None) -> list[int]:
-        setup = PrefillSetup(mode, 1, 1000, max_num_seqs=8, step_tokens=32, one_depth_per_step=one_depth)
+    def steps(mode: str, one_depth: bool | None = None, gpus: int = 1) -> list[int]:
+        setup = PrefillSetup(mode, gpus, 1000, max_num_seqs=8, step_tokens=32, one_depth_per_step=one_depth)
         p = PrefillEngine(CFG, FlatSteps(), setup, arrivals)
         rows, t = [], 0.0
         while (dt := p.issue(t)) is not None:
@@ -181,6 +181,7 @@ def test_a_symmetric_p_runs_its_windows_alone_as_the_engine_does():
 
     assert steps("symmetric-split") == [32, 16, 32, 32, 12, 16]  # as the engine's (test_admission.py)
     assert steps("symmetric-split", one_depth=False) == [32, 32, 32, 28, 16]  # a's window beside b's prefix
+    assert steps("symmetric-split", gpus=2) == [32, 32, 32, 28, 16]  # an --ep P runs eagerly: mixed steps
     assert steps("asymmetric") == [32, 32, 32, 12]  # P stops at the split point: prefixes only
 
 
