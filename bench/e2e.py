@@ -1072,6 +1072,12 @@ def run_mode(args, mode: str, ckpt: str, vocab: int, work: Path, out: dict[str, 
                 f"ITL p50 {r['median_itl_ms']:.1f} ms, goodput {r['request_goodput']:.2f} req/s, "
                 f"{r['transfer_bytes_per_request'] / 1e3:.0f} kB moved per request"
             )
+        # each worker's CUDA graph counters once the mode is done (``workers`` holds them at start-up,
+        # before any step): whether its steps replayed graphs under load, e.g. a symmetric P's windows
+        out["graphs_after"] = {
+            w.name: (worker_info(u).get("memory") or {}).get("cuda_graphs")
+            for w, u in zip(dep.workers, dep.urls, strict=True)
+        }
     except Exception:
         out["error"] = traceback.format_exc(limit=8)
         out["logs"] = dep.log_tails()

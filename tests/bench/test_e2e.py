@@ -58,6 +58,7 @@ def test_result_fields_and_counts(result):
         assert ladder["tokens"] == 4 and set(ladder["step_ms"]) == {"1", "2"}, ladder
         assert all(ms and ms > 0 for ms in ladder["step_ms"].values()), ladder
         assert all(len(ladder["steps_ms"][b]) >= 2 for b in ("1", "2")), ladder
+        assert set(m["graphs_after"]) == set(m["workers"])  # each worker's graph counters after the rates
         lone, length = m["calibration"]["lone"], ladder["prompt_len"]
         assert ladder["tokens_by_size"] == {"1": 4, "2": ladder_tokens(4, 2, lone, length)}, ladder
         assert {w["role"] for w in m["workers"].values()} == ({"colocated"} if mode == "colocated" else
