@@ -24,7 +24,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asympd.plan.step_log import BESIDE, gpu_held, timed_to_gpu_end  # noqa: E402  (BESIDE: the co-run's reading)
 from asympd.plan.step_log import overlap as _overlap  # noqa: E402
+from asympd.plan.validate import _line as least_squares  # noqa: E402
 from asympd.plan.validate import validate_e2e  # noqa: E402
+
+
+def _flat(logged: list) -> list[list]:
+    """Steps from a timeline (one list per worker, maybe empty) or a co-run log (one list of steps)."""
+    per_worker = bool(logged) and (not logged[0] or isinstance(logged[0][0], list))
+    return [s for worker in logged for s in worker] if per_worker else list(logged)
+
+
+def _line(points: list[tuple[float, float]]) -> list[float] | None:
+    """The planner's least-squares line [intercept, slope]; None under two distinct x."""
+    return list(least_squares(points)) if len({x for x, _ in points}) >= 2 else None
 
 
 def p_steps_beside(run: dict[str, Any], lone_ms: Any) -> list[dict[str, Any]]:
@@ -32,10 +44,10 @@ def p_steps_beside(run: dict[str, Any], lone_ms: Any) -> list[dict[str, Any]]:
     of it D's steps covered and the largest decode batch among them (0: D idle)."""
     tl = run.get("timeline") or {}
     steps = tl.get("steps", {})
-    p_all = [s for worker in steps.get("prefill", []) for s in worker]
+    p_all = _flat(steps.get("prefill", []))
     if timed_to_gpu_end(p_all):  # as the planner reads them: the time the GPU held each step
         p_all = [s for worker in steps["prefill"] for s in gpu_held(worker)]
-    d_all = [s for worker in steps.get("decode", []) for s in worker]
+    d_all = _flat(steps.get("decode", []))
     out = []
     for step in p_all:
         start, dur, rows = step[:3]
@@ -52,21 +64,6 @@ def p_steps_beside(run: dict[str, Any], lone_ms: Any) -> list[dict[str, Any]]:
             }
         )
     return out
-
-
-def _line(points: list[tuple[float, float]]) -> list[float] | None:
-    """Least-squares [intercept, slope]; None under two distinct x."""
-    if len({x for x, _ in points}) < 2:
-        return None
-    n = len(points)
-    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
-    return [my - slope * mx, slope]
-
-
-def _flat(logged: list) -> list[list]:
-    """Steps from a timeline (one list per worker) or a co-run log (one list of steps)."""
-    return [s for worker in logged for s in worker] if logged and isinstance(logged[0][0], list) else list(logged)
 
 
 def window_steps(m: dict[str, Any], window: int) -> dict[str, Any] | None:

@@ -220,15 +220,7 @@ def padded_excess_ms(table: dict[int, float], batch: int) -> float:
     past the largest along its last two. Over the depth-40 runs a step's time went with the padded
     size, not the batch (docs/planner.md, "The GPU-held P fit out of sample")."""
     size = next((b for b in BATCH_SIZES if b >= batch), batch)
-    xs = sorted(table)
-    if size in table:
-        ms = table[size]
-    else:
-        lo = max([x for x in xs if x < size], default=xs[0])
-        hi = min([x for x in xs if x > size], default=None)
-        if hi is None:  # past the largest measured size: along the last two
-            lo, hi = xs[-2], xs[-1]
-        ms = table[lo] + (table[hi] - table[lo]) * (size - lo) / (hi - lo)
+    ms = table[size] if size in table else interp(list(table.items()), size)
     return max(0.0, ms - table[1])
 
 
@@ -463,11 +455,14 @@ def fit_p_step(
         return lone[0], lone[1], None
     windows: dict[int, list[float]] = {}
     if window_steps:
-        w = cfg.window_size
-        for rows, ms, _ in points:
-            if rows % w == 0 and rows // w <= window_steps:
-                windows.setdefault(rows // w, []).append(ms)
-        points = [pt for pt in points if not (pt[0] % w == 0 and pt[0] // w <= window_steps)]
+        w, line = cfg.window_size, []
+        for pt in points:
+            k, extra = divmod(pt[0], w)
+            if not extra and k <= window_steps:
+                windows.setdefault(k, []).append(pt[1])
+            else:
+                line.append(pt)
+        points = line
     if len({rows for rows, _, _ in points}) >= 2:
         stalled = stalls([(float(rows), ms) for rows, ms, _ in points])
         points = [pt for pt in points if (float(pt[0]), pt[1]) not in stalled]
@@ -502,7 +497,7 @@ def window_step_ms(table: dict[int, float], windows: int) -> float:
     if len(table) == 1:
         ((k, ms),) = table.items()
         return ms * windows / k
-    return max(0.0, interp([(float(k), ms) for k, ms in table.items()], float(windows)))
+    return max(0.0, interp(list(table.items()), windows))
 
 
 def _decode_seq_ms(
