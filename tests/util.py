@@ -8,3 +8,18 @@ import torch
 def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 512) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def cpu_kernels() -> str:
+    """The CPU kernel family torch dispatches to here ("AVX2", "AVX512", ...). Some golden bits depend
+    on it (bf16 drafts, fp32 log-probabilities), so those are recorded per family."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def for_cpu(doc: dict, by_cpu: str, main: object, kernels: str) -> object | None:
+    """The part of golden file ``doc`` recorded for CPU kernel family ``kernels``: ``doc[by_cpu]
+    [kernels]`` where a tool added one, else ``main`` (the file's own record) where the file's family
+    is ``kernels`` or was not recorded (files made before families were), else None."""
+    if kernels in doc.get(by_cpu, {}):
+        return doc[by_cpu][kernels]
+    return main if doc["environment"].get("cpu_kernels") in (None, kernels) else None

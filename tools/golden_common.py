@@ -26,7 +26,12 @@ def run_on_tiny(seed: int, compute: Callable[[str], Any]) -> tuple[Any, dict[str
         ckpt = Path(tmp) / "tiny"
         write_checkpoint(tiny(), ckpt, seed=seed)
         out = compute(str(ckpt))
-    env = {"torch": torch.__version__, "machine": platform.machine(), "threads": 1}
+    env = {
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "threads": 1,
+        "cpu_kernels": torch.backends.cpu.get_cpu_capability(),  # some bits depend on it (tests.util.for_cpu)
+    }
     return out, {"made_at_commit": commit, "environment": env}
 
 

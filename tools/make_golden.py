@@ -6,26 +6,49 @@ Only regenerate after checking the model against the official reference
 (tools/check_against_reference.py, docs/reference-check.md) and saying in the commit why the
 numbers moved: the file exists to catch changes nobody meant to make.
 
-    .venv/bin/python tools/make_golden.py
+    .venv/bin/python tools/make_golden.py            # the whole file, on this machine
+    .venv/bin/python tools/make_golden.py --add-cpu  # only this CPU's log-probability digests
+
+Some fp32 log-probability bits depend on the CPU kernels torch dispatches to
+(``tests.util.cpu_kernels``). ``--add-cpu`` refuses unless every token equals the file's record, then
+stores this machine's digests under ``logprobs_sha256_by_cpu``, leaving the rest of the file as it is.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.engine import golden  # noqa: E402
-from tests.util import random_prompts  # noqa: E402
+from tests.util import cpu_kernels, random_prompts  # noqa: E402
 from tools.golden_common import run_on_tiny, write_golden  # noqa: E402
 
 COMMAND = ".venv/bin/python tools/make_golden.py"
 
 
+def add_cpu(outputs: dict, provenance: dict) -> None:
+    doc = json.loads(golden.GOLDEN.read_text())
+    tokens = {v: [o["token_ids"] for o in outs] for v, outs in outputs.items()}
+    if tokens != {v: [o["token_ids"] for o in outs] for v, outs in doc["outputs"].items()}:
+        sys.exit("tokens differ from the file's record: the model moved; regenerate the whole file instead")
+    kernels = cpu_kernels()
+    doc.setdefault("logprobs_sha256_by_cpu", {})[kernels] = {
+        v: [o["logprobs_sha256"] for o in outs] for v, outs in outputs.items()
+    }
+    doc.setdefault("logprobs_sha256_by_cpu_made", {})[kernels] = provenance
+    write_golden(golden.GOLDEN, doc)
+    print(f"recorded the log-probability digests of {kernels} CPU kernels in {golden.GOLDEN}")
+
+
 def main() -> None:
     prompts = random_prompts(golden.LENGTHS, seed=golden.PROMPT_SEED)
     outputs, provenance = run_on_tiny(golden.CHECKPOINT["seed"], lambda ckpt: golden.compute(ckpt, prompts))
+    if "--add-cpu" in sys.argv[1:]:
+        add_cpu(outputs, provenance)
+        return
     doc = {
         "about": (
             "Absolute anchors for tests/engine/test_golden.py. Produced by the CPU model (fp32, one torch "

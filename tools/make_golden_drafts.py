@@ -6,26 +6,47 @@ Only regenerate after checking the drafter against the official reference
 (tools/check_against_reference.py, docs/reference-check.md, "DSpark drafts") and saying in the
 commit why the numbers moved: the file exists to catch changes nobody meant to make.
 
-    .venv/bin/python tools/make_golden_drafts.py
+    .venv/bin/python tools/make_golden_drafts.py            # the whole file, on this machine
+    .venv/bin/python tools/make_golden_drafts.py --add-cpu  # only this CPU's bf16 record
+
+bf16 results depend on the CPU kernels torch dispatches to (``tests.util.cpu_kernels``); fp32
+results matched the main record on the one other family measured (AVX2). ``--add-cpu`` computes
+both, refuses unless fp32 equals the file's record bit for bit (so the model has not moved), and
+stores this machine's bf16 drafts under ``bfloat16_by_cpu``, leaving the rest of the file as it is.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.model import golden_drafts as golden  # noqa: E402
-from tests.util import random_prompts  # noqa: E402
+from tests.util import cpu_kernels, random_prompts  # noqa: E402
 from tools.golden_common import run_on_tiny, write_golden  # noqa: E402
 
 COMMAND = ".venv/bin/python tools/make_golden_drafts.py"
 
 
+def add_cpu(outputs: dict, provenance: dict) -> None:
+    doc = json.loads(golden.GOLDEN.read_text())
+    if outputs["float32"] != doc["outputs"]["float32"]:
+        sys.exit("fp32 drafts differ from the file's record: the model moved; regenerate the whole file instead")
+    kernels = cpu_kernels()
+    doc.setdefault("bfloat16_by_cpu", {})[kernels] = outputs["bfloat16"]
+    doc.setdefault("bfloat16_by_cpu_made", {})[kernels] = provenance
+    write_golden(golden.GOLDEN, doc)
+    print(f"recorded the bf16 drafts of {kernels} CPU kernels in {golden.GOLDEN}")
+
+
 def main() -> None:
     prompts = random_prompts(golden.LENGTHS, seed=golden.PROMPT_SEED)
     outputs, provenance = run_on_tiny(golden.CHECKPOINT["seed"], lambda ckpt: golden.compute(ckpt, prompts))
+    if "--add-cpu" in sys.argv[1:]:
+        add_cpu(outputs, provenance)
+        return
     doc = {
         "about": (
             "Absolute anchors for tests/model/test_golden_drafts.py: the DSpark drafter's greedy drafts along "

@@ -15,6 +15,7 @@ import torch
 
 from asympd import LLM, SamplingParams
 from asympd.engine.modes import VARIANTS
+from tests.util import for_cpu
 
 GOLDEN = Path(__file__).with_name("golden_tiny.json")
 CHECKPOINT = {"config": "tiny", "seed": 0}  # write_checkpoint(tiny(), out, seed=0), as tests/conftest.py
@@ -36,6 +37,15 @@ def logprobs_digest(steps: list[dict[int, float]]) -> str:
         assert list(lp) == list(range(len(lp))), "expected the whole vocabulary"
         h.update(torch.tensor(list(lp.values()), dtype=torch.float32).numpy().tobytes())
     return h.hexdigest()
+
+
+def logprob_digests(doc: dict, kernels: str) -> dict[str, list[str]] | None:
+    """Each variant's per-prompt log-probability digests recorded for CPU kernel family ``kernels``
+    (``tests.util.for_cpu``): on an AVX2 machine every token equals the main record (made on an
+    earlier development machine, whose family was not recorded) but some fp32 log-probability bits
+    do not."""
+    main = {v: [o["logprobs_sha256"] for o in outs] for v, outs in doc["outputs"].items()}
+    return for_cpu(doc, "logprobs_sha256_by_cpu", main, kernels)
 
 
 def compute(checkpoint: str, prompts: list[list[int]]) -> dict[str, list[dict]]:

@@ -20,6 +20,7 @@ from asympd.kv.dense import DenseSequenceKV
 from asympd.model.dspark import Draft, DraftSegment
 from asympd.model.loader import load_model
 from asympd.model.transformer import Chunk
+from tests.util import for_cpu
 
 GOLDEN = Path(__file__).with_name("golden_drafts.json")
 CHECKPOINT = {"config": "tiny", "seed": 0}  # write_checkpoint(tiny(), out, seed=0), as tests/conftest.py
@@ -28,6 +29,15 @@ LENGTHS = [1, 17, 40]
 PROMPT_SEED = 20
 STEPS = 8  # draft blocks per prompt: one after the prefill, then one after each decode step
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def bf16_record(doc: dict[str, Any], kernels: str) -> list[dict[str, Any]] | None:
+    """The bf16 drafts recorded for CPU kernel family ``kernels`` (``tests.util.for_cpu``). On an AVX2
+    machine the fp32 drafts are the main record's bits (made on an earlier development machine, whose
+    family was not recorded) but the N = 40 prompt's bf16 drafts are not, so bf16 is recorded per
+    family. (Forcing torch's unvectorized kernels, ``ATEN_CPU_CAPABILITY=default``, moves fp32's
+    logit bits too.)"""
+    return for_cpu(doc, "bfloat16_by_cpu", doc["outputs"]["bfloat16"], kernels)
 
 
 def greedy(_i: int, logits: torch.Tensor) -> torch.Tensor:

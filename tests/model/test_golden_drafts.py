@@ -14,7 +14,7 @@ from asympd.model.dspark import Draft, DraftSegment
 from asympd.model.loader import load_model
 from asympd.model.transformer import Chunk
 from tests.model import golden_drafts as golden
-from tests.util import random_prompts
+from tests.util import cpu_kernels, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,9 @@ def test_the_golden_file_describes_this_run(doc):
     assert doc["checkpoint"] == golden.CHECKPOINT
     assert doc["prompts"]["lengths"] == golden.LENGTHS and doc["prompts"]["seed"] == golden.PROMPT_SEED
     assert doc["steps"] == golden.STEPS and set(doc["outputs"]) == set(golden.DTYPES)
+    for kernels, runs in doc.get("bfloat16_by_cpu", {}).items():
+        assert golden.bf16_record(doc, kernels) is runs
+        assert [r["n"] for r in runs] == golden.LENGTHS
     assert doc["command"].endswith("tools/make_golden_drafts.py") and "docs/reference-check.md" in doc["about"]
     for runs in doc["outputs"].values():
         assert [r["n"] for r in runs] == golden.LENGTHS
@@ -38,9 +41,15 @@ def test_the_golden_file_describes_this_run(doc):
 
 
 def test_drafts_reproduce_the_golden_tokens_and_logit_bits(tiny_ckpt, doc, prompts):
+    """fp32 against the one record (the same bits on every CPU measured); bf16 against the record
+    for this machine's CPU kernels (``golden.bf16_record``)."""
     got = golden.compute(tiny_ckpt, prompts)
     hint = f"regenerate ({doc['command']}) only after re-checking against the reference"
-    for dtype, want in doc["outputs"].items():
+    kernels = cpu_kernels()
+    bf16 = golden.bf16_record(doc, kernels)
+    for dtype, want in (("float32", doc["outputs"]["float32"]), ("bfloat16", bf16)):
+        if want is None:  # fp32 was checked; say what is missing rather than pass quietly
+            pytest.skip(f"no bf16 golden drafts for {kernels} CPU kernels: {doc['command']} --add-cpu records them")
         for g, w in zip(got[dtype], want, strict=True):
             assert g["target_tokens"] == w["target_tokens"], f"{dtype}, N={w['n']}: the target moved; {hint}"
             assert g["drafts"] == w["drafts"], f"{dtype}, N={w['n']}: drafts moved; {hint}"
