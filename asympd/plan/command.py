@@ -44,6 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reserve-gb", type=float, default=DEFAULT_RESERVE_GB)
     p.add_argument("--results", default=None, help="bench results directory (default: bench/results)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help="processes simulating candidate deployments at once (default 0: one per CPU; the plan is the same)",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", default=None, help="write a PNG of GPUs and goodput per mode here")
     p.add_argument(
@@ -144,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
             args.validate_shares,
             args.validate_handoff_stream,
         )
-    result = Planner(build_request(args), results_dir=args.results).plan()
+    result = Planner(build_request(args), results_dir=args.results, jobs=args.jobs).plan()
     if args.plot:
         plot(result, args.plot)
     print(json.dumps(result, indent=2) if args.json else format_plan(result))

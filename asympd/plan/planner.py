@@ -13,7 +13,10 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import multiprocessing
+import os
 import random
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -217,7 +220,12 @@ class Planner:
         cfg: ModelConfig | None = None,
         results: dict[str, Any] | None = None,
         results_dir: str | Path | None = None,
+        jobs: int = 1,
     ):
+        """``jobs``: processes that simulate candidate deployments at once (0: one a CPU). Each
+        simulation is seeded and independent of the others, so the plan is the same for any value."""
+        if jobs < 0:
+            raise PlanError(f"jobs must be >= 0, got {jobs}")
         if req.slo_ttft_p99_s <= 0 or req.slo_itl_p99_ms <= 0:
             raise PlanError("SLOs must be positive")
         for m in req.modes:
@@ -241,6 +249,7 @@ class Planner:
         self.per_token = compressed_kv_bytes_per_token(self.cfg)
         self.degrees = ep_degrees(self.cfg, self.gpu)
         self._p_cache: dict[tuple[str, int, int, int], ReplicaRun] = {}
+        self.jobs = jobs or os.cpu_count() or 1
 
     # ---- memory limits ------------------------------------------------------------------------
 
@@ -373,7 +382,10 @@ class Planner:
             "d_preemptions": d.preemptions,
         }
 
-    def plan_mode(self, mode: str) -> Deployment:
+    def _searches(self, mode: str) -> Deployment | list[tuple[str, int, int, int, int, str]]:
+        """What planning ``mode`` takes: one search per (P size, D size, admission policy), each from
+        its capacity start, or a Deployment when a floor (memory, ITL, TTFT) already rules the mode
+        out (its ``binding`` names the constraint)."""
         req, cfg = self.req, self.cfg
         p_role = PREFILL_MODEL_ROLE[mode]
         longest = max(a.prompt_len for a in req.arrivals)
@@ -427,8 +439,6 @@ class Planner:
             )
             / 1e3
         )
-        best: Deployment | None = None
-        last_fail: Deployment | None = None
         sizes = list(itertools.product(p_options[:P_SIZES_TRIED], d_options[:D_SIZES_TRIED]))
         if req.placement == "shared":  # a P and a D replica on the same GPUs
             both = [g for g in self.degrees if self._pair_fits(p_role, g, longest + 1, longest_total)]
@@ -439,19 +449,25 @@ class Planner:
                 )
                 return dep
             sizes = [(g, g) for g in both[:D_SIZES_TRIED]]
+        searches = []
         for (g_p, g_d), policy in itertools.product(sizes, POLICIES):
             n_p = max(1, math.ceil(p_work / span / g_p))
             n_d = self._d_start(g_d, span)
             if req.placement == "shared":
                 n_p = n_d = max(n_p, n_d)
-            d = self._search(mode, g_p, n_p, g_d, n_d, policy)
-            if d.feasible and (
-                best is None or (d.total_gpus, d.ttft_ms["p99"]) < (best.total_gpus, best.ttft_ms["p99"])
-            ):
-                best = d
-            if not d.feasible:
-                last_fail = d
-        return best or last_fail or dep
+            searches.append((mode, g_p, n_p, g_d, n_d, policy))
+        return searches
+
+    def _run_searches(self, searches: list[tuple[str, int, int, int, int, str]]) -> list[Deployment]:
+        """``_search`` on each, in order; over ``jobs`` forked processes where there are several."""
+        jobs = min(self.jobs, len(searches))
+        if jobs <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+            return [self._search(*s) for s in searches]
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            return list(pool.map(self._search_args, searches))
+
+    def _search_args(self, search: tuple[str, int, int, int, int, str]) -> Deployment:
+        return self._search(*search)
 
     def _d_start(self, g_d: int, span: float) -> int:
         """Replicas whose steady decode batch keeps the step within the ITL target (Little's law)."""
@@ -554,7 +570,10 @@ class Planner:
         return dep
 
     def plan(self) -> dict[str, Any]:
-        deps = [self.plan_mode(m) for m in self.req.modes]
+        prepared = {m: self._searches(m) for m in self.req.modes}
+        todo = [s for p in prepared.values() if not isinstance(p, Deployment) for s in p]
+        found = dict(zip(todo, self._run_searches(todo), strict=True))  # every mode's searches in one pool
+        deps = [p if isinstance(p, Deployment) else _cheapest(m, [found[s] for s in p]) for m, p in prepared.items()]
         ok = [d for d in deps if d.feasible]
         best = max(ok, key=lambda d: (d.goodput_tokens_per_s_per_gpu, -d.total_gpus), default=None)
         return {
@@ -565,6 +584,19 @@ class Planner:
             "deployments": [asdict(d) for d in deps],
             "recommendation": _why(best, deps),
         }
+
+
+def _cheapest(mode: str, searched: list[Deployment]) -> Deployment:
+    """The feasible deployment with the fewest GPUs (then the lowest TTFT p99), in search order; else
+    the last infeasible one."""
+    best: Deployment | None = None
+    last_fail: Deployment | None = None
+    for d in searched:
+        if d.feasible and (best is None or (d.total_gpus, d.ttft_ms["p99"]) < (best.total_gpus, best.ttft_ms["p99"])):
+            best = d
+        if not d.feasible:
+            last_fail = d
+    return best or last_fail or Deployment(mode, False)
 
 
 def _why(best: Deployment | None, deps: list[Deployment]) -> dict[str, Any]:

@@ -231,6 +231,8 @@ def test_memory_binds_when_nothing_fits(results):
 def test_unplannable_mode_and_bad_input(results):
     with pytest.raises(PlanError, match="mode 'colocated' has no measured prefill-worker step times"):
         Planner(request(modes=("colocated",)), results=results)
+    with pytest.raises(PlanError, match="jobs must be >= 0, got -1"):
+        Planner(request(), results=results, jobs=-1)
     with pytest.raises(PlanError, match="--prompt-len: expected N or N:weight"):
         parse_dist("1k", "--prompt-len")
     with pytest.raises(PlanError, match="must be positive"):
@@ -258,9 +260,10 @@ ARGS = ["plan", "--gpu", "b200", "--rate", "2", "--prompt-len", "1024:0.5,4096:0
 
 
 def test_cli_plan_is_deterministic(capsys, tmp_path):
-    assert main([*ARGS, "--json"]) == 0
+    """The same plan from candidate deployments simulated in two forked processes and in one."""
+    assert main([*ARGS, "--json", "--jobs", "2"]) == 0
     first = json.loads(capsys.readouterr().out)
-    assert main([*ARGS, "--json", "--plot", str(tmp_path / "p.png")]) == 0
+    assert main([*ARGS, "--json", "--jobs", "1", "--plot", str(tmp_path / "p.png")]) == 0
     assert json.loads(capsys.readouterr().out) == first
     assert (tmp_path / "p.png").stat().st_size > 0
     best = first["recommendation"]["mode"]
