@@ -7,6 +7,12 @@
 # Set ASYMPD_COMMIT to the commit checked out (the device copy has no git history).
 set -uo pipefail
 out=${OUT:?set OUT to the output folder}
+# the result's commit field: a full hash, or the run is not worth its device minutes (a short or
+# mistyped one had to be corrected by hand twice; source_digest is what identifies the code exactly)
+if ! [[ ${ASYMPD_COMMIT:-} =~ ^[0-9a-f]{40}(\+dirty)?$ ]]; then
+    echo "set ASYMPD_COMMIT to the full hash of the checkout (git rev-parse HEAD), not '${ASYMPD_COMMIT:-}'" >&2
+    exit 2
+fi
 export PYTHONPATH=.
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
