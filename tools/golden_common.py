@@ -16,6 +16,7 @@ import torch
 
 from asympd.config import tiny
 from asympd.model.checkpoint import write_checkpoint
+from tests.util import cpu_kernels
 
 
 def run_on_tiny(seed: int, compute: Callable[[str], Any]) -> tuple[Any, dict[str, Any]]:
@@ -30,7 +31,7 @@ def run_on_tiny(seed: int, compute: Callable[[str], Any]) -> tuple[Any, dict[str
         "torch": torch.__version__,
         "machine": platform.machine(),
         "threads": 1,
-        "cpu_kernels": torch.backends.cpu.get_cpu_capability(),  # some bits depend on it (tests.util.for_cpu)
+        "cpu_kernels": cpu_kernels(),  # some bits depend on it (tests.util.for_cpu)
     }
     return out, {"made_at_commit": commit, "environment": env}
 
