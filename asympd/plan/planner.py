@@ -464,10 +464,7 @@ class Planner:
         if jobs <= 1 or "fork" not in multiprocessing.get_all_start_methods():
             return [self._search(*s) for s in searches]
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-            return list(pool.map(self._search_args, searches))
-
-    def _search_args(self, search: tuple[str, int, int, int, int, str]) -> Deployment:
-        return self._search(*search)
+            return list(pool.map(self._search, *zip(*searches, strict=True)))
 
     def _d_start(self, g_d: int, span: float) -> int:
         """Replicas whose steady decode batch keeps the step within the ITL target (Little's law)."""
