@@ -458,13 +458,39 @@ class Planner:
             searches.append((mode, g_p, n_p, g_d, n_d, policy))
         return searches
 
-    def _run_searches(self, searches: list[tuple[str, int, int, int, int, str]]) -> list[Deployment]:
-        """``_search`` on each, in order; over ``jobs`` forked processes where there are several."""
-        jobs = min(self.jobs, len(searches))
+    def _start_gpus(self, search: tuple[str, int, int, int, int, str]) -> int:
+        """The GPUs a search starts from; its rounds only add replicas."""
+        _, g_p, n_p, g_d, n_d, _ = search
+        return n_d * g_d if self.req.placement == "shared" else n_p * g_p + n_d * g_d
+
+    def _search_mode(self, searches: list[tuple[str, int, int, int, int, str]]) -> list[Deployment]:
+        """One mode's searches, the largest start first, then the fewest starting GPUs first; a search
+        that cannot end with fewer GPUs
+        than the cheapest feasible deployment found so far is skipped, or stopped once its rounds pass
+        that count. Only such searches are left out: the plan picks the fewest GPUs (ties by TTFT p99,
+        then search order), so it is the same as with every search run to its end. Returned in
+        search order."""
+        best, found = math.inf, {}
+        order = sorted(range(len(searches)), key=lambda i: (self._start_gpus(searches[i]), i))
+        # the largest start first: most often feasible, it bounds the cheaper searches' rounds from the outset
+        order.insert(0, order.pop())
+        for i in order:
+            if self._start_gpus(searches[i]) > best:
+                continue
+            dep = self._search(*searches[i], give_up_above=best)
+            if dep is not None:
+                found[i] = dep
+                if dep.feasible:
+                    best = min(best, dep.total_gpus)
+        return [found[i] for i in sorted(found)]
+
+    def _run_modes(self, prepared: dict[str, list[tuple[str, int, int, int, int, str]]]) -> list[list[Deployment]]:
+        """``_search_mode`` for each mode; the modes in ``jobs`` forked processes where there are several."""
+        jobs = min(self.jobs, len(prepared))
         if jobs <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-            return [self._search(*s) for s in searches]
+            return [self._search_mode(s) for s in prepared.values()]
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-            return list(pool.map(self._search, *zip(*searches, strict=True)))
+            return list(pool.map(self._search_mode, prepared.values()))
 
     def _d_start(self, g_d: int, span: float) -> int:
         """Replicas whose steady decode batch keeps the step within the ITL target (Little's law)."""
@@ -482,7 +508,12 @@ class Planner:
         t = self.steps.decode_ms(b, self.cfg.window_size, g_d) / 1e3
         return max(1, math.ceil(rate * steps_per_req * t / b / 2))  # half: the search only adds
 
-    def _search(self, mode: str, g_p: int, n_p: int, g_d: int, n_d: int, policy: str) -> Deployment:
+    def _search(
+        self, mode: str, g_p: int, n_p: int, g_d: int, n_d: int, policy: str, give_up_above: float = math.inf
+    ) -> Deployment | None:
+        """Rounds from the given replica counts, adding replicas on the side that binds until both
+        targets hold (or more stops helping); None once a round would need more than
+        ``give_up_above`` GPUs (a cheaper deployment of the mode is already known)."""
         req = self.req
         cap, budget = POLICIES[policy].max_new_admissions, POLICIES[policy].admission_token_budget
         shared = req.placement == "shared"
@@ -501,6 +532,8 @@ class Planner:
         limit = 4 * max(n_p * g_p + n_d * g_d, 8)
         prev_itl = math.inf
         for _ in range(MAX_ROUNDS):
+            if (n_d * g_d if shared else n_p * g_p + n_d * g_d) > give_up_above:
+                return None
             r = self.evaluate(mode, n_p, g_p, n_d, g_d, policy)
             dep.p_replicas, dep.d_replicas = n_p, n_d
             dep.total_gpus = n_d * g_d if shared else n_p * g_p + n_d * g_d
@@ -568,9 +601,9 @@ class Planner:
 
     def plan(self) -> dict[str, Any]:
         prepared = {m: self._searches(m) for m in self.req.modes}
-        todo = [s for p in prepared.values() if not isinstance(p, Deployment) for s in p]
-        found = dict(zip(todo, self._run_searches(todo), strict=True))  # every mode's searches in one pool
-        deps = [p if isinstance(p, Deployment) else _cheapest(m, [found[s] for s in p]) for m, p in prepared.items()]
+        todo = {m: p for m, p in prepared.items() if not isinstance(p, Deployment)}
+        found = dict(zip(todo, self._run_modes(todo), strict=True))
+        deps = [p if isinstance(p, Deployment) else _cheapest(m, found[m]) for m, p in prepared.items()]
         ok = [d for d in deps if d.feasible]
         best = max(ok, key=lambda d: (d.goodput_tokens_per_s_per_gpu, -d.total_gpus), default=None)
         return {
@@ -628,22 +661,23 @@ def format_plan(result: dict[str, Any]) -> str:
         f"{result['slo']['ttft_p99_s']:g} s, ITL p99 <= {result['slo']['itl_p99_ms']:g} ms "
         f"({result['requests_simulated']} requests simulated)"
     ]
+    w = max([11, *(len(d["mode"]) + 2 for d in result["deployments"])])
     hdr = (
-        f"{'mode':<11}{'P n x EP':>14}{'D n x EP':>14}{'D admission':>12}{'GPUs':>6}"
+        f"{'mode':<{w}}{'P n x EP':>14}{'D n x EP':>14}{'D admission':>12}{'GPUs':>6}"
         f"{'TTFT p50/p99 ms':>18}{'ITL p50/p99 ms':>17}{'goodput tok/s/GPU':>19}"
     )
     lines += [hdr, "-" * len(hdr)]
     for d in result["deployments"]:
         if d["binding"] and not d["feasible"] and not d["total_gpus"]:
-            lines.append(f"{d['mode']:<11}infeasible: {d['binding']}")
+            lines.append(f"{d['mode']:<{w}}infeasible: {d['binding']}")
             continue
         lines.append(
-            f"{d['mode']:<11}{d['p_replicas']:>9} x {d['p_gpus']:<2}{d['d_replicas']:>9} x {d['d_gpus']:<2}"
+            f"{d['mode']:<{w}}{d['p_replicas']:>9} x {d['p_gpus']:<2}{d['d_replicas']:>9} x {d['d_gpus']:<2}"
             f"{d['d_policy']:>12}{d['total_gpus']:>6}"
             f"{d['ttft_ms']['p50']:>9.0f}/{d['ttft_ms']['p99']:<8.0f}{d['itl_ms']['p50']:>8.1f}/{d['itl_ms']['p99']:<8.1f}"
             f"{d['goodput_tokens_per_s_per_gpu']:>19.0f}"
         )
         if not d["feasible"]:
-            lines.append(f"{'':<11}infeasible: {d['binding']}")
+            lines.append(f"{'':<{w}}infeasible: {d['binding']}")
     lines.append(f"recommendation: {result['recommendation']['why']}")
     return "\n".join(lines)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,10 @@ from asympd.plan.gpus import GPUS, MEASURED_ON, GPUSpec, roofline_factor
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
 NEEDED = ("layers.json", "d_admission.json", "p_throughput.json", "two_gpu.json")
-PLANNED_MODES = ("asymmetric", "symmetric")  # the P/D modes with measured prefill-worker step times
+# the P/D modes with prefill-worker step times: asymmetric and symmetric (decoder-replay) as
+# p_throughput.json composed them, symmetric-split from the same measured P steps (``split_ms_per_prompt``)
+PLANNED_MODES = ("asymmetric", "symmetric", "symmetric-split")
+COMPOSED_MODES = ("asymmetric", "symmetric")  # p_throughput.json's columns
 P_STEP_TOKENS = 16384  # the prefill token budget the P measurements used
 DEFAULT_A2A_LATENCY_US = 20.0  # per all-to-all launch; an assumption, not measured (see docs/planner.md)
 
@@ -63,6 +67,35 @@ def load_results(results_dir: Path | str | None = None) -> dict[str, Any]:
 
 def _carried(entry: dict[str, Any], gpu: GPUSpec) -> float:
     return entry["ms"] * roofline_factor(entry["bytes_ms"], entry["flops_ms"], gpu)
+
+
+def split_ms_per_prompt(
+    layers: dict[str, Any], counts: dict[str, Any], window: int, carry: Callable[[dict[str, Any]], float]
+) -> dict[int, float]:
+    """A symmetric-split P's time per prompt of N tokens, composed from the P steps ``layers.json``
+    measured for p_throughput.json (``carry``: an entry's ms on the GPU planned for): the asymmetric
+    P's steps per prompt (L0-19 and L20's KV path on [0, N - W)), plus the last W rows through L0-19
+    and L20 in full at the symmetric P's measured cost per row of those layers, plus its measured
+    tail per prompt (the 19 decoder layers on the W rows, packed as many to a step as the 16K budget
+    packs prompts). The symmetric (decoder-replay) P differs only by L20 in full on [0, N - W).
+    Prompt lengths without both modes' steps are left out."""
+    acc: dict[tuple[int, str], dict[str, float]] = {}
+    for st in layers["p_steps"]:
+        mode = st["mode"]
+        if mode not in COMPOSED_MODES:
+            continue
+        a = acc.setdefault((st["n_prompt"], mode), {"main": 0.0, "tail": 0.0, "prompts": 0.0, "rows": 0.0})
+        a["main"] += sum(c * carry(st["t_main"][k]) for k, c in counts["main"][mode].items())
+        a["tail"] += sum(c * carry(st["t_tail"][k]) for k, c in counts["tail"][mode].items()) if st["t_tail"] else 0.0
+        a["prompts"] += st["prompts"]
+        a["rows"] += sum(ch["n"] * ch["q"] for ch in st["main"])
+    out = {}
+    for n in sorted({n for n, _ in acc}):
+        asym, sym = acc.get((n, "asymmetric")), acc.get((n, "symmetric"))
+        if asym and sym and asym["prompts"] and sym["prompts"] and sym["rows"]:
+            out[n] = (asym["main"] + asym["tail"]) / asym["prompts"]
+            out[n] += window * sym["main"] / sym["rows"] + sym["tail"] / sym["prompts"]
+    return out
 
 
 @dataclass(frozen=True)
@@ -105,8 +138,9 @@ class StepModel:
         for b, j, ms in self._d_table:
             self._d_by_b.setdefault(b, []).append((j, ms))
         self._p_cost, self._p_floor = self._prefill_tables(results["layers"], results["p_throughput"])
-        # MoE layers a P step runs: the asymmetric P's 20 layers below L20 (L20's KV path has none)
-        self.p_moe_layers = {"asymmetric": 20, "symmetric": 40}
+        # MoE layers a P step runs on a prefix row: the asymmetric P's 20 layers below L20 (L20's KV
+        # path has none); a symmetric-split P runs those on [0, N-W) and all 40 on [N-W, N)
+        self.p_moe_layers = {"asymmetric": 20, "symmetric": 40, "symmetric-split": 20}
 
     # ---- tables ---------------------------------------------------------------------------------
 
@@ -138,12 +172,17 @@ class StepModel:
         cost: dict[str, list[tuple[float, float]]] = {m: [] for m in PLANNED_MODES}
         for row in p_thr["per_length"]:
             n = row["n_prompt"]
-            for mode in PLANNED_MODES:
+            for mode in COMPOSED_MODES:
                 num, den = factor.get((n, mode), (1.0, 1.0))
                 rows = n - self.window if mode == "asymmetric" else n
                 cost[mode].append((math.log2(n), row[mode]["ms_per_prompt"] * num / den / rows))
-        # part-filled steps: a chunk of r rows from position 0, each kind's measured grid time
-        kinds = {m: dict(counts["main"][m]) for m in PLANNED_MODES}
+        for n, ms in split_ms_per_prompt(layers, counts, self.window, lambda e: _carried(e, self.gpu)).items():
+            cost["symmetric-split"].append((math.log2(n), ms / n))
+        # part-filled steps: a chunk of r rows from position 0, each kind's measured grid time; a
+        # symmetric-split step's rows go through the asymmetric P's layers at least (its window rows'
+        # extra layers are in its cost per row, not in this lower bound)
+        kinds = {m: dict(counts["main"][m]) for m in COMPOSED_MODES}
+        kinds["symmetric-split"] = kinds["asymmetric"]
         grid: dict[str, list[tuple[float, float]]] = {}
         for g in layers["grid"]:
             if g["shape"] == "prefill" and g["start"] == 0 and g["n"] == 1:
@@ -190,7 +229,10 @@ class StepModel:
             return 0.0
         packed = sum(r * self.prefill_cost_ms_per_row(mode, n) for r, n in chunks)
         floor = max(0.0, interp(self._p_floor[mode], rows)) if self._p_floor[mode] else 0.0
-        return max(packed, floor) / gpus + self.a2a_ms(rows, gpus, self.p_moe_layers[mode])
+        moe = self.p_moe_layers[mode]
+        if mode == "symmetric-split":  # the window rows' share (W of each prompt's N) runs 20 MoE layers more
+            moe += 20 * sum(r * min(1.0, self.window / n) for r, n in chunks) / rows
+        return max(packed, floor) / gpus + self.a2a_ms(rows, gpus, moe)
 
     def transfer_ms(self, nbytes: float) -> float:
         """P -> D prefix move over NVLink: the measured fit, the rate scaled by the link ratio."""

@@ -3,6 +3,7 @@ targets with the binding constraint named, determinism, and the CLI."""
 
 import json
 import math
+from dataclasses import asdict
 
 import pytest
 
@@ -13,6 +14,7 @@ from asympd.plan.planner import (
     PlanError,
     Planner,
     PlanRequest,
+    _cheapest,
     blocks_for,
     kv_room,
     load_traffic,
@@ -77,6 +79,30 @@ def test_h200_prefill_cost_is_the_composed_one(results):
     lone = steps.prefill_ms("asymmetric", [(896, 1024)], 1)
     assert lone > 2.5 * results["p_throughput"]["per_length"][0]["asymmetric"]["ms_per_prompt"]
     assert steps.prefill_ms("asymmetric", [], 4) == 0.0
+
+
+def test_symmetric_split_p_is_composed_from_the_measured_p_steps(results):
+    """The strongest symmetric P a user deploys (symmetric-split: the asymmetric P's rows, then
+    every layer on the last W) is priced from the same P steps as the other two: the asymmetric P
+    per prompt plus W rows of the symmetric P's main layers and its decoder tail. It sits between
+    them at every measured length, and its P moves the window rows through 20 more MoE layers."""
+    steps = steps_on(results, "H200")
+    main, tail = results["p_throughput"]["layer_counts"]["main"], results["p_throughput"]["layer_counts"]["tail"]
+    for row in results["p_throughput"]["per_length"]:
+        n = row["n_prompt"]
+        sym_steps = [s for s in results["layers"]["p_steps"] if s["n_prompt"] == n and s["mode"] == "symmetric"]
+        sym_main = sum(c * s["t_main"][k]["ms"] for s in sym_steps for k, c in main["symmetric"].items())
+        sym_tail = sum(c * s["t_tail"][k]["ms"] for s in sym_steps if s["t_tail"] for k, c in tail["symmetric"].items())
+        sym_rows = sum(ch["n"] * ch["q"] for s in sym_steps for ch in s["main"])
+        prompts = sum(s["prompts"] for s in sym_steps)
+        want = row["asymmetric"]["ms_per_prompt"] + 128 * sym_main / sym_rows + sym_tail / prompts
+        got = steps.prefill_cost_ms_per_row("symmetric-split", n) * n
+        assert got == pytest.approx(want, rel=1e-9)
+        assert row["asymmetric"]["ms_per_prompt"] < got < row["symmetric"]["ms_per_prompt"]
+    for gpus in (2, 4):  # the window rows' extra MoE layers cost all-to-alls under expert parallelism
+        split = steps.prefill_ms("symmetric-split", [(4096, 4096)] * 4, gpus)  # a full step: above the floor
+        no_window = steps.prefill_cost_ms_per_row("symmetric-split", 4096) * 16384 / gpus
+        assert split - no_window == pytest.approx(steps.a2a_ms(16384, gpus, 20 * (1 + 128 / 4096)))
 
 
 def test_communication_from_the_two_gpu_run(results):
@@ -189,6 +215,20 @@ def test_chosen_deployment_respects_memory(results):
 # ---- infeasible targets name what binds -----------------------------------------------------------------
 
 
+def test_pruned_searches_give_the_plan_every_search_gives(results):
+    """Searches that cannot end below the cheapest feasible deployment found are skipped or stopped
+    early (``Planner._search_mode``); the plan is the one of every search run to its end."""
+    for req in (request("B200"), request("H200", placement="shared")):
+        planner = Planner(req, results=results)
+        out = planner.plan()
+        pruned = 0
+        for mode, dep in zip(req.modes, out["deployments"], strict=True):
+            searches = planner._searches(mode)
+            assert asdict(_cheapest(mode, [planner._search(*s) for s in searches])) == dep
+            pruned += len(searches) - len(planner._search_mode(searches))
+        assert pruned > 0
+
+
 def test_shared_placement(results):
     """P replica r on D replica r's GPUs: the pair's GPUs count once, both roles' weights fit on
     them, and D's steps wait for P's (the same 1 + 1 deployment has a longer ITL tail shared)."""
@@ -267,7 +307,8 @@ def test_cli_plan_is_deterministic(capsys, tmp_path):
     assert json.loads(capsys.readouterr().out) == first
     assert (tmp_path / "p.png").stat().st_size > 0
     best = first["recommendation"]["mode"]
-    assert best in ("asymmetric", "symmetric")
+    assert [d["mode"] for d in first["deployments"]] == ["asymmetric", "symmetric", "symmetric-split"]
+    assert best in ("asymmetric", "symmetric", "symmetric-split")
     dep = next(d for d in first["deployments"] if d["mode"] == best)
     assert dep["ttft_ms"]["p99"] <= 8000 and dep["itl_ms"]["p99"] <= 250
     assert dep["total_gpus"] == dep["p_replicas"] * dep["p_gpus"] + dep["d_replicas"] * dep["d_gpus"]
