@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--jobs",
         type=int,
         default=0,
-        help="processes simulating candidate deployments at once (default 0: one per CPU; the plan is the same)",
+        help="processes planning the modes at once (default 0: one per CPU, at most one a mode; the plan is the same)",
     )
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", default=None, help="write a PNG of GPUs and goodput per mode here")

@@ -222,7 +222,7 @@ class Planner:
         results_dir: str | Path | None = None,
         jobs: int = 1,
     ):
-        """``jobs``: processes that simulate candidate deployments at once (0: one a CPU). Each
+        """``jobs``: processes that plan the modes at once (0: one a CPU; at most one a mode). Each
         simulation is seeded and independent of the others, so the plan is the same for any value."""
         if jobs < 0:
             raise PlanError(f"jobs must be >= 0, got {jobs}")
