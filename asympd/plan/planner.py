@@ -43,6 +43,7 @@ from asympd.serve.admission import POLICIES  # D admission policies (serve/admis
 
 D_MAX_SEQS = 512  # the largest decode batch measured (d_admission.json)
 MAX_ROUNDS = 14
+TIE_GOODPUT = 0.02  # modes on as many GPUs whose goodput per GPU differs by less are reported as a tie
 P_SIZES_TRIED = 2  # GPUs per P replica: the fewest that fit and the next EP degree (shorter long prompts)
 D_SIZES_TRIED = 3  # GPUs per D replica: the fewest that fit and the next two EP degrees
 PLACEMENTS = ("separate", "shared")  # shared: each P replica on the GPUs of one D replica
@@ -295,7 +296,7 @@ class Planner:
         for a in arr:
             if a.index not in p_done:
                 continue
-            moved = 0.0 if p_done[a.index] == a.time_s else self.steps.transfer_ms(a.prompt_len * self.per_token) / 1e3
+            moved = 0.0 if p_done[a.index] == a.time_s else self._move_ms(mode, a.prompt_len) / 1e3
             at_d.append(Arrival(a.index, p_done[a.index] + moved, a.prompt_len, a.output_len))
         at_d.sort(key=lambda a: (a.time_s, a.index))
         mine = at_d[0::n_d]  # replica 0's round-robin share; the others see the same statistics
@@ -307,6 +308,16 @@ class Planner:
         )
         d = run_decode(cfg, self.steps, self._d_setup(mode, g_d, d_blocks, policy), mine)
         return self._summary(p_runs, d, mine)
+
+    def _move_ms(self, mode: str, prompt_len: int) -> float:
+        """P -> D: the prefix's compressed KV, and for symmetric-windows every layer's last W window rows
+        too, as the engine ships them (``PrefixState.swa_kv`` in bf16 plus their int64 positions:
+        5.28 MB a request, what the H200 studies moved beyond symmetric-split's state)."""
+        nbytes = prompt_len * self.per_token
+        if mode == "symmetric-windows":
+            cfg = self.cfg
+            nbytes += cfg.n_layers * min(prompt_len, cfg.window_size) * (2 * cfg.head_dim + 8)
+        return self.steps.transfer_ms(nbytes)
 
     def _d_setup(self, mode: str, g_d: int, d_blocks: int, policy: str) -> DecodeSetup:
         """A D replica under the named admission policy (its caps and whether steps mix prompt and
@@ -345,7 +356,7 @@ class Planner:
 
         def hand_over(_: int, i: int, t: float) -> None:
             a = by_index[i]
-            moved = 0.0 if t == a.time_s else self.steps.transfer_ms(a.prompt_len * self.per_token) / 1e3
+            moved = 0.0 if t == a.time_s else self._move_ms(mode, a.prompt_len) / 1e3
             mine.append(Arrival(i, t + moved, a.prompt_len, a.output_len))
             d.push(mine[-1])
 
@@ -419,8 +430,8 @@ class Planner:
         rows = longest - cfg.window_size if mode == "asymmetric" else longest
         alone = (
             (self.steps.prefill_ms(mode, [(max(rows, 0), longest)], g_p_max) if rows > 0 else 0.0)
-            + self.steps.transfer_ms(longest * self.per_token)
-            + self.steps.decode_ms(1, cfg.window_size, d_options[-1])
+            + self._move_ms(mode, longest)
+            + self.steps.decode_ms(1, 0 if mode == "symmetric-windows" else cfg.window_size, d_options[-1])
         )
         if alone / 1e3 > req.slo_ttft_p99_s:
             dep.binding = (
@@ -574,8 +585,10 @@ class Planner:
                 )
                 if r["itl_ms"]["p99"] > 0.98 * prev_itl:  # more replicas no longer help: a step is too slow
                     dep.binding += " (more D replicas do not lower it"
-                    if mode != "asymmetric":  # P made the first token: the next one waits for D's replay step
+                    if mode in ("symmetric", "symmetric-split"):  # P made the first token, D replays the window
                         dep.binding += "; the gap after P's first token spans D's admission and replay step"
+                    elif mode == "symmetric-windows":  # P made the first token and sent the windows
+                        dep.binding += "; the gap after P's first token spans D's admission step"
                     if shared:
                         dep.binding += "; on shared GPUs a D step shares them with the P step in progress"
                     dep.binding += ")"
@@ -631,7 +644,8 @@ def _cheapest(mode: str, searched: list[Deployment]) -> Deployment:
 
 def _why(best: Deployment | None, deps: list[Deployment]) -> dict[str, Any]:
     if best is None:
-        return {"mode": None, "why": "no mode meets the targets: " + "; ".join(f"{d.mode}: {d.binding}" for d in deps)}
+        why = "no mode meets the targets: " + "; ".join(f"{d.mode}: {d.binding}" for d in deps)
+        return {"mode": None, "why": why, "ties": []}
     others = [d for d in deps if d is not best]
 
     def p_side(d: Deployment) -> str:
@@ -644,6 +658,16 @@ def _why(best: Deployment | None, deps: list[Deployment]) -> dict[str, Any]:
         f"{best.d_gpus}{pair}, D admission {best.d_policy}), goodput {best.goodput_tokens_per_s_per_gpu:.0f} "
         f"tokens/s per GPU; {p_side(best)}"
     )
+    ties = [
+        d.mode
+        for d in others
+        if d.feasible
+        and d.total_gpus == best.total_gpus
+        and abs(d.goodput_tokens_per_s_per_gpu - best.goodput_tokens_per_s_per_gpu)
+        <= TIE_GOODPUT * best.goodput_tokens_per_s_per_gpu
+    ]
+    if ties:  # the simulated goodput of 300 requests does not separate them
+        why += f"; a tie with {', '.join(ties)} (the same GPUs, goodput within {TIE_GOODPUT:.0%})"
     for d in others:
         if d.feasible:
             why += (
@@ -652,7 +676,7 @@ def _why(best: Deployment | None, deps: list[Deployment]) -> dict[str, Any]:
             )
         else:
             why += f"; {d.mode} is infeasible ({d.binding})"
-    return {"mode": best.mode, "why": why}
+    return {"mode": best.mode, "why": why, "ties": ties}
 
 
 def format_plan(result: dict[str, Any]) -> str:

@@ -25,8 +25,10 @@ from asympd.plan.gpus import GPUS, MEASURED_ON, GPUSpec, roofline_factor
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
 NEEDED = ("layers.json", "d_admission.json", "p_throughput.json", "two_gpu.json")
 # the P/D modes with prefill-worker step times: asymmetric and symmetric (decoder-replay) as
-# p_throughput.json composed them, symmetric-split from the same measured P steps (``split_ms_per_prompt``)
-PLANNED_MODES = ("asymmetric", "symmetric", "symmetric-split")
+# p_throughput.json composed them, symmetric-split from the same measured P steps (``split_ms_per_prompt``),
+# symmetric-windows with symmetric-split's P (it ships the windows too, and its D replays nothing)
+PLANNED_MODES = ("asymmetric", "symmetric", "symmetric-split", "symmetric-windows")
+SPLIT_P = ("symmetric-split", "symmetric-windows")  # the P that runs every layer on the last W rows alone
 COMPOSED_MODES = ("asymmetric", "symmetric")  # p_throughput.json's columns
 P_STEP_TOKENS = 16384  # the prefill token budget the P measurements used
 DEFAULT_A2A_LATENCY_US = 20.0  # per all-to-all launch; an assumption, not measured (see docs/planner.md)
@@ -140,7 +142,7 @@ class StepModel:
         self._p_cost, self._p_floor = self._prefill_tables(results["layers"], results["p_throughput"])
         # MoE layers a P step runs on a prefix row: the asymmetric P's 20 layers below L20 (L20's KV
         # path has none); a symmetric-split P runs those on [0, N-W) and all 40 on [N-W, N)
-        self.p_moe_layers = {"asymmetric": 20, "symmetric": 40, "symmetric-split": 20}
+        self.p_moe_layers = {"asymmetric": 20, "symmetric": 40, **dict.fromkeys(SPLIT_P, 20)}
 
     # ---- tables ---------------------------------------------------------------------------------
 
@@ -177,12 +179,13 @@ class StepModel:
                 rows = n - self.window if mode == "asymmetric" else n
                 cost[mode].append((math.log2(n), row[mode]["ms_per_prompt"] * num / den / rows))
         for n, ms in split_ms_per_prompt(layers, counts, self.window, lambda e: _carried(e, self.gpu)).items():
-            cost["symmetric-split"].append((math.log2(n), ms / n))
+            for mode in SPLIT_P:
+                cost[mode].append((math.log2(n), ms / n))
         # part-filled steps: a chunk of r rows from position 0, each kind's measured grid time; a
         # symmetric-split step's rows go through the asymmetric P's layers at least (its window rows'
         # extra layers are in its cost per row, not in this lower bound)
         kinds = {m: dict(counts["main"][m]) for m in COMPOSED_MODES}
-        kinds["symmetric-split"] = kinds["asymmetric"]
+        kinds.update(dict.fromkeys(SPLIT_P, kinds["asymmetric"]))
         grid: dict[str, list[tuple[float, float]]] = {}
         for g in layers["grid"]:
             if g["shape"] == "prefill" and g["start"] == 0 and g["n"] == 1:
@@ -230,7 +233,7 @@ class StepModel:
         packed = sum(r * self.prefill_cost_ms_per_row(mode, n) for r, n in chunks)
         floor = max(0.0, interp(self._p_floor[mode], rows)) if self._p_floor[mode] else 0.0
         moe = self.p_moe_layers[mode]
-        if mode == "symmetric-split":  # the window rows' share (W of each prompt's N) runs 20 MoE layers more
+        if mode in SPLIT_P:  # the window rows' share (W of each prompt's N) runs 20 MoE layers more
             moe += 20 * sum(r * min(1.0, self.window / n) for r, n in chunks) / rows
         return max(packed, floor) / gpus + self.a2a_ms(rows, gpus, moe)
 

@@ -11,10 +11,12 @@ from asympd.cli import main
 from asympd.config import v41_flash
 from asympd.plan.gpus import GPUS, gpu_spec, roofline_factor
 from asympd.plan.planner import (
+    Deployment,
     PlanError,
     Planner,
     PlanRequest,
     _cheapest,
+    _why,
     blocks_for,
     kv_room,
     load_traffic,
@@ -23,7 +25,7 @@ from asympd.plan.planner import (
     role_memory,
 )
 from asympd.plan.simulate import Arrival, DecodeSetup, PrefillSetup, run_decode, run_prefill
-from asympd.plan.steps import Comm, PlanInputError, StepModel, load_results
+from asympd.plan.steps import RESULTS_DIR, Comm, PlanInputError, StepModel, load_results
 from asympd.plan.validate import validate_admission
 from asympd.serve.admission import POLICIES, AdmissionPolicy
 
@@ -103,6 +105,47 @@ def test_symmetric_split_p_is_composed_from_the_measured_p_steps(results):
         split = steps.prefill_ms("symmetric-split", [(4096, 4096)] * 4, gpus)  # a full step: above the floor
         no_window = steps.prefill_cost_ms_per_row("symmetric-split", 4096) * 16384 / gpus
         assert split - no_window == pytest.approx(steps.a2a_ms(16384, gpus, 20 * (1 + 128 / 4096)))
+
+
+def test_symmetric_windows_ships_the_windows_and_replays_nothing(results):
+    """symmetric-windows runs symmetric-split's P, moves every layer's window rows beside the prefix,
+    and its D decodes at once: the same P time, a longer move, no replay step in the first gap."""
+    planner = Planner(request("B200", modes=("symmetric-split", "symmetric-windows")), results=results)
+    per_token, swa = planner.per_token, 40 * 128 * (512 * 2 + 8)  # bf16 rows and int64 positions
+    study = json.loads((RESULTS_DIR / "e2e_h200x1_depth40_headline5_five.json").read_text())["modes"]
+    moved = {m: study[m]["runs"][0]["transfer_bytes_per_request"] for m in ("symmetric-split", "symmetric-windows")}
+    assert moved["symmetric-windows"] - moved["symmetric-split"] == swa  # what the H200 study moved, exactly
+    assert planner._move_ms("symmetric-windows", 4096) == pytest.approx(
+        planner.steps.transfer_ms(4096 * per_token + swa)
+    )
+    assert planner._move_ms("symmetric-split", 4096) == pytest.approx(planner.steps.transfer_ms(4096 * per_token))
+    split = planner.evaluate("symmetric-split", 1, 2, 1, 2, "cap-4")
+    windows = planner.evaluate("symmetric-windows", 1, 2, 1, 2, "cap-4")
+    assert windows["p_busy"] == split["p_busy"]
+    assert windows["itl_ms"]["p99"] < split["itl_ms"]["p99"]
+
+
+def test_a_recommendation_names_the_modes_it_ties_with():
+    def dep(mode, gpus, goodput):
+        return Deployment(
+            mode,
+            True,
+            p_replicas=1,
+            p_gpus=1,
+            d_replicas=1,
+            d_gpus=gpus - 1,
+            total_gpus=gpus,
+            goodput_tokens_per_s_per_gpu=goodput,
+            memory={"p": {"role": "prefill"}},
+        )
+
+    best, close, more_gpus = dep("symmetric-windows", 5, 205.0), dep("asymmetric", 5, 204.0), dep("symmetric", 7, 146.0)
+    why = _why(best, [close, more_gpus, best])
+    assert why["ties"] == ["asymmetric"]
+    assert why["why"].startswith("symmetric-windows: 5 GPUs")
+    assert "; a tie with asymmetric (the same GPUs, goodput within 2%)" in why["why"]
+    assert _why(best, [dep("asymmetric", 5, 190.0), best])["ties"] == []  # 7 % apart: not a tie
+    assert _why(None, [close])["ties"] == []
 
 
 def test_communication_from_the_two_gpu_run(results):
@@ -307,8 +350,13 @@ def test_cli_plan_is_deterministic(capsys, tmp_path):
     assert json.loads(capsys.readouterr().out) == first
     assert (tmp_path / "p.png").stat().st_size > 0
     best = first["recommendation"]["mode"]
-    assert [d["mode"] for d in first["deployments"]] == ["asymmetric", "symmetric", "symmetric-split"]
-    assert best in ("asymmetric", "symmetric", "symmetric-split")
+    assert [d["mode"] for d in first["deployments"]] == [
+        "asymmetric",
+        "symmetric",
+        "symmetric-split",
+        "symmetric-windows",
+    ]
+    assert best in ("asymmetric", "symmetric", "symmetric-split", "symmetric-windows")
     dep = next(d for d in first["deployments"] if d["mode"] == best)
     assert dep["ttft_ms"]["p99"] <= 8000 and dep["itl_ms"]["p99"] <= 250
     assert dep["total_gpus"] == dep["p_replicas"] * dep["p_gpus"] + dep["d_replicas"] * dep["d_gpus"]
