@@ -469,24 +469,23 @@ class Planner:
             searches.append((mode, g_p, n_p, g_d, n_d, policy))
         return searches
 
-    def _start_gpus(self, search: tuple[str, int, int, int, int, str]) -> int:
-        """The GPUs a search starts from; its rounds only add replicas."""
-        _, g_p, n_p, g_d, n_d, _ = search
+    def _gpus(self, g_p: int, n_p: int, g_d: int, n_d: int) -> int:
+        """A deployment's GPUs (shared placement: each P on a D replica's GPUs, counted once)."""
         return n_d * g_d if self.req.placement == "shared" else n_p * g_p + n_d * g_d
 
     def _search_mode(self, searches: list[tuple[str, int, int, int, int, str]]) -> list[Deployment]:
-        """One mode's searches, the largest start first, then the fewest starting GPUs first; a search
-        that cannot end with fewer GPUs
-        than the cheapest feasible deployment found so far is skipped, or stopped once its rounds pass
-        that count. Only such searches are left out: the plan picks the fewest GPUs (ties by TTFT p99,
-        then search order), so it is the same as with every search run to its end. Returned in
-        search order."""
+        """One mode's searches, the largest start first, then the fewest starting GPUs first (a search's
+        rounds only add replicas); a search that cannot end with fewer GPUs than the cheapest feasible
+        deployment found so far is skipped, or stopped once its rounds pass that count. Only such
+        searches are left out: the plan picks the fewest GPUs (ties by TTFT p99, then search order),
+        so it is the same as with every search run to its end. Returned in search order."""
         best, found = math.inf, {}
-        order = sorted(range(len(searches)), key=lambda i: (self._start_gpus(searches[i]), i))
+        start = [self._gpus(*s[1:5]) for s in searches]
+        order = sorted(range(len(searches)), key=lambda i: (start[i], i))
         # the largest start first: most often feasible, it bounds the cheaper searches' rounds from the outset
         order.insert(0, order.pop())
         for i in order:
-            if self._start_gpus(searches[i]) > best:
+            if start[i] > best:
                 continue
             dep = self._search(*searches[i], give_up_above=best)
             if dep is not None:
@@ -543,11 +542,11 @@ class Planner:
         limit = 4 * max(n_p * g_p + n_d * g_d, 8)
         prev_itl = math.inf
         for _ in range(MAX_ROUNDS):
-            if (n_d * g_d if shared else n_p * g_p + n_d * g_d) > give_up_above:
+            if self._gpus(g_p, n_p, g_d, n_d) > give_up_above:
                 return None
             r = self.evaluate(mode, n_p, g_p, n_d, g_d, policy)
             dep.p_replicas, dep.d_replicas = n_p, n_d
-            dep.total_gpus = n_d * g_d if shared else n_p * g_p + n_d * g_d
+            dep.total_gpus = self._gpus(g_p, n_p, g_d, n_d)
             dep.ttft_ms, dep.itl_ms, dep.ttft_p99_split_ms = r["ttft_ms"], r["itl_ms"], r["ttft_p99_split_ms"]
             dep.slo_attainment = r["attainment"]
             dep.p_busy, dep.d_max_batch, dep.d_preemptions = r["p_busy"], r["d_max_batch"], r["d_preemptions"]
