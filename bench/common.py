@@ -410,7 +410,7 @@ def step_block(block, h: torch.Tensor, pre: torch.Tensor, state: StepState, kv_p
 
 # ---- floors ---------------------------------------------------------------------------------------
 
-D_BYTES = {"bf16": 2, "fp8": 1}
+D_BYTES = {"bf16": 2, "fp8": 1, "mxfp4": 0.53125}  # mxfp4: 4-bit codes + one UE8M0 byte per 32
 
 
 def expected_experts(rows: int, n_exp: int = 384, k: int = 6) -> float:

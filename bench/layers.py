@@ -1,8 +1,11 @@
 """Layer step times at true V4.1-Flash shapes on one GPU, beside their floors.
 
 One process builds, on the GPU from the checkpoint schema, the attention of one layer of each kind
-the 40-layer stack has, and ONE MoE (384 FP4 experts dequantized to bf16, and the same experts as
-FP8), shared by all of them. Then, each section timed with CUDA events (CUDA graphs for small
+the 40-layer stack has, and ONE MoE shared by all of them: by default as the CUDA build holds it
+(``--experts mxfp4``: the 384 experts packed as released, ``loader.LAYOUTS["packed-experts"]``), with
+the same experts dequantized to bf16 (and as FP8 where the GPU has the scaled grouped GEMM) timed
+beside it in ``moe``; ``--experts bf16`` gives the layers the bf16 experts, as the tables of
+2026-11-29 (``layers.json``) were measured. Then, each section timed with CUDA events (CUDA graphs for small
 steps), every number beside its floor (max of FLOPs / GEMM rate and bytes / copy bandwidth, both
 ceilings measured at the start of the same run):
 
@@ -14,7 +17,8 @@ ceilings measured at the start of the same run):
   composition check at layer level);
 - ``head``: the LM head for the rows that need logits.
 
-Usage (device): ``python bench/layers.py`` (writes layers.json). ``--smoke``: the tiny config on
+Usage (device): ``python bench/layers.py --out layers_packed`` (writes layers_packed.json, the
+planner's tables). ``--smoke``: the tiny config on
 CPU, to check the plumbing.
 """
 
@@ -75,8 +79,10 @@ def kind_counts(cfg) -> dict[str, int]:
     return out
 
 
-def build(cfg, device: torch.device, experts_modes: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Blocks of each kind (sharing one MoE) and the MoE variants."""
+def build(
+    cfg, device: torch.device, experts_modes: tuple[str, ...], block_experts: str = "bf16"
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Blocks of each kind (sharing one MoE, ``block_experts``) and the MoE variants."""
     from asympd.model.cuda_ops import CUDA_KERNELS, FastMoE
     from asympd.model.loader import LAYOUTS, _attention, _moe, _Reader
     from asympd.model.transformer import Block
@@ -95,10 +101,13 @@ def build(cfg, device: torch.device, experts_modes: tuple[str, ...]) -> tuple[di
     t0 = time.time()
     tensors = random_tensors(cfg, keep, device)
     r = _Reader(tensors, torch.bfloat16, device, LAYOUTS["dequantized"])
+    variants: dict[str, Any] = {}
+    if "mxfp4" in experts_modes:  # the same stored experts, read as the CUDA build reads them
+        packed = _Reader(tensors, torch.bfloat16, device, LAYOUTS["packed-experts"])
+        variants["mxfp4"] = _moe(cfg, moe_layer, packed, f"layers.{moe_layer}.ffn.")
     moe = _moe(cfg, moe_layer, r, f"layers.{moe_layer}.ffn.")
     for name in [n for n in tensors if ".ffn.experts." in n]:
         del tensors[name]
-    variants: dict[str, Any] = {}
     if "fp8" in experts_modes:
         m8 = copy.copy(moe)
         m8.__class__ = FastMoE
@@ -111,13 +120,14 @@ def build(cfg, device: torch.device, experts_modes: tuple[str, ...]) -> tuple[di
     for kind, layer in kinds.items():
         p = f"layers.{layer}."
         attn = _attention(cfg, layer, r, p + "attn.", True)
-        attn.kernels = CUDA_KERNELS
+        if device.type == "cuda":  # the CPU smoke keeps the reference's (the fused ones are Triton's)
+            attn.kernels = CUDA_KERNELS
         attn.freqs = attn.freqs.to(device)
         w: dict[str, Any] = {
             "attn_norm": r.vector(p + "attn_norm.weight"),
             "ffn_norm": r.vector(p + "ffn_norm.weight"),
             "attn": attn,
-            "ffn": moe,
+            "ffn": variants[block_experts],
         }
         for sub in ("attn", "ffn"):
             for part in ("fn", "base", "scale"):
@@ -138,6 +148,7 @@ def build(cfg, device: torch.device, experts_modes: tuple[str, ...]) -> tuple[di
         torch.cuda.empty_cache()
     info = {
         "kinds": kinds,
+        "block_experts": block_experts,
         "kind_counts": kind_counts(cfg),
         "build_s": round(time.time() - t0, 1),
         "fp8_inexact_expert_rows": getattr(variants.get("fp8"), "inexact_rows", None),
@@ -145,7 +156,7 @@ def build(cfg, device: torch.device, experts_modes: tuple[str, ...]) -> tuple[di
         "kernels": kernels_enabled(device),
         "ops_dispatch": sorted(CUDA_FAST),
     }
-    return {"blocks": blocks, "moe": variants}, info
+    return {"blocks": blocks, "moe": variants, "block_experts": block_experts}, info
 
 
 def variant_block(base, moe, fp8_linears: bool):
@@ -234,7 +245,7 @@ class Steps:
                         work = {"flops": 2 * rows * cfg.dim * cfg.head_dim, "bytes": rows * cfg.dim * 2 * 2}
                     else:
                         a = attention_work(cfg, layer, gspecs)
-                        m = moe_work(cfg, rows, "bf16")
+                        m = moe_work(cfg, rows, self.built["block_experts"])
                         work = {"flops": a["flops"] + m["flops"], "bytes": a["bytes"] + m["bytes"]}
                     f = floor_ms(work, self.ceil)
                     t.update(work)
@@ -277,7 +288,9 @@ def section_moe(cfg, built, timer, ceil, device, rows_list):
                 e = timer(lambda m=moe, x=x: m(x), graph=False, iters=8)
                 g = timer(lambda m=moe, x=x: m(x), graph=True, iters=8) if rows <= 2048 else None
             work = moe_work(cfg, rows, experts, touched)
-            rate = "fp8_gemm_TFLOPs" if experts == "fp8" and ceil and "fp8_gemm_TFLOPs" in ceil else "bf16_gemm_TFLOPs"
+            # the FP8 rate for the formats the release stores (issue 11's floor), bf16's for bf16
+            fp8_rate = experts in ("fp8", "mxfp4") and ceil and "fp8_gemm_TFLOPs" in ceil
+            rate = "fp8_gemm_TFLOPs" if fp8_rate else "bf16_gemm_TFLOPs"
             row = {"experts": experts, "rows": rows, "eager": e, "graph": g, **work}
             if ceil:
                 f = floor_ms(work, ceil, rate)
@@ -285,7 +298,7 @@ def section_moe(cfg, built, timer, ceil, device, rows_list):
                 best = min(e["ms"], g["ms"] if g else e["ms"])
                 row["best_ms"] = best
                 row["floor_fraction"] = f["floor_ms"] / best
-            if rows in (128, 2048, 16384) and device.type == "cuda":
+            if rows in (128, 2048, 16384) and device.type == "cuda" and experts != "mxfp4":
                 row["gemm_only"] = gemm_only(moe, x, timer)
             out.append(row)
             log(
@@ -356,6 +369,13 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny config on CPU: plumbing only")
     ap.add_argument("--budget-s", type=float, default=330.0, help="stop starting sections after this")
     ap.add_argument("--sections", default="moe,variants,head,d_steps,p_steps,stack,grid")
+    ap.add_argument(
+        "--experts",
+        choices=("mxfp4", "bf16"),
+        default="mxfp4",
+        help="the MoE the layers run: mxfp4 = packed as released (the CUDA default); bf16 = dequantized",
+    )
+    ap.add_argument("--out", default=None, help="result name (default layers, layers_smoke with --smoke)")
     args = ap.parse_args()
     started = time.time()
     sections = args.sections.split(",")
@@ -363,12 +383,14 @@ def main() -> None:
 
     if args.smoke:
         cfg, device = tiny(), torch.device("cpu")
+        block_experts = "bf16"  # the packed kernels are Triton's: CPU runs them only interpreted
         experts_modes: tuple[str, ...] = ("bf16",)
     else:
         cfg, device = v41_flash(), torch.device("cuda")
-        experts_modes = ("bf16", "fp8")
+        block_experts = args.experts
+        experts_modes = ("mxfp4", "bf16", "fp8") if block_experts == "mxfp4" else ("bf16", "fp8")
     res: dict[str, Any] = {"config": "tiny" if args.smoke else "v41-flash", "W": W, "k_spec": K_SPEC}
-    name = "layers_smoke" if args.smoke else "layers"
+    name = args.out or ("layers_smoke" if args.smoke else "layers")
     ceil = None
     if device.type == "cuda":
         from asympd.model.cuda_ops import caps
@@ -378,12 +400,12 @@ def main() -> None:
         res["caps"] = caps(device)
         log("ceilings", ceil, "caps", res["caps"])
         if not res["caps"].get("scaled_grouped_mm"):
-            experts_modes = ("bf16",)
+            experts_modes = tuple(m for m in experts_modes if m != "fp8")
     if device.type == "cuda":
         from bench.common import ensure_e8m0
 
         res["e8m0_cast"] = ensure_e8m0(device)
-    built, info = build(cfg, device, experts_modes)
+    built, info = build(cfg, device, experts_modes, block_experts)
     res["build"] = info
     log("built", info)
     record(name, res, started)
