@@ -66,13 +66,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", default=None)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=None, help="result name (default: the script's, _smoke with --smoke)")
     args = ap.parse_args()
     started = time.time()
     d = out_dir()
     layers = json.loads(open(args.layers or d / ("layers_smoke.json" if args.smoke else "layers.json")).read())
     res = compose(layers)
     res["inputs"] = {"layers": layers.get("source_digest"), "layers_device": layers.get("device", {}).get("gpu")}
-    record("d_admission_smoke" if args.smoke else "d_admission", res, started)
+    record(args.out or ("d_admission_smoke" if args.smoke else "d_admission"), res, started)
     for r in res["steps"]:
         log(
             f"B={r['B']:4d} j={r['j']}: step {r['step_ms']:.2f} ms"

@@ -243,6 +243,7 @@ def main() -> None:
     ap.add_argument("--e2e", action="store_true")
     ap.add_argument("--compose", action="store_true")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=None, help="result name (default: the script's, _smoke with --smoke)")
     ap.add_argument("--layers", default=None, help="layers.json to compose from")
     args = ap.parse_args()
     started = time.time()
@@ -259,7 +260,7 @@ def main() -> None:
             "layers": layers.get("source_digest"),
             "e2e": e2e_res.get("source_digest") if e2e_res else None,
         }
-        record("p_throughput_smoke" if args.smoke else "p_throughput", res, started)
+        record(args.out or ("p_throughput_smoke" if args.smoke else "p_throughput"), res, started)
         for row in res["per_length"]:
             log(row)
         log("mix", res["mix"])

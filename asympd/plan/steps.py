@@ -23,7 +23,22 @@ from typing import Any
 from asympd.plan.gpus import GPUS, MEASURED_ON, GPUSpec, roofline_factor
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
-NEEDED = ("layers.json", "d_admission.json", "p_throughput.json", "two_gpu.json")
+# the H200 tables the planner reads (by the key StepModel knows each by): layer steps timed with the
+# MoE and attention kernels the CUDA build runs (packed MXFP4 experts, the fused attention;
+# ``bench/layers.py --out layers_packed``), the D and P steps composed from them, the two-GPU links
+TABLES = {
+    "layers": "layers_packed.json",
+    "d_admission": "d_admission_packed.json",
+    "p_throughput": "p_throughput_packed.json",
+    "two_gpu": "two_gpu.json",
+}
+# the tables of 2026-11-29 (bf16 experts, the gathered attention): admission_policy.json ran on them
+BF16_TABLES = {
+    "layers": "layers.json",
+    "d_admission": "d_admission.json",
+    "p_throughput": "p_throughput.json",
+    "two_gpu": "two_gpu.json",
+}
 # the P/D modes with prefill-worker step times: asymmetric and symmetric (decoder-replay) as
 # p_throughput.json composed them, symmetric-split from the same measured P steps (``split_ms_per_prompt``),
 # symmetric-windows with symmetric-split's P (it ships the windows too, and its D replays nothing)
@@ -53,15 +68,18 @@ def interp(points: list[tuple[float, float]], x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
-def load_results(results_dir: Path | str | None = None) -> dict[str, Any]:
+def load_results(results_dir: Path | str | None = None, tables: dict[str, str] | None = None) -> dict[str, Any]:
+    """The benchmark results the planner reads (``tables``: key -> file, default ``TABLES``)."""
     d = Path(results_dir) if results_dir is not None else RESULTS_DIR
+    tables = tables or TABLES
     out = {}
-    for name in NEEDED:
+    for key, name in tables.items():
         path = d / name
         if not path.is_file():
-            raise PlanInputError(f"{path} is missing: the planner needs {', '.join(NEEDED)} from bench/results")
+            needed = ", ".join(tables.values())
+            raise PlanInputError(f"{path} is missing: the planner needs {needed} from bench/results")
         try:
-            out[name.removesuffix(".json")] = json.loads(path.read_text())
+            out[key] = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise PlanInputError(f"{path} is not valid JSON: {e}") from e
     return out

@@ -44,7 +44,7 @@ from asympd.plan.simulate import (
     run_engines,
 )
 from asympd.plan.step_log import d_prompt_alone_steps, gpu_held, p_fit_steps, timed_to_gpu_end
-from asympd.plan.steps import RESULTS_DIR, StepModel, interp, load_results
+from asympd.plan.steps import BF16_TABLES, RESULTS_DIR, StepModel, interp, load_results
 from asympd.serve.admission import POLICIES, AdmissionPolicy
 
 BENCH_POLICIES = ("admit-all", "cap-4", "cap-8")  # the policies admission_policy.json measured (POLICIES' names)
@@ -66,7 +66,7 @@ def validate_admission(
     requests: int | None = None, policies: tuple[str, ...] = BENCH_POLICIES, results_dir: str | None = None
 ) -> dict[str, Any]:
     """The planner's D model on the admission benchmark's scenario, per policy, against its numbers."""
-    res = load_results(results_dir)
+    res = load_results(results_dir, BF16_TABLES)  # the tables the benchmark simulated on
     ap = json.loads((Path(results_dir or RESULTS_DIR) / "admission_policy.json").read_text())
     cfg = v41_flash()
     steps = StepModel(res, GPUS["H200"], cfg.dim, cfg.n_activated_experts, cfg.window_size)
