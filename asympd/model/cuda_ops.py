@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from asympd.model import attn_kernels, ops
 from asympd.model import cuda_kernels as K
 from asympd.model.attention import AttentionKernels
-from asympd.model.gemm_kernels import expand_fp4, moe_blocks
+from asympd.model.gemm_kernels import moe_blocks
 from asympd.model.moe import MoE, combine_slots
 from asympd.model.ops import QLinear, linear, stable_elementwise
 from asympd.model.packed import FP8TileLinear, PackedExperts, moe_block_m
@@ -315,11 +315,6 @@ class FastMoE(MoE):
 
     experts = "bf16"
     inexact_rows = 0
-    # MXFP4 in the prefill regime: from this many tokens a step, each group of experts is expanded
-    # to bf16 once into a scratch of at most ``expand_scratch_bytes`` and multiplied by a dense
-    # grouped GEMM, instead of expanding FP4 in every M-block's registers (``_routed_expanded``)
-    expand_min_rows = 8192
-    expand_scratch_bytes = 2 << 30
 
     @property
     def syncs_host(self) -> bool:
@@ -522,8 +517,6 @@ class FastMoE(MoE):
         """Routed experts straight from the packed FP4 operands: rows sorted by expert and cut
         into M-blocks on the device; the GEMMs expand FP4 in registers (``gemm_kernels``)."""
         t, k = ids.shape
-        if t >= self.expand_min_rows and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            return self._routed_expanded(x, xq, ids, weights)
         flat = ids.reshape(-1) - self.lo
         n_exp = self.w13.n_experts
         bm = moe_block_m(flat.numel(), n_exp)
@@ -535,43 +528,6 @@ class FastMoE(MoE):
         else:
             h = qdq32((self._swiglu_f32(gu, self.inter) * w_sorted.unsqueeze(-1)).to(x.dtype))
         out = self.w2f.matmul(h, blocks, flat.numel(), bm, a_rows=None)
-        inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
-        return out.index_select(0, inv).view(t, k, -1)
-
-    def _routed_expanded(
-        self, x: torch.Tensor, xq: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        """``_routed_mxfp4`` for prefill chunks: the experts, a group at a time, expanded to the
-        activations' dtype (``expand_fp4``, exact) and run as a dense grouped GEMM
-        (``torch._grouped_mm``), which is FLOP-bound where the register expansion is not. The
-        same products up to summation order. One host sync a call: the groups' row ranges."""
-        t, k = ids.shape
-        flat = ids.reshape(-1) - self.lo
-        n_exp = self.w13.n_experts
-        order = torch.argsort(flat, stable=True)  # by expert, then by token, as the kernel path
-        counts = torch.zeros(n_exp, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-        ends = counts.cumsum(0)
-        bounds = [0, *ends.tolist()]
-        token = order // k
-        w_sorted = weights.reshape(-1)[order]
-        dt = xq.dtype
-        w13, w2 = self.w13, self.w2f
-        per_expert = (w13.out_features * w13.in_features + w2.out_features * w2.in_features) * dt.itemsize
-        group = max(1, self.expand_scratch_bytes // per_expert)
-        out = x.new_empty(flat.numel(), w2.out_features)
-        for e0 in range(0, n_exp, group):
-            e1 = min(n_exp, e0 + group)
-            r0, r1 = bounds[e0], bounds[e1]
-            if r1 == r0:
-                continue
-            offs = (ends[e0:e1] - r0).to(torch.int32)
-            gu = self._grouped(xq[token[r0:r1]], expand_fp4(w13.weight, w13.scale, e0, e1, dt), offs)
-            if self._fused(x):
-                h = K.swiglu_qdq(gu, w_sorted[r0:r1], self.limit, torch.bfloat16)
-            else:
-                h = qdq32((self._swiglu_f32(gu, self.inter) * w_sorted[r0:r1].unsqueeze(-1)).to(x.dtype))
-            del gu
-            out[r0:r1] = self._grouped(h.to(dt), expand_fp4(w2.weight, w2.scale, e0, e1, dt), offs)
         inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
         return out.index_select(0, inv).view(t, k, -1)
 

@@ -389,51 +389,6 @@ if AVAILABLE:
         out = y_ptr + rows.to(tl.int64)[:, None] * s_ym + cols[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
-    @triton.jit
-    def _fp4_expand_kernel(
-        w_ptr,
-        s_ptr,
-        out_ptr,
-        e0,
-        N,
-        s_we,
-        s_wt,
-        s_wn,
-        s_se,
-        s_st,
-        s_sn,
-        s_oe,
-        s_on,
-        K: tl.constexpr,
-        KB_PER_PROG: tl.constexpr,
-        W_STEP: tl.constexpr,
-        S_STEP: tl.constexpr,
-        LUT: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-    ):
-        """Expert ``e0 + program 0`` of a packed operand, one N-block by KB_PER_PROG scale blocks,
-        dequantized into ``out[program 0]`` (``expand_fp4``). Each row's 16 bytes of a scale block
-        decode to elements j and j + 16 (``repack_fp4``), stored as two 32-byte runs."""
-        e = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < N
-        w_base, s_base = _tile_bases(w_ptr, s_ptr, e0 + e, pid_n, s_we, s_wt, s_wn, s_se, s_st, s_sn, BLOCK_N)
-        kk = tl.arange(0, 16)
-        o_base = out_ptr + e.to(tl.int64) * s_oe + cols.to(tl.int64)[:, None] * s_on + kk[None, :]
-        for u in tl.static_range(KB_PER_PROG):
-            kb = tl.program_id(2) * KB_PER_PROG + u
-            live = cmask[:, None] & (kb < K // 32)
-            p = tl.load(w_base[:, None] + kb * W_STEP + kk[None, :], mask=live, other=0)
-            sc = _ue8m0(tl.load(s_base + kb * S_STEP, mask=cmask & (kb < K // 32), other=0))[:, None]
-            if LUT:
-                lo, hi = _fp4_lut(p)
-                lo, hi = lo * sc.to(tl.bfloat16), hi * sc.to(tl.bfloat16)
-            else:
-                lo, hi = _fp4_halves(p.to(tl.int32), sc)
-            tl.store(o_base + kb * 32, lo.to(out_ptr.dtype.element_ty), mask=live)
-            tl.store(o_base + kb * 32 + 16, hi.to(out_ptr.dtype.element_ty), mask=live)
-
     # e2m1 -> bf16 for the swapped kernel, unscaled (its scale is applied after the dot): 15
     # instructions per 4 packed bytes (8 values) instead of the table above's 31. The magnitudes
     # of all 8 nibbles serve as PRMT selectors as they lie (q & 0x77777777: byte i = low | high << 4),
@@ -1181,61 +1136,6 @@ def untile_fp4(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
     w = weight.transpose(-3, -2).reshape(*lead, t * bn, kb * 16)
     s = scale.transpose(-2, -1).reshape(*lead, t * bn, kb)
     return w, s
-
-
-def expand_fp4(
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    lo: int,
-    hi: int,
-    dtype: torch.dtype = torch.bfloat16,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Experts ``[lo, hi)`` of a packed operand (kernel order, rows or tiles) dequantized:
-    ``[hi - lo, N, K]`` in ``dtype``, the values ``PackedExperts.dequantized`` gives (e2m1 times
-    a power of two: exact in bf16). The prefill regime's operand: a dense grouped GEMM over it
-    beats expanding in every M-block's registers once the rows per expert are many (FastMoE)."""
-    if weight.dim() == 5:
-        _, n_tiles, n_kb, bn, _ = weight.shape
-        n = n_tiles * bn
-        w_str, w_step = (weight.stride(0), weight.stride(1), weight.stride(3)), weight.stride(2)
-    else:
-        _, n, half_k = weight.shape
-        n_kb, bn = half_k // 16, 64
-        w_str, w_step = (weight.stride(0), bn * weight.stride(1), weight.stride(1)), 16 * weight.stride(2)
-    s = scale.view(torch.uint8)
-    if weight.dim() == 5:
-        s_str, s_step = (s.stride(0), s.stride(1), s.stride(3)), s.stride(2)
-    else:
-        s_str, s_step = (s.stride(0), bn * s.stride(1), s.stride(1)), s.stride(2)
-    k = n_kb * 32
-    if out is None:
-        out = torch.empty(hi - lo, n, k, dtype=dtype, device=weight.device)
-    elif out.shape != (hi - lo, n, k) or not out.is_contiguous():
-        raise ValueError(f"expand_fp4: out must be a contiguous [{hi - lo}, {n}, {k}] tensor, got {tuple(out.shape)}")
-    if hi <= lo:
-        return out
-    kb_per_prog = next(d for d in (8, 4, 2, 1) if n_kb % d == 0)
-    grid = (hi - lo, triton.cdiv(n, bn), n_kb // kb_per_prog)
-    _fp4_expand_kernel[grid](
-        weight,
-        s,
-        out,
-        lo,
-        n,
-        *w_str,
-        *s_str,
-        out.stride(0),
-        out.stride(1),
-        K=k,
-        KB_PER_PROG=kb_per_prog,
-        W_STEP=w_step,
-        S_STEP=s_step,
-        LUT=weight.is_cuda and out.dtype == torch.bfloat16,
-        BLOCK_N=bn,
-        num_warps=4,
-    )
-    return out
 
 
 def moe_blocks(

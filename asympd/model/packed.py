@@ -102,10 +102,6 @@ class PackedExperts:
         return self.weight.size(0)
 
     @property
-    def out_features(self) -> int:
-        return self.weight.size(1) * self.weight.size(3) if self.weight.dim() == 5 else self.weight.size(1)
-
-    @property
     def in_features(self) -> int:
         return self.scale.size(-2 if self.weight.dim() == 5 else -1) * 32
 

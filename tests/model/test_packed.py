@@ -545,54 +545,6 @@ def test_moe_blocks_cover_every_row_once():
     assert int((~real).sum()) == len(expert) - 5
 
 
-@pytest.mark.parametrize("tile", [0, 128])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_expand_fp4_gives_the_dequantized_experts(tile, dtype):
-    """The prefill regime's operand: experts [lo, hi) of either layout, bit for bit the values
-    ``PackedExperts.dequantized`` gives (e2m1 times a power of two is exact in bf16 too)."""
-    from asympd.model.packed import PackedExperts
-
-    g = torch.Generator().manual_seed(7)
-    parts = [
-        (
-            torch.randint(-128, 128, (256, 80), dtype=torch.int8, generator=g),
-            torch.randint(118, 136, (256, 5), dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu),
-        )
-        for _ in range(5)
-    ]
-    pe = PackedExperts.stack(parts, torch.device(DEVICE), tile_n=tile)
-    out = gemm.expand_fp4(pe.weight, pe.scale, 1, 4, dtype)
-    assert out.shape == (3, 256, 160) and out.dtype == dtype
-    assert torch.equal(out.float(), torch.stack([pe.dequantized(e) for e in range(1, 4)]).float())
-    with pytest.raises(ValueError, match=r"expand_fp4: out must be a contiguous \[2, 256, 160\] tensor"):
-        gemm.expand_fp4(pe.weight, pe.scale, 0, 2, dtype, out=out)
-
-
-def test_prefill_chunks_run_the_experts_expanded(tiny_ckpt, monkeypatch):
-    """From ``expand_min_rows`` tokens the MXFP4 MoE expands each group of experts (at most
-    ``expand_scratch_bytes``) and runs a dense grouped GEMM: the kernel path's result up to
-    summation order, every group with rows expanded once per projection, empty groups skipped."""
-    model = load_model(tiny_ckpt, "decode", device=DEVICE, dtype=torch.float32, weights="packed-experts", vision=False)
-    moe = next(b.ffn for b in model.blocks if b is not None and getattr(b.ffn, "experts", None) == "mxfp4")
-    g = torch.Generator().manual_seed(3)
-    x = fp8_qdq(torch.randn(37, moe.w13.in_features, generator=g)).to(DEVICE)
-    calls = []
-    real = gemm.expand_fp4
-    monkeypatch.setattr("asympd.model.cuda_ops.expand_fp4", lambda *a: calls.append(a[2:4]) or real(*a))
-    per_expert = 4 * (moe.w13.out_features * moe.w13.in_features + moe.w2f.out_features * moe.w2f.in_features)
-    monkeypatch.setattr(type(moe), "expand_scratch_bytes", 3 * per_expert)  # three experts a group
-    with torch.inference_mode():
-        ref = moe(x)  # 37 tokens, below the default threshold: the register-expanding kernels
-        assert not calls
-        monkeypatch.setattr(type(moe), "expand_min_rows", 37)
-        got = moe(x)
-        _, ids = moe.route(x)
-    groups = sorted({int(e) // 3 for e in ids.flatten()})
-    assert sorted(set(calls)) == [(3 * t, min(3 * t + 3, moe.w13.n_experts)) for t in groups]
-    assert len(calls) == 2 * len(groups)  # w13 and w2 of each group with rows
-    assert rel(got, ref) < 1e-5
-
-
 def test_packed_role_holds_the_released_bytes(tiny_ckpt):
     """The packed build holds exactly the released-format bytes ``asympd memory`` counts, plus the
     deliberate copies the reference also makes: the LM head (on CPU; a bf16 GPU model keeps it bf16)
