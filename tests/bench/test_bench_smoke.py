@@ -163,3 +163,24 @@ def test_gil_contention_smoke(tmp_path):
     for row in r["rows"]:
         assert row["fetch_idle_ms"] > 0 and row["fetch_busy_ms"] > 0 and row["steps_per_s_alone"] > 0
         assert row["fetch_busy_over_idle"] == round(row["fetch_busy_ms"] / row["fetch_idle_ms"], 2)
+
+
+def test_layers_smoke(tmp_path):
+    """bench/layers.py (the planner's layer tables) on the tiny config: every section runs (it had
+    stopped running on CPU when the fused indexer became the CUDA kernels' default, unnoticed until
+    the next device call) and the steps the composers read are there."""
+    env = {**os.environ, "ASYMPD_OUT": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "bench.layers", "--smoke"], cwd=ROOT, env=env, check=True, timeout=600)
+    r = json.loads((tmp_path / "layers_smoke.json").read_text())
+    assert "errors" not in r and "skipped" not in r, (r.get("errors"), r.get("skipped"))
+    assert r["build"]["block_experts"] == "bf16"  # the packed kernels are Triton's: CPU keeps bf16
+    assert [(m["experts"], m["rows"]) for m in r["moe"]] == [("bf16", 1), ("bf16", 16), ("bf16", 64)]
+    kinds = {"swa", "enc_src", "enc_reuse", "dec_src", "dec_reidx", "dec_reuse"}
+    assert {(s["B"], s["j"]) for s in r["d_steps"]} == {(b, j) for b in (2, 4) for j in (0, 1, 2)}
+    assert all(set(s["kinds"]) == kinds for s in r["d_steps"])
+    assert {(s["n_prompt"], s["mode"]) for s in r["p_steps"]} == {
+        (n, m) for n in (48, 100) for m in ("asymmetric", "symmetric")
+    }
+    for s in r["p_steps"]:  # the asymmetric P runs L20's KV path alone; the symmetric one L20 and a tail
+        assert ("dec_src_kv_path" in s["t_main"]) == (s["mode"] == "asymmetric")
+        assert bool(s["t_tail"]) == (s["mode"] == "symmetric" and s["prompts"] > 0)
