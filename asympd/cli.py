@@ -350,11 +350,16 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or with ``command`` only that subcommand's arguments (the others keep
+    their name and help): adding a subcommand's arguments imports its modules, and those of
+    ``serve`` or ``bench`` take seconds that ``plan`` or ``memory`` need not wait for."""
     parser = _Parser(prog="asympd", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, cmd in COMMANDS.items():
-        cmd.add_arguments(sub.add_parser(name, help=cmd.help, description=cmd.help))
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        if command is None or name == command:
+            cmd.add_arguments(p)
     return parser
 
 
@@ -362,8 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     from asympd.config import ConfigError
     from asympd.model.checkpoint import CheckpointError
 
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None).parse_args(argv)
         return COMMANDS[args.command].run(args)
     except (UsageError, ConfigError, CheckpointError, FileNotFoundError, NotADirectoryError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -15,7 +15,7 @@ import math
 from typing import Any
 
 from asympd.config import ModelConfig
-from asympd.model.schema import ROLE_PARTS, ROLES, Part, checkpoint_schema
+from asympd.model.schema import ROLE_PARTS, ROLES, Part, TensorSpec, checkpoint_schema
 
 GB = 1e9
 GPUS_GB = {"H200": 141.0, "B200": 180.0, "B300": 288.0}  # HBM per GPU, decimal GB as vendors state
@@ -51,14 +51,16 @@ def memory_report(
     engram_on_gpu: bool = False,
     gpus_gb: dict[str, float] | None = None,
     swa_bytes_per_layer_token: int = SWA_BYTES_PER_LAYER_TOKEN,
+    schema: list[TensorSpec] | None = None,
 ) -> dict[str, Any]:
     """Resident bytes per role and part, and per GPU whether each role fits and its KV room.
 
     ``kv_tokens``: compressed-KV tokens the room holds (SWA aside); ``requests_at_context``: how
-    many requests of ``context_tokens`` fit, each with its bounded SWA windows."""
+    many requests of ``context_tokens`` fit, each with its bounded SWA windows. ``schema``:
+    ``checkpoint_schema(cfg)`` where the caller reads it too (building it is most of the time here)."""
     gpus_gb = GPUS_GB if gpus_gb is None else gpus_gb
     part_bytes = {p: 0 for p in Part}
-    for spec in checkpoint_schema(cfg):
+    for spec in checkpoint_schema(cfg) if schema is None else schema:
         part_bytes[spec.part] += math.prod(spec.shape) * spec.dtype.itemsize  # = spec.nbytes, without a tensor
     per_token = compressed_kv_bytes_per_token(cfg)
     roles: dict[str, Any] = {}

@@ -131,9 +131,10 @@ class RoleMemory:
 
 
 def role_memory(cfg: ModelConfig, reserve_gb: float) -> dict[str, RoleMemory]:
-    rep = memory_report(cfg, reserve_gb=reserve_gb, gpus_gb={})
+    schema = checkpoint_schema(cfg)
+    rep = memory_report(cfg, reserve_gb=reserve_gb, gpus_gb={}, schema=schema)
     experts = {p: 0 for p in PARTS}
-    for spec in checkpoint_schema(cfg):
+    for spec in schema:
         if ".experts." in spec.name and spec.part in experts:
             experts[spec.part] += math.prod(spec.shape) * spec.dtype.itemsize
     out = {}

@@ -16,14 +16,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from asympd.config import ModelConfig
 from asympd.engine import modes
 from asympd.engine.request import Request, Status
 from asympd.engine.sampling import SamplingParams
-from asympd.engine.scheduler import Scheduler, SchedulerConfig
+from asympd.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from asympd.kv.block_manager import BlockManager
 from asympd.kv.spec import KVCacheSpec
 from asympd.model.transformer import Depth
@@ -35,6 +35,7 @@ ACCEPT_TOKENS = [n for n, _ in ACCEPT]
 ACCEPT_CUM = list(itertools.accumulate(w for _, w in ACCEPT))
 NUM_SPEC = 3
 BLOCK_SIZE = 256
+_RUNNING = Status.RUNNING  # read per request per step: ``Status.RUNNING`` goes through ``EnumType.__getattr__``
 
 
 @dataclass(frozen=True)
@@ -129,15 +130,34 @@ class DecodeSetup:
 
 
 class _SimRequest(Request):
-    """A request compared by identity, as the scheduler means it: the dataclass equality compares
-    every field and dominates a long simulation."""
-
-    __eq__ = object.__eq__
-    __hash__ = object.__hash__
+    """A request as the simulator makes it: only lengths of its token lists are read."""
 
     @property
     def all_token_ids(self) -> range:  # only its length is read; the list copy dominated long prompts
         return range(len(self.prompt_token_ids) + len(self.output_token_ids))
+
+
+class _DecodeRequest(_SimRequest):
+    """A D replica's request, carrying what the simulator records of it (attributes, not dictionaries
+    by request id, on the per-token path). Set by ``DecodeEngine.add``."""
+
+    arrival: Arrival
+    last_out: float | None = None  # when its last output reached the client (None: none yet)
+    gaps: list[float]  # between its outputs, in order
+
+
+def accepted_tokens(rng: random.Random, batch: int = 1024) -> Iterator[int]:
+    """Tokens per decode step (``ACCEPT``), drawn from ``rng`` ``batch`` at a time: ``choices`` with
+    ``k`` draws reads the generator as ``k`` calls of one draw do, so the sequence is the same."""
+    while True:
+        yield from rng.choices(ACCEPT_TOKENS, cum_weights=ACCEPT_CUM, k=batch)
+
+
+def _prompt(n: int) -> bytes:
+    """A prompt of ``n`` tokens for a simulated request: only its length is read (the scheduler counts
+    positions; prefix caching, which would hash the ids, is off), so ``n`` zero bytes rather than a
+    list of ``n`` ints (0.5 MB to build and free for a 64K-token prompt)."""
+    return bytes(n)
 
 
 def _scheduler(
@@ -168,6 +188,7 @@ class _Engine:
         heapq.heapify(self._pending)
         self._stalled = False  # the scheduler had work but ran nothing: wait for an arrival
         self._dt = 0.0
+        self._chunks: list[ScheduledChunk] = []  # the step in progress (or the last one)
         self.side: list[SideTask] = []  # progress only while no step of this engine is in progress
 
     def hold(self, task: SideTask) -> None:
@@ -187,6 +208,11 @@ class _Engine:
     @property
     def has_work(self) -> bool:
         return self.sched.has_work or bool(self._pending) or bool(self.side)
+
+    @property
+    def step_rows(self) -> int:
+        """Rows of the step last issued (0 before the first)."""
+        return sum(c.num_rows for c in self._chunks)
 
     def _admit_until(self, t: float) -> None:
         while self._pending and self._pending[0][0] <= t:
@@ -223,7 +249,6 @@ class PrefillEngine(_Engine):
         super().__init__(_scheduler(cfg, sc, setup.num_blocks, arrivals), arrivals)
         self.cfg, self.steps, self.mode, self.gpus = cfg, steps, setup.mode, setup.gpus
         self._lengths: dict[str, int] = {}
-        self._chunks: list = []
 
     def add(self, a: Arrival) -> None:
         if modes.skips_prefill(self.mode, a.prompt_len, self.cfg.window_size):
@@ -233,7 +258,7 @@ class PrefillEngine(_Engine):
         plan = modes.prefill_plan(self.cfg, a.prompt_len, self.mode)
         req = _SimRequest(
             str(a.index),
-            [0] * a.prompt_len,
+            _prompt(a.prompt_len),
             SamplingParams(max_tokens=1),
             plan.phases,
             sample_after_prompt=False,
@@ -256,7 +281,6 @@ class PrefillEngine(_Engine):
             self._stalled = True
             return None
         self._chunks = out.chunks
-        self.step_rows = sum(c.num_rows for c in out.chunks)
         self.run.max_batch = max(self.run.max_batch, len(out.chunks))
         self.run.preemptions += len(out.preempted)
         chunks = [(c.num_rows, self._lengths[c.request.request_id]) for c in out.chunks]
@@ -300,14 +324,10 @@ class DecodeEngine(_Engine):
         super().__init__(sched, arrivals)
         self.cfg, self.steps, self.mode, self.gpus = cfg, steps, setup.mode, setup.gpus
         self.num_spec, self.semantics = setup.num_spec, setup.colocated_semantics
-        self.rng = random.Random(setup.seed)
-        self._info: dict[str, Arrival] = {}
-        self._last: dict[str, float] = {}
-        self._gaps: dict[str, list[float]] = {}
-        self._chunks: list = []
+        self._accepted = accepted_tokens(random.Random(setup.seed))
         self._late_first = setup.first_token_with_first_step
         self._at_launch = setup.outputs_at_launch
-        self._unsent: dict[str, Request] = {}  # P's first token, held until D first outputs the request
+        self._unsent: dict[str, _DecodeRequest] = {}  # P's first token, held until D first outputs the request
         self._out_with_step: list[str] = []  # held first tokens that the step in progress outputs at its end
 
     def add(self, a: Arrival) -> None:
@@ -316,9 +336,10 @@ class DecodeEngine(_Engine):
         else:
             plan = modes.decode_plan(self.cfg, a.prompt_len, self.mode)
         rid = str(a.index)
-        req = _SimRequest(
-            rid, [0] * a.prompt_len, SamplingParams(max_tokens=a.output_len), plan.phases, arrival_time=a.time_s
+        req = _DecodeRequest(
+            rid, _prompt(a.prompt_len), SamplingParams(max_tokens=a.output_len), plan.phases, arrival_time=a.time_s
         )
+        req.arrival, req.gaps = a, []
         req.spec_enabled = self.num_spec > 0
         req.spec_draft = [0] * self.num_spec
         if plan.first_token_from_prefill:  # the first token came from P with the prefix
@@ -326,11 +347,13 @@ class DecodeEngine(_Engine):
             if self._late_first:
                 self._unsent[rid] = req
             else:
-                self.run.first_token_s[a.index] = a.time_s
-                self._last[rid] = a.time_s
-        self._info[rid] = a
-        self._gaps[rid] = []
+                self._first_out(req, a.time_s)
         self.sched.add(req)
+
+    def _first_out(self, req: _DecodeRequest, t: float) -> None:
+        """The request's first token reaches the client at ``t``."""
+        self.run.first_token_s[req.arrival.index] = t
+        req.last_out = t
 
     def issue(self, at: float) -> float | None:
         self.t = at
@@ -343,30 +366,31 @@ class DecodeEngine(_Engine):
         self.run.preemptions += len(out.preempted)
         # admitted with nothing to compute (symmetric-windows): the engine outputs P's token from the
         # step that admits it, so it goes out when that step's outputs do (``_out_with_step``)
-        bare = [rid for rid, req in self._unsent.items() if req.status is Status.RUNNING and not req.in_prompt]
+        bare = [rid for rid, req in self._unsent.items() if req.status is _RUNNING and not req.in_prompt]
         answers_now = not out.chunks or (
             self._at_launch and not any(c.phase is None or c.phase.sample for c in out.chunks)
         )
         for rid in bare:
             if answers_now:
-                del self._unsent[rid]
-                self.run.first_token_s[self._info[rid].index] = at
-                self._last[rid] = at
+                self._first_out(self._unsent.pop(rid), at)
         self._out_with_step = [] if answers_now else bare
         if not out.chunks:
-            if any(r.status is Status.RUNNING and not r.in_prompt for r in self.sched.running):
+            if any(r.status is _RUNNING and not r.in_prompt for r in self.sched.running):
                 return None  # admitted with nothing to compute (symmetric-windows): decodes next step
             self._stalled = True
             return None
-        dec = [c for c in out.chunks if c.phase is None]
-        rows = sum(c.num_rows for c in out.chunks if c.phase is not None)
+        dec = rows = 0  # decoding requests, prompt rows
+        for c in out.chunks:
+            if c.phase is None:
+                dec += 1
+            else:
+                rows += c.num_rows
         if self._at_launch and not dec and not any(c.phase.sample for c in out.chunks):
             self._launched(out.chunks, at)
         self._chunks = out.chunks
-        self.step_rows = sum(c.num_rows for c in out.chunks)
-        self.run.max_batch = max(self.run.max_batch, len(dec))
+        self.run.max_batch = max(self.run.max_batch, dec)
         self.run.step_kinds.append("mixed" if dec and rows else "decode" if dec else "prompt")
-        self._dt = self.steps.decode_ms(len(dec), rows, self.gpus) / 1e3
+        self._dt = self.steps.decode_ms(dec, rows, self.gpus) / 1e3
         return self._dt
 
     def _launched(self, chunks: list, at: float) -> None:
@@ -378,8 +402,7 @@ class DecodeEngine(_Engine):
             req = c.request
             last = req.phase_index == len(req.phases) - 1 and c.hi == c.phase.hi
             if last and self._unsent.pop(req.request_id, None) is not None:
-                self.run.first_token_s[self._info[req.request_id].index] = at
-                self._last[req.request_id] = at
+                self._first_out(req, at)
 
     def finish(self, end: float) -> None:
         t, run = end, self.run
@@ -387,43 +410,38 @@ class DecodeEngine(_Engine):
         run.steps += 1
         run.busy_s += self._dt
         for rid in self._out_with_step:  # before the step's tokens: its own decode token follows at once
-            if self._unsent.pop(rid, None) is not None:
-                run.first_token_s[self._info[rid].index] = t
-                self._last[rid] = t
+            if (held := self._unsent.pop(rid, None)) is not None:
+                self._first_out(held, t)
         self._out_with_step = []
         for c in self._chunks:
             req = c.request
-            if req.status is not Status.RUNNING:
+            if req.status is not _RUNNING:
                 continue
-            rid = req.request_id
-            a = self._info[rid]
-            held = self._unsent.pop(rid, None) is not None
-            if held:
-                run.first_token_s[a.index] = t
-                self._last[rid] = t
+            if self._unsent and self._unsent.pop(req.request_id, None) is not None:
+                self._first_out(req, t)
             if c.phase is not None:
                 req.cursor = c.hi
                 if req.cursor == c.phase.hi:
                     req.phase_index += 1
                     if not req.in_prompt and c.phase.sample and len(req.output_token_ids) == 0:
                         req.output_token_ids.append(0)
-                        run.first_token_s[a.index] = t
-                        self._last[rid] = t
+                        self._first_out(req, t)
                 continue
-            k = self.rng.choices(ACCEPT_TOKENS, cum_weights=ACCEPT_CUM)[0] if self.num_spec else 1
+            a = req.arrival
+            k = next(self._accepted) if self.num_spec else 1
             k = min(k, a.output_len - len(req.output_token_ids))
             req.output_token_ids.extend([0] * k)
             # a token that goes out with the held first one follows it at once: a gap of ~0 (the client sees two chunks)
-            self._gaps[rid].append(t - self._last[rid])
-            run.itl_s.append(t - self._last[rid])
+            gap = t - req.last_out
+            req.gaps.append(gap)
+            run.itl_s.append(gap)
             run.itl_request.append(a.index)
-            self._last[rid] = t
+            req.last_out = t
             if len(req.output_token_ids) >= a.output_len:
                 req.status = Status.FINISHED_LENGTH
                 self.sched.remove(req)
                 run.done_s[a.index] = t
-                g = self._gaps[rid]
-                run.mean_itl_s[a.index] = sum(g) / len(g) if g else 0.0
+                run.mean_itl_s[a.index] = sum(req.gaps) / len(req.gaps) if req.gaps else 0.0
 
 
 @dataclass
@@ -534,15 +552,33 @@ def run_engines(
         raise RuntimeError(f"engine {stuck[0]}'s scheduler made no progress")
 
 
+def run_alone(e: _Engine) -> None:
+    """``run_engines([e], [0])`` for an engine on GPUs of its own and with no side work, without the
+    bookkeeping of shared GPUs: each step has the whole GPU from its issue to its end (the same
+    times, event for event; the planner simulates thousands of steps a replica)."""
+    now = 0.0
+    while (at := e.next_issue()) is not None:
+        now = max(at, now)
+        dt = e.issue(now)
+        e.exports.clear()
+        if dt is not None:
+            issued, now = now, now + dt
+            e.run.wall_s += now - issued
+            e.finish(now)
+            e.exports.clear()
+    if e.has_work:
+        raise RuntimeError("engine 0's scheduler made no progress")
+
+
 def run_prefill(cfg: ModelConfig, steps: StepModel, setup: PrefillSetup, arrivals: list[Arrival]) -> ReplicaRun:
     """One P replica on GPUs of its own (see ``PrefillEngine``)."""
     e = PrefillEngine(cfg, steps, setup, arrivals)
-    run_engines([e], [0])
+    run_alone(e)
     return e.run
 
 
 def run_decode(cfg: ModelConfig, steps: StepModel, setup: DecodeSetup, arrivals: list[Arrival]) -> ReplicaRun:
     """One D replica on GPUs of its own (see ``DecodeEngine``)."""
     e = DecodeEngine(cfg, steps, setup, arrivals)
-    run_engines([e], [0])
+    run_alone(e)
     return e.run

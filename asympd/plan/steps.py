@@ -157,6 +157,10 @@ class StepModel:
         self._d_by_b: dict[int, list[tuple[float, float]]] = {}
         for b, j, ms in self._d_table:
             self._d_by_b.setdefault(b, []).append((j, ms))
+        # decode_ms and prefill_cost_ms_per_row by their arguments: a simulation reads the same few
+        # step shapes and prompt lengths thousands of times
+        self._d_ms: dict[tuple[int, int, int], float] = {}
+        self._p_row_ms: dict[tuple[str, int], float] = {}
         self._p_cost, self._p_floor = self._prefill_tables(results["layers"], results["p_throughput"])
         # MoE layers a P step runs on a prefix row: the asymmetric P's 20 layers below L20 (L20's KV
         # path has none); a symmetric-split P runs those on [0, N-W) and all 40 on [N-W, N)
@@ -230,15 +234,21 @@ class StepModel:
 
     def decode_ms(self, batch: int, prefill_rows: int, gpus: int) -> float:
         """One D step: ``batch`` requests x 4 rows and ``prefill_rows`` bounded-prefill rows."""
-        j = prefill_rows / self.window
-        per_b = [(b, interp(pts, j)) for b, pts in sorted(self._d_by_b.items())]
-        one_gpu = max(0.1, interp(per_b, max(batch, 1)))
-        return one_gpu / gpus + self.a2a_ms(batch * 4 + prefill_rows, gpus, 40)
+        key = (batch, prefill_rows, gpus)
+        if key not in self._d_ms:
+            j = prefill_rows / self.window
+            per_b = [(b, interp(pts, j)) for b, pts in sorted(self._d_by_b.items())]
+            one_gpu = max(0.1, interp(per_b, max(batch, 1)))
+            self._d_ms[key] = one_gpu / gpus + self.a2a_ms(batch * 4 + prefill_rows, gpus, 40)
+        return self._d_ms[key]
 
     def prefill_cost_ms_per_row(self, mode: str, n_prompt: int) -> float:
         """One-GPU-equivalent ms per prompt row at a full step, for a prompt of ``n_prompt``."""
-        pts = self._p_cost[mode]
-        return max(1e-6, interp(pts, min(max(math.log2(max(n_prompt, 2)), pts[0][0]), pts[-1][0])))
+        key = (mode, n_prompt)
+        if key not in self._p_row_ms:
+            pts = self._p_cost[mode]
+            self._p_row_ms[key] = max(1e-6, interp(pts, min(max(math.log2(max(n_prompt, 2)), pts[0][0]), pts[-1][0])))
+        return self._p_row_ms[key]
 
     def prefill_ms(self, mode: str, chunks: list[tuple[int, int]], gpus: int, windows: int = 0) -> float:
         """One P step over (rows, prompt length) chunks: the packed cost, never below the measured

@@ -368,6 +368,16 @@ def test_cli_plan_is_deterministic(capsys, tmp_path):
     assert not math.isnan(dep["goodput_tokens_per_s_per_gpu"])
 
 
+def test_cli_builds_the_named_subcommand_alone():
+    """`asympd plan` adds only plan's arguments (serve's and bench's imports take seconds): the same
+    parse as the whole command line's; the others keep their name."""
+    from asympd.cli import COMMANDS, build_parser
+
+    only = build_parser("plan")
+    assert vars(only.parse_args([*ARGS, "--json"])) == vars(build_parser().parse_args([*ARGS, "--json"]))
+    assert all(name in only.format_help() for name in COMMANDS)
+
+
 def test_cli_plan_errors(capsys):
     assert main([*ARGS[:-2], "--requests", "60", "--slo-itl-p99", "1"]) == 1  # infeasible: exit 1, table says why
     assert "infeasible: ITL: the fastest decode step" in capsys.readouterr().out

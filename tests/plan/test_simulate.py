@@ -3,13 +3,29 @@ engines on GPUs of their own never slow each other. Hand-computed timelines."""
 
 from __future__ import annotations
 
+import itertools
+import random
 from dataclasses import replace
 
 import pytest
 
-from asympd.config import tiny
-from asympd.plan.simulate import Arrival, DecodeEngine, DecodeSetup, PrefillEngine, PrefillSetup, run_engines
+from asympd.config import tiny, v41_flash
+from asympd.plan.gpus import GPUS
+from asympd.plan.simulate import (
+    ACCEPT_CUM,
+    ACCEPT_TOKENS,
+    Arrival,
+    DecodeEngine,
+    DecodeSetup,
+    PrefillEngine,
+    PrefillSetup,
+    accepted_tokens,
+    run_alone,
+    run_engines,
+)
+from asympd.plan.steps import StepModel, load_results
 from asympd.plan.validate import MeasuredSteps, window_step_ms
+from asympd.serve.admission import POLICIES
 
 CFG = tiny()  # window 16: a 40-token prompt is 24 rows for P, 16 for D
 D_SETUP = DecodeSetup("asymmetric", 1, 1000, 8, num_spec=0)
@@ -219,3 +235,55 @@ def test_a_symmetric_p_prices_its_window_steps_apart():
     assert measured.prefill_ms("symmetric-split", [(16, 40)], 1) == pytest.approx(101.6)  # the line
     assert replace(measured, p_window_ms=None).prefill_ms("symmetric-split", [(16, 40)], 1, windows=1) == 101.6
     assert window_step_ms({2: 50.0}, 3) == 75.0 and window_step_ms({1: 40.0, 4: 100.0}, 6) == 140.0
+
+
+# ---- one engine alone, and the accepted-token draws ----------------------------------------------
+
+
+def test_accepted_tokens_are_the_draws_of_one_choices_call_a_step():
+    """Drawn ``batch`` at a time, the tokens a decode step accepts are the sequence that one
+    ``rng.choices`` call per step gives: the simulation's draws do not depend on the batching."""
+    rng = random.Random(7)
+    one_a_step = [rng.choices(ACCEPT_TOKENS, cum_weights=ACCEPT_CUM)[0] for _ in range(2500)]
+    assert list(itertools.islice(accepted_tokens(random.Random(7), batch=1024), 2500)) == one_a_step
+
+
+@pytest.mark.parametrize(
+    ("mode", "num_blocks", "policy", "late_first", "at_launch"),
+    [
+        ("asymmetric", 1 << 20, "cap-4", False, False),
+        ("asymmetric", 40, "cap-4", False, False),  # blocks run out: preemptions
+        ("symmetric", 1 << 20, "alone-4", True, True),
+        ("symmetric-windows", 60, "cap-8", True, False),
+    ],
+)
+def test_run_alone_times_every_event_as_run_engines_does(mode, num_blocks, policy, late_first, at_launch):
+    """``run_decode`` and ``run_prefill`` drive their engine with ``run_alone``: the same run, to the
+    bit, as ``run_engines`` gives one engine on a GPU of its own (measured step times, not round)."""
+    cfg = v41_flash()
+    steps = StepModel(load_results(), GPUS["B200"], cfg.dim, cfg.n_activated_experts, cfg.window_size)
+    rng = random.Random(5)
+    t, arrivals = 0.0, []
+    for i in range(40):
+        t += rng.expovariate(20.0)
+        arrivals.append(Arrival(i, t, rng.choice((200, 1000, 1500, 4000)), rng.randint(1, 300)))
+    setup = DecodeSetup(
+        mode,
+        2,
+        num_blocks,
+        16,
+        POLICIES[policy],
+        seed=3,
+        first_token_with_first_step=late_first,
+        outputs_at_launch=at_launch,
+    )
+    alone, shared = (DecodeEngine(cfg, steps, setup, arrivals) for _ in range(2))
+    run_alone(alone)
+    run_engines([shared], [0])
+    assert alone.run == shared.run
+    if num_blocks == 40:
+        assert alone.run.preemptions > 0
+    p_alone, p_shared = (PrefillEngine(cfg, steps, PrefillSetup(mode, 1, 400), arrivals) for _ in range(2))
+    run_alone(p_alone)
+    run_engines([p_shared], [0])
+    assert p_alone.run == p_shared.run
