@@ -286,10 +286,10 @@ class BlockManager:
         seq = self._seqs[seq_id]
         if new_num_tokens < seq.num_tokens:
             raise ValueError(f"grow to {new_num_tokens} < current {seq.num_tokens} tokens; use truncate")
-        if new_num_tokens <= len(seq.blocks) * self.block_size:  # within its blocks (most decode steps)
+        need = self.spec.blocks_for_tokens(new_num_tokens)
+        if need <= len(seq.blocks):  # within its blocks (most decode steps)
             seq.num_tokens = new_num_tokens
             return []
-        need = self.spec.blocks_for_tokens(new_num_tokens)
         if need > self.num_blocks:
             raise RequestTooLargeError(self._too_large(seq_id, new_num_tokens, need))
         new = self.pool.allocate(need - len(seq.blocks))  # raises CacheFullError before changing anything
