@@ -19,8 +19,10 @@ once, entries gathered through the block tables, ``fast_sparse_attention`` per r
 strongest unfused baseline; ``speedup_vs_batched`` compares the fused kernel with it. The indexer's
 "today" in the engine is the fused kernel itself (version 3): ``speedup_v3_over_v2`` and
 ``speedup_v4_over_v3`` (version 4: version 3's kernel in 64-entry tiles held to 128 registers a
-thread, two blocks per SM). ``--versions`` picks the indexer versions timed (each one's defaults;
-selections checked equal to the default version's: ``v3_equals_v4``).
+thread, two blocks per SM), ``speedup_v5_over_v4`` (version 5: a score pass writing 16-bit radix
+keys, then a radix select per row; ``kernels_ms`` splits its time between the two). ``--versions``
+picks the indexer versions timed (each one's defaults; selections checked equal to the default
+version's: ``v4_equals_v5``).
 
     python -m bench.attn_kernels            # on the GPU, < 3 minutes; JSON to bench/results/
     python -m bench.attn_kernels --smoke    # tiny config on CPU through the Triton interpreter
@@ -311,9 +313,14 @@ def run_cell(
         # size alone does, apart from the second block)
         configs: list[dict[str, Any]] = [{"version": v} for v in versions]
         if cell.q <= 16:
-            configs += [{"version": v, "splits": 2} for v in versions if v >= 3]
+            configs += [{"version": v, "splits": 2} for v in versions if v in (3, 4)]
             if 4 in versions:
                 configs.append({"version": 4, "maxnreg": 0})
+        if 5 in versions:  # version 5's tilings: warps and entries a tile (decode), rows a tile (prefill)
+            if cell.q <= 16:
+                configs += [{"version": 5, "num_warps": 4}, {"version": 5, "block_n": 128}]
+            else:
+                configs += [{"version": 5, "rows_per_tile": 4}, {"version": 5, "block_n": 128}]
         if sweep:  # then other tilings; Triton's sort as the fallback should the bitonic one fail
             configs += [{"version": 1}, {"version": 3, "rows_per_tile": 4}, {"version": 3, "rows_per_tile": 8},
                         {"version": 3, "block_n": 64}, {"version": 3, "block_n": 128},
@@ -328,6 +335,8 @@ def run_cell(
             t["config"] = kw
             # every config selects what the default does (splits, tiles, register caps included)
             t["selections_equal_default"] = bool(torch.equal(fused_select(cell, r, kind, cand_b, **kw)[0], got))
+            if kw.get("version") == 5 and cell.device.type == "cuda":  # its two passes, apart
+                t["kernels_ms"] = kernel_times(lambda r=r, k=kind, cb=cand_b, kw=kw: fused_select(cell, r, k, cb, **kw))
             row.setdefault("fused_configs", []).append(t)
         pick_best(row)
         finish(row)
@@ -385,6 +394,21 @@ def profile_cell(cell: Cell) -> None:
     log(cell_name(cell), "profiled")
 
 
+def kernel_times(fn) -> dict[str, float]:
+    """One call under the profiler, after a warm one: GPU time per kernel name (ms), summed."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        ms = ev.self_device_time_total / 1e3
+        if ms > 0:
+            out[ev.key[:60]] = round(out.get(ev.key[:60], 0.0) + ms, 4)
+    return out
+
+
 def pick_best(row: dict[str, Any]) -> None:
     """``fused``: the fastest config; ``fused_v1`` .. ``fused_v3``: each version's defaults (the
     first config timed of each), their floor fractions, and each version's speed-up over the one
@@ -392,12 +416,12 @@ def pick_best(row: dict[str, Any]) -> None:
     attention has v1 and v2)."""
     timed = row.get("fused_configs", [])
     row["fused"] = min(timed, key=lambda t: t["ms"], default=None)
-    for v in (1, 2, 3, 4):
+    for v in (1, 2, 3, 4, 5):
         first = next((t for t in timed if t["config"].get("version") == v), None)
         if first is not None:
             row[f"fused_v{v}"] = first
             row[f"floor_fraction_v{v}"] = row["floor_ms"] / first["ms"]
-    for old, new in ((1, 2), (2, 3), (3, 4)):
+    for old, new in ((1, 2), (2, 3), (3, 4), (4, 5)):
         if f"fused_v{old}" in row and f"fused_v{new}" in row:
             row[f"speedup_v{new}_over_v{old}"] = row[f"fused_v{old}"]["ms"] / row[f"fused_v{new}"]["ms"]
 
@@ -418,10 +442,10 @@ def summary(row: dict[str, Any]) -> str:
         f"unfused {row['unfused']['ms']:.3f} ms ({row['floor_fraction_unfused'] * 100:.0f}%) "
         f"floor {row['floor_ms']:.3f} ms speedup {row.get('speedup', 0):.2f}x "
         f"v2/v1 {row.get('speedup_v2_over_v1', 0):.2f}x v3/v2 {row.get('speedup_v3_over_v2', 0):.2f}x "
-        f"v4/v3 {row.get('speedup_v4_over_v3', 0):.2f}x "
+        f"v4/v3 {row.get('speedup_v4_over_v3', 0):.2f}x v5/v4 {row.get('speedup_v5_over_v4', 0):.2f}x "
         + "".join(
             f"v{v} {row[f'fused_v{v}']['ms']:.3f} ms ({row[f'floor_fraction_v{v}'] * 100:.0f}%) "
-            for v in (2, 3, 4)
+            for v in (2, 3, 4, 5)
             if f"fused_v{v}" in row
         )
         + (f"batched {row['batched']['ms']:.3f} ms ({row['speedup_vs_batched']:.2f}x) " if "batched" in row else "")

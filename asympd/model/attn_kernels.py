@@ -777,6 +777,172 @@ if AVAILABLE:
         best = tl.load(bestp + j[None, :])
         tl.store(out_ptr + ((rows.to(tl.int64) * NSPLIT + split) * KP)[:, None] + j[None, :], best, mask=rmask[:, None])
 
+    # ---- version 5: scores then select (two kernels) ----
+    # The score pass is a streaming GEMM with its epilogue (relu, head weights, head sum) and nothing
+    # else: no running top-k, no merges, no barriers, programs over (row tile, entry chunk) so every
+    # SM has work. It writes one radix key per (row, entry) -- 2 bytes where the reference rounds the
+    # score to bf16, 4 in fp32: 1/64 (1/32) of the per-head score tensor the unfused path writes.
+    # The select pass finds each row's k-th best key by radix (a histogram per digit) and compacts
+    # the winners in entry order: ascending output, ties at the threshold to the lowest entries.
+
+    @triton.jit
+    def _radix_key(s, KEY_BITS: tl.constexpr):
+        """The score's bits mapped so unsigned order is float order (-0 = +0); the top 16 bits when
+        the scores are bf16 values (their low 16 bits are zero, so nothing is lost)."""
+        s = tl.where(s == 0.0, 0.0, s)
+        b = s.to(tl.int32, bitcast=True)
+        u = b ^ ((b >> 31) | -2147483648)  # negative: all bits flipped; positive: the sign bit set
+        if KEY_BITS == 16:
+            key = (u >> 16).to(tl.int16)
+        else:
+            key = u
+        return key
+
+    @triton.jit(do_not_specialize=_VARYING)
+    def _indexer_scores_kernel_v5(
+        q_ptr, w_ptr, kpool_ptr, tables_ptr, row_seq_ptr, tile_row0_ptr, tile_rows_ptr, vis_ptr, cand_ptr,
+        bmax_ptr, key_ptr, s_qr, s_qh, s_wr, s_kb, s_ke, s_ts, s_cr, s_br, n_bmax, s_kr, EPB,
+        H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
+        HAS_CAND: tl.constexpr, CAND_BLOCK: tl.constexpr, BMAX: tl.constexpr, ROUND_BF16: tl.constexpr,
+        DOT_F32: tl.constexpr, IN_BLOCK: tl.constexpr, BF16X2: tl.constexpr, KEY_BITS: tl.constexpr,
+        PIPELINE: tl.constexpr,
+    ):  # fmt: skip
+        """Program (row tile, chunk of CHUNK entries): the tile's radix keys [rows, entries] for
+        visible entries, and the block maxima (candidate source) of its chunk."""
+        tile = tl.program_id(0)
+        e_lo = tl.program_id(1) * CHUNK
+        nrows = tl.load(tile_rows_ptr + tile)
+        row0 = tl.load(tile_row0_ptr + tile)
+        r = tl.arange(0, BM)
+        rows = row0 + r
+        rmask = r < nrows
+        vis = tl.load(vis_ptr + rows, mask=rmask, other=0).to(tl.int32)
+        n_max = tl.max(vis, axis=0)
+        e_hi = tl.minimum(e_lo + CHUNK, n_max)
+        if e_lo < e_hi:
+            seq = tl.load(row_seq_ptr + row0).to(tl.int64)
+            table_ptr = tables_ptr + seq * s_ts
+            mh = tl.arange(0, BM * H)
+            qrow = row0 + mh // H
+            qmask = (mh // H) < nrows
+            d = tl.arange(0, D)
+            qt = tl.load(
+                q_ptr + qrow.to(tl.int64)[None, :] * s_qr + (mh % H)[None, :] * s_qh + d[:, None],
+                mask=qmask[None, :],
+                other=0.0,
+            )
+            wt = tl.load(w_ptr + qrow.to(tl.int64) * s_wr + mh % H, mask=qmask, other=0.0)
+            if not BF16X2:
+                wt = wt.to(tl.float32)
+            koff = tl.arange(0, BN)[:, None] * s_ke + d[None, :]
+            keyp = key_ptr + rows.to(tl.int64)[None, :] * s_kr
+            if PIPELINE:
+                for e0 in range(e_lo, e_hi, BN):
+                    s, v = _score_keys_v3(
+                        qt, wt, kpool_ptr, table_ptr, koff, vis, cand_ptr, s_cr, rows, rmask, e0, n_max, s_kb, s_ke,
+                        EPB, H, D, BM, BN, HAS_CAND, CAND_BLOCK, ROUND_BF16, DOT_F32, IN_BLOCK, BF16X2,
+                    )  # fmt: skip
+                    if BMAX > 0:
+                        _store_block_max_t(s, v, bmax_ptr, rows, rmask, e0, s_br, n_bmax, BM, BN, BMAX)
+                    e = e0 + tl.arange(0, BN)
+                    tl.store(keyp + e[:, None], _radix_key(s, KEY_BITS), mask=v)
+            else:  # the interpreter cannot take a tensor as a range bound
+                e0 = e_lo
+                while e0 < e_hi:
+                    s, v = _score_keys_v3(
+                        qt, wt, kpool_ptr, table_ptr, koff, vis, cand_ptr, s_cr, rows, rmask, e0, n_max, s_kb, s_ke,
+                        EPB, H, D, BM, BN, HAS_CAND, CAND_BLOCK, ROUND_BF16, DOT_F32, IN_BLOCK, BF16X2,
+                    )  # fmt: skip
+                    if BMAX > 0:
+                        _store_block_max_t(s, v, bmax_ptr, rows, rmask, e0, s_br, n_bmax, BM, BN, BMAX)
+                    e = e0 + tl.arange(0, BN)
+                    tl.store(keyp + e[:, None], _radix_key(s, KEY_BITS), mask=v)
+                    e0 += BN
+
+    @triton.jit
+    def _load_radix_keys(ptr, e, m, KEY_BITS: tl.constexpr):
+        x = tl.load(ptr + e, mask=m, other=0)
+        if KEY_BITS == 16:
+            u = x.to(tl.uint16, bitcast=True).to(tl.uint32)
+        else:
+            u = x.to(tl.uint32, bitcast=True)
+        return u
+
+    @triton.jit
+    def _digit_hist(
+        rp, c, n, thresh, p: tl.constexpr, KEY_BITS: tl.constexpr, DIGIT: tl.constexpr, CHUNK: tl.constexpr
+    ):
+        """Histogram of digit p (from the top) over the chunk's keys that match ``thresh`` above it."""
+        shift: tl.constexpr = KEY_BITS - DIGIT * (p + 1)
+        e = c + tl.arange(0, CHUNK)
+        m = e < n
+        u = _load_radix_keys(rp, e, m, KEY_BITS)
+        if p > 0:
+            m = m & ((u >> (shift + DIGIT)) == thresh)
+        return tl.histogram(((u >> shift) & ((1 << DIGIT) - 1)).to(tl.int32), 1 << DIGIT, mask=m)
+
+    @triton.jit
+    def _take_chunk(rp, op, c, n, thresh, need, taken, ties, KEY_BITS: tl.constexpr, CHUNK: tl.constexpr):
+        """Store the chunk's winners (above the threshold, or equal to it while ties are needed) at
+        the next output slots, in entry order."""
+        e = c + tl.arange(0, CHUNK)
+        m = e < n
+        u = _load_radix_keys(rp, e, m, KEY_BITS)
+        eq = (m & (u == thresh)).to(tl.int32)
+        take = (m & (u > thresh)) | ((eq != 0) & (ties + tl.cumsum(eq, axis=0) - eq < need))
+        t32 = take.to(tl.int32)
+        tl.store(op + taken + tl.cumsum(t32, axis=0) - t32, e.to(tl.int64), mask=take)
+        return taken + tl.sum(t32, axis=0), ties + tl.sum(eq, axis=0)
+
+    @triton.jit(do_not_specialize=("K",))
+    def _radix_select_kernel(
+        key_ptr, vis_ptr, out_ptr, s_kr, s_or, K, KEY_BITS: tl.constexpr, DIGIT: tl.constexpr, CHUNK: tl.constexpr,
+        KP: tl.constexpr, PIPELINE: tl.constexpr,
+    ):  # fmt: skip
+        """Program per row: the k best of its n visible keys, written as entry ids ascending, -1
+        after them. Radix select from the top digit: a histogram of the digits among the keys that
+        share the threshold's digits found so far, then the digit where the count from the top
+        reaches what is still needed. Then one pass in entry order takes every key above the
+        threshold and the first ``need`` equal to it (the reference's lowest-index tie-break)."""
+        row = tl.program_id(0)
+        n = tl.load(vis_ptr + row)
+        rp = key_ptr + row.to(tl.int64) * s_kr
+        op = out_ptr + row.to(tl.int64) * s_or
+        NBINS: tl.constexpr = 1 << DIGIT
+        bins = tl.arange(0, NBINS)
+        thresh = (n * 0).to(tl.uint32)  # n <= K: every key is >= 0 and the first K of them are taken
+        need = K + n * 0
+        if n > K:
+            for p in tl.static_range(KEY_BITS // DIGIT):
+                hist = tl.zeros((NBINS,), tl.int32)
+                if PIPELINE:
+                    for c in range(0, n, CHUNK):
+                        hist += _digit_hist(rp, c, n, thresh, p, KEY_BITS, DIGIT, CHUNK)
+                else:  # the interpreter cannot take a tensor as a range bound
+                    c = 0
+                    while c < n:
+                        hist += _digit_hist(rp, c, n, thresh, p, KEY_BITS, DIGIT, CHUNK)
+                        c += CHUNK
+                at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys with digit >= b
+                digit = tl.sum((at_least >= need).to(tl.int32), axis=0) - 1
+                need -= tl.sum(tl.where(bins == digit, at_least - hist, 0), axis=0)  # those above it
+                thresh = (thresh << DIGIT) | digit.to(tl.uint32)
+        taken = n * 0
+        ties = n * 0
+        if PIPELINE:
+            for c in range(0, n, CHUNK):
+                taken, ties = _take_chunk(rp, op, c, n, thresh, need, taken, ties, KEY_BITS, CHUNK)
+        else:
+            c = 0
+            while c < n:
+                taken, ties = _take_chunk(rp, op, c, n, thresh, need, taken, ties, KEY_BITS, CHUNK)
+                c += CHUNK
+        j0 = taken * 0
+        while j0 < K:  # -1 in the slots after the winners
+            j = j0 + tl.arange(0, KP)
+            tl.store(op + j, tl.full((KP,), -1, tl.int64), mask=(j >= taken) & (j < K))
+            j0 += KP
+
     @triton.jit
     def _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS: tl.constexpr, DOT_F32: tl.constexpr):
         """One online-softmax step over a key tile kv [BN, D] (K = V)."""
@@ -954,6 +1120,65 @@ def row_tiles(row_seq: torch.Tensor, n_seqs: int, bm: int) -> tuple[torch.Tensor
     return row0, count
 
 
+V5_CHUNK = 2048  # entries per score program: few enough programs to reuse each query tile, enough to fill SMs
+V5_WORKSPACE = 1 << 30  # bytes of radix keys at once; larger batches go in groups of rows
+
+
+def _select_v5(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    key_pool: torch.Tensor,
+    tables: torch.Tensor,
+    seqs: torch.Tensor,
+    vis: torch.Tensor,
+    cand: torch.Tensor,
+    bmax: torch.Tensor,
+    n_bmax: int,
+    out: torch.Tensor,
+    k: int,
+    bm: int,
+    bn: int,
+    bound: int,
+    *,
+    has_cand: bool,
+    candidate_block: int,
+    block_max: int,
+    dot_f32: bool,
+    num_warps: int,
+) -> None:
+    """Version 5 into ``out`` (and ``bmax``): the score pass writes radix keys [rows, bound] for a
+    group of rows, the select pass reduces each row to its k entries. Groups of rows bound the
+    workspace (a 16K-row prefill chunk at 64K entries would otherwise hold 2 GB of keys)."""
+    rows = q.size(0)
+    round_bf16 = q.dtype == torch.bfloat16
+    key_bits = 16 if round_bf16 and not dot_f32 else 32
+    key_dtype = torch.int16 if key_bits == 16 else torch.int32
+    width = -(-max(1, bound) // 64) * 64  # aligned rows; one specialization of the row stride
+    group = max(1, min(rows, V5_WORKSPACE // (width * key_dtype.itemsize)))
+    keys = torch.empty(group, width, dtype=key_dtype, device=q.device)
+    bf16x2 = q.is_cuda and q.dtype == w.dtype == key_pool.dtype == torch.bfloat16 and not dot_f32
+    chunk = max(bn, V5_CHUNK) if q.is_cuda else max(bn, 64)
+    kp = max(16, min(1024, _next_pow2(k)))
+    for r0 in range(0, rows, group):
+        r1 = min(rows, r0 + group)
+        row0, count = row_tiles(seqs[r0:r1], tables.size(0), bm)
+        cand_g = cand[r0:r1] if has_cand else cand
+        _indexer_scores_kernel_v5[(row0.numel(), -(-width // chunk))](
+            q[r0:r1], w[r0:r1], key_pool, tables, seqs[r0:r1], row0, count, vis[r0:r1], cand_g,
+            bmax[r0:r1] if block_max else bmax, keys, q.stride(0), q.stride(1), w.stride(0), key_pool.stride(0),
+            key_pool.stride(1), tables.stride(0), cand.stride(0), bmax.stride(0) if block_max else 0, n_bmax,
+            keys.stride(0), key_pool.size(1),
+            H=q.size(1), D=q.size(2), BM=bm, BN=bn, CHUNK=chunk, HAS_CAND=has_cand, CAND_BLOCK=candidate_block,
+            BMAX=block_max, ROUND_BF16=round_bf16, DOT_F32=dot_f32, IN_BLOCK=key_pool.size(1) % bn == 0,
+            BF16X2=bf16x2, KEY_BITS=key_bits, PIPELINE=q.is_cuda, num_warps=num_warps,
+        )  # fmt: skip
+        _radix_select_kernel[(r1 - r0,)](
+            keys, vis[r0:r1], out[r0:r1], keys.stride(0), out.stride(0), k,
+            KEY_BITS=key_bits, DIGIT=8, CHUNK=4096 if q.is_cuda else 64, KP=kp, PIPELINE=q.is_cuda,
+            num_warps=8 if q.is_cuda else 1,
+        )  # fmt: skip
+
+
 def indexer_topk(
     q: torch.Tensor,
     w: torch.Tensor,
@@ -994,11 +1219,11 @@ def indexer_topk(
     a tile, ``maxnreg`` (ptxas's register cap per thread; CUDA only, the interpreter has none; 0
     for no cap) ``V4_MAXNREG``, and splits counted against two resident blocks per SM."""
     version = INDEXER_VERSION if version is None else version
-    if version not in (1, 2, 3, 4):
-        raise ValueError(f"version must be 1, 2, 3 or 4, got {version!r}")
+    if version not in (1, 2, 3, 4, 5):
+        raise ValueError(f"version must be 1 to 5, got {version!r}")
     if splits is not None and splits < 1:
         raise ValueError(f"splits must be positive, got {splits}")
-    if maxnreg is not None and version < 3:
+    if maxnreg is not None and version not in (3, 4):
         raise ValueError(f"maxnreg is for versions 3 and 4, got version {version}")
     if sort_impl not in ("bitonic", "triton"):
         raise ValueError(f"sort_impl must be 'bitonic' or 'triton', got {sort_impl!r}")
@@ -1023,7 +1248,7 @@ def indexer_topk(
     if bm & (bm - 1):
         raise ValueError(f"rows_per_tile must be a power of two, got {bm}")
     if block_n is None:
-        block_n = V4_BLOCK_N if version == 4 or (version >= 2 and bm >= 8) else 128
+        block_n = V4_BLOCK_N if version in (4, 5) or (version >= 2 and bm >= 8) else 128
     if version == 4 and maxnreg is None:
         maxnreg = V4_MAXNREG
     kp = max(16, _next_pow2(k))
@@ -1051,6 +1276,14 @@ def indexer_topk(
     cand = out
     if candidates is not None:
         cand = candidates.to(device=dev, dtype=torch.uint8).contiguous()
+    if rows and version == 5:
+        bound = max_entries if max_entries is not None else tables.size(1) * key_pool.size(1)
+        _select_v5(
+            q, w, key_pool, tables, seqs, vis, cand, bmax, n_bmax, out, k, bm, bn, bound,
+            has_cand=candidates is not None, candidate_block=candidate_block, block_max=block_max,
+            dot_f32=dot_f32, num_warps=num_warps,
+        )  # fmt: skip
+        return (out, bmax) if block_max else out
     if rows and version >= 3:
         row0, count = row_tiles(seqs, tables.size(0), bm)
         bound = max_entries if max_entries is not None else tables.size(1) * key_pool.size(1)

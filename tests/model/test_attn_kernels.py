@@ -72,10 +72,10 @@ def segments(g, lens_rows, heads, hd, values):
     return out
 
 
-@pytest.fixture(params=[1, 2, 3, 4], ids=["v1", "v2", "v3", "v4"])
+@pytest.fixture(params=[1, 2, 3, 4, 5], ids=["v1", "v2", "v3", "v4", "v5"])
 def kernel_version(request, monkeypatch):
     """Every kernel version: the earlier ones stay selectable so benchmarks time old against new
-    (attention has versions 1 and 2; the indexer's versions 3 and 4 run beside attention's 2)."""
+    (attention has versions 1 and 2; the indexer's versions 3 to 5 run beside attention's 2)."""
     monkeypatch.setattr(AK, "INDEXER_VERSION", request.param)
     monkeypatch.setattr(AK, "ATTENTION_VERSION", min(request.param, 2))
     return request.param
@@ -161,6 +161,7 @@ def test_indexer_versions_agree_in_bf16():
     assert torch.equal(AK.indexer_topk(*args, row_seq=row_seq, version=3, splits=2), v1)
     assert torch.equal(AK.indexer_topk(*args, row_seq=row_seq, version=4, splits=2), v1)
     assert torch.equal(AK.indexer_topk(*args, row_seq=row_seq, version=4, rows_per_tile=4, maxnreg=128), v1)
+    assert torch.equal(AK.indexer_topk(*args, row_seq=row_seq, version=5), v1)  # 16-bit radix keys
     want = torch.cat([ref_select(s[1].float(), s[2].float(), s[0], s[3], 16)[0] for s in segs])
     assert torch.equal(v1, want)
 
@@ -203,6 +204,47 @@ def test_indexer_v3_block_tiles_and_splits(epb, splits, version):
     assert sel[1].tolist() == list(range(k))
     kth = ref_select(segs[0][1], segs[0][2], segs[0][0], segs[0][3], k)[1].sort(dim=-1, descending=True).values
     assert (kth[:, k - 1] == kth[:, k]).any()  # a tie at the k-th place is real
+
+
+def test_indexer_v5_radix_select(monkeypatch):
+    """Version 5's own paths: the select pass's chunks (64 entries under the interpreter) with the
+    threshold's ties spread over several of them, scores of both signs and -inf (outside the
+    candidate pool), rows with fewer entries than k and none, 16- and 32-bit keys, and the rows
+    split into groups when their keys would exceed the workspace -- each equal to the reference."""
+    g = torch.Generator().manual_seed(9)
+    heads, hd, k, epb = 4, 32, 24, 16
+    segs = segments(g, [(300, 6, 200), (20, 3, 18), (150, 4, 0)], heads, hd, fp4_grid)
+    segs[0][0][::4] = segs[0][0][1]  # 75 entries tie with entry 1 across every 64-entry chunk
+    segs[0][0][100:250] = 0  # and a run of zero scores across three chunks (row 2's best: all <= 0)
+    pool, tables = paged([s[0] for s in segs], epb, g)
+    q, w = torch.cat([s[1] for s in segs]), torch.cat([s[2] for s in segs])
+    w[2] = -w[2].abs()  # a row whose scores are all <= 0
+    vis = torch.cat([s[3] for s in segs])
+    row_seq = torch.tensor([0] * 6 + [1] * 3 + [2] * 4)
+    cand = torch.rand(q.size(0), 300, generator=g) < 0.3
+    want, want_c = [], []
+    lo = 0
+    for keys, qs, _, v in segs:
+        m = qs.size(0)
+        ws = w[lo : lo + m]
+        want.append(ref_select(qs, ws, keys, v, k)[0])
+        want_c.append(ref_select(qs, ws, keys, v, k, cand=cand[lo : lo + m, : keys.size(0)])[0])
+        lo += m
+    want, want_c = torch.cat(want), torch.cat(want_c)
+    scores = ref_select(segs[0][1], w[:6], segs[0][0], segs[0][3], k)[1]
+    kth = scores.sort(dim=-1, descending=True).values
+    assert kth[2, k - 1] == kth[2, k] == 0  # a tie at the k-th place is real
+    args = (q, w, pool, tables, vis, k)
+    for workspace in (1 << 30, 300 * 4 * 2):  # all rows at once; two rows a group
+        monkeypatch.setattr(AK, "V5_WORKSPACE", workspace)
+        assert torch.equal(AK.indexer_topk(*args, row_seq=row_seq, version=5), want)
+        got = AK.indexer_topk(*args, row_seq=row_seq, version=5, candidates=cand)
+        assert torch.equal(got, want_c)
+    assert (want[9:13] == -1).sum() > 0 and (want[6:9, 20:] == -1).all()  # short rows end in -1
+    # bf16 inputs: 16-bit keys, the reference's bf16 roundings; e2m1 values keep every sum exact
+    qb, wb, pb = q.bfloat16(), w.bfloat16(), pool.bfloat16()
+    v1 = AK.indexer_topk(qb, wb, pb, tables, vis, k, row_seq=row_seq, version=1)
+    assert torch.equal(AK.indexer_topk(qb, wb, pb, tables, vis, k, row_seq=row_seq, version=5), v1)
 
 
 def test_candidate_source_and_reindex_layer(kernel_version):
@@ -256,8 +298,8 @@ def test_indexer_bad_input():
         AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, rows_per_tile=3)
     with pytest.raises(ValueError, match="row_seq"):
         AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, row_seq=torch.zeros(3))
-    with pytest.raises(ValueError, match="version must be 1, 2, 3 or 4, got 5"):
-        AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, version=5)
+    with pytest.raises(ValueError, match="version must be 1 to 5, got 6"):
+        AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, version=6)
     with pytest.raises(ValueError, match="maxnreg is for versions 3 and 4, got version 2"):
         AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, version=2, maxnreg=128)
     with pytest.raises(ValueError, match="splits must be positive"):
