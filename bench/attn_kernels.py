@@ -316,7 +316,8 @@ def run_cell(
             configs += [{"version": v, "splits": 2} for v in versions if v in (3, 4)]
             if 4 in versions:
                 configs.append({"version": 4, "maxnreg": 0})
-        if 5 in versions:  # version 5's tilings: warps and entries a tile (decode), rows a tile (prefill)
+        if 5 in versions:  # version 5 selecting over whole rows; its tilings (warps, entries, rows a tile)
+            configs.append({"version": 5, "prefilter": 0})
             if cell.q <= 16:
                 configs += [{"version": 5, "num_warps": 4}, {"version": 5, "block_n": 128}]
             else:
