@@ -49,6 +49,12 @@ from asympd.model.attention import select_candidate_blocks  # noqa: E402
 from asympd.model.quant import fp4_qdq  # noqa: E402
 from bench.common import ceilings, log, record, time_cuda  # noqa: E402
 
+# version 5's select pass: the next chunk loaded early, 4-bit digits (four histograms of cheaper
+# ballots instead of two), smaller chunks at more blocks per SM
+V5_SELECTS = [
+    {"prefetch": True}, {"digit": 4}, {"digit": 4, "prefetch": True}, {"chunk": 2048, "num_warps": 4, "prefetch": True},
+    {"chunk": 1024, "num_warps": 4, "prefetch": True, "digit": 4},
+]  # fmt: skip
 PEAK = {"TBps": 4.8, "TFLOPs": 989.0}  # H200 datasheet (/work/.library/device/H200.md)
 BLOCK_TOKENS = 256  # positions per KV block: 256 entries at ratio 1, 128 at ratio 2
 
@@ -316,12 +322,12 @@ def run_cell(
             configs += [{"version": v, "splits": 2} for v in versions if v in (3, 4)]
             if 4 in versions:
                 configs.append({"version": 4, "maxnreg": 0})
-        if 5 in versions:  # version 5 selecting over whole rows; its tilings (warps, entries, rows a tile)
-            configs.append({"version": 5, "prefilter": 0})
+        if 5 in versions:  # version 5's select launches, then its score tilings
+            configs += [{"version": 5, "select": sel} for sel in V5_SELECTS]
             if cell.q <= 16:
                 configs += [{"version": 5, "num_warps": 4}, {"version": 5, "block_n": 128}]
             else:
-                configs += [{"version": 5, "rows_per_tile": 4}, {"version": 5, "block_n": 128}]
+                configs += [{"version": 5, "rows_per_tile": 4}]
         if sweep:  # then other tilings; Triton's sort as the fallback should the bitonic one fail
             configs += [{"version": 1}, {"version": 3, "rows_per_tile": 4}, {"version": 3, "rows_per_tile": 8},
                         {"version": 3, "block_n": 64}, {"version": 3, "block_n": 128},

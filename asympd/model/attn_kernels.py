@@ -46,7 +46,11 @@ candidate_block=1, block_max=0, rows_per_tile=None, block_n=None, version=None) 
     atomic adds on per-row counters (no transpose, cumsum or cross-warp reduction per tile; the
     merge sorts the slots, so their order does not matter); and, where the row tiles leave SMs
     idle (few sequences), each tile's entries split over programs whose top-k keys the wrapper
-    merges (exact: a key holds its entry index, no two are equal).
+    merges (exact: a key holds its entry index, no two are equal). Version 5 (the default) is
+    two kernels: the score pass (version 3's tile, nothing else) writes each visible entry's score
+    as a 16-bit radix key (32-bit for fp32 inputs), then a program per row finds its k-th best key
+    digit by digit (histograms) and takes the winners in entry order -- the [rows, entries] keys
+    are written, 1/64 of the per-head bf16 scores the unfused path writes.
     bf16 inputs follow the reference's bf16 roundings (per-head score, weighted score, the sum);
     fp32 inputs compute in fp32 (IEEE dots).
 ``indexer_topk_candidates(..., k, topk_blocks, block, *, max_entries=None) -> (sel, cand)``:
@@ -73,6 +77,8 @@ interpreter's bf16 dot is wrong, see ``gemm_kernels._dot_f32``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -781,13 +787,9 @@ if AVAILABLE:
     # The score pass is a streaming GEMM with its epilogue (relu, head weights, head sum) and nothing
     # else: no running top-k, no merges, no barriers, programs over (row tile, entry chunk) so every
     # SM has work. It writes one radix key per (row, entry) -- 2 bytes where the reference rounds the
-    # score to bf16, 4 in fp32: 1/64 (1/32) of the per-head score tensor the unfused path writes --
-    # and the key of each group of G entries' best. The select pass finds each row's k-th best key:
-    # the k-th best group maximum L first (k groups reach it, so the k best keys are all >= L), then
-    # the keys >= L, a few more than k, gathered in entry order, then a radix select among them (a
-    # histogram per digit) and one pass taking the winners in entry order: ascending output, ties at
-    # the threshold to the lowest entries. Where too many keys reach L (long runs of equal scores)
-    # the select runs over the whole row instead: the same result, slower.
+    # score to bf16, 4 in fp32: 1/64 (1/32) of the per-head score tensor the unfused path writes.
+    # The select pass finds each row's k-th best key by radix (a histogram per digit) and compacts
+    # the winners in entry order: ascending output, ties at the threshold to the lowest entries.
 
     @triton.jit
     def _radix_key(s, KEY_BITS: tl.constexpr):
@@ -802,41 +804,17 @@ if AVAILABLE:
             key = u
         return key
 
-    @triton.jit
-    def _score_tile_v5(
-        qt, wt, kpool_ptr, table_ptr, koff, vis, cand_ptr, s_cr, rows, rmask, e0, n_max, s_kb, s_ke, EPB, keyp,
-        gmaxp, bmax_ptr, s_br, n_bmax, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-        HAS_CAND: tl.constexpr, CAND_BLOCK: tl.constexpr, BMAX: tl.constexpr, ROUND_BF16: tl.constexpr,
-        DOT_F32: tl.constexpr, IN_BLOCK: tl.constexpr, BF16X2: tl.constexpr, KEY_BITS: tl.constexpr,
-        G: tl.constexpr,
-    ):  # fmt: skip
-        """One tile: its keys, its groups' best keys, the candidate source's block maxima."""
-        s, v = _score_keys_v3(
-            qt, wt, kpool_ptr, table_ptr, koff, vis, cand_ptr, s_cr, rows, rmask, e0, n_max, s_kb, s_ke,
-            EPB, H, D, BM, BN, HAS_CAND, CAND_BLOCK, ROUND_BF16, DOT_F32, IN_BLOCK, BF16X2,
-        )  # fmt: skip
-        if BMAX > 0:
-            _store_block_max_t(s, v, bmax_ptr, rows, rmask, e0, s_br, n_bmax, BM, BN, BMAX)
-        e = e0 + tl.arange(0, BN)
-        tl.store(keyp + e[:, None], _radix_key(s, KEY_BITS), mask=v)
-        if G > 0:  # a group's best over its visible entries (a group starting below n has one)
-            best = tl.max(tl.reshape(tl.where(v, s, float("-inf")), (BN // G, G, BM)), axis=1)
-            grp = e0 // G + tl.arange(0, BN // G)
-            gvis = rmask[None, :] & (grp[:, None] * G < vis[None, :])
-            tl.store(gmaxp + grp[:, None], _radix_key(best, KEY_BITS), mask=gvis)
-
     @triton.jit(do_not_specialize=_VARYING)
     def _indexer_scores_kernel_v5(
         q_ptr, w_ptr, kpool_ptr, tables_ptr, row_seq_ptr, tile_row0_ptr, tile_rows_ptr, vis_ptr, cand_ptr,
-        bmax_ptr, key_ptr, gmax_ptr, s_qr, s_qh, s_wr, s_kb, s_ke, s_ts, s_cr, s_br, n_bmax, s_kr, s_gr, EPB,
+        bmax_ptr, key_ptr, s_qr, s_qh, s_wr, s_kb, s_ke, s_ts, s_cr, s_br, n_bmax, s_kr, EPB,
         H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
         HAS_CAND: tl.constexpr, CAND_BLOCK: tl.constexpr, BMAX: tl.constexpr, ROUND_BF16: tl.constexpr,
         DOT_F32: tl.constexpr, IN_BLOCK: tl.constexpr, BF16X2: tl.constexpr, KEY_BITS: tl.constexpr,
-        G: tl.constexpr, PIPELINE: tl.constexpr,
+        PIPELINE: tl.constexpr,
     ):  # fmt: skip
         """Program (row tile, chunk of CHUNK entries): the tile's radix keys [rows, entries] for
-        visible entries, its groups' best keys [rows, entries / G] and the block maxima (candidate
-        source) of its chunk."""
+        visible entries, and the block maxima (candidate source) of its chunk."""
         tile = tl.program_id(0)
         e_lo = tl.program_id(1) * CHUNK
         nrows = tl.load(tile_rows_ptr + tile)
@@ -864,22 +842,27 @@ if AVAILABLE:
                 wt = wt.to(tl.float32)
             koff = tl.arange(0, BN)[:, None] * s_ke + d[None, :]
             keyp = key_ptr + rows.to(tl.int64)[None, :] * s_kr
-            gmaxp = gmax_ptr + rows.to(tl.int64)[None, :] * s_gr
             if PIPELINE:
                 for e0 in range(e_lo, e_hi, BN):
-                    _score_tile_v5(
+                    s, v = _score_keys_v3(
                         qt, wt, kpool_ptr, table_ptr, koff, vis, cand_ptr, s_cr, rows, rmask, e0, n_max, s_kb, s_ke,
-                        EPB, keyp, gmaxp, bmax_ptr, s_br, n_bmax, H, D, BM, BN, HAS_CAND, CAND_BLOCK, BMAX,
-                        ROUND_BF16, DOT_F32, IN_BLOCK, BF16X2, KEY_BITS, G,
+                        EPB, H, D, BM, BN, HAS_CAND, CAND_BLOCK, ROUND_BF16, DOT_F32, IN_BLOCK, BF16X2,
                     )  # fmt: skip
+                    if BMAX > 0:
+                        _store_block_max_t(s, v, bmax_ptr, rows, rmask, e0, s_br, n_bmax, BM, BN, BMAX)
+                    e = e0 + tl.arange(0, BN)
+                    tl.store(keyp + e[:, None], _radix_key(s, KEY_BITS), mask=v)
             else:  # the interpreter cannot take a tensor as a range bound
                 e0 = e_lo
                 while e0 < e_hi:
-                    _score_tile_v5(
+                    s, v = _score_keys_v3(
                         qt, wt, kpool_ptr, table_ptr, koff, vis, cand_ptr, s_cr, rows, rmask, e0, n_max, s_kb, s_ke,
-                        EPB, keyp, gmaxp, bmax_ptr, s_br, n_bmax, H, D, BM, BN, HAS_CAND, CAND_BLOCK, BMAX,
-                        ROUND_BF16, DOT_F32, IN_BLOCK, BF16X2, KEY_BITS, G,
+                        EPB, H, D, BM, BN, HAS_CAND, CAND_BLOCK, ROUND_BF16, DOT_F32, IN_BLOCK, BF16X2,
                     )  # fmt: skip
+                    if BMAX > 0:
+                        _store_block_max_t(s, v, bmax_ptr, rows, rmask, e0, s_br, n_bmax, BM, BN, BMAX)
+                    e = e0 + tl.arange(0, BN)
+                    tl.store(keyp + e[:, None], _radix_key(s, KEY_BITS), mask=v)
                     e0 += BN
 
     @triton.jit
@@ -892,135 +875,80 @@ if AVAILABLE:
         return u
 
     @triton.jit
-    def _digit_hist(
-        kp, c, n, thresh, p: tl.constexpr, KEY_BITS: tl.constexpr, DIGIT: tl.constexpr, CHUNK: tl.constexpr
-    ):
-        """Histogram of digit p (from the top) over the chunk's keys that match ``thresh`` above it."""
+    def _digit_hist(u, e, n, thresh, p: tl.constexpr, KEY_BITS: tl.constexpr, DIGIT: tl.constexpr):
+        """Histogram of digit p (from the top) over the keys u at entries e < n that match
+        ``thresh`` in the digits above it."""
         shift: tl.constexpr = KEY_BITS - DIGIT * (p + 1)
-        e = c + tl.arange(0, CHUNK)
         m = e < n
-        u = _load_radix_keys(kp, e, m, KEY_BITS)
         if p > 0:
             m = m & ((u >> (shift + DIGIT)) == thresh)
         return tl.histogram(((u >> shift) & ((1 << DIGIT) - 1)).to(tl.int32), 1 << DIGIT, mask=m)
 
     @triton.jit
-    def _radix_threshold(
-        kp, n, K, KEY_BITS: tl.constexpr, DIGIT: tl.constexpr, CHUNK: tl.constexpr, PIPELINE: tl.constexpr
-    ):
-        """(the K-th best of the n keys at kp, how many keys equal to it are among the K best), n > K:
-        digit by digit from the top, a histogram of the keys that share the digits found so far, then
-        the digit where the count from the top reaches what is still needed."""
-        NBINS: tl.constexpr = 1 << DIGIT
-        bins = tl.arange(0, NBINS)
-        thresh = (n * 0).to(tl.uint32)
-        need = K + n * 0
-        for p in tl.static_range(KEY_BITS // DIGIT):
-            hist = tl.zeros((NBINS,), tl.int32)
-            if PIPELINE:
-                for c in range(0, n, CHUNK):
-                    hist += _digit_hist(kp, c, n, thresh, p, KEY_BITS, DIGIT, CHUNK)
-            else:  # the interpreter cannot take a tensor as a range bound
-                c = n * 0
-                while c < n:
-                    hist += _digit_hist(kp, c, n, thresh, p, KEY_BITS, DIGIT, CHUNK)
-                    c += CHUNK
-            at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys with digit >= b
-            digit = tl.sum((at_least >= need).to(tl.int32), axis=0) - 1
-            need -= tl.sum(tl.where(bins == digit, at_least - hist, 0), axis=0)  # those above it
-            thresh = (thresh << DIGIT) | digit.to(tl.uint32)
-        return thresh, need
-
-    @triton.jit
-    def _take_chunk(
-        kp, ip, op, c, n, thresh, need, taken, ties, KEY_BITS: tl.constexpr, CHUNK: tl.constexpr, IDS: tl.constexpr
-    ):  # fmt: skip
-        """Store the chunk's winners (above the threshold, or equal to it while ties are needed) at
-        the next output slots, in order: entry ids, read from ``ip`` where the keys are a gathered
-        subset (``IDS``), else the keys' positions."""
-        e = c + tl.arange(0, CHUNK)
+    def _take_chunk(u, e, op, n, thresh, need, taken, ties):
+        """Store the winners among keys u at entries e (above the threshold, or equal to it while
+        ties are needed) at the next output slots, in entry order."""
         m = e < n
-        u = _load_radix_keys(kp, e, m, KEY_BITS)
         eq = (m & (u == thresh)).to(tl.int32)
         take = (m & (u > thresh)) | ((eq != 0) & (ties + tl.cumsum(eq, axis=0) - eq < need))
         t32 = take.to(tl.int32)
-        if IDS:
-            ent = tl.load(ip + e, mask=take, other=0).to(tl.int64)
-        else:
-            ent = e.to(tl.int64)
-        tl.store(op + taken + tl.cumsum(t32, axis=0) - t32, ent, mask=take)
+        tl.store(op + taken + tl.cumsum(t32, axis=0) - t32, e.to(tl.int64), mask=take)
         return taken + tl.sum(t32, axis=0), ties + tl.sum(eq, axis=0)
 
-    @triton.jit
-    def _select_keys(
-        kp, ip, op, n, K, KEY_BITS: tl.constexpr, DIGIT: tl.constexpr, CHUNK: tl.constexpr, IDS: tl.constexpr,
-        PIPELINE: tl.constexpr,
-    ):  # fmt: skip
-        """The K best of the n keys at kp, written to op in their order; returns how many (min(n, K))."""
-        thresh = (n * 0).to(tl.uint32)  # n <= K: every key is >= 0 and the first K of them are taken
-        need = K + n * 0
-        if n > K:
-            thresh, need = _radix_threshold(kp, n, K, KEY_BITS, DIGIT, CHUNK, PIPELINE)
-        taken = n * 0
-        ties = n * 0
-        if PIPELINE:
-            for c in range(0, n, CHUNK):
-                taken, ties = _take_chunk(kp, ip, op, c, n, thresh, need, taken, ties, KEY_BITS, CHUNK, IDS)
-        else:
-            c = n * 0
-            while c < n:
-                taken, ties = _take_chunk(kp, ip, op, c, n, thresh, need, taken, ties, KEY_BITS, CHUNK, IDS)
-                c += CHUNK
-        return taken
-
-    @triton.jit
-    def _gather_chunk(rp, cp, ip, c, n, low, got, CAP, KEY_BITS: tl.constexpr, CHUNK: tl.constexpr):
-        """Append the chunk's keys >= low and their entry ids to the row's scratch (up to CAP)."""
-        e = c + tl.arange(0, CHUNK)
-        m = e < n
-        u = _load_radix_keys(rp, e, m, KEY_BITS)
-        keep = (m & (u >= low)).to(tl.int32)
-        pos = got + tl.cumsum(keep, axis=0) - keep
-        ok = (keep != 0) & (pos < CAP)
-        tl.store(cp + pos, tl.load(rp + e, mask=ok), mask=ok)
-        tl.store(ip + pos, e, mask=ok)
-        return got + tl.sum(keep, axis=0)
-
-    @triton.jit(do_not_specialize=("K", "CAP"))
+    @triton.jit(do_not_specialize=("K",))
     def _radix_select_kernel(
-        key_ptr, gmax_ptr, cand_ptr, ids_ptr, vis_ptr, out_ptr, s_kr, s_gr, s_cr, s_or, K, CAP,
-        KEY_BITS: tl.constexpr, DIGIT: tl.constexpr, CHUNK: tl.constexpr, KP: tl.constexpr, G: tl.constexpr,
-        PIPELINE: tl.constexpr,
+        key_ptr, vis_ptr, out_ptr, s_kr, s_or, K, KEY_BITS: tl.constexpr, DIGIT: tl.constexpr, CHUNK: tl.constexpr,
+        KP: tl.constexpr, PREFETCH: tl.constexpr,
     ):  # fmt: skip
         """Program per row: the k best of its n visible keys, written as entry ids ascending, -1
-        after them (the section's comment has the method)."""
+        after them. Radix select from the top digit: a histogram of the digits among the keys that
+        share the threshold's digits found so far, then the digit where the count from the top
+        reaches what is still needed. Then one pass in entry order takes every key above the
+        threshold and the first ``need`` equal to it (the reference's lowest-index tie-break).
+        Each pass is a chain of chunk loads that Triton does not pipeline (no dot consumes them),
+        so ``PREFETCH`` issues the next chunk's load before this chunk's work."""
         row = tl.program_id(0)
         n = tl.load(vis_ptr + row)
         rp = key_ptr + row.to(tl.int64) * s_kr
         op = out_ptr + row.to(tl.int64) * s_or
+        NBINS: tl.constexpr = 1 << DIGIT
+        bins = tl.arange(0, NBINS)
+        lane = tl.arange(0, CHUNK)
+        thresh = (n * 0).to(tl.uint32)  # n <= K: every key is >= 0 and the first K of them are taken
+        need = K + n * 0
+        if n > K:
+            for p in tl.static_range(KEY_BITS // DIGIT):
+                hist = tl.zeros((NBINS,), tl.int32)
+                u = _load_radix_keys(rp, lane, lane < n, KEY_BITS)
+                c = n * 0
+                while c < n:
+                    e = c + lane
+                    if PREFETCH:
+                        nxt = _load_radix_keys(rp, e + CHUNK, e + CHUNK < n, KEY_BITS)
+                    else:
+                        u = _load_radix_keys(rp, e, e < n, KEY_BITS)
+                    hist += _digit_hist(u, e, n, thresh, p, KEY_BITS, DIGIT)
+                    if PREFETCH:
+                        u = nxt
+                    c += CHUNK
+                at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys with digit >= b
+                digit = tl.sum((at_least >= need).to(tl.int32), axis=0) - 1
+                need -= tl.sum(tl.where(bins == digit, at_least - hist, 0), axis=0)  # those above it
+                thresh = (thresh << DIGIT) | digit.to(tl.uint32)
         taken = n * 0
-        got = CAP + 1 + n * 0  # no gathered subset: select over the whole row
-        if G > 0:
-            nb = (n + G - 1) // G
-            if nb >= K:  # K groups reach their K-th best maximum: the K best keys are >= it
-                gp = gmax_ptr + row.to(tl.int64) * s_gr
-                low, _ = _radix_threshold(gp, nb, K, KEY_BITS, DIGIT, CHUNK, PIPELINE)
-                cp = cand_ptr + row.to(tl.int64) * s_cr
-                ip = ids_ptr + row.to(tl.int64) * s_cr
-                got = n * 0
-                if PIPELINE:
-                    for c in range(0, n, CHUNK):
-                        got = _gather_chunk(rp, cp, ip, c, n, low, got, CAP, KEY_BITS, CHUNK)
-                else:
-                    c = n * 0
-                    while c < n:
-                        got = _gather_chunk(rp, cp, ip, c, n, low, got, CAP, KEY_BITS, CHUNK)
-                        c += CHUNK
-                tl.debug_barrier()  # the scratch, written by every thread, is read by every thread
-                if got <= CAP:
-                    taken = _select_keys(cp, ip, op, got, K, KEY_BITS, DIGIT, CHUNK, True, PIPELINE)
-        if got > CAP:
-            taken = _select_keys(rp, rp, op, n, K, KEY_BITS, DIGIT, CHUNK, False, PIPELINE)
+        ties = n * 0
+        u = _load_radix_keys(rp, lane, lane < n, KEY_BITS)
+        c = n * 0
+        while c < n:
+            e = c + lane
+            if PREFETCH:
+                nxt = _load_radix_keys(rp, e + CHUNK, e + CHUNK < n, KEY_BITS)
+            else:
+                u = _load_radix_keys(rp, e, e < n, KEY_BITS)
+            taken, ties = _take_chunk(u, e, op, n, thresh, need, taken, ties)
+            if PREFETCH:
+                u = nxt
+            c += CHUNK
         j0 = taken * 0
         while j0 < K:  # -1 in the slots after the winners
             j = j0 + tl.arange(0, KP)
@@ -1134,7 +1062,7 @@ if AVAILABLE:
         )
 
 
-INDEXER_VERSION = 4  # indexer_topk's default kernel: v3's at two blocks per SM (1-3: the earlier ones)
+INDEXER_VERSION = 5  # indexer_topk's default kernel: scores, then a radix select (1-4: the earlier ones)
 ATTENTION_VERSION = 2  # sparse_attention_paged's default tiling (1: the first one)
 NSLICE = 2  # indexer v2/v3: candidate buffer of NSLICE * k slots per row (runs of tiles between merges)
 # indexer version 4: version 3's kernel with 64-entry key tiles and ptxas held to 128 registers a
@@ -1206,7 +1134,8 @@ def row_tiles(row_seq: torch.Tensor, n_seqs: int, bm: int) -> tuple[torch.Tensor
 
 V5_CHUNK = 2048  # entries per score program: few enough programs to reuse each query tile, enough to fill SMs
 V5_WORKSPACE = 1 << 30  # bytes of radix keys at once; larger batches go in groups of rows
-V5_PREFILTER = 8  # entries per group whose best key bounds the select from below (0: whole rows)
+# the select pass's launch: bits a radix digit, keys a chunk, warps, the next chunk loaded early
+V5_SELECT = {"digit": 8, "chunk": 4096, "num_warps": 8, "prefetch": False}
 
 
 def _select_v5(
@@ -1230,7 +1159,7 @@ def _select_v5(
     block_max: int,
     dot_f32: bool,
     num_warps: int,
-    prefilter: int,
+    select: dict[str, Any] | None,
 ) -> None:
     """Version 5 into ``out`` (and ``bmax``): the score pass writes radix keys [rows, bound] for a
     group of rows, the select pass reduces each row to its k entries. Groups of rows bound the
@@ -1239,19 +1168,12 @@ def _select_v5(
     round_bf16 = q.dtype == torch.bfloat16
     key_bits = 16 if round_bf16 and not dot_f32 else 32
     key_dtype = torch.int16 if key_bits == 16 else torch.int32
-    kb = key_dtype.itemsize
     width = -(-max(1, bound) // 64) * 64  # aligned rows; one specialization of the row stride
-    n_groups = width // prefilter if prefilter else 1
-    cap = 4 * k  # gathered keys a row can hold; beyond it the row is selected whole
-    per_row = width * kb + n_groups * kb + (cap * (kb + 4) if prefilter else 0)
-    group = max(1, min(rows, V5_WORKSPACE // per_row))
-    dev = q.device
-    keys = torch.empty(group, width, dtype=key_dtype, device=dev)
-    gmax = torch.empty(group, n_groups, dtype=key_dtype, device=dev) if prefilter else keys
-    picked = torch.empty(group, cap if prefilter else 1, dtype=key_dtype, device=dev)
-    ids = torch.empty(group, cap if prefilter else 1, dtype=torch.int32, device=dev)
+    group = max(1, min(rows, V5_WORKSPACE // (width * key_dtype.itemsize)))
+    keys = torch.empty(group, width, dtype=key_dtype, device=q.device)
     bf16x2 = q.is_cuda and q.dtype == w.dtype == key_pool.dtype == torch.bfloat16 and not dot_f32
     chunk = max(bn, V5_CHUNK) if q.is_cuda else max(bn, 64)
+    sel = V5_SELECT | (select or {})
     kp = max(16, min(1024, _next_pow2(k)))
     for r0 in range(0, rows, group):
         r1 = min(rows, r0 + group)
@@ -1259,18 +1181,17 @@ def _select_v5(
         cand_g = cand[r0:r1] if has_cand else cand
         _indexer_scores_kernel_v5[(row0.numel(), -(-width // chunk))](
             q[r0:r1], w[r0:r1], key_pool, tables, seqs[r0:r1], row0, count, vis[r0:r1], cand_g,
-            bmax[r0:r1] if block_max else bmax, keys, gmax, q.stride(0), q.stride(1), w.stride(0),
-            key_pool.stride(0), key_pool.stride(1), tables.stride(0), cand.stride(0),
-            bmax.stride(0) if block_max else 0, n_bmax, keys.stride(0), gmax.stride(0), key_pool.size(1),
+            bmax[r0:r1] if block_max else bmax, keys, q.stride(0), q.stride(1), w.stride(0), key_pool.stride(0),
+            key_pool.stride(1), tables.stride(0), cand.stride(0), bmax.stride(0) if block_max else 0, n_bmax,
+            keys.stride(0), key_pool.size(1),
             H=q.size(1), D=q.size(2), BM=bm, BN=bn, CHUNK=chunk, HAS_CAND=has_cand, CAND_BLOCK=candidate_block,
             BMAX=block_max, ROUND_BF16=round_bf16, DOT_F32=dot_f32, IN_BLOCK=key_pool.size(1) % bn == 0,
-            BF16X2=bf16x2, KEY_BITS=key_bits, G=prefilter, PIPELINE=q.is_cuda, num_warps=num_warps,
+            BF16X2=bf16x2, KEY_BITS=key_bits, PIPELINE=q.is_cuda, num_warps=num_warps,
         )  # fmt: skip
         _radix_select_kernel[(r1 - r0,)](
-            keys, gmax, picked, ids, vis[r0:r1], out[r0:r1], keys.stride(0), gmax.stride(0), picked.stride(0),
-            out.stride(0), k, cap,
-            KEY_BITS=key_bits, DIGIT=8, CHUNK=4096 if q.is_cuda else 64, KP=kp, G=prefilter, PIPELINE=q.is_cuda,
-            num_warps=8 if q.is_cuda else 1,
+            keys, vis[r0:r1], out[r0:r1], keys.stride(0), out.stride(0), k,
+            KEY_BITS=key_bits, DIGIT=sel["digit"], CHUNK=sel["chunk"] if q.is_cuda else 64, KP=kp,
+            PREFETCH=sel["prefetch"], num_warps=sel["num_warps"] if q.is_cuda else 1,
         )  # fmt: skip
 
 
@@ -1294,7 +1215,7 @@ def indexer_topk(
     version: int | None = None,
     splits: int | None = None,
     maxnreg: int | None = None,
-    prefilter: int | None = None,
+    select: dict[str, Any] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The k best index entries per row (module docstring has the contract). ``rows_per_tile``: rows
     of one sequence scored per program (a power of two; default 4 on CUDA, where the GEMM then
@@ -1314,18 +1235,19 @@ def indexer_topk(
     Version 4 is version 3's kernel sized for two blocks per SM: by default 4 rows and 64 entries
     a tile, ``maxnreg`` (ptxas's register cap per thread; CUDA only, the interpreter has none; 0
     for no cap) ``V4_MAXNREG``, and splits counted against two resident blocks per SM. Version 5
-    scores in one kernel and selects in another (the v5 section's comment); ``prefilter``: entries
-    per group whose best key bounds its select from below (``V5_PREFILTER``; 0 selects over whole
-    rows), a power of two no larger than ``block_n``."""
+    scores in one kernel and selects in another (the v5 section's comment); ``select`` overrides
+    ``V5_SELECT``'s launch of the select pass."""
     version = INDEXER_VERSION if version is None else version
     if version not in (1, 2, 3, 4, 5):
         raise ValueError(f"version must be 1 to 5, got {version!r}")
     if splits is not None and splits < 1:
         raise ValueError(f"splits must be positive, got {splits}")
+    if splits is not None and version not in (3, 4):
+        raise ValueError(f"splits is for versions 3 and 4, got version {version}")
     if maxnreg is not None and version not in (3, 4):
         raise ValueError(f"maxnreg is for versions 3 and 4, got version {version}")
-    if prefilter is not None and (prefilter < 0 or prefilter & (prefilter - 1) or prefilter > 64):
-        raise ValueError(f"prefilter must be 0 or a power of two <= 64, got {prefilter}")
+    if select is not None and (version != 5 or set(select) - set(V5_SELECT)):
+        raise ValueError(f"select is for version 5 and takes {sorted(V5_SELECT)}, got {select!r}")
     if sort_impl not in ("bitonic", "triton"):
         raise ValueError(f"sort_impl must be 'bitonic' or 'triton', got {sort_impl!r}")
     rows, n_heads, hd = q.shape
@@ -1356,8 +1278,6 @@ def indexer_topk(
     bn = min(kp, block_n)
     if bn < 16 or bn & (bn - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    if version == 5 and prefilter and prefilter > bn:
-        raise ValueError(f"prefilter must be <= block_n ({bn}), got {prefilter}")
     if block_max and (block_max & (block_max - 1) or block_max > bn):
         raise ValueError(f"block_max must be a power of two <= {bn}, got {block_max}")
     if candidates is not None and (candidates.dim() != 2 or candidates.size(0) != rows):
@@ -1384,7 +1304,7 @@ def indexer_topk(
         _select_v5(
             q, w, key_pool, tables, seqs, vis, cand, bmax, n_bmax, out, k, bm, bn, bound,
             has_cand=candidates is not None, candidate_block=candidate_block, block_max=block_max,
-            dot_f32=dot_f32, num_warps=num_warps, prefilter=V5_PREFILTER if prefilter is None else prefilter,
+            dot_f32=dot_f32, num_warps=num_warps, select=select,
         )  # fmt: skip
         return (out, bmax) if block_max else out
     if rows and version >= 3:

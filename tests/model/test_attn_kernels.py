@@ -222,36 +222,33 @@ def test_indexer_v5_radix_select(monkeypatch):
     vis = torch.cat([s[3] for s in segs])
     row_seq = torch.tensor([0] * 6 + [1] * 3 + [2] * 4)
     cand = torch.rand(q.size(0), 300, generator=g) < 0.3
-
-    def reference(k, cand=None):
-        out, lo = [], 0
-        for keys, qs, _, v in segs:
-            m = qs.size(0)
-            c = None if cand is None else cand[lo : lo + m, : keys.size(0)]
-            out.append(ref_select(qs, w[lo : lo + m], keys, v, k, cand=c)[0])
-            lo += m
-        return torch.cat(out)
-
-    want, want_c = reference(k), reference(k, cand)
+    want, want_c = [], []
+    lo = 0
+    for keys, qs, _, v in segs:
+        m = qs.size(0)
+        ws = w[lo : lo + m]
+        want.append(ref_select(qs, ws, keys, v, k)[0])
+        want_c.append(ref_select(qs, ws, keys, v, k, cand=cand[lo : lo + m, : keys.size(0)])[0])
+        lo += m
+    want, want_c = torch.cat(want), torch.cat(want_c)
     scores = ref_select(segs[0][1], w[:6], segs[0][0], segs[0][3], k)[1]
     kth = scores.sort(dim=-1, descending=True).values
     assert kth[2, k - 1] == kth[2, k] == 0  # a tie at the k-th place is real
     args = (q, w, pool, tables, vis, k)
-    # the group maxima's bound (8 or 4 entries a group; row 2's run of zeros overflows the gathered
-    # keys and selects over the whole row), whole rows (0), and groups of rows (workspace)
-    for workspace, prefilter in ((1 << 30, None), (1 << 30, 0), (1 << 30, 4), (300 * 4 * 4, 8)):
+    # all rows at once, then two rows a group; the select pass's launches (4-bit digits: four
+    # histogram passes over 16-bit keys, eight over 32-bit ones; the next chunk loaded early)
+    for workspace, select in ((1 << 30, None), (300 * 4 * 2, None), (1 << 30, {"digit": 4, "prefetch": True})):
         monkeypatch.setattr(AK, "V5_WORKSPACE", workspace)
-        kw = dict(row_seq=row_seq, version=5, prefilter=prefilter)
+        kw = dict(row_seq=row_seq, version=5, select=select)
         assert torch.equal(AK.indexer_topk(*args, **kw), want)
         assert torch.equal(AK.indexer_topk(*args, candidates=cand, **kw), want_c)
     assert (want[9:13] == -1).sum() > 0 and (want[6:9, 20:] == -1).all()  # short rows end in -1
-    # k = 8: the bound gathers 9-15 keys (at most 4k = 32) on rows 0, 1 and 3-5, whose select then
-    # runs over those alone; row 2's zeros overflow again
-    assert torch.equal(AK.indexer_topk(q, w, pool, tables, vis, 8, row_seq=row_seq, version=5), reference(8))
     # bf16 inputs: 16-bit keys, the reference's bf16 roundings; e2m1 values keep every sum exact
     qb, wb, pb = q.bfloat16(), w.bfloat16(), pool.bfloat16()
     v1 = AK.indexer_topk(qb, wb, pb, tables, vis, k, row_seq=row_seq, version=1)
     assert torch.equal(AK.indexer_topk(qb, wb, pb, tables, vis, k, row_seq=row_seq, version=5), v1)
+    fast = {"digit": 4, "prefetch": True}
+    assert torch.equal(AK.indexer_topk(qb, wb, pb, tables, vis, k, row_seq=row_seq, version=5, select=fast), v1)
 
 
 def test_candidate_source_and_reindex_layer(kernel_version):
@@ -309,8 +306,8 @@ def test_indexer_bad_input():
         AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, version=6)
     with pytest.raises(ValueError, match="maxnreg is for versions 3 and 4, got version 2"):
         AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, version=2, maxnreg=128)
-    with pytest.raises(ValueError, match="prefilter must be 0 or a power of two <= 64, got 3"):
-        AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, version=5, prefilter=3)
+    with pytest.raises(ValueError, match="select is for version 5"):
+        AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, version=5, select={"bits": 4})
     with pytest.raises(ValueError, match="splits must be positive"):
         AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, splits=0)
     qa, win = torch.zeros(2, 4, 64), torch.zeros(5, 64)

@@ -55,7 +55,8 @@ def _ternary(g: torch.Generator, *shape: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("epb", "splits", "version"), [(256, None, 3), (256, 3, 3), (16, 1, 3), (256, None, 4), (256, 2, 4), (16, 1, 4)]
+    ("epb", "splits", "version"),
+    [(256, None, 3), (256, 3, 3), (16, 1, 3), (256, None, 4), (256, 2, 4), (16, 1, 4), (256, None, 5), (16, None, 5)],
 )
 def test_indexer_v3_on_the_gpu_selects_the_reference(epb, splits, version):
     """Version 3 compiled (packed bf16x2 relu and weighting, block-contiguous key tiles where epb is
@@ -90,6 +91,10 @@ def test_indexer_v3_on_the_gpu_selects_the_reference(epb, splits, version):
         q, w, pool, tables, vis, k, topk_blocks, block, max_entries=n, version=version, splits=splits
     )
     assert torch.equal(sel, want)
+    if version == 5:  # the select pass's other launches: 4-bit digits, the next chunk loaded early
+        for select in ({"digit": 4}, {"prefetch": True}, {"chunk": 1024, "num_warps": 4, "prefetch": True}):
+            kw = dict(max_entries=n, version=5, select=select)
+            assert torch.equal(AK.indexer_topk(q, w, pool, tables, vis, k, **kw), want)
     want_cand = select_candidate_blocks(scores, vis, topk_blocks, block)
     assert torch.equal(cand.repeat_interleave(block, 1)[:, :n], want_cand)
     sel2, cand2 = AK.indexer_topk_candidates(q, w, pool, tables, vis, k, topk_blocks, block, max_entries=n, version=2)
