@@ -52,8 +52,9 @@ from bench.common import ceilings, log, record, time_cuda  # noqa: E402
 # version 5's select pass: the next chunk loaded early, 4-bit digits (four histograms of cheaper
 # ballots instead of two), smaller chunks at more blocks per SM
 V5_SELECTS = [
-    {"prefetch": True}, {"digit": 4}, {"digit": 4, "prefetch": True}, {"chunk": 2048, "num_warps": 4, "prefetch": True},
-    {"chunk": 1024, "num_warps": 4, "prefetch": True, "digit": 4},
+    {"digit": 8, "chunk": 4096, "num_warps": 8, "prefetch": False},  # the first default
+    {"digit": 8, "chunk": 4096, "num_warps": 8}, {"digit": 8, "prefetch": False}, {"prefetch": False},
+    {"chunk": 2048, "num_warps": 4, "digit": 8},
 ]  # fmt: skip
 PEAK = {"TBps": 4.8, "TFLOPs": 989.0}  # H200 datasheet (/work/.library/device/H200.md)
 BLOCK_TOKENS = 256  # positions per KV block: 256 entries at ratio 1, 128 at ratio 2

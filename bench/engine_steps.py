@@ -31,6 +31,10 @@ prefill of 32 × 1K and 2 × 16K prompts (one step each at a 32K-token budget).
 
 ``--smoke``: the tiny config on CPU (plumbing only). Writes ``engine_steps.json``.
 
+``--indexer``: the same cases with the fused indexer's version 4 and version 5 (the default): the
+engine's own batched path selecting with each, ``v5_speedup`` = v4 ÷ v5 step time. Writes
+``engine_steps_indexer.json``.
+
 ``--attention``: only the fused-attention comparison (issue 15): decode B = 64 (k = 0) and B = 256
 (k = 3) at ~1K context (a row attends to W + index_topk keys whatever the context beyond that), and
 the two colocated prefills, each run twice in the same process, with the batched path's fused
@@ -484,17 +488,18 @@ def set_fused_attention(model, on: bool) -> None:
             block.attn.kernels = dataclasses.replace(block.attn.kernels, fused_attention=on)
 
 
-def attention_cases(full, cfg, device, smoke: bool, res: dict[str, Any], started: float) -> None:
-    """``--attention``: every case with the gathered path, then the fused kernel, same process."""
+def ab_cases(full, cfg, device, smoke: bool, res: dict[str, Any], started: float, name: str, variants) -> None:
+    """Every case under each of two variants (``(tag, switch)``: ``switch()`` sets the model up),
+    same process; ``<new>_speedup`` = the first variant's step time ÷ the second's."""
     ctx, steps, reps = (96, 3, 1) if smoke else (1024, 8, 2)
-    name = "engine_steps_attention_smoke" if smoke else "engine_steps_attention"
+    name = f"{name}_smoke" if smoke else name
     decodes = ((2, 0), (4, K_SPEC)) if smoke else ((64, 0), (256, K_SPEC))
     prefills = ((4, 48), (2, 100)) if smoke else ((32, 1024), (2, 16384))
     cases = [("decode", b, k) for b, k in decodes] + [("prefill", c, n) for c, n in prefills]
     for kind, a, b in cases:
         row: dict[str, Any] = {}
-        for fused in (False, True):
-            set_fused_attention(full, fused)
+        for tag, switch in variants:
+            switch()
             if kind == "decode":
                 case = decode_case(full, cfg, device, a, b, ctx, steps)
                 specs, logit_rows, draft_k = [dict(n=a, q=1 + b, start=ctx + 2)], a * (1 + b), b
@@ -502,7 +507,6 @@ def attention_cases(full, cfg, device, smoke: bool, res: dict[str, Any], started
                 case = prefill_case(full, cfg, device, a, b, reps)
                 specs, logit_rows, draft_k = [dict(n=a, q=b, start=0)], a, 0
             iso = time_layers(full, specs, logit_rows, device, reps=3 if smoke else 10, draft_k=draft_k)
-            tag = "fused" if fused else "gathered"
             row["case"] = case["case"]
             row[f"{tag}_step_ms"] = case["step_ms"]
             row[f"{tag}_forward_ms"] = case.get("forward_ms")
@@ -511,11 +515,31 @@ def attention_cases(full, cfg, device, smoke: bool, res: dict[str, Any], started
                 row[f"{tag}_cuda_graphs"] = case["cuda_graphs"]
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        row["fused_speedup"] = round(row["gathered_step_ms"] / row["fused_step_ms"], 3)
+        (old, _), (new, _) = variants
+        row[f"{new}_speedup"] = round(row[f"{old}_step_ms"] / row[f"{new}_step_ms"], 3)
         res["cases"].append(row)
         log(row)
         record(name, res, started)
+
+
+def attention_cases(full, cfg, device, smoke: bool, res: dict[str, Any], started: float) -> None:
+    """``--attention``: every case with the gathered path, then the fused kernel, same process."""
+    variants = [(tag, lambda on=on: set_fused_attention(full, on)) for tag, on in (("gathered", 0), ("fused", 1))]
+    ab_cases(full, cfg, device, smoke, res, started, "engine_steps_attention", variants)
     set_fused_attention(full, full.blocks[0].attn.kernels.fused_indexer)
+
+
+def indexer_cases(full, cfg, device, smoke: bool, res: dict[str, Any], started: float) -> None:
+    """``--indexer``: every case with the fused indexer's version 4, then version 5 (the default)."""
+    from asympd.model import attn_kernels
+
+    default = attn_kernels.INDEXER_VERSION
+
+    def use(version: int):
+        return lambda: setattr(attn_kernels, "INDEXER_VERSION", version)
+
+    ab_cases(full, cfg, device, smoke, res, started, "engine_steps_indexer", [("v4", use(4)), ("v5", use(5))])
+    attn_kernels.INDEXER_VERSION = default
 
 
 def main() -> None:
@@ -524,6 +548,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny config on CPU: plumbing only")
     ap.add_argument("--attention", action="store_true", help="only the fused vs gathered attention comparison")
+    ap.add_argument("--indexer", action="store_true", help="only the fused indexer's version 4 vs 5 comparison")
     ap.add_argument(
         "--windows", action="store_true", help="only the window step: a symmetric P's against a D's first step"
     )
@@ -545,6 +570,9 @@ def main() -> None:
     }
     if args.attention:
         attention_cases(full, cfg, device, smoke, res, started)
+        return
+    if args.indexer:
+        indexer_cases(full, cfg, device, smoke, res, started)
         return
     if args.windows:
         name = "engine_steps_windows_smoke" if smoke else "engine_steps_windows"

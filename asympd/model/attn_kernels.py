@@ -1134,8 +1134,10 @@ def row_tiles(row_seq: torch.Tensor, n_seqs: int, bm: int) -> tuple[torch.Tensor
 
 V5_CHUNK = 2048  # entries per score program: few enough programs to reuse each query tile, enough to fill SMs
 V5_WORKSPACE = 1 << 30  # bytes of radix keys at once; larger batches go in groups of rows
-# the select pass's launch: bits a radix digit, keys a chunk, warps, the next chunk loaded early
-V5_SELECT = {"digit": 8, "chunk": 4096, "num_warps": 8, "prefetch": False}
+# the select pass's launch: bits a radix digit, keys a chunk, warps, the next chunk loaded early.
+# The best of six on the H200 (bench/results/attn_kernels_v5c.json): 7-12 % less select time than
+# 8-bit digits over 4096-key chunks at 8 warps in prefill, the same in decode
+V5_SELECT = {"digit": 4, "chunk": 1024, "num_warps": 4, "prefetch": True}
 
 
 def _select_v5(
