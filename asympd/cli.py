@@ -365,7 +365,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from asympd.config import ConfigError
-    from asympd.model.checkpoint import CheckpointError
+    from asympd.model.schema import CheckpointError
 
     argv = sys.argv[1:] if argv is None else argv
     try:

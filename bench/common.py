@@ -265,25 +265,26 @@ def random_tensors(cfg, names_filter, device: torch.device, seed: int = 0) -> di
 def draw_stored(cfg, s, quantized: bool, device: torch.device, g: torch.Generator, seed: int) -> torch.Tensor:
     """One schema tensor's stored values (FP4 codes, FP8 codes, or a plain tensor), drawn from ``g``
     on ``device`` (small plain tensors from ``write_checkpoint``'s own per-name generator)."""
-    from asympd.model.checkpoint import _generator, _plain
+    from asympd.model.checkpoint import _generator, _plain, torch_dtype
+    from asympd.model.schema import FP8, PACKED_FP4
 
-    if s.dtype == torch.int8 and quantized:  # packed FP4: uniform codes
+    if s.dtype == PACKED_FP4 and quantized:  # packed FP4: uniform codes
         return torch.randint(-128, 128, s.shape, device=device, dtype=torch.int8, generator=g)
-    if s.dtype == torch.float8_e4m3fn and quantized:  # 32x32 tiles (per-32 rows for Engram tables)
+    if s.dtype == FP8 and quantized:  # 32x32 tiles (per-32 rows for Engram tables)
         codes = torch.randn(s.shape, device=device, generator=g) * 16
         return codes.clamp(-448, 448).to(torch.float8_e4m3fn)
     if len(s.shape) == 2 and s.shape[0] * s.shape[1] > (1 << 22):  # big plain matrix
         t = torch.randn(s.shape, device=device, generator=g) * s.shape[1] ** -0.5
-        return t.to(s.dtype)
+        return t.to(torch_dtype(s.dtype))
     return _plain(cfg, s, _generator(seed, s.name)).to(device)
 
 
 def draw_scale(weight, scale, device: torch.device, g: torch.Generator) -> torch.Tensor:
     """The UE8M0 scales of ``weight`` (a schema spec): FP4 experts' per-32 scales at fan_in^-1/2
     jittered by one binade (drawn from ``g``), FP8 tiles' at one power of two."""
-    from asympd.model.schema import FP4_BLOCK
+    from asympd.model.schema import FP4_BLOCK, PACKED_FP4
 
-    if weight.dtype == torch.int8:
+    if weight.dtype == PACKED_FP4:
         fan_in = weight.shape[1] * 2
         assert scale.shape[1] * FP4_BLOCK == fan_in
         base = round(math.log2(fan_in**-0.5 / 2.9))
@@ -318,6 +319,8 @@ class DrawnTensors(Mapping):
             raise KeyError(f"not in the checkpoint schema: {sorted(missing)[:5]}")
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        from asympd.model.checkpoint import torch_dtype
+
         s = self.specs[name]
         g = torch.Generator(device=self.device).manual_seed(name_seed(self.seed, name))
         if name.endswith(".scale"):
@@ -325,7 +328,7 @@ class DrawnTensors(Mapping):
         else:
             scale = name.removesuffix(".weight") + ".scale" in self.specs
             t = draw_stored(self.cfg, s, scale, self.device, g, self.seed)
-        assert t.shape == s.shape and t.dtype == s.dtype, name
+        assert t.shape == s.shape and t.dtype == torch_dtype(s.dtype), name
         return t.cpu() if name in self.host else t
 
     def __contains__(self, name: object) -> bool:

@@ -224,7 +224,7 @@ def write_on_device(cfg, out: Path, device: torch.device, seed: int = 0, shared_
             f.write(header)
             for s in sorted(specs, key=lambda s: offsets[s.name]):
                 t = tensors.pop(s.name)
-                assert t.shape == s.shape and t.dtype == s.dtype, s.name
+                assert t.shape == s.shape and t.dtype == ck.torch_dtype(s.dtype), s.name
                 f.seek(len(header) + offsets[s.name])
                 f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy()))
                 weight_map[s.name] = fname

@@ -68,7 +68,7 @@ if not torch.cuda.is_available():  # the MXFP4 grouped GEMM runs under Triton's 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from asympd.config import ModelConfig  # noqa: E402
-from asympd.model.schema import Part, TensorSpec, role_schema  # noqa: E402
+from asympd.model.schema import FP8, Part, TensorSpec, role_schema  # noqa: E402
 from asympd.model.transformer import Transformer  # noqa: E402
 from asympd.parallel.ep import CommTimer, EPMoE, expert_range, rank_tensors, shard_moe  # noqa: E402
 from asympd.parallel.launch import RankSpec, rank_device  # noqa: E402
@@ -150,7 +150,7 @@ def expected_resident(cfg: ModelConfig, specs: list[TensorSpec], weights: str, d
     if weights == "packed-experts":
         for s in specs:
             scale = names.get(s.name.removesuffix(".weight") + ".scale")
-            if s.dtype == torch.float8_e4m3fn and scale is not None and s.part is not Part.ENGRAM_TABLE:
+            if s.dtype == FP8 and scale is not None and s.part is not Part.ENGRAM_TABLE:
                 expanded += math.prod(s.shape) - math.prod(scale.shape)
     extra = gates + compressors + rope + expanded
     return {

@@ -79,12 +79,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from asympd.engine.graph_sizes import BATCH_SIZES
 from asympd.kv.batch import BatchSegment, PagedBatch, mirror_rows
 from asympd.kv.paged_cache import PagedKVCache
 from asympd.model.dspark import DraftBatch
 from asympd.model.transformer import Depth, ForwardOutput
 
-BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 MIN_CONTEXT = 1024
 
 

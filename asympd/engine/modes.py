@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass
 
 from asympd.config import ModelConfig
-from asympd.model.transformer import Depth
+from asympd.model.depth import Depth
 
 MODES = ("colocated", "symmetric", "encoder-only", "asymmetric", "symmetric-split", "symmetric-windows")
 PD_MODES = MODES[1:]  # the modes with a prefill and a decode worker

@@ -1,16 +1,22 @@
-"""A request's state inside one engine, and what the engine reports about it."""
+"""A request's state inside one engine, and what the engine reports about it.
+
+Torch-free (tensors only in annotations): the planner runs the engine's scheduler on these requests
+without importing torch.
+"""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from asympd.engine.modes import Phase
-from asympd.engine.sampling import SamplingParams
+from asympd.engine.sampling_params import SamplingParams
+from asympd.model.depth import Depth
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Status(enum.Enum):
@@ -48,7 +54,7 @@ class Request:
     spec_enabled: bool = False  # this engine drafts for the request (speculative decoding on)
     spec_draft: list[int] = field(default_factory=list)  # drafts the next decode step verifies
     spec_draft_probs: torch.Tensor | None = None  # [len(spec_draft), vocab] for sampled requests
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # a seeded request's, on the model's device (LLMEngine.add_request)
     error: str | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -68,8 +74,6 @@ class Request:
 
     def __post_init__(self) -> None:
         self.prompt_phases = list(self.phases)
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
 
     @property
     def cache_salt(self) -> str:
@@ -123,8 +127,6 @@ class Request:
         """Preempted: every cached row is dropped and will be computed (or imported) again. Tokens
         already generated (all but the newest, which the next decode step feeds) are replayed as
         one chunk after the prompt phases."""
-        from asympd.model.transformer import Depth
-
         n, out = self.num_prompt_tokens, len(self.output_token_ids)
         self.phases = list(self.prompt_phases)
         if out > 1:

@@ -186,7 +186,7 @@ class ModelRunner:
                 swa_kv=swa_kv,
                 swa_pos=swa_pos,
                 fingerprint=fingerprint,
-                dtype=str(self.cache.spec.dtype).removeprefix("torch."),
+                dtype=self.cache.spec.dtype,
                 boundary_policy=policy,
                 mode=mode,
                 num_prompt_tokens=req.num_prompt_tokens,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from asympd.engine.modes import Phase
 from asympd.engine.request import Request, Status
 from asympd.kv.block_manager import BlockManager, CacheFullError, RequestTooLargeError
-from asympd.model.transformer import Depth
+from asympd.model.depth import Depth
 
 # read per running request per step: a module constant, where ``Status.RUNNING`` goes through
 # ``EnumType.__getattr__`` at each read (Python 3.11)

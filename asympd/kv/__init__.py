@@ -1,5 +1,10 @@
 """KV cache: the groups the model needs (spec), block bookkeeping (block_manager), the tensors and the
-per-request view (paged_cache), and a dense stand-in for model tests (dense)."""
+per-request view (paged_cache), and a dense stand-in for model tests (dense).
+
+Spec and bookkeeping are torch-free and import with the package; the tensor classes import torch,
+so they load on first use (the planner runs the engine's ``BlockManager`` without torch)."""
+
+import importlib
 
 from asympd.kv.block_manager import (
     Allocation,
@@ -10,9 +15,14 @@ from asympd.kv.block_manager import (
     RequestTooLargeError,
     hash_block_chain,
 )
-from asympd.kv.dense import DenseSequenceKV
-from asympd.kv.paged_cache import PagedKVCache, PagedSequenceKV, SequenceKV
 from asympd.kv.spec import CacheGroup, GroupKind, KVCacheSpec
+
+_TENSOR_CLASSES = {
+    "DenseSequenceKV": "asympd.kv.dense",
+    "PagedKVCache": "asympd.kv.paged_cache",
+    "PagedSequenceKV": "asympd.kv.paged_cache",
+    "SequenceKV": "asympd.kv.paged_cache",
+}
 
 __all__ = [
     "Allocation",
@@ -30,3 +40,9 @@ __all__ = [
     "SequenceKV",
     "hash_block_chain",
 ]
+
+
+def __getattr__(name: str):
+    if name in _TENSOR_CLASSES:
+        return getattr(importlib.import_module(_TENSOR_CLASSES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

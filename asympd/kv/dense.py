@@ -16,6 +16,8 @@ from asympd.config import ModelConfig
 from asympd.kv.paged_cache import SequenceKV
 from asympd.kv.spec import PAIR_DTYPE, KVCacheSpec
 
+_PAIR_DTYPE = getattr(torch, PAIR_DTYPE)  # the spec names dtypes; the pending rows' torch dtype
+
 
 class DenseSequenceKV(SequenceKV):
     def __init__(
@@ -39,7 +41,7 @@ class DenseSequenceKV(SequenceKV):
             for layer in self.spec.window_layers
         }
         self._pending: dict[int, tuple[Tensor, ...]] = {
-            g.layer: (torch.empty(0, g.width, dtype=PAIR_DTYPE, device=self.device),) * 2 + (empty,)
+            g.layer: (torch.empty(0, g.width, dtype=_PAIR_DTYPE, device=self.device),) * 2 + (empty,)
             for g in self.spec.pair_groups
         }
         self._pending_capacity = {g.layer: g.capacity for g in self.spec.pair_groups}
@@ -89,8 +91,8 @@ class DenseSequenceKV(SequenceKV):
 
     def append_pending(self, layer: int, positions: Tensor, kv: Tensor, score: Tensor) -> None:
         new = (
-            kv.to(self.device, PAIR_DTYPE),
-            score.to(self.device, PAIR_DTYPE),
+            kv.to(self.device, _PAIR_DTYPE),
+            score.to(self.device, _PAIR_DTYPE),
             positions.to(self.device, torch.int64),
         )
         self._pending[layer] = self._append(self._pending[layer], new, self._pending_capacity[layer])

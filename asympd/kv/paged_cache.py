@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from asympd.kv.spec import PAIR_DTYPE, CacheGroup, GroupKind, KVCacheSpec
+from asympd.kv.spec import CacheGroup, GroupKind, KVCacheSpec
 
 
 class SequenceKV(ABC):
@@ -168,21 +168,21 @@ class PagedKVCache:
         self.scratch_slot = max_seqs if scratch else None
         n_blocks, n_slots = num_blocks + scratch, max_seqs + scratch
         self.pools: dict[str, Tensor] = {
-            g.name: torch.zeros(n_blocks, g.entries_per_block, g.width, dtype=g.dtype, device=dev)
+            g.name: torch.zeros(n_blocks, g.entries_per_block, g.width, dtype=getattr(torch, g.dtype), device=dev)
             for g in spec.paged_groups
         }
         cfg, cap, n_win = spec.cfg, spec.window_capacity, len(spec.window_layers)
-        self.window_kv = torch.zeros(n_slots, n_win, cap, cfg.head_dim, dtype=spec.dtype, device=dev)
+        self.window_kv = torch.zeros(n_slots, n_win, cap, cfg.head_dim, dtype=getattr(torch, spec.dtype), device=dev)
         self.window_pos = torch.full((n_slots, n_win, cap), -1, dtype=torch.int64, device=dev)
         self.windows: dict[int, _SlotRows] = {
-            layer: _SlotRows((self.window_kv[:, i], self.window_pos[:, i]), (spec.dtype, torch.int64))
+            layer: _SlotRows((self.window_kv[:, i], self.window_pos[:, i]), (self.window_kv.dtype, torch.int64))
             for i, layer in enumerate(spec.window_layers)
         }
         self.pairs: dict[int, _SlotRows] = {}
         for g in spec.pair_groups:
-            kv = torch.zeros(n_slots, g.capacity, g.width, dtype=PAIR_DTYPE, device=dev)
+            kv = torch.zeros(n_slots, g.capacity, g.width, dtype=getattr(torch, g.dtype), device=dev)
             pos = torch.full((n_slots, g.capacity), -1, dtype=torch.int64, device=dev)
-            self.pairs[g.layer] = _SlotRows((kv, torch.zeros_like(kv), pos), (PAIR_DTYPE, PAIR_DTYPE, torch.int64))
+            self.pairs[g.layer] = _SlotRows((kv, torch.zeros_like(kv), pos), (kv.dtype, kv.dtype, torch.int64))
         self._slot_owner: list[Any] = [None] * n_slots
 
     def nbytes(self) -> int:
@@ -258,7 +258,8 @@ class PagedKVCache:
         if entries.shape[1:] != (g.width,):
             raise ValueError(f"{name}: entries of shape {tuple(entries.shape)}, expected [k, {g.width}]")
         rows = self._rows(g, block_table, start, entries.shape[0])
-        self._flat(g).index_copy_(0, rows, entries.to(device=self.device, dtype=g.dtype))
+        flat = self._flat(g)
+        flat.index_copy_(0, rows, entries.to(device=self.device, dtype=flat.dtype))
 
     # transfer helpers: a request's entries out of / into the pools as contiguous tensors
 

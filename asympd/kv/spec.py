@@ -15,6 +15,10 @@ Everything is derived from :class:`~asympd.config.ModelConfig` (docs/model.md §
   that truncating the sequence by up to ``spec_slack`` tokens restores the exact open group.
 
 Windows and pairs are per-request state, not prefix-cacheable: they live in request slots.
+
+Dtypes are torch's names ("bfloat16"), as prefix states write them: the spec is torch-free (the
+planner sizes caches and runs the engine's ``BlockManager`` without torch), and the tensors' owners
+(``paged_cache``, ``dense``) turn a name into the torch dtype.
 """
 
 from __future__ import annotations
@@ -22,13 +26,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import StrEnum
-
-import torch
+from typing import TYPE_CHECKING
 
 from asympd.config import ModelConfig
 
+if TYPE_CHECKING:
+    import torch
+
 POSITION_BYTES = 8  # int64 absolute position stored with every window/pair row
-PAIR_DTYPE = torch.float32  # the compressor accumulates in fp32 (docs/model.md §3)
+PAIR_DTYPE = "float32"  # the compressor accumulates in fp32 (docs/model.md §3)
+ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """torch's name of a cache dtype ("bfloat16" for ``torch.bfloat16``), accepting names too."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in ITEMSIZE:
+        raise ValueError(f"unsupported cache dtype {dtype}; expected one of {', '.join(ITEMSIZE)}")
+    return name
 
 
 class GroupKind(StrEnum):
@@ -45,7 +60,7 @@ class CacheGroup:
     kind: GroupKind
     layer: int
     width: int  # elements per entry / row
-    dtype: torch.dtype
+    dtype: str  # torch's name: "float32", "bfloat16", ...
     ratio: int = 1  # tokens per entry (paged groups)
     entries_per_block: int = 0  # paged groups only
     capacity: int = 0  # rows per request slot (window / pair groups only)
@@ -60,7 +75,7 @@ class CacheGroup:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return ITEMSIZE[self.dtype]
 
     @property
     def bytes_per_block(self) -> int:
@@ -82,7 +97,7 @@ class KVCacheSpec:
     cfg: ModelConfig
     block_size: int
     spec_slack: int
-    dtype: torch.dtype
+    dtype: str  # of the compressed entries, index keys and windows (pairs: PAIR_DTYPE)
     groups: tuple[CacheGroup, ...]
 
     @classmethod
@@ -91,8 +106,9 @@ class KVCacheSpec:
         cfg: ModelConfig,
         block_size: int = 16,
         spec_slack: int = 0,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = "float32",
     ) -> KVCacheSpec:
+        dtype = dtype_name(dtype)
         sources = tuple(sorted(cfg.kv_source_layers))
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")

@@ -31,6 +31,8 @@ from asympd.model.schema import (
     FP8,
     FP8_BLOCK,
     PACKED_FP4,
+    CheckpointError,
+    StorageDtype,
     TensorSpec,
     checkpoint_schema,
     is_vision_tensor,
@@ -65,8 +67,9 @@ ST_DTYPES: dict[str, torch.dtype] = {
 ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 
 
-class CheckpointError(Exception):
-    """A checkpoint directory that does not hold what the config and role need."""
+def torch_dtype(dtype: StorageDtype) -> torch.dtype:
+    """The torch dtype of a schema dtype (the schema names dtypes as the files do, without torch)."""
+    return ST_DTYPES[dtype.name]
 
 
 @dataclass
@@ -207,14 +210,17 @@ def load_tensors(
                 if spec.name not in keys:
                     raise CheckpointError(f"tensor {spec.name!r} needed by role {role!r} is missing from {fname!r}")
                 sl = f.get_slice(spec.name)
-                found_dtype = ST_DTYPES.get(sl.get_dtype(), sl.get_dtype())
+                found = sl.get_dtype()
                 found_shape = tuple(sl.get_shape())
                 if found_shape != spec.shape:
                     raise CheckpointError(
                         f"tensor {spec.name!r}: expected shape {list(spec.shape)}, found {list(found_shape)}"
                     )
-                if found_dtype != spec.dtype:
-                    raise CheckpointError(f"tensor {spec.name!r}: expected dtype {spec.dtype}, found {found_dtype}")
+                if found != spec.dtype.name:
+                    raise CheckpointError(
+                        f"tensor {spec.name!r}: expected dtype {torch_dtype(spec.dtype)}, "
+                        f"found {ST_DTYPES.get(found, found)}"
+                    )
         for fname in sorted(by_file):
             for spec in by_file[fname]:
                 t = handles[fname].get_tensor(spec.name)
@@ -319,7 +325,7 @@ def _plain(cfg: ModelConfig, spec: TensorSpec, gen: torch.Generator) -> torch.Te
         t = _randn(gen, *shape) * shape[1] ** -0.5 * _match(GAIN, owner, 1.0)
     else:
         t = 0.1 * _randn(gen, *shape)
-    return t.to(spec.dtype)
+    return t.to(torch_dtype(spec.dtype))
 
 
 def _fp8_tiles(weight: TensorSpec, gen: torch.Generator) -> list[torch.Tensor]:
@@ -403,11 +409,11 @@ def _plan_shards(units: list[list[TensorSpec]], shard_bytes: int) -> list[list[l
 def _header(specs: list[TensorSpec]) -> tuple[bytes, dict[str, int]]:
     """safetensors header for ``specs``; tensors ordered by element size (largest first) so
     every tensor starts aligned. Returns the header bytes and each tensor's data offset."""
-    order = sorted(specs, key=lambda s: -torch.empty((), dtype=s.dtype).element_size())
+    order = sorted(specs, key=lambda s: -s.dtype.itemsize)
     meta: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offsets, pos = {}, 0
     for s in order:
-        meta[s.name] = {"dtype": ST_NAMES[s.dtype], "shape": list(s.shape), "data_offsets": [pos, pos + s.nbytes]}
+        meta[s.name] = {"dtype": s.dtype.name, "shape": list(s.shape), "data_offsets": [pos, pos + s.nbytes]}
         offsets[s.name] = pos
         pos += s.nbytes
     raw = json.dumps(meta, separators=(",", ":")).encode()
@@ -529,7 +535,7 @@ def write_checkpoint(
                     say(f"  {w.name}: {w.shape[0]} rows")
                 else:
                     for spec, t in zip(unit, _generate_unit(cfg, unit, seed), strict=True):
-                        assert t.shape == spec.shape and t.dtype == spec.dtype, spec.name
+                        assert t.shape == spec.shape and t.dtype == torch_dtype(spec.dtype), spec.name
                         _write_at(f, base, offsets[spec.name], t)
                 for spec in unit:
                     weight_map[spec.name] = fname

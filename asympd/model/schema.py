@@ -17,23 +17,40 @@ Roles:
 The vision tower (``vision.*``, ``aligner.*``, ``image_*``) and the VL gate biases of the layers a
 role runs an FFN in are ``Part.VISION``: a role reads them with ``vision=True`` (every role encodes
 the images whose rows it computes first; docs/vision.md).
+
+Torch-free: dtypes are the safetensors files' own names (``checkpoint.torch_dtype`` maps them), so
+the memory report and the planner size every role without importing torch.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
-
-import torch
 
 from asympd.config import ModelConfig
 
 FP8_BLOCK = 32  # 32x32 weight tiles, one UE8M0 scale each
 FP4_BLOCK = 32  # one UE8M0 scale per 32 K elements per row
 
-# dtypes as stored in the safetensors files
-BF16, F32 = torch.bfloat16, torch.float32
-FP8, UE8M0, PACKED_FP4 = torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8
+
+@dataclass(frozen=True, slots=True)
+class StorageDtype:
+    """A dtype as stored in the safetensors files: its header name and bytes per element."""
+
+    name: str
+    itemsize: int
+
+    def __str__(self) -> str:
+        return self.name
+
+
+BF16, F32 = StorageDtype("BF16", 2), StorageDtype("F32", 4)
+FP8, UE8M0, PACKED_FP4 = StorageDtype("F8_E4M3", 1), StorageDtype("F8_E8M0", 1), StorageDtype("I8", 1)
+
+
+class CheckpointError(Exception):
+    """A checkpoint directory that does not hold what the config and role need."""
 
 
 class Part(StrEnum):
@@ -60,16 +77,13 @@ class Fmt(StrEnum):
 class TensorSpec:
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: StorageDtype
     part: Part
     layer: int | None = None  # backbone layer or draft-block index (n_layers + i)
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -80,7 +94,7 @@ class _Builder:
     def __init__(self) -> None:
         self.specs: list[TensorSpec] = []
 
-    def add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, part: Part, layer: int | None = None) -> None:
+    def add(self, name: str, shape: tuple[int, ...], dtype: StorageDtype, part: Part, layer: int | None = None) -> None:
         self.specs.append(TensorSpec(name, tuple(shape), dtype, part, layer))
 
     def linear(self, name: str, out_f: int, in_f: int, fmt: Fmt, part: Part, layer: int | None = None) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import Any
 
 import torch
@@ -34,15 +33,10 @@ from asympd.config import ModelConfig
 from asympd.kv.batch import BatchSegment, PagedBatch
 from asympd.kv.paged_cache import PagedKVCache
 from asympd.model.attention import Attention, SegmentView, SequenceKV
+from asympd.model.depth import Depth
 from asympd.model.engram import Engram
 from asympd.model.moe import MoE
 from asympd.model.ops import hc_mixes, hc_post, hc_pre, lm_head, rms_norm
-
-
-class Depth(IntEnum):
-    ENCODER_KV = 0  # layers below K, then K's KV path only
-    THROUGH_SOURCE = 1  # layers up to and including K
-    ALL = 2  # every layer and the head
 
 
 @dataclass

@@ -61,7 +61,7 @@ def memory_report(
     gpus_gb = GPUS_GB if gpus_gb is None else gpus_gb
     part_bytes = {p: 0 for p in Part}
     for spec in checkpoint_schema(cfg) if schema is None else schema:
-        part_bytes[spec.part] += math.prod(spec.shape) * spec.dtype.itemsize  # = spec.nbytes, without a tensor
+        part_bytes[spec.part] += spec.nbytes
     per_token = compressed_kv_bytes_per_token(cfg)
     roles: dict[str, Any] = {}
     for role in ROLES:

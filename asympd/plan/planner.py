@@ -136,7 +136,7 @@ def role_memory(cfg: ModelConfig, reserve_gb: float) -> dict[str, RoleMemory]:
     experts = {p: 0 for p in PARTS}
     for spec in schema:
         if ".experts." in spec.name and spec.part in experts:
-            experts[spec.part] += math.prod(spec.shape) * spec.dtype.itemsize
+            experts[spec.part] += spec.nbytes
     out = {}
     for role, r in rep["roles"].items():
         e = sum(b for p, b in experts.items() if p in ROLE_PARTS[role])

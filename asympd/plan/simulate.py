@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from asympd.config import ModelConfig
 from asympd.engine import modes
 from asympd.engine.request import Request, Status
-from asympd.engine.sampling import SamplingParams
+from asympd.engine.sampling_params import SamplingParams
 from asympd.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from asympd.kv.block_manager import BlockManager
 from asympd.kv.spec import KVCacheSpec
-from asympd.model.transformer import Depth
+from asympd.model.depth import Depth
 from asympd.plan.steps import P_STEP_TOKENS, StepModel
 from asympd.serve.admission import AdmissionPolicy
 

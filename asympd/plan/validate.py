@@ -21,7 +21,7 @@ from typing import Any
 
 from asympd.config import ModelConfig, v41_flash
 from asympd.engine import modes
-from asympd.engine.cuda_graphs import BATCH_SIZES
+from asympd.engine.graph_sizes import BATCH_SIZES
 from asympd.plan.deployment import Deployment, ServingPath
 from asympd.plan.gpus import GPUS
 from asympd.plan.serving_load import (

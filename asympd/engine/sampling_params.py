@@ -1,0 +1,68 @@
+"""A request's sampling parameters, apart from the sampler (``sampling.py``) so that requests can
+be built without torch (the planner's simulator does)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no limit
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None  # top-n per position; -1 = the whole vocabulary
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, [-100, 100]
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError with a message fit for an HTTP 400."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or positive, got {self.top_k}")
+        if self.logprobs is not None and self.logprobs < -1:
+            raise ValueError(f"logprobs must be -1 (whole vocabulary) or >= 0, got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 1e4:
+            raise ValueError(f"repetition_penalty must be in (0, 1e4], got {self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        off = {t: b for t, b in self.logit_bias.items() if not -100 <= b <= 100}
+        if off:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {off}")
+        if vocab_size is not None:
+            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"stop_token_ids out of range [0, {vocab_size}): {bad}")
+            bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias token ids out of range [0, {vocab_size}): {bad[:8]}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when the logits depend on more than the model (then the engine does not draft)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
