@@ -866,12 +866,20 @@ if AVAILABLE:
                     e0 += BN
 
     @triton.jit
-    def _load_radix_keys(ptr, e, m, KEY_BITS: tl.constexpr):
-        x = tl.load(ptr + e, mask=m, other=0)
+    def _load_radix_keys(ptr, e, n, KEY_BITS: tl.constexpr, FLOAT_KEYS: tl.constexpr, PIN: tl.constexpr):
+        """Keys of entries e < n as unsigned ints: stored radix keys, or (``FLOAT_KEYS``) fp32 scores
+        mapped here; ``PIN``: the last entry's key is the largest possible (always selected)."""
+        m = e < n
+        if FLOAT_KEYS:
+            x = _radix_key(tl.load(ptr + e, mask=m, other=0.0), KEY_BITS)
+        else:
+            x = tl.load(ptr + e, mask=m, other=0)
         if KEY_BITS == 16:
             u = x.to(tl.uint16, bitcast=True).to(tl.uint32)
         else:
             u = x.to(tl.uint32, bitcast=True)
+        if PIN:
+            u = tl.where(e == n - 1, tl.full(u.shape, (1 << KEY_BITS) - 1, tl.uint32), u)
         return u
 
     @triton.jit
@@ -885,20 +893,30 @@ if AVAILABLE:
         return tl.histogram(((u >> shift) & ((1 << DIGIT) - 1)).to(tl.int32), 1 << DIGIT, mask=m)
 
     @triton.jit
-    def _take_chunk(u, e, op, n, thresh, need, taken, ties):
-        """Store the winners among keys u at entries e (above the threshold, or equal to it while
-        ties are needed) at the next output slots, in entry order."""
+    def _take_chunk(u, e, op, n, thresh, need, taken, ties, MASK: tl.constexpr, KEY_BITS: tl.constexpr):
+        """The winners among keys u at entries e (above the threshold, or equal to it while ties are
+        needed): their entry ids at the next output slots, in entry order, or (``MASK``) a 1 at
+        their own entries, for those scoring above -inf (``select_candidate_blocks``'s rule)."""
         m = e < n
         eq = (m & (u == thresh)).to(tl.int32)
         take = (m & (u > thresh)) | ((eq != 0) & (ties + tl.cumsum(eq, axis=0) - eq < need))
         t32 = take.to(tl.int32)
-        tl.store(op + taken + tl.cumsum(t32, axis=0) - t32, e.to(tl.int64), mask=take)
+        if MASK:
+            ninf = _radix_key(tl.full((1,), float("-inf"), tl.float32), KEY_BITS)
+            if KEY_BITS == 16:
+                floor = ninf.to(tl.uint16, bitcast=True).to(tl.uint32)
+            else:
+                floor = ninf.to(tl.uint32, bitcast=True)
+            tl.store(op + e, tl.full((1,), 1, tl.uint8), mask=take & (u > floor))
+        else:
+            tl.store(op + taken + tl.cumsum(t32, axis=0) - t32, e.to(tl.int64), mask=take)
         return taken + tl.sum(t32, axis=0), ties + tl.sum(eq, axis=0)
 
     @triton.jit(do_not_specialize=("K",))
     def _radix_select_kernel(
         key_ptr, vis_ptr, out_ptr, s_kr, s_or, K, KEY_BITS: tl.constexpr, DIGIT: tl.constexpr, CHUNK: tl.constexpr,
-        KP: tl.constexpr, PREFETCH: tl.constexpr,
+        KP: tl.constexpr, PREFETCH: tl.constexpr, FLOAT_KEYS: tl.constexpr = False, PIN: tl.constexpr = False,
+        MASK: tl.constexpr = False,
     ):  # fmt: skip
         """Program per row: the k best of its n visible keys, written as entry ids ascending, -1
         after them. Radix select from the top digit: a histogram of the digits among the keys that
@@ -906,7 +924,9 @@ if AVAILABLE:
         reaches what is still needed. Then one pass in entry order takes every key above the
         threshold and the first ``need`` equal to it (the reference's lowest-index tie-break).
         Each pass is a chain of chunk loads that Triton does not pipeline (no dot consumes them),
-        so ``PREFETCH`` issues the next chunk's load before this chunk's work."""
+        so ``PREFETCH`` issues the next chunk's load before this chunk's work. The candidate source's
+        blocks take the same select (``FLOAT_KEYS``, ``PIN``, ``MASK``: ``_load_radix_keys``,
+        ``_take_chunk``)."""
         row = tl.program_id(0)
         n = tl.load(vis_ptr + row)
         rp = key_ptr + row.to(tl.int64) * s_kr
@@ -919,14 +939,14 @@ if AVAILABLE:
         if n > K:
             for p in tl.static_range(KEY_BITS // DIGIT):
                 hist = tl.zeros((NBINS,), tl.int32)
-                u = _load_radix_keys(rp, lane, lane < n, KEY_BITS)
+                u = _load_radix_keys(rp, lane, n, KEY_BITS, FLOAT_KEYS, PIN)
                 c = n * 0
                 while c < n:
                     e = c + lane
                     if PREFETCH:
-                        nxt = _load_radix_keys(rp, e + CHUNK, e + CHUNK < n, KEY_BITS)
+                        nxt = _load_radix_keys(rp, e + CHUNK, n, KEY_BITS, FLOAT_KEYS, PIN)
                     else:
-                        u = _load_radix_keys(rp, e, e < n, KEY_BITS)
+                        u = _load_radix_keys(rp, e, n, KEY_BITS, FLOAT_KEYS, PIN)
                     hist += _digit_hist(u, e, n, thresh, p, KEY_BITS, DIGIT)
                     if PREFETCH:
                         u = nxt
@@ -937,23 +957,24 @@ if AVAILABLE:
                 thresh = (thresh << DIGIT) | digit.to(tl.uint32)
         taken = n * 0
         ties = n * 0
-        u = _load_radix_keys(rp, lane, lane < n, KEY_BITS)
+        u = _load_radix_keys(rp, lane, n, KEY_BITS, FLOAT_KEYS, PIN)
         c = n * 0
         while c < n:
             e = c + lane
             if PREFETCH:
-                nxt = _load_radix_keys(rp, e + CHUNK, e + CHUNK < n, KEY_BITS)
+                nxt = _load_radix_keys(rp, e + CHUNK, n, KEY_BITS, FLOAT_KEYS, PIN)
             else:
-                u = _load_radix_keys(rp, e, e < n, KEY_BITS)
-            taken, ties = _take_chunk(u, e, op, n, thresh, need, taken, ties)
+                u = _load_radix_keys(rp, e, n, KEY_BITS, FLOAT_KEYS, PIN)
+            taken, ties = _take_chunk(u, e, op, n, thresh, need, taken, ties, MASK, KEY_BITS)
             if PREFETCH:
                 u = nxt
             c += CHUNK
-        j0 = taken * 0
-        while j0 < K:  # -1 in the slots after the winners
-            j = j0 + tl.arange(0, KP)
-            tl.store(op + j, tl.full((KP,), -1, tl.int64), mask=(j >= taken) & (j < K))
-            j0 += KP
+        if not MASK:
+            j0 = taken * 0
+            while j0 < K:  # -1 in the slots after the winners
+                j = j0 + tl.arange(0, KP)
+                tl.store(op + j, tl.full((KP,), -1, tl.int64), mask=(j >= taken) & (j < K))
+                j0 += KP
 
     @triton.jit
     def _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS: tl.constexpr, DOT_F32: tl.constexpr):
@@ -1376,10 +1397,12 @@ def indexer_topk_candidates(
     splits: int | None = None,
     num_warps: int = 8,
     maxnreg: int | None = None,
+    select: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The candidate source's selection and its candidate pool as a block mask [rows, nb]: the
     ``topk_blocks`` blocks of ``block`` entries with the best entry, the newest visible block
-    always kept (``select_candidate_blocks`` on the kernel's block maxima)."""
+    always kept (``select_candidate_blocks`` on the kernel's block maxima; version 5 runs that rule
+    in its own select kernel instead of torch's top-k)."""
     from asympd.model.cuda_ops import fast_topk  # radix on CUDA, the stable sort elsewhere
 
     sel, bmax = indexer_topk(
@@ -1399,10 +1422,22 @@ def indexer_topk_candidates(
         splits=splits,
         num_warps=num_warps,
         maxnreg=maxnreg,
+        select=select,
     )
     vis_blocks = (n_visible.to(bmax.device, torch.int64) + block - 1).div(block, rounding_mode="floor")
     if bmax.size(1) == 0:
         return sel, torch.zeros_like(bmax, dtype=torch.bool)
+    if (INDEXER_VERSION if version is None else version) == 5:  # v5's select kernel picks the blocks too
+        cand = torch.zeros(bmax.shape, dtype=torch.uint8, device=bmax.device)
+        sel_launch = V5_SELECT | (select or {})
+        bf16 = q.dtype == torch.bfloat16 and not (_dot_f32(q) or q.dtype != key_pool.dtype)
+        _radix_select_kernel[(bmax.size(0),)](
+            bmax, vis_blocks.to(torch.int32), cand, bmax.stride(0), cand.stride(0), topk_blocks,
+            KEY_BITS=16 if bf16 else 32, DIGIT=sel_launch["digit"], CHUNK=sel_launch["chunk"] if q.is_cuda else 64,
+            KP=16, PREFETCH=sel_launch["prefetch"], FLOAT_KEYS=True, PIN=True, MASK=True,
+            num_warps=sel_launch["num_warps"] if q.is_cuda else 1,
+        )  # fmt: skip
+        return sel, cand.view(torch.bool)
     return sel, select_candidate_blocks(bmax, vis_blocks, topk_blocks, 1, topk=fast_topk)
 
 

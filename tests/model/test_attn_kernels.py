@@ -249,6 +249,14 @@ def test_indexer_v5_radix_select(monkeypatch):
     assert torch.equal(AK.indexer_topk(qb, wb, pb, tables, vis, k, row_seq=row_seq, version=5), v1)
     fast = {"digit": 4, "prefetch": True}
     assert torch.equal(AK.indexer_topk(qb, wb, pb, tables, vis, k, row_seq=row_seq, version=5, select=fast), v1)
+    # the candidate pool from v5's select kernel (16-bit keys of the block maxima, the newest
+    # visible block pinned) against torch's block top-k after version 1
+    for version in (1, 5):
+        got = AK.indexer_topk_candidates(qb, wb, pb, tables, vis, k, 5, 4, row_seq=row_seq, version=version)
+        if version == 1:
+            want_pool = got
+    assert torch.equal(got[0], want_pool[0]) and torch.equal(got[1], want_pool[1])
+    assert (got[1].sum(1) == torch.clamp((vis + 3) // 4, max=5)).all()  # every visible block up to 5
 
 
 def test_candidate_source_and_reindex_layer(kernel_version):
