@@ -1318,7 +1318,9 @@ def indexer_topk(
         # sized from the caller's bound, else one sync (the candidate source runs once a step)
         n = max_entries if max_entries is not None else (int(vis.max()) if rows else 0)
         n_bmax = -(-n // block_max)
-        bmax = torch.full((rows, n_bmax), float("-inf"), dtype=torch.float32, device=dev)
+        # rows 16-aligned in storage: the select kernel reads them with a row stride that stays a
+        # multiple of 16 whatever the context (Triton would compile anew when one turns 1 or 16k)
+        bmax = torch.full((rows, -(-n_bmax // 16) * 16), float("-inf"), dtype=torch.float32, device=dev)[:, :n_bmax]
     cand = out
     if candidates is not None:
         cand = candidates.to(device=dev, dtype=torch.uint8).contiguous()
@@ -1428,7 +1430,7 @@ def indexer_topk_candidates(
     if bmax.size(1) == 0:
         return sel, torch.zeros_like(bmax, dtype=torch.bool)
     if (INDEXER_VERSION if version is None else version) == 5:  # v5's select kernel picks the blocks too
-        cand = torch.zeros(bmax.shape, dtype=torch.uint8, device=bmax.device)
+        cand = torch.zeros(bmax.size(0), bmax.stride(0), dtype=torch.uint8, device=bmax.device)[:, : bmax.size(1)]
         sel_launch = V5_SELECT | (select or {})
         bf16 = q.dtype == torch.bfloat16 and not (_dot_f32(q) or q.dtype != key_pool.dtype)
         _radix_select_kernel[(bmax.size(0),)](
