@@ -535,9 +535,10 @@ class Attention(torch.nn.Module):
     def _select_fused(
         self, view: BatchRows, qi: torch.Tensor, wts: torch.Tensor, visible: torch.Tensor, n_max: int
     ) -> torch.Tensor:
-        """``_selection_batched`` in one Triton kernel per layer: every row scored against its own
-        sequence's index keys straight from the paged pool, the top-k kept on the fly (the score
-        tensor is never written); the candidate pool travels down as a block mask."""
+        """``_selection_batched`` in Triton kernels (``attn_kernels.indexer_topk``): every row scored
+        against its own sequence's index keys straight from the paged pool, one 16-bit key per
+        entry (no per-head scores), then each row's top-k by radix select; the candidate pool
+        travels down as a block mask."""
         from asympd.model import attn_kernels
 
         cfg = self.cfg

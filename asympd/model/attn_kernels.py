@@ -38,7 +38,7 @@ candidate_block=1, block_max=0, rows_per_tile=None, block_n=None, version=None) 
     no barrier and Triton pipelines the key tiles (cp.async); version 1's merge check with its
     barriers inside the loop stopped that. On CUDA it also takes 8 rows per tile where
     sequences average 8 rows or more (prefill), reading each key tile once per 8 rows. Version 3
-    (the default, ``INDEXER_VERSION``) is version 2 with the per-tile work cut (sm_90 SASS of the
+    is version 2 with the per-tile work cut (sm_90 SASS of the
     decode tile: 1396 -> 578 instructions per warp, 16 -> 8 barriers): a tile inside one cache
     block (epb a multiple of block_n, as at true shapes) is one table load plus loop-invariant
     offsets; relu and the head weights in packed bf16x2 (the same roundings); the threshold test
@@ -1251,7 +1251,7 @@ def indexer_topk(
     default; 1 = the first one, kept so benchmarks time both in one run). Version 2 computes the
     scores as keys x queries^T (the head sum stays within a warp), keeps the running top-k in
     scratch rather than registers and, on CUDA, takes 8 rows per tile where sequences have that
-    many (prefill: each key tile read once per 8 rows instead of 4). Version 3 (the default)
+    many (prefill: each key tile read once per 8 rows instead of 4). Version 3
     is version 2 with a block-contiguous key tile, the append path behind a uniform branch, and
     each row tile's entries split over ``splits`` programs (default: enough for one program per
     SM on CUDA, 1 under the interpreter), their top-k keys merged here (exact: keys are unique).
