@@ -286,13 +286,8 @@ if AVAILABLE:
         PIPELINE: tl.constexpr,
     ):
         tile = tl.program_id(0)
-        row0 = tl.load(tile_row0_ptr + tile)
-        nrows = tl.load(tile_rows_ptr + tile)
+        row0, nrows, rows, rmask, vis, n_max = _row_tile(tile_row0_ptr, tile_rows_ptr, vis_ptr, tile, BM)
         r = tl.arange(0, BM)
-        rows = row0 + r
-        rmask = r < nrows
-        vis = tl.load(vis_ptr + rows, mask=rmask, other=0).to(tl.int32)
-        n_max = tl.max(vis, axis=0)
         seq = tl.load(row_seq_ptr + row0).to(tl.int64)
         table_ptr = tables_ptr + seq * s_ts
         # queries as one [BM * H, D] operand: every head of every row against the same keys
@@ -442,6 +437,39 @@ if AVAILABLE:
         tl.store(bufp + pos, keys, mask=take)
         return cnt + tl.sum(take.to(tl.int32), axis=1)
 
+    @triton.jit
+    def _row_tile(tile_row0_ptr, tile_rows_ptr, vis_ptr, tile, BM: tl.constexpr):
+        """A row tile's first row, row count, rows, their mask, visible counts and the largest."""
+        row0 = tl.load(tile_row0_ptr + tile)
+        nrows = tl.load(tile_rows_ptr + tile)
+        r = tl.arange(0, BM)
+        rows = row0 + r
+        rmask = r < nrows
+        vis = tl.load(vis_ptr + rows, mask=rmask, other=0).to(tl.int32)
+        return row0, nrows, rows, rmask, vis, tl.max(vis, axis=0)
+
+    @triton.jit
+    def _query_tile(
+        q_ptr, w_ptr, row0, nrows, s_qr, s_qh, s_wr, s_ke, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+        BN: tl.constexpr, BF16X2: tl.constexpr,
+    ):  # fmt: skip
+        """A row tile's queries as the GEMM's right operand qt [D, BM * H], their head weights wt
+        [BM * H] (bf16 kept for the packed epilogue) and a key tile's offsets koff [BN, D]."""
+        mh = tl.arange(0, BM * H)
+        qrow = row0 + mh // H
+        qmask = (mh // H) < nrows
+        d = tl.arange(0, D)
+        qt = tl.load(
+            q_ptr + qrow.to(tl.int64)[None, :] * s_qr + (mh % H)[None, :] * s_qh + d[:, None],
+            mask=qmask[None, :],
+            other=0.0,
+        )
+        wt = tl.load(w_ptr + qrow.to(tl.int64) * s_wr + mh % H, mask=qmask, other=0.0)
+        if not BF16X2:
+            wt = wt.to(tl.float32)
+        koff = tl.arange(0, BN)[:, None] * s_ke + d[None, :]
+        return qt, wt, koff
+
     @triton.jit(do_not_specialize=_VARYING)
     def _indexer_topk_kernel_v2(
         q_ptr,
@@ -484,26 +512,12 @@ if AVAILABLE:
         NSLICE: tl.constexpr,
     ):
         tile = tl.program_id(0)
-        row0 = tl.load(tile_row0_ptr + tile)
-        nrows = tl.load(tile_rows_ptr + tile)
+        row0, nrows, rows, rmask, vis, n_max = _row_tile(tile_row0_ptr, tile_rows_ptr, vis_ptr, tile, BM)
         r = tl.arange(0, BM)
-        rows = row0 + r
-        rmask = r < nrows
-        vis = tl.load(vis_ptr + rows, mask=rmask, other=0).to(tl.int32)
-        n_max = tl.max(vis, axis=0)
         seq = tl.load(row_seq_ptr + row0).to(tl.int64)
         table_ptr = tables_ptr + seq * s_ts
         # queries as the GEMM's B operand [D, BM * H], loaded transposed once
-        mh = tl.arange(0, BM * H)
-        qrow = row0 + mh // H
-        qmask = (mh // H) < nrows
-        d = tl.arange(0, D)
-        qt = tl.load(
-            q_ptr + qrow.to(tl.int64)[None, :] * s_qr + (mh % H)[None, :] * s_qh + d[:, None],
-            mask=qmask[None, :],
-            other=0.0,
-        )
-        wt = tl.load(w_ptr + qrow.to(tl.int64) * s_wr + mh % H, mask=qmask, other=0.0).to(tl.float32)
+        qt, wt, _ = _query_tile(q_ptr, w_ptr, row0, nrows, s_qr, s_qh, s_wr, s_ke, H, D, BM, BN, False)
         # scratch per row: the running top-k [KP] (descending), then its candidate buffer [NSLICE * KP]
         CB: tl.constexpr = NSLICE * KP
         bestp = buf_ptr + (tile.to(tl.int64) * BM + r[:, None]) * (KP + CB)
@@ -713,28 +727,11 @@ if AVAILABLE:
         tile = tl.program_id(0)
         split = tl.program_id(1)
         NSPLIT = tl.num_programs(1)
-        row0 = tl.load(tile_row0_ptr + tile)
-        nrows = tl.load(tile_rows_ptr + tile)
+        row0, nrows, rows, rmask, vis, n_max = _row_tile(tile_row0_ptr, tile_rows_ptr, vis_ptr, tile, BM)
         r = tl.arange(0, BM)
-        rows = row0 + r
-        rmask = r < nrows
-        vis = tl.load(vis_ptr + rows, mask=rmask, other=0).to(tl.int32)
-        n_max = tl.max(vis, axis=0)
         seq = tl.load(row_seq_ptr + row0).to(tl.int64)
         table_ptr = tables_ptr + seq * s_ts
-        mh = tl.arange(0, BM * H)
-        qrow = row0 + mh // H
-        qmask = (mh // H) < nrows
-        d = tl.arange(0, D)
-        qt = tl.load(
-            q_ptr + qrow.to(tl.int64)[None, :] * s_qr + (mh % H)[None, :] * s_qh + d[:, None],
-            mask=qmask[None, :],
-            other=0.0,
-        )
-        wt = tl.load(w_ptr + qrow.to(tl.int64) * s_wr + mh % H, mask=qmask, other=0.0)
-        if not BF16X2:
-            wt = wt.to(tl.float32)
-        koff = tl.arange(0, BN)[:, None] * s_ke + d[None, :]
+        qt, wt, koff = _query_tile(q_ptr, w_ptr, row0, nrows, s_qr, s_qh, s_wr, s_ke, H, D, BM, BN, BF16X2)
         CB: tl.constexpr = NSLICE * KP
         slot = (tile.to(tl.int64) * NSPLIT + split) * BM + r
         bestp = buf_ptr + slot[:, None] * (KP + CB)
@@ -804,6 +801,23 @@ if AVAILABLE:
             key = u
         return key
 
+    @triton.jit
+    def _score_tile_v5(
+        qt, wt, kpool_ptr, table_ptr, koff, vis, cand_ptr, s_cr, rows, rmask, e0, n_max, s_kb, s_ke, EPB, keyp,
+        bmax_ptr, s_br, n_bmax, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        HAS_CAND: tl.constexpr, CAND_BLOCK: tl.constexpr, BMAX: tl.constexpr, ROUND_BF16: tl.constexpr,
+        DOT_F32: tl.constexpr, IN_BLOCK: tl.constexpr, BF16X2: tl.constexpr, KEY_BITS: tl.constexpr,
+    ):  # fmt: skip
+        """One key tile: its radix keys where visible, and the candidate source's block maxima."""
+        s, v = _score_keys_v3(
+            qt, wt, kpool_ptr, table_ptr, koff, vis, cand_ptr, s_cr, rows, rmask, e0, n_max, s_kb, s_ke,
+            EPB, H, D, BM, BN, HAS_CAND, CAND_BLOCK, ROUND_BF16, DOT_F32, IN_BLOCK, BF16X2,
+        )  # fmt: skip
+        if BMAX > 0:
+            _store_block_max_t(s, v, bmax_ptr, rows, rmask, e0, s_br, n_bmax, BM, BN, BMAX)
+        e = e0 + tl.arange(0, BN)
+        tl.store(keyp + e[:, None], _radix_key(s, KEY_BITS), mask=v)
+
     @triton.jit(do_not_specialize=_VARYING)
     def _indexer_scores_kernel_v5(
         q_ptr, w_ptr, kpool_ptr, tables_ptr, row_seq_ptr, tile_row0_ptr, tile_rows_ptr, vis_ptr, cand_ptr,
@@ -815,54 +829,29 @@ if AVAILABLE:
     ):  # fmt: skip
         """Program (row tile, chunk of CHUNK entries): the tile's radix keys [rows, entries] for
         visible entries, and the block maxima (candidate source) of its chunk."""
-        tile = tl.program_id(0)
+        row0, nrows, rows, rmask, vis, n_max = _row_tile(tile_row0_ptr, tile_rows_ptr, vis_ptr, tl.program_id(0), BM)
         e_lo = tl.program_id(1) * CHUNK
-        nrows = tl.load(tile_rows_ptr + tile)
-        row0 = tl.load(tile_row0_ptr + tile)
-        r = tl.arange(0, BM)
-        rows = row0 + r
-        rmask = r < nrows
-        vis = tl.load(vis_ptr + rows, mask=rmask, other=0).to(tl.int32)
-        n_max = tl.max(vis, axis=0)
         e_hi = tl.minimum(e_lo + CHUNK, n_max)
         if e_lo < e_hi:
             seq = tl.load(row_seq_ptr + row0).to(tl.int64)
             table_ptr = tables_ptr + seq * s_ts
-            mh = tl.arange(0, BM * H)
-            qrow = row0 + mh // H
-            qmask = (mh // H) < nrows
-            d = tl.arange(0, D)
-            qt = tl.load(
-                q_ptr + qrow.to(tl.int64)[None, :] * s_qr + (mh % H)[None, :] * s_qh + d[:, None],
-                mask=qmask[None, :],
-                other=0.0,
-            )
-            wt = tl.load(w_ptr + qrow.to(tl.int64) * s_wr + mh % H, mask=qmask, other=0.0)
-            if not BF16X2:
-                wt = wt.to(tl.float32)
-            koff = tl.arange(0, BN)[:, None] * s_ke + d[None, :]
+            qt, wt, koff = _query_tile(q_ptr, w_ptr, row0, nrows, s_qr, s_qh, s_wr, s_ke, H, D, BM, BN, BF16X2)
             keyp = key_ptr + rows.to(tl.int64)[None, :] * s_kr
             if PIPELINE:
                 for e0 in range(e_lo, e_hi, BN):
-                    s, v = _score_keys_v3(
+                    _score_tile_v5(
                         qt, wt, kpool_ptr, table_ptr, koff, vis, cand_ptr, s_cr, rows, rmask, e0, n_max, s_kb, s_ke,
-                        EPB, H, D, BM, BN, HAS_CAND, CAND_BLOCK, ROUND_BF16, DOT_F32, IN_BLOCK, BF16X2,
+                        EPB, keyp, bmax_ptr, s_br, n_bmax, H, D, BM, BN, HAS_CAND, CAND_BLOCK, BMAX, ROUND_BF16,
+                        DOT_F32, IN_BLOCK, BF16X2, KEY_BITS,
                     )  # fmt: skip
-                    if BMAX > 0:
-                        _store_block_max_t(s, v, bmax_ptr, rows, rmask, e0, s_br, n_bmax, BM, BN, BMAX)
-                    e = e0 + tl.arange(0, BN)
-                    tl.store(keyp + e[:, None], _radix_key(s, KEY_BITS), mask=v)
             else:  # the interpreter cannot take a tensor as a range bound
                 e0 = e_lo
                 while e0 < e_hi:
-                    s, v = _score_keys_v3(
+                    _score_tile_v5(
                         qt, wt, kpool_ptr, table_ptr, koff, vis, cand_ptr, s_cr, rows, rmask, e0, n_max, s_kb, s_ke,
-                        EPB, H, D, BM, BN, HAS_CAND, CAND_BLOCK, ROUND_BF16, DOT_F32, IN_BLOCK, BF16X2,
+                        EPB, keyp, bmax_ptr, s_br, n_bmax, H, D, BM, BN, HAS_CAND, CAND_BLOCK, BMAX, ROUND_BF16,
+                        DOT_F32, IN_BLOCK, BF16X2, KEY_BITS,
                     )  # fmt: skip
-                    if BMAX > 0:
-                        _store_block_max_t(s, v, bmax_ptr, rows, rmask, e0, s_br, n_bmax, BM, BN, BMAX)
-                    e = e0 + tl.arange(0, BN)
-                    tl.store(keyp + e[:, None], _radix_key(s, KEY_BITS), mask=v)
                     e0 += BN
 
     @triton.jit
@@ -881,6 +870,30 @@ if AVAILABLE:
         if PIN:
             u = tl.where(e == n - 1, tl.full(u.shape, (1 << KEY_BITS) - 1, tl.uint32), u)
         return u
+
+    @triton.jit
+    def _first_keys(rp, lane, n, KEY_BITS: tl.constexpr, FLOAT_KEYS: tl.constexpr, PIN: tl.constexpr,
+                    PREFETCH: tl.constexpr):  # fmt: skip
+        """What a pass's loop starts from: the first chunk's keys when prefetching, else nothing."""
+        if PREFETCH:
+            u = _load_radix_keys(rp, lane, n, KEY_BITS, FLOAT_KEYS, PIN)
+        else:
+            u = tl.zeros(lane.shape, tl.uint32)
+        return u
+
+    @triton.jit
+    def _chunk_keys(
+        rp, u, e, n, KEY_BITS: tl.constexpr, FLOAT_KEYS: tl.constexpr, PIN: tl.constexpr, PREFETCH: tl.constexpr,
+        CHUNK: tl.constexpr,
+    ):  # fmt: skip
+        """(the keys of entries e, what the next chunk starts from): with ``PREFETCH`` the keys
+        loaded a chunk early and the next chunk's load issued now, before this chunk's work."""
+        if PREFETCH:
+            keys = u
+            u = _load_radix_keys(rp, e + CHUNK, n, KEY_BITS, FLOAT_KEYS, PIN)
+        else:
+            keys = _load_radix_keys(rp, e, n, KEY_BITS, FLOAT_KEYS, PIN)
+        return keys, u
 
     @triton.jit
     def _digit_hist(u, e, n, thresh, p: tl.constexpr, KEY_BITS: tl.constexpr, DIGIT: tl.constexpr):
@@ -939,17 +952,12 @@ if AVAILABLE:
         if n > K:
             for p in tl.static_range(KEY_BITS // DIGIT):
                 hist = tl.zeros((NBINS,), tl.int32)
-                u = _load_radix_keys(rp, lane, n, KEY_BITS, FLOAT_KEYS, PIN)
+                u = _first_keys(rp, lane, n, KEY_BITS, FLOAT_KEYS, PIN, PREFETCH)
                 c = n * 0
                 while c < n:
                     e = c + lane
-                    if PREFETCH:
-                        nxt = _load_radix_keys(rp, e + CHUNK, n, KEY_BITS, FLOAT_KEYS, PIN)
-                    else:
-                        u = _load_radix_keys(rp, e, n, KEY_BITS, FLOAT_KEYS, PIN)
-                    hist += _digit_hist(u, e, n, thresh, p, KEY_BITS, DIGIT)
-                    if PREFETCH:
-                        u = nxt
+                    keys, u = _chunk_keys(rp, u, e, n, KEY_BITS, FLOAT_KEYS, PIN, PREFETCH, CHUNK)
+                    hist += _digit_hist(keys, e, n, thresh, p, KEY_BITS, DIGIT)
                     c += CHUNK
                 at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys with digit >= b
                 digit = tl.sum((at_least >= need).to(tl.int32), axis=0) - 1
@@ -957,17 +965,12 @@ if AVAILABLE:
                 thresh = (thresh << DIGIT) | digit.to(tl.uint32)
         taken = n * 0
         ties = n * 0
-        u = _load_radix_keys(rp, lane, n, KEY_BITS, FLOAT_KEYS, PIN)
+        u = _first_keys(rp, lane, n, KEY_BITS, FLOAT_KEYS, PIN, PREFETCH)
         c = n * 0
         while c < n:
             e = c + lane
-            if PREFETCH:
-                nxt = _load_radix_keys(rp, e + CHUNK, n, KEY_BITS, FLOAT_KEYS, PIN)
-            else:
-                u = _load_radix_keys(rp, e, n, KEY_BITS, FLOAT_KEYS, PIN)
-            taken, ties = _take_chunk(u, e, op, n, thresh, need, taken, ties, MASK, KEY_BITS)
-            if PREFETCH:
-                u = nxt
+            keys, u = _chunk_keys(rp, u, e, n, KEY_BITS, FLOAT_KEYS, PIN, PREFETCH, CHUNK)
+            taken, ties = _take_chunk(keys, e, op, n, thresh, need, taken, ties, MASK, KEY_BITS)
             c += CHUNK
         if not MASK:
             j0 = taken * 0
