@@ -1201,6 +1201,9 @@ def _select_v5(
     chunk = max(bn, V5_CHUNK) if q.is_cuda else max(bn, 64)
     sel = V5_SELECT | (select or {})
     kp = max(16, min(1024, _next_pow2(k)))
+    # a row's keys end at its stride: entries past the caller's bound are not scored (never past
+    # the row, whatever a wrong ``max_entries`` says)
+    vis = vis.clamp(max=width)
     for r0 in range(0, rows, group):
         r1 = min(rows, r0 + group)
         row0, count = row_tiles(seqs[r0:r1], tables.size(0), bm)
@@ -1250,7 +1253,8 @@ def indexer_topk(
     ``triton`` (``tl.sort`` twice; same result, kept as a fallback and for comparison).
     ``block_n``: entries scored per step (default 128, 64 for version 2 with 8 rows per tile).
     ``max_entries``: a bound on n_visible the caller knows (its sequences' entry counts), so the
-    block maxima are sized without a sync. ``version``: the kernel (``INDEXER_VERSION`` by
+    block maxima (and version 5's key rows, 64-aligned) are sized without a sync; version 5 scores
+    no entry past that aligned bound. ``version``: the kernel (``INDEXER_VERSION`` by
     default; 1 = the first one, kept so benchmarks time both in one run). Version 2 computes the
     scores as keys x queries^T (the head sum stays within a warp), keeps the running top-k in
     scratch rather than registers and, on CUDA, takes 8 rows per tile where sequences have that

@@ -249,6 +249,14 @@ def test_indexer_v5_radix_select(monkeypatch):
     assert torch.equal(AK.indexer_topk(qb, wb, pb, tables, vis, k, row_seq=row_seq, version=5), v1)
     fast = {"digit": 4, "prefetch": True}
     assert torch.equal(AK.indexer_topk(qb, wb, pb, tables, vis, k, row_seq=row_seq, version=5, select=fast), v1)
+    # a bound below the visible entries (a caller's error): nothing past the 64-aligned key row is
+    # scored or read, the selection is the one over the first 64 entries
+    got = AK.indexer_topk(q, w, pool, tables, vis, k, row_seq=row_seq, version=5, max_entries=40)
+    lo, want64 = 0, []
+    for keys, qs, _, v in segs:
+        want64.append(ref_select(qs, w[lo : lo + qs.size(0)], keys, v.clamp(max=64), k)[0])
+        lo += qs.size(0)
+    assert torch.equal(got, torch.cat(want64))
     # the candidate pool from v5's select kernel (16-bit keys of the block maxima, the newest
     # visible block pinned) against torch's block top-k after version 1
     for version in (1, 5):
