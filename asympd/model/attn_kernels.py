@@ -787,6 +787,8 @@ if AVAILABLE:
     # score to bf16, 4 in fp32: 1/64 (1/32) of the per-head score tensor the unfused path writes.
     # The select pass finds each row's k-th best key by radix (a histogram per digit) and compacts
     # the winners in entry order: ascending output, ties at the threshold to the lowest entries.
+    # The candidate source's block pool is the same select over its block maxima. Measured against
+    # version 4 in docs/performance.md §12 ("Version 5").
 
     @triton.jit
     def _radix_key(s, KEY_BITS: tl.constexpr):
