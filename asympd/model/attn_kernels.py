@@ -1280,6 +1280,14 @@ def indexer_topk(
         raise ValueError(f"maxnreg is for versions 3 and 4, got version {version}")
     if select is not None and (version != 5 or set(select) - set(V5_SELECT)):
         raise ValueError(f"select is for version 5 and takes {sorted(V5_SELECT)}, got {select!r}")
+    if select is not None:
+        launch = V5_SELECT | select
+        chunk, warps = launch["chunk"], launch["num_warps"]
+        if launch["digit"] not in (2, 4, 8) or chunk < 16 or chunk & (chunk - 1) or warps not in (1, 2, 4, 8, 16):
+            raise ValueError(
+                f"select needs digit 2, 4 or 8, a power-of-two chunk >= 16 and 1-16 warps (a power of two), "
+                f"got {launch}"
+            )
     if sort_impl not in ("bitonic", "triton"):
         raise ValueError(f"sort_impl must be 'bitonic' or 'triton', got {sort_impl!r}")
     rows, n_heads, hd = q.shape

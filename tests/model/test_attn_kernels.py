@@ -322,6 +322,10 @@ def test_indexer_bad_input():
         AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, version=6)
     with pytest.raises(ValueError, match="maxnreg is for versions 3 and 4, got version 2"):
         AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, version=2, maxnreg=128)
+    with pytest.raises(ValueError, match="select needs digit 2, 4 or 8"):
+        AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, version=5, select={"digit": 3})
+    with pytest.raises(ValueError, match="a power-of-two chunk"):
+        AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, version=5, select={"chunk": 1000})
     with pytest.raises(ValueError, match="select is for version 5"):
         AK.indexer_topk(q, torch.zeros(2, 4), pool, tables, torch.tensor([1, 2]), 8, version=5, select={"bits": 4})
     with pytest.raises(ValueError, match="splits must be positive"):
