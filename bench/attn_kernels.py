@@ -359,15 +359,20 @@ def run_cell(
     want = unfused_attention(cell, 1, ref_sel).float()
     got = fused_attention(cell, ref_sel).float()
     got_v1 = fused_attention(cell, ref_sel, version=1).float()
+    got_v2 = fused_attention(cell, ref_sel, version=2).float()
     row["agree"] = {
         "rel_err": float((got - want).norm() / want.norm()),
         "rel_err_v1": float((got_v1 - want).norm() / want.norm()),
+        "rel_err_v2": float((got_v2 - want).norm() / want.norm()),
+        "rel_err_v3_vs_v2": float((got - got_v2).norm() / got_v2.norm()),
     }
     batched = batched_attention(cell, 1, ref_sel).float()
     row["agree"]["batched_rel_err"] = float((batched - want).norm() / want.norm())
     row["unfused"] = run(lambda: unfused_attention(cell, 1, ref_sel), iters)
     row["batched"] = run(lambda: batched_attention(cell, 1, ref_sel), iters)
-    configs = [{"version": 1}, {"version": 2}]
+    configs = [{"version": 1}, {"version": 2}, {"version": 3}]
+    # version 3's launch: key tiles of 16 / 32 rows, two / three stages of them in flight
+    configs += [{"version": 3, "block_n": bn, "num_stages": st} for bn, st in ((16, 2), (32, 2), (32, 3))]
     if sweep:
         configs += [{"version": 1, "block_h": bh, "block_n": bn} for bh in (32, 64) for bn in (16, 32)]
         configs += [{"version": 2, "block_n": 32}, {"version": 2, "block_h": 32, "block_n": 32}]
@@ -421,7 +426,7 @@ def pick_best(row: dict[str, Any]) -> None:
     """``fused``: the fastest config; ``fused_v1`` .. ``fused_v3``: each version's defaults (the
     first config timed of each), their floor fractions, and each version's speed-up over the one
     before it in the same run (the indexer times v2 and v3 in every cell, v1 in the sweep;
-    attention has v1 and v2)."""
+    attention has v1 to v3)."""
     timed = row.get("fused_configs", [])
     row["fused"] = min(timed, key=lambda t: t["ms"], default=None)
     for v in (1, 2, 3, 4, 5):

@@ -41,18 +41,19 @@ INDEXER_ARGS = [
 # version 3 also takes each row's buffer counter (claimed by atomics) after out_ptr
 INDEXER_V3_ARGS = INDEXER_ARGS[:12] + [("cnt_ptr", "*i32")] + INDEXER_ARGS[12:]
 ATTN_ARGS = [
-    ("q_ptr", "*bf16"), ("win_ptr", "*bf16"), ("widx_ptr", "*i64"), ("sel_ptr", "*i64"), ("pool_ptr", "*bf16"),
-    ("tables_ptr", "*i32"), ("row_seq_ptr", "*i32"), ("sink_ptr", "*fp32"), ("out_ptr", "*bf16"), ("s_qr", "i32"),
-    ("s_qh", "i32"), ("s_wn", "i32"), ("s_wir", "i32"), ("s_sr", "i32"), ("s_pb", "i32"), ("s_pe", "i32"),
-    ("s_ts", "i32"), ("s_or", "i32"), ("s_oh", "i32"), ("NH", "i32"), ("EPB", "i32"), ("scale", "fp32"),
+    ("q_ptr", "*bf16"), ("win_ptr", "*bf16"), ("new_ptr", "*bf16"), ("widx_ptr", "*i64"), ("sel_ptr", "*i64"),
+    ("pool_ptr", "*bf16"), ("tables_ptr", "*i32"), ("row_seq_ptr", "*i32"), ("sink_ptr", "*fp32"),
+    ("out_ptr", "*bf16"), ("s_qr", "i32"), ("s_qh", "i32"), ("s_wn", "i32"), ("s_nn", "i32"), ("s_wir", "i32"),
+    ("s_sr", "i32"), ("s_pb", "i32"), ("s_pe", "i32"), ("s_ts", "i32"), ("s_or", "i32"), ("s_oh", "i32"),
+    ("NH", "i32"), ("EPB", "i32"), ("scale", "fp32"),
 ]  # fmt: skip
 
 
 # integer arguments a launch at true shapes passes as multiples of 16 (strides of 128-wide rows,
 # 256-entry blocks, k = 512): the JIT specializes them, and pointers, as 16-divisible, which
 # decides whether loads become cp.async (pipelined) and how many registers the kernel takes
-ALIGNED = {"s_qr", "s_qh", "s_wr", "s_kb", "s_ke", "s_ts", "EPB", "K", "s_wn", "s_wir", "s_sr", "s_pb", "s_pe",
-           "s_or", "s_oh", "NH"}  # fmt: skip
+ALIGNED = {"s_qr", "s_qh", "s_wr", "s_kb", "s_ke", "s_ts", "EPB", "K", "s_wn", "s_nn", "s_wir", "s_sr", "s_pb",
+           "s_pe", "s_or", "s_oh", "NH"}  # fmt: skip
 
 
 def hot_loop(sass: str) -> dict[str, int]:
@@ -79,12 +80,18 @@ def hot_loop(sass: str) -> dict[str, int]:
 
 
 def compile_report(
-    fn, args: list[tuple[str, str]], constexprs: dict[str, Any], num_warps: int, maxnreg: int | None = None
+    fn,
+    args: list[tuple[str, str]],
+    constexprs: dict[str, Any],
+    num_warps: int,
+    maxnreg: int | None = None,
+    num_stages: int | None = None,
 ) -> dict[str, Any]:
     sig = dict(args) | {name: "constexpr" for name in constexprs}
     attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(args) if t.startswith("*") or n in ALIGNED}
     t0 = time.time()
     options: dict[str, Any] = {"num_warps": num_warps} | ({"maxnreg": maxnreg} if maxnreg else {})
+    options |= {"num_stages": num_stages} if num_stages else {}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), target=TARGET,
                        options=options)  # fmt: skip
     out: dict[str, Any] = {"compile_s": round(time.time() - t0, 1), "shared_bytes": k.metadata.shared}
@@ -101,6 +108,7 @@ def compile_report(
     out["wgmma"] = ptx.count("wgmma.mma_async")
     out["mma_sync"] = ptx.count("mma.sync")
     out["cp_async"] = k.asm["ttgir"].count("async_copy_global_to_local")  # pipelined loads
+    out["scalar_b16_loads"] = ptx.count("ld.global.b16")  # two bytes a load: an unaligned (unhinted) gather
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()
@@ -166,13 +174,17 @@ def main() -> None:
     if args.no_attention:
         todo_attn: tuple = ()
     else:
-        todo_attn = ((1, 16, 32), (2, 64, 16))  # the two versions' defaults
-    for version, bh, bn in todo_attn:
+        # each version's default, then version 3's launches bench/attn_kernels.py sweeps
+        todo_attn = ((1, 16, 32, 3), (2, 64, 16, 3), (3, 64, 16, 3), (3, 64, 16, 2), (3, 64, 32, 2), (3, 64, 32, 3))
+    for version, bh, bn, stages in todo_attn:
+        # as the engine launches it: two window sources (ring buffer and this step's rows), bf16 pool
         cons = dict(W=cfg.window_size, KSEL=cfg.index_topk, D=cfg.head_dim, BH=bh, BN=bn, ROUND_PROBS=True,
-                    DOT_F32=False, SEL_OFFSETS=version == 2)  # fmt: skip
-        row = {"kernel": "sparse_attention_paged", "version": version, "block_h": bh, "block_n": bn}
+                    DOT_F32=False, SEL_OFFSETS=version >= 2, TWO_WIN=True, ALIGN=8 if version == 3 else 1,
+                    ACC_IN_DOT=version == 3)  # fmt: skip
+        row = {"kernel": "sparse_attention_paged", "version": version, "block_h": bh, "block_n": bn,
+               "num_stages": stages}  # fmt: skip
         try:
-            row |= compile_report(AK._sparse_attn_kernel, ATTN_ARGS, cons, 8)
+            row |= compile_report(AK._sparse_attn_kernel, ATTN_ARGS, cons, 8, num_stages=stages)
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(row)

@@ -35,6 +35,9 @@ prefill of 32 × 1K and 2 × 16K prompts (one step each at a 32K-token budget).
 engine's own batched path selecting with each, ``v5_speedup`` = v4 ÷ v5 step time. Writes
 ``engine_steps_indexer.json``.
 
+``--attention-versions``: the same cases with the fused attention's version 2 and version 3 (the
+default), ``v3_speedup`` = v2 ÷ v3 step time. Writes ``engine_steps_attention_v3.json``.
+
 ``--attention``: only the fused-attention comparison (issue 15): decode B = 64 (k = 0) and B = 256
 (k = 3) at ~1K context (a row attends to W + index_topk keys whatever the context beyond that), and
 the two colocated prefills, each run twice in the same process, with the batched path's fused
@@ -529,17 +532,21 @@ def attention_cases(full, cfg, device, smoke: bool, res: dict[str, Any], started
     set_fused_attention(full, full.blocks[0].attn.kernels.fused_indexer)
 
 
-def indexer_cases(full, cfg, device, smoke: bool, res: dict[str, Any], started: float) -> None:
-    """``--indexer``: every case with the fused indexer's version 4, then version 5 (the default)."""
+def version_cases(
+    full, cfg, device, smoke: bool, res: dict[str, Any], started: float, knob: str, old: int, new: int, name: str
+) -> None:
+    """Every case with ``attn_kernels.<knob>`` at ``old``, then at ``new``, same process."""
     from asympd.model import attn_kernels
 
-    default = attn_kernels.INDEXER_VERSION
+    default = getattr(attn_kernels, knob)
 
     def use(version: int):
-        return lambda: setattr(attn_kernels, "INDEXER_VERSION", version)
+        return lambda: setattr(attn_kernels, knob, version)
 
-    ab_cases(full, cfg, device, smoke, res, started, "engine_steps_indexer", [("v4", use(4)), ("v5", use(5))])
-    attn_kernels.INDEXER_VERSION = default
+    try:
+        ab_cases(full, cfg, device, smoke, res, started, name, [(f"v{old}", use(old)), (f"v{new}", use(new))])
+    finally:
+        setattr(attn_kernels, knob, default)
 
 
 def main() -> None:
@@ -549,6 +556,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny config on CPU: plumbing only")
     ap.add_argument("--attention", action="store_true", help="only the fused vs gathered attention comparison")
     ap.add_argument("--indexer", action="store_true", help="only the fused indexer's version 4 vs 5 comparison")
+    ap.add_argument(
+        "--attention-versions", action="store_true", help="only the fused attention's version 2 vs 3 comparison"
+    )
     ap.add_argument(
         "--windows", action="store_true", help="only the window step: a symmetric P's against a D's first step"
     )
@@ -571,8 +581,11 @@ def main() -> None:
     if args.attention:
         attention_cases(full, cfg, device, smoke, res, started)
         return
-    if args.indexer:
-        indexer_cases(full, cfg, device, smoke, res, started)
+    if args.indexer:  # the fused indexer's version 4 vs 5
+        version_cases(full, cfg, device, smoke, res, started, "INDEXER_VERSION", 4, 5, "engine_steps_indexer")
+        return
+    if args.attention_versions:  # the fused attention's version 2 vs 3
+        version_cases(full, cfg, device, smoke, res, started, "ATTENTION_VERSION", 2, 3, "engine_steps_attention_v3")
         return
     if args.windows:
         name = "engine_steps_windows_smoke" if smoke else "engine_steps_windows"

@@ -982,8 +982,12 @@ if AVAILABLE:
                 j0 += KP
 
     @triton.jit
-    def _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS: tl.constexpr, DOT_F32: tl.constexpr):
-        """One online-softmax step over a key tile kv [BN, D] (K = V)."""
+    def _attend(
+        q, kv, valid, m, lsum, acc, scale, ROUND_PROBS: tl.constexpr, DOT_F32: tl.constexpr, ACC_IN_DOT: tl.constexpr
+    ):
+        """One online-softmax step over a key tile kv [BN, D] (K = V). ``ACC_IN_DOT`` (version 3):
+        the rescaled accumulator is the value product's accumulator (wgmma adds into it) instead of
+        a separate add of a fresh [BH, D] product."""
         if DOT_F32:
             logits = tl.dot(q.to(tl.float32), tl.trans(kv.to(tl.float32)), input_precision="ieee")
         else:
@@ -993,13 +997,16 @@ if AVAILABLE:
         alpha = tl.exp(m - m_new)
         p = tl.exp(logits - m_new[:, None])
         lsum = lsum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
         if ROUND_PROBS and not DOT_F32:  # bf16 probabilities and values, fp32 accumulation
-            pv = tl.dot(p.to(tl.bfloat16), kv)
-        else:
-            if ROUND_PROBS:
-                p = p.to(tl.bfloat16).to(tl.float32)
-            pv = tl.dot(p, kv.to(tl.float32), input_precision="ieee")
-        return m_new, lsum, acc * alpha[:, None] + pv
+            if ACC_IN_DOT:
+                return m_new, lsum, tl.dot(p.to(tl.bfloat16), kv, acc)
+            return m_new, lsum, acc + tl.dot(p.to(tl.bfloat16), kv)
+        if ROUND_PROBS:
+            p = p.to(tl.bfloat16).to(tl.float32)
+        if ACC_IN_DOT:
+            return m_new, lsum, tl.dot(p, kv.to(tl.float32), acc, input_precision="ieee")
+        return m_new, lsum, acc + tl.dot(p, kv.to(tl.float32), input_precision="ieee")
 
     @triton.jit(do_not_specialize=("s_ts",))  # the table width follows the context (as _VARYING)
     def _sparse_attn_kernel(
@@ -1036,10 +1043,16 @@ if AVAILABLE:
         DOT_F32: tl.constexpr,
         SEL_OFFSETS: tl.constexpr = False,
         TWO_WIN: tl.constexpr = False,
+        ALIGN: tl.constexpr = 1,
+        ACC_IN_DOT: tl.constexpr = False,
     ):
         """``SEL_OFFSETS`` (version 2): sel holds each entry's element offset in the pool (the
         wrapper resolved the block table), so a key tile is one dependent load after its index
-        load instead of two. ``TWO_WIN``: window slots come from two tensors, the ring buffer
+        load instead of two. ``ALIGN`` (version 3): those offsets are multiples of ALIGN elements
+        (16 bytes), which the compiler cannot know of loaded values: without the hint the entry
+        tiles load two bytes at a time and synchronously (sm_90 PTX: ``ld.global.b16``, no
+        ``cp.async`` in the entry loop), with it as 16-byte ``cp.async`` pipelined like the window's.
+        ``TWO_WIN``: window slots come from two tensors, the ring buffer
         (``win_ptr``, index >= 0) and this step's rows (``new_ptr``, index -2 - i), each loaded
         in its own dtype and cast to the pool's (fp32 with ``DOT_F32``), so neither is copied."""
         row = tl.program_id(0).to(tl.int64)
@@ -1068,7 +1081,7 @@ if AVAILABLE:
             else:
                 valid = wi >= 0
                 kv = tl.load(win_ptr + wi[:, None] * s_wn + d[None, :], mask=valid[:, None], other=0.0)
-            m, lsum, acc = _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS, DOT_F32)
+            m, lsum, acc = _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS, DOT_F32, ACC_IN_DOT)
         table_ptr = tables_ptr + tl.load(row_seq_ptr + row).to(tl.int64) * s_ts
         for j0 in range(0, KSEL, BN):
             j = j0 + n
@@ -1076,11 +1089,13 @@ if AVAILABLE:
             valid = e >= 0
             if SEL_OFFSETS:
                 off = e
+                if ALIGN > 1:  # every offset is a multiple of ALIGN elements: 16-byte loads, pipelined
+                    off = tl.multiple_of(tl.where(valid, off, 0), ALIGN)
             else:
                 blk = tl.load(table_ptr + e // EPB, mask=valid, other=0).to(tl.int64)
                 off = blk * s_pb + (e % EPB) * s_pe
             kv = tl.load(pool_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            m, lsum, acc = _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS, DOT_F32)
+            m, lsum, acc = _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS, DOT_F32, ACC_IN_DOT)
         sink = tl.load(sink_ptr + h, mask=hmask, other=0.0).to(tl.float32)
         out = acc / (lsum + tl.exp(sink - m))[:, None]
         tl.store(
@@ -1089,7 +1104,7 @@ if AVAILABLE:
 
 
 INDEXER_VERSION = 5  # indexer_topk's default kernel: scores, then a radix select (1-4: the earlier ones)
-ATTENTION_VERSION = 2  # sparse_attention_paged's default tiling (1: the first one)
+ATTENTION_VERSION = 3  # sparse_attention_paged's default (1, 2: the earlier tilings and loads)
 NSLICE = 2  # indexer v2/v3: candidate buffer of NSLICE * k slots per row (runs of tiles between merges)
 # indexer version 4: version 3's kernel with 64-entry key tiles and ptxas held to 128 registers a
 # thread, so two 8-warp blocks share an SM (v3: ~240 registers, one block, latency exposed). Offline
@@ -1478,21 +1493,25 @@ def sparse_attention_paged(
     block_h: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
+    num_stages: int | None = None,
     version: int | None = None,
 ) -> torch.Tensor:
     """Sparse latent attention over window rows and selected pool entries (module docstring).
     ``version`` (``ATTENTION_VERSION`` by default): 1 = 16 heads x 32 keys per program, the
     table looked up in the kernel; 2 = every head of a row in one program (up to 64: each key tile
     read once per row, not once per 16 heads, and a wgmma-sized M) over 16-key tiles, entries
-    resolved to pool offsets before the launch (one dependent load fewer per tile).
+    resolved to pool offsets before the launch (one dependent load fewer per tile); 3 = version 2
+    with the entry tiles loaded 16 bytes at a time and pipelined (the offsets declared 16-byte
+    multiples, checked here on the pool's strides and address) and the accumulator rescaled
+    inside the value product.
     ``window_new`` [n_new, d]: a second window source, the engine's own case (its window slots are
     either earlier rows in the slot's ring buffer, ``window_kv``, or rows of this step, not yet
     appended): then ``window_idx`` -2 - i names row i of ``window_new`` (>= 0 still a row of
     ``window_kv``, -1 not visible), and neither tensor is copied or converted (a ring buffer of
     every slot and layer may be large; the kernel casts what it loads)."""
     version = ATTENTION_VERSION if version is None else version
-    if version not in (1, 2):
-        raise ValueError(f"version must be 1 or 2, got {version!r}")
+    if version not in (1, 2, 3):
+        raise ValueError(f"version must be 1, 2 or 3, got {version!r}")
     rows, n_heads, d = q.shape
     if d & (d - 1):
         raise ValueError(f"head_dim must be a power of two, got {d}")
@@ -1531,8 +1550,9 @@ def sparse_attention_paged(
         block_h = 16 if version == 1 else max(16, min(64, _next_pow2(n_heads)))
     if block_n is None:
         block_n = 32 if version == 1 or d < 256 else 16
-    if version == 2:
+    if version >= 2:
         sel = _pool_offsets(sel, tables, seqs, ckv_pool)
+    align = _pool_alignment(ckv_pool) if version == 3 else 1
     grid = (rows, triton.cdiv(n_heads, block_h))
     new = window_kv if window_new is None else window_new
     _sparse_attn_kernel[grid](
@@ -1541,9 +1561,18 @@ def sparse_attention_paged(
         ckv_pool.stride(0), ckv_pool.stride(1), tables.stride(0), out.stride(0), out.stride(1),
         n_heads, ckv_pool.size(1), float(scale), W=widx.size(1), KSEL=sel.size(1),
         D=d, BH=block_h, BN=block_n, ROUND_PROBS=bool(round_probs), DOT_F32=dot_f32,
-        SEL_OFFSETS=version == 2, TWO_WIN=window_new is not None, num_warps=num_warps or (4 if d <= 128 else 8),
+        SEL_OFFSETS=version >= 2, TWO_WIN=window_new is not None, ALIGN=align, ACC_IN_DOT=version == 3,
+        num_warps=num_warps or (4 if d <= 128 else 8), **({"num_stages": num_stages} if num_stages else {}),
     )  # fmt: skip
     return out
+
+
+def _pool_alignment(pool: torch.Tensor) -> int:
+    """The element multiple every row offset of ``pool`` is (16 bytes' worth), or 1 where its
+    address or strides break that."""
+    elems = 16 // pool.element_size()
+    aligned = pool.data_ptr() % 16 == 0 and pool.stride(0) % elems == 0 and pool.stride(1) % elems == 0
+    return elems if aligned and elems > 1 else 1
 
 
 def _pool_offsets(sel: torch.Tensor, tables: torch.Tensor, seqs: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:

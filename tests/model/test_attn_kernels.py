@@ -75,13 +75,13 @@ def segments(g, lens_rows, heads, hd, values):
 @pytest.fixture(params=[1, 2, 3, 4, 5], ids=["v1", "v2", "v3", "v4", "v5"])
 def kernel_version(request, monkeypatch):
     """Every kernel version: the earlier ones stay selectable so benchmarks time old against new
-    (attention has versions 1 and 2; the indexer's versions 3 to 5 run beside attention's 2)."""
+    (attention has versions 1 to 3; the indexer's versions 4 and 5 run beside attention's 3)."""
     monkeypatch.setattr(AK, "INDEXER_VERSION", request.param)
-    monkeypatch.setattr(AK, "ATTENTION_VERSION", min(request.param, 2))
+    monkeypatch.setattr(AK, "ATTENTION_VERSION", min(request.param, 3))
     return request.param
 
 
-@pytest.fixture(params=[1, 2], ids=["v1", "v2"])
+@pytest.fixture(params=[1, 2, 3], ids=["v1", "v2", "v3"])
 def attention_version(request, monkeypatch):
     """The attention kernel's versions."""
     monkeypatch.setattr(AK, "ATTENTION_VERSION", request.param)
@@ -334,7 +334,7 @@ def test_indexer_bad_input():
     ckv, sink = torch.zeros(3, 4, 64), torch.zeros(4)
     with pytest.raises(ValueError, match="for 2 rows"):
         AK.sparse_attention_paged(qa, win, torch.zeros(3, 16), torch.zeros(2, 8), ckv, tables, sink, 0.1, False)
-    with pytest.raises(ValueError, match="version must be 1 or 2, got 0"):
+    with pytest.raises(ValueError, match="version must be 1, 2 or 3, got 0"):
         AK.sparse_attention_paged(
             qa, win, torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long), ckv, tables, sink,
             0.1, False, version=0,
@@ -443,6 +443,31 @@ def test_sparse_attention_paged_reads_two_window_sources(ring_dtype, attention_v
         assert float(err.max()) < 1e-5
     with pytest.raises(ValueError, match="window_new"):
         AK.sparse_attention_paged(q, ring, widx, sel, pool, tables, sink, scale, False, window_new=new[:, :32])
+
+
+def test_sparse_attention_v3_declares_aligned_offsets_only_where_they_are():
+    """Version 3 tells the compiler every entry offset is a 16-byte multiple: true of a pool whose
+    address and strides are (as the engine allocates it), false of a view one element in, where
+    the wrapper must fall back to unhinted loads and still give version 2's result."""
+    g = torch.Generator().manual_seed(8)
+    h, d, epb, rows = 4, 64, 4, 3
+    pool = torch.randn(6, epb, d, generator=g)
+    assert AK._pool_alignment(pool) == 4 and AK._pool_alignment(pool.to(torch.bfloat16)) == 8
+    shifted = torch.randn(6 * epb * d + 1, generator=g)[1:].view(6, epb, d)
+    shifted.copy_(pool)
+    assert AK._pool_alignment(shifted) == 1  # 4 bytes past an aligned allocation
+    assert AK._pool_alignment(torch.randn(6, epb, d + 2, generator=g)[..., :d]) == 1  # strides of d + 2
+    tables = torch.tensor([[5, 0, 3], [1, 4, 2]], dtype=torch.int32)
+    q, win = torch.randn(rows, h, d, generator=g), torch.randn(7, d, generator=g)
+    widx = torch.randint(-1, 7, (rows, 8), generator=g)
+    sel = torch.tensor([[0, 3, 9, -1], [1, 2, 11, 4], [6, -1, -1, 10]])
+    row_seq = torch.tensor([0, 1, 1])
+    args = (win, widx, sel)
+    tail = (tables, torch.randn(h, generator=g), d**-0.5, False)
+    v2 = AK.sparse_attention_paged(q, *args, pool, *tail, row_seq=row_seq, version=2)
+    for p in (pool, shifted):
+        got = AK.sparse_attention_paged(q, *args, p, *tail, row_seq=row_seq, version=3)
+        torch.testing.assert_close(got, v2, rtol=1e-5, atol=1e-6)
 
 
 def test_indexer_on_the_tiny_checkpoint(tiny_ckpt, monkeypatch, kernel_version):
