@@ -69,8 +69,9 @@ round_probs, *, row_seq=None, window_new=None, block_h=None, block_n=None, versi
     rounded relative to the running max rather than the final one (FlashMLA's order): a rescale by
     a power-of-e factor after rounding, within about one bf16 ulp of the reference's value. One
     program per (row, ``block_h`` heads), keys in tiles of ``block_n`` rows. ``version`` 1: 16
-    heads x 32 keys; 2 (``ATTENTION_VERSION``): all heads of a row (up to 64) x 16 keys, the
-    selected entries resolved to pool offsets by the wrapper.
+    heads x 32 keys; 2: all heads of a row (up to 64) x 16 keys, the
+    selected entries resolved to pool offsets by the wrapper; 3 (``ATTENTION_VERSION``): version 2
+    with 16-byte pipelined entry loads and 32-key tiles.
 
 With ``TRITON_INTERPRET=1`` both run on CPU tensors (the tests); dots are then fp32 (the
 interpreter's bf16 dot is wrong, see ``gemm_kernels._dot_f32``).
@@ -1502,8 +1503,8 @@ def sparse_attention_paged(
     read once per row, not once per 16 heads, and a wgmma-sized M) over 16-key tiles, entries
     resolved to pool offsets before the launch (one dependent load fewer per tile); 3 = version 2
     with the entry tiles loaded 16 bytes at a time and pipelined (the offsets declared 16-byte
-    multiples, checked here on the pool's strides and address) and the accumulator rescaled
-    inside the value product.
+    multiples, checked here on the pool's strides and address), the accumulator rescaled
+    inside the value product, and 32-key tiles two stages deep.
     ``window_new`` [n_new, d]: a second window source, the engine's own case (its window slots are
     either earlier rows in the slot's ring buffer, ``window_kv``, or rows of this step, not yet
     appended): then ``window_idx`` -2 - i names row i of ``window_new`` (>= 0 still a row of
@@ -1548,8 +1549,10 @@ def sparse_attention_paged(
     dot_f32 = _dot_f32(q) or kv_dtype != torch.bfloat16 or q.dtype != kv_dtype or not round_probs or mixed
     if block_h is None:
         block_h = 16 if version == 1 else max(16, min(64, _next_pow2(n_heads)))
-    if block_n is None:
-        block_n = 32 if version == 1 or d < 256 else 16
+    if block_n is None:  # version 3 at 32 keys a tile: 1.3-1.6x its 16 (attn_kernels_attn3.json)
+        block_n = 32 if version != 2 or d < 256 else 16
+    if num_stages is None and version == 3 and d >= 256:
+        num_stages = 2  # two tiles of 32 x 512 in flight: three fit but measured no faster
     if version >= 2:
         sel = _pool_offsets(sel, tables, seqs, ckv_pool)
     align = _pool_alignment(ckv_pool) if version == 3 else 1
