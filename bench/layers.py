@@ -15,7 +15,10 @@ ceilings measured at the start of the same run):
 - ``d_steps``: decode batches of B requests x (1 + k) rows with j bounded prefills of W rows;
 - ``stack``: several different layers in one graph vs the sum of their single-layer times (the
   composition check at layer level);
-- ``head``: the LM head for the rows that need logits.
+- ``head``: the LM head for the rows that need logits;
+- ``kernels``: issue 15's cells (prefill chunks of 4K / 16K rows at 16K / 48K context, decode of
+  128 x 4 rows at 64K) with each layer kind timed twice in the same run, with the fused kernels'
+  earlier defaults (indexer version 4, attention version 2) and with today's (``kernel_speedup``).
 
 Usage (device): ``python bench/layers.py --out layers_packed`` (writes layers_packed.json, the
 planner's tables). ``--smoke``: the tiny config on
@@ -368,7 +371,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny config on CPU: plumbing only")
     ap.add_argument("--budget-s", type=float, default=330.0, help="stop starting sections after this")
-    ap.add_argument("--sections", default="moe,variants,head,d_steps,p_steps,stack,grid")
+    ap.add_argument("--sections", default="moe,variants,head,d_steps,p_steps,stack,grid,kernels")
     ap.add_argument(
         "--experts",
         choices=("mxfp4", "bf16"),
@@ -467,6 +470,44 @@ def main() -> None:
         res["grid"] = rows
 
     guarded("grid", grid)
+
+    # -- issue 15's cells: the fused kernels' earlier defaults against today's, same run ------------
+    def kernels():
+        from asympd.model import attn_kernels
+
+        now = (attn_kernels.INDEXER_VERSION, attn_kernels.ATTENTION_VERSION)
+        variants = {"before": (4, 2), "now": now}
+        res["kernels_versions"] = {k: {"indexer": i, "attention": a} for k, (i, a) in variants.items()}
+        cells = [
+            (1, q, start)
+            for q in ((16, 64) if small else (4096, 16384))
+            for start in ((32, 64) if small else (16384, 49152))
+        ]
+        cells.append((4, 1 + K_SPEC, 64) if small else (128, 1 + K_SPEC, 65536))
+        rows = []
+        try:
+            for n, q, start in cells:
+                if over():
+                    res.setdefault("skipped", []).append(f"kernels n={n} q={q} start={start}")
+                    continue
+                row: dict[str, Any] = {"n": n, "q": q, "start": start}
+                for tag, (iv, av) in variants.items():
+                    attn_kernels.INDEXER_VERSION, attn_kernels.ATTENTION_VERSION = iv, av
+                    row[tag] = steps.run([dict(n=n, q=q, start=start)], kinds_all)
+                row["kernel_speedup"] = {k: row["before"][k]["ms"] / row["now"][k]["ms"] for k in row["now"]}
+                rows.append(row)
+                log(
+                    f"kernels n={n} q={q} start={start}: "
+                    + ", ".join(
+                        f"{k} {row['before'][k]['ms']:.2f} -> {v['ms']:.2f} ms ({v.get('floor_fraction', 0):.0%})"
+                        for k, v in row["now"].items()
+                    )
+                )
+        finally:
+            attn_kernels.INDEXER_VERSION, attn_kernels.ATTENTION_VERSION = now
+        res["kernels"] = rows
+
+    guarded("kernels", kernels)
 
     # -- prefill-worker steps ------------------------------------------------------------------------
     def p_steps():

@@ -181,6 +181,12 @@ def test_layers_smoke(tmp_path):
     assert {(s["n_prompt"], s["mode"]) for s in r["p_steps"]} == {
         (n, m) for n in (48, 100) for m in ("asymmetric", "symmetric")
     }
+    # issue 15's cells, each kind under the fused kernels' earlier defaults and today's (on CPU the
+    # reference path runs either way: the plumbing only)
+    assert [(c["n"], c["q"], c["start"]) for c in r["kernels"]] == [(1, 16, 32), (1, 16, 64), (1, 64, 32),
+                                                                     (1, 64, 64), (4, 4, 64)]  # fmt: skip
+    assert all(set(c["kernel_speedup"]) == kinds == set(c["before"]) for c in r["kernels"])
+    assert r["kernels_versions"]["before"] == {"indexer": 4, "attention": 2}
     for s in r["p_steps"]:  # the asymmetric P runs L20's KV path alone; the symmetric one L20 and a tail
         assert ("dec_src_kv_path" in s["t_main"]) == (s["mode"] == "asymmetric")
         assert bool(s["t_tail"]) == (s["mode"] == "symmetric" and s["prompts"] > 0)
