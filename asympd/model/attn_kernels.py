@@ -994,7 +994,6 @@ if AVAILABLE:
         ROUND_PROBS: tl.constexpr,
         DOT_F32: tl.constexpr,
         ACC_IN_DOT: tl.constexpr,
-        LAZY: tl.constexpr = 0.0,
     ):
         """One online-softmax step over a key tile kv [BN, D] (K = V). ``ACC_IN_DOT`` (version 3):
         the rescaled accumulator is the value product's accumulator (wgmma adds into it) instead of
@@ -1005,20 +1004,10 @@ if AVAILABLE:
             logits = tl.dot(q, tl.trans(kv))
         logits = tl.where(valid[None, :], logits * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(logits, axis=1))
-        if LAZY > 0:  # rescale only when some head's max grew by more than e^LAZY (FA4's rule)
-            if tl.max(m_new - m, axis=0) > LAZY:
-                alpha = tl.exp(m - m_new)
-                acc = acc * alpha[:, None]
-                lsum = lsum * alpha
-                m = m_new
-            p = tl.exp(logits - m[:, None])
-            lsum = lsum + tl.sum(p, axis=1)
-            m_new = m
-        else:
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(logits - m_new[:, None])
-            lsum = lsum * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None]
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(logits - m_new[:, None])
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
         if ROUND_PROBS and not DOT_F32:  # bf16 probabilities and values, fp32 accumulation
             if ACC_IN_DOT:
                 return m_new, lsum, tl.dot(p.to(tl.bfloat16), kv, acc)
@@ -1066,7 +1055,6 @@ if AVAILABLE:
         TWO_WIN: tl.constexpr = False,
         ALIGN: tl.constexpr = 1,
         ACC_IN_DOT: tl.constexpr = False,
-        LAZY: tl.constexpr = 0.0,
     ):
         """``SEL_OFFSETS`` (version 2): sel holds each entry's element offset in the pool (the
         wrapper resolved the block table), so a key tile is one dependent load after its index
@@ -1103,7 +1091,7 @@ if AVAILABLE:
             else:
                 valid = wi >= 0
                 kv = tl.load(win_ptr + wi[:, None] * s_wn + d[None, :], mask=valid[:, None], other=0.0)
-            m, lsum, acc = _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS, DOT_F32, ACC_IN_DOT, LAZY)
+            m, lsum, acc = _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS, DOT_F32, ACC_IN_DOT)
         table_ptr = tables_ptr + tl.load(row_seq_ptr + row).to(tl.int64) * s_ts
         for j0 in range(0, KSEL, BN):
             j = j0 + n
@@ -1117,7 +1105,7 @@ if AVAILABLE:
                 blk = tl.load(table_ptr + e // EPB, mask=valid, other=0).to(tl.int64)
                 off = blk * s_pb + (e % EPB) * s_pe
             kv = tl.load(pool_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            m, lsum, acc = _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS, DOT_F32, ACC_IN_DOT, LAZY)
+            m, lsum, acc = _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS, DOT_F32, ACC_IN_DOT)
         sink = tl.load(sink_ptr + h, mask=hmask, other=0.0).to(tl.float32)
         out = acc / (lsum + tl.exp(sink - m))[:, None]
         tl.store(
@@ -1516,7 +1504,6 @@ def sparse_attention_paged(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    lazy_rescale: float = 0.0,
     version: int | None = None,
 ) -> torch.Tensor:
     """Sparse latent attention over window rows and selected pool entries (module docstring).
@@ -1587,7 +1574,6 @@ def sparse_attention_paged(
         n_heads, ckv_pool.size(1), float(scale), W=widx.size(1), KSEL=sel.size(1),
         D=d, BH=block_h, BN=block_n, ROUND_PROBS=bool(round_probs), DOT_F32=dot_f32,
         SEL_OFFSETS=version >= 2, TWO_WIN=window_new is not None, ALIGN=align, ACC_IN_DOT=version == 3,
-        LAZY=float(lazy_rescale),
         num_warps=num_warps or (4 if d <= 128 else 8), **({"num_stages": num_stages} if num_stages else {}),
     )  # fmt: skip
     return out
