@@ -24,9 +24,17 @@ from asympd.plan.gpus import GPUS, MEASURED_ON, GPUSpec, roofline_factor
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
 # the H200 tables the planner reads (by the key StepModel knows each by): layer steps timed with the
-# MoE and attention kernels the CUDA build runs (packed MXFP4 experts, the fused attention;
-# ``bench/layers.py --out layers_packed``), the D and P steps composed from them, the two-GPU links
+# MoE and attention kernels the CUDA build runs (packed MXFP4 experts, the fused indexer's version 5
+# and attention's version 3; ``bench/layers.py --out layers_v3``), the D and P steps composed from
+# them, the two-GPU links
 TABLES = {
+    "layers": "layers_v3.json",
+    "d_admission": "d_admission_v3.json",
+    "p_throughput": "p_throughput_v3.json",
+    "two_gpu": "two_gpu.json",
+}
+# the same tables with the fused kernels before them (indexer v4, attention v2; sixteenth session)
+PACKED_TABLES = {
     "layers": "layers_packed.json",
     "d_admission": "d_admission_packed.json",
     "p_throughput": "p_throughput_packed.json",
