@@ -69,9 +69,9 @@ round_probs, *, row_seq=None, window_new=None, block_h=None, block_n=None, versi
     rounded relative to the running max rather than the final one (FlashMLA's order): a rescale by
     a power-of-e factor after rounding, within about one bf16 ulp of the reference's value. One
     program per (row, ``block_h`` heads), keys in tiles of ``block_n`` rows. ``version`` 1: 16
-    heads x 32 keys; 2: all heads of a row (up to 64) x 16 keys, the
-    selected entries resolved to pool offsets by the wrapper; 3 (``ATTENTION_VERSION``): version 2
-    with 16-byte pipelined entry loads and 32-key tiles.
+    heads x 32 keys; 2: all heads of a row (up to 64) x 16 keys, the selected entries resolved to
+    pool offsets by the wrapper; 3 (``ATTENTION_VERSION``): version 2 with 16-byte pipelined entry
+    loads and 32-key tiles.
 
 With ``TRITON_INTERPRET=1`` both run on CPU tensors (the tests); dots are then fp32 (the
 interpreter's bf16 dot is wrong, see ``gemm_kernels._dot_f32``).
