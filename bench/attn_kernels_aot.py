@@ -155,6 +155,22 @@ def indexer_row(kind: str, config: tuple) -> dict[str, Any]:
     return row
 
 
+def attention_row(version: int, block_h: int, block_n: int, num_stages: int) -> dict[str, Any]:
+    """One attention launch's compile report, as the engine launches it at true shapes: two window
+    sources (ring buffer and this step's rows), a bf16 pool, 16-byte-aligned offsets for version 3."""
+    cfg = v41_flash()
+    cons = dict(W=cfg.window_size, KSEL=cfg.index_topk, D=cfg.head_dim, BH=block_h, BN=block_n, ROUND_PROBS=True,
+                DOT_F32=False, SEL_OFFSETS=version >= 2, TWO_WIN=True, ALIGN=8 if version == 3 else 1,
+                ACC_IN_DOT=version == 3)  # fmt: skip
+    row = {"kernel": "sparse_attention_paged", "version": version, "block_h": block_h, "block_n": block_n,
+           "num_stages": num_stages}  # fmt: skip
+    try:
+        row |= compile_report(AK._sparse_attn_kernel, ATTN_ARGS, cons, 8, num_stages=num_stages)
+    except Exception as e:  # keep going: the report says which config failed
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--versions", default="1,2,3,4", help="indexer versions to compile")
@@ -163,7 +179,6 @@ def main() -> None:
     ap.add_argument("--out", default="attn_kernels_aot", help="the JSON's name under bench/results/")
     args = ap.parse_args()
     started = time.time()
-    cfg = v41_flash()
     versions = {int(v) for v in args.versions.split(",") if v}
     todo = [(kind, c) for kind in INDEXER_KINDS for c in INDEXER_CONFIGS if c[0] in versions]
     with ProcessPoolExecutor(args.jobs) as pool:
@@ -177,18 +192,8 @@ def main() -> None:
         # each version's default, then version 3's launches bench/attn_kernels.py sweeps
         todo_attn = ((1, 16, 32, 3), (2, 64, 16, 3), (3, 64, 16, 3), (3, 64, 16, 2), (3, 64, 32, 2), (3, 64, 32, 3))
     for version, bh, bn, stages in todo_attn:
-        # as the engine launches it: two window sources (ring buffer and this step's rows), bf16 pool
-        cons = dict(W=cfg.window_size, KSEL=cfg.index_topk, D=cfg.head_dim, BH=bh, BN=bn, ROUND_PROBS=True,
-                    DOT_F32=False, SEL_OFFSETS=version >= 2, TWO_WIN=True, ALIGN=8 if version == 3 else 1,
-                    ACC_IN_DOT=version == 3)  # fmt: skip
-        row = {"kernel": "sparse_attention_paged", "version": version, "block_h": bh, "block_n": bn,
-               "num_stages": stages}  # fmt: skip
-        try:
-            row |= compile_report(AK._sparse_attn_kernel, ATTN_ARGS, cons, 8, num_stages=stages)
-        except Exception as e:
-            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        rows.append(row)
-        log(row)
+        rows.append(attention_row(version, bh, bn, stages))
+        log(rows[-1])
     log("wrote", record(args.out, {"target": "sm_90", "triton": triton.__version__, "kernels": rows}, started))
 
 
