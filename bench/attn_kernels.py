@@ -383,6 +383,10 @@ def run_cell(
             row.setdefault("config_errors", {})[str(kw)] = f"{type(e).__name__}: {str(e)[:300]}"
             continue
         t["config"] = kw
+        if kw.get("version", 0) >= 2 and cell.device.type == "cuda":  # the kernel apart from the wrapper's work
+            t["kernels_ms"] = kernel_times(lambda kw=kw: fused_attention(cell, ref_sel, **kw))
+            attn = sum(ms for name, ms in t["kernels_ms"].items() if "_sparse_attn" in name)
+            t["kernel_floor_fraction"] = row["floor_ms"] / attn if attn else None
         row.setdefault("fused_configs", []).append(t)
     pick_best(row)
     finish(row)
