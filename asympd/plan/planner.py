@@ -240,8 +240,14 @@ class Planner:
         self.req = req
         self.cfg = cfg or v41_flash()
         self.gpu = gpu_spec(req.gpu)
+        results = results or load_results(results_dir)
+        # which measurements the step times rest on: each table's benchmark and commit (--json)
+        self.step_tables = {
+            key: {"benchmark": table.get("benchmark"), "commit": str(table.get("commit", "unknown"))[:12]}
+            for key, table in results.items()
+        }
         self.steps = StepModel(
-            results or load_results(results_dir),
+            results,
             self.gpu,
             self.cfg.dim,
             self.cfg.n_activated_experts,
@@ -626,6 +632,7 @@ class Planner:
             "slo": {"ttft_p99_s": self.req.slo_ttft_p99_s, "itl_p99_ms": self.req.slo_itl_p99_ms},
             "deployments": [asdict(d) for d in deps],
             "recommendation": _why(best, deps),
+            "step_tables": self.step_tables,
         }
 
 

@@ -358,6 +358,13 @@ def test_cli_plan_is_deterministic(capsys, tmp_path):
         "symmetric-windows",
     ]
     assert best in ("asymmetric", "symmetric", "symmetric-split", "symmetric-windows")
+    # the measurements the step times rest on: each table of steps.TABLES, its benchmark and commit
+    from asympd.plan.steps import RESULTS_DIR, TABLES
+
+    for key, name in TABLES.items():
+        table = json.loads((RESULTS_DIR / name).read_text())
+        assert first["step_tables"][key] == {"benchmark": table.get("benchmark"), "commit": table["commit"][:12]}
+    assert first["step_tables"]["layers"]["benchmark"] == TABLES["layers"].removesuffix(".json")
     dep = next(d for d in first["deployments"] if d["mode"] == best)
     assert dep["ttft_ms"]["p99"] <= 8000 and dep["itl_ms"]["p99"] <= 250
     assert dep["total_gpus"] == dep["p_replicas"] * dep["p_gpus"] + dep["d_replicas"] * dep["d_gpus"]
