@@ -22,7 +22,9 @@ strongest unfused baseline; ``speedup_vs_batched`` compares the fused kernel wit
 thread, two blocks per SM), ``speedup_v5_over_v4`` (version 5: a score pass writing 16-bit radix
 keys, then a radix select per row; ``kernels_ms`` splits its time between the two). ``--versions``
 picks the indexer versions timed (each one's defaults; selections checked equal to the default
-version's: ``v4_equals_v5``).
+version's: ``v4_equals_v5``). The attention's versions 1-3 are timed in every cell, with version
+3's other launches (``speedup_v3_over_v2``; ``kernels_ms`` and ``kernel_floor_fraction``: the
+kernel alone, without the wrapper's offset resolution and launches).
 
     python -m bench.attn_kernels            # on the GPU, < 3 minutes; JSON to bench/results/
     python -m bench.attn_kernels --smoke    # tiny config on CPU through the Triton interpreter
