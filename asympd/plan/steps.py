@@ -33,13 +33,6 @@ TABLES = {
     "p_throughput": "p_throughput_v3.json",
     "two_gpu": "two_gpu.json",
 }
-# the same tables with the fused kernels before them (indexer v4, attention v2; sixteenth session)
-PACKED_TABLES = {
-    "layers": "layers_packed.json",
-    "d_admission": "d_admission_packed.json",
-    "p_throughput": "p_throughput_packed.json",
-    "two_gpu": "two_gpu.json",
-}
 # the tables of 2026-11-29 (bf16 experts, the gathered attention): admission_policy.json ran on them
 BF16_TABLES = {
     "layers": "layers.json",
