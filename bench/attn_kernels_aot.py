@@ -71,8 +71,12 @@ def hot_loop(sass: str) -> dict[str, int]:
                 best = body
     if best is None:
         return {}
+    ops = [x.split()[1] if x.startswith("@") else x.split()[0] for x in best]
     return {
         "hot_loop_instructions": len(best),
+        "hot_loop_wgmma": sum(o.startswith("HGMMA") for o in ops),
+        "hot_loop_prmt": ops.count("PRMT"),
+        "hot_loop_sts": sum(o.startswith("STS") for o in ops),
         "hot_loop_barriers": sum("BAR.SYNC" in x for x in best),
         # spills the loop pays each pass (local-memory loads and stores), not just somewhere
         "hot_loop_spill_ops": sum(bool(re.match(r"(@!?U?P\w+\s+)?(LDL|STL)\b", x.strip())) for x in best),
@@ -86,13 +90,18 @@ def compile_report(
     num_warps: int,
     maxnreg: int | None = None,
     num_stages: int | None = None,
+    aligned: set[str] = ALIGNED,
+    source: type = ASTSource,
 ) -> dict[str, Any]:
+    """Compile ``fn`` for sm_90 and count what matters in its PTX and SASS. ``aligned``: the
+    integer arguments a true launch passes as multiples of 16; ``source``: ``GluonASTSource`` for
+    a Gluon kernel."""
     sig = dict(args) | {name: "constexpr" for name in constexprs}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(args) if t.startswith("*") or n in ALIGNED}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(args) if t.startswith("*") or n in aligned}
     t0 = time.time()
     options: dict[str, Any] = {"num_warps": num_warps} | ({"maxnreg": maxnreg} if maxnreg else {})
     options |= {"num_stages": num_stages} if num_stages else {}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), target=TARGET,
+    k = triton.compile(source(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), target=TARGET,
                        options=options)  # fmt: skip
     out: dict[str, Any] = {"compile_s": round(time.time() - t0, 1), "shared_bytes": k.metadata.shared}
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")

@@ -1,16 +1,17 @@
-"""The MXFP4 expert GEMM at prefill sizes: kernel configurations beside bf16's grouped GEMM.
+"""The MXFP4 expert GEMMs at prefill sizes: the kernels beside bf16's grouped GEMM.
 
-At 8-16K tokens a step the MoE is FLOP-bound, and the register-expanding kernel runs 1.6-2.0x
-slower than bf16 experts (docs/performance.md §9). The sweep of the first sessions
-(``formats_sweep.json``) tried M-blocks of 128 rows only; here the w13 GEMM of one V4.1 MoE layer
-(384 experts, N = 2 x 2304, K = 5120, top-6 random routing) runs at 8192 and 16384 tokens with
-M-blocks of 128 and 256 rows, 2 or 3 stages and 1 or 2 scale blocks a loop step, in the tiled
-layout the CUDA build holds (and the row layout at N-blocks of 256), against ``torch._grouped_mm``
-on the same experts in bf16 and the same routing. Every configuration's output is compared with
-the default configuration's (relative error; the products are the same, only the order of the sum
-may differ). Writes ``moe_prefill.json``.
+At 4-16K tokens a step the MoE is FLOP-bound, and the register-expanding Triton kernel runs 1.6-2.0x
+slower than bf16 experts (docs/performance.md §9). This times both GEMMs of one V4.1 MoE layer
+(384 experts, top-6 random routing): w13 (N = 2 x 2304, K = 5120, the token rows gathered) and w2
+(N = 5120, K = 2304, rows already sorted by expert), in the tiled layout the CUDA build holds, with
+the Triton kernel (``wgmma: False``), the Gluon wgmma kernel (``asympd/model/moe_gluon.py``) in a
+few configurations, and ``torch._grouped_mm`` on the same experts in bf16 with the same routing.
+Every variant's output is compared with the Triton kernel's (relative error; the products are the
+same, only the order of the sum may differ) and, on 2 experts' rows, with fp32 math on the
+dequantized experts. ``--sweep``: the sixteenth session's tile sweep of the Triton kernel instead.
+Writes ``moe_prefill[_...].json`` (``--out``).
 
-Usage (device): ``python3 -m bench.moe_prefill [--budget-s 300]``.
+Usage (device): ``python3 -m bench.moe_prefill [--tokens 2048,4096,8192,16384] [--out NAME]``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import torch
 from bench.common import ceilings, log, record, time_cuda
 
 N_EXP, TOPK, N13, K = 384, 6, 2 * 2304, 5120
+N2, K2 = 5120, 2304
+WGMMA_CONFIGS = [{}, {"stages": 3}, {"num_warps": 4}]
 
 
 def configs() -> list[dict[str, Any]]:
@@ -38,25 +41,94 @@ def configs() -> list[dict[str, Any]]:
     return out
 
 
-def main() -> None:
+def _experts(n: int, k: int, dev: torch.device, g: torch.Generator):
+    """Random MXFP4 experts (kernel order, tiled) and the same in bf16 (exact)."""
     from asympd.model import gemm_kernels as G
-    from asympd.model.packed import moe_block_m
     from asympd.model.quant import dequant_fp4
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--budget-s", type=float, default=300.0, help="stop starting configurations after this")
-    ap.add_argument("--tokens", default="8192,16384")
-    args = ap.parse_args()
-    started = time.time()
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
-    w = torch.randint(-128, 128, (N_EXP, N13, K // 2), dtype=torch.int8, device=dev, generator=g)
-    s = torch.randint(118, 123, (N_EXP, N13, K // 32), dtype=torch.uint8, device=dev, generator=g)
-    tiled = G.tile_fp4(w, s, 128)
-    dense = torch.empty(N_EXP, N13, K, dtype=torch.bfloat16, device=dev)
-    for e0 in range(0, N_EXP, 32):  # the same experts in bf16 (exact), for the grouped GEMM
+    w = torch.randint(-128, 128, (N_EXP, n, k // 2), dtype=torch.int8, device=dev, generator=g)
+    s = torch.randint(118, 123, (N_EXP, n, k // 32), dtype=torch.uint8, device=dev, generator=g)
+    dense = torch.empty(N_EXP, n, k, dtype=torch.bfloat16, device=dev)
+    for e0 in range(0, N_EXP, 32):
         codes, scales = G.unrepack_fp4(w[e0 : e0 + 32]), s[e0 : e0 + 32].view(torch.float8_e8m0fnu)
         dense[e0 : e0 + 32] = dequant_fp4(codes, scales).to(torch.bfloat16)
+    return (w, s), G.tile_fp4(w, s, 128), dense
+
+
+def _fp32_check(y: torch.Tensor, xs: torch.Tensor, dense: torch.Tensor, counts: torch.Tensor) -> float:
+    """Max |error| / max |ref| over the rows of the first two non-empty experts (sorted order)."""
+    starts = torch.cumsum(counts, 0) - counts
+    worst = 0.0
+    for e in [int(i) for i in torch.nonzero(counts).flatten()[:2]]:
+        r0, r1 = int(starts[e]), int(starts[e] + counts[e])
+        ref = xs[r0:r1].float() @ dense[e].float().T
+        worst = max(worst, float((y[r0:r1].float() - ref).abs().max() / ref.abs().max()))
+    return worst
+
+
+def gemm_cells(args: argparse.Namespace, started: float) -> dict[str, Any]:
+    from asympd.model import gemm_kernels as G
+    from asympd.model.packed import moe_block_m
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    shapes = {"w13": (N13, K, True), "w2": (N2, K2, False)}
+    experts = {name: _experts(n, k, dev, g) for name, (n, k, _) in shapes.items()}
+    res: dict[str, Any] = {"shapes": {n: {"n": v[0], "k": v[1], "gather": v[2]} for n, v in shapes.items()}}
+    res |= {"experts": N_EXP, "topk": TOPK, "ceilings": ceilings(), "cells": []}
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        ids = torch.rand(tokens, N_EXP, device=dev, generator=g).topk(TOPK, dim=-1).indices
+        flat = ids.reshape(-1)
+        rows = flat.numel()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=N_EXP)
+        offs = counts.cumsum(0).to(torch.int32)
+        bm = moe_block_m(rows, N_EXP)
+        for name, (n, k, gather) in shapes.items():
+            if time.time() - started > args.budget_s:
+                res["cells"].append({"tokens": tokens, "gemm": name, "skipped": "budget"})
+                continue
+            _, (wt, st), dense = experts[name]
+            x = (torch.randn(tokens if gather else rows, k, device=dev, generator=g) * 0.5).to(torch.bfloat16)
+            a_rows = order // TOPK if gather else None
+            xs = x[a_rows] if gather else x
+            flops = 2.0 * rows * n * k
+            cell: dict[str, Any] = {"tokens": tokens, "gemm": name, "rows": rows, "block_m": bm, "flops": flops}
+            wd = dense.transpose(-2, -1)
+            t = time_cuda(lambda xs=xs, wd=wd, offs=offs: torch._grouped_mm(xs, wd, offs=offs), iters=6)
+            cell["bf16_grouped_mm"] = t | {"tflops": flops / t["ms"] / 1e9}
+            blocks = tuple(G.moe_blocks(flat, N_EXP, bm)[1:])
+            variants = [("triton", {"wgmma": False})]
+            variants += [(f"wgmma{c}", {"wgmma": True, "wgmma_config": c}) for c in WGMMA_CONFIGS]
+            ref = None
+            for vname, cfg in variants:
+                row: dict[str, Any] = {"variant": vname}
+                try:
+                    fn = partial(G.mxfp4_moe_gemm, x, wt, st, blocks, rows, bm, a_rows=a_rows, config=cfg)
+                    y = fn()
+                    ref = y.float() if ref is None else ref
+                    row["rel_err_vs_triton"] = float((y.float() - ref).norm() / ref.norm())
+                    row["max_err_vs_fp32"] = _fp32_check(y, xs, dense, counts)
+                    t = time_cuda(fn, iters=6)
+                    row |= t | {"tflops": flops / t["ms"] / 1e9, "over_bf16": cell["bf16_grouped_mm"]["ms"] / t["ms"]}
+                except Exception as e:  # a configuration that does not compile or fit: say so, go on
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                cell[vname] = row
+                log(f"{tokens} tokens {name} (BM {bm}) {vname}: {row}")
+            log(f"{tokens} tokens {name}: bf16 grouped GEMM {cell['bf16_grouped_mm']}")
+            res["cells"].append(cell)
+            torch.cuda.empty_cache()
+        record(args.out, res, started)
+    return res
+
+
+def sweep(args: argparse.Namespace, started: float) -> None:
+    from asympd.model import gemm_kernels as G
+    from asympd.model.packed import moe_block_m
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    (w, s), tiled, dense = _experts(N13, K, dev, g)
     ceil = ceilings()
     res: dict[str, Any] = {"shape": {"experts": N_EXP, "topk": TOPK, "n": N13, "k": K}, "ceilings": ceil, "cells": []}
     for tokens in [int(t) for t in args.tokens.split(",")]:
@@ -104,7 +176,19 @@ def main() -> None:
             cell["mxfp4"].append(row)
             torch.cuda.empty_cache()
         res["cells"].append(cell)
-        record("moe_prefill", res, started)
+        record(args.out, res, started)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budget-s", type=float, default=300.0, help="stop starting cells after this")
+    ap.add_argument("--tokens", default="2048,4096,8192,16384")
+    ap.add_argument("--sweep", action="store_true", help="the Triton kernel's tile sweep (sixteenth session)")
+    ap.add_argument("--out", default=None, help="result name (default moe_prefill_wgmma, or moe_prefill with --sweep)")
+    args = ap.parse_args()
+    args.out = args.out or ("moe_prefill" if args.sweep else "moe_prefill_wgmma")
+    started = time.time()
+    (sweep if args.sweep else gemm_cells)(args, started)
     log("done in", round(time.time() - started, 1), "s")
 
 

@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import torch
 
+from asympd.model import moe_gluon as MG
+
 try:  # Triton ships with CUDA builds of torch; on CPU-only installs it is optional (tests use it)
     import triton
     import triton.language as tl
@@ -918,6 +920,9 @@ if AVAILABLE:
 # process-wide overrides of ``mxfp4_moe_gemm``'s config defaults (e.g. ``{"fp8": True}``): how a
 # test or a benchmark runs the whole model on one kernel variant; empty in the product
 MOE_DEFAULTS: dict = {}
+# the smallest M-block that ``mxfp4_moe_gemm`` gives the Gluon wgmma kernel (``moe_gluon``) by
+# default, where it applies (Hopper, tiled weights, bf16); larger than any block: off
+WGMMA_MIN_BLOCK_M = 1 << 30
 
 
 def _block_m(rows_per_group: float) -> int:
@@ -1222,10 +1227,14 @@ def mxfp4_moe_gemm(
     is rounded down to a divisor of the unrolled steps. ``wide`` (transposed bf16 kernel): the whole
     unrolled step as one dot, scales on the weights; ``maxnreg``: a register cap (CUDA). weight and
     scale may instead be tiled (``tile_fp4``: 5-D / 4-D), read as whole lines; ``block_n`` is then
-    the tile. ``MOE_DEFAULTS`` (module level) overrides
-    the defaults process-wide (tests and benchmarks run the model on one variant with it).
+    the tile. ``wgmma``: the Gluon kernel of ``moe_gluon`` where it applies (Hopper, tiled weights,
+    bf16, M-blocks of 32-128 rows; asynchronous wgmma overlapping the FP4 expansion), with its
+    ``wgmma_config``; default for M-blocks of at least ``WGMMA_MIN_BLOCK_M`` rows. ``MOE_DEFAULTS``
+    (module level) overrides the defaults process-wide (tests and benchmarks run the model on one variant with it).
     Returns [rows, N] in a's dtype."""
     cfg = {**MOE_DEFAULTS, **(config or {})}
+    if cfg.get("wgmma", block_m >= WGMMA_MIN_BLOCK_M) and MG.applies(a, weight, block_m):
+        return MG.mxfp4_moe_gemm_wgmma(a, weight, scale, blocks, rows, block_m, a_rows, cfg.get("wgmma_config"))
     if weight.dim() == 5:  # tiled (``tile_fp4``): the N-block is the tile
         n_experts, n_tiles, n_kb, bn, _ = weight.shape
         n, k = n_tiles * bn, n_kb * 32

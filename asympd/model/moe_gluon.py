@@ -1,0 +1,295 @@
+"""The MXFP4 expert GEMM for prefill-sized M-blocks on Hopper, written in Gluon (issue 11).
+
+Why a second kernel: at 4K-16K tokens a step the MoE is compute-bound, and the Triton kernels of
+``gemm_kernels`` run the expansion of FP4 to bf16 and the MMA one after the other in the same warps
+(Triton waits on every wgmma whose operand comes from registers), so the tensor cores idle while the
+weights are decoded: 28 % of the dense bf16 rate at 16K tokens (docs/performance.md §9). Gluon lets
+the kernel say what Triton cannot: issue the wgmma asynchronously, decode the next step's weights
+while it runs, and wait for it only before its operands are reused.
+
+The tile is the transposed one of ``_mxfp4_moe_swap_kernel``: ``acc^T [128 weight rows, T tokens]
++= W [128, 64] @ a^T [64, T]``, weights as wgmma's register operand (expanded from FP4 by the PRMT
+table, never staged through shared memory), the T tokens' activations as its shared-memory operand
+(cp.async, a ring of ``STAGES`` K-steps). Each thread loads exactly the packed bytes its MMA fragment
+needs (4 contiguous bytes of a row per 32-element block, in the tiled layout a warp reads 128
+contiguous bytes a load): for that the K order inside each 16-element half is permuted the same way
+on both operands (``k_order``; the dot is unchanged), the activations once a call on the host side.
+
+Gluon does not run under Triton's interpreter: the CPU suite compiles this kernel for sm_90
+(tests/model/test_moe_gluon.py) and the device tests check its numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # the core must import with torch alone (no Triton: no kernels)
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+except ImportError:  # pragma: no cover - exercised where Triton is absent
+    triton = None
+
+AVAILABLE = triton is not None
+BLOCK_W = 128  # weight rows a program: the tiled layout's tile (``gemm_kernels.tile_fp4``)
+BLOCK_K = 64  # K a pipeline step: two scale blocks, four wgmma K-steps
+
+
+def k_order(a: torch.Tensor) -> torch.Tensor:
+    """Activations [*, K] -> the kernel's K order: inside each 16-element half, position
+    8i + 2c + t holds element 4c + 2i + t (``gemm_kernels._mma_k_order``), so that the weight bytes
+    4c..4c+3 a lane loads decode into exactly the columns its wgmma fragment holds."""
+    return a.unflatten(-1, (-1, 4, 2, 2)).transpose(-3, -2).flatten(-4).contiguous()
+
+
+if AVAILABLE:
+    _BW = gl.constexpr(BLOCK_W)
+    _BK = gl.constexpr(BLOCK_K)
+    _LUT_PAIRS = gl.constexpr(
+        "{ .reg .b32 m, n, u, h0, l0, h1, l1, s0, s1, th0, th1, tl0, tl1;\n"
+        "mov.b32 th0, 0x3F3F3F00; mov.b32 th1, 0x40404040;\n"
+        "mov.b32 tl0, 0xC0800000; mov.b32 tl1, 0xC0804000;\n"
+        "and.b32 m, $4, 0x77777777;\n"
+        "shr.u32 n, m, 16;\n"
+        "prmt.b32 h0, th0, th1, m;\n"
+        "prmt.b32 l0, tl0, tl1, m;\n"
+        "prmt.b32 h1, th0, th1, n;\n"
+        "prmt.b32 l1, tl0, tl1, n;\n"
+        "shl.b32 u, $4, 4;\n"
+        "prmt.b32 s0, u, $4, 0xD9C8;\n"
+        "prmt.b32 s1, u, $4, 0xFBEA;\n"
+        "and.b32 s0, s0, 0x80808080;\n"
+        "or.b32 h0, h0, s0;\n"
+        "and.b32 s1, s1, 0x80808080;\n"
+        "or.b32 h1, h1, s1;\n"
+        "prmt.b32 $0, l0, h0, 0x6240;\n"
+        "prmt.b32 $1, l1, h1, 0x6240;\n"
+        "prmt.b32 $2, l0, h0, 0x7351;\n"
+        "prmt.b32 $3, l1, h1, 0x7351;\n"
+        "}"
+    )
+
+    @gluon.jit
+    def _k16(x, layout: gl.constexpr):
+        """One block's half [128, 16] (column 4c + 2i + t: nibble of byte 4c + 2i + t) -> the wgmma
+        register operand of one K = 16 step, column 8i + 2c + t. Only whole registers move (each
+        holds the t = 0, 1 pair the decode packed): a renaming, no data movement."""
+        x = x.reshape([_BW, 4, 2, 2]).permute((0, 2, 1, 3)).reshape([_BW, 16])
+        return gl.convert_layout(x, layout)
+
+    @gluon.jit
+    def _decode(p, sc, layout: gl.constexpr):
+        """Packed bytes [2 blocks, 128 rows, 16] (kernel order) and their UE8M0 scales [2, 128] ->
+        the step's four K = 16 register operands, scaled (bf16, exact): block 0's low and high
+        nibbles, then block 1's."""
+        lo, hi = gl.inline_asm_elementwise(
+            _LUT_PAIRS, "=r,=r,=r,=r,r", [p], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
+        )
+        sc = (sc.to(gl.int32) << 23).to(gl.float32, bitcast=True).to(gl.bfloat16)[:, :, None]
+        lo0, lo1 = (lo * sc).permute((1, 2, 0)).split()
+        hi0, hi1 = (hi * sc).permute((1, 2, 0)).split()
+        return _k16(lo0, layout), _k16(hi0, layout), _k16(lo1, layout), _k16(hi1, layout)
+
+    @gluon.jit
+    def _issue_copies(x_dst, x_src, w_dst, w_src, s_dst, s_src):
+        async_copy.async_copy_global_to_shared(x_dst, x_src)
+        async_copy.async_copy_global_to_shared(w_dst, w_src)
+        async_copy.async_copy_global_to_shared(s_dst, s_src)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _mxfp4_moe_wgmma_kernel(
+        a_ptr,
+        a_rows_ptr,
+        w_ptr,
+        s_ptr,
+        y_ptr,
+        block_expert_ptr,
+        block_row0_ptr,
+        block_row1_ptr,
+        N,
+        s_am,
+        s_we,
+        s_wt,
+        s_se,
+        s_st,
+        s_ym,
+        K: gl.constexpr,
+        N_EXPERTS: gl.constexpr,
+        GATHER: gl.constexpr,
+        W_STEP: gl.constexpr,
+        S_STEP: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        STAGES: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        pid_b = gl.program_id(0)
+        pid_n = gl.program_id(1)
+        e = gl.load(block_expert_ptr + pid_b)
+        if e >= N_EXPERTS:
+            return
+        row0 = gl.load(block_row0_ptr + pid_b)
+        row1 = gl.load(block_row1_ptr + pid_b)
+
+        # the accumulator [128 weight rows, T tokens]: num_warps / 4 warp groups of 64 rows
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_T, 16]
+        )
+        a_op_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+        # a step's packed bytes [2 blocks, 128 rows, 16 bytes] in registers: the lane of row group
+        # g and column c holds bytes 4c..4c+3 of rows g and g + 8 of both blocks (the A fragment's
+        # columns), four consecutive registers a decode
+        warp_rows: gl.constexpr = [[0, 16, 0], [0, 32, 0], [0, 64, 0]] if num_warps == 8 else [[0, 16, 0], [0, 32, 0]]
+        reg_rows: gl.constexpr = [] if num_warps == 8 else [[0, 64, 0]]
+        p_l: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 8, 0], [1, 0, 0]] + reg_rows,
+            lane_bases=[[0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+            warp_bases=warp_rows,
+            block_bases=[],
+            shape=[2, _BW, 16],
+        )
+        # copies: activation rows [T, 64] bf16, 8 lanes a 128-byte row; packed bytes one 16-byte
+        # row of a block a thread; scales 4 bytes a thread
+        x_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        wc_l: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [2, num_warps // 2, 1], [2, 1, 0])
+        sc_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps // 2, 2], [1, 0])
+        x_smem_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_T, _BK], gl.bfloat16)
+        plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+        plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        out_l: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, num_warps], [0, 1])
+
+        # the block's tokens: rows past the block read a real row (never stored)
+        t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, x_l))
+        rows = gl.minimum(row0 + t, row1 - 1)
+        if GATHER:
+            src = gl.load(a_rows_ptr + rows).to(gl.int64)
+        else:
+            src = rows.to(gl.int64)
+        kx = gl.arange(0, _BK, layout=gl.SliceLayout(0, x_l))
+        x_src = a_ptr + src[:, None] * s_am + kx[None, :]
+        # this tile's packed bytes and scales (tiled layout: [E, N/128, K/32, 128, 16] / [.., 128])
+        wb = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, wc_l)))
+        wr = gl.arange(0, _BW, layout=gl.SliceLayout(0, gl.SliceLayout(2, wc_l)))
+        wj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, wc_l)))
+        w_src = (w_ptr + e.to(gl.int64) * s_we + pid_n.to(gl.int64) * s_wt
+                 + wb[:, None, None] * W_STEP + wr[None, :, None] * 16 + wj[None, None, :])  # fmt: skip
+        sb = gl.arange(0, 2, layout=gl.SliceLayout(1, sc_l))
+        sr = gl.arange(0, _BW, layout=gl.SliceLayout(0, sc_l))
+        s_src = s_ptr + e.to(gl.int64) * s_se + pid_n.to(gl.int64) * s_st + sb[:, None] * S_STEP + sr[None, :]
+
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, _BK], x_smem_l)
+        w_smem = gl.allocate_shared_memory(gl.int8, [STAGES, 2, _BW, 16], plain3)
+        s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 2, _BW], plain2)
+
+        n_steps: gl.constexpr = K // _BK
+        for j in gl.static_range(STAGES - 2):  # the ring's first steps in flight
+            _issue_copies(x_smem.index(j), x_src + j * _BK, w_smem.index(j), w_src + j * 2 * W_STEP,
+                          s_smem.index(j), s_src + j * 2 * S_STEP)  # fmt: skip
+        acc = gl.zeros([_BW, BLOCK_T], gl.float32, acc_l)
+        for i in range(n_steps):
+            # step i has landed (this thread's copies); the barrier makes everyone's visible and
+            # tells that every warp group finished the wgmmas of step i - 2, whose stage the next
+            # copies overwrite (past the end: step 0 again, into a stage nothing reads any more)
+            async_copy.wait_group(STAGES - 3)
+            gl.thread_barrier()
+            nxt = (i + STAGES - 2) % n_steps
+            st = (i + STAGES - 2) % STAGES
+            _issue_copies(x_smem.index(st), x_src + nxt * _BK, w_smem.index(st), w_src + nxt * 2 * W_STEP,
+                          s_smem.index(st), s_src + nxt * 2 * S_STEP)  # fmt: skip
+            cur = i % STAGES
+            p = w_smem.index(cur).load(p_l)
+            sc = s_smem.index(cur).load(gl.SliceLayout(2, p_l))
+            w0, w1, w2, w3 = _decode(p, sc, a_op_l)
+            fence_async_shared()
+            x = x_smem.index(cur)
+            acc = warpgroup_mma(w0, x.slice(0, 16, dim=1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(w1, x.slice(16, 16, dim=1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(w2, x.slice(32, 16, dim=1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(w3, x.slice(48, 16, dim=1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(4, deps=[acc])  # the previous step's four are done
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        async_copy.wait_group(0)
+
+        out = gl.convert_layout(acc.to(y_ptr.dtype.element_ty), out_l)
+        on = pid_n * _BW + gl.arange(0, _BW, layout=gl.SliceLayout(1, out_l))
+        ot = row0 + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, out_l))
+        optrs = y_ptr + ot.to(gl.int64)[None, :] * s_ym + on[:, None]
+        gl.store(optrs, out, mask=(ot < row1)[None, :] & (on < N)[:, None])
+
+
+def applies(a: torch.Tensor, weight: torch.Tensor, block_m: int) -> bool:
+    """Whether ``mxfp4_moe_gemm_wgmma`` takes these operands (else the Triton kernels do)."""
+    return (
+        AVAILABLE
+        and a.is_cuda
+        and torch.cuda.get_device_capability(a.device)[0] == 9
+        and a.dtype == torch.bfloat16
+        and weight.dim() == 5
+        and weight.size(3) == BLOCK_W
+        and (weight.size(2) * 32) % BLOCK_K == 0
+        and block_m in (32, 64, 128)
+    )
+
+
+def mxfp4_moe_gemm_wgmma(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    rows: int,
+    block_m: int,
+    a_rows: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """``gemm_kernels.mxfp4_moe_gemm`` for tiled weights (``tile_fp4``, 128-row tiles), bf16
+    activations and M-blocks of 32-128 rows, on Hopper. config: ``stages`` (the activation ring,
+    default 4), ``num_warps`` (4 or 8, default 8). Returns [rows, N] bf16."""
+    cfg = config or {}
+    if not AVAILABLE or not a.is_cuda or torch.cuda.get_device_capability(a.device)[0] != 9:
+        raise RuntimeError("mxfp4_moe_gemm_wgmma: a Hopper (sm_90) kernel; it needs Triton and an sm_90 GPU")
+    if weight.dim() != 5 or weight.size(3) != BLOCK_W:
+        raise ValueError(f"mxfp4_moe_gemm_wgmma: weights must be tiled by {BLOCK_W} rows (tile_fp4)")
+    if a.dtype != torch.bfloat16:
+        raise TypeError(f"mxfp4_moe_gemm_wgmma: bf16 activations only, got {a.dtype}")
+    n_experts, n_tiles, n_kb, _, _ = weight.shape
+    n, k = n_tiles * BLOCK_W, n_kb * 32
+    if k % BLOCK_K or a.size(-1) != k:
+        raise ValueError(f"mxfp4_moe_gemm_wgmma: K = {k} (activations {a.size(-1)}) must be a multiple of {BLOCK_K}")
+    if block_m not in (32, 64, 128):
+        raise ValueError(f"mxfp4_moe_gemm_wgmma: M-blocks of 32, 64 or 128 rows, got {block_m}")
+    x = k_order(a)
+    s = scale.view(torch.uint8)
+    block_expert, row0, row1 = blocks
+    y = torch.empty(rows, n, dtype=a.dtype, device=a.device)
+    _mxfp4_moe_wgmma_kernel[(block_expert.numel(), n_tiles)](
+        x,
+        a_rows if a_rows is not None else row0,
+        weight,
+        s,
+        y,
+        block_expert,
+        row0,
+        row1,
+        n,
+        x.stride(0),
+        weight.stride(0),
+        weight.stride(1),
+        s.stride(0),
+        s.stride(1),
+        y.stride(0),
+        K=k,
+        N_EXPERTS=n_experts,
+        GATHER=a_rows is not None,
+        W_STEP=weight.stride(2),
+        S_STEP=s.stride(2),
+        BLOCK_T=block_m,
+        STAGES=cfg.get("stages", 4),
+        num_warps=cfg.get("num_warps", 8),
+    )
+    return y

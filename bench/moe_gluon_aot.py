@@ -1,0 +1,54 @@
+"""The Gluon MXFP4 expert GEMM (asympd/model/moe_gluon.py) compiled for Hopper on a CPU machine:
+registers, shared memory and the hot loop's instructions per configuration, the count its design
+is judged by before device time is spent (bench/attn_kernels_aot.py does the compiling).
+
+Usage: ``python -m bench.moe_gluon_aot [--out moe_gluon_aot]`` (no GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from triton.experimental.gluon._runtime import GluonASTSource
+
+from asympd.model import moe_gluon as MG
+from bench.attn_kernels_aot import compile_report
+from bench.common import log, record
+
+ARGS = [
+    ("a_ptr", "*bf16"), ("a_rows_ptr", "*i64"), ("w_ptr", "*i8"), ("s_ptr", "*u8"), ("y_ptr", "*bf16"),
+    ("block_expert_ptr", "*i32"), ("block_row0_ptr", "*i32"), ("block_row1_ptr", "*i32"), ("N", "i32"),
+    ("s_am", "i32"), ("s_we", "i64"), ("s_wt", "i32"), ("s_se", "i32"), ("s_st", "i32"), ("s_ym", "i32"),
+]  # fmt: skip
+ALIGNED = {"N", "s_am", "s_we", "s_wt", "s_se", "s_st", "s_ym"}
+CONFIGS = [(128, 4, 8), (128, 3, 8), (64, 4, 8), (64, 4, 4), (32, 4, 4), (128, 4, 4)]  # (T, stages, warps)
+
+
+def report(block_t: int, stages: int, warps: int, k: int = 5120, gather: bool = True) -> dict[str, Any]:
+    """One launch of the w13 GEMM at V4.1's shapes (K 5120, 128-row tiles: 2 KB a 32-K step)."""
+    cons = dict(K=k, N_EXPERTS=384, GATHER=gather, W_STEP=2048, S_STEP=128)
+    cons |= dict(BLOCK_T=block_t, STAGES=stages, num_warps=warps)
+    row: dict[str, Any] = {"block_t": block_t, "stages": stages, "num_warps": warps, "k": k, "gather": gather}
+    try:
+        row |= compile_report(MG._mxfp4_moe_wgmma_kernel, ARGS, cons, warps, aligned=ALIGNED, source=GluonASTSource)
+    except Exception as e:  # keep going: the report says which config failed
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="moe_gluon_aot")
+    args = ap.parse_args()
+    started = time.time()
+    rows = []
+    for cfg in CONFIGS:
+        rows.append(report(*cfg))
+        log(rows[-1])
+    record(args.out, {"target": "sm_90", "rows": rows}, started)
+
+
+if __name__ == "__main__":
+    main()
