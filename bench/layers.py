@@ -379,9 +379,19 @@ def main() -> None:
         help="the MoE the layers run: mxfp4 = packed as released (the CUDA default); bf16 = dequantized",
     )
     ap.add_argument("--out", default=None, help="result name (default layers, layers_smoke with --smoke)")
+    ap.add_argument(
+        "--wgmma-min-block-m",
+        type=int,
+        default=None,
+        help="the smallest M-block the Gluon MXFP4 kernel takes (gemm_kernels.WGMMA_MIN_BLOCK_M; default: the build's)",
+    )
     args = ap.parse_args()
     started = time.time()
     sections = args.sections.split(",")
+    from asympd.model import gemm_kernels
+
+    if args.wgmma_min_block_m is not None:
+        gemm_kernels.WGMMA_MIN_BLOCK_M = args.wgmma_min_block_m
     from asympd.config import tiny, v41_flash
 
     if args.smoke:
@@ -393,6 +403,7 @@ def main() -> None:
         block_experts = args.experts
         experts_modes = ("mxfp4", "bf16", "fp8") if block_experts == "mxfp4" else ("bf16", "fp8")
     res: dict[str, Any] = {"config": "tiny" if args.smoke else "v41-flash", "W": W, "k_spec": K_SPEC}
+    res["wgmma_min_block_m"] = gemm_kernels.WGMMA_MIN_BLOCK_M
     name = args.out or ("layers_smoke" if args.smoke else "layers")
     ceil = None
     if device.type == "cuda":

@@ -193,10 +193,13 @@ if AVAILABLE:
                           s_smem.index(j), s_src + j * 2 * S_STEP)  # fmt: skip
         acc = gl.zeros([_BW, BLOCK_T], gl.float32, acc_l)
         for i in range(n_steps):
-            # step i has landed (this thread's copies); the barrier makes everyone's visible and
-            # tells that every warp group finished the wgmmas of step i - 2, whose stage the next
-            # copies overwrite (past the end: step 0 again, into a stage nothing reads any more)
+            # step i has landed (this thread's copies); the fence hands them to the async proxy
+            # that wgmma reads through (cp.async writes are generic-proxy writes); the barrier makes
+            # everyone's visible and tells that every warp group finished the wgmmas of step i - 2,
+            # whose stage the next copies overwrite (past the end: step 0 again, into a stage
+            # nothing reads any more)
             async_copy.wait_group(STAGES - 3)
+            fence_async_shared()
             gl.thread_barrier()
             nxt = (i + STAGES - 2) % n_steps
             st = (i + STAGES - 2) % STAGES
@@ -206,7 +209,6 @@ if AVAILABLE:
             p = w_smem.index(cur).load(p_l)
             sc = s_smem.index(cur).load(gl.SliceLayout(2, p_l))
             w0, w1, w2, w3 = _decode(p, sc, a_op_l)
-            fence_async_shared()
             x = x_smem.index(cur)
             acc = warpgroup_mma(w0, x.slice(0, 16, dim=1).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma(w1, x.slice(16, 16, dim=1).permute((1, 0)), acc, is_async=True)
@@ -215,6 +217,7 @@ if AVAILABLE:
             acc = warpgroup_mma_wait(4, deps=[acc])  # the previous step's four are done
         acc = warpgroup_mma_wait(0, deps=[acc])
         async_copy.wait_group(0)
+        gl.thread_barrier()  # every warp group's wgmmas and copies done: the ring's memory is free
 
         out = gl.convert_layout(acc.to(y_ptr.dtype.element_ty), out_l)
         on = pid_n * _BW + gl.arange(0, _BW, layout=gl.SliceLayout(1, out_l))
