@@ -236,7 +236,7 @@ def applies(a: torch.Tensor, weight: torch.Tensor, block_m: int) -> bool:
         and weight.dim() == 5
         and weight.size(3) == BLOCK_W
         and (weight.size(2) * 32) % BLOCK_K == 0
-        and block_m in (32, 64, 128)
+        and block_m in (16, 32, 64, 128)
     )
 
 
@@ -251,7 +251,7 @@ def mxfp4_moe_gemm_wgmma(
     config: dict | None = None,
 ) -> torch.Tensor:
     """``gemm_kernels.mxfp4_moe_gemm`` for tiled weights (``tile_fp4``, 128-row tiles), bf16
-    activations and M-blocks of 32-128 rows, on Hopper. config: ``stages`` (the activation ring,
+    activations and M-blocks of 16-128 rows, on Hopper. config: ``stages`` (the activation ring,
     default 4), ``num_warps`` (4 or 8, default 8). Returns [rows, N] bf16."""
     cfg = config or {}
     if not AVAILABLE or not a.is_cuda or torch.cuda.get_device_capability(a.device)[0] != 9:
@@ -264,8 +264,8 @@ def mxfp4_moe_gemm_wgmma(
     n, k = n_tiles * BLOCK_W, n_kb * 32
     if k % BLOCK_K or a.size(-1) != k:
         raise ValueError(f"mxfp4_moe_gemm_wgmma: K = {k} (activations {a.size(-1)}) must be a multiple of {BLOCK_K}")
-    if block_m not in (32, 64, 128):
-        raise ValueError(f"mxfp4_moe_gemm_wgmma: M-blocks of 32, 64 or 128 rows, got {block_m}")
+    if block_m not in (16, 32, 64, 128):
+        raise ValueError(f"mxfp4_moe_gemm_wgmma: M-blocks of 16, 32, 64 or 128 rows, got {block_m}")
     x = k_order(a)
     s = scale.view(torch.uint8)
     block_expert, row0, row1 = blocks

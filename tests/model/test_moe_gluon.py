@@ -72,7 +72,7 @@ def _problem(tokens: int, n: int, k: int, n_exp: int, topk: int, seed: int = 0):
 
 
 @pytest.mark.skipif(not HOPPER, reason="a Hopper kernel (Gluon has no interpreter)")
-@pytest.mark.parametrize("block_m", [32, 64, 128])
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
 @pytest.mark.parametrize("gather", [True, False])
 @pytest.mark.parametrize("cfg", [{}, {"stages": 3}, {"num_warps": 4}])
 @pytest.mark.parametrize("tokens", [300, 2000])
