@@ -192,6 +192,10 @@ if AVAILABLE:
             _issue_copies(x_smem.index(j), x_src + j * _BK, w_smem.index(j), w_src + j * 2 * W_STEP,
                           s_smem.index(j), s_src + j * 2 * S_STEP)  # fmt: skip
         acc = gl.zeros([_BW, BLOCK_T], gl.float32, acc_l)
+        # the previous step's register operands: an asynchronous wgmma reads them until it is
+        # waited for, so they stay live (``deps``) until the wait that retires that step
+        z = gl.zeros([_BW, 16], gl.bfloat16, a_op_l)
+        q0, q1, q2, q3 = z, z, z, z
         for i in range(n_steps):
             # step i has landed (this thread's copies); the fence hands them to the async proxy
             # that wgmma reads through (cp.async writes are generic-proxy writes); the barrier makes
@@ -214,8 +218,9 @@ if AVAILABLE:
             acc = warpgroup_mma(w1, x.slice(16, 16, dim=1).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma(w2, x.slice(32, 16, dim=1).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma(w3, x.slice(48, 16, dim=1).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(4, deps=[acc])  # the previous step's four are done
-        acc = warpgroup_mma_wait(0, deps=[acc])
+            acc, q0, q1, q2, q3 = warpgroup_mma_wait(4, deps=[acc, q0, q1, q2, q3])  # the previous step's four
+            q0, q1, q2, q3 = w0, w1, w2, w3
+        acc, q0, q1, q2, q3 = warpgroup_mma_wait(0, deps=[acc, q0, q1, q2, q3])
         async_copy.wait_group(0)
         gl.thread_barrier()  # every warp group's wgmmas and copies done: the ring's memory is free
 
