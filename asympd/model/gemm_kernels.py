@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from asympd.model import moe_gluon as MG
+from asympd.model.fp4_ptx import FP4_LUT_PAIRS
 
 try:  # Triton ships with CUDA builds of torch; on CPU-only installs it is optional (tests use it)
     import triton
@@ -399,29 +400,7 @@ if AVAILABLE:
     # PRMTs interleave low and high bytes into bf16 pairs. Elementwise like ``_fp4_lut``: $0,$1 the
     # four low-nibble values, $2,$3 the high-nibble ones (checked against every byte on CPU by an
     # emulation of these instructions, tests/model/test_packed.py).
-    _FP4_LUT_PAIRS_ASM = tl.constexpr(
-        "{ .reg .b32 m, n, u, h0, l0, h1, l1, s0, s1, th0, th1, tl0, tl1;\n"
-        "mov.b32 th0, 0x3F3F3F00; mov.b32 th1, 0x40404040;\n"
-        "mov.b32 tl0, 0xC0800000; mov.b32 tl1, 0xC0804000;\n"
-        "and.b32 m, $4, 0x77777777;\n"
-        "shr.u32 n, m, 16;\n"
-        "prmt.b32 h0, th0, th1, m;\n"
-        "prmt.b32 l0, tl0, tl1, m;\n"
-        "prmt.b32 h1, th0, th1, n;\n"
-        "prmt.b32 l1, tl0, tl1, n;\n"
-        "shl.b32 u, $4, 4;\n"
-        "prmt.b32 s0, u, $4, 0xD9C8;\n"
-        "prmt.b32 s1, u, $4, 0xFBEA;\n"
-        "and.b32 s0, s0, 0x80808080;\n"
-        "or.b32 h0, h0, s0;\n"
-        "and.b32 s1, s1, 0x80808080;\n"
-        "or.b32 h1, h1, s1;\n"
-        "prmt.b32 $0, l0, h0, 0x6240;\n"
-        "prmt.b32 $1, l1, h1, 0x6240;\n"
-        "prmt.b32 $2, l0, h0, 0x7351;\n"
-        "prmt.b32 $3, l1, h1, 0x7351;\n"
-        "}"
-    )
+    _FP4_LUT_PAIRS_ASM = tl.constexpr(FP4_LUT_PAIRS)
 
     @triton.jit
     def _fp4_lut_pairs(p):
