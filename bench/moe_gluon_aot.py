@@ -23,14 +23,18 @@ ARGS = [
     ("s_am", "i32"), ("s_we", "i64"), ("s_wt", "i32"), ("s_se", "i32"), ("s_st", "i32"), ("s_ym", "i32"),
 ]  # fmt: skip
 ALIGNED = {"N", "s_am", "s_we", "s_wt", "s_se", "s_st", "s_ym"}
-CONFIGS = [(128, 4, 8), (128, 3, 8), (64, 4, 8), (64, 4, 4), (32, 4, 4), (128, 4, 4)]  # (T, stages, warps)
+SHAPES = ((128, 4, 8), (128, 5, 8), (64, 4, 8), (32, 4, 8), (16, 4, 4))  # (T, stages, warps)
+CONFIGS = [(t, s, w, a) for a in (True, False) for t, s, w in SHAPES]  # a: through shared memory
 
 
-def report(block_t: int, stages: int, warps: int, k: int = 5120, gather: bool = True) -> dict[str, Any]:
+def report(
+    block_t: int, stages: int, warps: int, a_smem: bool = True, k: int = 5120, gather: bool = True
+) -> dict[str, Any]:
     """One launch of the w13 GEMM at V4.1's shapes (K 5120, 128-row tiles: 2 KB a 32-K step)."""
     cons = dict(K=k, N_EXPERTS=384, GATHER=gather, W_STEP=2048, S_STEP=128)
-    cons |= dict(BLOCK_T=block_t, STAGES=stages, num_warps=warps)
-    row: dict[str, Any] = {"block_t": block_t, "stages": stages, "num_warps": warps, "k": k, "gather": gather}
+    cons |= dict(BLOCK_T=block_t, STAGES=stages, A_SMEM=a_smem, num_warps=warps)
+    row: dict[str, Any] = {"block_t": block_t, "stages": stages, "num_warps": warps, "a_smem": a_smem}
+    row |= {"k": k, "gather": gather}
     try:
         row |= compile_report(MG._mxfp4_moe_wgmma_kernel, ARGS, cons, warps, aligned=ALIGNED, source=GluonASTSource)
     except Exception as e:  # keep going: the report says which config failed

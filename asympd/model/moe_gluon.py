@@ -64,17 +64,27 @@ if AVAILABLE:
         return gl.convert_layout(x, layout)
 
     @gluon.jit
-    def _decode(p, sc, layout: gl.constexpr):
+    def _expand(p, sc):
         """Packed bytes [2 blocks, 128 rows, 16] (kernel order) and their UE8M0 scales [2, 128] ->
-        the step's four K = 16 register operands, scaled (bf16, exact): block 0's low and high
-        nibbles, then block 1's."""
+        per block the low- and high-nibble values, scaled (bf16, exact): [128, 16] each, column j
+        = element j (low) or 16 + j (high) of the block, in the order the decode packs them."""
         lo, hi = gl.inline_asm_elementwise(
             _LUT_PAIRS, "=r,=r,=r,=r,r", [p], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
         )
         sc = (sc.to(gl.int32) << 23).to(gl.float32, bitcast=True).to(gl.bfloat16)[:, :, None]
         lo0, lo1 = (lo * sc).permute((1, 2, 0)).split()
         hi0, hi1 = (hi * sc).permute((1, 2, 0)).split()
-        return _k16(lo0, layout), _k16(hi0, layout), _k16(lo1, layout), _k16(hi1, layout)
+        return lo0, hi0, lo1, hi1
+
+    @gluon.jit
+    def _decode_to_smem(w_stage, s_stage, a_dst, p_l: gl.constexpr):
+        """One step's weights, expanded into the [128, 64] shared tile wgmma reads (K in order:
+        each lane stores its 4 consecutive values of a row, 8 bytes)."""
+        lo0, hi0, lo1, hi1 = _expand(w_stage.load(p_l), s_stage.load(gl.SliceLayout(2, p_l)))
+        a_dst.slice(0, 16, dim=1).store(lo0)
+        a_dst.slice(16, 16, dim=1).store(hi0)
+        a_dst.slice(32, 16, dim=1).store(lo1)
+        a_dst.slice(48, 16, dim=1).store(hi1)
 
     @gluon.jit
     def _issue_copies(x_dst, x_src, w_dst, w_src, s_dst, s_src):
@@ -107,6 +117,7 @@ if AVAILABLE:
         S_STEP: gl.constexpr,
         BLOCK_T: gl.constexpr,
         STAGES: gl.constexpr,
+        A_SMEM: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         pid_b = gl.program_id(0)
@@ -140,6 +151,7 @@ if AVAILABLE:
         wc_l: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [2, num_warps // 2, 1], [2, 1, 0])
         sc_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps // 2, 2], [1, 0])
         x_smem_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_T, _BK], gl.bfloat16)
+        a_smem_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BW, _BK], gl.bfloat16)
         plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
         plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
         out_l: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, num_warps], [0, 1])
@@ -172,35 +184,58 @@ if AVAILABLE:
             _issue_copies(x_smem.index(j), x_src + j * _BK, w_smem.index(j), w_src + j * 2 * W_STEP,
                           s_smem.index(j), s_src + j * 2 * S_STEP)  # fmt: skip
         acc = gl.zeros([_BW, BLOCK_T], gl.float32, acc_l)
-        # the previous step's register operands: an asynchronous wgmma reads them until it is
-        # waited for, so they stay live (``deps``) until the wait that retires that step
-        z = gl.zeros([_BW, 16], gl.bfloat16, a_op_l)
-        q0, q1, q2, q3 = z, z, z, z
-        for i in range(n_steps):
-            # step i has landed (this thread's copies); the fence hands them to the async proxy
-            # that wgmma reads through (cp.async writes are generic-proxy writes); the barrier makes
-            # everyone's visible and tells that every warp group finished the wgmmas of step i - 2,
-            # whose stage the next copies overwrite (past the end: step 0 again, into a stage
-            # nothing reads any more)
+        if A_SMEM:
+            # the expanded weights go through a double-buffered shared tile, so the wgmmas of step i
+            # run while step i + 1 is expanded (an asynchronous wgmma's register operand cannot be
+            # kept from reuse: Gluon's ``deps`` holds the bf16 values, not the packed registers the
+            # wgmma reads, and the device showed them overwritten)
+            a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, _BW, _BK], a_smem_l)
             async_copy.wait_group(STAGES - 3)
-            fence_async_shared()
             gl.thread_barrier()
-            nxt = (i + STAGES - 2) % n_steps
-            st = (i + STAGES - 2) % STAGES
-            _issue_copies(x_smem.index(st), x_src + nxt * _BK, w_smem.index(st), w_src + nxt * 2 * W_STEP,
-                          s_smem.index(st), s_src + nxt * 2 * S_STEP)  # fmt: skip
-            cur = i % STAGES
-            p = w_smem.index(cur).load(p_l)
-            sc = s_smem.index(cur).load(gl.SliceLayout(2, p_l))
-            w0, w1, w2, w3 = _decode(p, sc, a_op_l)
-            x = x_smem.index(cur)
-            acc = warpgroup_mma(w0, x.slice(0, 16, dim=1).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma(w1, x.slice(16, 16, dim=1).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma(w2, x.slice(32, 16, dim=1).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma(w3, x.slice(48, 16, dim=1).permute((1, 0)), acc, is_async=True)
-            acc, q0, q1, q2, q3 = warpgroup_mma_wait(4, deps=[acc, q0, q1, q2, q3])  # the previous step's four
-            q0, q1, q2, q3 = w0, w1, w2, w3
-        acc, q0, q1, q2, q3 = warpgroup_mma_wait(0, deps=[acc, q0, q1, q2, q3])
+            _decode_to_smem(w_smem.index(0), s_smem.index(0), a_smem.index(0), p_l)
+            for i in range(n_steps):
+                # A(i) stored and step i's activations landed (everyone's, handed to the async
+                # proxy); every warp group retired the wgmmas of step i - 2, whose ring stage the
+                # next copies overwrite (past the end: step 0 again, a stage nothing reads any more)
+                async_copy.wait_group(STAGES - 3)
+                fence_async_shared()
+                gl.thread_barrier()
+                nxt = (i + STAGES - 2) % n_steps
+                st = (i + STAGES - 2) % STAGES
+                _issue_copies(x_smem.index(st), x_src + nxt * _BK, w_smem.index(st), w_src + nxt * 2 * W_STEP,
+                              s_smem.index(st), s_src + nxt * 2 * S_STEP)  # fmt: skip
+                x = x_smem.index(i % STAGES).permute((1, 0))
+                acc = warpgroup_mma(a_smem.index(i % 2), x, acc, is_async=True)
+                # this warp group's wgmmas of step i - 1 are done: its rows of the other A buffer
+                # are free (each warp group stores and reads only its own 64 rows)
+                acc = warpgroup_mma_wait(1, deps=[acc])
+                async_copy.wait_group(STAGES - 3)  # step i + 1 landed (this thread's copies)
+                gl.thread_barrier()
+                nj = (i + 1) % STAGES
+                _decode_to_smem(w_smem.index(nj), s_smem.index(nj), a_smem.index((i + 1) % 2), p_l)
+        else:
+            # the expanded weights as wgmma's register operand, retired before the next step
+            # expands into the same registers: no overlap inside a program (other programs on the
+            # SM fill in)
+            for i in range(n_steps):
+                async_copy.wait_group(STAGES - 3)
+                fence_async_shared()
+                gl.thread_barrier()
+                nxt = (i + STAGES - 2) % n_steps
+                st = (i + STAGES - 2) % STAGES
+                _issue_copies(x_smem.index(st), x_src + nxt * _BK, w_smem.index(st), w_src + nxt * 2 * W_STEP,
+                              s_smem.index(st), s_src + nxt * 2 * S_STEP)  # fmt: skip
+                cur = i % STAGES
+                lo0, hi0, lo1, hi1 = _expand(
+                    w_smem.index(cur).load(p_l), s_smem.index(cur).load(gl.SliceLayout(2, p_l))
+                )
+                x = x_smem.index(cur)
+                acc = warpgroup_mma(_k16(lo0, a_op_l), x.slice(0, 16, dim=1).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma(_k16(hi0, a_op_l), x.slice(16, 16, dim=1).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma(_k16(lo1, a_op_l), x.slice(32, 16, dim=1).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma(_k16(hi1, a_op_l), x.slice(48, 16, dim=1).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+        acc = warpgroup_mma_wait(0, deps=[acc])
         async_copy.wait_group(0)
         gl.thread_barrier()  # every warp group's wgmmas and copies done: the ring's memory is free
 
@@ -236,8 +271,10 @@ def mxfp4_moe_gemm_wgmma(
     config: dict | None = None,
 ) -> torch.Tensor:
     """``gemm_kernels.mxfp4_moe_gemm`` for tiled weights (``tile_fp4``, 128-row tiles), bf16
-    activations and M-blocks of 16-128 rows, on Hopper. config: ``stages`` (the activation ring,
-    default 4), ``num_warps`` (4 or 8, default 8). Returns [rows, N] bf16."""
+    activations and M-blocks of 16-128 rows, on Hopper. config: ``a_smem`` (default True: the
+    expanded weights through shared memory, overlapped with the previous step's wgmmas; False: as
+    the register operand, each step's wgmmas retired before the next), ``stages`` (the copy ring,
+    default 4), ``num_warps`` (4 or 8; default 4 for 16-row blocks, else 8). Returns [rows, N] bf16."""
     cfg = config or {}
     if not AVAILABLE or not a.is_cuda or torch.cuda.get_device_capability(a.device)[0] != 9:
         raise RuntimeError("mxfp4_moe_gemm_wgmma: a Hopper (sm_90) kernel; it needs Triton and an sm_90 GPU")
@@ -251,7 +288,11 @@ def mxfp4_moe_gemm_wgmma(
         raise ValueError(f"mxfp4_moe_gemm_wgmma: K = {k} (activations {a.size(-1)}) must be a multiple of {BLOCK_K}")
     if block_m not in (16, 32, 64, 128):
         raise ValueError(f"mxfp4_moe_gemm_wgmma: M-blocks of 16, 32, 64 or 128 rows, got {block_m}")
-    x = k_order(a)
+    a_smem = cfg.get("a_smem", True)
+    warps = cfg.get("num_warps", 4 if block_m == 16 else 8)
+    if block_m < 4 * warps:
+        raise ValueError(f"mxfp4_moe_gemm_wgmma: {warps} warps copy {4 * warps} rows a pass; M-block {block_m}")
+    x = a.contiguous() if a_smem else k_order(a)  # the register operand needs the K permutation
     s = scale.view(torch.uint8)
     block_expert, row0, row1 = blocks
     y = torch.empty(rows, n, dtype=a.dtype, device=a.device)
@@ -278,6 +319,7 @@ def mxfp4_moe_gemm_wgmma(
         S_STEP=s.stride(2),
         BLOCK_T=block_m,
         STAGES=cfg.get("stages", 4),
-        num_warps=cfg.get("num_warps", 8),
+        A_SMEM=a_smem,
+        num_warps=warps,
     )
     return y
