@@ -246,18 +246,28 @@ if AVAILABLE:
         gl.store(optrs, out, mask=(ot < row1)[None, :] & (on < N)[:, None])
 
 
+BLOCK_MS = (16, 32, 64, 128)
+
+
+def _unsupported(a: torch.Tensor, weight: torch.Tensor, block_m: int) -> Exception | None:
+    """Why ``mxfp4_moe_gemm_wgmma`` cannot take these operands (None: it can)."""
+    if not AVAILABLE or not a.is_cuda or torch.cuda.get_device_capability(a.device)[0] != 9:
+        return RuntimeError("mxfp4_moe_gemm_wgmma: a Hopper (sm_90) kernel; it needs Triton and an sm_90 GPU")
+    if weight.dim() != 5 or weight.size(3) != BLOCK_W:
+        return ValueError(f"mxfp4_moe_gemm_wgmma: weights must be tiled by {BLOCK_W} rows (tile_fp4)")
+    if a.dtype != torch.bfloat16:
+        return TypeError(f"mxfp4_moe_gemm_wgmma: bf16 activations only, got {a.dtype}")
+    k = weight.size(2) * 32
+    if k % BLOCK_K or a.size(-1) != k:
+        return ValueError(f"mxfp4_moe_gemm_wgmma: K = {k} (activations {a.size(-1)}) must be a multiple of {BLOCK_K}")
+    if block_m not in BLOCK_MS:
+        return ValueError(f"mxfp4_moe_gemm_wgmma: M-blocks of {BLOCK_MS} rows, got {block_m}")
+    return None
+
+
 def applies(a: torch.Tensor, weight: torch.Tensor, block_m: int) -> bool:
     """Whether ``mxfp4_moe_gemm_wgmma`` takes these operands (else the Triton kernels do)."""
-    return (
-        AVAILABLE
-        and a.is_cuda
-        and torch.cuda.get_device_capability(a.device)[0] == 9
-        and a.dtype == torch.bfloat16
-        and weight.dim() == 5
-        and weight.size(3) == BLOCK_W
-        and (weight.size(2) * 32) % BLOCK_K == 0
-        and block_m in (16, 32, 64, 128)
-    )
+    return _unsupported(a, weight, block_m) is None
 
 
 def mxfp4_moe_gemm_wgmma(
@@ -276,18 +286,11 @@ def mxfp4_moe_gemm_wgmma(
     the register operand, each step's wgmmas retired before the next), ``stages`` (the copy ring,
     default 4), ``num_warps`` (4 or 8; default 4 for 16-row blocks, else 8). Returns [rows, N] bf16."""
     cfg = config or {}
-    if not AVAILABLE or not a.is_cuda or torch.cuda.get_device_capability(a.device)[0] != 9:
-        raise RuntimeError("mxfp4_moe_gemm_wgmma: a Hopper (sm_90) kernel; it needs Triton and an sm_90 GPU")
-    if weight.dim() != 5 or weight.size(3) != BLOCK_W:
-        raise ValueError(f"mxfp4_moe_gemm_wgmma: weights must be tiled by {BLOCK_W} rows (tile_fp4)")
-    if a.dtype != torch.bfloat16:
-        raise TypeError(f"mxfp4_moe_gemm_wgmma: bf16 activations only, got {a.dtype}")
+    err = _unsupported(a, weight, block_m)
+    if err is not None:
+        raise err
     n_experts, n_tiles, n_kb, _, _ = weight.shape
     n, k = n_tiles * BLOCK_W, n_kb * 32
-    if k % BLOCK_K or a.size(-1) != k:
-        raise ValueError(f"mxfp4_moe_gemm_wgmma: K = {k} (activations {a.size(-1)}) must be a multiple of {BLOCK_K}")
-    if block_m not in (16, 32, 64, 128):
-        raise ValueError(f"mxfp4_moe_gemm_wgmma: M-blocks of 16, 32, 64 or 128 rows, got {block_m}")
     a_smem = cfg.get("a_smem", True)
     warps = cfg.get("num_warps", 4 if block_m == 16 else 8)
     if block_m < 4 * warps:
