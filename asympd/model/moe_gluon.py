@@ -281,8 +281,8 @@ def mxfp4_moe_gemm_wgmma(
     config: dict | None = None,
 ) -> torch.Tensor:
     """``gemm_kernels.mxfp4_moe_gemm`` for tiled weights (``tile_fp4``, 128-row tiles), bf16
-    activations and M-blocks of 16-128 rows, on Hopper. config: ``a_smem`` (default True: the
-    expanded weights through shared memory, overlapped with the previous step's wgmmas; False: as
+    activations and M-blocks of 16-128 rows, on Hopper. config: ``a_smem`` (True: the expanded
+    weights through shared memory, overlapped with the previous step's wgmmas; default False: as
     the register operand, each step's wgmmas retired before the next), ``stages`` (the copy ring,
     default 4), ``num_warps`` (4 or 8; default 4 for 16-row blocks, else 8). Returns [rows, N] bf16."""
     cfg = config or {}
@@ -291,7 +291,9 @@ def mxfp4_moe_gemm_wgmma(
         raise err
     n_experts, n_tiles, n_kb, _, _ = weight.shape
     n, k = n_tiles * BLOCK_W, n_kb * 32
-    a_smem = cfg.get("a_smem", True)
+    # the register operand measured faster in 11 of 12 cells, 1.1-1.6x the shared tile at 256-8192
+    # tokens (bench/results/moe_prefill_wgmma_fa9c0d9.json)
+    a_smem = cfg.get("a_smem", False)
     warps = cfg.get("num_warps", 4 if block_m == 16 else 8)
     if block_m < 4 * warps:
         raise ValueError(f"mxfp4_moe_gemm_wgmma: {warps} warps copy {4 * warps} rows a pass; M-block {block_m}")
