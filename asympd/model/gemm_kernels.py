@@ -1209,7 +1209,7 @@ def mxfp4_moe_gemm(
     unrolled step as one dot, scales on the weights; ``maxnreg``: a register cap (CUDA). weight and
     scale may instead be tiled (``tile_fp4``: 5-D / 4-D), read as whole lines; ``block_n`` is then
     the tile. ``wgmma``: the Gluon kernel of ``moe_gluon`` where it applies (Hopper, tiled weights,
-    bf16, M-blocks of 16-128 rows; asynchronous wgmma overlapping the FP4 expansion), with its
+    bf16, M-blocks of 16-128 rows; FP4 expanded into wgmma's register operand), with its
     ``wgmma_config``; default for M-blocks of at least ``WGMMA_MIN_BLOCK_M`` rows. ``MOE_DEFAULTS``
     (module level) overrides the defaults process-wide (tests and benchmarks run the model on one variant with it).
     Returns [rows, N] in a's dtype."""
