@@ -96,10 +96,12 @@ if AVAILABLE:
         a_dst.slice(48, 16, dim=1).store(hi1)
 
     @gluon.jit
-    def _issue_copies(x_dst, x_src, w_dst, w_src, s_dst, s_src):
-        async_copy.async_copy_global_to_shared(x_dst, x_src)
-        async_copy.async_copy_global_to_shared(w_dst, w_src)
-        async_copy.async_copy_global_to_shared(s_dst, s_src)
+    def _issue_step(j, stage, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP: gl.constexpr, S_STEP: gl.constexpr):
+        """Copy K-step ``j``'s activations, packed bytes and scales into ring stage ``stage``: one
+        commit group."""
+        async_copy.async_copy_global_to_shared(x_smem.index(stage), x_src + j * _BK)
+        async_copy.async_copy_global_to_shared(w_smem.index(stage), w_src + j * 2 * W_STEP)
+        async_copy.async_copy_global_to_shared(s_smem.index(stage), s_src + j * 2 * S_STEP)
         async_copy.commit_group()
 
     @gluon.jit
@@ -190,8 +192,7 @@ if AVAILABLE:
 
         n_steps: gl.constexpr = K // _BK
         for j in gl.static_range(STAGES - 2):  # the ring's first steps in flight
-            _issue_copies(x_smem.index(j), x_src + j * _BK, w_smem.index(j), w_src + j * 2 * W_STEP,
-                          s_smem.index(j), s_src + j * 2 * S_STEP)  # fmt: skip
+            _issue_step(j, j, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP)
         acc = gl.zeros([_BW, BLOCK_T], gl.float32, acc_l)
         if A_SMEM:
             # the expanded weights go through a double-buffered shared tile, so the wgmmas of step i
@@ -209,10 +210,10 @@ if AVAILABLE:
                 async_copy.wait_group(STAGES - 3)
                 fence_async_shared()
                 gl.thread_barrier()
-                nxt = (i + STAGES - 2) % n_steps
-                st = (i + STAGES - 2) % STAGES
-                _issue_copies(x_smem.index(st), x_src + nxt * _BK, w_smem.index(st), w_src + nxt * 2 * W_STEP,
-                              s_smem.index(st), s_src + nxt * 2 * S_STEP)  # fmt: skip
+                ahead = i + STAGES - 2
+                _issue_step(
+                    ahead % n_steps, ahead % STAGES, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP
+                )
                 x = x_smem.index(i % STAGES).permute((1, 0))
                 acc = warpgroup_mma(a_smem.index(i % 2), x, acc, is_async=True)
                 # this warp group's wgmmas of step i - 1 are done: its rows of the other A buffer
@@ -230,10 +231,10 @@ if AVAILABLE:
                 async_copy.wait_group(STAGES - 3)
                 fence_async_shared()
                 gl.thread_barrier()
-                nxt = (i + STAGES - 2) % n_steps
-                st = (i + STAGES - 2) % STAGES
-                _issue_copies(x_smem.index(st), x_src + nxt * _BK, w_smem.index(st), w_src + nxt * 2 * W_STEP,
-                              s_smem.index(st), s_src + nxt * 2 * S_STEP)  # fmt: skip
+                ahead = i + STAGES - 2
+                _issue_step(
+                    ahead % n_steps, ahead % STAGES, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP
+                )
                 cur = i % STAGES
                 lo0, hi0, lo1, hi1 = _expand(
                     w_smem.index(cur).load(p_l), s_smem.index(cur).load(gl.SliceLayout(2, p_l))
