@@ -105,6 +105,19 @@ if AVAILABLE:
         async_copy.commit_group()
 
     @gluon.jit
+    def _advance(i, n_steps: gl.constexpr, STAGES: gl.constexpr, x_smem, x_src, w_smem, w_src, s_smem, s_src,
+                 W_STEP: gl.constexpr, S_STEP: gl.constexpr):  # fmt: skip
+        """The top of K-step ``i``: its copies have landed (everyone's, handed to the async proxy
+        that wgmma reads through: each writer fences, then the barrier), every warp group has
+        retired the wgmmas of step i - 2, and that step's ring stage is refilled with step i +
+        STAGES - 2 (past the end: step 0 again, into a stage nothing reads any more)."""
+        async_copy.wait_group(STAGES - 3)
+        fence_async_shared()
+        gl.thread_barrier()
+        ahead = i + STAGES - 2
+        _issue_step(ahead % n_steps, ahead % STAGES, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP)
+
+    @gluon.jit
     def _mxfp4_moe_wgmma_kernel(
         a_ptr,
         a_rows_ptr,
@@ -204,16 +217,8 @@ if AVAILABLE:
             gl.thread_barrier()
             _decode_to_smem(w_smem.index(0), s_smem.index(0), a_smem.index(0), p_l)
             for i in range(n_steps):
-                # A(i) stored and step i's activations landed (everyone's, handed to the async
-                # proxy); every warp group retired the wgmmas of step i - 2, whose ring stage the
-                # next copies overwrite (past the end: step 0 again, a stage nothing reads any more)
-                async_copy.wait_group(STAGES - 3)
-                fence_async_shared()
-                gl.thread_barrier()
-                ahead = i + STAGES - 2
-                _issue_step(
-                    ahead % n_steps, ahead % STAGES, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP
-                )
+                # (and A(i), stored by everyone at the end of the last step: the fence covers it too)
+                _advance(i, n_steps, STAGES, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP)
                 x = x_smem.index(i % STAGES).permute((1, 0))
                 acc = warpgroup_mma(a_smem.index(i % 2), x, acc, is_async=True)
                 # this warp group's wgmmas of step i - 1 are done: its rows of the other A buffer
@@ -228,13 +233,7 @@ if AVAILABLE:
             # expands into the same registers: no overlap inside a program (other programs on the
             # SM fill in)
             for i in range(n_steps):
-                async_copy.wait_group(STAGES - 3)
-                fence_async_shared()
-                gl.thread_barrier()
-                ahead = i + STAGES - 2
-                _issue_step(
-                    ahead % n_steps, ahead % STAGES, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP
-                )
+                _advance(i, n_steps, STAGES, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP)
                 cur = i % STAGES
                 lo0, hi0, lo1, hi1 = _expand(
                     w_smem.index(cur).load(p_l), s_smem.index(cur).load(gl.SliceLayout(2, p_l))
