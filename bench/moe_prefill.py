@@ -5,13 +5,16 @@ slower than bf16 experts (docs/performance.md §9). This times both GEMMs of one
 (384 experts, top-6 random routing): w13 (N = 2 x 2304, K = 5120, the token rows gathered) and w2
 (N = 5120, K = 2304, rows already sorted by expert), in the tiled layout the CUDA build holds, with
 the Triton kernel (``wgmma: False``), the Gluon wgmma kernel (``asympd/model/moe_gluon.py``) in a
-few configurations, and ``torch._grouped_mm`` on the same experts in bf16 with the same routing.
+few configurations, and ``torch._grouped_mm`` on the same experts in bf16 with the same routing;
+``--block-ms`` times M-blocks other than the product's choice (``packed.moe_block_m``), each with its
+floor (the touched experts' MXFP4 bytes at the measured copy rate, or the FLOPs at the FP8 rate).
 Every variant's output is compared with the Triton kernel's (relative error; the products are the
 same, only the order of the sum may differ) and, on 2 experts' rows, with fp32 math on the
 dequantized experts. ``--sweep``: the sixteenth session's tile sweep of the Triton kernel instead.
 Writes ``moe_prefill[_...].json`` (``--out``).
 
-Usage (device): ``python3 -m bench.moe_prefill [--tokens 2048,4096,8192,16384] [--out NAME]``.
+Usage (device): ``python3 -m bench.moe_prefill [--tokens 2048,4096,8192,16384] [--block-ms 16,32,64]
+[--variants triton,gluon] [--out NAME]``.
 """
 
 from __future__ import annotations
@@ -66,6 +69,26 @@ def _fp32_check(y: torch.Tensor, xs: torch.Tensor, dense: torch.Tensor, counts: 
     return worst
 
 
+def gemm_floor(rows: int, touched: int, n: int, k: int, ceil: dict[str, Any]) -> dict[str, float]:
+    """The fewest milliseconds one expert GEMM can take: the touched experts' packed bytes and
+    scales, the activations read and the output written at the copy rate, or its FLOPs at the FP8
+    rate (the release format's, docs/performance.md §9)."""
+    nbytes = touched * n * k * 0.53125 + rows * k * 2 + rows * n * 2
+    flops = 2.0 * rows * n * k
+    bytes_ms = nbytes / (ceil["copy_TBps"] * 1e12) * 1e3
+    flops_ms = flops / (ceil.get("fp8_gemm_TFLOPs", ceil["bf16_gemm_TFLOPs"]) * 1e12) * 1e3
+    return {"floor_ms": max(bytes_ms, flops_ms), "bytes_ms": bytes_ms, "flops_ms": flops_ms}
+
+
+def _variants(names: str) -> list[tuple[str, dict[str, Any]]]:
+    out = [("triton", {"wgmma": False})]
+    out += [(f"wgmma{c}", {"wgmma": True, "wgmma_config": c}) for c in WGMMA_CONFIGS]
+    if names == "all":
+        return out
+    want = {"gluon" if n == "wgmma{}" else n for n in names.split(",")}
+    return [(n, c) for n, c in out if ("gluon" if n == "wgmma{}" else n) in want]
+
+
 def gemm_cells(args: argparse.Namespace, started: float) -> dict[str, Any]:
     from asympd.model import gemm_kernels as G
     from asympd.model.packed import moe_block_m
@@ -75,7 +98,8 @@ def gemm_cells(args: argparse.Namespace, started: float) -> dict[str, Any]:
     shapes = {"w13": (N13, K, True), "w2": (N2, K2, False)}
     experts = {name: _experts(n, k, dev, g) for name, (n, k, _) in shapes.items()}
     res: dict[str, Any] = {"shapes": {n: {"n": v[0], "k": v[1], "gather": v[2]} for n, v in shapes.items()}}
-    res |= {"experts": N_EXP, "topk": TOPK, "ceilings": ceilings(), "cells": []}
+    ceil = ceilings()
+    res |= {"experts": N_EXP, "topk": TOPK, "ceilings": ceil, "cells": []}
     for tokens in [int(t) for t in args.tokens.split(",")]:
         ids = torch.rand(tokens, N_EXP, device=dev, generator=g).topk(TOPK, dim=-1).indices
         flat = ids.reshape(-1)
@@ -83,41 +107,45 @@ def gemm_cells(args: argparse.Namespace, started: float) -> dict[str, Any]:
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=N_EXP)
         offs = counts.cumsum(0).to(torch.int32)
-        bm = moe_block_m(rows, N_EXP)
+        touched = int((counts > 0).sum())
+        block_ms = [int(b) for b in args.block_ms.split(",")] if args.block_ms else [moe_block_m(rows, N_EXP)]
         for name, (n, k, gather) in shapes.items():
-            if time.time() - started > args.budget_s:
-                res["cells"].append({"tokens": tokens, "gemm": name, "skipped": "budget"})
-                continue
             _, (wt, st), dense = experts[name]
             x = (torch.randn(tokens if gather else rows, k, device=dev, generator=g) * 0.5).to(torch.bfloat16)
             a_rows = order // TOPK if gather else None
             xs = x[a_rows] if gather else x
             flops = 2.0 * rows * n * k
-            cell: dict[str, Any] = {"tokens": tokens, "gemm": name, "rows": rows, "block_m": bm, "flops": flops}
+            floor = gemm_floor(rows, touched, n, k, ceil)
             wd = dense.transpose(-2, -1)
-            t = time_cuda(lambda xs=xs, wd=wd, offs=offs: torch._grouped_mm(xs, wd, offs=offs), iters=6)
-            cell["bf16_grouped_mm"] = t | {"tflops": flops / t["ms"] / 1e9}
-            blocks = tuple(G.moe_blocks(flat, N_EXP, bm)[1:])
-            variants = [("triton", {"wgmma": False})]
-            variants += [(f"wgmma{c}", {"wgmma": True, "wgmma_config": c}) for c in WGMMA_CONFIGS]
-            ref = None
-            for vname, cfg in variants:
-                row: dict[str, Any] = {"variant": vname}
-                try:
-                    fn = partial(G.mxfp4_moe_gemm, x, wt, st, blocks, rows, bm, a_rows=a_rows, config=cfg)
-                    y = fn()
-                    ref = y.float() if ref is None else ref
-                    row["rel_err_vs_triton"] = float((y.float() - ref).norm() / ref.norm())
-                    row["max_err_vs_fp32"] = _fp32_check(y, xs, dense, counts)
-                    t = time_cuda(fn, iters=6)
-                    row |= t | {"tflops": flops / t["ms"] / 1e9, "over_bf16": cell["bf16_grouped_mm"]["ms"] / t["ms"]}
-                except Exception as e:  # a configuration that does not compile or fit: say so, go on
-                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                cell[vname] = row
-                log(f"{tokens} tokens {name} (BM {bm}) {vname}: {row}")
-            log(f"{tokens} tokens {name}: bf16 grouped GEMM {cell['bf16_grouped_mm']}")
-            res["cells"].append(cell)
-            torch.cuda.empty_cache()
+            bf16 = time_cuda(lambda xs=xs, wd=wd, offs=offs: torch._grouped_mm(xs, wd, offs=offs), iters=6)
+            bf16 |= {"tflops": flops / bf16["ms"] / 1e9}
+            for bm in block_ms:
+                if time.time() - started > args.budget_s:
+                    res["cells"].append({"tokens": tokens, "gemm": name, "block_m": bm, "skipped": "budget"})
+                    continue
+                cell: dict[str, Any] = {"tokens": tokens, "gemm": name, "rows": rows, "block_m": bm, "flops": flops}
+                cell |= {"default_block_m": moe_block_m(rows, N_EXP), "experts_touched": touched, **floor}
+                cell["bf16_grouped_mm"] = bf16
+                blocks = tuple(G.moe_blocks(flat, N_EXP, bm)[1:])
+                ref = None
+                for vname, cfg in _variants(args.variants):
+                    row: dict[str, Any] = {"variant": vname}
+                    try:
+                        fn = partial(G.mxfp4_moe_gemm, x, wt, st, blocks, rows, bm, a_rows=a_rows, config=cfg)
+                        y = fn()
+                        ref = y.float() if ref is None else ref
+                        row["rel_err_vs_first"] = float((y.float() - ref).norm() / ref.norm())
+                        row["max_err_vs_fp32"] = _fp32_check(y, xs, dense, counts)
+                        t = time_cuda(fn, iters=6)
+                        row |= t | {"tflops": flops / t["ms"] / 1e9, "over_bf16": bf16["ms"] / t["ms"]}
+                        row["fraction_of_floor"] = floor["floor_ms"] / t["ms"]
+                    except Exception as e:  # a configuration that does not compile or fit: say so, go on
+                        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    cell[vname] = row
+                    log(f"{tokens} tokens {name} (BM {bm}) {vname}: {row}")
+                log(f"{tokens} tokens {name}: bf16 grouped GEMM {bf16}, floor {floor}")
+                res["cells"].append(cell)
+                torch.cuda.empty_cache()
         record(args.out, res, started)
     return res
 
@@ -183,6 +211,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop starting cells after this")
     ap.add_argument("--tokens", default="2048,4096,8192,16384")
+    ap.add_argument("--block-ms", default=None, help="M-blocks to time (default: the product's choice)")
+    ap.add_argument("--variants", default="all", help="all, or a list of triton, gluon, wgmma{...} names")
     ap.add_argument("--sweep", action="store_true", help="the Triton kernel's tile sweep (sixteenth session)")
     ap.add_argument("--out", default=None, help="result name (default moe_prefill_wgmma, or moe_prefill with --sweep)")
     args = ap.parse_args()
