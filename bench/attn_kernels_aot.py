@@ -78,6 +78,8 @@ def hot_loop(sass: str) -> dict[str, int]:
         "hot_loop_prmt": ops.count("PRMT"),
         "hot_loop_sts": sum(o.startswith("STS") for o in ops),
         "hot_loop_barriers": sum("BAR.SYNC" in x for x in best),
+        # register copies (of constants or uniform values) the loop pays each pass
+        "hot_loop_moves": sum(bool(re.match(r"(IMAD\.(U32|MOV\.U32)\s+R\d+, RZ, RZ,|MOV\s)", x.strip())) for x in best),
         # spills the loop pays each pass (local-memory loads and stores), not just somewhere
         "hot_loop_spill_ops": sum(bool(re.match(r"(@!?U?P\w+\s+)?(LDL|STL)\b", x.strip())) for x in best),
     }

@@ -30,7 +30,7 @@ from bench.common import ceilings, log, record, time_cuda
 
 N_EXP, TOPK, N13, K = 384, 6, 2 * 2304, 5120
 N2, K2 = 5120, 2304
-WGMMA_CONFIGS = [{}, {"a_smem": True}, {"stages": 5}, {"num_warps": 4}]
+WGMMA_CONFIGS = [{}, {"lut_registers": False}, {"a_smem": True}, {"stages": 5}, {"num_warps": 4}]
 
 
 def configs() -> list[dict[str, Any]]:
@@ -81,12 +81,12 @@ def gemm_floor(rows: int, touched: int, n: int, k: int, ceil: dict[str, Any]) ->
 
 
 def _variants(names: str) -> list[tuple[str, dict[str, Any]]]:
-    out = [("triton", {"wgmma": False})]
-    out += [(f"wgmma{c}", {"wgmma": True, "wgmma_config": c}) for c in WGMMA_CONFIGS]
-    if names == "all":
-        return out
-    want = {"gluon" if n == "wgmma{}" else n for n in names.split(",")}
-    return [(n, c) for n, c in out if ("gluon" if n == "wgmma{}" else n) in want]
+    """The variants to time: ``all``, or names among ``triton``, ``gluon`` (the default
+    configuration) and ``gluon:KEY`` (the configuration that sets KEY, e.g. ``gluon:a_smem``)."""
+    out = [("triton", {"wgmma": False}, "triton")]
+    out += [(f"wgmma{c}", {"wgmma": True, "wgmma_config": c}, ":".join(["gluon", *c])) for c in WGMMA_CONFIGS]
+    want = None if names == "all" else set(names.split(","))
+    return [(n, c) for n, c, alias in out if want is None or alias in want]
 
 
 def gemm_cells(args: argparse.Namespace, started: float) -> dict[str, Any]:
@@ -212,7 +212,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop starting cells after this")
     ap.add_argument("--tokens", default="2048,4096,8192,16384")
     ap.add_argument("--block-ms", default=None, help="M-blocks to time (default: the product's choice)")
-    ap.add_argument("--variants", default="all", help="all, or a list of triton, gluon, wgmma{...} names")
+    ap.add_argument("--variants", default="all", help="all, or triton, gluon, gluon:KEY (_variants)")
     ap.add_argument("--sweep", action="store_true", help="the Triton kernel's tile sweep (sixteenth session)")
     ap.add_argument("--out", default=None, help="result name (default moe_prefill_wgmma, or moe_prefill with --sweep)")
     args = ap.parse_args()

@@ -2,10 +2,11 @@
 table lookup, four packed bytes -> $0,$1 the low-nibble values (pairs), $2,$3 the high-nibble ones
 (see ``gemm_kernels`` for how it works)."""
 
-FP4_LUT_PAIRS = (
-    "{ .reg .b32 m, n, u, h0, l0, h1, l1, s0, s1, th0, th1, tl0, tl1;\n"
-    "mov.b32 th0, 0x3F3F3F00; mov.b32 th1, 0x40404040;\n"
-    "mov.b32 tl0, 0xC0800000; mov.b32 tl1, 0xC0804000;\n"
+# the lookup's four table words: bf16 high bytes (th0, th1) and low bytes (tl0, tl1) of the eight
+# magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6
+FP4_LUT_TABLE = (0x3F3F3F00, 0x40404040, 0xC0800000, 0xC0804000)
+
+_DECODE = (
     "and.b32 m, $4, 0x77777777;\n"
     "shr.u32 n, m, 16;\n"
     "prmt.b32 h0, th0, th1, m;\n"
@@ -25,3 +26,14 @@ FP4_LUT_PAIRS = (
     "prmt.b32 $3, l1, h1, 0x7351;\n"
     "}"
 )
+FP4_LUT_PAIRS = (
+    "{ .reg .b32 m, n, u, h0, l0, h1, l1, s0, s1, th0, th1, tl0, tl1;\n"
+    + "".join(f"mov.b32 {r}, 0x{v:08X};\n" for r, v in zip(("th0", "th1", "tl0", "tl1"), FP4_LUT_TABLE, strict=True))
+    + _DECODE
+)
+# the same decode with the table as operands $5-$8 (registers the kernel loads once): where the
+# table is an immediate, ptxas keeps it in uniform registers and copies it into vector registers
+# before every lookup (PRMT reads its table from vector registers), ~30 moves a K-step
+FP4_LUT_PAIRS_TABLE_IN = "{ .reg .b32 m, n, u, h0, l0, h1, l1, s0, s1;\n" + _DECODE.replace(
+    "th0, th1", "$5, $6"
+).replace("tl0, tl1", "$7, $8")

@@ -30,9 +30,11 @@ Gluon does not run under Triton's interpreter: the CPU suite compiles this kerne
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from asympd.model.fp4_ptx import FP4_LUT_PAIRS
+from asympd.model.fp4_ptx import FP4_LUT_PAIRS, FP4_LUT_PAIRS_TABLE_IN, FP4_LUT_TABLE
 
 try:  # the core must import with torch alone (no Triton: no kernels)
     import triton
@@ -63,6 +65,7 @@ if AVAILABLE:
     _BW = gl.constexpr(BLOCK_W)
     _BK = gl.constexpr(BLOCK_K)
     _LUT_PAIRS = gl.constexpr(FP4_LUT_PAIRS)
+    _LUT_PAIRS_IN = gl.constexpr(FP4_LUT_PAIRS_TABLE_IN)
 
     @gluon.jit
     def _k16(x, layout: gl.constexpr):
@@ -73,23 +76,41 @@ if AVAILABLE:
         return gl.convert_layout(x, layout)
 
     @gluon.jit
-    def _expand(p, sc):
+    def _lut_operand(lut_ptr, p_l: gl.constexpr):
+        """The decode's table as a [2, 128, 16] int32 operand whose four consecutive elements (one
+        decode's $5-$8) are the table's four words. Loaded once, they stay in four registers; as
+        immediates ptxas kept them in uniform registers and copied them into vector registers
+        before every lookup (~30 moves a K-step at 16-row blocks, docs/performance.md §9)."""
+        j = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, p_l)))[None, None, :] % 4
+        j = gl.full([2, _BW, 16], 0, gl.int32, p_l) + j
+        t0, t1 = gl.load(lut_ptr), gl.load(lut_ptr + 1)
+        t2, t3 = gl.load(lut_ptr + 2), gl.load(lut_ptr + 3)
+        return gl.where(j == 0, t0, gl.where(j == 1, t1, gl.where(j == 2, t2, t3)))
+
+    @gluon.jit
+    def _expand(p, sc, lut, LUT_REGS: gl.constexpr):
         """Packed bytes [2 blocks, 128 rows, 16] (kernel order) and their UE8M0 scales [2, 128] ->
         per block the low- and high-nibble values, scaled (bf16, exact): [128, 16] each, column j
-        = element j (low) or 16 + j (high) of the block, in the order the decode packs them."""
-        lo, hi = gl.inline_asm_elementwise(
-            _LUT_PAIRS, "=r,=r,=r,=r,r", [p], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
-        )
-        sc = (sc.to(gl.int32) << 23).to(gl.float32, bitcast=True).to(gl.bfloat16)[:, :, None]
+        = element j (low) or 16 + j (high) of the block, in the order the decode packs them.
+        ``LUT_REGS``: the table from ``lut`` (registers), else immediates in the PTX."""
+        if LUT_REGS:
+            lo, hi = gl.inline_asm_elementwise(
+                _LUT_PAIRS_IN, "=r,=r,=r,=r,r,r,r,r,r", [p, lut], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
+            )
+        else:
+            lo, hi = gl.inline_asm_elementwise(
+                _LUT_PAIRS, "=r,=r,=r,=r,r", [p], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
+            )
+        sc = (sc.to(gl.int16) << 7).to(gl.bfloat16, bitcast=True)[:, :, None]  # 2^(s-127), bits s << 7
         lo0, lo1 = (lo * sc).permute((1, 2, 0)).split()
         hi0, hi1 = (hi * sc).permute((1, 2, 0)).split()
         return lo0, hi0, lo1, hi1
 
     @gluon.jit
-    def _decode_to_smem(w_stage, s_stage, a_dst, p_l: gl.constexpr):
+    def _decode_to_smem(w_stage, s_stage, a_dst, lut, p_l: gl.constexpr, LUT_REGS: gl.constexpr):
         """One step's weights, expanded into the [128, 64] shared tile wgmma reads (K in order:
         each lane stores its 4 consecutive values of a row, 8 bytes)."""
-        lo0, hi0, lo1, hi1 = _expand(w_stage.load(p_l), s_stage.load(gl.SliceLayout(2, p_l)))
+        lo0, hi0, lo1, hi1 = _expand(w_stage.load(p_l), s_stage.load(gl.SliceLayout(2, p_l)), lut, LUT_REGS)
         a_dst.slice(0, 16, dim=1).store(lo0)
         a_dst.slice(16, 16, dim=1).store(hi0)
         a_dst.slice(32, 16, dim=1).store(lo1)
@@ -123,6 +144,7 @@ if AVAILABLE:
         a_rows_ptr,
         w_ptr,
         s_ptr,
+        lut_ptr,
         y_ptr,
         block_expert_ptr,
         block_row0_ptr,
@@ -142,6 +164,7 @@ if AVAILABLE:
         BLOCK_T: gl.constexpr,
         STAGES: gl.constexpr,
         A_SMEM: gl.constexpr,
+        LUT_REGS: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         pid_b = gl.program_id(0)
@@ -207,6 +230,7 @@ if AVAILABLE:
         for j in gl.static_range(STAGES - 2):  # the ring's first steps in flight
             _issue_step(j, j, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP)
         acc = gl.zeros([_BW, BLOCK_T], gl.float32, acc_l)
+        lut = _lut_operand(lut_ptr, p_l)
         if A_SMEM:
             # the expanded weights go through a double-buffered shared tile, so the wgmmas of step i
             # run while step i + 1 is expanded (an asynchronous wgmma's register operand cannot be
@@ -215,7 +239,7 @@ if AVAILABLE:
             a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, _BW, _BK], a_smem_l)
             async_copy.wait_group(STAGES - 3)
             gl.thread_barrier()
-            _decode_to_smem(w_smem.index(0), s_smem.index(0), a_smem.index(0), p_l)
+            _decode_to_smem(w_smem.index(0), s_smem.index(0), a_smem.index(0), lut, p_l, LUT_REGS)
             for i in range(n_steps):
                 # (and A(i), stored by everyone at the end of the last step: the fence covers it too)
                 _advance(i, n_steps, STAGES, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP)
@@ -227,7 +251,7 @@ if AVAILABLE:
                 async_copy.wait_group(STAGES - 3)  # step i + 1 landed (this thread's copies)
                 gl.thread_barrier()
                 nj = (i + 1) % STAGES
-                _decode_to_smem(w_smem.index(nj), s_smem.index(nj), a_smem.index((i + 1) % 2), p_l)
+                _decode_to_smem(w_smem.index(nj), s_smem.index(nj), a_smem.index((i + 1) % 2), lut, p_l, LUT_REGS)
         else:
             # the expanded weights as wgmma's register operand, retired before the next step
             # expands into the same registers: no overlap inside a program (other programs on the
@@ -236,7 +260,7 @@ if AVAILABLE:
                 _advance(i, n_steps, STAGES, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP)
                 cur = i % STAGES
                 lo0, hi0, lo1, hi1 = _expand(
-                    w_smem.index(cur).load(p_l), s_smem.index(cur).load(gl.SliceLayout(2, p_l))
+                    w_smem.index(cur).load(p_l), s_smem.index(cur).load(gl.SliceLayout(2, p_l)), lut, LUT_REGS
                 )
                 x = x_smem.index(cur)
                 acc = warpgroup_mma(_k16(lo0, a_op_l), x.slice(0, 16, dim=1).permute((1, 0)), acc, is_async=True)
@@ -256,6 +280,12 @@ if AVAILABLE:
 
 
 BLOCK_MS = (16, 32, 64, 128)
+
+
+@functools.cache
+def _lut(device: torch.device) -> torch.Tensor:
+    """The decode table's four words on ``device`` (int32: the words' bits)."""
+    return torch.tensor(FP4_LUT_TABLE, dtype=torch.int64).to(torch.int32).to(device)
 
 
 def _unsupported(a: torch.Tensor, weight: torch.Tensor, block_m: int) -> Exception | None:
@@ -293,7 +323,9 @@ def mxfp4_moe_gemm_wgmma(
     activations and M-blocks of 16-128 rows, on Hopper. config: ``a_smem`` (True: the expanded
     weights through shared memory, overlapped with the previous step's wgmmas; default False: as
     the register operand, each step's wgmmas retired before the next), ``stages`` (the copy ring,
-    default 4), ``num_warps`` (4 or 8; default 4 for 16-row blocks, else 8). Returns [rows, N] bf16."""
+    default 4), ``num_warps`` (4 or 8; default 4 for 16-row blocks, else 8), ``lut_registers``
+    (default True: the decode's table held in registers; False: as immediates, the nineteenth
+    session's kernel, kept to measure against). Returns [rows, N] bf16."""
     cfg = config or {}
     err = _unsupported(a, weight, block_m)
     if err is not None:
@@ -315,6 +347,7 @@ def mxfp4_moe_gemm_wgmma(
         a_rows if a_rows is not None else row0,
         weight,
         s,
+        _lut(a.device),
         y,
         block_expert,
         row0,
@@ -334,6 +367,7 @@ def mxfp4_moe_gemm_wgmma(
         BLOCK_T=block_m,
         STAGES=cfg.get("stages", 4),
         A_SMEM=a_smem,
+        LUT_REGS=cfg.get("lut_registers", True),
         num_warps=warps,
     )
     return y

@@ -61,7 +61,10 @@ def test_it_compiles_for_hopper_with_the_designed_hot_loop(tmp_path):
     # through shared memory: each lane stores its 4 consecutive values of a row in 8 bytes (two
     # rows, four blocks' halves); as the register operand: no shared-memory store at all
     assert smem["hot_loop_sts"] == 8 and regs["hot_loop_sts"] == 0, (smem, regs)
-    assert smem["hot_loop_instructions"] <= 210 and regs["hot_loop_instructions"] <= 190, (smem, regs)
+    # the decode's table stays in registers: no copies of it before each lookup (there were 20 at
+    # T = 128 and 30 at T = 16 while it was an immediate), and 160 instructions a step (was 181)
+    assert smem["hot_loop_moves"] <= 8 and regs["hot_loop_moves"] <= 8, (smem, regs)
+    assert smem["hot_loop_instructions"] <= 190 and regs["hot_loop_instructions"] <= 170, (smem, regs)
 
 
 def _problem(tokens: int, n: int, k: int, n_exp: int, topk: int, seed: int = 0):
@@ -76,7 +79,7 @@ def _problem(tokens: int, n: int, k: int, n_exp: int, topk: int, seed: int = 0):
 @pytest.mark.skipif(not HOPPER, reason="a Hopper kernel (Gluon has no interpreter)")
 @pytest.mark.parametrize("block_m", [16, 32, 64, 128])
 @pytest.mark.parametrize("gather", [True, False])
-@pytest.mark.parametrize("cfg", [{}, {"a_smem": True}, {"stages": 3}, {"num_warps": 4}])
+@pytest.mark.parametrize("cfg", [{}, {"a_smem": True}, {"stages": 3}, {"num_warps": 4}, {"lut_registers": False}])
 @pytest.mark.parametrize("tokens", [300, 2000])
 def test_it_equals_the_dequantized_experts(block_m, gather, cfg, tokens):
     n_exp, topk, n, k = 8, 2, 256, 1024  # 16 K-steps: the ring wraps several times
