@@ -30,7 +30,7 @@ from bench.common import ceilings, log, record, time_cuda
 
 N_EXP, TOPK, N13, K = 384, 6, 2 * 2304, 5120
 N2, K2 = 5120, 2304
-WGMMA_CONFIGS = [{}, {"lut_registers": False}, {"a_smem": True}, {"stages": 5}, {"num_warps": 4}]
+WGMMA_CONFIGS = [{}, {"lut_registers": False}, {"a_smem": True}, {"stages": 5}, {"num_warps": 4}, {"num_warps": 4, "stages": 3}]
 
 
 def configs() -> list[dict[str, Any]]:
