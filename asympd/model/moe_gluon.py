@@ -138,7 +138,7 @@ if AVAILABLE:
         ahead = i + STAGES - 2
         _issue_step(ahead % n_steps, ahead % STAGES, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["n_blocks"])  # one compile for every step size
     def _mxfp4_moe_wgmma_kernel(
         a_ptr,
         a_rows_ptr,
@@ -150,6 +150,8 @@ if AVAILABLE:
         block_row0_ptr,
         block_row1_ptr,
         N,
+        n_tiles,
+        n_blocks,
         s_am,
         s_we,
         s_wt,
@@ -165,10 +167,20 @@ if AVAILABLE:
         STAGES: gl.constexpr,
         A_SMEM: gl.constexpr,
         LUT_REGS: gl.constexpr,
+        TILES_INNER: gl.constexpr,
         num_warps: gl.constexpr,
     ):
-        pid_b = gl.program_id(0)
-        pid_n = gl.program_id(1)
+        # the weight tiles of one M-block are neighbours in launch order: the programs running at
+        # once share their block's activation rows in L2 (and an expert's next block follows
+        # n_tiles programs later, its weight tiles still in L2). Blocks outermost read every
+        # block's rows from DRAM once per weight tile: 36 GB of w13 at 16K tokens (ncu: L2 hit
+        # rate 24 %, 3.3 TB/s of DRAM), docs/performance.md §9.
+        if TILES_INNER:
+            pid_n = gl.program_id(0) % n_tiles
+            pid_b = gl.program_id(0) // n_tiles
+        else:
+            pid_b = gl.program_id(0) % n_blocks
+            pid_n = gl.program_id(0) // n_blocks
         e = gl.load(block_expert_ptr + pid_b)
         if e >= N_EXPERTS:
             return
@@ -324,8 +336,10 @@ def mxfp4_moe_gemm_wgmma(
     weights through shared memory, overlapped with the previous step's wgmmas; default False: as
     the register operand, each step's wgmmas retired before the next), ``stages`` (the copy ring,
     default 4), ``num_warps`` (4 or 8; default 4 for 16-row blocks, else 8), ``lut_registers``
-    (default True: the decode's table held in registers; False: as immediates, the nineteenth
-    session's kernel, kept to measure against). Returns [rows, N] bf16."""
+    (default True: the decode's table held in registers; False: as immediates), ``tiles_inner``
+    (default True: an M-block's weight tiles launched together; False: the M-blocks innermost);
+    the two False settings are the nineteenth session's kernel, kept to measure against. Returns
+    [rows, N] bf16."""
     cfg = config or {}
     err = _unsupported(a, weight, block_m)
     if err is not None:
@@ -342,7 +356,7 @@ def mxfp4_moe_gemm_wgmma(
     s = scale.view(torch.uint8)
     block_expert, row0, row1 = blocks
     y = torch.empty(rows, n, dtype=a.dtype, device=a.device)
-    _mxfp4_moe_wgmma_kernel[(block_expert.numel(), n_tiles)](
+    _mxfp4_moe_wgmma_kernel[(block_expert.numel() * n_tiles,)](
         x,
         a_rows if a_rows is not None else row0,
         weight,
@@ -353,6 +367,8 @@ def mxfp4_moe_gemm_wgmma(
         row0,
         row1,
         n,
+        n_tiles,
+        block_expert.numel(),
         x.stride(0),
         weight.stride(0),
         weight.stride(1),
@@ -368,6 +384,7 @@ def mxfp4_moe_gemm_wgmma(
         STAGES=cfg.get("stages", 4),
         A_SMEM=a_smem,
         LUT_REGS=cfg.get("lut_registers", True),
+        TILES_INNER=cfg.get("tiles_inner", True),
         num_warps=warps,
     )
     return y
