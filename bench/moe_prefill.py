@@ -32,8 +32,11 @@ N_EXP, TOPK, N13, K = 384, 6, 2 * 2304, 5120
 N2, K2 = 5120, 2304
 WGMMA_CONFIGS = [
     {},
-    {"tiles_inner": False},
-    {"lut_registers": False, "tiles_inner": False},  # the nineteenth session's kernel
+    {"tile_group": 1},
+    {"tile_group": 8},
+    {"tile_group": 32},
+    {"tile_group": 1 << 30},
+    {"lut_registers": False, "tile_group": 1 << 30},  # the nineteenth session's kernel
     {"a_smem": True},
     {"stages": 5},
     {"num_warps": 4},
@@ -88,11 +91,16 @@ def gemm_floor(rows: int, touched: int, n: int, k: int, ceil: dict[str, Any]) ->
     return {"floor_ms": max(bytes_ms, flops_ms), "bytes_ms": bytes_ms, "flops_ms": flops_ms}
 
 
+def _alias(cfg: dict[str, Any]) -> str:
+    """gluon, gluon:a_smem, gluon:tile_group=8, ... (a key alone where its value is True)."""
+    return ":".join(["gluon", *(k if v is True else f"{k}={v}" for k, v in cfg.items())])
+
+
 def _variants(names: str) -> list[tuple[str, dict[str, Any]]]:
     """The variants to time: ``all``, or names among ``triton``, ``gluon`` (the default
-    configuration) and ``gluon:KEY`` (the configuration that sets KEY, e.g. ``gluon:a_smem``)."""
+    configuration) and ``gluon:KEY[=VALUE]...`` (``_alias``, e.g. ``gluon:a_smem``, ``gluon:tile_group=8``)."""
     out = [("triton", {"wgmma": False}, "triton")]
-    out += [(f"wgmma{c}", {"wgmma": True, "wgmma_config": c}, ":".join(["gluon", *c])) for c in WGMMA_CONFIGS]
+    out += [(f"wgmma{c}", {"wgmma": True, "wgmma_config": c}, _alias(c)) for c in WGMMA_CONFIGS]
     want = None if names == "all" else set(names.split(","))
     return [(n, c) for n, c, alias in out if want is None or alias in want]
 

@@ -128,12 +128,13 @@ class PackedExperts:
 
 
 # The smallest M-block for an average of up to this many rows an expert. An expert's rows vary
-# around the average, and one row past a block reads its weights again, so blocks of 16 and 32 rows
-# are chosen only up to half full on average: measured with the Gluon kernel over 256-16384 tokens
-# (bench/results/moe_blockm_ac1eaf7.json), 32-row blocks are 1.08-1.09x 16-row ones at 1024 tokens
-# (16 rows an expert on average), 64-row blocks 1.11-1.14x 32-row ones at 2048 tokens, while at
-# 4096 tokens (64 an expert) 64-row blocks are still 1.06-1.07x 128-row ones.
-MOE_BLOCK_M_FILL = ((16, 8), (32, 16), (64, 64))
+# around the average, and one row past a block reads its weights again, so small blocks are chosen
+# only while they are well under full on average. Measured with the Gluon kernel (bench/results/
+# moe_blockm_ac1eaf7.json, layers_v4.json): 16-row blocks are the fastest at 8 rows an expert,
+# 32-row blocks at 16 and 18 (1.08-1.09x 16-row ones at 16; 1.29x 64-row ones at 18, the MoE
+# sublayer at 1152 tokens), 64-row blocks at 32 (1.11-1.14x 32-row ones) and 64 (1.06-1.07x
+# 128-row ones). The limits between are the midpoints of the measured averages.
+MOE_BLOCK_M_FILL = ((16, 12), (32, 24), (64, 64))
 
 
 def moe_block_m(rows: int, n_experts: int) -> int:

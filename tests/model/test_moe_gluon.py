@@ -80,7 +80,7 @@ def _problem(tokens: int, n: int, k: int, n_exp: int, topk: int, seed: int = 0):
 @pytest.mark.parametrize("block_m", [16, 32, 64, 128])
 @pytest.mark.parametrize("gather", [True, False])
 @pytest.mark.parametrize(
-    "cfg", [{}, {"a_smem": True}, {"stages": 3}, {"num_warps": 4}, {"lut_registers": False, "tiles_inner": False}]
+    "cfg", [{}, {"a_smem": True}, {"stages": 3}, {"num_warps": 4}, {"lut_registers": False, "tile_group": 3}]
 )
 @pytest.mark.parametrize("tokens", [300, 2000])
 def test_it_equals_the_dequantized_experts(block_m, gather, cfg, tokens):
