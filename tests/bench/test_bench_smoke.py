@@ -91,7 +91,8 @@ def test_formats_moe_variants_smoke(tmp_path):
     acc = r["fp8_accumulation"]
     assert acc["k"] == 128 and all(acc[v]["max_err_over_magnitude"] < 1e-6 for v in ("current", "fp8"))
     rows = r["moe_variants"]
-    assert [x["rows"] for x in rows] == [1, 64, 2500] and [x["block_m"] for x in rows] == [16, 16, 128]
+    # 64 rows: 16 an expert on average, 32-row blocks (packed.MOE_BLOCK_M_FILL)
+    assert [x["rows"] for x in rows] == [1, 64, 2500] and [x["block_m"] for x in rows] == [16, 32, 128]
     small_set = {"current", "swap_ab_tiled", "swap_ab_tiled_r72", "swap_ab_wide_tiled", "fp8", "fp8_tiled"}
     large_set = {"current", "current_tiled", "current_tiled_lut_pairs", "swap_ab_tiled_w8"}
     scaled = {"scaled", "scaled_swap", "scaled_natural", "scaled_swap_natural"}
