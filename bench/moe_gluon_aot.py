@@ -20,7 +20,7 @@ from bench.common import log, record
 ARGS = [
     ("a_ptr", "*bf16"), ("a_rows_ptr", "*i64"), ("w_ptr", "*i8"), ("s_ptr", "*u8"), ("lut_ptr", "*i32"),
     ("y_ptr", "*bf16"), ("block_expert_ptr", "*i32"), ("block_row0_ptr", "*i32"), ("block_row1_ptr", "*i32"),
-    ("N", "i32"), ("n_tiles", "i32"), ("n_blocks", "i32"), ("group", "i32"),
+    ("N", "i32"), ("n_tiles", "i32"), ("n_blocks", "i32"),
     ("s_am", "i32"), ("s_we", "i64"), ("s_wt", "i32"), ("s_se", "i32"), ("s_st", "i32"), ("s_ym", "i32"),
 ]  # fmt: skip
 ALIGNED = {"N", "s_am", "s_we", "s_wt", "s_se", "s_st", "s_ym"}
@@ -33,7 +33,7 @@ def report(
 ) -> dict[str, Any]:
     """One launch of the w13 GEMM at V4.1's shapes (K 5120, 128-row tiles: 2 KB a 32-K step)."""
     cons = dict(K=k, N_EXPERTS=384, GATHER=gather, W_STEP=2048, S_STEP=128)
-    cons |= dict(BLOCK_T=block_t, STAGES=stages, A_SMEM=a_smem, LUT_REGS=True, num_warps=warps)
+    cons |= dict(BLOCK_T=block_t, STAGES=stages, A_SMEM=a_smem, LUT_REGS=True, TILES_INNER=True, num_warps=warps)
     row: dict[str, Any] = {"block_t": block_t, "stages": stages, "num_warps": warps, "a_smem": a_smem}
     row |= {"k": k, "gather": gather}
     try:

@@ -32,11 +32,9 @@ N_EXP, TOPK, N13, K = 384, 6, 2 * 2304, 5120
 N2, K2 = 5120, 2304
 WGMMA_CONFIGS = [
     {},
-    {"tile_group": 1},
-    {"tile_group": 8},
-    {"tile_group": 32},
-    {"tile_group": 1 << 30},
-    {"lut_registers": False, "tile_group": 1 << 30},  # the nineteenth session's kernel
+    {"tiles_inner": True},
+    {"tiles_inner": False},
+    {"lut_registers": False, "tiles_inner": False},  # the nineteenth session's kernel
     {"a_smem": True},
     {"stages": 5},
     {"num_warps": 4},
@@ -92,13 +90,13 @@ def gemm_floor(rows: int, touched: int, n: int, k: int, ceil: dict[str, Any]) ->
 
 
 def _alias(cfg: dict[str, Any]) -> str:
-    """gluon, gluon:a_smem, gluon:tile_group=8, ... (a key alone where its value is True)."""
+    """gluon, gluon:a_smem, gluon:tiles_inner=False, ... (a key alone where its value is True)."""
     return ":".join(["gluon", *(k if v is True else f"{k}={v}" for k, v in cfg.items())])
 
 
 def _variants(names: str) -> list[tuple[str, dict[str, Any]]]:
     """The variants to time: ``all``, or names among ``triton``, ``gluon`` (the default
-    configuration) and ``gluon:KEY[=VALUE]...`` (``_alias``, e.g. ``gluon:a_smem``, ``gluon:tile_group=8``)."""
+    configuration) and ``gluon:KEY[=VALUE]...`` (``_alias``, e.g. ``gluon:a_smem``, ``gluon:tiles_inner=False``)."""
     out = [("triton", {"wgmma": False}, "triton")]
     out += [(f"wgmma{c}", {"wgmma": True, "wgmma_config": c}, _alias(c)) for c in WGMMA_CONFIGS]
     want = None if names == "all" else set(names.split(","))

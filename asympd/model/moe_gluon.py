@@ -138,7 +138,7 @@ if AVAILABLE:
         ahead = i + STAGES - 2
         _issue_step(ahead % n_steps, ahead % STAGES, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP)
 
-    @gluon.jit(do_not_specialize=["n_blocks", "group"])  # one compile for every step size
+    @gluon.jit(do_not_specialize=["n_blocks"])  # one compile for every step size
     def _mxfp4_moe_wgmma_kernel(
         a_ptr,
         a_rows_ptr,
@@ -152,7 +152,6 @@ if AVAILABLE:
         N,
         n_tiles,
         n_blocks,
-        group,
         s_am,
         s_we,
         s_wt,
@@ -168,18 +167,20 @@ if AVAILABLE:
         STAGES: gl.constexpr,
         A_SMEM: gl.constexpr,
         LUT_REGS: gl.constexpr,
+        TILES_INNER: gl.constexpr,
         num_warps: gl.constexpr,
     ):
-        # launch order: groups of ``group`` M-blocks, in a group every block's weight tile n before
-        # tile n + 1 (group 1: a block's tiles are neighbours, so the programs running at once
-        # share its activation rows in L2; group >= n_blocks: every block's tile 0 first, each
-        # block's rows read once a tile). Measured: _tile_group.
-        per_group = group * n_tiles
-        first = (gl.program_id(0) // per_group) * group
-        size = gl.minimum(n_blocks - first, group)
-        local = gl.program_id(0) % per_group
-        pid_b = first + local % size
-        pid_n = local // size
+        # the weight tiles of one M-block are neighbours in launch order: the programs running at
+        # once share their block's activation rows in L2 (and an expert's next block follows
+        # n_tiles programs later, its weight tiles still in L2). Blocks outermost read every
+        # block's rows from DRAM once per weight tile: 36 GB of w13 at 16K tokens (ncu: L2 hit
+        # rate 24 %, 3.3 TB/s of DRAM), docs/performance.md §9.
+        if TILES_INNER:
+            pid_n = gl.program_id(0) % n_tiles
+            pid_b = gl.program_id(0) // n_tiles
+        else:
+            pid_b = gl.program_id(0) % n_blocks
+            pid_n = gl.program_id(0) // n_blocks
         e = gl.load(block_expert_ptr + pid_b)
         if e >= N_EXPERTS:
             return
@@ -291,14 +292,13 @@ if AVAILABLE:
 
 
 BLOCK_MS = (16, 32, 64, 128)
-BLOCKS_INNER = 1 << 30  # a tile group holding every M-block: tile 0 of every block first
 
 
-def _tile_group(rows: int) -> int:
-    """The launch group for ``rows`` routed rows. At 16K tokens (98K rows) a block's tiles launched
-    together were 1.15-1.27x faster than the blocks innermost, at 8K tokens (49K rows) 0.88-0.92x,
-    at 4K and below the same (bench/results/moe_prefill_tiles_b492c4e.json)."""
-    return 1 if rows >= 64 * 1024 else BLOCKS_INNER
+def tiles_inner(rows: int) -> bool:
+    """Whether to launch an M-block's weight tiles together for ``rows`` routed rows. Measured in one
+    run (bench/results/moe_prefill_tiles_b492c4e.json): at 16K tokens (98K rows) 1.15-1.27x the
+    blocks-innermost order, at 8K tokens (49K rows) 0.88-0.92x, at 4K and below the same."""
+    return rows >= 64 * 1024
 
 
 @functools.cache
@@ -343,10 +343,10 @@ def mxfp4_moe_gemm_wgmma(
     weights through shared memory, overlapped with the previous step's wgmmas; default False: as
     the register operand, each step's wgmmas retired before the next), ``stages`` (the copy ring,
     default 4), ``num_warps`` (4 or 8; default 4 for 16-row blocks, else 8), ``lut_registers``
-    (default True: the decode's table held in registers; False: as immediates), ``tile_group``
-    (M-blocks a launch group, ``_tile_group``: 1 launches a block's weight tiles together, a huge
-    value every block's tile 0 first); ``lut_registers=False`` with a huge group is the nineteenth
-    session's kernel, kept to measure against. Returns [rows, N] bf16."""
+    (default True: the decode's table held in registers; False: as immediates), ``tiles_inner``
+    (True: an M-block's weight tiles launched together; False: the M-blocks innermost; default
+    ``tiles_inner(rows)``); both False is the nineteenth session's kernel, kept to measure against.
+    Returns [rows, N] bf16."""
     cfg = config or {}
     err = _unsupported(a, weight, block_m)
     if err is not None:
@@ -376,7 +376,6 @@ def mxfp4_moe_gemm_wgmma(
         n,
         n_tiles,
         block_expert.numel(),
-        max(1, min(cfg.get("tile_group", _tile_group(rows)), block_expert.numel())),  # no int32 overflow
         x.stride(0),
         weight.stride(0),
         weight.stride(1),
@@ -392,6 +391,7 @@ def mxfp4_moe_gemm_wgmma(
         STAGES=cfg.get("stages", 4),
         A_SMEM=a_smem,
         LUT_REGS=cfg.get("lut_registers", True),
+        TILES_INNER=cfg.get("tiles_inner", tiles_inner(rows)),
         num_warps=warps,
     )
     return y
