@@ -44,7 +44,7 @@ from asympd.serve.admission import POLICIES  # D admission policies (serve/admis
 D_MAX_SEQS = 512  # the largest decode batch measured (d_admission.json)
 MAX_ROUNDS = 14
 TIE_GOODPUT = 0.02  # modes on as many GPUs whose goodput per GPU differs by less are reported as a tie
-P_SIZES_TRIED = 2  # GPUs per P replica: the fewest that fit and the next EP degree (shorter long prompts)
+P_SIZES_TRIED = 3  # GPUs per P replica: the fewest that fit and the next two EP degrees (shorter long prompts)
 D_SIZES_TRIED = 3  # GPUs per D replica: the fewest that fit and the next two EP degrees
 PLACEMENTS = ("separate", "shared")  # shared: each P replica on the GPUs of one D replica
 
