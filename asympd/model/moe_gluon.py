@@ -24,6 +24,12 @@ needs (4 contiguous bytes of a row per 32-element block, in the tiled layout a w
 contiguous bytes a load): for that the K order inside each 16-element half is permuted the same way
 on both operands (``k_order``; the dot is unchanged), the activations once a call on the host side.
 
+What bounds it (ncu, §9 "What bounds the Gluon kernel"): at 16-row blocks instruction issue, most
+of it the FP4 decode, which every M-block repeats for every weight; hence the decode's table is
+held in registers (as immediates ptxas copied it into registers before every lookup). At 16K-token
+steps the activation rows' traffic: an M-block's weight tiles are launched together there
+(``tiles_inner``) so that its rows are read from L2, not DRAM, once per tile.
+
 Gluon does not run under Triton's interpreter: the CPU suite compiles this kernel for sm_90
 (tests/model/test_moe_gluon.py) and the device tests check its numbers.
 """
