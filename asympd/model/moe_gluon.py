@@ -36,8 +36,6 @@ Gluon does not run under Triton's interpreter: the CPU suite compiles this kerne
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from asympd.model.fp4_ptx import FP4_LUT_PAIRS, FP4_LUT_PAIRS_TABLE_IN, FP4_LUT_TABLE
@@ -307,10 +305,20 @@ def tiles_inner(rows: int) -> bool:
     return rows >= 64 * 1024
 
 
-@functools.cache
+_LUTS: dict[torch.device, torch.Tensor] = {}  # a constant a device, made once
+
+
 def _lut(device: torch.device) -> torch.Tensor:
-    """The decode table's four words on ``device`` (int32: the words' bits)."""
-    return torch.tensor(FP4_LUT_TABLE, dtype=torch.int64).to(torch.int32).to(device)
+    """The decode table's four words on ``device`` (int32: the words' bits). Made by fill kernels,
+    not a host copy, so that a first call inside a CUDA-graph capture works (that tensor is the
+    graph's and is not kept)."""
+    if device in _LUTS:
+        return _LUTS[device]
+    words = [w - (1 << 32) if w >= 1 << 31 else w for w in FP4_LUT_TABLE]
+    lut = torch.cat([torch.full((1,), w, dtype=torch.int32, device=device) for w in words])
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _LUTS[device] = lut
+    return lut
 
 
 def _unsupported(a: torch.Tensor, weight: torch.Tensor, block_m: int) -> Exception | None:

@@ -45,6 +45,14 @@ def test_the_dispatch_keeps_it_off_cpu():
         MG.mxfp4_moe_gemm_wgmma(a, w, torch.zeros(2, 1, 2, 128, dtype=torch.uint8), (None, None, None), 4, 64)
 
 
+def test_the_decode_table_operand_holds_the_tables_words():
+    from asympd.model.fp4_ptx import FP4_LUT_TABLE
+
+    lut = MG._lut(torch.device("cpu"))
+    assert lut.dtype == torch.int32 and [w & 0xFFFFFFFF for w in lut.tolist()] == list(FP4_LUT_TABLE)
+    assert MG._lut(torch.device("cpu")) is lut  # made once a device
+
+
 def test_a_blocks_tiles_launch_together_only_for_16k_token_chunks():
     # measured: 1.15-1.27x at 16K tokens (98K routed rows), 0.88-0.92x at 8K (moe_prefill_tiles_b492c4e)
     assert MG.tiles_inner(16384 * 6) and not MG.tiles_inner(8192 * 6) and not MG.tiles_inner(6)
