@@ -414,3 +414,10 @@ def test_cli_plan_from_a_traffic_file(capsys, tmp_path):
     assert out["requests_simulated"] == 40 and out["gpu"]["name"] == "GB300"
     assert [d["mode"] for d in out["deployments"]] == ["asymmetric"]
     assert out["deployments"][0]["memory"]["p"]["role"] == "prefill"
+
+
+def test_three_p_replica_sizes_are_tried(results):
+    # H200: the prefill role needs 2 GPUs; 2, 3 and 4 are tried. With two sizes the 4-GPU
+    # asymmetric P, which the default mix at 4 req/s needs (7 GPUs against 9), was never tried.
+    planner = Planner(request("H200", modes=("asymmetric",)), results=results)
+    assert sorted({s[1] for s in planner._searches("asymmetric")}) == [2, 3, 4]
