@@ -27,13 +27,12 @@ RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
 # MoE and attention kernels the CUDA build runs (packed MXFP4 experts, the fused indexer's version 5
 # and attention's version 3; ``bench/layers.py --out layers_v3``), the D and P steps composed from
 # them, the two-GPU links
-# the twentieth session's tables: the Gluon MXFP4 MoE with its table in registers, measured at b492c4e
-# (its M-block rule and launch order differ from today's at 1152-1536 routed tokens a D step, where
-# they took 64-row blocks: B = 256 with 1-4 bounded prefills is pessimistic, docs/planner.md)
+# the twenty-first session's tables: the Gluon MXFP4 MoE with today's defaults (M-blocks from the
+# measured sweep, a block's weight tiles launched together from 16K-token chunks), measured at fe9515c
 TABLES = {
-    "layers": "layers_v4.json",
-    "d_admission": "d_admission_v4.json",
-    "p_throughput": "p_throughput_v4.json",
+    "layers": "layers_v5.json",
+    "d_admission": "d_admission_v5.json",
+    "p_throughput": "p_throughput_v5.json",
     "two_gpu": "two_gpu.json",
 }
 # the tables of 2026-11-29 (bf16 experts, the gathered attention): admission_policy.json ran on them
