@@ -191,3 +191,30 @@ def test_layers_smoke(tmp_path):
     for s in r["p_steps"]:  # the asymmetric P runs L20's KV path alone; the symmetric one L20 and a tail
         assert ("dec_src_kv_path" in s["t_main"]) == (s["mode"] == "asymmetric")
         assert bool(s["t_tail"]) == (s["mode"] == "symmetric" and s["prompts"] > 0)
+
+
+def test_profile_layers_smoke(tmp_path):
+    """bench/profile.py: every cell's every layer kind profiled, its kernels put in classes whose
+    times add up to the profiled total."""
+    _smoke("bench/profile.py", tmp_path)
+    r = json.loads((tmp_path / "profile_layers_smoke.json").read_text())
+    kinds = ["swa", "enc_src", "enc_reuse", "dec_src", "dec_reidx", "dec_reuse"]
+    cells = [(1, 16, 32), (1, 64, 64), (4, 4, 64)]
+    assert [(p["n"], p["q"], p["start"], p["kind"]) for p in r["profiles"]] == [(*c, k) for c in cells for k in kinds]
+    for p in r["profiles"]:
+        assert p["total_device_ms"] > 0 and p["kernels"]
+        assert abs(sum(p["classes"].values()) - p["total_device_ms"]) < 1e-3 * p["total_device_ms"] + 1e-3
+
+
+def test_kernel_classes():
+    from bench.profile import kernel_class
+
+    assert kernel_class("_mxfp4_moe_wgmma_kernel") == "moe_gemm"
+    assert kernel_class("_indexer_scores_kernel_v5") == kernel_class("_radix_select_kernel") == "indexer"
+    assert kernel_class("_sparse_attn_kernel") == "attention"
+    assert kernel_class("_fp8_tile_gemm_kernel") == kernel_class("_fp8_tile_swap_kernel") == "dense_gemm"
+    assert kernel_class("_swiglu_qdq_kernel") == kernel_class("_fp8_qdq_kernel") == "fp8_quant"
+    assert kernel_class("_hc_pre_kernel") == kernel_class("_sinkhorn_kernel") == "hc_mix"
+    assert kernel_class("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128") == "dense_gemm"
+    assert kernel_class("void at::native::vectorized_elementwise_kernel<4, ...>") == "elementwise"
+    assert kernel_class("something_new") == "other"
