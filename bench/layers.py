@@ -371,7 +371,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny config on CPU: plumbing only")
     ap.add_argument("--budget-s", type=float, default=330.0, help="stop starting sections after this")
-    ap.add_argument("--sections", default="moe,variants,head,d_steps,p_steps,stack,grid,kernels")
+    ap.add_argument("--sections", default="moe,variants,head,d_steps,p_steps,stack,grid,kernels,glue")
     ap.add_argument(
         "--experts",
         choices=("mxfp4", "bf16"),
@@ -519,6 +519,44 @@ def main() -> None:
         res["kernels"] = rows
 
     guarded("kernels", kernels)
+
+    # -- the fused glue kernels (cuda_kernels: fp4_qdq, hc_project, rms_norm) off and on, same run ---
+    def glue():
+        from asympd.model import ops
+
+        names = ("fp4_qdq", "hc_project", "rms_norm")
+        installed = {n: ops.CUDA_FAST[n] for n in names if n in ops.CUDA_FAST}
+        res["glue_kernels"] = sorted(installed)
+        start = 64 if small else 49152
+        cells = [(1, q, start) for q in ((16, 64) if small else (4096, 16384))]
+        cells.append((4, 1 + K_SPEC, 64) if small else (128, 1 + K_SPEC, 65536))
+        rows = []
+        try:
+            for n, q, at in cells:
+                if over():
+                    res.setdefault("skipped", []).append(f"glue n={n} q={q} start={at}")
+                    continue
+                row: dict[str, Any] = {"n": n, "q": q, "start": at}
+                for tag in ("torch", "fused"):
+                    for name in names:
+                        ops.CUDA_FAST.pop(name, None)
+                    if tag == "fused":
+                        ops.CUDA_FAST.update(installed)
+                    row[tag] = steps.run([dict(n=n, q=q, start=at)], kinds_all)
+                row["speedup"] = {k: row["torch"][k]["ms"] / row["fused"][k]["ms"] for k in row["fused"]}
+                rows.append(row)
+                log(
+                    f"glue n={n} q={q} start={at}: "
+                    + ", ".join(
+                        f"{k} {row['torch'][k]['ms']:.2f} -> {v['ms']:.2f} ms ({v.get('floor_fraction', 0):.0%})"
+                        for k, v in row["fused"].items()
+                    )
+                )
+        finally:
+            ops.CUDA_FAST.update(installed)
+        res["glue"] = rows
+
+    guarded("glue", glue)
 
     # -- prefill-worker steps ------------------------------------------------------------------------
     def p_steps():

@@ -120,6 +120,7 @@ def main() -> None:
     ap.add_argument("--cells", default=None, help="indices into the cells (default all)")
     ap.add_argument("--kinds", default="swa,enc_src,enc_reuse,dec_src,dec_reidx,dec_reuse")
     ap.add_argument("--no-gemms", action="store_true", help="skip the attention GEMM comparison")
+    ap.add_argument("--out", default=None, help="result name (default profile_layers[_smoke])")
     args = ap.parse_args()
     started = time.time()
     if args.smoke:
@@ -135,7 +136,7 @@ def main() -> None:
     unknown = set(kinds) - set(layer_kinds(cfg))
     if unknown:
         raise SystemExit(f"unknown layer kinds {sorted(unknown)}; known: {sorted(layer_kinds(cfg))}")
-    name = "profile_layers_smoke" if args.smoke else "profile_layers"
+    name = args.out or ("profile_layers_smoke" if args.smoke else "profile_layers")
     res: dict[str, Any] = {"config": "tiny" if args.smoke else "v41-flash", "block_experts": experts}
     if device.type == "cuda" and not args.no_gemms:
         res["attention_gemms"] = attention_gemms()

@@ -25,8 +25,16 @@ import torch.nn.functional as F
 from asympd.config import ModelConfig
 from asympd.kv.batch import BatchRows, WindowIndex, find_positions
 from asympd.kv.spec import GroupKind
-from asympd.model.ops import QLinear, apply_rope, ordered_sum, rms_norm, rope_frequencies, stable_topk
-from asympd.model.quant import fp4_qdq, fp8_qdq
+from asympd.model.ops import (
+    QLinear,
+    apply_rope,
+    fp4_qdq,
+    ordered_sum,
+    rms_norm,
+    rope_frequencies,
+    stable_topk,
+)
+from asympd.model.quant import fp8_qdq
 
 
 class SequenceKV(Protocol):
@@ -251,7 +259,8 @@ class Attention(torch.nn.Module):
         cfg = self.cfg
         rot = rotations(self.freqs, positions)
         qr = rms_norm(self.wq_a(x), self.q_norm, cfg.norm_eps)
-        q = apply_rope(self.wq_b(qr).unflatten(-1, (cfg.n_heads, cfg.head_dim)), rot, cfg.rope_head_dim)
+        q = self.wq_b(qr).unflatten(-1, (cfg.n_heads, cfg.head_dim))
+        q = apply_rope(q, rot, cfg.rope_head_dim, inplace=True)
         kv = rms_norm(self.wkv(x), self.kv_norm, cfg.norm_eps)
         kv = fp8_qdq(apply_rope(kv, rot, cfg.rope_head_dim), 32)
         return rot, qr, q, kv
@@ -272,10 +281,11 @@ class Attention(torch.nn.Module):
             outs.append(self.kernels.sparse_attention(q[sl], keys, mask, self.attn_sink, self.scale, self.round_probs))
         return self.output(torch.cat(outs), rot)
 
-    def output(self, out: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-        """The attention output [rows, heads, head_dim] un-rotated and projected back to dim."""
+    def output(self, out: torch.Tensor, rot: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+        """The attention output [rows, heads, head_dim] un-rotated and projected back to dim
+        (``inplace``: ``out`` is a fresh tensor the caller drops, un-rotated where it lies)."""
         cfg = self.cfg
-        o = apply_rope(out, rot, cfg.rope_head_dim, inverse=True)
+        o = apply_rope(out, rot, cfg.rope_head_dim, inverse=True, inplace=inplace)
         # wo_a is block-diagonal over output groups: each group projects only its own heads
         o = self.wo_a.grouped(o.reshape(o.size(0), cfg.o_groups, -1))
         return self.wo_b(o.flatten(1))
@@ -327,7 +337,7 @@ class Attention(torch.nn.Module):
         """``forward`` for a whole step: the same per-row math (each query's window as W fixed slots,
         then its ``index_topk`` selected entries), with no loop over sequences."""
         rot, qr, q, kv = self.project(x, view.positions)
-        return self.output(self.core(x, rot, qr, q, kv, view), rot)
+        return self.output(self.core(x, rot, qr, q, kv, view), rot, inplace=True)
 
     def core(
         self, x: torch.Tensor, rot: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, view: BatchRows
@@ -477,7 +487,7 @@ class Attention(torch.nn.Module):
             return view.shared[key][:m]
         hi, hd = cfg.index_n_heads, cfg.index_head_dim
         qi = self.idx_wq_b(qr).unflatten(-1, (hi, hd))
-        qi = fp4_qdq(apply_rope(qi, rot, cfg.rope_head_dim), 32)
+        qi = fp4_qdq(apply_rope(qi, rot, cfg.rope_head_dim, inplace=True), 32)
         wts = self.idx_weights(x) * (hd**-0.5 * hi**-0.5)
         visible = (view.positions + 1) // r
         kern = self.kernels

@@ -6,7 +6,14 @@ makes five to twenty. Each computes the reference function of the same name:
 - ``swiglu_qdq``: the routed/shared expert middle: clamp, silu(gate) * up, times the routing weight,
   rounded to bf16, then ``fp8_qdq`` (``moe.swiglu`` between its two GEMMs);
 - ``hc_pre`` / ``hc_post``: the mHC collapse and expand (``ops.hc_pre`` / ``ops.hc_post``) without the
-  [T, hc, hc, D] fp32 intermediate the broadcast form materialises.
+  [T, hc, hc, D] fp32 intermediate the broadcast form materialises;
+- ``fp4_qdq``: per-32 (UE8M0 scale) and per-16 (E4M3 scale) FP4 quantize-dequantize
+  (``quant.fp4_qdq``), bit-exact: the torch form compares every value with 7 thresholds in a
+  [..., 7] boolean tensor and sums it as int64 (at 16K rows of index queries, 8 ms a layer);
+- ``hc_project``: the mHC mixes' projection, ``linear(h.float(), fn) * rsqrt(mean(h^2) + eps)``
+  (``ops.hc_mixes``), one pass over the bf16 streams instead of an fp32 copy, a square, a mean and an
+  fp32 GEMM (4.5 ms a layer at 16K rows);
+- ``rms_norm``: ``ops.rms_norm`` in one pass a row.
 
 ``cuda_ops.caps`` checks every kernel against the torch reference on the device before it is
 used (exact equality for fp8_qdq, bf16 rounding tolerance for the others, where the compiler may
@@ -156,6 +163,171 @@ if AVAILABLE:
         tl.store(pre_ptr + t64[:, None] * HC + c[None, :], pre, mask=m2)
         tl.store(post_ptr + t64[:, None] * HC + c[None, :], post, mask=m2)
         tl.store(comb_ptr + t64[:, None, None] * (HC * HC) + ij[None, :, :], comb, mask=m3)
+
+
+if AVAILABLE:
+
+    @triton.jit
+    def _round_e4m3(a):
+        """Positive fp32 (<= 448) to the nearest e4m3 value, ties to even, in fp32 arithmetic that is
+        exact everywhere (Triton's interpreter casts to float8 without rounding to nearest even)."""
+        e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        qe = tl.maximum(e, -6) - 3  # the e4m3 quantum's exponent: 3 mantissa bits, subnormal below 2^-6
+        k = a * ((127 - qe) << 23).to(tl.float32, bitcast=True)  # a / quantum, exact
+        kf = tl.floor(k)
+        frac = k - kf
+        up = (frac > 0.5) | ((frac == 0.5) & ((kf.to(tl.int32) & 1) == 1))
+        return (kf + up.to(tl.float32)) * ((qe + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _fp4_qdq_kernel(
+        x_ptr,
+        y_ptr,
+        M,
+        K,
+        sx,
+        sy,
+        GROUP: tl.constexpr,
+        E4M3_SCALE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = (rows[:, None] < M) & (cols[None, :] < K)
+        r64 = rows.to(tl.int64)
+        g = tl.load(x_ptr + r64[:, None] * sx + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g3 = tl.reshape(g, (BLOCK_M, BLOCK_K // GROUP, GROUP))
+        amax = tl.max(tl.abs(g3), axis=2)
+        if E4M3_SCALE:  # e4m3(amax / 6), amax floored at 6 * 2^-9; IEEE division as torch's
+            a = tl.maximum(amax, 6.0 * 2.0**-9)
+            s = tl.math.div_rn(a, tl.full(a.shape, 6.0, tl.float32))
+            s = _round_e4m3(tl.minimum(s, 448.0))
+            v = tl.math.div_rn(g3, tl.broadcast_to(s[:, :, None], g3.shape))
+        else:  # 2^ceil(log2(amax / 6)) from the exponent bits, amax floored at 6 * 2^-126
+            t = tl.maximum(amax, 6.0 * 2.0**-126) * (1.0 / 6.0)
+            bits = t.to(tl.int32, bitcast=True)
+            e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+            s = ((e + 127) << 23).to(tl.float32, bitcast=True)
+            v = g3 / s[:, :, None]  # a power of two: exact
+        v = tl.minimum(tl.maximum(v, -6.0), 6.0)
+        mag = tl.abs(v)
+        # round to the nearest e2m1 magnitude, ties to the even code (quant.e2m1_codes' thresholds)
+        q = tl.where(mag > 0.25, 0.5, 0.0)
+        q = tl.where(mag >= 0.75, 1.0, q)
+        q = tl.where(mag > 1.25, 1.5, q)
+        q = tl.where(mag >= 1.75, 2.0, q)
+        q = tl.where(mag > 2.5, 3.0, q)
+        q = tl.where(mag >= 3.5, 4.0, q)
+        q = tl.where(mag > 5.0, 6.0, q)
+        # the sign bit: -0.0 and tiny negatives give -0.0, as the table's code 8 (Triton's unary minus
+        # is 0 - q, which would give +0.0: a multiply keeps the sign)
+        neg = v.to(tl.int32, bitcast=True) < 0
+        y = tl.where(neg, q * -1.0, q) * s[:, :, None]
+        y = tl.reshape(y, (BLOCK_M, BLOCK_K))
+        tl.store(y_ptr + r64[:, None] * sy + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _hc_project_tile(h_ptr, fn_ptr, acc, sq, t64, tm, n, k0, K, N, BLOCK_K: tl.constexpr):
+        k = k0 + tl.arange(0, BLOCK_K)
+        km = k < K
+        x = tl.load(h_ptr + t64[:, None] * K + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
+        x = x.to(tl.float32)
+        w = tl.load(fn_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & km[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        return acc, sq + tl.sum(x * x, axis=1)
+
+    @triton.jit
+    def _hc_project_kernel(
+        h_ptr,
+        fn_ptr,
+        y_ptr,
+        T,
+        K,
+        N,
+        eps,
+        BLOCK_T: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PIPELINE: tl.constexpr,
+    ):
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        n = tl.arange(0, BLOCK_N)
+        tm = t < T
+        t64 = t.to(tl.int64)
+        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        if PIPELINE:  # a counted loop: Triton pipelines the loads
+            for k0 in range(0, K, BLOCK_K):
+                acc, sq = _hc_project_tile(h_ptr, fn_ptr, acc, sq, t64, tm, n, k0, K, N, BLOCK_K)
+        else:  # the interpreter cannot take a tensor as a range bound
+            k0 = 0
+            while k0 < K:
+                acc, sq = _hc_project_tile(h_ptr, fn_ptr, acc, sq, t64, tm, n, k0, K, N, BLOCK_K)
+                k0 += BLOCK_K
+        r = tl.math.rsqrt(sq / K + eps)
+        y = acc * r[:, None]
+        tl.store(y_ptr + t64[:, None] * N + n[None, :], y, mask=tm[:, None] & (n[None, :] < N))
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, sx, sy, eps, BLOCK_D: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, BLOCK_D)
+        m = d < D
+        x = tl.load(x_ptr + row * sx + d, mask=m, other=0.0).to(tl.float32)
+        r = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * sy + d, (w * (x * r)).to(y_ptr.dtype.element_ty), mask=m)
+
+
+def fp4_qdq(x: torch.Tensor, block: int = 32, e4m3_scale: bool = False) -> torch.Tensor:
+    """``quant.fp4_qdq`` of the last dim (a multiple of ``block``), output in x's dtype."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    y = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    bm, bk = 16, 128
+    grid = (triton.cdiv(m, bm), triton.cdiv(k, bk))
+    _fp4_qdq_kernel[grid](
+        x2, y, m, k, x2.stride(0), y.stride(0), GROUP=block, E4M3_SCALE=e4m3_scale, BLOCK_M=bm, BLOCK_K=bk
+    )
+    return y.view(shape)
+
+
+def hc_project(h: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """h [T, hc, D], fn [N, hc * D] fp32 -> fp32 [T, N]: the projection of the flattened streams
+    scaled by their reciprocal RMS (``ops.hc_mixes`` before ``sinkhorn_split``)."""
+    t = h.size(0)
+    h2 = h.reshape(t, -1)
+    if not h2.is_contiguous():
+        h2 = h2.contiguous()
+    k = h2.size(1)
+    n = fn.size(0)
+    y = torch.empty((t, n), dtype=torch.float32, device=h.device)
+    bt, bk = 32, 128
+    bn = max(16, triton.next_power_of_2(n))
+    fn = fn.float().contiguous()
+    _hc_project_kernel[(triton.cdiv(t, bt),)](
+        h2, fn, y, t, k, n, float(norm_eps), BLOCK_T=bt, BLOCK_K=bk, BLOCK_N=bn, PIPELINE=h.is_cuda
+    )
+    return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``ops.rms_norm`` over the last dim, one program a row, output in x's dtype."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, d = x2.shape
+    y = torch.empty((m, d), dtype=x.dtype, device=x.device)
+    if m:
+        _rms_norm_kernel[(m,)](
+            x2, weight.contiguous(), y, d, x2.stride(0), y.stride(0), float(eps), BLOCK_D=triton.next_power_of_2(d)
+        )
+    return y.view(shape)
 
 
 def sinkhorn_split(mixes, scale, base, hc: int, iters: int, eps: float):

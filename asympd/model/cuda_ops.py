@@ -54,6 +54,7 @@ from asympd.model.moe import MoE, combine_slots
 from asympd.model.ops import QLinear, linear, stable_elementwise
 from asympd.model.packed import FP8TileLinear, PackedExperts, moe_block_m
 from asympd.model.quant import FP8_MAX, fp8_qdq, pow2_scale
+from asympd.model.quant import fp4_qdq as quant_fp4_qdq
 
 # ---- capability probes (run once per device, outside any graph capture) ------------------------
 
@@ -133,6 +134,9 @@ def _probe_kernels(device: torch.device) -> dict[str, bool]:
         "triton_hc_pre": False,
         "triton_hc_post": False,
         "triton_sinkhorn": False,
+        "triton_fp4_qdq": False,
+        "triton_hc_project": False,
+        "triton_rms_norm": False,
     }
     if device.type != "cuda" or not K.AVAILABLE:
         return out
@@ -183,6 +187,58 @@ def _probe_kernels(device: torch.device) -> dict[str, bool]:
         out["triton_sinkhorn"] = bool(ok)
     except Exception:
         pass
+    out.update(probe_glue_kernels(device, g))
+    return out
+
+
+def probe_glue_kernels(device: torch.device, g: torch.Generator | None = None) -> dict[str, bool]:
+    """fp4_qdq (bit-exact), hc_project and rms_norm (fp32 summation order) against ``quant`` and
+    ``ops``'s torch forms. Also runs on CPU under Triton's interpreter (the CPU tests call it)."""
+    out = {"triton_fp4_qdq": False, "triton_hc_project": False, "triton_rms_norm": False}
+    if not K.AVAILABLE:
+        return out
+    g = g or torch.Generator(device=device).manual_seed(0)
+    bf = torch.bfloat16
+
+    def close(a, b, tol):
+        a, b = a.float(), b.float()
+        return bool(torch.isfinite(a).all()) and float((a - b).norm() / b.norm().clamp_min(1e-30)) < tol
+
+    try:
+        scale = torch.logspace(-12, 3, 512, device=device)
+        x = torch.randn(37, 512, device=device, generator=g) * scale
+        x[0, :64] = 0.0
+        x[1, :32] = -0.0  # the sign of zero is kept (code 8)
+        x[2, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2, device=device)  # ties
+        ok = True
+        for dt in (bf, torch.float32):
+            xd = x.to(dt)
+            for block, e4m3 in ((32, False), (16, True)):
+                a, b = K.fp4_qdq(xd, block, e4m3), quant_fp4_qdq(xd, block, e4m3)
+                ok &= bool(torch.equal(a.view(torch.int16 if dt == bf else torch.int32),
+                                       b.view(torch.int16 if dt == bf else torch.int32)))  # fmt: skip
+        out["triton_fp4_qdq"] = bool(ok)
+    except Exception:
+        pass
+    try:
+        h = torch.randn(77, 4, 640, device=device, generator=g).to(bf)
+        fn = torch.randn(24, 4 * 640, device=device, generator=g) * 0.01
+        x = h.flatten(-2).float()
+        ref = (x.double() @ fn.double().t()) * torch.rsqrt(x.double().square().mean(-1, keepdim=True) + 1e-20)
+        out["triton_hc_project"] = close(K.hc_project(h, fn, 1e-20), ref, 1e-5)
+    except Exception:
+        pass
+    try:
+        ok = True
+        for d, dt in ((5120, bf), (512, bf), (1280, torch.float32)):
+            x = torch.randn(33, d, device=device, generator=g).to(dt) * 3
+            w = torch.rand(d, device=device, generator=g).to(dt) + 0.5
+            xf = x.double()
+            ref = (w.double() * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6))).to(dt)
+            ok &= close(K.rms_norm(x, w, 1e-6), ref, 1e-2 if dt == bf else 1e-6)
+        out["triton_rms_norm"] = bool(ok)
+    except Exception:
+        pass
     return out
 
 
@@ -210,6 +266,9 @@ def install_kernels(device: torch.device) -> None:
         ops.CUDA_FAST["hc_post"] = K.hc_post
     if c.get("triton_sinkhorn"):
         ops.CUDA_FAST["sinkhorn_split"] = K.sinkhorn_split
+    for name in ("fp4_qdq", "hc_project", "rms_norm"):
+        if c.get(f"triton_{name}"):
+            ops.CUDA_FAST[name] = getattr(K, name)
 
 
 def qdq32(x: torch.Tensor) -> torch.Tensor:

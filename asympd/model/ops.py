@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from asympd.model import quant
 from asympd.model.quant import fp8_qdq
 
 # CPU GEMM picks a different kernel for very short inputs, so a row's result depends on how many
@@ -62,6 +63,8 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.is_cuda and "rms_norm" in CUDA_FAST:
+        return CUDA_FAST["rms_norm"](x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     return (weight.float() * xf).to(x.dtype)
@@ -113,15 +116,30 @@ def rope_frequencies(
     return freqs
 
 
-def apply_rope(x: torch.Tensor, rot: torch.Tensor, rope_dim: int, inverse: bool = False) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, rot: torch.Tensor, rope_dim: int, inverse: bool = False, inplace: bool = False
+) -> torch.Tensor:
     """Rotate the last ``rope_dim`` dims of x (adjacent pairs as complex numbers). x: [T, ..., D],
-    rot: [T, rope_dim/2] (one rotation per row). Returns a new tensor in x's dtype."""
+    rot: [T, rope_dim/2] (one rotation per row). Returns a new tensor in x's dtype, or x itself
+    with its rotated dims overwritten (``inplace``: for a fresh tensor only the caller holds; the
+    untouched D - rope_dim dims are then never copied, which at [16K rows, 64 heads, 512] was a
+    2 GB concatenation a call)."""
     head, tail = x[..., :-rope_dim], x[..., -rope_dim:]
     c = torch.view_as_complex(tail.float().unflatten(-1, (-1, 2)).contiguous())
     r = rot.conj() if inverse else rot
     r = r.view(r.size(0), *([1] * (c.dim() - 2)), r.size(-1))
     tail = torch.view_as_real(c * r).flatten(-2).to(x.dtype)
+    if inplace:
+        x[..., -rope_dim:] = tail
+        return x
     return torch.cat([head, tail], dim=-1)
+
+
+def fp4_qdq(x: torch.Tensor, block: int = 32, e4m3_scale: bool = False) -> torch.Tensor:
+    """``quant.fp4_qdq``, through the fused kernel on CUDA where it was verified (same bits)."""
+    if x.is_cuda and "fp4_qdq" in CUDA_FAST:
+        return CUDA_FAST["fp4_qdq"](x, block, e4m3_scale)
+    return quant.fp4_qdq(x, block, e4m3_scale)
 
 
 def ordered_sum(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
@@ -168,6 +186,8 @@ def hc_mixes(
     norm_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h: [T, hc, D] -> coefficients from one fp32 projection of the flattened, RMS-normalised stream."""
+    if h.is_cuda and h.dim() == 3 and "hc_project" in CUDA_FAST:
+        return sinkhorn_split(CUDA_FAST["hc_project"](h, fn, norm_eps), scale, base, hc, iters, eps)
     x = h.flatten(-2).float()
     rsqrt = torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
     return sinkhorn_split(linear(x, fn) * rsqrt, scale, base, hc, iters, eps)

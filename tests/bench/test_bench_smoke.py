@@ -188,6 +188,9 @@ def test_layers_smoke(tmp_path):
                                                                      (1, 64, 64), (4, 4, 64)]  # fmt: skip
     assert all(set(c["kernel_speedup"]) == kinds == set(c["before"]) for c in r["kernels"])
     assert r["kernels_versions"]["before"] == {"indexer": 4, "attention": 2}
+    # the glue kernels off and on (none is installed on CPU: the plumbing only)
+    assert [(c["n"], c["q"], c["start"]) for c in r["glue"]] == [(1, 16, 64), (1, 64, 64), (4, 4, 64)]
+    assert r["glue_kernels"] == [] and all(set(c["speedup"]) == kinds == set(c["torch"]) for c in r["glue"])
     for s in r["p_steps"]:  # the asymmetric P runs L20's KV path alone; the symmetric one L20 and a tail
         assert ("dec_src_kv_path" in s["t_main"]) == (s["mode"] == "asymmetric")
         assert bool(s["t_tail"]) == (s["mode"] == "symmetric" and s["prompts"] > 0)

@@ -1,0 +1,77 @@
+"""The fused elementwise kernels (asympd/model/cuda_kernels.py) against the torch forms they replace,
+run by Triton's interpreter on CPU: fp4_qdq bit for bit, hc_project and rms_norm to fp32 summation
+order; and the probe the CUDA build uses to enable them. On a GPU machine the same tests run the
+compiled kernels on the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asympd.model import cuda_kernels as K
+from asympd.model import ops, quant
+from asympd.model.cuda_ops import probe_glue_kernels
+
+pytestmark = pytest.mark.skipif(not K.AVAILABLE, reason="needs Triton")
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block,e4m3", [(32, False), (16, True)])
+def test_fp4_qdq_kernel_gives_the_references_bits(dtype, block, e4m3):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(19, 4, 128, generator=g) * torch.logspace(-10, 4, 128)
+    x[0, 0, :32] = 0.0
+    x[0, 1, :32] = -0.0
+    # every rounding tie and its neighbours, under a block scale of 1 (the block's amax is 6)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+    x[1, 0, :32] = torch.cat([ties, -ties, ties.nextafter(torch.tensor(0.0)), ties.nextafter(torch.tensor(9.0))])
+    x = x.to(DEV, dtype)
+    y = K.fp4_qdq(x, block, e4m3)
+    ref = quant.fp4_qdq(x, block, e4m3_scale=e4m3)
+    assert y.shape == x.shape and y.dtype == dtype
+    assert torch.equal(_bits(y), _bits(ref))
+    assert torch.signbit(y[0, 1, :32]).all()  # -0.0 stays -0.0, as the table's code 8
+
+
+def test_fp4_qdq_kernel_reads_strided_rows():
+    x = torch.randn(8, 256, device=DEV)[:, :128]  # rows 256 apart
+    assert torch.equal(K.fp4_qdq(x, 32, False), quant.fp4_qdq(x, 32))
+
+
+def test_hc_project_kernel_equals_the_mixes_projection():
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(40, 4, 96, generator=g).to(DEV, torch.bfloat16)  # 40 rows: a partial 32-row tile
+    fn = (torch.randn(24, 4 * 96, generator=g) * 0.1).to(DEV)
+    x = h.flatten(-2).double()
+    r = torch.rsqrt(x.square().mean(-1, keepdim=True))
+    ref, magnitude = (x @ fn.double().t()) * r, (x.abs() @ fn.double().abs().t()) * r
+    y = K.hc_project(h, fn, 1e-20)
+    assert y.dtype == torch.float32 and y.shape == (40, 24)
+    # fp32 sums in another order: within a few ulp of the sum of the terms' magnitudes
+    assert ((y.double() - ref).abs() <= 1e-6 * magnitude).all()
+
+
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 320), (torch.float32, 48)])
+def test_rms_norm_kernel_equals_ops_rms_norm(dtype, d):
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(9, d, generator=g) * 3).to(DEV, dtype)
+    w = (torch.rand(d, generator=g) + 0.5).to(DEV, dtype)
+    y = K.rms_norm(x, w, 1e-6)
+    ref = ops.rms_norm(x.cpu(), w.cpu(), 1e-6)  # the torch form (on CUDA ops would take the kernel)
+    assert y.dtype == dtype
+    tol = {"rtol": 8e-3, "atol": 8e-3} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(y.float().cpu(), ref.float(), **tol)
+    assert K.rms_norm(x[:0], w, 1e-6).shape == (0, d)
+
+
+def test_the_probe_enables_all_three():
+    assert probe_glue_kernels(DEV) == {
+        "triton_fp4_qdq": True,
+        "triton_hc_project": True,
+        "triton_rms_norm": True,
+    }
