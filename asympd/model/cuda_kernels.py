@@ -228,46 +228,76 @@ if AVAILABLE:
         tl.store(y_ptr + r64[:, None] * sy + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _hc_project_tile(h_ptr, fn_ptr, acc, sq, t64, tm, n, k0, K, N, BLOCK_K: tl.constexpr):
+    def _hc_project_tile(h_ptr, fn_ptr, acc, sq, t64, tm, n, k0, K, N, BLOCK_K: tl.constexpr, BF16X3: tl.constexpr):
         k = k0 + tl.arange(0, BLOCK_K)
         km = k < K
         x = tl.load(h_ptr + t64[:, None] * K + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
-        x = x.to(tl.float32)
         w = tl.load(fn_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & km[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        return acc, sq + tl.sum(x * x, axis=1)
+        if BF16X3:  # bf16 rows: fp32 weights as hi + mid + lo bf16 parts (exact), three tensor-core dots
+            w1 = w.to(tl.bfloat16)
+            r = w - w1.to(tl.float32)
+            w2 = r.to(tl.bfloat16)
+            w3 = (r - w2.to(tl.float32)).to(tl.bfloat16)
+            acc = tl.dot(x, tl.trans(w1), acc)
+            acc = tl.dot(x, tl.trans(w2), acc)
+            acc = tl.dot(x, tl.trans(w3), acc)
+        else:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+        xf = x.to(tl.float32)
+        return acc, sq + tl.sum(xf * xf, axis=1)
 
     @triton.jit
     def _hc_project_kernel(
         h_ptr,
         fn_ptr,
-        y_ptr,
+        part_ptr,
+        sq_ptr,
         T,
         K,
         N,
-        eps,
+        K_PER_SPLIT,
         BLOCK_T: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        BF16X3: tl.constexpr,
         PIPELINE: tl.constexpr,
     ):
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        split = tl.program_id(1)
         n = tl.arange(0, BLOCK_N)
         tm = t < T
         t64 = t.to(tl.int64)
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
         sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        k_lo = split * K_PER_SPLIT
         if PIPELINE:  # a counted loop: Triton pipelines the loads
-            for k0 in range(0, K, BLOCK_K):
-                acc, sq = _hc_project_tile(h_ptr, fn_ptr, acc, sq, t64, tm, n, k0, K, N, BLOCK_K)
+            for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
+                acc, sq = _hc_project_tile(h_ptr, fn_ptr, acc, sq, t64, tm, n, k0, K, N, BLOCK_K, BF16X3)
         else:  # the interpreter cannot take a tensor as a range bound
-            k0 = 0
-            while k0 < K:
-                acc, sq = _hc_project_tile(h_ptr, fn_ptr, acc, sq, t64, tm, n, k0, K, N, BLOCK_K)
+            k0 = k_lo
+            while k0 < k_lo + K_PER_SPLIT:
+                acc, sq = _hc_project_tile(h_ptr, fn_ptr, acc, sq, t64, tm, n, k0, K, N, BLOCK_K, BF16X3)
                 k0 += BLOCK_K
+        base = split.to(tl.int64) * T
+        tl.store(part_ptr + (base + t64)[:, None] * BLOCK_N + n[None, :], acc, mask=tm[:, None])
+        tl.store(sq_ptr + base + t64, sq, mask=tm)
+
+    @triton.jit
+    def _hc_project_finish(
+        part_ptr, sq_ptr, y_ptr, T, K, N, eps, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr
+    ):
+        """The splits' partial sums added in a fixed order (the same bits every run), then the scale."""
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        n = tl.arange(0, BLOCK_N)
+        tm = t < T
+        t64 = t.to(tl.int64)
+        acc = tl.load(part_ptr + t64[:, None] * BLOCK_N + n[None, :], mask=tm[:, None], other=0.0)
+        sq = tl.load(sq_ptr + t64, mask=tm, other=0.0)
+        for s in tl.static_range(1, SPLITS):
+            acc += tl.load(part_ptr + (s * T + t64)[:, None] * BLOCK_N + n[None, :], mask=tm[:, None], other=0.0)
+            sq += tl.load(sq_ptr + s * T + t64, mask=tm, other=0.0)
         r = tl.math.rsqrt(sq / K + eps)
-        y = acc * r[:, None]
-        tl.store(y_ptr + t64[:, None] * N + n[None, :], y, mask=tm[:, None] & (n[None, :] < N))
+        tl.store(y_ptr + t64[:, None] * N + n[None, :], acc * r[:, None], mask=tm[:, None] & (n[None, :] < N))
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, sx, sy, eps, BLOCK_D: tl.constexpr):
@@ -296,22 +326,37 @@ def fp4_qdq(x: torch.Tensor, block: int = 32, e4m3_scale: bool = False) -> torch
     return y.view(shape)
 
 
-def hc_project(h: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+def hc_project(h: torch.Tensor, fn: torch.Tensor, norm_eps: float, splits: int | None = None) -> torch.Tensor:
     """h [T, hc, D], fn [N, hc * D] fp32 -> fp32 [T, N]: the projection of the flattened streams
-    scaled by their reciprocal RMS (``ops.hc_mixes`` before ``sinkhorn_split``)."""
+    scaled by their reciprocal RMS (``ops.hc_mixes`` before ``sinkhorn_split``). bf16 streams on
+    CUDA take the tensor cores with fn split into three bf16 parts (each product exact in fp32, as in
+    the fp32 GEMM); the K dim is split across programs when the rows alone fill too few SMs, and the
+    partial sums are added in a fixed order (deterministic)."""
     t = h.size(0)
-    h2 = h.reshape(t, -1)
+    h2 = h.reshape(t, h.size(1) * h.size(2))
     if not h2.is_contiguous():
         h2 = h2.contiguous()
-    k = h2.size(1)
-    n = fn.size(0)
+    k, n = h2.size(1), fn.size(0)
     y = torch.empty((t, n), dtype=torch.float32, device=h.device)
-    bt, bk = 32, 128
+    if t == 0:
+        return y
+    bt, bk = (64 if t >= 8192 else 16), 128
     bn = max(16, triton.next_power_of_2(n))
+    n_t = triton.cdiv(t, bt)
+    if splits is None:
+        sms = torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 1
+        splits = max(1, min(16, triton.cdiv(2 * sms, n_t)))
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), bk) * bk
+    splits = triton.cdiv(k, k_per_split)
+    part = torch.empty((splits, t, bn), dtype=torch.float32, device=h.device)
+    sq = torch.empty((splits, t), dtype=torch.float32, device=h.device)
     fn = fn.float().contiguous()
-    _hc_project_kernel[(triton.cdiv(t, bt),)](
-        h2, fn, y, t, k, n, float(norm_eps), BLOCK_T=bt, BLOCK_K=bk, BLOCK_N=bn, PIPELINE=h.is_cuda
+    bf16x3 = h.is_cuda and h.dtype == torch.bfloat16  # (the interpreter's bf16 dot is not exact)
+    _hc_project_kernel[(n_t, splits)](
+        h2, fn, part, sq, t, k, n, k_per_split, BLOCK_T=bt, BLOCK_K=bk, BLOCK_N=bn, BF16X3=bf16x3, PIPELINE=h.is_cuda
     )
+    finish = (triton.cdiv(t, 64),)
+    _hc_project_finish[finish](part, sq, y, t, k, n, float(norm_eps), SPLITS=splits, BLOCK_T=64, BLOCK_N=bn)
     return y
 
 

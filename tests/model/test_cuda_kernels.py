@@ -43,17 +43,19 @@ def test_fp4_qdq_kernel_reads_strided_rows():
     assert torch.equal(K.fp4_qdq(x, 32, False), quant.fp4_qdq(x, 32))
 
 
-def test_hc_project_kernel_equals_the_mixes_projection():
+@pytest.mark.parametrize("splits", [None, 3])
+def test_hc_project_kernel_equals_the_mixes_projection(splits):
     g = torch.Generator().manual_seed(4)
     h = torch.randn(40, 4, 96, generator=g).to(DEV, torch.bfloat16)  # 40 rows: a partial 32-row tile
     fn = (torch.randn(24, 4 * 96, generator=g) * 0.1).to(DEV)
     x = h.flatten(-2).double()
     r = torch.rsqrt(x.square().mean(-1, keepdim=True))
     ref, magnitude = (x @ fn.double().t()) * r, (x.abs() @ fn.double().abs().t()) * r
-    y = K.hc_project(h, fn, 1e-20)
+    y = K.hc_project(h, fn, 1e-20, splits)  # 3: K split over programs, partial sums added after
     assert y.dtype == torch.float32 and y.shape == (40, 24)
     # fp32 sums in another order: within a few ulp of the sum of the terms' magnitudes
     assert ((y.double() - ref).abs() <= 1e-6 * magnitude).all()
+    assert K.hc_project(h[:0], fn, 1e-20).shape == (0, 24)
 
 
 @pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 320), (torch.float32, 48)])
