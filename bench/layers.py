@@ -520,13 +520,19 @@ def main() -> None:
 
     guarded("kernels", kernels)
 
-    # -- the fused glue kernels (cuda_kernels: fp4_qdq, hc_project, rms_norm) off and on, same run ---
+    # -- the fused glue kernels (cuda_kernels: fp4_qdq, hc_project, rms_norm) off and on, same run: the
+    # torch forms, the installed set (cuda_ops.GLUE_KERNELS), and each kernel alone -------------------
     def glue():
+        from asympd.model import cuda_kernels as CK
         from asympd.model import ops
+        from asympd.model.cuda_ops import caps
 
         names = ("fp4_qdq", "hc_project", "rms_norm")
         installed = {n: ops.CUDA_FAST[n] for n in names if n in ops.CUDA_FAST}
+        passed = {n: getattr(CK, n) for n in names if caps(device).get(f"triton_{n}")}
         res["glue_kernels"] = sorted(installed)
+        variants: dict[str, dict[str, Any]] = {"torch": {}, "fused": installed}
+        variants |= {f"only_{n}": {n: f} for n, f in passed.items()}
         start = 64 if small else 49152
         cells = [(1, q, start) for q in ((16, 64) if small else (4096, 16384))]
         cells.append((4, 1 + K_SPEC, 64) if small else (128, 1 + K_SPEC, 65536))
@@ -537,11 +543,10 @@ def main() -> None:
                     res.setdefault("skipped", []).append(f"glue n={n} q={q} start={at}")
                     continue
                 row: dict[str, Any] = {"n": n, "q": q, "start": at}
-                for tag in ("torch", "fused"):
+                for tag, kernels in variants.items():
                     for name in names:
                         ops.CUDA_FAST.pop(name, None)
-                    if tag == "fused":
-                        ops.CUDA_FAST.update(installed)
+                    ops.CUDA_FAST.update(kernels)
                     row[tag] = steps.run([dict(n=n, q=q, start=at)], kinds_all)
                 row["speedup"] = {k: row["torch"][k]["ms"] / row["fused"][k]["ms"] for k in row["fused"]}
                 rows.append(row)
@@ -552,7 +557,12 @@ def main() -> None:
                         for k, v in row["fused"].items()
                     )
                 )
+                for tag in variants:
+                    if tag.startswith("only_"):
+                        log(f"  {tag}: " + ", ".join(f"{k} {v['ms']:.2f}" for k, v in row[tag].items()))
         finally:
+            for name in names:
+                ops.CUDA_FAST.pop(name, None)
             ops.CUDA_FAST.update(installed)
         res["glue"] = rows
 

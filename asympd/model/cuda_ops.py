@@ -257,6 +257,11 @@ def kernels_enabled(device: torch.device) -> dict[str, bool]:
     return {k: v for k, v in c.items() if k.startswith("triton_")}
 
 
+# the glue kernels installed when their probe passes (docs/performance.md §12, "The glue between the
+# kernels"); each one measured faster than the torch form it replaces at the steps the engine runs
+GLUE_KERNELS = ("fp4_qdq", "hc_project", "rms_norm")
+
+
 def install_kernels(device: torch.device) -> None:
     """Register the fused mHC kernels that passed their check with ``ops`` (CUDA tensors only)."""
     c = caps(device)
@@ -266,7 +271,7 @@ def install_kernels(device: torch.device) -> None:
         ops.CUDA_FAST["hc_post"] = K.hc_post
     if c.get("triton_sinkhorn"):
         ops.CUDA_FAST["sinkhorn_split"] = K.sinkhorn_split
-    for name in ("fp4_qdq", "hc_project", "rms_norm"):
+    for name in GLUE_KERNELS:
         if c.get(f"triton_{name}"):
             ops.CUDA_FAST[name] = getattr(K, name)
 
