@@ -258,8 +258,10 @@ def kernels_enabled(device: torch.device) -> dict[str, bool]:
 
 
 # the glue kernels installed when their probe passes (docs/performance.md §12, "The glue between the
-# kernels"); each one measured faster than the torch form it replaces at the steps the engine runs
-GLUE_KERNELS = ("fp4_qdq", "hc_project", "rms_norm")
+# kernels"). ``hc_project`` is probed but not installed: its first version measured slower than torch
+# (decode-sized steps most), the second (tensor cores, split K) is unmeasured; bench/layers.py's glue
+# section times it alone (``only_hc_project``) against the torch forms
+GLUE_KERNELS = ("fp4_qdq", "rms_norm")
 
 
 def install_kernels(device: torch.device) -> None:

@@ -77,3 +77,17 @@ def test_the_probe_enables_all_three():
         "triton_hc_project": True,
         "triton_rms_norm": True,
     }
+
+
+def test_install_takes_the_glue_kernels_named_in_glue_kernels(monkeypatch):
+    """What passed its probe and is named in ``GLUE_KERNELS`` is installed; ``hc_project`` passes
+    but waits for a measurement that shows it faster (docs/performance.md §12)."""
+    from asympd.model import cuda_ops
+
+    monkeypatch.setattr(
+        cuda_ops, "caps", lambda device: {f"triton_{n}": True for n in ("fp4_qdq", "hc_project", "rms_norm")}
+    )
+    monkeypatch.setattr(ops, "CUDA_FAST", {})
+    cuda_ops.install_kernels(torch.device("cpu"))
+    assert sorted(ops.CUDA_FAST) == ["fp4_qdq", "rms_norm"] == sorted(cuda_ops.GLUE_KERNELS)
+    assert ops.CUDA_FAST["fp4_qdq"] is K.fp4_qdq
