@@ -126,6 +126,12 @@ def caps(device: torch.device) -> dict[str, bool]:
     return out
 
 
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    """Finite, and within ``tol`` of ``b`` in relative norm (a probe's acceptance)."""
+    a, b = a.float(), b.float()
+    return bool(torch.isfinite(a).all()) and float((a - b).norm() / b.norm().clamp_min(1e-30)) < tol
+
+
 def _probe_kernels(device: torch.device) -> dict[str, bool]:
     """Each fused Triton kernel against the torch function it replaces, on random data."""
     out = {
@@ -143,10 +149,6 @@ def _probe_kernels(device: torch.device) -> dict[str, bool]:
     g = torch.Generator(device=device).manual_seed(0)
     bf = torch.bfloat16
 
-    def close(a, b, tol):
-        a, b = a.float(), b.float()
-        return bool(torch.isfinite(a).all()) and float((a - b).norm() / b.norm().clamp_min(1e-30)) < tol
-
     try:
         scale = torch.logspace(-4, 3, 5120, device=device)
         ok = True
@@ -162,19 +164,19 @@ def _probe_kernels(device: torch.device) -> dict[str, bool]:
         inter = 2304
         gate, up = gu[:, :inter].float(), gu[:, inter:].float().clamp(-10.0, 10.0)
         ref = fp8_qdq((w[:, None] * (F.silu(gate.clamp(max=10.0)) * up)).to(bf), 32)
-        out["triton_swiglu_qdq"] = close(K.swiglu_qdq(gu, w, 10.0, bf), ref, 2e-2)
+        out["triton_swiglu_qdq"] = _close(K.swiglu_qdq(gu, w, 10.0, bf), ref, 2e-2)
     except Exception:
         pass
     try:
         h = torch.randn(97, 4, 5120, device=device, generator=g).to(bf)
         pre = torch.softmax(torch.randn(97, 4, device=device, generator=g), -1)
         ref = ops.ordered_sum(pre.unsqueeze(-1) * h.float(), -2).to(bf)
-        out["triton_hc_pre"] = close(K.hc_pre(h, pre), ref, 1e-2)
+        out["triton_hc_pre"] = _close(K.hc_pre(h, pre), ref, 1e-2)
         x = torch.randn(97, 5120, device=device, generator=g).to(bf)
         post = torch.rand(97, 4, device=device, generator=g) * 2
         comb = torch.softmax(torch.randn(97, 4, 4, device=device, generator=g), -1)
         y = post.unsqueeze(-1) * x.unsqueeze(-2) + ops.ordered_sum(comb.unsqueeze(-1) * h.unsqueeze(-2), -3)
-        out["triton_hc_post"] = close(K.hc_post(x, h, post, comb), y.to(bf), 1e-2)
+        out["triton_hc_post"] = _close(K.hc_post(x, h, post, comb), y.to(bf), 1e-2)
     except Exception:
         pass
     try:
@@ -183,7 +185,7 @@ def _probe_kernels(device: torch.device) -> dict[str, bool]:
         base = torch.randn(24, device=device, generator=g)
         ok = True
         for a, b in zip(K.sinkhorn_split(m, scale, base, 4, 20, 1e-6), _sinkhorn_torch(m, scale, base), strict=True):
-            ok &= close(a, b, 1e-5)
+            ok &= _close(a, b, 1e-5)
         out["triton_sinkhorn"] = bool(ok)
     except Exception:
         pass
@@ -199,10 +201,6 @@ def probe_glue_kernels(device: torch.device, g: torch.Generator | None = None) -
         return out
     g = g or torch.Generator(device=device).manual_seed(0)
     bf = torch.bfloat16
-
-    def close(a, b, tol):
-        a, b = a.float(), b.float()
-        return bool(torch.isfinite(a).all()) and float((a - b).norm() / b.norm().clamp_min(1e-30)) < tol
 
     try:
         scale = torch.logspace(-12, 3, 512, device=device)
@@ -225,7 +223,7 @@ def probe_glue_kernels(device: torch.device, g: torch.Generator | None = None) -
         fn = torch.randn(24, 4 * 640, device=device, generator=g) * 0.01
         x = h.flatten(-2).float()
         ref = (x.double() @ fn.double().t()) * torch.rsqrt(x.double().square().mean(-1, keepdim=True) + 1e-20)
-        out["triton_hc_project"] = close(K.hc_project(h, fn, 1e-20), ref, 1e-5)
+        out["triton_hc_project"] = _close(K.hc_project(h, fn, 1e-20), ref, 1e-5)
     except Exception:
         pass
     try:
@@ -235,7 +233,7 @@ def probe_glue_kernels(device: torch.device, g: torch.Generator | None = None) -
             w = torch.rand(d, device=device, generator=g).to(dt) + 0.5
             xf = x.double()
             ref = (w.double() * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6))).to(dt)
-            ok &= close(K.rms_norm(x, w, 1e-6), ref, 1e-2 if dt == bf else 1e-6)
+            ok &= _close(K.rms_norm(x, w, 1e-6), ref, 1e-2 if dt == bf else 1e-6)
         out["triton_rms_norm"] = bool(ok)
     except Exception:
         pass
