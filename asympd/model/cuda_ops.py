@@ -219,11 +219,14 @@ def probe_glue_kernels(device: torch.device, g: torch.Generator | None = None) -
     except Exception:
         pass
     try:
-        h = torch.randn(77, 4, 640, device=device, generator=g).to(bf)
-        fn = torch.randn(24, 4 * 640, device=device, generator=g) * 0.01
-        x = h.flatten(-2).float()
-        ref = (x.double() @ fn.double().t()) * torch.rsqrt(x.double().square().mean(-1, keepdim=True) + 1e-20)
-        out["triton_hc_project"] = _close(K.hc_project(h, fn, 1e-20), ref, 1e-5)
+        ok = True
+        for rows, d in ((77, 640), (2056, 256)):  # both row tiles (16 and 64), a partial one each
+            h = torch.randn(rows, 4, d, device=device, generator=g).to(bf)
+            fn = torch.randn(24, 4 * d, device=device, generator=g) * 0.01
+            x = h.flatten(-2).double()
+            ref = (x @ fn.double().t()) * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-20)
+            ok &= _close(K.hc_project(h, fn, 1e-20), ref, 1e-5)
+        out["triton_hc_project"] = bool(ok)
     except Exception:
         pass
     try:
@@ -256,10 +259,8 @@ def kernels_enabled(device: torch.device) -> dict[str, bool]:
 
 
 # the glue kernels installed when their probe passes (docs/performance.md §12, "The glue between the
-# kernels"). ``hc_project`` is probed but not installed: its first version measured slower than torch
-# (decode-sized steps most), the second (tensor cores, split K) is unmeasured; bench/layers.py's glue
-# section times it alone (``only_hc_project``) against the torch forms
-GLUE_KERNELS = ("fp4_qdq", "rms_norm")
+# kernels"; each measured alone against the torch forms, bench/layers.py's glue section)
+GLUE_KERNELS = ("fp4_qdq", "hc_project", "rms_norm")
 
 
 def install_kernels(device: torch.device) -> None:
