@@ -26,7 +26,7 @@ KERNEL_CLASSES = (
     ("indexer", r"_score|_select|indexer|_radix|_blockmax|_candidates|histogram"),
     ("attention", r"sparse_attn|_attn_|flash"),
     ("fp8_quant", r"fp8_qdq|qdq|quant|_codes32|swiglu"),
-    ("hc_mix", r"hc_pre|hc_post|sinkhorn"),
+    ("hc_mix", r"hc_pre|hc_post|hc_project|sinkhorn"),
     ("dense_gemm", r"gemm|_fp8_tile|cutlass|xmma|nvjet|sm90_|cublas|ampere_|splitk|mm_|aten::(mm|bmm|addmm|linear)$"),
     ("sort_scan", r"sort|scan|cumsum|topk|radix|index_put|scatter|gather|index_select|nonzero"),
     ("norm_rope", r"norm|rope|polar|rsqrt"),

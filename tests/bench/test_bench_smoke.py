@@ -218,6 +218,8 @@ def test_kernel_classes():
     assert kernel_class("_fp8_tile_gemm_kernel") == kernel_class("_fp8_tile_swap_kernel") == "dense_gemm"
     assert kernel_class("_swiglu_qdq_kernel") == kernel_class("_fp8_qdq_kernel") == "fp8_quant"
     assert kernel_class("_hc_pre_kernel") == kernel_class("_sinkhorn_kernel") == "hc_mix"
+    assert kernel_class("_hc_project_kernel") == kernel_class("_hc_project_finish") == "hc_mix"
+    assert kernel_class("_rms_norm_kernel") == "norm_rope"
     assert kernel_class("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128") == "dense_gemm"
     assert kernel_class("void at::native::vectorized_elementwise_kernel<4, ...>") == "elementwise"
     assert kernel_class("something_new") == "other"
