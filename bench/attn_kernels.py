@@ -58,6 +58,13 @@ V5_SELECTS = [
     {"digit": 8, "chunk": 4096, "num_warps": 8}, {"digit": 8, "prefetch": False}, {"prefetch": False},
     {"chunk": 2048, "num_warps": 4, "digit": 8},
 ]  # fmt: skip
+# version 3 launched otherwise: four warpgroups a row (a quarter of the accumulator's registers a
+# thread, room for 64-key tiles), and Triton's automatic warp specialization of the key loops
+ATTN_EXPERIMENTS = [
+    {"version": 3, "num_warps": 16}, {"version": 3, "num_warps": 16, "block_n": 64},
+    {"version": 3, "num_warps": 16, "block_n": 64, "num_stages": 3}, {"version": 3, "warp_specialize": True},
+    {"version": 3, "warp_specialize": True, "num_warps": 16},
+]  # fmt: skip
 PEAK = {"TBps": 4.8, "TFLOPs": 989.0}  # H200 datasheet (/work/.library/device/H200.md)
 BLOCK_TOKENS = 256  # positions per KV block: 256 entries at ratio 1, 128 at ratio 2
 
@@ -287,11 +294,12 @@ def run_cell(
     sweep: bool,
     versions: tuple[int, ...] = (2, 3, 4),
     attention: bool = True,
+    index: bool = True,
 ) -> None:
     cfg = cell.cfg
     out: dict[str, Any] = {}
     # index_r2: the ratio-2 index sources
-    for kind, r in (("index_r2", 2), ("cand_source", 1), ("reindex", 1)):
+    for kind, r in (("index_r2", 2), ("cand_source", 1), ("reindex", 1)) if index else ():
         row: dict[str, Any] = index_work(cell, r, kind, ceil)
         cand_e = cand_b = None
         if kind == "reindex":
@@ -375,6 +383,7 @@ def run_cell(
     configs = [{"version": 1}, {"version": 2}, {"version": 3}]
     # version 3's other launches (its default: 32-key tiles, two stages in flight)
     configs += [{"version": 3, "block_n": bn, "num_stages": st} for bn, st in ((16, 2), (16, 3), (32, 3))]
+    configs += ATTN_EXPERIMENTS
     if sweep:
         configs += [{"version": 1, "block_h": bh, "block_n": bn} for bh in (32, 64) for bn in (16, 32)]
         configs += [{"version": 2, "block_n": 32}, {"version": 2, "block_h": 32, "block_n": 32}]
@@ -490,6 +499,7 @@ def main() -> None:
     ap.add_argument("--cells", default="", help="comma-separated cell indices to run, in that order (default: all)")
     ap.add_argument("--versions", default="2,3,4", help="indexer versions timed, each at its defaults")
     ap.add_argument("--no-attention", action="store_true", help="the indexer's kinds only")
+    ap.add_argument("--attention-only", action="store_true", help="the attention only (no indexer kinds)")
     ap.add_argument("--out", default="", help="the JSON's name under bench/results/ (default attn_kernels)")
     ap.add_argument(
         "--profile", action="store_true", help="one launch of each default fused kernel per cell (for ncu); no JSON"
@@ -532,7 +542,10 @@ def main() -> None:
             cell = Cell(cfg, seqs, q, ctx, device, gen)
             versions = tuple(int(v) for v in args.versions.split(",") if v)
             sweep = not args.no_sweep and i == 0
-            run_cell(cell, run, ceil, res, iters, sweep, versions=versions, attention=not args.no_attention)
+            run_cell(
+                cell, run, ceil, res, iters, sweep, versions=versions, attention=not args.no_attention,
+                index=not args.attention_only,
+            )  # fmt: skip
             del cell
         except Exception as e:  # keep going: later cells still report
             res.setdefault("errors", {})[f"{seqs}x{q}@{ctx}"] = traceback.format_exc()[-3000:]

@@ -29,6 +29,7 @@ from asympd.model.ops import (
     QLinear,
     apply_rope,
     fp4_qdq,
+    linear_f32,
     ordered_sum,
     rms_norm,
     rope_frequencies,
@@ -194,8 +195,7 @@ class Attention(torch.nn.Module):
             latent = rms_norm(self.comp_wkv(x), self.comp_norm, cfg.norm_eps)
             first = seg.start
         else:
-            xf = x.float()
-            kv, score = self.comp_wkv(xf), self.comp_wgate(xf)
+            kv, score = linear_f32(x, self.comp_wkv.weight), linear_f32(x, self.comp_wgate.weight)
             hist_kv, hist_score, hist_pos = seg.kv.pending(self.layer)
             group_start = (seg.start // r) * r
             open_rows = (hist_pos >= group_start) & (hist_pos < seg.start)
@@ -410,8 +410,7 @@ class Attention(torch.nn.Module):
             seg = view.row_seg if rows is None else view.row_seg[rows]
             entry = view.positions if rows is None else view.positions[rows]
         else:
-            xf = x.float()
-            kv, score = self.comp_wkv(xf), self.comp_wgate(xf)
+            kv, score = linear_f32(x, self.comp_wkv.weight), linear_f32(x, self.comp_wgate.weight)
             groups = self._written_groups(view)
             latent = None
             if groups is not None:

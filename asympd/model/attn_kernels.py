@@ -1055,6 +1055,7 @@ if AVAILABLE:
         TWO_WIN: tl.constexpr = False,
         ALIGN: tl.constexpr = 1,
         ACC_IN_DOT: tl.constexpr = False,
+        WS: tl.constexpr = False,
     ):
         """``SEL_OFFSETS`` (version 2): sel holds each entry's element offset in the pool (the
         wrapper resolved the block table), so a key tile is one dependent load after its index
@@ -1064,7 +1065,9 @@ if AVAILABLE:
         ``cp.async`` in the entry loop), with it as 16-byte ``cp.async`` pipelined like the window's.
         ``TWO_WIN``: window slots come from two tensors, the ring buffer
         (``win_ptr``, index >= 0) and this step's rows (``new_ptr``, index -2 - i), each loaded
-        in its own dtype and cast to the pool's (fp32 with ``DOT_F32``), so neither is copied."""
+        in its own dtype and cast to the pool's (fp32 with ``DOT_F32``), so neither is copied.
+        ``WS``: Triton's automatic warp specialization of both key loops (an experiment: loads,
+        products and softmax in separate warps)."""
         row = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BH + tl.arange(0, BH)
         hmask = h < NH
@@ -1074,7 +1077,7 @@ if AVAILABLE:
         lsum = tl.zeros((BH,), tl.float32)
         acc = tl.zeros((BH, D), tl.float32)
         n = tl.arange(0, BN)
-        for j0 in range(0, W, BN):  # W and KSEL are the model's: constant bounds, pipelined loads
+        for j0 in tl.range(0, W, BN, warp_specialize=WS):  # W, KSEL the model's: constant bounds, pipelined
             j = j0 + n
             wi = tl.load(widx_ptr + row * s_wir + j, mask=j < W, other=-1).to(tl.int64)
             if TWO_WIN:
@@ -1093,7 +1096,7 @@ if AVAILABLE:
                 kv = tl.load(win_ptr + wi[:, None] * s_wn + d[None, :], mask=valid[:, None], other=0.0)
             m, lsum, acc = _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS, DOT_F32, ACC_IN_DOT)
         table_ptr = tables_ptr + tl.load(row_seq_ptr + row).to(tl.int64) * s_ts
-        for j0 in range(0, KSEL, BN):
+        for j0 in tl.range(0, KSEL, BN, warp_specialize=WS):
             j = j0 + n
             e = tl.load(sel_ptr + row * s_sr + j, mask=j < KSEL, other=-1).to(tl.int64)
             valid = e >= 0
@@ -1505,6 +1508,7 @@ def sparse_attention_paged(
     num_warps: int | None = None,
     num_stages: int | None = None,
     version: int | None = None,
+    warp_specialize: bool = False,
 ) -> torch.Tensor:
     """Sparse latent attention over window rows and selected pool entries (module docstring).
     ``version`` (``ATTENTION_VERSION`` by default): 1 = 16 heads x 32 keys per program, the
@@ -1574,6 +1578,7 @@ def sparse_attention_paged(
         n_heads, ckv_pool.size(1), float(scale), W=widx.size(1), KSEL=sel.size(1),
         D=d, BH=block_h, BN=block_n, ROUND_PROBS=bool(round_probs), DOT_F32=dot_f32,
         SEL_OFFSETS=version >= 2, TWO_WIN=window_new is not None, ALIGN=align, ACC_IN_DOT=version == 3,
+        WS=warp_specialize,
         num_warps=num_warps or (4 if d <= 128 else 8), **({"num_stages": num_stages} if num_stages else {}),
     )  # fmt: skip
     return out

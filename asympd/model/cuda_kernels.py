@@ -326,12 +326,23 @@ def fp4_qdq(x: torch.Tensor, block: int = 32, e4m3_scale: bool = False) -> torch
     return y.view(shape)
 
 
-def hc_project(h: torch.Tensor, fn: torch.Tensor, norm_eps: float, splits: int | None = None) -> torch.Tensor:
+def hc_project(
+    h: torch.Tensor,
+    fn: torch.Tensor,
+    norm_eps: float,
+    splits: int | None = None,
+    *,
+    block_t: int | None = None,
+    block_k: int = 128,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+) -> torch.Tensor:
     """h [T, hc, D], fn [N, hc * D] fp32 -> fp32 [T, N]: the projection of the flattened streams
     scaled by their reciprocal RMS (``ops.hc_mixes`` before ``sinkhorn_split``). bf16 streams on
     CUDA take the tensor cores with fn split into three bf16 parts (each product exact in fp32, as in
     the fp32 GEMM); the K dim is split across programs when the rows alone fill too few SMs, and the
-    partial sums are added in a fixed order (deterministic)."""
+    partial sums are added in a fixed order (deterministic). The launch arguments are
+    ``bench/glue_kernels.py``'s sweep (the defaults: the measured best)."""
     t = h.size(0)
     h2 = h.reshape(t, h.size(1) * h.size(2))
     if not h2.is_contiguous():
@@ -342,7 +353,7 @@ def hc_project(h: torch.Tensor, fn: torch.Tensor, norm_eps: float, splits: int |
         return y
     # 64-row tiles (wgmma) read the fp32 weights from L2 a quarter as often as 16-row ones: measured at
     # 16K rows (and 16-row tiles at 512); from 2048 rows on the larger tile
-    bt, bk = (64 if t >= 2048 else 16), 128
+    bt, bk = block_t or (64 if t >= 2048 else 16), block_k
     bn = max(16, triton.next_power_of_2(n))
     n_t = triton.cdiv(t, bt)
     if splits is None:
@@ -354,9 +365,11 @@ def hc_project(h: torch.Tensor, fn: torch.Tensor, norm_eps: float, splits: int |
     sq = torch.empty((splits, t), dtype=torch.float32, device=h.device)
     fn = fn.float().contiguous()
     bf16x3 = h.is_cuda and h.dtype == torch.bfloat16  # (the interpreter's bf16 dot is not exact)
+    launch = {"num_warps": num_warps} | ({"num_stages": num_stages} if num_stages else {})
     _hc_project_kernel[(n_t, splits)](
-        h2, fn, part, sq, t, k, n, k_per_split, BLOCK_T=bt, BLOCK_K=bk, BLOCK_N=bn, BF16X3=bf16x3, PIPELINE=h.is_cuda
-    )
+        h2, fn, part, sq, t, k, n, k_per_split, BLOCK_T=bt, BLOCK_K=bk, BLOCK_N=bn, BF16X3=bf16x3, PIPELINE=h.is_cuda,
+        **launch,
+    )  # fmt: skip
     finish = (triton.cdiv(t, 64),)
     _hc_project_finish[finish](part, sq, y, t, k, n, float(norm_eps), SPLITS=splits, BLOCK_T=64, BLOCK_N=bn)
     return y

@@ -69,6 +69,9 @@ class _Reader:
         self.t, self.dtype, self.device = tensors, dtype, device
         self.packed, self.packed_linears = layout.experts, layout.linears
         self.kernels = layout.kernels and device.type == "cuda"  # build the CUDA modules (cuda_ops.py)
+        # matrices the reference multiplies in fp32 whose operands are bf16 values (the compressor's,
+        # the head) stay bf16 on a bf16 GPU model: fp32 accumulation, the same products (ops.linear_f32)
+        self.bf16_for_fp32 = device.type == "cuda" and dtype == torch.bfloat16
         self.shared_experts = shared_experts  # benchmark checkpoints: the layer all routed experts are
         self._built: dict[tuple, Any] = {}
 
@@ -143,7 +146,8 @@ def _attention(
         if not r.has(prefix + name):
             continue
         # the ratio>1 compressor pools in fp32, so its weights are promoted like the reference's
-        fp32 = name.startswith("compressor.") and cfg.ratio(layer) > 1
+        # (kept bf16 where its GEMM accumulates bf16 products in fp32 instead: _Reader.bf16_for_fp32)
+        fp32 = name.startswith("compressor.") and cfg.ratio(layer) > 1 and not r.bf16_for_fp32
         lin = r.linear(prefix + name, torch.float32 if fp32 else None)
         if name == "wo_a":
             lin.quantized = False  # applied as a grouped einsum on the bf16 weight, no act quant
@@ -266,9 +270,8 @@ def build_model(
     if role != "prefill":
         norm = r.vector("norm.weight")
         # fp32 as the reference holds it; a bf16 GPU model keeps the stored bf16 values and multiplies
-        # with fp32 accumulation instead (the same products: ops.lm_head), half the bytes
-        bf16_head = device.type == "cuda" and dtype == torch.bfloat16
-        head = r.vector("head.weight", torch.bfloat16 if bf16_head else torch.float32)
+        # with fp32 accumulation instead (the same products: ops.linear_f32), half the bytes
+        head = r.vector("head.weight", torch.bfloat16 if r.bf16_for_fp32 else torch.float32)
     model = Transformer(cfg, role, embed, blocks, norm, head, hasher, dtype)
     model.weights = layout.name
     if "vision.patch_embed.proj.weight" in tensors:

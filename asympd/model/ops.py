@@ -35,15 +35,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(padded, weight)[:rows].reshape(*x.shape[:-1], weight.size(0))
 
 
-def lm_head(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-    """fp32 logits of the rows x. The reference holds the head in fp32 and multiplies fp32 values;
-    the stored head and a bf16 model's rows are bf16 values, so a bf16 head with fp32 accumulation
-    computes the same products at half the bytes and the bf16 tensor-core rate (the GPU build holds
-    it so, ``loader``). An fp32 head (CPU, fp32 models) takes the reference's fp32 GEMM."""
-    if head.dtype == torch.bfloat16:
+def linear_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 x W^T where the reference multiplies in fp32 (the head, the ratio>1 compressor). Their
+    stored weights and a bf16 model's rows are bf16 values, so a bf16 weight (the GPU build holds
+    them so, ``loader``) with fp32 accumulation computes the same products at half the bytes and
+    the bf16 tensor-core rate; an fp32 weight (CPU, fp32 models) takes the reference's fp32 GEMM."""
+    if weight.dtype == torch.bfloat16:
         flat = x.reshape(-1, x.size(-1)).to(torch.bfloat16)
-        return torch.mm(flat, head.t(), out_dtype=torch.float32).view(*x.shape[:-1], head.size(0))
-    return linear(x.float(), head)
+        return torch.mm(flat, weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], weight.size(0))
+    return linear(x.float(), weight)
+
+
+def lm_head(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of the rows x (``linear_f32``)."""
+    return linear_f32(x, head)
 
 
 def stable_elementwise(fn, x: torch.Tensor) -> torch.Tensor:

@@ -223,3 +223,14 @@ def test_kernel_classes():
     assert kernel_class("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128") == "dense_gemm"
     assert kernel_class("void at::native::vectorized_elementwise_kernel<4, ...>") == "elementwise"
     assert kernel_class("something_new") == "other"
+
+
+def test_glue_kernels_smoke(tmp_path):
+    """bench/glue_kernels.py: the default and each variant's hc_project timed at every row count,
+    each within summation-order error of the torch form."""
+    _smoke("bench/glue_kernels.py", tmp_path)
+    r = json.loads((tmp_path / "glue_kernels_smoke.json").read_text())
+    assert [c["rows"] for c in r["cells"]] == [16, 40]
+    for c in r["cells"]:
+        assert set(c["kernel"]) == {"default", *map(str, r["variants"])} and "errors" not in c
+        assert all(k["rel_err"] < 1e-5 for k in c["kernel"].values())
