@@ -333,7 +333,7 @@ def hc_project(
     splits: int | None = None,
     *,
     block_t: int | None = None,
-    block_k: int = 128,
+    block_k: int = 64,
     num_warps: int = 4,
     num_stages: int | None = None,
 ) -> torch.Tensor:
@@ -351,9 +351,9 @@ def hc_project(
     y = torch.empty((t, n), dtype=torch.float32, device=h.device)
     if t == 0:
         return y
-    # 64-row tiles (wgmma) read the fp32 weights from L2 a quarter as often as 16-row ones: measured at
-    # 16K rows (and 16-row tiles at 512); from 2048 rows on the larger tile
-    bt, bk = block_t or (64 if t >= 2048 else 16), block_k
+    # 64-row tiles of 64-wide K steps: within 4 % of the best launch at 512-16384 rows, 1.35-2.4x the
+    # earlier 16-row tiles below 2048 rows (bench/results/glue_kernels.json)
+    bt, bk = block_t or 64, block_k
     bn = max(16, triton.next_power_of_2(n))
     n_t = triton.cdiv(t, bt)
     if splits is None:

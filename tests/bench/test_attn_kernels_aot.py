@@ -42,7 +42,8 @@ def test_version_3_loads_its_selected_keys_as_pipelined_16_byte_copies(tmp_path)
 
 def test_the_mhc_projection_compiles_to_tensor_core_dots_without_spills(tmp_path):
     """cuda_kernels._hc_project_kernel's bf16x3 path (CUDA only: the interpreter runs the fp32 one)
-    compiled for sm_90 at both row tiles: tensor-core dots, pipelined loads, no local memory."""
+    compiled for sm_90 at the default launch (64 rows x 64-wide K steps) and at 16-row tiles:
+    tensor-core dots, pipelined loads, no local memory."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env |= {"TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
     code = """
@@ -51,8 +52,8 @@ from asympd.model import cuda_kernels as K
 from bench.attn_kernels_aot import compile_report
 args = [("h_ptr", "*bf16"), ("fn_ptr", "*fp32"), ("part_ptr", "*fp32"), ("sq_ptr", "*fp32"), ("T", "i32"),
         ("K", "i32"), ("N", "i32"), ("K_PER_SPLIT", "i32")]
-rows = [compile_report(K._hc_project_kernel, args, {"BLOCK_T": bt, "BLOCK_K": 128, "BLOCK_N": 32, "BF16X3": True,
-        "PIPELINE": True}, 4, aligned={"K", "K_PER_SPLIT"}) for bt in (16, 64)]
+rows = [compile_report(K._hc_project_kernel, args, {"BLOCK_T": bt, "BLOCK_K": bk, "BLOCK_N": 32, "BF16X3": True,
+        "PIPELINE": True}, 4, aligned={"K", "K_PER_SPLIT"}) for bt, bk in ((16, 128), (64, 64))]
 print(json.dumps(rows))
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
