@@ -27,12 +27,13 @@ RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
 # MoE and attention kernels the CUDA build runs (packed MXFP4 experts, the fused indexer's version 5
 # and attention's version 3; ``bench/layers.py --out layers_v3``), the D and P steps composed from
 # them, the two-GPU links
-# the twenty-first session's tables: the Gluon MXFP4 MoE with today's defaults (M-blocks from the
-# measured sweep, a block's weight tiles launched together from 16K-token chunks), measured at fe9515c
+# the twenty-second session's tables: the Gluon MXFP4 MoE with today's defaults (M-blocks from the
+# measured sweep, a block's weight tiles launched together from 16K-token chunks) and the glue kernels
+# (fp4_qdq, hc_project, rms_norm; the compressor's bf16 GEMM), measured at 9a892c2
 TABLES = {
-    "layers": "layers_v5.json",
-    "d_admission": "d_admission_v5.json",
-    "p_throughput": "p_throughput_v5.json",
+    "layers": "layers_v6.json",
+    "d_admission": "d_admission_v6.json",
+    "p_throughput": "p_throughput_v6.json",
     "two_gpu": "two_gpu.json",
 }
 # the tables of 2026-11-29 (bf16 experts, the gathered attention): admission_policy.json ran on them

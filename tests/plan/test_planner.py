@@ -163,7 +163,7 @@ def test_communication_from_the_two_gpu_run(results):
 
 
 def test_missing_results_are_a_clear_error(tmp_path):
-    with pytest.raises(PlanInputError, match="layers_v5.json is missing"):
+    with pytest.raises(PlanInputError, match="layers_v6.json is missing"):
         load_results(tmp_path)
 
 
@@ -301,7 +301,7 @@ def test_itl_target_below_the_fastest_step(results):
 
 
 def test_ttft_target_below_a_lone_long_prompt(results):
-    out = Planner(request("H200", prompt="65536", ttft=0.5), results=results).plan()
+    out = Planner(request("H200", prompt="65536", ttft=0.3), results=results).plan()
     for d in out["deployments"]:
         assert d["binding"].startswith("TTFT: a 65536-token prompt alone takes")
 
