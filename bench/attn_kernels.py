@@ -58,12 +58,12 @@ V5_SELECTS = [
     {"digit": 8, "chunk": 4096, "num_warps": 8}, {"digit": 8, "prefetch": False}, {"prefetch": False},
     {"chunk": 2048, "num_warps": 4, "digit": 8},
 ]  # fmt: skip
-# version 3 launched otherwise: four warpgroups a row (a quarter of the accumulator's registers a
-# thread, room for 64-key tiles), and Triton's automatic warp specialization of the key loops
+# version 4 (the head dim's output split over two programs) at its default (16-key tiles, two
+# stages: two programs an SM) and other launches; version 3 at 16 warps and with Triton's automatic
+# warp specialization were measured slower (attn_kernels_attn4.json) and are not repeated
 ATTN_EXPERIMENTS = [
-    {"version": 3, "num_warps": 16}, {"version": 3, "num_warps": 16, "block_n": 64},
-    {"version": 3, "num_warps": 16, "block_n": 64, "num_stages": 3}, {"version": 3, "warp_specialize": True},
-    {"version": 3, "warp_specialize": True, "num_warps": 16},
+    {"version": 4}, {"version": 4, "block_n": 32}, {"version": 4, "num_stages": 3},
+    {"version": 4, "num_warps": 8, "block_n": 32}, {"version": 4, "num_warps": 8},
 ]  # fmt: skip
 PEAK = {"TBps": 4.8, "TFLOPs": 989.0}  # H200 datasheet (/work/.library/device/H200.md)
 BLOCK_TOKENS = 256  # positions per KV block: 256 entries at ratio 1, 128 at ratio 2

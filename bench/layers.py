@@ -385,6 +385,14 @@ def main() -> None:
         default=None,
         help="the smallest M-block the Gluon MXFP4 kernel takes (gemm_kernels.WGMMA_MIN_BLOCK_M; default: the build's)",
     )
+    ap.add_argument(
+        "--kernels-before",
+        default="4,2",
+        help="the kernels section's baseline: indexer version, attention version (default 4,2)",
+    )
+    ap.add_argument(
+        "--kernels-now", default="", help="the kernels section's other side (default: the build's versions)"
+    )
     args = ap.parse_args()
     started = time.time()
     sections = args.sections.split(",")
@@ -486,8 +494,10 @@ def main() -> None:
     def kernels():
         from asympd.model import attn_kernels
 
-        now = (attn_kernels.INDEXER_VERSION, attn_kernels.ATTENTION_VERSION)
-        variants = {"before": (4, 2), "now": now}
+        now = default = (attn_kernels.INDEXER_VERSION, attn_kernels.ATTENTION_VERSION)
+        before = tuple(int(v) for v in args.kernels_before.split(","))
+        now = tuple(int(v) for v in args.kernels_now.split(",")) if args.kernels_now else now
+        variants = {"before": before, "now": now}
         res["kernels_versions"] = {k: {"indexer": i, "attention": a} for k, (i, a) in variants.items()}
         cells = [
             (1, q, start)
@@ -515,7 +525,7 @@ def main() -> None:
                     )
                 )
         finally:
-            attn_kernels.INDEXER_VERSION, attn_kernels.ATTENTION_VERSION = now
+            attn_kernels.INDEXER_VERSION, attn_kernels.ATTENTION_VERSION = default
         res["kernels"] = rows
 
     guarded("kernels", kernels)

@@ -81,7 +81,7 @@ def kernel_version(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=[1, 2, 3], ids=["v1", "v2", "v3"])
+@pytest.fixture(params=[1, 2, 3, 4], ids=["v1", "v2", "v3", "v4"])
 def attention_version(request, monkeypatch):
     """The attention kernel's versions."""
     monkeypatch.setattr(AK, "ATTENTION_VERSION", request.param)
