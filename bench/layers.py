@@ -540,9 +540,14 @@ def main() -> None:
         names = ("fp4_qdq", "hc_project", "rms_norm")
         installed = {n: ops.CUDA_FAST[n] for n in names if n in ops.CUDA_FAST}
         passed = {n: getattr(CK, n) for n in names if caps(device).get(f"triton_{n}")}
-        res["glue_kernels"] = sorted(installed)
-        variants: dict[str, dict[str, Any]] = {"torch": {}, "fused": installed}
-        variants |= {f"only_{n}": {n: f} for n, f in passed.items()}
+        probed = caps(device)  # FastMoE reads moe_combine's probe from here
+        combine = bool(probed.get("triton_moe_combine"))
+        res["glue_kernels"] = sorted(installed) + (["moe_combine"] if combine else [])
+        # each variant: the ops kernels installed, and whether FastMoE takes the fused combine
+        variants: dict[str, tuple[dict[str, Any], bool]] = {"torch": ({}, False), "fused": (installed, combine)}
+        variants |= {f"only_{n}": ({n: f}, False) for n, f in passed.items()}
+        if combine:
+            variants |= {"only_moe_combine": ({}, True), "fused_without_moe_combine": (installed, False)}
         start = 64 if small else 49152
         cells = [(1, q, start) for q in ((16, 64) if small else (4096, 16384))]
         cells.append((4, 1 + K_SPEC, 64) if small else (128, 1 + K_SPEC, 65536))
@@ -553,10 +558,11 @@ def main() -> None:
                     res.setdefault("skipped", []).append(f"glue n={n} q={q} start={at}")
                     continue
                 row: dict[str, Any] = {"n": n, "q": q, "start": at}
-                for tag, kernels in variants.items():
+                for tag, (kernels, with_combine) in variants.items():
                     for name in names:
                         ops.CUDA_FAST.pop(name, None)
                     ops.CUDA_FAST.update(kernels)
+                    probed["triton_moe_combine"] = with_combine
                     row[tag] = steps.run([dict(n=n, q=q, start=at)], kinds_all)
                 row["speedup"] = {k: row["torch"][k]["ms"] / row["fused"][k]["ms"] for k in row["fused"]}
                 rows.append(row)
@@ -568,12 +574,13 @@ def main() -> None:
                     )
                 )
                 for tag in variants:
-                    if tag.startswith("only_"):
+                    if tag not in ("torch", "fused"):
                         log(f"  {tag}: " + ", ".join(f"{k} {v['ms']:.2f}" for k, v in row[tag].items()))
         finally:
             for name in names:
                 ops.CUDA_FAST.pop(name, None)
             ops.CUDA_FAST.update(installed)
+            probed["triton_moe_combine"] = combine
         res["glue"] = rows
 
     guarded("glue", glue)

@@ -13,7 +13,10 @@ makes five to twenty. Each computes the reference function of the same name:
 - ``hc_project``: the mHC mixes' projection, ``linear(h.float(), fn) * rsqrt(mean(h^2) + eps)``
   (``ops.hc_mixes``), one pass over the bf16 streams instead of an fp32 copy, a square, a mean and an
   fp32 GEMM (4.1-4.4 ms less a layer at 16K rows, measured);
-- ``rms_norm``: ``ops.rms_norm`` in one pass a row.
+- ``rms_norm``: ``ops.rms_norm`` in one pass a row;
+- ``moe_combine``: the MoE's output, each token's routed slots read straight from the expert-sorted
+  GEMM output and summed in fp32, plus the shared expert's, rounded once (``FastMoE.forward``: one
+  pass instead of a gather of every slot row, an fp32 sum, an upcast, an add and a cast).
 
 ``cuda_ops.caps`` checks every kernel against the torch reference on the device before it is
 used (exact equality for fp8_qdq and fp4_qdq, rounding tolerance for the others, where the compiler may
@@ -309,6 +312,27 @@ if AVAILABLE:
         w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
         tl.store(y_ptr + row * sy + d, (w * (x * r)).to(y_ptr.dtype.element_ty), mask=m)
 
+    @triton.jit
+    def _moe_combine_kernel(
+        out_ptr, inv_ptr, shared_ptr, y_ptr, D, s_o, s_s, s_y, K: tl.constexpr, BLOCK_D: tl.constexpr
+    ):
+        """Token t: sum over its slots s (ascending, from +0) of row inv[t * K + s] of ``out``, plus
+        its shared-expert row, in fp32; one rounding to y's dtype."""
+        t = tl.program_id(0).to(tl.int64)
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        m = d < D
+        acc = tl.zeros((BLOCK_D,), tl.float32)
+        for s in tl.static_range(K):
+            r = tl.load(inv_ptr + t * K + s).to(tl.int64)
+            acc += tl.load(out_ptr + r * s_o + d, mask=m, other=0.0).to(tl.float32)
+        acc += tl.load(shared_ptr + t * s_s + d, mask=m, other=0.0).to(tl.float32)
+        if y_ptr.dtype.element_ty == tl.bfloat16:  # round to nearest even on the bits (the interpreter's
+            u = acc.to(tl.uint32, bitcast=True)  # cast truncates; the device's cvt.rn gives the same)
+            u = u + 0x7FFF + ((u >> 16) & 1)
+            tl.store(y_ptr + t * s_y + d, (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=m)
+        else:
+            tl.store(y_ptr + t * s_y + d, acc.to(y_ptr.dtype.element_ty), mask=m)
+
 
 def fp4_qdq(x: torch.Tensor, block: int = 32, e4m3_scale: bool = False) -> torch.Tensor:
     """``quant.fp4_qdq`` of the last dim (a multiple of ``block``), output in x's dtype."""
@@ -472,4 +496,21 @@ def hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: t
     y = torch.empty((t, hc, d), dtype=x.dtype, device=x.device)
     bd = 1024
     _hc_post_kernel[(t, triton.cdiv(d, bd))](x, residual, post, comb, y, d, HC=hc, BLOCK_D=bd)
+    return y
+
+
+def moe_combine(out: torch.Tensor, inv: torch.Tensor, k: int, shared: torch.Tensor) -> torch.Tensor:
+    """out [T * k, D]: the routed slots' outputs in expert-sorted order, slot s of token t at row
+    inv[t * k + s]; shared [T, D] -> [T, D] in shared's dtype: ``(out[inv].view(T, k, D).sum(1) +
+    shared).to(shared.dtype)`` in fp32, without the gathered copy."""
+    t, d = shared.shape
+    if out.stride(-1) != 1 or shared.stride(-1) != 1:
+        raise ValueError("moe_combine: rows must be contiguous")
+    y = torch.empty_like(shared)
+    if t == 0:
+        return y
+    bd = min(1024, triton.next_power_of_2(d))
+    _moe_combine_kernel[(t, triton.cdiv(d, bd))](
+        out, inv.contiguous(), shared, y, d, out.stride(0), shared.stride(0), y.stride(0), K=k, BLOCK_D=bd
+    )
     return y

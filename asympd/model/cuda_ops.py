@@ -143,6 +143,7 @@ def _probe_kernels(device: torch.device) -> dict[str, bool]:
         "triton_fp4_qdq": False,
         "triton_hc_project": False,
         "triton_rms_norm": False,
+        "triton_moe_combine": False,
     }
     if device.type != "cuda" or not K.AVAILABLE:
         return out
@@ -196,7 +197,7 @@ def _probe_kernels(device: torch.device) -> dict[str, bool]:
 def probe_glue_kernels(device: torch.device, g: torch.Generator | None = None) -> dict[str, bool]:
     """fp4_qdq (bit-exact), hc_project and rms_norm (fp32 summation order) against ``quant`` and
     ``ops``'s torch forms. Also runs on CPU under Triton's interpreter (the CPU tests call it)."""
-    out = {"triton_fp4_qdq": False, "triton_hc_project": False, "triton_rms_norm": False}
+    out = {"triton_fp4_qdq": False, "triton_hc_project": False, "triton_rms_norm": False, "triton_moe_combine": False}
     if not K.AVAILABLE:
         return out
     g = g or torch.Generator(device=device).manual_seed(0)
@@ -240,6 +241,15 @@ def probe_glue_kernels(device: torch.device, g: torch.Generator | None = None) -
         out["triton_rms_norm"] = bool(ok)
     except Exception:
         pass
+    try:
+        t, k, d = 77, 6, 1280  # a partial column block
+        rows = torch.randn(t * k, d, device=device, generator=g).to(bf)
+        inv = torch.randperm(t * k, device=device, generator=g)
+        shared = torch.randn(t, d, device=device, generator=g).to(bf)
+        ref = (rows.double()[inv].view(t, k, d).sum(1) + shared.double()).to(bf)
+        out["triton_moe_combine"] = _close(K.moe_combine(rows, inv, k, shared), ref, 1e-3)
+    except Exception:
+        pass
     return out
 
 
@@ -260,7 +270,7 @@ def kernels_enabled(device: torch.device) -> dict[str, bool]:
 
 # the glue kernels installed when their probe passes (docs/performance.md §12, "The glue between the
 # kernels"; each measured alone against the torch forms, bench/layers.py's glue section)
-GLUE_KERNELS = ("fp4_qdq", "hc_project", "rms_norm")
+GLUE_KERNELS = ("fp4_qdq", "hc_project", "rms_norm")  # (moe_combine: FastMoE asks caps itself)
 
 
 def install_kernels(device: torch.device) -> None:
@@ -516,6 +526,10 @@ class FastMoE(MoE):
             return super().forward(x, vl)
         weights, ids = self.route(x, vl)
         xq = self._quantize(x)  # the routed experts' and the shared expert's input
+        if ids.numel() and caps(x.device).get("triton_moe_combine"):
+            # the slots summed straight from the expert-sorted rows, the shared row added, one rounding
+            rows, inv = self._routed_rows(x, xq, ids, weights)
+            return K.moe_combine(rows, inv, ids.size(1), self.shared(x, xq, fp32=False).to(x.dtype))
         y = combine_slots(self.routed(x, ids, weights, xq), ids)
         return (y + self.shared(x, xq)).to(x.dtype)
 
@@ -533,9 +547,17 @@ class FastMoE(MoE):
             return x.new_zeros(*ids.shape, x.size(-1))
         if xq is None:
             xq = self._quantize(x)
+        out, inv = self._routed_rows(x, xq, ids, weights)
+        return out.index_select(0, inv).view(*ids.shape, -1)
+
+    def _routed_rows(
+        self, x: torch.Tensor, xq: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the slots' outputs in expert-sorted order [T * k, dim], inv): slot s of token t is row
+        inv[t * k + s]."""
         if self.experts == "mxfp4":
             return self._routed_mxfp4(x, xq, ids, weights)
-        t, k, n_exp = ids.size(0), ids.size(1), self.w13.size(0)
+        k, n_exp = ids.size(1), self.w13.size(0)
         flat = ids.reshape(-1) - self.lo
         order = torch.argsort(flat, stable=True)  # by expert, then by token: the reference's order
         token = order // k
@@ -560,13 +582,14 @@ class FastMoE(MoE):
             h = self._swiglu_f32(gu, inter) * w_sorted.unsqueeze(-1)
             out = self._grouped(qdq32(h.to(self.w2f.dtype)), self.w2f, offs)
         # slot s of token t sits at position inv[t * k + s] of the expert-sorted rows
-        inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
-        return out.index_select(0, inv).view(t, k, -1)
+        return out, torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
 
-    def shared(self, x: torch.Tensor, xq: torch.Tensor | None = None) -> torch.Tensor:
-        """The shared expert of ``x`` (already quantized: ``xq``), fp32."""
+    def shared(self, x: torch.Tensor, xq: torch.Tensor | None = None, fp32: bool = True) -> torch.Tensor:
+        """The shared expert of ``x`` (already quantized: ``xq``), fp32 (``fp32=False``: as its
+        second GEMM returns it)."""
         if getattr(self, "w13", None) is None:
-            return super().shared(x)
+            y = super().shared(x)
+            return y if fp32 else y.to(x.dtype)
         if xq is None:
             xq = self._quantize(x)
         sg = _mm(xq, self.s13)
@@ -574,14 +597,15 @@ class FastMoE(MoE):
             hs = K.swiglu_qdq(sg, None, self.limit, sg.dtype)
         else:
             hs = qdq32(self._swiglu_f32(sg, self.shared_inter).to(sg.dtype))
-        return _mm(hs, self.s2).float()
+        y = _mm(hs, self.s2)
+        return y.float() if fp32 else y
 
     def _routed_mxfp4(
         self, x: torch.Tensor, xq: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        """Routed experts straight from the packed FP4 operands: rows sorted by expert and cut
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_routed_rows`` straight from the packed FP4 operands: rows sorted by expert and cut
         into M-blocks on the device; the GEMMs expand FP4 in registers (``gemm_kernels``)."""
-        t, k = ids.shape
+        k = ids.size(1)
         flat = ids.reshape(-1) - self.lo
         n_exp = self.w13.n_experts
         bm = moe_block_m(flat.numel(), n_exp)
@@ -593,8 +617,7 @@ class FastMoE(MoE):
         else:
             h = qdq32((self._swiglu_f32(gu, self.inter) * w_sorted.unsqueeze(-1)).to(x.dtype))
         out = self.w2f.matmul(h, blocks, flat.numel(), bm, a_rows=None)
-        inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
-        return out.index_select(0, inv).view(t, k, -1)
+        return out, torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
 
     @staticmethod
     def _fused(x: torch.Tensor) -> bool:

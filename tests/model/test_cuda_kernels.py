@@ -1,7 +1,7 @@
 """The fused elementwise kernels (asympd/model/cuda_kernels.py) against the torch forms they replace,
-run by Triton's interpreter on CPU: fp4_qdq bit for bit, hc_project and rms_norm to fp32 summation
-order; and the probe the CUDA build uses to enable them. On a GPU machine the same tests run the
-compiled kernels on the device."""
+run by Triton's interpreter on CPU: fp4_qdq and moe_combine bit for bit, hc_project and rms_norm to
+fp32 summation order; and the probe the CUDA build uses to enable them. On a GPU machine the same
+tests run the compiled kernels on the device."""
 
 from __future__ import annotations
 
@@ -71,11 +71,30 @@ def test_rms_norm_kernel_equals_ops_rms_norm(dtype, d):
     assert K.rms_norm(x[:0], w, 1e-6).shape == (0, d)
 
 
-def test_the_probe_enables_all_three():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_moe_combine_kernel_sums_each_tokens_slots_and_its_shared_row(dtype):
+    """Bit for bit the chain from +0 over the slots in order, then the shared row, one rounding."""
+    g = torch.Generator().manual_seed(6)
+    t, k, d = 11, 6, 1100  # a partial column block
+    rows = (torch.randn(t * k, d, generator=g) * 4).to(DEV, dtype)
+    inv = torch.randperm(t * k, generator=g).to(DEV)
+    shared = torch.randn(t, d, generator=g).to(DEV, dtype)
+    slots = rows.cpu().float()[inv.cpu()].view(t, k, d)
+    want = torch.zeros(t, d)
+    for s in range(k):
+        want = want + slots[:, s]
+    want = (want + shared.cpu().float()).to(dtype)
+    got = K.moe_combine(rows, inv, k, shared)
+    assert got.dtype == dtype and torch.equal(_bits(got.cpu()), _bits(want))
+    assert K.moe_combine(rows[:0], inv[:0], k, shared[:0]).shape == (0, d)
+
+
+def test_the_probe_enables_all_four():
     assert probe_glue_kernels(DEV) == {
         "triton_fp4_qdq": True,
         "triton_hc_project": True,
         "triton_rms_norm": True,
+        "triton_moe_combine": True,
     }
 
 
