@@ -1,11 +1,17 @@
-"""The mHC projection kernel (``cuda_kernels.hc_project``) alone, at V4.1-Flash's shape, against its
-torch form and its bytes floor, over its launch arguments, in one run.
+"""The mHC projection kernel (``cuda_kernels.hc_project``) and the MoE's combine
+(``cuda_kernels.moe_combine``) alone, at V4.1-Flash's shapes, against their torch forms and their
+bytes floors, in one run (hc_project also over its launch arguments).
 
 What it computes per row: the four residual streams flattened ([rows, 4 x 4096] bf16) times the fp32
 ``hc_*_fn`` [24, 16384], scaled by the row's reciprocal RMS. The floor is the bytes it must move
 (the streams once, fn once, the fp32 output) at the copy rate measured in the same run; its FLOPs
 (0.8 MFLOP a row) are noise beside them. Every variant's output is compared with the torch form's
 (relative error; the kernel's products are exact, only the summation order differs).
+
+The combine: per token, its 6 routed slots' rows gathered from the expert-sorted GEMM output and
+summed with the shared expert's row in fp32, one rounding to bf16; the torch form is what
+``FastMoE`` ran before (``index_select`` of every slot row, an fp32 sum, the shared row upcast and
+added, a cast). Floor: the slot rows and the shared row read once, the output written once.
 
     python -m bench.glue_kernels            # on the GPU, ~1 minute; JSON to bench/results/
     python -m bench.glue_kernels --smoke    # tiny rows on CPU through the Triton interpreter
@@ -27,6 +33,7 @@ from asympd.model import cuda_kernels as CK  # noqa: E402
 from bench.common import ceilings, log, record, time_cuda  # noqa: E402
 
 HC, DIM, MIX = 4, 4096, 24  # V4.1-Flash: hc_mult, dim, (2 + hc) * hc mixes
+TOPK = 6  # routed experts a token
 NORM_EPS = 1e-6
 # launch arguments tried beside the default (block_t None: the default's choice by rows)
 VARIANTS: list[dict[str, Any]] = [
@@ -42,6 +49,38 @@ def torch_form(h: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
     """``ops.hc_mixes``'s projection as the torch ops compute it (the kernel's reference)."""
     x = h.flatten(-2).float()
     return torch.nn.functional.linear(x, fn) * torch.rsqrt(x.square().mean(-1, keepdim=True) + NORM_EPS)
+
+
+def combine_torch(rows: torch.Tensor, inv: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """The combine as ``FastMoE`` ran it before ``moe_combine`` (``combine_slots`` on CUDA)."""
+    t = shared.size(0)
+    y = rows.index_select(0, inv).view(t, TOPK, -1).sum(1, dtype=torch.float32)
+    return (y + shared.float()).to(shared.dtype)
+
+
+def combine_cells(rows_list: list[int], dim: int, device, gen, ceil, timed) -> list[dict[str, Any]]:
+    cells = []
+    for t in rows_list:
+        rows = torch.randn(t * TOPK, dim, generator=gen, device=device).to(torch.bfloat16)
+        inv = torch.randperm(t * TOPK, generator=gen, device=device)
+        shared = torch.randn(t, dim, generator=gen, device=device).to(torch.bfloat16)
+        want = combine_torch(rows, inv, shared)
+        got = CK.moe_combine(rows, inv, TOPK, shared)
+        nbytes = (rows.numel() + 2 * shared.numel()) * 2 + inv.numel() * 8
+        floor_ms = nbytes / (ceil["copy_TBps"] * 1e9) if ceil else None
+        cell: dict[str, Any] = {"tokens": t, "bytes": nbytes, "floor_ms": floor_ms}
+        cell["torch"] = timed(lambda r=rows, i=inv, s=shared: combine_torch(r, i, s))
+        cell["kernel"] = timed(lambda r=rows, i=inv, s=shared: CK.moe_combine(r, i, TOPK, s))
+        cell["rel_err"] = float((got.float() - want.float()).norm() / want.float().norm())
+        cell["speedup"] = cell["torch"]["ms"] / cell["kernel"]["ms"]
+        if floor_ms:
+            cell["kernel"]["floor_fraction"] = floor_ms / cell["kernel"]["ms"]
+        log(
+            f"moe_combine tokens={t}: torch {cell['torch']['ms']:.3f} ms, kernel {cell['kernel']['ms']:.3f} ms"
+            + (f" (floor {floor_ms:.3f} ms)" if floor_ms else "")
+        )
+        cells.append(cell)
+    return cells
 
 
 def main() -> None:
@@ -98,6 +137,8 @@ def main() -> None:
             )
         res["cells"].append(cell)
         record(name, res, started)
+    combine_rows = [512, 4096, 16384] if cuda else [5, 9]
+    res["moe_combine"] = combine_cells(combine_rows, dim, device, gen, ceil, timed)
     log("wrote", record(name, res, started))
 
 

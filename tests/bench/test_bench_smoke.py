@@ -227,10 +227,12 @@ def test_kernel_classes():
 
 def test_glue_kernels_smoke(tmp_path):
     """bench/glue_kernels.py: the default and each variant's hc_project timed at every row count,
-    each within summation-order error of the torch form."""
+    each within summation-order error of the torch form; the MoE combine beside its torch form."""
     _smoke("bench/glue_kernels.py", tmp_path)
     r = json.loads((tmp_path / "glue_kernels_smoke.json").read_text())
     assert [c["rows"] for c in r["cells"]] == [16, 40]
     for c in r["cells"]:
         assert set(c["kernel"]) == {"default", *map(str, r["variants"])} and "errors" not in c
         assert all(k["rel_err"] < 1e-5 for k in c["kernel"].values())
+    assert [c["tokens"] for c in r["moe_combine"]] == [5, 9]
+    assert all(c["rel_err"] < 1e-2 and c["kernel"]["ms"] > 0 for c in r["moe_combine"])

@@ -47,27 +47,30 @@ def test_fast_paths_reproduce_reference_on_cpu(tiny_ckpt, dtype):
 
 @pytest.mark.parametrize("weights", ["dequantized", "packed-experts"])
 def test_fast_moe_sums_the_slots_in_the_fused_combine_where_it_passed_its_probe(tiny_ckpt, monkeypatch, weights):
-    """With ``triton_moe_combine`` probed (here on CPU, under Triton's interpreter), FastMoE adds each
-    token's slots straight from the expert-sorted rows: the same logits as the gathered sum up to
-    summation order (fp32), and the kernel ran."""
+    """With ``triton_moe_combine`` probed (on CPU under Triton's interpreter, else on the GPU),
+    FastMoE adds each token's slots straight from the expert-sorted rows: the same logits as the
+    gathered sum up to summation order (fp32), and the kernel ran once a MoE layer."""
     from asympd.model import cuda_kernels as K
     from asympd.model import cuda_ops
 
     if not K.AVAILABLE:
         pytest.skip("needs Triton")
-    model = accelerate(load_model(tiny_ckpt, "full", dtype=torch.float32, weights=weights))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = accelerate(load_model(tiny_ckpt, "full", device=dev, dtype=torch.float32, weights=weights))
     ids = torch.tensor(random_prompts([50], seed=12)[0])
-    before = forward_logits(model, ids, torch.float32)
     real, combine, calls = cuda_ops.caps, K.moe_combine, []
 
     def counted(*args):
         calls.append(1)
         return combine(*args)
 
-    monkeypatch.setattr(cuda_ops, "caps", lambda device: real(device) | {"triton_moe_combine": True})
     monkeypatch.setattr(K, "moe_combine", counted)
-    after = forward_logits(model, ids, torch.float32)
-    assert len(calls) == sum(type(b.ffn).__name__ == "FastMoE" for b in model.blocks) and rel(after, before) < 1e-5
+    logits = []
+    for fused in (False, True):
+        monkeypatch.setattr(cuda_ops, "caps", lambda device, f=fused: real(device) | {"triton_moe_combine": f})
+        logits.append(forward_logits(model, ids, torch.float32))
+    assert len(calls) == sum(type(b.ffn).__name__ == "FastMoE" for b in model.blocks)
+    assert rel(logits[1], logits[0]) < 1e-5
 
 
 def test_which_expert_paths_read_bounds_on_the_host(tiny_ckpt):
