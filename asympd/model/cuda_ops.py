@@ -62,7 +62,10 @@ _CAPS: dict[str, Any] = {}
 
 
 def caps(device: torch.device) -> dict[str, bool]:
-    """Which fast kernels this torch build offers on ``device`` (probed on tiny inputs once)."""
+    """Which fast kernels this torch build offers on ``device`` (probed on tiny inputs once; "cuda"
+    and "cuda:<current>" are one device, one probe and one dict)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     key = str(device)
     if key in _CAPS:
         return _CAPS[key]

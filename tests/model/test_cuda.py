@@ -164,6 +164,15 @@ def perturbation_sensitivity(model, ids: torch.Tensor, eps: float = 1e-6, seeds:
 
 
 @needs_cuda
+def test_caps_probes_the_current_cuda_device_once():
+    """ "cuda" and "cuda:<current>" share one probe: a benchmark that switches a kernel off in
+    ``caps(torch.device("cuda"))`` switches it off for the model's tensors on "cuda:0" too."""
+    from asympd.model.cuda_ops import caps
+
+    assert caps(torch.device("cuda")) is caps(torch.device("cuda", torch.cuda.current_device()))
+
+
+@needs_cuda
 def test_cuda_fp32_matches_cpu_fp32(tiny_ckpt):
     """The logic check: in fp32 the CUDA path may differ from the CPU reference only as much as the
     reference differs from itself under a rounding-level (1e-6) perturbation of its input."""
