@@ -393,6 +393,7 @@ def main() -> None:
     ap.add_argument(
         "--kernels-now", default="", help="the kernels section's other side (default: the build's versions)"
     )
+    ap.add_argument("--glue-cells", default="", help="the glue section's cells to run (indices: 0 4K, 1 16K, 2 decode)")
     args = ap.parse_args()
     started = time.time()
     sections = args.sections.split(",")
@@ -551,6 +552,8 @@ def main() -> None:
         start = 64 if small else 49152
         cells = [(1, q, start) for q in ((16, 64) if small else (4096, 16384))]
         cells.append((4, 1 + K_SPEC, 64) if small else (128, 1 + K_SPEC, 65536))
+        if args.glue_cells:  # some of them, in the order given
+            cells = [cells[int(i)] for i in args.glue_cells.split(",")]
         rows = []
         try:
             for n, q, at in cells:
