@@ -58,12 +58,11 @@ V5_SELECTS = [
     {"digit": 8, "chunk": 4096, "num_warps": 8}, {"digit": 8, "prefetch": False}, {"prefetch": False},
     {"chunk": 2048, "num_warps": 4, "digit": 8},
 ]  # fmt: skip
-# version 4 (the head dim's output split over two programs) at its default (16-key tiles, two
-# stages: two programs an SM) and other launches; version 3 at 16 warps and with Triton's automatic
-# warp specialization were measured slower (attn_kernels_attn4.json) and are not repeated
+# version 4 (the head dim's output split over two programs; measured slower than version 3 in every
+# cell, attn_kernels_attn5.json) and version 5 (the Gluon kernel, attn_gluon.py, Hopper only); version
+# 3 at 16 warps and with Triton's automatic warp specialization were slower too (attn_kernels_attn4.json)
 ATTN_EXPERIMENTS = [
-    {"version": 4}, {"version": 4, "block_n": 32}, {"version": 4, "num_stages": 3},
-    {"version": 4, "num_warps": 8, "block_n": 32}, {"version": 4, "num_warps": 8},
+    {"version": 4}, {"version": 4, "num_stages": 3}, {"version": 5},
 ]  # fmt: skip
 PEAK = {"TBps": 4.8, "TFLOPs": 989.0}  # H200 datasheet (/work/.library/device/H200.md)
 BLOCK_TOKENS = 256  # positions per KV block: 256 entries at ratio 1, 128 at ratio 2
@@ -394,9 +393,11 @@ def run_cell(
             row.setdefault("config_errors", {})[str(kw)] = f"{type(e).__name__}: {str(e)[:300]}"
             continue
         t["config"] = kw
+        got_kw = fused_attention(cell, ref_sel, **kw).float()  # every launch's output against the reference
+        t["rel_err"] = float((got_kw - want).norm() / want.norm())
         if kw.get("version", 0) >= 2 and cell.device.type == "cuda":  # the kernel apart from the wrapper's work
             t["kernels_ms"] = kernel_times(lambda kw=kw: fused_attention(cell, ref_sel, **kw))
-            attn = sum(ms for name, ms in t["kernels_ms"].items() if "_sparse_attn" in name)
+            attn = sum(ms for name, ms in t["kernels_ms"].items() if "_sparse_attn" in name)  # v5's too
             t["kernel_floor_fraction"] = row["floor_ms"] / attn if attn else None
         row.setdefault("fused_configs", []).append(t)
     pick_best(row)

@@ -47,6 +47,8 @@ ATTN_ARGS = [
     ("s_sr", "i32"), ("s_pb", "i32"), ("s_pe", "i32"), ("s_ts", "i32"), ("s_or", "i32"), ("s_oh", "i32"),
     ("NH", "i32"), ("EPB", "i32"), ("scale", "fp32"),
 ]  # fmt: skip
+# attention version 5 (Gluon) takes the pool offsets resolved: no tables, row map or block shape
+GLUON_ATTN_ARGS = {n for n, _ in ATTN_ARGS} - {"tables_ptr", "row_seq_ptr", "s_pb", "s_pe", "s_ts", "EPB"}
 
 
 # integer arguments a launch at true shapes passes as multiples of 16 (strides of 128-wide rows,
@@ -170,6 +172,26 @@ def indexer_row(kind: str, config: tuple) -> dict[str, Any]:
 ATTN_V4 = ((4, 64, 16, 3, 4), (4, 64, 32, 2, 4), (4, 64, 32, 3, 4), (4, 64, 64, 2, 4), (4, 64, 32, 2, 8))
 
 
+def attention_gluon_row() -> dict[str, Any]:
+    """Attention version 5 (``attn_gluon``, Gluon) compiled as the engine launches it at true shapes."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from asympd.model import attn_gluon
+
+    cfg = v41_flash()
+    args = [(n, t) for n, t in ATTN_ARGS if n in GLUON_ATTN_ARGS]
+    cons = dict(W=cfg.window_size, KSEL=cfg.index_topk, D=cfg.head_dim, TWO_WIN=True, ALIGN=8)
+    row: dict[str, Any] = {"kernel": "sparse_attention_paged", "version": 5, "block_h": 64, "block_n": 64}
+    try:
+        row |= compile_report(
+            attn_gluon._sparse_attn_gluon_kernel, args, cons | {"num_warps": attn_gluon.NUM_WARPS},
+            attn_gluon.NUM_WARPS, source=GluonASTSource,
+        )  # fmt: skip
+    except Exception as e:  # keep going: the report says it failed
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return row
+
+
 def attention_row(version: int, block_h: int, block_n: int, num_stages: int, num_warps: int = 8) -> dict[str, Any]:
     """One attention launch's compile report, as the engine launches it at true shapes: two window
     sources (ring buffer and this step's rows), a bf16 pool, 16-byte-aligned offsets from version 3
@@ -211,6 +233,9 @@ def main() -> None:
                      (3, 64, 32, 3, 8), (3, 64, 64, 2, 8), (3, 64, 64, 1, 8), *ATTN_V4)  # fmt: skip
     for version, bh, bn, stages, warps in todo_attn:
         rows.append(attention_row(version, bh, bn, stages, warps))
+        log(rows[-1])
+    if todo_attn:
+        rows.append(attention_gluon_row())
         log(rows[-1])
     log("wrote", record(args.out, {"target": "sm_90", "triton": triton.__version__, "kernels": rows}, started))
 

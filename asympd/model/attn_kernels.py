@@ -1552,15 +1552,16 @@ def sparse_attention_paged(
     multiples, checked here on the pool's strides and address), the accumulator rescaled
     inside the value product, and 32-key tiles two stages deep; 4 = version 3 with the head dim's
     output split over two programs a row (each one warp group: the logits from whole keys, half
-    the accumulator; see the kernel's ``DSPLIT``).
+    the accumulator; see the kernel's ``DSPLIT``); 5 = the Gluon kernel of ``attn_gluon`` (Hopper,
+    bf16, 64-key tiles: an experiment, not yet measured).
     ``window_new`` [n_new, d]: a second window source, the engine's own case (its window slots are
     either earlier rows in the slot's ring buffer, ``window_kv``, or rows of this step, not yet
     appended): then ``window_idx`` -2 - i names row i of ``window_new`` (>= 0 still a row of
     ``window_kv``, -1 not visible), and neither tensor is copied or converted (a ring buffer of
     every slot and layer may be large; the kernel casts what it loads)."""
     version = ATTENTION_VERSION if version is None else version
-    if version not in (1, 2, 3, 4):
-        raise ValueError(f"version must be 1, 2, 3 or 4, got {version!r}")
+    if version not in (1, 2, 3, 4, 5):
+        raise ValueError(f"version must be 1 to 5, got {version!r}")
     rows, n_heads, d = q.shape
     if d & (d - 1) or (version == 4 and d < 32):
         raise ValueError(f"head_dim must be a power of two (version 4: at least 32), got {d}")
@@ -1606,6 +1607,15 @@ def sparse_attention_paged(
     if version >= 2:
         sel = _pool_offsets(sel, tables, seqs, ckv_pool)
     align = _pool_alignment(ckv_pool) if version >= 3 else 1
+    if version == 5:
+        from asympd.model import attn_gluon
+
+        why = attn_gluon.unsupported(q, window_kv, window_new, ckv_pool, widx.size(1), sel.size(1), round_probs)
+        if why is not None:
+            raise ValueError(f"attention version 5: {why}")
+        return attn_gluon.sparse_attention_gluon(
+            q, window_kv, widx, sel, ckv_pool, sink.float().contiguous(), scale, window_new, align
+        )
     split = version == 4
     grid = (rows, triton.cdiv(n_heads, block_h), 2 if split else 1)
     new = window_kv if window_new is None else window_new

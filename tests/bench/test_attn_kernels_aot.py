@@ -62,3 +62,18 @@ print(json.dumps(rows))
     for r in (small, large):
         assert r["local"] == 0 and r["stack"] == 0 and r["cp_async"] > 0, r
     assert small["mma_sync"] > 0 and large["wgmma"] > 0  # 16 rows: mma.sync; 64: a warp group's wgmma
+
+
+def test_attention_version_5_compiles_for_hopper_without_spills(tmp_path):
+    """attn_gluon's kernel (Gluon: the interpreter cannot run it) compiled for sm_90 at V4.1's shapes:
+    wgmma for both products, 16-byte cp.async gathers, no local memory, and shared memory (queries,
+    two 64-key stages, the probabilities) within the 227 KB a block may take."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    code = "import json; from bench.attn_kernels_aot import attention_gluon_row as r; print(json.dumps(r()))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "error" not in row, row
+    assert row["local"] == 0 and row["stack"] == 0 and row["hot_loop_spill_ops"] == 0, row
+    assert row["wgmma"] > 0 and row["cp_async"] > 0 and row["shared_bytes"] <= 227 * 1024, row

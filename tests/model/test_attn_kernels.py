@@ -334,7 +334,7 @@ def test_indexer_bad_input():
     ckv, sink = torch.zeros(3, 4, 64), torch.zeros(4)
     with pytest.raises(ValueError, match="for 2 rows"):
         AK.sparse_attention_paged(qa, win, torch.zeros(3, 16), torch.zeros(2, 8), ckv, tables, sink, 0.1, False)
-    with pytest.raises(ValueError, match="version must be 1, 2, 3 or 4, got 0"):
+    with pytest.raises(ValueError, match="version must be 1 to 5, got 0"):
         AK.sparse_attention_paged(
             qa, win, torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long), ckv, tables, sink,
             0.1, False, version=0,
@@ -350,6 +350,16 @@ def test_indexer_bad_input():
             qa[..., :16], win[:, :16], torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long),
             ckv[..., :16], tables, sink, 0.1, False, version=4,
         )  # fmt: skip
+
+
+def test_attention_version_5_says_why_it_cannot_run_here():
+    """Version 5 is a Gluon kernel for Hopper: elsewhere (or on fp32 operands) a clear error."""
+    g = torch.Generator().manual_seed(3)
+    q, win, pool = torch.randn(2, 4, 64, generator=g), torch.randn(5, 64, generator=g), torch.randn(3, 4, 64)
+    widx, sel = torch.zeros(2, 64, dtype=torch.long), torch.zeros(2, 64, dtype=torch.long)
+    tables, sink = torch.zeros(1, 3, dtype=torch.int32), torch.zeros(4)
+    with pytest.raises(ValueError, match="attention version 5: (a Hopper|bf16 queries)"):
+        AK.sparse_attention_paged(q, win, widx, sel, pool, tables, sink, 0.1, True, version=5)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # exp(sink + 1e30): the empty row

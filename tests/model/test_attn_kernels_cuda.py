@@ -111,12 +111,16 @@ def test_indexer_v3_on_the_gpu_selects_the_reference(epb, splits, version):
     assert torch.equal(re3, torch.where(want2 < vis.unsqueeze(-1), want2, -1))
 
 
+@pytest.mark.parametrize("version", [3, 5], ids=["v3", "v5_gluon"])
 @pytest.mark.parametrize(("rows_per_seq", "n_seqs"), [(4, 64), (512, 2)])
-def test_fused_attention_two_window_sources_at_true_shapes(rows_per_seq, n_seqs):
+def test_fused_attention_two_window_sources_at_true_shapes(rows_per_seq, n_seqs, version):
     """The engine's fused attention call at V4.1's shapes (64 heads x 512, window 128, top-512, bf16,
     probabilities rounded): window slots from a ring buffer and this step's rows, entries from a
-    shuffled pool, against ``fast_sparse_attention`` (the gathered CUDA path) on the same keys; then
-    captured in a CUDA graph and replayed on new inputs: equal to the eager call."""
+    shuffled pool, against ``fast_sparse_attention`` (the gathered CUDA path) on the same keys; a row
+    that sees nothing gives zeros; then captured in a CUDA graph and replayed on new inputs: equal
+    to the eager call. Version 3 (the default) and version 5 (the Gluon kernel, sm_90 only)."""
+    if version == 5 and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("attention version 5 is a Hopper kernel")
     from asympd.model.cuda_ops import fast_sparse_attention
 
     dev, bf = torch.device("cuda"), torch.bfloat16
@@ -143,7 +147,7 @@ def test_fused_attention_two_window_sources_at_true_shapes(rows_per_seq, n_seqs)
 
     def fused(widx, sel):
         return AK.sparse_attention_paged(
-            q, ring, widx, sel, pool, tables, sink, d**-0.5, True, row_seq=row_seq, window_new=new
+            q, ring, widx, sel, pool, tables, sink, d**-0.5, True, row_seq=row_seq, window_new=new, version=version
         )
 
     widx, sel = inputs()
@@ -156,6 +160,9 @@ def test_fused_attention_two_window_sources_at_true_shapes(rows_per_seq, n_seqs)
     )
     rel = float((got.float() - want.float()).norm() / want.float().norm())
     assert rel < 1e-2, rel  # bf16 probabilities rounded against the running max (measured ~2e-3)
+    hidden_w, hidden_s = widx.clone(), sel.clone()
+    hidden_w[0], hidden_s[0] = -1, -1
+    assert torch.equal(fused(hidden_w, hidden_s)[0], torch.zeros_like(q[0]))
     static_w, static_s = widx.clone(), sel.clone()
     fused(static_w, static_s)  # compiled before the capture
     torch.cuda.synchronize()
