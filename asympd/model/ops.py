@@ -39,11 +39,12 @@ def linear_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """fp32 x W^T where the reference multiplies in fp32 (the head, the ratio>1 compressor). Their
     stored weights and a bf16 model's rows are bf16 values, so a bf16 weight (the GPU build holds
     them so, ``loader``) with fp32 accumulation computes the same products at half the bytes and
-    the bf16 tensor-core rate; an fp32 weight (CPU, fp32 models) takes the reference's fp32 GEMM."""
-    if weight.dtype == torch.bfloat16:
+    the bf16 tensor-core rate; an fp32 weight (CPU, fp32 models) takes the reference's fp32 GEMM, and
+    so does a bf16 one off CUDA (torch's fp32-output GEMM is CUDA's)."""
+    if weight.dtype == torch.bfloat16 and weight.is_cuda:
         flat = x.reshape(-1, x.size(-1)).to(torch.bfloat16)
         return torch.mm(flat, weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], weight.size(0))
-    return linear(x.float(), weight)
+    return linear(x.float(), weight.float())
 
 
 def lm_head(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:

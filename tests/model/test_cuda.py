@@ -45,6 +45,23 @@ def test_fast_paths_reproduce_reference_on_cpu(tiny_ckpt, dtype):
     assert rel(b, a) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+def test_linear_f32_gives_the_fp32_products_of_bf16_values():
+    """The head's and the ratio>1 compressor's GEMM (``ops.linear_f32``): a bf16 weight, as the GPU
+    build holds them, gives the fp32 weight's result to summation order: on CUDA through the bf16
+    GEMM with fp32 output, elsewhere by upcasting (the CPU has no fp32-output bf16 GEMM)."""
+    from asympd.model.ops import linear, linear_f32
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(7, 3, 64, generator=g).bfloat16()
+    w = torch.randn(48, 64, generator=g).bfloat16()
+    want = linear(x.float(), w.float())
+    assert torch.equal(linear_f32(x, w), want) and torch.equal(linear_f32(x, w.float()), want)
+    if torch.cuda.is_available():
+        got = linear_f32(x.cuda(), w.cuda())
+        assert got.dtype == torch.float32 and got.shape == (7, 3, 48)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("weights", ["dequantized", "packed-experts"])
 def test_fast_moe_sums_the_slots_in_the_fused_combine_where_it_passed_its_probe(tiny_ckpt, monkeypatch, weights):
     """With ``triton_moe_combine`` probed (on CPU under Triton's interpreter, else on the GPU),
