@@ -169,6 +169,9 @@ def unsupported(q: torch.Tensor, window_kv: torch.Tensor, window_new: torch.Tens
     tensors = [q, window_kv, pool] + ([window_new] if window_new is not None else [])
     if any(t.dtype != torch.bfloat16 for t in tensors) or not round_probs:
         return "bf16 queries, keys and probabilities only"
+    # every row it copies starts on 16 bytes (cp.async copies 16 bytes at a time here)
+    if any(t.data_ptr() % 16 or any(st % 8 for st in t.stride()[:-1]) or t.stride(-1) != 1 for t in tensors):
+        return "rows of queries and keys starting on 16-byte boundaries"
     if q.size(1) > BLOCK_H or q.size(2) not in (256, 512):
         return f"at most {BLOCK_H} heads of 256 or 512 dims, got {q.size(1)} x {q.size(2)}"
     if w % BLOCK_N or k % BLOCK_N:
