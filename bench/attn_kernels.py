@@ -58,12 +58,11 @@ V5_SELECTS = [
     {"digit": 8, "chunk": 4096, "num_warps": 8}, {"digit": 8, "prefetch": False}, {"prefetch": False},
     {"chunk": 2048, "num_warps": 4, "digit": 8},
 ]  # fmt: skip
-# version 4 (the head dim's output split over two programs; measured slower than version 3 in every
-# cell, attn_kernels_attn5.json) and version 5 (the Gluon kernel, attn_gluon.py, Hopper only); version
-# 3 at 16 warps and with Triton's automatic warp specialization were slower too (attn_kernels_attn4.json)
-ATTN_EXPERIMENTS = [
-    {"version": 4}, {"version": 4, "num_stages": 3}, {"version": 5},
-]  # fmt: skip
+# version 5 (the Gluon kernel, attn_gluon.py, Hopper only). Measured slower than version 3 and not
+# repeated: version 3 at 16 warps and with Triton's automatic warp specialization
+# (attn_kernels_attn4.json), a version 4 splitting the output's head dim over two programs
+# (attn_kernels_attn5.json, since removed)
+ATTN_EXPERIMENTS = [{"version": 5}]
 PEAK = {"TBps": 4.8, "TFLOPs": 989.0}  # H200 datasheet (/work/.library/device/H200.md)
 BLOCK_TOKENS = 256  # positions per KV block: 256 entries at ratio 1, 128 at ratio 2
 

@@ -168,10 +168,6 @@ def indexer_row(kind: str, config: tuple) -> dict[str, Any]:
     return row
 
 
-# version 4's launches (one warp group a program): key tiles of 16-64, two or three stages
-ATTN_V4 = ((4, 64, 16, 3, 4), (4, 64, 32, 2, 4), (4, 64, 32, 3, 4), (4, 64, 64, 2, 4), (4, 64, 32, 2, 8))
-
-
 def attention_gluon_row() -> dict[str, Any]:
     """Attention version 5 (``attn_gluon``, Gluon) compiled as the engine launches it at true shapes."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -194,12 +190,11 @@ def attention_gluon_row() -> dict[str, Any]:
 
 def attention_row(version: int, block_h: int, block_n: int, num_stages: int, num_warps: int = 8) -> dict[str, Any]:
     """One attention launch's compile report, as the engine launches it at true shapes: two window
-    sources (ring buffer and this step's rows), a bf16 pool, 16-byte-aligned offsets from version 3
-    (version 4: the head dim's output split over two programs, one warp group each)."""
+    sources (ring buffer and this step's rows), a bf16 pool, 16-byte-aligned offsets for version 3."""
     cfg = v41_flash()
     cons = dict(W=cfg.window_size, KSEL=cfg.index_topk, D=cfg.head_dim, BH=block_h, BN=block_n, ROUND_PROBS=True,
-                DOT_F32=False, SEL_OFFSETS=version >= 2, TWO_WIN=True, ALIGN=8 if version >= 3 else 1,
-                ACC_IN_DOT=version >= 3, DSPLIT=version == 4)  # fmt: skip
+                DOT_F32=False, SEL_OFFSETS=version >= 2, TWO_WIN=True, ALIGN=8 if version == 3 else 1,
+                ACC_IN_DOT=version == 3)  # fmt: skip
     row = {"kernel": "sparse_attention_paged", "version": version, "block_h": block_h, "block_n": block_n,
            "num_stages": num_stages, "num_warps": num_warps}  # fmt: skip
     try:
@@ -230,7 +225,7 @@ def main() -> None:
         # each version's default, then version 3's launches bench/attn_kernels.py sweeps
         # (and 64-key tiles, which do not fit: the shared memory they ask for, the spills at one stage)
         todo_attn = ((1, 16, 32, 3, 8), (2, 64, 16, 3, 8), (3, 64, 16, 3, 8), (3, 64, 16, 2, 8), (3, 64, 32, 2, 8),
-                     (3, 64, 32, 3, 8), (3, 64, 64, 2, 8), (3, 64, 64, 1, 8), *ATTN_V4)  # fmt: skip
+                     (3, 64, 32, 3, 8), (3, 64, 64, 2, 8), (3, 64, 64, 1, 8))  # fmt: skip
     for version, bh, bn, stages, warps in todo_attn:
         rows.append(attention_row(version, bh, bn, stages, warps))
         log(rows[-1])

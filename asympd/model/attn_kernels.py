@@ -983,12 +983,6 @@ if AVAILABLE:
                 j0 += KP
 
     @triton.jit
-    def _logits(q, kv, DOT_F32: tl.constexpr):
-        if DOT_F32:
-            return tl.dot(q.to(tl.float32), tl.trans(kv.to(tl.float32)), input_precision="ieee")
-        return tl.dot(q, tl.trans(kv))
-
-    @triton.jit
     def _attend(
         q,
         kv,
@@ -1000,19 +994,14 @@ if AVAILABLE:
         ROUND_PROBS: tl.constexpr,
         DOT_F32: tl.constexpr,
         ACC_IN_DOT: tl.constexpr,
-        q2=None,
-        kv2=None,
-        SPLIT: tl.constexpr = False,
     ):
         """One online-softmax step over a key tile kv [BN, D] (K = V). ``ACC_IN_DOT`` (version 3):
         the rescaled accumulator is the value product's accumulator (wgmma adds into it) instead of
-        a separate add of a fresh [BH, D] product. ``SPLIT`` (version 4): q, kv hold this program's
-        half of the head dim (the values it outputs), q2, kv2 the other half, which only the logits
-        need; the two halves' products are added after (fp32 addition commutes: both programs of a
-        row compute the same logits, bit for bit)."""
-        logits = _logits(q, kv, DOT_F32)
-        if SPLIT:
-            logits = logits + _logits(q2, kv2, DOT_F32)
+        a separate add of a fresh [BH, D] product."""
+        if DOT_F32:
+            logits = tl.dot(q.to(tl.float32), tl.trans(kv.to(tl.float32)), input_precision="ieee")
+        else:
+            logits = tl.dot(q, tl.trans(kv))
         logits = tl.where(valid[None, :], logits * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(logits, axis=1))
         alpha = tl.exp(m - m_new)
@@ -1079,7 +1068,6 @@ if AVAILABLE:
         ALIGN: tl.constexpr = 1,
         ACC_IN_DOT: tl.constexpr = False,
         WS: tl.constexpr = False,
-        DSPLIT: tl.constexpr = False,
     ):
         """``SEL_OFFSETS`` (version 2): sel holds each entry's element offset in the pool (the
         wrapper resolved the block table), so a key tile is one dependent load after its index
@@ -1091,38 +1079,22 @@ if AVAILABLE:
         (``win_ptr``, index >= 0) and this step's rows (``new_ptr``, index -2 - i), each loaded
         in its own dtype and cast to the pool's (fp32 with ``DOT_F32``), so neither is copied.
         ``WS``: Triton's automatic warp specialization of both key loops (an experiment: loads,
-        products and softmax in separate warps). ``DSPLIT`` (version 4): two programs a row tile
-        (grid axis 2), each outputting half of the head dim: each reads every key whole for the
-        logits, but holds a [BH, D / 2] accumulator, so a program is one warp group with registers
-        for the rest and no barrier between warp groups inside a key tile."""
+        products and softmax in separate warps; measured no faster)."""
         row = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BH + tl.arange(0, BH)
         hmask = h < NH
-        if DSPLIT:
-            half = tl.program_id(2)
-            d = half * (D // 2) + tl.arange(0, D // 2)  # the columns this program outputs
-            d2 = (1 - half) * (D // 2) + tl.arange(0, D // 2)  # the rest: the logits only
-            q2 = tl.load(q_ptr + row * s_qr + h[:, None] * s_qh + d2[None, :], mask=hmask[:, None], other=0.0)
-        else:
-            d = tl.arange(0, D)
-            d2 = d
-            q2 = None
+        d = tl.arange(0, D)
         q = tl.load(q_ptr + row * s_qr + h[:, None] * s_qh + d[None, :], mask=hmask[:, None], other=0.0)
         m = tl.full((BH,), -1e30, tl.float32)  # the reference clamps the max at -1e30
         lsum = tl.zeros((BH,), tl.float32)
-        acc = tl.zeros((BH, D // 2 if DSPLIT else D), tl.float32)
+        acc = tl.zeros((BH, D), tl.float32)
         n = tl.arange(0, BN)
         kt = tl.float32 if DOT_F32 else pool_ptr.dtype.element_ty
         for j0 in tl.range(0, W, BN, warp_specialize=WS):  # W, KSEL the model's: constant bounds, pipelined
             j = j0 + n
             wi = tl.load(widx_ptr + row * s_wir + j, mask=j < W, other=-1).to(tl.int64)
             kv, valid = _window_tile(win_ptr, new_ptr, wi, s_wn, s_nn, d, kt, TWO_WIN)
-            kv2 = None
-            if DSPLIT:
-                kv2, _ = _window_tile(win_ptr, new_ptr, wi, s_wn, s_nn, d2, kt, TWO_WIN)
-            m, lsum, acc = _attend(
-                q, kv, valid, m, lsum, acc, scale, ROUND_PROBS, DOT_F32, ACC_IN_DOT, q2, kv2, DSPLIT
-            )  # fmt: skip
+            m, lsum, acc = _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS, DOT_F32, ACC_IN_DOT)
         table_ptr = tables_ptr + tl.load(row_seq_ptr + row).to(tl.int64) * s_ts
         for j0 in tl.range(0, KSEL, BN, warp_specialize=WS):
             j = j0 + n
@@ -1136,12 +1108,7 @@ if AVAILABLE:
                 blk = tl.load(table_ptr + e // EPB, mask=valid, other=0).to(tl.int64)
                 off = blk * s_pb + (e % EPB) * s_pe
             kv = tl.load(pool_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            kv2 = None
-            if DSPLIT:
-                kv2 = tl.load(pool_ptr + off[:, None] + d2[None, :], mask=valid[:, None], other=0.0)
-            m, lsum, acc = _attend(
-                q, kv, valid, m, lsum, acc, scale, ROUND_PROBS, DOT_F32, ACC_IN_DOT, q2, kv2, DSPLIT
-            )  # fmt: skip
+            m, lsum, acc = _attend(q, kv, valid, m, lsum, acc, scale, ROUND_PROBS, DOT_F32, ACC_IN_DOT)
         sink = tl.load(sink_ptr + h, mask=hmask, other=0.0).to(tl.float32)
         out = acc / (lsum + tl.exp(sink - m))[:, None]
         tl.store(
@@ -1550,21 +1517,21 @@ def sparse_attention_paged(
     resolved to pool offsets before the launch (one dependent load fewer per tile); 3 = version 2
     with the entry tiles loaded 16 bytes at a time and pipelined (the offsets declared 16-byte
     multiples, checked here on the pool's strides and address), the accumulator rescaled
-    inside the value product, and 32-key tiles two stages deep; 4 = version 3 with the head dim's
-    output split over two programs a row (each one warp group: the logits from whole keys, half
-    the accumulator; see the kernel's ``DSPLIT``); 5 = the Gluon kernel of ``attn_gluon`` (Hopper,
-    bf16, 64-key tiles: an experiment, not yet measured).
+    inside the value product, and 32-key tiles two stages deep; 5 = the Gluon kernel of
+    ``attn_gluon`` (Hopper, bf16, 64-key tiles: an experiment, not yet measured). (Version 4, the
+    head dim's output split over two programs a row, measured slower everywhere and was removed:
+    docs/performance.md §12.)
     ``window_new`` [n_new, d]: a second window source, the engine's own case (its window slots are
     either earlier rows in the slot's ring buffer, ``window_kv``, or rows of this step, not yet
     appended): then ``window_idx`` -2 - i names row i of ``window_new`` (>= 0 still a row of
     ``window_kv``, -1 not visible), and neither tensor is copied or converted (a ring buffer of
     every slot and layer may be large; the kernel casts what it loads)."""
     version = ATTENTION_VERSION if version is None else version
-    if version not in (1, 2, 3, 4, 5):
-        raise ValueError(f"version must be 1 to 5, got {version!r}")
+    if version not in (1, 2, 3, 5):
+        raise ValueError(f"version must be 1, 2, 3 or 5, got {version!r}")
     rows, n_heads, d = q.shape
-    if d & (d - 1) or (version == 4 and d < 32):
-        raise ValueError(f"head_dim must be a power of two (version 4: at least 32), got {d}")
+    if d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two, got {d}")
     if window_kv.dim() != 2 or window_kv.size(-1) != d or ckv_pool.dim() != 3 or ckv_pool.size(-1) != d:
         raise ValueError(
             f"window_kv {tuple(window_kv.shape)} / ckv_pool {tuple(ckv_pool.shape)} do not match head_dim {d}"
@@ -1599,11 +1566,9 @@ def sparse_attention_paged(
     if block_h is None:
         block_h = 16 if version == 1 else max(16, min(64, _next_pow2(n_heads)))
     if block_n is None:  # version 3 at 32 keys a tile: 1.3-1.6x its 16 (attn_kernels_attn3.json)
-        block_n = 32 if version not in (2, 4) or d < 256 else 16
-    if num_stages is None and version in (3, 4) and d >= 256:
-        # version 3: two tiles of 32 x 512 in flight, three fit but measured no faster; version 4:
-        # two of 16 x 512 keep a program in 112 KB of shared memory, so two share an SM (sm_90)
-        num_stages = 2
+        block_n = 32 if version != 2 or d < 256 else 16
+    if num_stages is None and version == 3 and d >= 256:
+        num_stages = 2  # two tiles of 32 x 512 in flight: three fit but measured no faster
     if version >= 2:
         sel = _pool_offsets(sel, tables, seqs, ckv_pool)
     align = _pool_alignment(ckv_pool) if version >= 3 else 1
@@ -1616,8 +1581,7 @@ def sparse_attention_paged(
         return attn_gluon.sparse_attention_gluon(
             q, window_kv, widx, sel, ckv_pool, sink.float().contiguous(), scale, window_new, align
         )
-    split = version == 4
-    grid = (rows, triton.cdiv(n_heads, block_h), 2 if split else 1)
+    grid = (rows, triton.cdiv(n_heads, block_h))
     new = window_kv if window_new is None else window_new
     _sparse_attn_kernel[grid](
         q, window_kv, new, widx, sel, ckv_pool, tables, seqs, sink.float().contiguous(), out,
@@ -1625,9 +1589,9 @@ def sparse_attention_paged(
         ckv_pool.stride(0), ckv_pool.stride(1), tables.stride(0), out.stride(0), out.stride(1),
         n_heads, ckv_pool.size(1), float(scale), W=widx.size(1), KSEL=sel.size(1),
         D=d, BH=block_h, BN=block_n, ROUND_PROBS=bool(round_probs), DOT_F32=dot_f32,
-        SEL_OFFSETS=version >= 2, TWO_WIN=window_new is not None, ALIGN=align, ACC_IN_DOT=version >= 3,
-        WS=warp_specialize, DSPLIT=split,
-        num_warps=num_warps or (4 if d <= 128 or split else 8), **({"num_stages": num_stages} if num_stages else {}),
+        SEL_OFFSETS=version >= 2, TWO_WIN=window_new is not None, ALIGN=align, ACC_IN_DOT=version == 3,
+        WS=warp_specialize,
+        num_warps=num_warps or (4 if d <= 128 else 8), **({"num_stages": num_stages} if num_stages else {}),
     )  # fmt: skip
     return out
 
