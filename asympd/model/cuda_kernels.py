@@ -376,7 +376,7 @@ def hc_project(
     if t == 0:
         return y
     # 64-row tiles of 64-wide K steps: within 4 % of the best launch at 512-16384 rows, 1.35-2.4x the
-    # earlier 16-row tiles below 2048 rows (bench/results/glue_kernels.json)
+    # earlier rule (16-row tiles below 2048 rows, K steps of 128) at 512-4096 rows (glue_kernels.json)
     bt, bk = block_t or 64, block_k
     bn = max(16, triton.next_power_of_2(n))
     n_t = triton.cdiv(t, bt)

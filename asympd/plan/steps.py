@@ -24,12 +24,10 @@ from asympd.plan.gpus import GPUS, MEASURED_ON, GPUSpec, roofline_factor
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
 # the H200 tables the planner reads (by the key StepModel knows each by): layer steps timed with the
-# MoE and attention kernels the CUDA build runs (packed MXFP4 experts, the fused indexer's version 5
-# and attention's version 3; ``bench/layers.py --out layers_v3``), the D and P steps composed from
-# them, the two-GPU links
-# the twenty-second session's tables: the Gluon MXFP4 MoE with today's defaults (M-blocks from the
-# measured sweep, a block's weight tiles launched together from 16K-token chunks) and the glue kernels
-# (fp4_qdq, hc_project, rms_norm; the compressor's bf16 GEMM), measured at 9a892c2
+# MoE and attention kernels the CUDA build runs (packed MXFP4 experts in Gluon with today's M-blocks
+# and tile order, the fused indexer's version 5 and attention's version 3, the glue kernels and the
+# compressor's bf16 GEMM; ``bench/layers.py --out layers_v6``, measured at 9a892c2), the D and P steps
+# composed from them, the two-GPU links
 TABLES = {
     "layers": "layers_v6.json",
     "d_admission": "d_admission_v6.json",
