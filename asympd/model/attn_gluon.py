@@ -1,5 +1,5 @@
-"""Sparse latent attention on Hopper in Gluon (issue 15): attention version 5, an experiment that is
-not the default until the device has measured it.
+"""Sparse latent attention on Hopper in Gluon (issue 15): attention version 5, the default wherever
+it takes the operands (1.4-1.7x version 3 on the H200, docs/performance.md §12).
 
 Why a second kernel: version 3 (Triton, ``attn_kernels._sparse_attn_kernel``) runs at 16-17 % of its
 floor at 16K rows, and Nsight Compute calls it latency-bound (docs/performance.md §12): one 8-warp
@@ -92,7 +92,7 @@ if AVAILABLE:
     ):
         BH: gl.constexpr = 64
         BN: gl.constexpr = 64
-        N_TILES: gl.constexpr = (W + KSEL) // BN
+        N_TILES: gl.constexpr = (W + KSEL + BN - 1) // BN  # a ragged last tile: its tail masked
         row = gl.program_id(0).to(gl.int64)
         # logits [64 heads, 64 keys]: each warp group half the keys; output [64, D]: half the dims
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
@@ -162,7 +162,7 @@ if AVAILABLE:
 
 
 def unsupported(q: torch.Tensor, window_kv: torch.Tensor, window_new: torch.Tensor | None, pool: torch.Tensor,
-                w: int, k: int, round_probs: bool) -> str | None:  # fmt: skip
+                round_probs: bool) -> str | None:  # fmt: skip
     """Why version 5 cannot take these operands (None: it can)."""
     if not AVAILABLE or not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return "a Hopper (sm_90) kernel: it needs Triton and an sm_90 GPU"
@@ -174,8 +174,6 @@ def unsupported(q: torch.Tensor, window_kv: torch.Tensor, window_new: torch.Tens
         return "rows of queries and keys starting on 16-byte boundaries"
     if q.size(1) > BLOCK_H or q.size(2) not in (256, 512):
         return f"at most {BLOCK_H} heads of 256 or 512 dims, got {q.size(1)} x {q.size(2)}"
-    if w % BLOCK_N or k % BLOCK_N:
-        return f"window slots and selected entries in whole {BLOCK_N}-key tiles, got {w} + {k}"
     return None
 
 

@@ -70,8 +70,8 @@ round_probs, *, row_seq=None, window_new=None, block_h=None, block_n=None, versi
     a power-of-e factor after rounding, within about one bf16 ulp of the reference's value. One
     program per (row, ``block_h`` heads), keys in tiles of ``block_n`` rows. ``version`` 1: 16
     heads x 32 keys; 2: all heads of a row (up to 64) x 16 keys, the selected entries resolved to
-    pool offsets by the wrapper; 3 (``ATTENTION_VERSION``): version 2 with 16-byte pipelined entry
-    loads and 32-key tiles.
+    pool offsets by the wrapper; 3: version 2 with 16-byte pipelined entry loads and 32-key tiles;
+    5 (``ATTENTION_VERSION``, where its operands allow, else 3): the Gluon kernel of ``attn_gluon``.
 
 With ``TRITON_INTERPRET=1`` both run on CPU tensors (the tests); dots are then fp32 (the
 interpreter's bf16 dot is wrong, see ``gemm_kernels._dot_f32``).
@@ -1117,7 +1117,10 @@ if AVAILABLE:
 
 
 INDEXER_VERSION = 5  # indexer_topk's default kernel: scores, then a radix select (1-4: the earlier ones)
-ATTENTION_VERSION = 3  # sparse_attention_paged's default (1, 2: the earlier tilings and loads)
+# sparse_attention_paged's default: version 5 (attn_gluon) where it takes the operands (Hopper, bf16,
+# rounded probabilities), else ATTENTION_FALLBACK (1, 2: the earlier tilings and loads)
+ATTENTION_VERSION = 5
+ATTENTION_FALLBACK = 3
 NSLICE = 2  # indexer v2/v3: candidate buffer of NSLICE * k slots per row (runs of tiles between merges)
 # indexer version 4: version 3's kernel with 64-entry key tiles and ptxas held to 128 registers a
 # thread, so two 8-warp blocks share an SM (v3: ~240 registers, one block, latency exposed). Offline
@@ -1518,14 +1521,16 @@ def sparse_attention_paged(
     with the entry tiles loaded 16 bytes at a time and pipelined (the offsets declared 16-byte
     multiples, checked here on the pool's strides and address), the accumulator rescaled
     inside the value product, and 32-key tiles two stages deep; 5 = the Gluon kernel of
-    ``attn_gluon`` (Hopper, bf16, 64-key tiles: an experiment, not yet measured). (Version 4, the
-    head dim's output split over two programs a row, measured slower everywhere and was removed:
-    docs/performance.md §12.)
+    ``attn_gluon`` (Hopper, bf16, rounded probabilities, 64-key tiles: 1.4-1.7x version 3, §12).
+    Left at None, version 5 runs where it takes the operands and ``ATTENTION_FALLBACK`` elsewhere;
+    asked for by number, a version that cannot take them raises. (Version 4, the head dim's output
+    split over two programs a row, measured slower everywhere and was removed: §12.)
     ``window_new`` [n_new, d]: a second window source, the engine's own case (its window slots are
     either earlier rows in the slot's ring buffer, ``window_kv``, or rows of this step, not yet
     appended): then ``window_idx`` -2 - i names row i of ``window_new`` (>= 0 still a row of
     ``window_kv``, -1 not visible), and neither tensor is copied or converted (a ring buffer of
     every slot and layer may be large; the kernel casts what it loads)."""
+    asked = version is not None
     version = ATTENTION_VERSION if version is None else version
     if version not in (1, 2, 3, 5):
         raise ValueError(f"version must be 1, 2, 3 or 5, got {version!r}")
@@ -1563,6 +1568,13 @@ def sparse_attention_paged(
     elif window_kv.dtype != kv_dtype:
         window_kv = window_kv.to(kv_dtype)
     dot_f32 = _dot_f32(q) or kv_dtype != torch.bfloat16 or q.dtype != kv_dtype or not round_probs or mixed
+    if version == 5:
+        from asympd.model import attn_gluon
+
+        why = attn_gluon.unsupported(q, window_kv, window_new, ckv_pool, round_probs)
+        if why is not None and asked:
+            raise ValueError(f"attention version 5: {why}")
+        version = 5 if why is None else ATTENTION_FALLBACK
     if block_h is None:
         block_h = 16 if version == 1 else max(16, min(64, _next_pow2(n_heads)))
     if block_n is None:  # version 3 at 32 keys a tile: 1.3-1.6x its 16 (attn_kernels_attn3.json)
@@ -1573,11 +1585,6 @@ def sparse_attention_paged(
         sel = _pool_offsets(sel, tables, seqs, ckv_pool)
     align = _pool_alignment(ckv_pool) if version >= 3 else 1
     if version == 5:
-        from asympd.model import attn_gluon
-
-        why = attn_gluon.unsupported(q, window_kv, window_new, ckv_pool, widx.size(1), sel.size(1), round_probs)
-        if why is not None:
-            raise ValueError(f"attention version 5: {why}")
         return attn_gluon.sparse_attention_gluon(
             q, window_kv, widx, sel, ckv_pool, sink.float().contiguous(), scale, window_new, align
         )

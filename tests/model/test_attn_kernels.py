@@ -348,13 +348,18 @@ def test_indexer_bad_input():
 
 
 def test_attention_version_5_says_why_it_cannot_run_here():
-    """Version 5 is a Gluon kernel for Hopper: elsewhere (or on fp32 operands) a clear error."""
+    """Version 5 is a Gluon kernel for Hopper: asked for elsewhere (or on fp32 operands), a clear
+    error; the default falls back to version 3 there."""
     g = torch.Generator().manual_seed(3)
     q, win, pool = torch.randn(2, 4, 64, generator=g), torch.randn(5, 64, generator=g), torch.randn(3, 4, 64)
     widx, sel = torch.zeros(2, 64, dtype=torch.long), torch.zeros(2, 64, dtype=torch.long)
     tables, sink = torch.zeros(1, 3, dtype=torch.int32), torch.zeros(4)
     with pytest.raises(ValueError, match="attention version 5: (a Hopper|bf16 queries)"):
         AK.sparse_attention_paged(q, win, widx, sel, pool, tables, sink, 0.1, True, version=5)
+    # the default asks for nothing: version 5 where it can run, else the fallback, the same bits
+    assert AK.ATTENTION_VERSION == 5 and AK.ATTENTION_FALLBACK == 3
+    default = AK.sparse_attention_paged(q, win, widx, sel, pool, tables, sink, 0.1, True)
+    assert torch.equal(default, AK.sparse_attention_paged(q, win, widx, sel, pool, tables, sink, 0.1, True, version=3))
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # exp(sink + 1e30): the empty row

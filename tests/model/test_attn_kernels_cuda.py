@@ -112,20 +112,23 @@ def test_indexer_v3_on_the_gpu_selects_the_reference(epb, splits, version):
 
 
 @pytest.mark.parametrize("version", [3, 5], ids=["v3", "v5_gluon"])
+@pytest.mark.parametrize(("win", "k"), [(128, 512), (100, 200), (128, 0)], ids=["true", "ragged", "window_only"])
 @pytest.mark.parametrize(("rows_per_seq", "n_seqs"), [(4, 64), (512, 2)])
-def test_fused_attention_two_window_sources_at_true_shapes(rows_per_seq, n_seqs, version):
+def test_fused_attention_two_window_sources_at_true_shapes(rows_per_seq, n_seqs, win, k, version):
     """The engine's fused attention call at V4.1's shapes (64 heads x 512, window 128, top-512, bf16,
     probabilities rounded): window slots from a ring buffer and this step's rows, entries from a
     shuffled pool, against ``fast_sparse_attention`` (the gathered CUDA path) on the same keys; a row
     that sees nothing gives zeros; then captured in a CUDA graph and replayed on new inputs: equal
-    to the eager call. Version 3 (the default) and version 5 (the Gluon kernel, sm_90 only)."""
+    to the eager call. Also key counts off the 64-key tile (a ragged last tile) and a window-only
+    layer (no entries). Version 3 and version 5 (the Gluon kernel, sm_90 only, the default there:
+    the same bits as asking for it)."""
     if version == 5 and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("attention version 5 is a Hopper kernel")
     from asympd.model.cuda_ops import fast_sparse_attention
 
     dev, bf = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(1)
-    h, d, win, k, epb, n_ent = 64, 512, 128, 512, 64, 4096
+    h, d, epb, n_ent = 64, 512, 64, 4096
     rows = rows_per_seq * n_seqs
     q = torch.randn(rows, h, d, generator=g, device=dev).to(bf)
     ring = torch.randn(n_seqs * 160, d, generator=g, device=dev).to(bf)
@@ -160,6 +163,11 @@ def test_fused_attention_two_window_sources_at_true_shapes(rows_per_seq, n_seqs,
     )
     rel = float((got.float() - want.float()).norm() / want.float().norm())
     assert rel < 1e-2, rel  # bf16 probabilities rounded against the running max (measured ~2e-3)
+    if version == 5:
+        default = AK.sparse_attention_paged(
+            q, ring, widx, sel, pool, tables, sink, d**-0.5, True, row_seq=row_seq, window_new=new
+        )
+        assert torch.equal(default, got)
     hidden_w, hidden_s = widx.clone(), sel.clone()
     hidden_w[0], hidden_s[0] = -1, -1
     assert torch.equal(fused(hidden_w, hidden_s)[0], torch.zeros_like(q[0]))
