@@ -163,7 +163,7 @@ def test_communication_from_the_two_gpu_run(results):
 
 
 def test_missing_results_are_a_clear_error(tmp_path):
-    with pytest.raises(PlanInputError, match="layers_v6.json is missing"):
+    with pytest.raises(PlanInputError, match="layers_v7.json is missing"):
         load_results(tmp_path)
 
 
