@@ -11,10 +11,13 @@ BESIDE = 0.5  # a step counts as beside the other process's steps when they cove
 # counts as alone (it reads at most this fraction x (stretch - 1) long: < 10 % at stretch 2)
 ALONE_P = 0.08
 # P's step fit (asympd.plan.validate.fit_p_step) also takes the P steps D's steps covered up to this
-# much, priced as if alone by the validation's own sharing rule (``alone_priced``). In the true-depth
-# co-runs the covered fractions fall at <= 0.17 (the fill burst's full-budget step beside D's first
-# step for the prompt P finished first) or >= 0.25 (steps beside the decode batch), none between.
-P_FIT_MAX_OVERLAP = 0.2
+# much, priced as if alone by the validation's own sharing rule (``alone_priced``): the fill burst's
+# full-budget step beside D's first step for the prompt P finished first, the line's long lever.
+# Through headline6 it was covered <= 0.17 and steps beside the decode batch >= 0.25 (the bound was
+# 0.2); in v7a, with D's steps faster, the full-budget step was covered 0.245 and the decode-batch
+# ones >= 0.78, so the bound is 0.3 (docs/planner.md, "v7"; of the older validations only oos2's
+# moved, its summary unchanged).
+P_FIT_MAX_OVERLAP = 0.3
 
 
 def gpu_held(steps: list[list]) -> list[list]:
@@ -68,7 +71,7 @@ def p_fit_steps(
     """(prompt rows, seconds priced alone, fraction covered) of every P step with prompt rows that
     D's steps covered less than ``max_overlap`` of: the points P's step line is fitted to. Why not
     only the alone steps (``p_alone_steps``): the fill burst's full-budget step, P's largest, is
-    covered 10-17 % by D's first step of the prompt finished before it, and without it the alone
+    covered 10-25 % by D's first step of the prompt finished before it, and without it the alone
     steps of oos5/oos6 spanned 896-1792 rows, where the fitted slope moved 4.7x between two runs."""
     return [(rows, alone_priced(secs, f), f) for rows, secs, f in _covered_p_steps(p_steps, d_steps) if f < max_overlap]
 

@@ -133,21 +133,33 @@ STALL_MADS, STALL_FACTOR = 3.0, 2.0
 
 def stalls(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """The points of a step line that are stalls, not the line's cost: those above the
-    least-squares line through all of them by over ``STALL_MADS`` robust standard deviations (the
-    median absolute residual x 1.4826) and over ``STALL_FACTOR`` x its time. oos8's P spent 1.19 s
-    on a 1201-row step its neighbours ran at 0.2 s, which tripled the line's intercept
-    (docs/planner.md, "oos8"). Nothing when that would leave the line fewer than two row counts."""
-    a, b = _line(points)
-    resid = [y - a - b * x for x, y in points]
+    least-squares line through the other points by over ``STALL_MADS`` robust standard deviations
+    (the median absolute residual x 1.4826) and over ``STALL_FACTOR`` x that line's time. oos8's P
+    spent 1.19 s on a 1201-row step its neighbours ran at 0.2 s, which tripled the line's intercept
+    (docs/planner.md, "oos8"). A point inside the others' row range is judged against the line
+    through the others: v7a's one 1706-row step of 0.50 s, where a 1792-row one took 0.14, pulled a
+    line through all of them to 0.32 s there and hid (docs/planner.md, "v7"); one outside it (the
+    fill's 16K-row step, the slope's only long lever) against the line through all, as a line
+    through 896-1792-row steps says nothing about 16K rows. Nothing when that would leave the line
+    fewer than two row counts."""
+    lines = [_line_without(points, i) for i in range(len(points))]
+    resid = [y - a - b * x for (x, y), (a, b) in zip(points, lines, strict=True)]
     mad = _median([abs(r) for r in resid])
     out = [
         (x, y)
-        for (x, y), r in zip(points, resid, strict=True)
+        for (x, y), r, (a, b) in zip(points, resid, lines, strict=True)
         if r > STALL_MADS * 1.4826 * mad and y > STALL_FACTOR * (a + b * x)
     ]
     if mad == 0.0 or len({pt[0] for pt in points if pt not in out}) < 2:
         return []
     return out
+
+
+def _line_without(points: list[tuple[float, float]], i: int) -> tuple[float, float]:
+    """``stalls``' line to judge point i by: the others' where they bracket its row count, else all."""
+    others = points[:i] + points[i + 1 :]
+    xs = [x for x, _ in others]
+    return _line(others) if xs and min(xs) <= points[i][0] <= max(xs) else _line(points)
 
 
 @dataclass
