@@ -379,7 +379,8 @@ class Attention(torch.nn.Module):
     def _attend_fused(
         self, q: torch.Tensor, kv: torch.Tensor, win: WindowIndex, sel: torch.Tensor | None, view: BatchRows
     ) -> torch.Tensor:
-        """``core``'s attention in one Triton launch: the same keys per row (its W window slots, then
+        """``core``'s attention in one kernel launch (Gluon on Hopper, else Triton:
+        ``attn_kernels.sparse_attention_paged``): the same keys per row (its W window slots, then
         its selected entries; the sink) read in place -- window slots from the ring buffer or from
         this step's ``kv`` (encoded as one index, -2 - row for the latter), entries from the pool
         through the block tables. Device ops only: a captured step captures it."""
