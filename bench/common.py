@@ -27,15 +27,29 @@ RESULTS = ROOT / "bench" / "results"
 # ---- provenance -----------------------------------------------------------------------------------
 
 
-def source_digest() -> str:
+def source_digest(root: Path = ROOT, skip: tuple[str, ...] = ()) -> str:
     """sha256 over the package and bench sources: identifies the code that produced a result even
-    where the tree is uncommitted or .git is absent (the device machine gets a copy without it)."""
+    where the tree is uncommitted or .git is absent (the device machine gets a copy without it).
+    ``skip``: folders (relative to ``root``) left out."""
     h = hashlib.sha256()
     for base in ("asympd", "bench"):
-        for f in sorted((ROOT / base).rglob("*.py")):
-            h.update(str(f.relative_to(ROOT)).encode())
+        for f in sorted((root / base).rglob("*.py")):
+            rel = f.relative_to(root)
+            if any(rel.is_relative_to(d) for d in skip):
+                continue
+            h.update(str(rel).encode())
             h.update(f.read_bytes())
     return h.hexdigest()[:16]
+
+
+# code a measurement never runs: the planner (it reads results, the servers and benchmarks never
+# import it), so parts of one study run at commits that changed only the planner still merge
+PLANNER_ONLY = ("asympd/plan",)
+
+
+def serving_digest(root: Path = ROOT) -> str:
+    """``source_digest`` without the planner's sources: what ``bench/e2e.py --merge`` compares."""
+    return source_digest(root, PLANNER_ONLY)
 
 
 def commit() -> str:
@@ -89,6 +103,7 @@ def record(name: str, data: dict[str, Any], started: float | None = None) -> Pat
         "benchmark": name,
         "commit": commit(),
         "source_digest": source_digest(),
+        "serving_digest": serving_digest(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "device": device_info(),
         "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

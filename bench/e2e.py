@@ -1173,8 +1173,9 @@ def summarize(data: dict[str, Any]) -> None:
 # ---- merging parts ----------------------------------------------------------------------------------------
 
 # what must agree for parts to be one study (the model, the traffic, the deployment settings, the code:
-# its source digest, so parts run at different commits that differ only outside asympd/ and bench/ merge)
-SAME = ("source_digest", "gpus", "placement", "traffic", "slo", "d_policy", "p_step_tokens",
+# its serving digest, so parts run at commits that differ only outside asympd/ and bench/ or in the
+# planner merge; results from before that field compare the whole source digest)
+SAME = ("gpus", "placement", "traffic", "slo", "d_policy", "p_step_tokens",
         "colocated_semantics", "kv_cache_gb_per_worker")  # fmt: skip
 SAME_MODEL = ("checkpoint", "depth", "expert_storage", "model_config")
 
@@ -1192,8 +1193,9 @@ def merge(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     for f, part in parts:
         if not isinstance(part, dict) or not isinstance(part.get("modes"), dict) or "model" not in part:
             raise MergeError(f"{f}: not a bench/e2e.py result")
+    code = "serving_digest" if all("serving_digest" in p for _, p in parts) else "source_digest"
     for f, part in parts[1:]:
-        for k in SAME:
+        for k in (code, *SAME):
             if part.get(k) != first.get(k):
                 raise MergeError(f"{f} differs from {first_file} in {k!r}: {part.get(k)!r} != {first.get(k)!r}")
         for k in SAME_MODEL:

@@ -278,6 +278,36 @@ def test_merge_refuses_parts_of_different_studies(tmp_path):
         merge([("part1.json", PART1), ("x.json", {"modes": []})])
 
 
+def test_merge_compares_the_serving_digest_where_both_parts_have_it():
+    """Parts that differ only in planner code (source digests apart, serving digests equal) are one
+    study; a different serving digest is not; a part without the field compares source digests."""
+    from bench.e2e import MergeError, merge
+
+    a = {**PART1, "serving_digest": "s1"}
+    merged = merge([("part1.json", a), ("part2.json", {**PART2, "source_digest": "zzz", "serving_digest": "s1"})])
+    assert merged["serving_digest"] == "s1" and len(merged["modes"]) == 5
+    with pytest.raises(MergeError, match="part2.json differs from part1.json in 'serving_digest': 's2' != 's1'"):
+        merge([("part1.json", a), ("part2.json", {**PART2, "serving_digest": "s2"})])
+    with pytest.raises(MergeError, match="in 'source_digest'"):
+        merge([("part1.json", a), ("part2.json", {**PART2, "source_digest": "zzz"})])
+
+
+def test_the_serving_digest_leaves_the_planner_out(tmp_path):
+    """A change under asympd/plan moves the source digest only; one anywhere else moves both."""
+    from bench.common import serving_digest, source_digest
+
+    for rel, text in (("asympd/engine/x.py", "a = 1\n"), ("asympd/plan/y.py", "b = 1\n"), ("bench/z.py", "c = 1\n")):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    before = source_digest(tmp_path), serving_digest(tmp_path)
+    (tmp_path / "asympd/plan/y.py").write_text("b = 2\n")
+    after_plan = source_digest(tmp_path), serving_digest(tmp_path)
+    assert after_plan[0] != before[0] and after_plan[1] == before[1]
+    (tmp_path / "asympd/engine/x.py").write_text("a = 2\n")
+    after_engine = source_digest(tmp_path), serving_digest(tmp_path)
+    assert after_engine[0] != after_plan[0] and after_engine[1] != after_plan[1]
+
+
 def test_merge_command(tmp_path):
     a, b, out = tmp_path / "p1.json", tmp_path / "p2.json", tmp_path / "e2e_h200x1.json"
     a.write_text(json.dumps(PART1))
