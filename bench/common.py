@@ -27,29 +27,33 @@ RESULTS = ROOT / "bench" / "results"
 # ---- provenance -----------------------------------------------------------------------------------
 
 
-def source_digest(root: Path = ROOT, skip: tuple[str, ...] = ()) -> str:
-    """sha256 over the package and bench sources: identifies the code that produced a result even
-    where the tree is uncommitted or .git is absent (the device machine gets a copy without it).
-    ``skip``: folders (relative to ``root``) left out."""
-    h = hashlib.sha256()
+# code a measurement never runs: the planner (it reads results, the servers and benchmarks never
+# import it), so parts of one study run at commits that changed only the planner still merge
+PLANNER_ONLY = Path("asympd/plan")
+
+
+def digests(root: Path = ROOT) -> tuple[str, str]:
+    """(source digest, serving digest) in one read of the sources: sha256 over the package and bench
+    sources, which identifies the code that produced a result even where the tree is uncommitted or
+    .git is absent (the device machine gets a copy without it); the serving digest leaves the
+    planner's sources out (what ``bench/e2e.py --merge`` compares)."""
+    source, serving = hashlib.sha256(), hashlib.sha256()
     for base in ("asympd", "bench"):
         for f in sorted((root / base).rglob("*.py")):
             rel = f.relative_to(root)
-            if any(rel.is_relative_to(d) for d in skip):
-                continue
-            h.update(str(rel).encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()[:16]
+            chunk = str(rel).encode() + f.read_bytes()
+            source.update(chunk)
+            if not rel.is_relative_to(PLANNER_ONLY):
+                serving.update(chunk)
+    return source.hexdigest()[:16], serving.hexdigest()[:16]
 
 
-# code a measurement never runs: the planner (it reads results, the servers and benchmarks never
-# import it), so parts of one study run at commits that changed only the planner still merge
-PLANNER_ONLY = ("asympd/plan",)
+def source_digest(root: Path = ROOT) -> str:
+    return digests(root)[0]
 
 
 def serving_digest(root: Path = ROOT) -> str:
-    """``source_digest`` without the planner's sources: what ``bench/e2e.py --merge`` compares."""
-    return source_digest(root, PLANNER_ONLY)
+    return digests(root)[1]
 
 
 def commit() -> str:
@@ -102,8 +106,7 @@ def record(name: str, data: dict[str, Any], started: float | None = None) -> Pat
     payload = {
         "benchmark": name,
         "commit": commit(),
-        "source_digest": source_digest(),
-        "serving_digest": serving_digest(),
+        **dict(zip(("source_digest", "serving_digest"), digests(), strict=True)),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "device": device_info(),
         "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
