@@ -39,6 +39,8 @@ WGMMA_CONFIGS = [
     {"stages": 5},
     {"num_warps": 4},
     {"num_warps": 4, "stages": 3},
+    {"warp_specialized": True},
+    {"warp_specialized": True, "stages": 6},
 ]
 
 

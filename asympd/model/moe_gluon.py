@@ -76,7 +76,8 @@ if AVAILABLE:
         """One block's half [128, 16] (column 4c + 2i + t: nibble of byte 4c + 2i + t) -> the wgmma
         register operand of one K = 16 step, column 8i + 2c + t. Only whole registers move (each
         holds the t = 0, 1 pair the decode packed): a renaming, no data movement."""
-        x = x.reshape([_BW, 4, 2, 2]).permute((0, 2, 1, 3)).reshape([_BW, 16])
+        rows: gl.constexpr = x.shape[0]
+        x = x.reshape([rows, 4, 2, 2]).permute((0, 2, 1, 3)).reshape([rows, 16])
         return gl.convert_layout(x, layout)
 
     @gluon.jit
@@ -86,7 +87,7 @@ if AVAILABLE:
         immediates ptxas kept them in uniform registers and copied them into vector registers
         before every lookup (~30 moves a K-step at 16-row blocks, docs/performance.md §9)."""
         j = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, p_l)))[None, None, :] % 4
-        j = gl.full([2, _BW, 16], 0, gl.int32, p_l) + j
+        j = gl.full(p_l.shape, 0, gl.int32, p_l) + j
         t0, t1 = gl.load(lut_ptr), gl.load(lut_ptr + 1)
         t2, t3 = gl.load(lut_ptr + 2), gl.load(lut_ptr + 3)
         return gl.where(j == 0, t0, gl.where(j == 1, t1, gl.where(j == 2, t2, t3)))
@@ -359,8 +360,9 @@ def mxfp4_moe_gemm_wgmma(
     default 4), ``num_warps`` (4 or 8; default 4 for 16-row blocks, else 8), ``lut_registers``
     (default True: the decode's table held in registers; False: as immediates), ``tiles_inner``
     (True: an M-block's weight tiles launched together; False: the M-blocks innermost; default
-    ``tiles_inner(rows)``); both False is the nineteenth session's kernel, kept to measure against.
-    Returns [rows, N] bf16."""
+    ``tiles_inner(rows)``); both False is the nineteenth session's kernel, kept to measure against;
+    ``warp_specialized`` (``moe_gluon_ws``: a copy partition and two MMA partitions on mbarriers;
+    the register operand; ``num_warps`` does not apply). Returns [rows, N] bf16."""
     cfg = config or {}
     err = _unsupported(a, weight, block_m)
     if err is not None:
@@ -377,35 +379,20 @@ def mxfp4_moe_gemm_wgmma(
     s = scale.view(torch.uint8)
     block_expert, row0, row1 = blocks
     y = torch.empty(rows, n, dtype=a.dtype, device=a.device)
-    _mxfp4_moe_wgmma_kernel[(block_expert.numel() * n_tiles,)](
-        x,
-        a_rows if a_rows is not None else row0,
-        weight,
-        s,
-        _lut(a.device),
-        y,
-        block_expert,
-        row0,
-        row1,
-        n,
-        n_tiles,
-        block_expert.numel(),
-        x.stride(0),
-        weight.stride(0),
-        weight.stride(1),
-        s.stride(0),
-        s.stride(1),
-        y.stride(0),
-        K=k,
-        N_EXPERTS=n_experts,
-        GATHER=a_rows is not None,
-        W_STEP=weight.stride(2),
-        S_STEP=s.stride(2),
-        BLOCK_T=block_m,
-        STAGES=cfg.get("stages", 4),
-        A_SMEM=a_smem,
-        LUT_REGS=cfg.get("lut_registers", True),
-        TILES_INNER=cfg.get("tiles_inner", tiles_inner(rows)),
-        num_warps=warps,
+    args = (x, a_rows if a_rows is not None else row0, weight, s, _lut(a.device), y, block_expert, row0, row1, n,
+            n_tiles, block_expert.numel(), x.stride(0), weight.stride(0), weight.stride(1), s.stride(0), s.stride(1),
+            y.stride(0))  # fmt: skip
+    common = dict(K=k, N_EXPERTS=n_experts, GATHER=a_rows is not None, W_STEP=weight.stride(2), S_STEP=s.stride(2))
+    common |= dict(BLOCK_T=block_m, STAGES=cfg.get("stages", 4), TILES_INNER=cfg.get("tiles_inner", tiles_inner(rows)))
+    grid = (block_expert.numel() * n_tiles,)
+    if cfg.get("warp_specialized", False):
+        from asympd.model import moe_gluon_ws
+
+        if a_smem:
+            raise ValueError("mxfp4_moe_gemm_wgmma: the warp-specialized form takes the register operand only")
+        moe_gluon_ws.launch(grid, args, common)
+        return y
+    _mxfp4_moe_wgmma_kernel[grid](
+        *args, **common, A_SMEM=a_smem, LUT_REGS=cfg.get("lut_registers", True), num_warps=warps
     )
     return y

@@ -90,9 +90,9 @@ def _problem(tokens: int, n: int, k: int, n_exp: int, topk: int, seed: int = 0):
 
 
 # the default, both copy-ring forms, and both launch orders (the default is tiles_inner(rows): here
-# blocks innermost), with the nineteenth session's table and order
+# blocks innermost), with the nineteenth session's table and order; the warp-specialized form
 CONFIGS = [{}, {"a_smem": True}, {"stages": 3}, {"num_warps": 4}, {"tiles_inner": True}]
-CONFIGS += [{"lut_registers": False, "tiles_inner": False}]
+CONFIGS += [{"lut_registers": False, "tiles_inner": False}, {"warp_specialized": True}]
 
 
 @pytest.mark.skipif(not HOPPER, reason="a Hopper kernel (Gluon has no interpreter)")

@@ -1,0 +1,244 @@
+"""The MXFP4 expert GEMM split by role (issue 11): ``moe_gluon``'s register-operand kernel as a
+copy partition and two MMA partitions on mbarriers, with no block barrier between them.
+
+Why: Nsight Compute on the one-role kernel at 4096 tokens, 64-row M-blocks (docs/performance.md
+§9, ``bench/results/ncu_moe_gluon_bm64_4k.txt``) has the tensor pipe busy 48.7 % of the time and the
+ALU (the FP4 expansion) 47.5 %: the two add up to the whole kernel, so they ran one after the
+other, although three programs share each SM. Every K-step there ends in a block barrier and a
+memory barrier, and each warp group retires its wgmmas before it expands the next step. Here each
+warp group waits only for its own stage of the copy ring, so one group can expand while the
+other's wgmmas run.
+
+No ``from __future__ import annotations`` here: Gluon's aggregates read their annotations as types.
+"""
+
+from asympd.model import moe_gluon as MG
+
+try:  # the core must import with torch alone (no Triton: no kernels)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import constexpr_function
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.language.core import _aggregate as aggregate
+except ImportError:  # pragma: no cover - exercised where Triton is absent
+    gluon = None
+
+AVAILABLE = gluon is not None and MG.AVAILABLE
+
+if AVAILABLE:
+    _BW = gl.constexpr(MG.BLOCK_W)
+    _BK = gl.constexpr(MG.BLOCK_K)
+    _expand, _k16, _lut_operand = MG._expand, MG._k16, MG._lut_operand
+
+    class _WsArgs:
+        """What every partition of ``_mxfp4_moe_ws_kernel`` reads (worker partitions take no
+        distributed tensors: scalars, pointers and shared-memory descriptors only)."""
+
+        a_ptr: gl.tensor
+        a_rows_ptr: gl.tensor
+        w_ptr: gl.tensor
+        s_ptr: gl.tensor
+        lut_ptr: gl.tensor
+        y_ptr: gl.tensor
+        e: gl.tensor
+        pid_n: gl.tensor
+        row0: gl.tensor
+        row1: gl.tensor
+        N: gl.tensor
+        s_am: gl.tensor
+        s_we: gl.tensor
+        s_wt: gl.tensor
+        s_se: gl.tensor
+        s_st: gl.tensor
+        s_ym: gl.tensor
+        x_smem: gl.shared_memory_descriptor
+        w_smem: gl.shared_memory_descriptor
+        s_smem: gl.shared_memory_descriptor
+        full: gl.shared_memory_descriptor
+        empty: gl.shared_memory_descriptor
+        K: gl.constexpr
+        GATHER: gl.constexpr
+        W_STEP: gl.constexpr
+        S_STEP: gl.constexpr
+        BLOCK_T: gl.constexpr
+        STAGES: gl.constexpr
+
+        @constexpr_function
+        def __init__(self, *values):
+            # the fields in the order they are declared
+            assert len(values) == len(_WS_FIELDS)
+            for i in range(len(values)):
+                name = _WS_FIELDS[i][0]
+                const = _WS_FIELDS[i][1] is gl.constexpr
+                setattr(self, name, gl.constexpr(values[i]) if const else values[i])
+
+    _WS_FIELDS = tuple(_WsArgs.__annotations__.items())  # read before ``aggregate`` hides them
+    _WsArgs = aggregate(_WsArgs)
+
+    @gluon.jit
+    def _ws_load(p):
+        """The copy partition (4 warps): K-step j's activation rows, packed bytes and scales into
+        ring stage j % STAGES once both MMA partitions have released it; each thread's copies
+        arrive on the stage's ``full`` barrier when they land (cp.async.mbarrier.arrive.noinc)."""
+        x_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        wc_l: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [2, 2, 1], [2, 1, 0])
+        sc_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [2, 2], [1, 0])
+        t = gl.arange(0, p.BLOCK_T, layout=gl.SliceLayout(1, x_l))
+        rows = gl.minimum(p.row0 + t, p.row1 - 1)
+        if p.GATHER:
+            src = gl.load(p.a_rows_ptr + rows).to(gl.int64)
+        else:
+            src = rows.to(gl.int64)
+        kx = gl.arange(0, _BK, layout=gl.SliceLayout(0, x_l))
+        x_src = p.a_ptr + src[:, None] * p.s_am + kx[None, :]
+        wb = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, wc_l)))
+        wr = gl.arange(0, _BW, layout=gl.SliceLayout(0, gl.SliceLayout(2, wc_l)))
+        wj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, wc_l)))
+        w_src = (p.w_ptr + p.e.to(gl.int64) * p.s_we + p.pid_n.to(gl.int64) * p.s_wt
+                 + wb[:, None, None] * p.W_STEP + wr[None, :, None] * 16 + wj[None, None, :])  # fmt: skip
+        sb = gl.arange(0, 2, layout=gl.SliceLayout(1, sc_l))
+        sr = gl.arange(0, _BW, layout=gl.SliceLayout(0, sc_l))
+        s_src = (
+            p.s_ptr + p.e.to(gl.int64) * p.s_se + p.pid_n.to(gl.int64) * p.s_st + sb[:, None] * p.S_STEP + sr[None, :]
+        )
+        n_steps: gl.constexpr = p.K // _BK
+        for j in range(n_steps):
+            stage = j % p.STAGES
+            mbarrier.wait(p.empty.index(stage), ((j // p.STAGES) & 1) ^ 1)  # a fresh barrier: passes
+            async_copy.async_copy_global_to_shared(p.x_smem.index(stage), x_src + j * _BK)
+            async_copy.async_copy_global_to_shared(p.w_smem.index(stage), w_src + j * 2 * p.W_STEP)
+            async_copy.async_copy_global_to_shared(p.s_smem.index(stage), s_src + j * 2 * p.S_STEP)
+            async_copy.mbarrier_arrive(p.full.index(stage), increment_count=False)
+
+    @gluon.jit
+    def _ws_mma(p, HALF: gl.constexpr):
+        """One MMA partition (one warp group): weight rows [64 HALF, 64 HALF + 64) of the tile. A
+        K-step: wait for its stage, expand the packed bytes into the wgmma register operand,
+        four wgmmas, retire them, release the stage. Nothing here waits on the other warp group,
+        so one group's expansion can run under the other's wgmmas."""
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, p.BLOCK_T, 16]
+        )
+        a_op_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+        p_l: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 8, 0], [1, 0, 0]],
+            lane_bases=[[0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+            warp_bases=[[0, 16, 0], [0, 32, 0]],
+            block_bases=[],
+            shape=[2, 64, 16],
+        )
+        out_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
+        lut = _lut_operand(p.lut_ptr, p_l)
+        acc = gl.zeros([64, p.BLOCK_T], gl.float32, acc_l)
+        n_steps: gl.constexpr = p.K // _BK
+        for i in range(n_steps):
+            stage = i % p.STAGES
+            mbarrier.wait(p.full.index(stage), (i // p.STAGES) & 1)
+            fence_async_shared()  # the copies' (generic proxy) writes, before wgmma reads them
+            w = p.w_smem.index(stage).slice(64 * HALF, 64, dim=1).load(p_l)
+            sc = p.s_smem.index(stage).slice(64 * HALF, 64, dim=1).load(gl.SliceLayout(2, p_l))
+            lo0, hi0, lo1, hi1 = _expand(w, sc, lut, True)
+            x = p.x_smem.index(stage)
+            acc = warpgroup_mma(_k16(lo0, a_op_l), x.slice(0, 16, dim=1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(_k16(hi0, a_op_l), x.slice(16, 16, dim=1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(_k16(lo1, a_op_l), x.slice(32, 16, dim=1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(_k16(hi1, a_op_l), x.slice(48, 16, dim=1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            # the wgmmas (which every warp of the group issued, after its loads) are done: the
+            # stage is free for this group
+            mbarrier.arrive(p.empty.index(stage))
+        out = gl.convert_layout(acc.to(p.y_ptr.dtype.element_ty), out_l)
+        on = p.pid_n * _BW + 64 * HALF + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
+        ot = p.row0 + gl.arange(0, p.BLOCK_T, layout=gl.SliceLayout(0, out_l))
+        optrs = p.y_ptr + ot.to(gl.int64)[None, :] * p.s_ym + on[:, None]
+        gl.store(optrs, out, mask=(ot < p.row1)[None, :] & (on < p.N)[:, None])
+
+    @gluon.jit
+    def _ws_mma_lo(p):
+        _ws_mma(p, 0)
+
+    @gluon.jit
+    def _ws_mma_hi(p):
+        _ws_mma(p, 1)
+
+    @gluon.jit(do_not_specialize=["n_blocks"])
+    def _mxfp4_moe_ws_kernel(
+        a_ptr,
+        a_rows_ptr,
+        w_ptr,
+        s_ptr,
+        lut_ptr,
+        y_ptr,
+        block_expert_ptr,
+        block_row0_ptr,
+        block_row1_ptr,
+        N,
+        n_tiles,
+        n_blocks,
+        s_am,
+        s_we,
+        s_wt,
+        s_se,
+        s_st,
+        s_ym,
+        K: gl.constexpr,
+        N_EXPERTS: gl.constexpr,
+        GATHER: gl.constexpr,
+        W_STEP: gl.constexpr,
+        S_STEP: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        STAGES: gl.constexpr,
+        TILES_INNER: gl.constexpr,
+        MMA_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """``_mxfp4_moe_wgmma_kernel``'s register form split by role: a copy partition filling a
+        ring of stages on mbarriers, and two MMA partitions (one warp group, 64 weight rows each)
+        that never meet at a block barrier. Measured against the one-role kernel because the
+        profile of that kernel (docs/performance.md §9) shows its expansion (ALU) and its wgmmas
+        (tensor pipe) running one after the other."""
+        if TILES_INNER:
+            pid_n = gl.program_id(0) % n_tiles
+            pid_b = gl.program_id(0) // n_tiles
+        else:
+            pid_b = gl.program_id(0) % n_blocks
+            pid_n = gl.program_id(0) // n_blocks
+        e = gl.load(block_expert_ptr + pid_b)
+        if e >= N_EXPERTS:
+            return
+        row0 = gl.load(block_row0_ptr + pid_b)
+        row1 = gl.load(block_row1_ptr + pid_b)
+        x_smem_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_T, _BK], gl.bfloat16)
+        plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+        plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, _BK], x_smem_l)
+        w_smem = gl.allocate_shared_memory(gl.int8, [STAGES, 2, _BW, 16], plain3)
+        s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 2, _BW], plain2)
+        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(full.index(i), count=128)  # one arrival a copy thread (noinc)
+            mbarrier.init(empty.index(i), count=2)  # one a warp group
+        p = _WsArgs(a_ptr, a_rows_ptr, w_ptr, s_ptr, lut_ptr, y_ptr, e, pid_n, row0, row1, N, s_am, s_we, s_wt,
+                    s_se, s_st, s_ym, x_smem, w_smem, s_smem, full, empty, K, GATHER, W_STEP, S_STEP, BLOCK_T,
+                    STAGES)  # fmt: skip
+        gl.warp_specialize([(_ws_mma_lo, (p,)), (_ws_mma_hi, (p,)), (_ws_load, (p,))], [4, 4], [MMA_REGS, 40])
+
+
+# (launch registers a thread, the MMA partitions' registers) by M-block: the launch's figure sets
+# the occupancy (12 warps a program: 80 -> two programs an SM), the copy partition keeps 40 and the
+# first MMA partition (the default one) gets what the other two leave
+REGISTERS = {16: (80, 96), 32: (80, 96), 64: (80, 96), 128: (104, 136)}
+
+
+def launch(grid: tuple[int], args: tuple, constexprs: dict) -> None:
+    """``_mxfp4_moe_ws_kernel`` with ``moe_gluon.mxfp4_moe_gemm_wgmma``'s arguments (its
+    register-operand form's, activations in ``k_order``)."""
+    maxnreg, mma_regs = REGISTERS[constexprs["BLOCK_T"]]
+    _mxfp4_moe_ws_kernel[grid](*args, **constexprs, MMA_REGS=mma_regs, num_warps=4, maxnreg=maxnreg)
