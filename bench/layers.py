@@ -394,6 +394,13 @@ def main() -> None:
         "--kernels-now", default="", help="the kernels section's other side (default: the build's versions)"
     )
     ap.add_argument("--glue-cells", default="", help="the glue section's cells to run (indices: 0 4K, 1 16K, 2 decode)")
+    ap.add_argument(
+        "--exponent-decode",
+        type=int,
+        choices=(0, 1),
+        default=None,
+        help="the Gluon expert GEMM's table-free FP4 decode (packed.EXPONENT_DECODE; default: the build's)",
+    )
     args = ap.parse_args()
     started = time.time()
     sections = args.sections.split(",")
@@ -401,6 +408,10 @@ def main() -> None:
 
     if args.wgmma_min_block_m is not None:
         gemm_kernels.WGMMA_MIN_BLOCK_M = args.wgmma_min_block_m
+    from asympd.model import packed
+
+    if args.exponent_decode is not None:
+        packed.EXPONENT_DECODE = bool(args.exponent_decode)
     from asympd.config import tiny, v41_flash
 
     if args.smoke:
@@ -413,6 +424,7 @@ def main() -> None:
         experts_modes = ("mxfp4", "bf16", "fp8") if block_experts == "mxfp4" else ("bf16", "fp8")
     res: dict[str, Any] = {"config": "tiny" if args.smoke else "v41-flash", "W": W, "k_spec": K_SPEC}
     res["wgmma_min_block_m"] = gemm_kernels.WGMMA_MIN_BLOCK_M
+    res["exponent_decode"] = packed.EXPONENT_DECODE
     name = args.out or ("layers_smoke" if args.smoke else "layers")
     ceil = None
     if device.type == "cuda":

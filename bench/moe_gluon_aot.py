@@ -26,19 +26,39 @@ ARGS = [
 ALIGNED = {"N", "s_am", "s_we", "s_wt", "s_se", "s_st", "s_ym"}
 SHAPES = ((128, 4, 8), (128, 5, 8), (64, 4, 8), (32, 4, 8), (16, 4, 4))  # (T, stages, warps)
 CONFIGS = [(t, s, w, a) for a in (True, False) for t, s, w in SHAPES]  # a: through shared memory
+CONFIGS += [(t, s, w, False, 5120, True, True) for t, s, w in SHAPES]  # the table-free decode
 
 
 def report(
-    block_t: int, stages: int, warps: int, a_smem: bool = True, k: int = 5120, gather: bool = True
+    block_t: int, stages: int, warps: int, a_smem: bool = True, k: int = 5120, gather: bool = True, exp: bool = False
 ) -> dict[str, Any]:
     """One launch of the w13 GEMM at V4.1's shapes (K 5120, 128-row tiles: 2 KB a 32-K step)."""
     cons = dict(K=k, N_EXPERTS=384, GATHER=gather, W_STEP=2048, S_STEP=128)
-    cons |= dict(BLOCK_T=block_t, STAGES=stages, A_SMEM=a_smem, LUT_REGS=True, TILES_INNER=True, num_warps=warps)
+    cons |= dict(BLOCK_T=block_t, STAGES=stages, A_SMEM=a_smem, LUT_REGS=True, EXP_DECODE=exp, TILES_INNER=True)
+    cons |= dict(num_warps=warps)
     row: dict[str, Any] = {"block_t": block_t, "stages": stages, "num_warps": warps, "a_smem": a_smem}
+    row |= {"exponent_decode": exp}
     row |= {"k": k, "gather": gather}
     try:
         row |= compile_report(MG._mxfp4_moe_wgmma_kernel, ARGS, cons, warps, aligned=ALIGNED, source=GluonASTSource)
     except Exception as e:  # keep going: the report says which config failed
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return row
+
+
+def report_ws(block_t: int, stages: int = 4, k: int = 5120) -> dict[str, Any]:
+    """The warp-specialized form (``moe_gluon_ws``) of the same launch, at its launch registers."""
+    from asympd.model import moe_gluon_ws as WS
+
+    maxnreg, mma_regs = WS.REGISTERS[block_t]
+    cons = dict(K=k, N_EXPERTS=384, GATHER=True, W_STEP=2048, S_STEP=128, BLOCK_T=block_t, STAGES=stages)
+    cons |= dict(TILES_INNER=True, MMA_REGS=mma_regs, num_warps=4)
+    row: dict[str, Any] = {"block_t": block_t, "stages": stages, "warp_specialized": True, "maxnreg": maxnreg}
+    try:
+        row |= compile_report(
+            WS._mxfp4_moe_ws_kernel, ARGS, cons, 4, maxnreg=maxnreg, aligned=ALIGNED, source=GluonASTSource
+        )
+    except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     return row
 
@@ -51,6 +71,9 @@ def main() -> None:
     rows = []
     for cfg in CONFIGS:
         rows.append(report(*cfg))
+        log(rows[-1])
+    for block_t in (64, 128):
+        rows.append(report_ws(block_t))
         log(rows[-1])
     record(args.out, {"target": "sm_90", "rows": rows}, started)
 

@@ -41,6 +41,8 @@ WGMMA_CONFIGS = [
     {"num_warps": 4, "stages": 3},
     {"warp_specialized": True},
     {"warp_specialized": True, "stages": 6},
+    {"exponent_decode": True},
+    {"exponent_decode": True, "num_warps": 4},
 ]
 
 

@@ -37,3 +37,34 @@ FP4_LUT_PAIRS = (
 FP4_LUT_PAIRS_TABLE_IN = "{ .reg .b32 m, n, u, h0, l0, h1, l1, s0, s1;\n" + _DECODE.replace(
     "th0, th1", "$5, $6"
 ).replace("tl0, tl1", "$7, $8")
+
+# e2m1 -> bf16 without a table (the Gluon kernel's ``exponent_decode``): an e2m1 code s e1 e0 m put
+# at bf16's bits 15 (sign) and 8..6 (e1 e0 in the exponent field's two lowest bits, m the
+# mantissa's top bit) reads as the e2m1 value times 2^-126 for all 16 codes: for e >= 1 the
+# exponent is e - 127 against e2m1's e - 1, for e = 0 the mantissa bit is bf16's subnormal 2^-127
+# against e2m1's 0.5. The scale multiply that follows then takes 2^(s - 1) instead of 2^(s - 127).
+# A multiply by 2^6 + 2^12 puts two copies of a nibble (at bits 0..3 of a half-word) at bits 6..9
+# and 12..15, and the mask keeps the magnitude of the first and the sign of the second: three
+# instructions a register, the nibbles paired i with i + 4 (so the kernel's K order differs from
+# the table decode's). Inputs: $4 the four packed bytes, $5 and $6 the multipliers (FP4_EXP_MULS,
+# from registers: as immediates ptxas turns half the multiplies into LEAs, which issue on the
+# ALU pipe with the rest of the decode, where IMAD issues on the FMA pipe); outputs $0 = (nibble
+# 0, 4), $1 = (2, 6), $2 = (1, 5), $3 = (3, 7): the low nibbles' pairs first, as in FP4_LUT_PAIRS.
+FP4_EXP_MULS = (0x1040, 0x104)
+FP4_EXP_PAIRS = (
+    "{ .reg .b32 a, b, c, d, f;\n"
+    "and.b32 a, $4, 0x000F000F;\n"
+    "mul.lo.u32 a, a, $5;\n"
+    "and.b32 $0, a, 0x81C081C0;\n"
+    "and.b32 b, $4, 0x00F000F0;\n"
+    "mul.lo.u32 b, b, $6;\n"
+    "and.b32 $2, b, 0x81C081C0;\n"
+    "shr.b32 c, $4, 8;\n"
+    "and.b32 d, c, 0x000F000F;\n"
+    "mul.lo.u32 d, d, $5;\n"
+    "and.b32 $1, d, 0x81C081C0;\n"
+    "and.b32 f, c, 0x00F000F0;\n"
+    "mul.lo.u32 f, f, $6;\n"
+    "and.b32 $3, f, 0x81C081C0;\n"
+    "}"
+)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from asympd.model.fp4_ptx import FP4_LUT_PAIRS, FP4_LUT_PAIRS_TABLE_IN, FP4_LUT_TABLE
+from asympd.model.fp4_ptx import FP4_EXP_MULS, FP4_EXP_PAIRS, FP4_LUT_PAIRS, FP4_LUT_PAIRS_TABLE_IN, FP4_LUT_TABLE
 
 try:  # the core must import with torch alone (no Triton: no kernels)
     import triton
@@ -65,11 +65,24 @@ def k_order(a: torch.Tensor) -> torch.Tensor:
     return a.unflatten(-1, (-1, 4, 2, 2)).transpose(-3, -2).flatten(-4).contiguous()
 
 
+def k_order_exp(a: torch.Tensor) -> torch.Tensor:
+    """Activations [*, K] -> the K order of the table-free decode (``exponent_decode``): inside each
+    16-element half, position 8i + 2c + t holds element 4c + i + 2t (the decode pairs the nibbles
+    of a lane's four bytes as (0, 2) and (1, 3) where the table decode pairs (0, 1) and (2, 3))."""
+    return a.unflatten(-1, (-1, 4, 2, 2)).permute(*range(a.dim()), -1, -3, -2).flatten(-4).contiguous()
+
+
+# the largest UE8M0 weight scale the table-free decode takes: its multiplier 2^(s - 1) must be a
+# bf16 (every checkpoint's expert scales are far below: 128 is a block max of 12)
+EXP_DECODE_MAX_SCALE = 128
+
+
 if AVAILABLE:
     _BW = gl.constexpr(BLOCK_W)
     _BK = gl.constexpr(BLOCK_K)
     _LUT_PAIRS = gl.constexpr(FP4_LUT_PAIRS)
     _LUT_PAIRS_IN = gl.constexpr(FP4_LUT_PAIRS_TABLE_IN)
+    _EXP_PAIRS = gl.constexpr(FP4_EXP_PAIRS)
 
     @gluon.jit
     def _k16(x, layout: gl.constexpr):
@@ -81,32 +94,48 @@ if AVAILABLE:
         return gl.convert_layout(x, layout)
 
     @gluon.jit
-    def _lut_operand(lut_ptr, p_l: gl.constexpr):
+    def _lut_operand(lut_ptr, p_l: gl.constexpr, EXP: gl.constexpr = False):
         """The decode's table as a [2, 128, 16] int32 operand whose four consecutive elements (one
-        decode's $5-$8) are the table's four words. Loaded once, they stay in four registers; as
-        immediates ptxas kept them in uniform registers and copied them into vector registers
-        before every lookup (~30 moves a K-step at 16-row blocks, docs/performance.md §9)."""
+        decode's $5-$8) are the table's four words (``EXP``: the table-free decode's multipliers,
+        words 4-7 of ``_lut``). Loaded once, they stay in four registers; as immediates ptxas kept
+        them in uniform registers and copied them into vector registers before every lookup (~30
+        moves a K-step at 16-row blocks, docs/performance.md §9)."""
         j = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, p_l)))[None, None, :] % 4
         j = gl.full(p_l.shape, 0, gl.int32, p_l) + j
-        t0, t1 = gl.load(lut_ptr), gl.load(lut_ptr + 1)
-        t2, t3 = gl.load(lut_ptr + 2), gl.load(lut_ptr + 3)
+        base = lut_ptr + 4 if EXP else lut_ptr
+        t0, t1 = gl.load(base), gl.load(base + 1)
+        t2, t3 = gl.load(base + 2), gl.load(base + 3)
         return gl.where(j == 0, t0, gl.where(j == 1, t1, gl.where(j == 2, t2, t3)))
 
     @gluon.jit
-    def _expand(p, sc, lut, LUT_REGS: gl.constexpr):
-        """Packed bytes [2 blocks, 128 rows, 16] (kernel order) and their UE8M0 scales [2, 128] ->
-        per block the low- and high-nibble values, scaled (bf16, exact): [128, 16] each, column j
+    def _expand(p, sc, lut, LUT_REGS: gl.constexpr, EXP: gl.constexpr = False):
+        """Packed bytes [2 blocks, rows, 16] (kernel order) and their UE8M0 scales [2, rows] -> per
+        block the low- and high-nibble values, scaled (bf16, exact): [rows, 16] each, column j
         = element j (low) or 16 + j (high) of the block, in the order the decode packs them.
-        ``LUT_REGS``: the table from ``lut`` (registers), else immediates in the PTX."""
-        if LUT_REGS:
+        ``LUT_REGS``: the table from ``lut`` (registers), else immediates in the PTX; ``EXP``: no
+        table (``fp4_ptx.FP4_EXP_PAIRS``, its multipliers from ``lut``: the values times 2^-126,
+        so the scale is 2^(s - 1), which bf16 holds for s <= 128; columns 4c..4c+3 hold elements
+        4c + (0, 2, 1, 3))."""
+        if EXP:
             lo, hi = gl.inline_asm_elementwise(
-                _LUT_PAIRS_IN, "=r,=r,=r,=r,r,r,r,r,r", [p, lut], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
+                _EXP_PAIRS, "=r,=r,=r,=r,r,r,r,r,r", [p, lut], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
             )
+            sc = ((sc.to(gl.int16) + 126) << 7).to(gl.bfloat16, bitcast=True)[:, :, None]  # 2^(s-1)
         else:
-            lo, hi = gl.inline_asm_elementwise(
-                _LUT_PAIRS, "=r,=r,=r,=r,r", [p], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
-            )
-        sc = (sc.to(gl.int16) << 7).to(gl.bfloat16, bitcast=True)[:, :, None]  # 2^(s-127), bits s << 7
+            if LUT_REGS:
+                lo, hi = gl.inline_asm_elementwise(
+                    _LUT_PAIRS_IN,
+                    "=r,=r,=r,=r,r,r,r,r,r",
+                    [p, lut],
+                    dtype=(gl.bfloat16, gl.bfloat16),
+                    is_pure=True,
+                    pack=4,
+                )
+            else:
+                lo, hi = gl.inline_asm_elementwise(
+                    _LUT_PAIRS, "=r,=r,=r,=r,r", [p], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
+                )
+            sc = (sc.to(gl.int16) << 7).to(gl.bfloat16, bitcast=True)[:, :, None]  # 2^(s-127), bits s << 7
         lo0, lo1 = (lo * sc).permute((1, 2, 0)).split()
         hi0, hi1 = (hi * sc).permute((1, 2, 0)).split()
         return lo0, hi0, lo1, hi1
@@ -172,6 +201,7 @@ if AVAILABLE:
         STAGES: gl.constexpr,
         A_SMEM: gl.constexpr,
         LUT_REGS: gl.constexpr,
+        EXP_DECODE: gl.constexpr,
         TILES_INNER: gl.constexpr,
         num_warps: gl.constexpr,
     ):
@@ -247,7 +277,7 @@ if AVAILABLE:
         for j in gl.static_range(STAGES - 2):  # the ring's first steps in flight
             _issue_step(j, j, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP)
         acc = gl.zeros([_BW, BLOCK_T], gl.float32, acc_l)
-        lut = _lut_operand(lut_ptr, p_l)
+        lut = _lut_operand(lut_ptr, p_l, EXP_DECODE)
         if A_SMEM:
             # the expanded weights go through a double-buffered shared tile, so the wgmmas of step i
             # run while step i + 1 is expanded (an asynchronous wgmma's register operand cannot be
@@ -277,7 +307,11 @@ if AVAILABLE:
                 _advance(i, n_steps, STAGES, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP)
                 cur = i % STAGES
                 lo0, hi0, lo1, hi1 = _expand(
-                    w_smem.index(cur).load(p_l), s_smem.index(cur).load(gl.SliceLayout(2, p_l)), lut, LUT_REGS
+                    w_smem.index(cur).load(p_l),
+                    s_smem.index(cur).load(gl.SliceLayout(2, p_l)),
+                    lut,
+                    LUT_REGS,
+                    EXP_DECODE,
                 )
                 x = x_smem.index(cur)
                 acc = warpgroup_mma(_k16(lo0, a_op_l), x.slice(0, 16, dim=1).permute((1, 0)), acc, is_async=True)
@@ -310,12 +344,13 @@ _LUTS: dict[torch.device, torch.Tensor] = {}  # a constant a device, made once
 
 
 def _lut(device: torch.device) -> torch.Tensor:
-    """The decode table's four words on ``device`` (int32: the words' bits). Made by fill kernels,
+    """The decode table's four words and the table-free decode's two multipliers (two words of
+    padding) on ``device`` (int32: the words' bits). Made by fill kernels,
     not a host copy, so that a first call inside a CUDA-graph capture works (that tensor is the
     graph's and is not kept)."""
     if device in _LUTS:
         return _LUTS[device]
-    words = [w - (1 << 32) if w >= 1 << 31 else w for w in FP4_LUT_TABLE]
+    words = [w - (1 << 32) if w >= 1 << 31 else w for w in (*FP4_LUT_TABLE, *FP4_EXP_MULS, 0, 0)]
     lut = torch.cat([torch.full((1,), w, dtype=torch.int32, device=device) for w in words])
     if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         _LUTS[device] = lut
@@ -362,7 +397,10 @@ def mxfp4_moe_gemm_wgmma(
     (True: an M-block's weight tiles launched together; False: the M-blocks innermost; default
     ``tiles_inner(rows)``); both False is the nineteenth session's kernel, kept to measure against;
     ``warp_specialized`` (``moe_gluon_ws``: a copy partition and two MMA partitions on mbarriers;
-    the register operand; ``num_warps`` does not apply). Returns [rows, N] bf16."""
+    the register operand; ``num_warps`` does not apply); ``exponent_decode`` (the register form
+    with the table-free decode, ``fp4_ptx.FP4_EXP_PAIRS``: the caller vouches that every scale is
+    at most ``EXP_DECODE_MAX_SCALE``, as ``packed.PackedExperts`` checks once at load). Returns
+    [rows, N] bf16."""
     cfg = config or {}
     err = _unsupported(a, weight, block_m)
     if err is not None:
@@ -375,7 +413,11 @@ def mxfp4_moe_gemm_wgmma(
     warps = cfg.get("num_warps", 4 if block_m == 16 else 8)
     if block_m < 4 * warps:
         raise ValueError(f"mxfp4_moe_gemm_wgmma: {warps} warps copy {4 * warps} rows a pass; M-block {block_m}")
-    x = a.contiguous() if a_smem else k_order(a)  # the register operand needs the K permutation
+    exp = cfg.get("exponent_decode", False)
+    if exp and (a_smem or cfg.get("warp_specialized", False)):
+        raise ValueError("mxfp4_moe_gemm_wgmma: exponent_decode is the register form's (not a_smem, warp_specialized)")
+    # the register operand needs the K permutation its decode produces
+    x = a.contiguous() if a_smem else (k_order_exp(a) if exp else k_order(a))
     s = scale.view(torch.uint8)
     block_expert, row0, row1 = blocks
     y = torch.empty(rows, n, dtype=a.dtype, device=a.device)
@@ -393,6 +435,11 @@ def mxfp4_moe_gemm_wgmma(
         moe_gluon_ws.launch(grid, args, common)
         return y
     _mxfp4_moe_wgmma_kernel[grid](
-        *args, **common, A_SMEM=a_smem, LUT_REGS=cfg.get("lut_registers", True), num_warps=warps
+        *args,
+        **common,
+        A_SMEM=a_smem,
+        LUT_REGS=cfg.get("lut_registers", True),
+        EXP_DECODE=exp,
+        num_warps=warps,
     )
     return y

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from asympd.model import gemm_kernels as G
+from asympd.model import moe_gluon as MG
 from asympd.model.quant import dequant_fp4, dequant_fp8_tiles, fp8_qdq
 
 
@@ -67,6 +68,11 @@ class FP8TileLinear(torch.nn.Module):
 # layout elsewhere (the interpreter tests choose a layout explicitly).
 TILE_N: int | None = None
 
+# Whether the Gluon expert GEMM runs its table-free FP4 decode (``moe_gluon`` ``exponent_decode``)
+# on experts whose scales allow it (every UE8M0 scale <= ``moe_gluon.EXP_DECODE_MAX_SCALE``,
+# checked once when the operand is built).
+EXPONENT_DECODE = True
+
 
 @dataclass
 class PackedExperts:
@@ -77,6 +83,12 @@ class PackedExperts:
 
     weight: torch.Tensor
     scale: torch.Tensor
+    # every scale small enough for the table-free decode (set from the scales when built)
+    exponent_decode: bool = False
+
+    def __post_init__(self) -> None:
+        scales = self.scale.view(torch.uint8)
+        self.exponent_decode = bool(scales.numel()) and int(scales.max()) <= MG.EXP_DECODE_MAX_SCALE
 
     @classmethod
     def stack(
@@ -121,6 +133,9 @@ class PackedExperts:
         a_rows: torch.Tensor | None,
         config: dict | None = None,
     ) -> torch.Tensor:
+        if EXPONENT_DECODE and self.exponent_decode:
+            config = dict(config or {})
+            config["wgmma_config"] = {"exponent_decode": True, **config.get("wgmma_config", {})}
         return G.mxfp4_moe_gemm(a, self.weight, self.scale, blocks, rows, block_m, a_rows, config)
 
     def nbytes(self) -> int:

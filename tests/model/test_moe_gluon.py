@@ -46,10 +46,11 @@ def test_the_dispatch_keeps_it_off_cpu():
 
 
 def test_the_decode_table_operand_holds_the_tables_words():
-    from asympd.model.fp4_ptx import FP4_LUT_TABLE
+    from asympd.model.fp4_ptx import FP4_EXP_MULS, FP4_LUT_TABLE
 
     lut = MG._lut(torch.device("cpu"))
-    assert lut.dtype == torch.int32 and [w & 0xFFFFFFFF for w in lut.tolist()] == list(FP4_LUT_TABLE)
+    words = [w & 0xFFFFFFFF for w in lut.tolist()]
+    assert lut.dtype == torch.int32 and words == [*FP4_LUT_TABLE, *FP4_EXP_MULS, 0, 0]
     assert MG._lut(torch.device("cpu")) is lut  # made once a device
 
 
@@ -62,10 +63,11 @@ def test_it_compiles_for_hopper_with_the_designed_hot_loop(tmp_path):
     # a process of its own: the suite runs Triton's interpreter, which cannot compile
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env |= {"TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
-    code = "import json; from bench.moe_gluon_aot import report as r; print(json.dumps([r(128, 4, 8), r(64, 4, 8, 0)]))"
+    code = "import json; from bench.moe_gluon_aot import report as r, report_ws as ws; "
+    code += "print(json.dumps([r(128, 4, 8), r(64, 4, 8, 0), r(16, 4, 4, 0, exp=True), ws(64)]))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    smem, regs = json.loads(out.stdout.strip().splitlines()[-1])
+    smem, regs, exp, ws = json.loads(out.stdout.strip().splitlines()[-1])
     for row in (smem, regs):
         # four K = 16 wgmmas a step, nothing spilled; the decode: 10 PRMTs per four packed bytes
         # (16 bytes a thread a step), nothing repacked
@@ -78,6 +80,13 @@ def test_it_compiles_for_hopper_with_the_designed_hot_loop(tmp_path):
     # T = 128 and 30 at T = 16 while it was an immediate), and 160 instructions a step (was 181)
     assert smem["hot_loop_moves"] <= 8 and regs["hot_loop_moves"] <= 8, (smem, regs)
     assert smem["hot_loop_instructions"] <= 190 and regs["hot_loop_instructions"] <= 170, (smem, regs)
+    # the table-free decode (16-row blocks, 4 warps: 32 packed bytes a thread a step): no PRMT,
+    # 8 LOP3s a packed word (was 10 PRMTs, 6 LOP3s and 2 shifts), 230 instructions a step (was 246)
+    assert exp["hot_loop_prmt"] == 0 and exp["hot_loop_wgmma"] == 8 and exp["hot_loop_spill_ops"] == 0, exp
+    assert exp["hot_loop_instructions"] <= 235 and exp["local"] == 0, exp
+    # the warp-specialized form: each MMA warp group's loop is the register form's (4 wgmmas, the
+    # table decode), within the launch's 80 registers, nothing spilled
+    assert ws["hot_loop_wgmma"] == 4 and ws["hot_loop_prmt"] == 40 and ws["local"] == 0 and ws["reg"] <= 80, ws
 
 
 def _problem(tokens: int, n: int, k: int, n_exp: int, topk: int, seed: int = 0):
@@ -90,9 +99,10 @@ def _problem(tokens: int, n: int, k: int, n_exp: int, topk: int, seed: int = 0):
 
 
 # the default, both copy-ring forms, and both launch orders (the default is tiles_inner(rows): here
-# blocks innermost), with the nineteenth session's table and order; the warp-specialized form
+# blocks innermost), with the nineteenth session's table and order; the warp-specialized form; the
+# table-free decode
 CONFIGS = [{}, {"a_smem": True}, {"stages": 3}, {"num_warps": 4}, {"tiles_inner": True}]
-CONFIGS += [{"lut_registers": False, "tiles_inner": False}, {"warp_specialized": True}]
+CONFIGS += [{"lut_registers": False, "tiles_inner": False}, {"warp_specialized": True}, {"exponent_decode": True}]
 
 
 @pytest.mark.skipif(not HOPPER, reason="a Hopper kernel (Gluon has no interpreter)")
@@ -121,3 +131,25 @@ def test_it_equals_the_dequantized_experts(block_m, gather, cfg, tokens):
     assert err < 2**-7, err  # bf16 output rounding (half an ulp: up to 2^-8); a wrong column, scale or row is O(1)
     triton_y = G.mxfp4_moe_gemm(a, wt, st, tuple(blocks), rows, block_m, a_rows, config={"wgmma": False})
     assert (y.float() - triton_y.float()).norm() / triton_y.float().norm() < 1e-3
+
+
+@pytest.mark.skipif(not HOPPER, reason="a Hopper kernel (Gluon has no interpreter)")
+def test_the_exponent_decode_takes_scales_up_to_its_limit():
+    # its multiplier 2^(s - 1) is a bf16 up to s = 128; the scales here reach it
+    n_exp, topk, n, k, block_m = 4, 2, 128, 512, 32
+    w, s, x, ids = _problem(200, n, k, n_exp, topk, seed=3)
+    s = torch.randint(
+        120, MG.EXP_DECODE_MAX_SCALE + 1, s.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(4)
+    )
+    s.view(-1)[::7] = MG.EXP_DECODE_MAX_SCALE
+    x = x * 2.0**-9  # keep the products in bf16's normal range
+    flat = ids.reshape(-1).cuda()
+    order, *blocks = G.moe_blocks(flat, n_exp, block_m)
+    wt, st = G.tile_fp4(G.repack_fp4(w).cuda(), s.cuda(), 128)
+    a_rows = order // topk
+    y = MG.mxfp4_moe_gemm_wgmma(
+        x.cuda(), wt, st, tuple(blocks), flat.numel(), block_m, a_rows, {"exponent_decode": True}
+    )
+    dense = dequant_fp4(w, s.view(torch.float8_e8m0fnu)).float()
+    ref = torch.einsum("rk,rnk->rn", x[a_rows.cpu()].float(), dense[flat[order].cpu()])
+    assert ((y.float().cpu() - ref).abs().max() / ref.abs().max()) < 2**-7

@@ -215,11 +215,11 @@ def test_mxfp4_moe_swap_ab_rejects_an_unroll_that_does_not_divide_k():
         gemm.mxfp4_moe_gemm(x, w, sc, blocks, token.numel(), 16, a_rows=token, config={"swap_ab": True, "unroll": 3})
 
 
-def _run_ptx(asm: str, word: int, inp: str = "$4") -> list[int]:
-    """Evaluate a straight-line PTX decode (mov/and/or/shl/shr/prmt/lop3 on .b32) for one packed input
-    word in ``inp`` ($4; $2 for the two-output FP8 decode); returns $0..$3 (or $0, $1). The CPU
-    cannot run the inline assembly, so this checks its logic."""
-    regs: dict[str, int] = {inp: word}
+def _run_ptx(asm: str, word: int, inp: str = "$4", operands: dict[str, int] | None = None) -> list[int]:
+    """Evaluate a straight-line PTX decode (mov/and/or/shl/shr/mul/prmt/lop3 on .b32) for one packed
+    input word in ``inp`` ($4; $2 for the two-output FP8 decode) and ``operands`` (e.g. $5, $6);
+    returns $0..$3 (or $0, $1). The CPU cannot run the inline assembly, so this checks its logic."""
+    regs: dict[str, int] = {inp: word, **(operands or {})}
     for stmt in asm.strip().strip("{}").split(";"):
         stmt = stmt.strip()
         if not stmt or stmt.startswith(".reg"):
@@ -238,6 +238,8 @@ def _run_ptx(asm: str, word: int, inp: str = "$4") -> list[int]:
             out = (v[0] << v[1]) & 0xFFFFFFFF
         elif name == "shr":
             out = v[0] >> v[1]
+        elif name == "mul":  # mul.lo: the low 32 bits
+            out = (v[0] * v[1]) & 0xFFFFFFFF
         elif name == "lop3":  # bit i of the result: bit (a_i << 2 | b_i << 1 | c_i) of the table
             idx = [(v[0] >> i & 1) << 2 | (v[1] >> i & 1) << 1 | (v[2] >> i & 1) for i in range(32)]
             out = sum((v[3] >> j & 1) << i for i, j in enumerate(idx))
@@ -269,6 +271,25 @@ def test_fp4_table_decodes_give_every_e2m1_value_in_bf16(name):
         hi = [bits[x >> 4] for x in byte]
         want = [lo[0] | lo[1] << 16, lo[2] | lo[3] << 16, hi[0] | hi[1] << 16, hi[2] | hi[3] << 16]
         assert _run_ptx(asm, word) == want, (name, byte)
+
+
+def test_fp4_exponent_decode_gives_every_e2m1_value_times_2_pow_minus_126():
+    """The Gluon kernel's table-free decode (``fp4_ptx.FP4_EXP_PAIRS``, CUDA only): for every byte
+    value at every byte position, $0..$3 hold bf16 bits that read as the e2m1 values times 2^-126
+    (0.5 as bf16's subnormal 2^-127), nibbles paired (0, 4), (2, 6), (1, 5), (3, 7)."""
+    from asympd.model.fp4_ptx import FP4_EXP_MULS, FP4_EXP_PAIRS
+    from asympd.model.quant import FP4_TABLE
+
+    muls = {"$5": FP4_EXP_MULS[0], "$6": FP4_EXP_MULS[1]}
+    for b in range(256):
+        byte = [b, (7 * b + 1) % 256, (13 * b + 5) % 256, (29 * b + 11) % 256]  # each value at each position
+        word = byte[0] | byte[1] << 8 | byte[2] << 16 | byte[3] << 24
+        nib = [word >> 4 * i & 15 for i in range(8)]
+        out = _run_ptx(FP4_EXP_PAIRS, word, operands=muls)
+        halves = torch.tensor([r >> 16 * h & 0xFFFF for r in out for h in (0, 1)], dtype=torch.int32)
+        got = halves.to(torch.int16).view(torch.bfloat16).double() * 2.0**126  # int16 wraps: the same bits
+        want = torch.stack([FP4_TABLE[nib[i]].double() for pair in ((0, 4), (2, 6), (1, 5), (3, 7)) for i in pair])
+        assert torch.equal(got, want), byte
 
 
 def test_lop3_emulation_follows_ptx_truth_tables():
@@ -694,3 +715,32 @@ def test_moe_block_m_follows_the_measured_sweep():
 
     got = {t: moe_block_m(6 * t, 384) for t in (1, 256, 512, 1024, 1152, 1536, 2048, 4096, 8192, 16384)}
     assert got == {1: 16, 256: 16, 512: 16, 1024: 32, 1152: 32, 1536: 32, 2048: 64, 4096: 64, 8192: 128, 16384: 128}
+
+
+def test_packed_experts_ask_for_the_table_free_decode_only_where_their_scales_allow(monkeypatch):
+    """``PackedExperts`` checks its scales once (every one <= 128: the decode's multiplier 2^(s - 1)
+    must be a bf16) and, while ``packed.EXPONENT_DECODE`` is on, asks the Gluon kernel for the
+    table-free decode under any config the caller gives; the caller's own choice wins."""
+    from asympd.model import packed as packed_mod
+
+    w = torch.zeros(2, 128, 32, dtype=torch.int8)
+    small = packed_mod.PackedExperts(w, torch.full((2, 128, 2), 128, dtype=torch.uint8))
+    large = packed_mod.PackedExperts(w, torch.full((2, 128, 2), 120, dtype=torch.uint8))
+    large.scale[1, 5, 1] = 129
+    large = packed_mod.PackedExperts(large.weight, large.scale)
+    assert small.exponent_decode and not large.exponent_decode
+    assert small.tiled(128).exponent_decode  # kept when tiled (the same bytes)
+    seen = []
+    monkeypatch.setattr(packed_mod.G, "mxfp4_moe_gemm", lambda *a: seen.append(a[-1]))
+    monkeypatch.setattr(packed_mod, "EXPONENT_DECODE", True)
+    small.matmul(None, (), 0, 16, None)
+    small.matmul(None, (), 0, 16, None, {"wgmma_config": {"exponent_decode": False, "stages": 3}})
+    large.matmul(None, (), 0, 16, None, {"wgmma": True})
+    monkeypatch.setattr(packed_mod, "EXPONENT_DECODE", False)
+    small.matmul(None, (), 0, 16, None)
+    assert seen == [
+        {"wgmma_config": {"exponent_decode": True}},
+        {"wgmma_config": {"exponent_decode": False, "stages": 3}},
+        {"wgmma": True},
+        None,
+    ]
