@@ -43,6 +43,9 @@ WGMMA_CONFIGS = [
     {"warp_specialized": True, "stages": 6},
     {"exponent_decode": True},
     {"exponent_decode": True, "num_warps": 4},
+    {"exponent_decode": True, "num_warps": 4, "stages": 3},
+    {"exponent_decode": True, "num_warps": 4, "stages": 6},
+    {"exponent_decode": True, "stages": 6},
 ]
 
 
