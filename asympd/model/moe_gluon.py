@@ -390,17 +390,17 @@ def mxfp4_moe_gemm_wgmma(
 ) -> torch.Tensor:
     """``gemm_kernels.mxfp4_moe_gemm`` for tiled weights (``tile_fp4``, 128-row tiles), bf16
     activations and M-blocks of 16-128 rows, on Hopper. config: ``a_smem`` (True: the expanded
-    weights through shared memory, overlapped with the previous step's wgmmas; default False: as
-    the register operand, each step's wgmmas retired before the next), ``stages`` (the copy ring,
-    default 4), ``num_warps`` (4 or 8; default 4 for 16-row blocks, else 8), ``lut_registers``
-    (default True: the decode's table held in registers; False: as immediates), ``tiles_inner``
-    (True: an M-block's weight tiles launched together; False: the M-blocks innermost; default
-    ``tiles_inner(rows)``); both False is the nineteenth session's kernel, kept to measure against;
-    ``warp_specialized`` (``moe_gluon_ws``: a copy partition and two MMA partitions on mbarriers;
-    the register operand; ``num_warps`` does not apply); ``exponent_decode`` (the register form
-    with the table-free decode, ``fp4_ptx.FP4_EXP_PAIRS``: the caller vouches that every scale is
-    at most ``EXP_DECODE_MAX_SCALE``, as ``packed.PackedExperts`` checks once at load). Returns
-    [rows, N] bf16."""
+    weights through shared memory, overlapped with the previous step's wgmmas; default False: as the
+    register operand, each step's wgmmas retired before the next), ``stages`` (the copy ring,
+    default 4), ``num_warps`` (4 or 8; default 4 for 16-row blocks and with ``exponent_decode``,
+    else 8), ``lut_registers`` (default True: the decode's table held in registers; False: as
+    immediates), ``tiles_inner`` (True: an M-block's weight tiles launched together; False: the
+    M-blocks innermost; default ``tiles_inner(rows)``); both False is the nineteenth session's
+    kernel, kept to measure against; ``warp_specialized`` (``moe_gluon_ws``: a copy partition and
+    two MMA partitions on mbarriers; the register operand; ``num_warps`` does not apply);
+    ``exponent_decode`` (the register form with the table-free decode, ``fp4_ptx.FP4_EXP_PAIRS``:
+    the caller vouches that every scale is at most ``EXP_DECODE_MAX_SCALE``, as
+    ``packed.PackedExperts`` checks once at load). Returns [rows, N] bf16."""
     cfg = config or {}
     err = _unsupported(a, weight, block_m)
     if err is not None:
@@ -410,10 +410,13 @@ def mxfp4_moe_gemm_wgmma(
     # the register operand measured faster in 11 of 12 cells, 1.1-1.6x the shared tile at 256-8192
     # tokens (bench/results/moe_prefill_wgmma_fa9c0d9.json)
     a_smem = cfg.get("a_smem", False)
-    warps = cfg.get("num_warps", 4 if block_m == 16 else 8)
+    exp = cfg.get("exponent_decode", False)
+    # with the table-free decode one warp group a program is as fast or faster at every M-block
+    # (1.06-1.17x at 32-row blocks, 0.98-1.07x at 64, 1.00-1.03x at 128: more programs an SM hide
+    # the weight stream's latency; bench/results/moe_blockm_exp.json, moe_prefill_exp2.json)
+    warps = cfg.get("num_warps", 4 if exp or block_m == 16 else 8)
     if block_m < 4 * warps:
         raise ValueError(f"mxfp4_moe_gemm_wgmma: {warps} warps copy {4 * warps} rows a pass; M-block {block_m}")
-    exp = cfg.get("exponent_decode", False)
     if exp and (a_smem or cfg.get("warp_specialized", False)):
         raise ValueError("mxfp4_moe_gemm_wgmma: exponent_decode is the register form's (not a_smem, warp_specialized)")
     # the register operand needs the K permutation its decode produces
