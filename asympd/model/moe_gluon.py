@@ -274,8 +274,8 @@ if AVAILABLE:
         s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 2, _BW], plain2)
 
         n_steps: gl.constexpr = K // _BK
-        for j in gl.static_range(STAGES - 2):  # the ring's first steps in flight
-            _issue_step(j, j, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP)
+        for j in gl.static_range(STAGES - 2):  # the ring's first steps in flight (past the end: step 0)
+            _issue_step(j % n_steps, j, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP)
         acc = gl.zeros([_BW, BLOCK_T], gl.float32, acc_l)
         lut = _lut_operand(lut_ptr, p_l, EXP_DECODE)
         if A_SMEM:

@@ -112,7 +112,20 @@ CONFIGS += [{"exponent_decode": True, "num_warps": 4}, {"exponent_decode": True,
 @pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("tokens", [300, 2000])
 def test_it_equals_the_dequantized_experts(block_m, gather, cfg, tokens):
-    n_exp, topk, n, k = 8, 2, 256, 1024  # 16 K-steps: the ring wraps several times
+    _check_against_the_dequantized_experts(block_m, gather, cfg, tokens, n=256, k=1024)  # the ring wraps
+
+
+@pytest.mark.skipif(not HOPPER, reason="a Hopper kernel (Gluon has no interpreter)")
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
+@pytest.mark.parametrize("cfg", [{}, {"exponent_decode": True}, {"exponent_decode": True, "num_warps": 8}])
+@pytest.mark.parametrize("k", [64, 128])
+def test_it_takes_fewer_k_steps_than_its_ring_prefetches(block_m, cfg, k):
+    # the tiny model's expert GEMMs (K = 64 and 128: one and two steps against a ring that starts
+    # two ahead): the first copies must stay inside the operands
+    _check_against_the_dequantized_experts(block_m, True, cfg, 700, n=128, k=k)
+
+
+def _check_against_the_dequantized_experts(block_m, gather, cfg, tokens, n, k, n_exp=8, topk=2):
     w, s, x, ids = _problem(tokens, n, k, n_exp, topk)
     flat = ids.reshape(-1).cuda()
     order, *blocks = G.moe_blocks(flat, n_exp, block_m)
