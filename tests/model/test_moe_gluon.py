@@ -122,6 +122,8 @@ def test_it_equals_the_dequantized_experts(block_m, gather, cfg, tokens):
 def test_it_takes_fewer_k_steps_than_its_ring_prefetches(block_m, cfg, k):
     # the tiny model's expert GEMMs (K = 64 and 128: one and two steps against a ring that starts
     # two ahead): the first copies must stay inside the operands
+    if block_m < 4 * cfg.get("num_warps", 4):
+        pytest.skip("8 warps copy 32 rows a pass")
     _check_against_the_dequantized_experts(block_m, True, cfg, 700, n=128, k=k)
 
 
