@@ -25,7 +25,7 @@ from asympd.plan.planner import (
     role_memory,
 )
 from asympd.plan.simulate import Arrival, DecodeSetup, PrefillSetup, run_decode, run_prefill
-from asympd.plan.steps import RESULTS_DIR, Comm, PlanInputError, StepModel, load_results
+from asympd.plan.steps import RESULTS_DIR, TABLES, Comm, PlanInputError, StepModel, load_results
 from asympd.plan.validate import validate_admission
 from asympd.serve.admission import POLICIES, AdmissionPolicy
 
@@ -163,7 +163,7 @@ def test_communication_from_the_two_gpu_run(results):
 
 
 def test_missing_results_are_a_clear_error(tmp_path):
-    with pytest.raises(PlanInputError, match="layers_v7.json is missing"):
+    with pytest.raises(PlanInputError, match=rf"{TABLES['layers']} is missing: the planner needs"):
         load_results(tmp_path)
 
 
