@@ -46,6 +46,9 @@ WGMMA_CONFIGS = [
     {"exponent_decode": True, "num_warps": 4, "stages": 3},
     {"exponent_decode": True, "num_warps": 4, "stages": 6},
     {"exponent_decode": True, "stages": 6},
+    {"exponent_decode": True, "maxnreg": 64},
+    {"exponent_decode": True, "maxnreg": 80},
+    {"exponent_decode": True, "maxnreg": 96},
 ]
 
 

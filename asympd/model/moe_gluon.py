@@ -400,7 +400,8 @@ def mxfp4_moe_gemm_wgmma(
     two MMA partitions on mbarriers; the register operand; ``num_warps`` does not apply);
     ``exponent_decode`` (the register form with the table-free decode, ``fp4_ptx.FP4_EXP_PAIRS``:
     the caller vouches that every scale is at most ``EXP_DECODE_MAX_SCALE``, as
-    ``packed.PackedExperts`` checks once at load). Returns [rows, N] bf16."""
+    ``packed.PackedExperts`` checks once at load); ``maxnreg`` (a register cap a thread: more programs
+    an SM, ptxas spilling past it). Returns [rows, N] bf16."""
     cfg = config or {}
     err = _unsupported(a, weight, block_m)
     if err is not None:
@@ -444,5 +445,6 @@ def mxfp4_moe_gemm_wgmma(
         LUT_REGS=cfg.get("lut_registers", True),
         EXP_DECODE=exp,
         num_warps=warps,
+        **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}),
     )
     return y
