@@ -392,8 +392,8 @@ def mxfp4_moe_gemm_wgmma(
     activations and M-blocks of 16-128 rows, on Hopper. config: ``a_smem`` (True: the expanded
     weights through shared memory, overlapped with the previous step's wgmmas; default False: as the
     register operand, each step's wgmmas retired before the next), ``stages`` (the copy ring,
-    default 4), ``num_warps`` (4 or 8; default 4 for 16-row blocks and with ``exponent_decode`` up
-    to 64, else 8), ``lut_registers`` (default True: the decode's table held in registers; False: as
+    default 4), ``num_warps`` (4 or 8; default 4 for 16-row blocks and, with ``exponent_decode``,
+    32-row ones, else 8), ``lut_registers`` (default True: the decode's table held in registers; False: as
     immediates), ``tiles_inner`` (True: an M-block's weight tiles launched together; False: the
     M-blocks innermost; default ``tiles_inner(rows)``); both False is the nineteenth session's
     kernel, kept to measure against; ``warp_specialized`` (``moe_gluon_ws``: a copy partition and
@@ -412,10 +412,11 @@ def mxfp4_moe_gemm_wgmma(
     # tokens (bench/results/moe_prefill_wgmma_fa9c0d9.json)
     a_smem = cfg.get("a_smem", False)
     exp = cfg.get("exponent_decode", False)
-    # with the table-free decode one warp group a program up to 64-row blocks (1.06-1.17x at 32,
-    # 0.98-1.07x at 64: bench/results/moe_blockm_exp.json); at 128 it measured 1.00-1.03x alone
-    # (moe_prefill_exp2.json) but 0.94-0.97x in the MoE sublayer (layers_v9.json), so two there
-    warps = cfg.get("num_warps", 4 if block_m == 16 or (exp and block_m <= 64) else 8)
+    # with the table-free decode one warp group a program at 32-row blocks too: 1.06-1.17x per GEMM
+    # (bench/results/moe_blockm_exp.json), 1.04-1.08x on every 1024-row layer cell (layers_v9.json).
+    # At 64 and 128 the GEMMs alone measured 0.98-1.07x and 1.00-1.03x, but the layer cells that use
+    # those blocks (2048-4096 rows, eager) 0.58-0.98x of layers_v8's two warp groups: kept at two
+    warps = cfg.get("num_warps", 4 if block_m == 16 or (exp and block_m == 32) else 8)
     if block_m < 4 * warps:
         raise ValueError(f"mxfp4_moe_gemm_wgmma: {warps} warps copy {4 * warps} rows a pass; M-block {block_m}")
     if exp and (a_smem or cfg.get("warp_specialized", False)):
