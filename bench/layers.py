@@ -401,6 +401,12 @@ def main() -> None:
         default=None,
         help="the Gluon expert GEMM's table-free FP4 decode (packed.EXPONENT_DECODE; default: the build's)",
     )
+    ap.add_argument(
+        "--moe-warps",
+        default="",
+        help="the Gluon expert GEMM's warps by M-block with the table-free decode, e.g. 64:4,128:4 "
+        "(moe_gluon.NUM_WARPS; default: the build's)",
+    )
     args = ap.parse_args()
     started = time.time()
     sections = args.sections.split(",")
@@ -425,6 +431,12 @@ def main() -> None:
     res: dict[str, Any] = {"config": "tiny" if args.smoke else "v41-flash", "W": W, "k_spec": K_SPEC}
     res["wgmma_min_block_m"] = gemm_kernels.WGMMA_MIN_BLOCK_M
     res["exponent_decode"] = packed.EXPONENT_DECODE
+    from asympd.model import moe_gluon
+
+    for item in filter(None, args.moe_warps.split(",")):
+        block_m, warps = (int(v) for v in item.split(":"))
+        moe_gluon.NUM_WARPS[True][block_m] = warps
+    res["moe_warps"] = {str(bm): w for bm, w in moe_gluon.NUM_WARPS[True].items()}
     name = args.out or ("layers_smoke" if args.smoke else "layers")
     ceil = None
     if device.type == "cuda":

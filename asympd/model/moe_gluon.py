@@ -331,6 +331,13 @@ if AVAILABLE:
 
 
 BLOCK_MS = (16, 32, 64, 128)
+# warps a program by M-block, with the table-free decode (True) and the table (False). With the
+# table-free decode one warp group at 32-row blocks too: 1.06-1.17x per GEMM (bench/results/
+# moe_blockm_exp.json), 1.04-1.08x on every 1024-row layer cell (layers_v9.json). At 64 and 128 the
+# GEMMs alone measured 0.98-1.07x and 1.00-1.03x, but the layer cells on those blocks (2048-4096
+# rows, eager) 0.58-0.98x of layers_v8's two warp groups: two there (``bench.layers --moe-warps``
+# times another choice)
+NUM_WARPS = {True: {16: 4, 32: 4, 64: 8, 128: 8}, False: {16: 4, 32: 8, 64: 8, 128: 8}}
 
 
 def tiles_inner(rows: int) -> bool:
@@ -412,11 +419,7 @@ def mxfp4_moe_gemm_wgmma(
     # tokens (bench/results/moe_prefill_wgmma_fa9c0d9.json)
     a_smem = cfg.get("a_smem", False)
     exp = cfg.get("exponent_decode", False)
-    # with the table-free decode one warp group a program at 32-row blocks too: 1.06-1.17x per GEMM
-    # (bench/results/moe_blockm_exp.json), 1.04-1.08x on every 1024-row layer cell (layers_v9.json).
-    # At 64 and 128 the GEMMs alone measured 0.98-1.07x and 1.00-1.03x, but the layer cells that use
-    # those blocks (2048-4096 rows, eager) 0.58-0.98x of layers_v8's two warp groups: kept at two
-    warps = cfg.get("num_warps", 4 if block_m == 16 or (exp and block_m == 32) else 8)
+    warps = cfg.get("num_warps", NUM_WARPS[exp][block_m])
     if block_m < 4 * warps:
         raise ValueError(f"mxfp4_moe_gemm_wgmma: {warps} warps copy {4 * warps} rows a pass; M-block {block_m}")
     if exp and (a_smem or cfg.get("warp_specialized", False)):
