@@ -435,6 +435,8 @@ def main() -> None:
 
     for item in filter(None, args.moe_warps.split(",")):
         block_m, warps = (int(v) for v in item.split(":"))
+        if block_m not in moe_gluon.NUM_WARPS[True] or warps not in (4, 8):
+            ap.error(f"--moe-warps: M-blocks {moe_gluon.BLOCK_MS} and 4 or 8 warps, got {item}")
         moe_gluon.NUM_WARPS[True][block_m] = warps
     res["moe_warps"] = {str(bm): w for bm, w in moe_gluon.NUM_WARPS[True].items()}
     name = args.out or ("layers_smoke" if args.smoke else "layers")

@@ -399,16 +399,15 @@ def mxfp4_moe_gemm_wgmma(
     activations and M-blocks of 16-128 rows, on Hopper. config: ``a_smem`` (True: the expanded
     weights through shared memory, overlapped with the previous step's wgmmas; default False: as the
     register operand, each step's wgmmas retired before the next), ``stages`` (the copy ring,
-    default 4), ``num_warps`` (4 or 8; default 4 for 16-row blocks and, with ``exponent_decode``,
-    32-row ones, else 8), ``lut_registers`` (default True: the decode's table held in registers; False: as
-    immediates), ``tiles_inner`` (True: an M-block's weight tiles launched together; False: the
-    M-blocks innermost; default ``tiles_inner(rows)``); both False is the nineteenth session's
-    kernel, kept to measure against; ``warp_specialized`` (``moe_gluon_ws``: a copy partition and
-    two MMA partitions on mbarriers; the register operand; ``num_warps`` does not apply);
-    ``exponent_decode`` (the register form with the table-free decode, ``fp4_ptx.FP4_EXP_PAIRS``:
-    the caller vouches that every scale is at most ``EXP_DECODE_MAX_SCALE``, as
-    ``packed.PackedExperts`` checks once at load); ``maxnreg`` (a register cap a thread: more programs
-    an SM, ptxas spilling past it). Returns [rows, N] bf16."""
+    default 4), ``num_warps`` (4 or 8; default ``NUM_WARPS``), ``lut_registers`` (default True: the
+    decode's table held in registers; False: as immediates), ``tiles_inner`` (True: an M-block's
+    weight tiles launched together; False: the M-blocks innermost; default ``tiles_inner(rows)``);
+    both False is the nineteenth session's kernel, kept to measure against; ``warp_specialized``
+    (``moe_gluon_ws``: a copy partition and two MMA partitions on mbarriers; the register operand;
+    ``num_warps`` does not apply); ``exponent_decode`` (the register form with the table-free
+    decode, ``fp4_ptx.FP4_EXP_PAIRS``: the caller vouches that every scale is at most
+    ``EXP_DECODE_MAX_SCALE``, as ``packed.PackedExperts`` checks once at load); ``maxnreg`` (a
+    register cap a thread: more programs an SM, ptxas spilling past it). Returns [rows, N] bf16."""
     cfg = config or {}
     err = _unsupported(a, weight, block_m)
     if err is not None:
