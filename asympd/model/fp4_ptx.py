@@ -2,6 +2,8 @@
 table lookup, four packed bytes -> $0,$1 the low-nibble values (pairs), $2,$3 the high-nibble ones
 (see ``gemm_kernels`` for how it works)."""
 
+import torch
+
 # the lookup's four table words: bf16 high bytes (th0, th1) and low bytes (tl0, tl1) of the eight
 # magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6
 FP4_LUT_TABLE = (0x3F3F3F00, 0x40404040, 0xC0800000, 0xC0804000)
@@ -68,3 +70,40 @@ FP4_EXP_PAIRS = (
     "and.b32 $3, f, 0x81C081C0;\n"
     "}"
 )
+
+# The same values from fewer ALU instructions (designed, checked on CPU; not yet in a kernel): the
+# decode above spends 8 LOP3s and a shift a packed word on the ALU pipe, the busiest one in the
+# expert GEMM at 1-2K tokens (docs/performance.md §9). With the word's 32 bits permuted once at
+# load, each of FP4_EXP_PAIRS's outputs can be a shift and a mask: output o takes its value bits
+# (m, e0, e1, s) of each half-word from FP4_SPLIT_POS[o], output 0 already in place (a mask), 1 and
+# 2 shifted left by 3 and 6 (multiplies: the FMA pipe), 3 shifted right by 8 (mul.hi) and spread by
+# 2 + 2^6 + 2^12 after isolating its bits. 5 LOP3s a word instead of 8 + 1 shift; the same 4
+# multiplies. Inputs: $4 the word in this layout (``split_layout``), $5..$8 FP4_SPLIT_MULS; outputs
+# as FP4_EXP_PAIRS's, bit for bit.
+FP4_SPLIT_POS = ((6, 7, 8, 15), (3, 4, 5, 12), (0, 1, 2, 9), (13, 14, 10, 11))
+FP4_EXP_NIBBLE = (0, 8, 4, 12)  # where FP4_EXP_PAIRS's output o finds its nibble in a half-word
+FP4_SPLIT_MULS = (8, 64, 1 << 24, 0x1042)
+FP4_SPLIT_PAIRS = (
+    "{ .reg .b32 a, b, c;\n"
+    "and.b32 $0, $4, 0x81C081C0;\n"
+    "mul.lo.u32 a, $4, $5;\n"
+    "and.b32 $1, a, 0x81C081C0;\n"
+    "mul.lo.u32 b, $4, $6;\n"
+    "and.b32 $2, b, 0x81C081C0;\n"
+    "mul.hi.u32 c, $4, $7;\n"
+    "and.b32 c, c, 0x006C006C;\n"
+    "mul.lo.u32 c, c, $8;\n"
+    "and.b32 $3, c, 0x81C081C0;\n"
+    "}"
+)
+
+
+def split_layout(words: torch.Tensor) -> torch.Tensor:
+    """Packed words (int32 or int64, FP4_EXP_PAIRS's layout) -> the same bits in FP4_SPLIT_PAIRS's
+    layout."""
+    out = torch.zeros_like(words)
+    for nibble, pos in zip(FP4_EXP_NIBBLE, FP4_SPLIT_POS, strict=True):
+        for half in (0, 16):
+            for bit, p in enumerate(pos):
+                out |= ((words >> (nibble + half + bit)) & 1) << (p + half)
+    return out

@@ -238,8 +238,8 @@ def _run_ptx(asm: str, word: int, inp: str = "$4", operands: dict[str, int] | No
             out = (v[0] << v[1]) & 0xFFFFFFFF
         elif name == "shr":
             out = v[0] >> v[1]
-        elif name == "mul":  # mul.lo: the low 32 bits
-            out = (v[0] * v[1]) & 0xFFFFFFFF
+        elif name == "mul":  # mul.lo: the low 32 bits, mul.hi: the high
+            out = (v[0] * v[1]) >> 32 if ".hi" in op else (v[0] * v[1]) & 0xFFFFFFFF
         elif name == "lop3":  # bit i of the result: bit (a_i << 2 | b_i << 1 | c_i) of the table
             idx = [(v[0] >> i & 1) << 2 | (v[1] >> i & 1) << 1 | (v[2] >> i & 1) for i in range(32)]
             out = sum((v[3] >> j & 1) << i for i, j in enumerate(idx))
@@ -290,6 +290,29 @@ def test_fp4_exponent_decode_gives_every_e2m1_value_times_2_pow_minus_126():
         got = halves.to(torch.int16).view(torch.bfloat16).double() * 2.0**126  # int16 wraps: the same bits
         want = torch.stack([FP4_TABLE[nib[i]].double() for pair in ((0, 4), (2, 6), (1, 5), (3, 7)) for i in pair])
         assert torch.equal(got, want), byte
+
+
+def test_fp4_split_decode_equals_the_exponent_decode_on_its_layout():
+    """``fp4_ptx.FP4_SPLIT_PAIRS`` on a word permuted by ``split_layout`` gives FP4_EXP_PAIRS's
+    four outputs on the original word, bit for bit, for every byte value at every byte position
+    (and ``split_layout`` moves every bit somewhere: a permutation)."""
+    from asympd.model.fp4_ptx import FP4_EXP_MULS, FP4_EXP_PAIRS, FP4_SPLIT_MULS, FP4_SPLIT_PAIRS, split_layout
+
+    exp_muls = {"$5": FP4_EXP_MULS[0], "$6": FP4_EXP_MULS[1]}
+    split_muls = {f"${5 + i}": m for i, m in enumerate(FP4_SPLIT_MULS)}
+    words = []
+    for b in range(256):
+        byte = [b, (7 * b + 1) % 256, (13 * b + 5) % 256, (29 * b + 11) % 256]  # each value at each position
+        words.append(byte[0] | byte[1] << 8 | byte[2] << 16 | byte[3] << 24)
+    moved = split_layout(torch.tensor(words, dtype=torch.int64)).tolist()
+    for word, new in zip(words, moved, strict=True):
+        assert bin(new).count("1") == bin(word).count("1")
+        want = _run_ptx(FP4_EXP_PAIRS, word, operands=exp_muls)
+        assert _run_ptx(FP4_SPLIT_PAIRS, new, operands=split_muls) == want, hex(word)
+    as_int32 = split_layout(torch.tensor(words, dtype=torch.int64).to(torch.int32))  # the kernel's words
+    assert (as_int32.to(torch.int64) & 0xFFFFFFFF).tolist() == moved
+    single = split_layout(torch.tensor([1 << i for i in range(32)], dtype=torch.int64)).tolist()
+    assert sorted(single) == [1 << i for i in range(32)]
 
 
 def test_lop3_emulation_follows_ptx_truth_tables():
