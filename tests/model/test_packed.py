@@ -215,6 +215,15 @@ def test_mxfp4_moe_swap_ab_rejects_an_unroll_that_does_not_divide_k():
         gemm.mxfp4_moe_gemm(x, w, sc, blocks, token.numel(), 16, a_rows=token, config={"swap_ab": True, "unroll": 3})
 
 
+def _probe_words() -> list[tuple[list[int], int]]:
+    """256 packed words (with their four bytes) that put every byte value at every byte position."""
+    out = []
+    for b in range(256):
+        byte = [b, (7 * b + 1) % 256, (13 * b + 5) % 256, (29 * b + 11) % 256]
+        out.append((byte, byte[0] | byte[1] << 8 | byte[2] << 16 | byte[3] << 24))
+    return out
+
+
 def _run_ptx(asm: str, word: int, inp: str = "$4", operands: dict[str, int] | None = None) -> list[int]:
     """Evaluate a straight-line PTX decode (mov/and/or/shl/shr/mul/prmt/lop3 on .b32) for one packed
     input word in ``inp`` ($4; $2 for the two-output FP8 decode) and ``operands`` (e.g. $5, $6);
@@ -264,9 +273,7 @@ def test_fp4_table_decodes_give_every_e2m1_value_in_bf16(name):
 
     bits = [int(b) & 0xFFFF for b in FP4_TABLE.bfloat16().view(torch.int16)]
     asm = getattr(gemm, name).value
-    for b in range(256):
-        byte = [b, (7 * b + 1) % 256, (13 * b + 5) % 256, (29 * b + 11) % 256]  # each value at each position
-        word = byte[0] | byte[1] << 8 | byte[2] << 16 | byte[3] << 24
+    for byte, word in _probe_words():
         lo = [bits[x & 15] for x in byte]
         hi = [bits[x >> 4] for x in byte]
         want = [lo[0] | lo[1] << 16, lo[2] | lo[3] << 16, hi[0] | hi[1] << 16, hi[2] | hi[3] << 16]
@@ -281,9 +288,7 @@ def test_fp4_exponent_decode_gives_every_e2m1_value_times_2_pow_minus_126():
     from asympd.model.quant import FP4_TABLE
 
     muls = {"$5": FP4_EXP_MULS[0], "$6": FP4_EXP_MULS[1]}
-    for b in range(256):
-        byte = [b, (7 * b + 1) % 256, (13 * b + 5) % 256, (29 * b + 11) % 256]  # each value at each position
-        word = byte[0] | byte[1] << 8 | byte[2] << 16 | byte[3] << 24
+    for byte, word in _probe_words():
         nib = [word >> 4 * i & 15 for i in range(8)]
         out = _run_ptx(FP4_EXP_PAIRS, word, operands=muls)
         halves = torch.tensor([r >> 16 * h & 0xFFFF for r in out for h in (0, 1)], dtype=torch.int32)
@@ -300,10 +305,7 @@ def test_fp4_split_decode_equals_the_exponent_decode_on_its_layout():
 
     exp_muls = {"$5": FP4_EXP_MULS[0], "$6": FP4_EXP_MULS[1]}
     split_muls = {f"${5 + i}": m for i, m in enumerate(FP4_SPLIT_MULS)}
-    words = []
-    for b in range(256):
-        byte = [b, (7 * b + 1) % 256, (13 * b + 5) % 256, (29 * b + 11) % 256]  # each value at each position
-        words.append(byte[0] | byte[1] << 8 | byte[2] << 16 | byte[3] << 24)
+    words = [word for _, word in _probe_words()]
     moved = split_layout(torch.tensor(words, dtype=torch.int64)).tolist()
     for word, new in zip(words, moved, strict=True):
         assert bin(new).count("1") == bin(word).count("1")
@@ -332,9 +334,7 @@ def test_fp4_e4m3_decode_gives_every_e2m1_value_times_2_pow_minus_6():
     codes = torch.tensor([((c & 7) << 2) | ((c & 8) << 4) for c in range(16)], dtype=torch.uint8)
     assert torch.equal(codes.view(torch.float8_e4m3fn).float(), FP4_TABLE * 2.0**-6)
     asm = gemm._FP4_E4M3_ASM.value
-    for b in range(256):
-        byte = [b, (7 * b + 1) % 256, (13 * b + 5) % 256, (29 * b + 11) % 256]  # each value at each position
-        word = byte[0] | byte[1] << 8 | byte[2] << 16 | byte[3] << 24
+    for byte, word in _probe_words():
         want = [sum(int(codes[x >> 4 * h & 15]) << 8 * i for i, x in enumerate(byte)) for h in (0, 1)]
         assert _run_ptx(asm, word, inp="$2") == want, byte
 
