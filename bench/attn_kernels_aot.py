@@ -78,6 +78,7 @@ def hot_loop(sass: str) -> dict[str, int]:
         "hot_loop_instructions": len(best),
         "hot_loop_wgmma": sum(o.startswith("HGMMA") for o in ops),
         "hot_loop_prmt": ops.count("PRMT"),
+        "hot_loop_lop3": sum(o.startswith("LOP3") for o in ops),
         "hot_loop_sts": sum(o.startswith("STS") for o in ops),
         "hot_loop_barriers": sum("BAR.SYNC" in x for x in best),
         # register copies (of constants or uniform values) the loop pays each pass

@@ -402,6 +402,13 @@ def main() -> None:
         help="the Gluon expert GEMM's table-free FP4 decode (packed.EXPONENT_DECODE; default: the build's)",
     )
     ap.add_argument(
+        "--split-layout",
+        type=int,
+        choices=(0, 1),
+        default=None,
+        help="hold the experts' bytes in the split decode's layout (packed.SPLIT_LAYOUT; default: the build's)",
+    )
+    ap.add_argument(
         "--moe-warps",
         default="",
         help="the Gluon expert GEMM's warps by M-block with the table-free decode, e.g. 64:4,128:4 "
@@ -418,6 +425,8 @@ def main() -> None:
 
     if args.exponent_decode is not None:
         packed.EXPONENT_DECODE = bool(args.exponent_decode)
+    if args.split_layout is not None:
+        packed.SPLIT_LAYOUT = bool(args.split_layout)
     from asympd.config import tiny, v41_flash
 
     if args.smoke:
@@ -431,6 +440,7 @@ def main() -> None:
     res: dict[str, Any] = {"config": "tiny" if args.smoke else "v41-flash", "W": W, "k_spec": K_SPEC}
     res["wgmma_min_block_m"] = gemm_kernels.WGMMA_MIN_BLOCK_M
     res["exponent_decode"] = packed.EXPONENT_DECODE
+    res["split_layout"] = packed.SPLIT_LAYOUT and packed.EXPONENT_DECODE
     from asympd.model import moe_gluon
 
     for item in filter(None, args.moe_warps.split(",")):

@@ -27,17 +27,27 @@ ALIGNED = {"N", "s_am", "s_we", "s_wt", "s_se", "s_st", "s_ym"}
 SHAPES = ((128, 4, 8), (128, 5, 8), (64, 4, 8), (32, 4, 8), (16, 4, 4))  # (T, stages, warps)
 CONFIGS = [(t, s, w, a) for a in (True, False) for t, s, w in SHAPES]  # a: through shared memory
 CONFIGS += [(t, s, w, False, 5120, True, True) for t, s, w in SHAPES]  # the table-free decode
+CONFIGS += [(t, s, w, False, 5120, True, True, True) for t, s, w in SHAPES]  # its split-layout form
 
 
 def report(
-    block_t: int, stages: int, warps: int, a_smem: bool = True, k: int = 5120, gather: bool = True, exp: bool = False
+    block_t: int,
+    stages: int,
+    warps: int,
+    a_smem: bool = True,
+    k: int = 5120,
+    gather: bool = True,
+    exp: bool = False,
+    split: bool = False,
 ) -> dict[str, Any]:
-    """One launch of the w13 GEMM at V4.1's shapes (K 5120, 128-row tiles: 2 KB a 32-K step)."""
+    """One launch of the w13 GEMM at V4.1's shapes (K 5120, 128-row tiles: 2 KB a 32-K step);
+    ``exp``: the table-free decode, ``split`` its split-layout form."""
     cons = dict(K=k, N_EXPERTS=384, GATHER=gather, W_STEP=2048, S_STEP=128)
-    cons |= dict(BLOCK_T=block_t, STAGES=stages, A_SMEM=a_smem, LUT_REGS=True, EXP_DECODE=exp, TILES_INNER=True)
+    cons |= dict(BLOCK_T=block_t, STAGES=stages, A_SMEM=a_smem, LUT_REGS=True, TILES_INNER=True)
+    cons |= dict(EXP_DECODE=exp or split, SPLIT=split)
     cons |= dict(num_warps=warps)
     row: dict[str, Any] = {"block_t": block_t, "stages": stages, "num_warps": warps, "a_smem": a_smem}
-    row |= {"exponent_decode": exp}
+    row |= {"exponent_decode": exp or split, "split_layout": split}
     row |= {"k": k, "gather": gather}
     try:
         row |= compile_report(MG._mxfp4_moe_wgmma_kernel, ARGS, cons, warps, aligned=ALIGNED, source=GluonASTSource)

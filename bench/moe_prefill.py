@@ -49,6 +49,9 @@ WGMMA_CONFIGS = [
     {"exponent_decode": True, "maxnreg": 64},
     {"exponent_decode": True, "maxnreg": 80},
     {"exponent_decode": True, "maxnreg": 96},
+    {"split_layout": True},  # the weights' bytes in fp4_ptx.split_layout (the experts are permuted for it)
+    {"split_layout": True, "num_warps": 8},
+    {"split_layout": True, "num_warps": 4},
 ]
 
 
@@ -115,12 +118,14 @@ def _variants(names: str) -> list[tuple[str, dict[str, Any]]]:
 
 def gemm_cells(args: argparse.Namespace, started: float) -> dict[str, Any]:
     from asympd.model import gemm_kernels as G
+    from asympd.model.fp4_ptx import split_bytes
     from asympd.model.packed import moe_block_m
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     shapes = {"w13": (N13, K, True), "w2": (N2, K2, False)}
     experts = {name: _experts(n, k, dev, g) for name, (n, k, _) in shapes.items()}
+    split: dict[str, torch.Tensor] = {}  # each shape's tiled bytes in the split layout, made on first use
     res: dict[str, Any] = {"shapes": {n: {"n": v[0], "k": v[1], "gather": v[2]} for n, v in shapes.items()}}
     ceil = ceilings()
     res |= {"experts": N_EXP, "topk": TOPK, "ceilings": ceil, "cells": []}
@@ -155,7 +160,10 @@ def gemm_cells(args: argparse.Namespace, started: float) -> dict[str, Any]:
                 for vname, cfg in _variants(args.variants):
                     row: dict[str, Any] = {"variant": vname}
                     try:
-                        fn = partial(G.mxfp4_moe_gemm, x, wt, st, blocks, rows, bm, a_rows=a_rows, config=cfg)
+                        wk = wt
+                        if cfg.get("wgmma_config", {}).get("split_layout"):
+                            wk = split.setdefault(name, split_bytes(wt))
+                        fn = partial(G.mxfp4_moe_gemm, x, wk, st, blocks, rows, bm, a_rows=a_rows, config=cfg)
                         y = fn()
                         ref = y.float() if ref is None else ref
                         row["rel_err_vs_first"] = float((y.float() - ref).norm() / ref.norm())

@@ -71,7 +71,7 @@ FP4_EXP_PAIRS = (
     "}"
 )
 
-# The same values from fewer ALU instructions (designed, checked on CPU; not yet in a kernel): the
+# The same values from fewer ALU instructions (the Gluon kernel's ``split_layout``): the
 # decode above spends 8 LOP3s and a shift a packed word on the ALU pipe, the busiest one in the
 # expert GEMM at 1-2K tokens (docs/performance.md §9). With the word's 32 bits permuted once at
 # load, each of FP4_EXP_PAIRS's outputs can be a shift and a mask: output o takes its value bits
@@ -98,12 +98,37 @@ FP4_SPLIT_PAIRS = (
 )
 
 
-def split_layout(words: torch.Tensor) -> torch.Tensor:
-    """Packed words (int32 or int64, FP4_EXP_PAIRS's layout) -> the same bits in FP4_SPLIT_PAIRS's
-    layout."""
+def _move_bits(words: torch.Tensor, inverse: bool) -> torch.Tensor:
     out = torch.zeros_like(words)
     for nibble, pos in zip(FP4_EXP_NIBBLE, FP4_SPLIT_POS, strict=True):
         for half in (0, 16):
             for bit, p in enumerate(pos):
-                out |= ((words >> (nibble + half + bit)) & 1) << (p + half)
+                src, dst = nibble + half + bit, p + half
+                if inverse:
+                    src, dst = dst, src
+                out |= ((words >> src) & 1) << dst
     return out
+
+
+def split_layout(words: torch.Tensor) -> torch.Tensor:
+    """Packed words (int32 or int64, FP4_EXP_PAIRS's layout) -> the same bits in FP4_SPLIT_PAIRS's
+    layout."""
+    return _move_bits(words, inverse=False)
+
+
+def unsplit_layout(words: torch.Tensor) -> torch.Tensor:
+    """``split_layout``'s inverse."""
+    return _move_bits(words, inverse=True)
+
+
+def split_bytes(packed: torch.Tensor, inverse: bool = False, chunk: int = 1 << 24) -> torch.Tensor:
+    """Packed FP4 bytes (int8, the last dim a multiple of 4: each 4 bytes one decode's word, as a
+    kernel thread loads them) -> a new tensor in FP4_SPLIT_PAIRS's layout (``inverse``: back), in
+    chunks of ``chunk`` words so that the temporaries stay small beside a layer's experts."""
+    if packed.dtype != torch.int8 or packed.size(-1) % 4:
+        raise ValueError(f"split_bytes: int8 bytes in words of 4, got {packed.dtype} {tuple(packed.shape)}")
+    words = packed.contiguous().view(torch.int32).reshape(-1)
+    out = torch.empty_like(words)
+    for w0 in range(0, words.numel(), chunk):
+        out[w0 : w0 + chunk] = _move_bits(words[w0 : w0 + chunk], inverse)
+    return out.view(torch.int8).reshape(packed.shape)

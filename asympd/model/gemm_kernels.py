@@ -1176,6 +1176,12 @@ def fp8_codes32(a: torch.Tensor, kernel: bool = False) -> tuple[torch.Tensor, to
     return codes.flatten(-2), s
 
 
+def takes_wgmma(a: torch.Tensor, weight: torch.Tensor, block_m: int, config: dict | None = None) -> bool:
+    """Whether ``mxfp4_moe_gemm`` runs these operands on the Gluon kernel (``moe_gluon``)."""
+    cfg = {**MOE_DEFAULTS, **(config or {})}
+    return bool(cfg.get("wgmma", block_m >= WGMMA_MIN_BLOCK_M)) and MG.applies(a, weight, block_m)
+
+
 def mxfp4_moe_gemm(
     a: torch.Tensor,
     weight: torch.Tensor,
@@ -1214,7 +1220,7 @@ def mxfp4_moe_gemm(
     (module level) overrides the defaults process-wide (tests and benchmarks run the model on one variant with it).
     Returns [rows, N] in a's dtype."""
     cfg = {**MOE_DEFAULTS, **(config or {})}
-    if cfg.get("wgmma", block_m >= WGMMA_MIN_BLOCK_M) and MG.applies(a, weight, block_m):
+    if takes_wgmma(a, weight, block_m, config):
         return MG.mxfp4_moe_gemm_wgmma(a, weight, scale, blocks, rows, block_m, a_rows, cfg.get("wgmma_config"))
     if weight.dim() == 5:  # tiled (``tile_fp4``): the N-block is the tile
         n_experts, n_tiles, n_kb, bn, _ = weight.shape

@@ -38,7 +38,15 @@ from __future__ import annotations
 
 import torch
 
-from asympd.model.fp4_ptx import FP4_EXP_MULS, FP4_EXP_PAIRS, FP4_LUT_PAIRS, FP4_LUT_PAIRS_TABLE_IN, FP4_LUT_TABLE
+from asympd.model.fp4_ptx import (
+    FP4_EXP_MULS,
+    FP4_EXP_PAIRS,
+    FP4_LUT_PAIRS,
+    FP4_LUT_PAIRS_TABLE_IN,
+    FP4_LUT_TABLE,
+    FP4_SPLIT_MULS,
+    FP4_SPLIT_PAIRS,
+)
 
 try:  # the core must import with torch alone (no Triton: no kernels)
     import triton
@@ -83,6 +91,7 @@ if AVAILABLE:
     _LUT_PAIRS = gl.constexpr(FP4_LUT_PAIRS)
     _LUT_PAIRS_IN = gl.constexpr(FP4_LUT_PAIRS_TABLE_IN)
     _EXP_PAIRS = gl.constexpr(FP4_EXP_PAIRS)
+    _SPLIT_PAIRS = gl.constexpr(FP4_SPLIT_PAIRS)
 
     @gluon.jit
     def _k16(x, layout: gl.constexpr):
@@ -94,31 +103,38 @@ if AVAILABLE:
         return gl.convert_layout(x, layout)
 
     @gluon.jit
-    def _lut_operand(lut_ptr, p_l: gl.constexpr, EXP: gl.constexpr = False):
+    def _lut_operand(lut_ptr, p_l: gl.constexpr, EXP: gl.constexpr = False, SPLIT: gl.constexpr = False):
         """The decode's table as a [2, 128, 16] int32 operand whose four consecutive elements (one
         decode's $5-$8) are the table's four words (``EXP``: the table-free decode's multipliers,
-        words 4-7 of ``_lut``). Loaded once, they stay in four registers; as immediates ptxas kept
-        them in uniform registers and copied them into vector registers before every lookup (~30
-        moves a K-step at 16-row blocks, docs/performance.md §9)."""
+        words 4-7 of ``_lut``; ``SPLIT``: its split-layout form's, words 8-11). Loaded once, they
+        stay in four registers; as immediates ptxas kept them in uniform registers and copied them
+        into vector registers before every lookup (~30 moves a K-step at 16-row blocks,
+        docs/performance.md §9)."""
         j = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, p_l)))[None, None, :] % 4
         j = gl.full(p_l.shape, 0, gl.int32, p_l) + j
-        base = lut_ptr + 4 if EXP else lut_ptr
+        base = lut_ptr + 8 if SPLIT else (lut_ptr + 4 if EXP else lut_ptr)
         t0, t1 = gl.load(base), gl.load(base + 1)
         t2, t3 = gl.load(base + 2), gl.load(base + 3)
         return gl.where(j == 0, t0, gl.where(j == 1, t1, gl.where(j == 2, t2, t3)))
 
     @gluon.jit
-    def _expand(p, sc, lut, LUT_REGS: gl.constexpr, EXP: gl.constexpr = False):
+    def _expand(p, sc, lut, LUT_REGS: gl.constexpr, EXP: gl.constexpr = False, SPLIT: gl.constexpr = False):
         """Packed bytes [2 blocks, rows, 16] (kernel order) and their UE8M0 scales [2, rows] -> per
         block the low- and high-nibble values, scaled (bf16, exact): [rows, 16] each, column j
         = element j (low) or 16 + j (high) of the block, in the order the decode packs them.
         ``LUT_REGS``: the table from ``lut`` (registers), else immediates in the PTX; ``EXP``: no
         table (``fp4_ptx.FP4_EXP_PAIRS``, its multipliers from ``lut``: the values times 2^-126,
         so the scale is 2^(s - 1), which bf16 holds for s <= 128; columns 4c..4c+3 hold elements
-        4c + (0, 2, 1, 3))."""
+        4c + (0, 2, 1, 3)); ``SPLIT``: the same values from the bytes in ``fp4_ptx.split_layout``
+        (``fp4_ptx.FP4_SPLIT_PAIRS``, fewer ALU instructions)."""
         if EXP:
             lo, hi = gl.inline_asm_elementwise(
-                _EXP_PAIRS, "=r,=r,=r,=r,r,r,r,r,r", [p, lut], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
+                _SPLIT_PAIRS if SPLIT else _EXP_PAIRS,
+                "=r,=r,=r,=r,r,r,r,r,r",
+                [p, lut],
+                dtype=(gl.bfloat16, gl.bfloat16),
+                is_pure=True,
+                pack=4,
             )
             sc = ((sc.to(gl.int16) + 126) << 7).to(gl.bfloat16, bitcast=True)[:, :, None]  # 2^(s-1)
         else:
@@ -202,6 +218,7 @@ if AVAILABLE:
         A_SMEM: gl.constexpr,
         LUT_REGS: gl.constexpr,
         EXP_DECODE: gl.constexpr,
+        SPLIT: gl.constexpr,
         TILES_INNER: gl.constexpr,
         num_warps: gl.constexpr,
     ):
@@ -277,7 +294,7 @@ if AVAILABLE:
         for j in gl.static_range(STAGES - 2):  # the ring's first steps in flight (past the end: step 0)
             _issue_step(j % n_steps, j, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP)
         acc = gl.zeros([_BW, BLOCK_T], gl.float32, acc_l)
-        lut = _lut_operand(lut_ptr, p_l, EXP_DECODE)
+        lut = _lut_operand(lut_ptr, p_l, EXP_DECODE, SPLIT)
         if A_SMEM:
             # the expanded weights go through a double-buffered shared tile, so the wgmmas of step i
             # run while step i + 1 is expanded (an asynchronous wgmma's register operand cannot be
@@ -312,6 +329,7 @@ if AVAILABLE:
                     lut,
                     LUT_REGS,
                     EXP_DECODE,
+                    SPLIT,
                 )
                 x = x_smem.index(cur)
                 acc = warpgroup_mma(_k16(lo0, a_op_l), x.slice(0, 16, dim=1).permute((1, 0)), acc, is_async=True)
@@ -351,13 +369,13 @@ _LUTS: dict[torch.device, torch.Tensor] = {}  # a constant a device, made once
 
 
 def _lut(device: torch.device) -> torch.Tensor:
-    """The decode table's four words and the table-free decode's two multipliers (two words of
-    padding) on ``device`` (int32: the words' bits). Made by fill kernels,
+    """The decode table's four words, the table-free decode's two multipliers (two words of
+    padding) and its split-layout form's four on ``device`` (int32: the words' bits). Made by fill kernels,
     not a host copy, so that a first call inside a CUDA-graph capture works (that tensor is the
     graph's and is not kept)."""
     if device in _LUTS:
         return _LUTS[device]
-    words = [w - (1 << 32) if w >= 1 << 31 else w for w in (*FP4_LUT_TABLE, *FP4_EXP_MULS, 0, 0)]
+    words = [w - (1 << 32) if w >= 1 << 31 else w for w in (*FP4_LUT_TABLE, *FP4_EXP_MULS, 0, 0, *FP4_SPLIT_MULS)]
     lut = torch.cat([torch.full((1,), w, dtype=torch.int32, device=device) for w in words])
     if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         _LUTS[device] = lut
@@ -407,7 +425,10 @@ def mxfp4_moe_gemm_wgmma(
     ``num_warps`` does not apply); ``exponent_decode`` (the register form with the table-free
     decode, ``fp4_ptx.FP4_EXP_PAIRS``: the caller vouches that every scale is at most
     ``EXP_DECODE_MAX_SCALE``, as ``packed.PackedExperts`` checks once at load); ``maxnreg`` (a
-    register cap a thread: more programs an SM, ptxas spilling past it). Returns [rows, N] bf16."""
+    register cap a thread: more programs an SM, ptxas spilling past it); ``split_layout`` (the
+    weights' bytes in ``fp4_ptx.split_layout``, decoded by FP4_SPLIT_PAIRS: the exponent decode's
+    values from 5 ALU instructions a word instead of 9; implies ``exponent_decode``). Returns
+    [rows, N] bf16."""
     cfg = config or {}
     err = _unsupported(a, weight, block_m)
     if err is not None:
@@ -417,7 +438,8 @@ def mxfp4_moe_gemm_wgmma(
     # the register operand measured faster in 11 of 12 cells, 1.1-1.6x the shared tile at 256-8192
     # tokens (bench/results/moe_prefill_wgmma_fa9c0d9.json)
     a_smem = cfg.get("a_smem", False)
-    exp = cfg.get("exponent_decode", False)
+    split = cfg.get("split_layout", False)
+    exp = cfg.get("exponent_decode", False) or split
     warps = cfg.get("num_warps", NUM_WARPS[exp][block_m])
     if block_m < 4 * warps:
         raise ValueError(f"mxfp4_moe_gemm_wgmma: {warps} warps copy {4 * warps} rows a pass; M-block {block_m}")
@@ -447,6 +469,7 @@ def mxfp4_moe_gemm_wgmma(
         A_SMEM=a_smem,
         LUT_REGS=cfg.get("lut_registers", True),
         EXP_DECODE=exp,
+        SPLIT=split,
         num_warps=warps,
         **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}),
     )

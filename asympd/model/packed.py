@@ -14,12 +14,14 @@ rounding), up to the order of the fp32 accumulation.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from asympd.model import gemm_kernels as G
 from asympd.model import moe_gluon as MG
+from asympd.model.fp4_ptx import split_bytes
 from asympd.model.quant import dequant_fp4, dequant_fp8_tiles, fp8_qdq
 
 
@@ -73,6 +75,14 @@ TILE_N: int | None = None
 # checked once when the operand is built).
 EXPONENT_DECODE = True
 
+# Whether ``PackedExperts.stack`` holds the bytes in ``fp4_ptx.split_layout`` where the Gluon kernel
+# will read them (Hopper, tiled, the exponent decode on): its FP4_SPLIT_PAIRS decode takes 5 ALU
+# instructions a packed word instead of 9 (docs/performance.md §9). Any other kernel reads the usual
+# layout from a temporary copy (``PackedExperts.matmul``): meant for fp32 test builds only.
+SPLIT_LAYOUT = True
+
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class PackedExperts:
@@ -85,29 +95,56 @@ class PackedExperts:
     scale: torch.Tensor
     # every scale small enough for the table-free decode (set from the scales when built)
     exponent_decode: bool = False
+    # the bytes are in ``fp4_ptx.split_layout`` (the Gluon kernel's ``split_layout``)
+    split: bool = False
 
     def __post_init__(self) -> None:
         scales = self.scale.view(torch.uint8)
         self.exponent_decode = bool(scales.numel()) and int(scales.max()) <= MG.EXP_DECODE_MAX_SCALE
+        if self.split and not (self.exponent_decode and self.weight.dim() == 5):
+            raise ValueError("PackedExperts: the split layout is for tiled experts the exponent decode takes")
 
     @classmethod
     def stack(
-        cls, parts: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device, tile_n: int | None = None
+        cls,
+        parts: list[tuple[torch.Tensor, torch.Tensor]],
+        device: torch.device,
+        tile_n: int | None = None,
+        split: bool | None = None,
     ) -> PackedExperts:
         """Per-expert (packed, scale) pairs in the release's layout -> one operand (w1|w3 pairs are
-        concatenated along N), tiled by ``tile_n`` rows (default ``TILE_N``, which see; 0: the row layout)."""
+        concatenated along N), tiled by ``tile_n`` rows (default ``TILE_N``, which see; 0: the row
+        layout), its bytes in the split layout where ``split`` (default: ``SPLIT_LAYOUT`` on an sm_90
+        GPU with the Gluon kernel, when tiled and the exponent decode takes the scales)."""
         w = G.repack_fp4(torch.stack([p for p, _ in parts]).to(device))
         s = torch.stack([s.view(torch.uint8) for _, s in parts]).to(device)
         out = cls(w, s)
         if tile_n is None:
             tile_n = TILE_N if TILE_N is not None else (128 if w.is_cuda else 0)
-        return out.tiled(tile_n) if tile_n else out
+        out = out.tiled(tile_n) if tile_n else out
+        if split is None:
+            hopper = w.is_cuda and MG.AVAILABLE and torch.cuda.get_device_capability(w.device)[0] == 9
+            split = SPLIT_LAYOUT and EXPONENT_DECODE and hopper and out.exponent_decode and bool(tile_n)
+        return out.split_layout() if split else out
 
     def tiled(self, tile_n: int = 128) -> PackedExperts:
         """The same bytes in the tiled layout (a new operand; the row layout's tensors can be freed)."""
         if self.weight.dim() == 5:
             raise ValueError("PackedExperts.tiled: already tiled")
         return PackedExperts(*G.tile_fp4(self.weight, self.scale, tile_n))
+
+    def split_layout(self) -> PackedExperts:
+        """The same values with the bytes in ``fp4_ptx.split_layout`` (a new operand; tiled experts
+        whose scales the exponent decode takes)."""
+        if self.split:
+            raise ValueError("PackedExperts.split_layout: already split")
+        if not (self.exponent_decode and self.weight.dim() == 5):
+            raise ValueError("PackedExperts.split_layout: tiled experts the exponent decode takes")
+        return PackedExperts(split_bytes(self.weight), self.scale, split=True)
+
+    def usual_weight(self) -> torch.Tensor:
+        """The bytes in the layout every kernel reads (a new tensor where the split layout holds them)."""
+        return split_bytes(self.weight, inverse=True) if self.split else self.weight
 
     @property
     def n_experts(self) -> int:
@@ -120,6 +157,8 @@ class PackedExperts:
     def dequantized(self, expert: int) -> torch.Tensor:
         w = self.weight[expert]
         s = self.scale[expert]
+        if self.split:
+            w = split_bytes(w, inverse=True)
         if w.dim() == 4:
             w, s = G.untile_fp4(w, s)
         return dequant_fp4(G.unrepack_fp4(w), s.view(torch.float8_e8m0fnu))
@@ -133,10 +172,20 @@ class PackedExperts:
         a_rows: torch.Tensor | None,
         config: dict | None = None,
     ) -> torch.Tensor:
-        if EXPONENT_DECODE and self.exponent_decode:
-            config = dict(config or {})
+        config = dict(config or {})
+        exp = EXPONENT_DECODE and self.exponent_decode
+        weight = self.weight
+        if self.split and exp and G.takes_wgmma(a, weight, block_m, config):
+            config["wgmma_config"] = {"split_layout": True, **config.get("wgmma_config", {})}
+            return G.mxfp4_moe_gemm(a, weight, self.scale, blocks, rows, block_m, a_rows, config)
+        if self.split:  # another kernel (fp32 activations, a Triton config): the usual bytes, copied
+            if not getattr(self, "_warned", False):
+                log.warning("split-layout experts read by a kernel other than the Gluon one: a copy a call")
+                self._warned = True
+            weight = self.usual_weight()
+        if exp:
             config["wgmma_config"] = {"exponent_decode": True, **config.get("wgmma_config", {})}
-        return G.mxfp4_moe_gemm(a, self.weight, self.scale, blocks, rows, block_m, a_rows, config)
+        return G.mxfp4_moe_gemm(a, weight, self.scale, blocks, rows, block_m, a_rows, config)
 
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size() + self.scale.numel()

@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 
 from asympd.model import gemm_kernels as G  # noqa: E402
 from asympd.model import moe_gluon as MG  # noqa: E402
+from asympd.model.fp4_ptx import split_bytes  # noqa: E402
 from asympd.model.quant import dequant_fp4  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,11 +47,11 @@ def test_the_dispatch_keeps_it_off_cpu():
 
 
 def test_the_decode_table_operand_holds_the_tables_words():
-    from asympd.model.fp4_ptx import FP4_EXP_MULS, FP4_LUT_TABLE
+    from asympd.model.fp4_ptx import FP4_EXP_MULS, FP4_LUT_TABLE, FP4_SPLIT_MULS
 
     lut = MG._lut(torch.device("cpu"))
     words = [w & 0xFFFFFFFF for w in lut.tolist()]
-    assert lut.dtype == torch.int32 and words == [*FP4_LUT_TABLE, *FP4_EXP_MULS, 0, 0]
+    assert lut.dtype == torch.int32 and words == [*FP4_LUT_TABLE, *FP4_EXP_MULS, 0, 0, *FP4_SPLIT_MULS]
     assert MG._lut(torch.device("cpu")) is lut  # made once a device
 
 
@@ -64,10 +65,11 @@ def test_it_compiles_for_hopper_with_the_designed_hot_loop(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env |= {"TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
     code = "import json; from bench.moe_gluon_aot import report as r, report_ws as ws; "
-    code += "print(json.dumps([r(128, 4, 8), r(64, 4, 8, 0), r(16, 4, 4, 0, exp=True), ws(64)]))"
+    code += "print(json.dumps([r(128, 4, 8), r(64, 4, 8, 0), r(16, 4, 4, 0, exp=True), ws(64), "
+    code += "r(16, 4, 4, 0, split=True), r(64, 4, 8, 0, split=True)]))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    smem, regs, exp, ws = json.loads(out.stdout.strip().splitlines()[-1])
+    smem, regs, exp, ws, split16, split64 = json.loads(out.stdout.strip().splitlines()[-1])
     for row in (smem, regs):
         # four K = 16 wgmmas a step, nothing spilled; the decode: 10 PRMTs per four packed bytes
         # (16 bytes a thread a step), nothing repacked
@@ -84,6 +86,13 @@ def test_it_compiles_for_hopper_with_the_designed_hot_loop(tmp_path):
     # 8 LOP3s a packed word (was 10 PRMTs, 6 LOP3s and 2 shifts), 230 instructions a step (was 246)
     assert exp["hot_loop_prmt"] == 0 and exp["hot_loop_wgmma"] == 8 and exp["hot_loop_spill_ops"] == 0, exp
     assert exp["hot_loop_instructions"] <= 235 and exp["local"] == 0, exp
+    assert exp["hot_loop_lop3"] == 64, exp
+    # its split-layout form: 5 LOP3s a packed word and no shift, 198 instructions a step (8 and
+    # 2 warp groups of words: 16- and 64-row blocks)
+    for row, words in ((split16, 8), (split64, 4)):
+        assert row["hot_loop_lop3"] == 5 * words and row["hot_loop_prmt"] == 0 and row["local"] == 0, row
+        assert row["hot_loop_spill_ops"] == 0, row
+    assert split16["hot_loop_instructions"] <= 200 and split64["hot_loop_instructions"] <= 135, (split16, split64)
     # the warp-specialized form: each MMA warp group's loop is the register form's (4 wgmmas, the
     # table decode), within the launch's 80 registers, nothing spilled
     assert ws["hot_loop_wgmma"] == 4 and ws["hot_loop_prmt"] == 40 and ws["local"] == 0 and ws["reg"] <= 80, ws
@@ -104,7 +113,7 @@ def _problem(tokens: int, n: int, k: int, n_exp: int, topk: int, seed: int = 0):
 CONFIGS = [{}, {"a_smem": True}, {"stages": 3}, {"num_warps": 4}, {"tiles_inner": True}]
 CONFIGS += [{"lut_registers": False, "tiles_inner": False}, {"warp_specialized": True}, {"exponent_decode": True}]
 CONFIGS += [{"exponent_decode": True, "num_warps": 4}, {"exponent_decode": True, "num_warps": 4, "stages": 6}]
-CONFIGS += [{"exponent_decode": True, "maxnreg": 80}]
+CONFIGS += [{"exponent_decode": True, "maxnreg": 80}, {"split_layout": True}, {"split_layout": True, "num_warps": 8}]
 
 
 @pytest.mark.skipif(not HOPPER, reason="a Hopper kernel (Gluon has no interpreter)")
@@ -122,7 +131,9 @@ def test_it_equals_the_dequantized_experts(block_m, gather, cfg, tokens):
 
 @pytest.mark.skipif(not HOPPER, reason="a Hopper kernel (Gluon has no interpreter)")
 @pytest.mark.parametrize("block_m", [16, 32, 64, 128])
-@pytest.mark.parametrize("cfg", [{}, {"exponent_decode": True}, {"exponent_decode": True, "num_warps": 8}])
+@pytest.mark.parametrize(
+    "cfg", [{}, {"exponent_decode": True}, {"exponent_decode": True, "num_warps": 8}, {"split_layout": True}]
+)
 @pytest.mark.parametrize("k", [64, 128])
 def test_it_takes_fewer_k_steps_than_its_ring_prefetches(block_m, cfg, k):
     # the tiny model's expert GEMMs (K = 64 and 128: one and two steps against a ring that starts
@@ -138,12 +149,13 @@ def _check_against_the_dequantized_experts(block_m, gather, cfg, tokens, n, k, n
     order, *blocks = G.moe_blocks(flat, n_exp, block_m)
     rows = flat.numel()
     wt, st = G.tile_fp4(G.repack_fp4(w).cuda(), s.cuda(), 128)
+    wk = split_bytes(wt) if cfg.get("split_layout") else wt  # the bytes that config reads
     xc = x.cuda()
     if gather:
         a, a_rows, src = xc, order // topk, (order // topk).cpu()
     else:  # the w2 call: activations already in sorted order
         a, a_rows, src = xc.repeat_interleave(topk, 0)[order], None, order.cpu() // topk
-    y = MG.mxfp4_moe_gemm_wgmma(a, wt, st, tuple(blocks), rows, block_m, a_rows, cfg)
+    y = MG.mxfp4_moe_gemm_wgmma(a, wk, st, tuple(blocks), rows, block_m, a_rows, cfg)
     dense = dequant_fp4(w, s.view(torch.float8_e8m0fnu)).float()
     expert = flat[order].cpu()
     ref = torch.einsum("rk,rnk->rn", x[src].float(), dense[expert])
@@ -155,7 +167,8 @@ def _check_against_the_dequantized_experts(block_m, gather, cfg, tokens, n, k, n
 
 
 @pytest.mark.skipif(not HOPPER, reason="a Hopper kernel (Gluon has no interpreter)")
-def test_the_exponent_decode_takes_scales_up_to_its_limit():
+@pytest.mark.parametrize("split", [False, True])
+def test_the_exponent_decode_takes_scales_up_to_its_limit(split):
     # its multiplier 2^(s - 1) is a bf16 up to s = 128; the scales here reach it
     n_exp, topk, n, k, block_m = 4, 2, 128, 512, 32
     w, s, x, ids = _problem(200, n, k, n_exp, topk, seed=3)
@@ -168,9 +181,9 @@ def test_the_exponent_decode_takes_scales_up_to_its_limit():
     order, *blocks = G.moe_blocks(flat, n_exp, block_m)
     wt, st = G.tile_fp4(G.repack_fp4(w).cuda(), s.cuda(), 128)
     a_rows = order // topk
-    y = MG.mxfp4_moe_gemm_wgmma(
-        x.cuda(), wt, st, tuple(blocks), flat.numel(), block_m, a_rows, {"exponent_decode": True}
-    )
+    cfg = {"split_layout": True} if split else {"exponent_decode": True}
+    wk = split_bytes(wt) if split else wt
+    y = MG.mxfp4_moe_gemm_wgmma(x.cuda(), wk, st, tuple(blocks), flat.numel(), block_m, a_rows, cfg)
     dense = dequant_fp4(w, s.view(torch.float8_e8m0fnu)).float()
     ref = torch.einsum("rk,rnk->rn", x[a_rows.cpu()].float(), dense[flat[order].cpu()])
     assert ((y.float().cpu() - ref).abs().max() / ref.abs().max()) < 2**-7

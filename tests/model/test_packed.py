@@ -317,6 +317,25 @@ def test_fp4_split_decode_equals_the_exponent_decode_on_its_layout():
     assert sorted(single) == [1 << i for i in range(32)]
 
 
+def test_split_bytes_permutes_each_threads_word_and_inverts():
+    """``split_bytes`` moves the bits of each 4 consecutive bytes (one kernel thread's word, little
+    endian) as ``split_layout`` moves a word's, and ``inverse`` gives the bytes back."""
+    from asympd.model.fp4_ptx import split_bytes, split_layout
+
+    g = torch.Generator().manual_seed(3)
+    packed = torch.randint(-128, 128, (3, 2, 5, 8, 16), dtype=torch.int8, generator=g)
+    moved = split_bytes(packed, chunk=7)  # chunks that cut rows: the words are independent
+    assert moved.shape == packed.shape and moved.dtype == torch.int8
+    word = [int(b) & 0xFF for b in packed[1, 0, 2, 3, 4:8]]
+    word = word[0] | word[1] << 8 | word[2] << 16 | word[3] << 24
+    got = [int(b) & 0xFF for b in moved[1, 0, 2, 3, 4:8]]
+    assert got[0] | got[1] << 8 | got[2] << 16 | got[3] << 24 == split_layout(torch.tensor(word)).item()
+    assert torch.equal(split_bytes(moved, inverse=True), packed)
+    assert not torch.equal(moved, packed)
+    with pytest.raises(ValueError, match="split_bytes: int8 bytes in words of 4"):
+        split_bytes(packed[..., :6])
+
+
 def test_lop3_emulation_follows_ptx_truth_tables():
     """The emulator's LOP3 against the function the table 0xE4 names, (a & c) | (b & ~c)."""
     a, b, c = 0x12345678, 0x9ABCDEF0, 0x1C1C1C1C
@@ -765,5 +784,42 @@ def test_packed_experts_ask_for_the_table_free_decode_only_where_their_scales_al
         {"wgmma_config": {"exponent_decode": True}},
         {"wgmma_config": {"exponent_decode": False, "stages": 3}},
         {"wgmma": True},
-        None,
+        {},
     ]
+
+
+def test_split_layout_experts_hold_the_same_values_and_give_any_kernel_the_same_product(monkeypatch):
+    """``PackedExperts.split_layout`` permutes the bytes for the Gluon kernel's split decode: the
+    same values (``dequantized``), the same bytes counted; the Gluon kernel is asked for
+    ``split_layout`` where it takes the operands, and any other kernel (here Triton's, interpreted)
+    reads the usual bytes back: the same product, bit for bit. Experts it cannot take are refused."""
+    from asympd.model import packed as packed_mod
+
+    g = torch.Generator().manual_seed(11)
+    n_exp, n, k, topk, rows = 3, 128, 64, 2, 9
+    parts = [quant_fp4(torch.randn(n, k, generator=g)) for _ in range(n_exp)]
+    usual = packed_mod.PackedExperts.stack(parts, torch.device(DEVICE), tile_n=128, split=False)
+    split = packed_mod.PackedExperts.stack(parts, torch.device(DEVICE), tile_n=128, split=True)
+    assert split.split and not usual.split and split.exponent_decode
+    assert not torch.equal(split.weight, usual.weight) and torch.equal(split.usual_weight(), usual.weight)
+    assert split.nbytes() == usual.nbytes() and torch.equal(split.scale, usual.scale)
+    for e in range(n_exp):
+        assert torch.equal(split.dequantized(e), usual.dequantized(e))
+    x = fp8_qdq(torch.randn(rows, k, generator=g), 32).to(DEVICE)
+    flat = torch.stack([torch.randperm(n_exp, generator=g)[:topk] for _ in range(rows)]).reshape(-1).to(DEVICE)
+    order, *blocks = gemm.moe_blocks(flat, n_exp, 16)
+    got = split.matmul(x, tuple(blocks), flat.numel(), 16, order // topk)
+    assert torch.equal(got, usual.matmul(x, tuple(blocks), flat.numel(), 16, order // topk))
+    seen = []
+    monkeypatch.setattr(packed_mod.G, "takes_wgmma", lambda *a: True)
+    monkeypatch.setattr(packed_mod.G, "mxfp4_moe_gemm", lambda *a: seen.append((a[1], a[-1])))
+    split.matmul(x, tuple(blocks), flat.numel(), 16, None, {"wgmma_config": {"stages": 3}})
+    assert seen[0][0] is split.weight and seen[0][1] == {"wgmma_config": {"split_layout": True, "stages": 3}}
+    with pytest.raises(ValueError, match="already split"):
+        split.split_layout()
+    with pytest.raises(ValueError, match="tiled experts the exponent decode takes"):
+        packed_mod.PackedExperts.stack(parts, torch.device(DEVICE), tile_n=0, split=True)
+    large = packed_mod.PackedExperts(usual.weight, usual.scale.clone().fill_(129))
+    with pytest.raises(ValueError, match="tiled experts the exponent decode takes"):
+        large.split_layout()
+    assert not packed_mod.PackedExperts.stack(parts, torch.device("cpu")).split  # the default: Hopper only
