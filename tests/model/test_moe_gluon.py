@@ -122,6 +122,8 @@ CONFIGS += [{"exponent_decode": True, "maxnreg": 80}, {"split_layout": True}, {"
 @pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("tokens", [300, 2000])
 def test_it_equals_the_dequantized_experts(block_m, gather, cfg, tokens):
+    if block_m < 4 * cfg.get("num_warps", 4):
+        pytest.skip("8 warps copy 32 rows a pass")
     if cfg.get("maxnreg", 255) < 94 and block_m == 128:  # the [128, 128] accumulator alone is 128 a thread
         with pytest.raises(Exception, match="Insufficient registers"):
             _check_against_the_dequantized_experts(block_m, gather, cfg, tokens, n=256, k=1024)
