@@ -414,6 +414,16 @@ def main() -> None:
         help="the Gluon expert GEMM's warps by M-block with the table-free decode, e.g. 64:4,128:4 "
         "(moe_gluon.NUM_WARPS; default: the build's)",
     )
+    ap.add_argument(
+        "--moe-sub-tiles",
+        default="",
+        help="the Gluon expert GEMM's sub-tiles by M-block, e.g. 64:4,128:4 (moe_gluon.SUB_TILES; default: build's)",
+    )
+    ap.add_argument(
+        "--moe-block-fill",
+        default="",
+        help="M-blocks by rows an expert, e.g. 16:12,32:24,64:64 (packed.MOE_BLOCK_M_FILL; default: the build's)",
+    )
     args = ap.parse_args()
     started = time.time()
     sections = args.sections.split(",")
@@ -449,6 +459,18 @@ def main() -> None:
             ap.error(f"--moe-warps: M-blocks {moe_gluon.BLOCK_MS} and 4 or 8 warps, got {item}")
         moe_gluon.NUM_WARPS[True][block_m] = warps
     res["moe_warps"] = {str(bm): w for bm, w in moe_gluon.NUM_WARPS[True].items()}
+    for item in filter(None, args.moe_sub_tiles.split(",")):
+        block_m, n_sub = (int(v) for v in item.split(":"))
+        if block_m not in moe_gluon.SUB_TILES or n_sub not in (1, 2, 4):
+            ap.error(f"--moe-sub-tiles: M-blocks {moe_gluon.BLOCK_MS} and 1, 2 or 4 sub-tiles, got {item}")
+        moe_gluon.SUB_TILES[block_m] = n_sub
+    res["moe_sub_tiles"] = {str(bm): n for bm, n in moe_gluon.SUB_TILES.items()}
+    if args.moe_block_fill:
+        fill = tuple(tuple(int(v) for v in item.split(":")) for item in args.moe_block_fill.split(","))
+        if any(len(f) != 2 or f[0] not in moe_gluon.BLOCK_MS for f in fill):
+            ap.error(f"--moe-block-fill: BLOCK_M:ROWS pairs, M-blocks {moe_gluon.BLOCK_MS}")
+        packed.MOE_BLOCK_M_FILL = fill
+    res["moe_block_fill"] = [list(f) for f in packed.MOE_BLOCK_M_FILL]
     name = args.out or ("layers_smoke" if args.smoke else "layers")
     ceil = None
     if device.type == "cuda":

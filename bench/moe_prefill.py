@@ -52,6 +52,10 @@ WGMMA_CONFIGS = [
     {"split_layout": True},  # the weights' bytes in fp4_ptx.split_layout (the experts are permuted for it)
     {"split_layout": True, "num_warps": 8},
     {"split_layout": True, "num_warps": 4},
+    {"split_layout": True, "sub_tiles": 1},
+    {"split_layout": True, "sub_tiles": 2},
+    {"split_layout": True, "sub_tiles": 4},
+    {"split_layout": True, "sub_tiles": 4, "num_warps": 4},
 ]
 
 

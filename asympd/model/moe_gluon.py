@@ -188,6 +188,87 @@ if AVAILABLE:
         ahead = i + STAGES - 2
         _issue_step(ahead % n_steps, ahead % STAGES, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP)
 
+    @gluon.jit
+    def _mma_rows(acc, a0, a1, a2, a3, x, j: gl.constexpr, SUB_T: gl.constexpr):
+        """One step's four K = 16 weight operands times sub-tile ``j``'s activation rows (rows
+        j * SUB_T .. of the step's [BLOCK_T, 64] shared tile), asynchronous."""
+        xs = x.slice(j * SUB_T, SUB_T, dim=0)
+        acc = warpgroup_mma(a0, xs.slice(0, 16, dim=1).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(a1, xs.slice(16, 16, dim=1).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(a2, xs.slice(32, 16, dim=1).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(a3, xs.slice(48, 16, dim=1).permute((1, 0)), acc, is_async=True)
+        return acc
+
+    @gluon.jit
+    def _store_rows(acc, out, j: gl.constexpr, SUB_T: gl.constexpr, num_warps: gl.constexpr):
+        """acc^T [128 weight rows, SUB_T tokens] of sub-tile ``j`` -> y (rows past the block masked)."""
+        y_ptr, s_ym, N, pid_n, row0, row1 = out
+        out_l: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, num_warps], [0, 1])
+        val = gl.convert_layout(acc.to(y_ptr.dtype.element_ty), out_l)
+        on = pid_n * _BW + gl.arange(0, _BW, layout=gl.SliceLayout(1, out_l))
+        ot = row0 + j * SUB_T + gl.arange(0, SUB_T, layout=gl.SliceLayout(0, out_l))
+        optrs = y_ptr + ot.to(gl.int64)[None, :] * s_ym + on[:, None]
+        gl.store(optrs, val, mask=(ot < row1)[None, :] & (on < N)[:, None])
+
+    @gluon.jit
+    def _register_form(ACTIVE: gl.constexpr, ring, lut, out, n_steps: gl.constexpr, STAGES: gl.constexpr,
+                       W_STEP: gl.constexpr, S_STEP: gl.constexpr, p_l: gl.constexpr, LUT_REGS: gl.constexpr,
+                       EXP_DECODE: gl.constexpr, SPLIT: gl.constexpr, SUB_T: gl.constexpr,
+                       num_warps: gl.constexpr):  # fmt: skip
+        """The K loop with the expanded weights as wgmma's register operand, retired before the
+        next step expands into the same registers (no overlap inside a program: other programs on
+        the SM fill in), on the first ``ACTIVE`` SUB_T-row sub-tiles of the block; then the store."""
+        x_smem, x_src, w_smem, w_src, s_smem, s_src = ring
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, SUB_T, 16]
+        )
+        a_op_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+        acc0 = gl.zeros([_BW, SUB_T], gl.float32, acc_l)
+        if ACTIVE > 1:
+            acc1 = gl.zeros([_BW, SUB_T], gl.float32, acc_l)
+        if ACTIVE > 2:
+            acc2 = gl.zeros([_BW, SUB_T], gl.float32, acc_l)
+        if ACTIVE > 3:
+            acc3 = gl.zeros([_BW, SUB_T], gl.float32, acc_l)
+        for i in range(n_steps):
+            _advance(i, n_steps, STAGES, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP)
+            cur = i % STAGES
+            lo0, hi0, lo1, hi1 = _expand(
+                w_smem.index(cur).load(p_l),
+                s_smem.index(cur).load(gl.SliceLayout(2, p_l)),
+                lut,
+                LUT_REGS,
+                EXP_DECODE,
+                SPLIT,
+            )
+            a0, a1 = _k16(lo0, a_op_l), _k16(hi0, a_op_l)
+            a2, a3 = _k16(lo1, a_op_l), _k16(hi1, a_op_l)
+            x = x_smem.index(cur)
+            acc0 = _mma_rows(acc0, a0, a1, a2, a3, x, 0, SUB_T)
+            if ACTIVE == 1:
+                acc0 = warpgroup_mma_wait(0, deps=[acc0])
+            if ACTIVE == 2:
+                acc1 = _mma_rows(acc1, a0, a1, a2, a3, x, 1, SUB_T)
+                acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+            if ACTIVE == 3:
+                acc1 = _mma_rows(acc1, a0, a1, a2, a3, x, 1, SUB_T)
+                acc2 = _mma_rows(acc2, a0, a1, a2, a3, x, 2, SUB_T)
+                acc0, acc1, acc2 = warpgroup_mma_wait(0, deps=[acc0, acc1, acc2])
+            if ACTIVE == 4:
+                acc1 = _mma_rows(acc1, a0, a1, a2, a3, x, 1, SUB_T)
+                acc2 = _mma_rows(acc2, a0, a1, a2, a3, x, 2, SUB_T)
+                acc3 = _mma_rows(acc3, a0, a1, a2, a3, x, 3, SUB_T)
+                acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=[acc0, acc1, acc2, acc3])
+        async_copy.wait_group(0)
+        gl.thread_barrier()  # every warp group's wgmmas and copies done: the ring's memory is free
+        _store_rows(acc0, out, 0, SUB_T, num_warps)
+        if ACTIVE > 1:
+            _store_rows(acc1, out, 1, SUB_T, num_warps)
+        if ACTIVE > 2:
+            _store_rows(acc2, out, 2, SUB_T, num_warps)
+        if ACTIVE > 3:
+            _store_rows(acc3, out, 3, SUB_T, num_warps)
+
     @gluon.jit(do_not_specialize=["n_blocks"])  # one compile for every step size
     def _mxfp4_moe_wgmma_kernel(
         a_ptr,
@@ -214,6 +295,7 @@ if AVAILABLE:
         W_STEP: gl.constexpr,
         S_STEP: gl.constexpr,
         BLOCK_T: gl.constexpr,
+        SUB_T: gl.constexpr,
         STAGES: gl.constexpr,
         A_SMEM: gl.constexpr,
         LUT_REGS: gl.constexpr,
@@ -243,7 +325,6 @@ if AVAILABLE:
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_T, 16]
         )
-        a_op_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
         # a step's packed bytes [2 blocks, 128 rows, 16 bytes] in registers: the lane of row group
         # g and column c holds bytes 4c..4c+3 of rows g and g + 8 of both blocks (the A fragment's
         # columns), four consecutive registers a decode
@@ -265,7 +346,6 @@ if AVAILABLE:
         a_smem_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BW, _BK], gl.bfloat16)
         plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
         plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-        out_l: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, num_warps], [0, 1])
 
         # the block's tokens: rows past the block read a real row (never stored)
         t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, x_l))
@@ -293,13 +373,15 @@ if AVAILABLE:
         n_steps: gl.constexpr = K // _BK
         for j in gl.static_range(STAGES - 2):  # the ring's first steps in flight (past the end: step 0)
             _issue_step(j % n_steps, j, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP)
-        acc = gl.zeros([_BW, BLOCK_T], gl.float32, acc_l)
         lut = _lut_operand(lut_ptr, p_l, EXP_DECODE, SPLIT)
+        out = (y_ptr, s_ym, N, pid_n, row0, row1)
+        ring = (x_smem, x_src, w_smem, w_src, s_smem, s_src)
         if A_SMEM:
             # the expanded weights go through a double-buffered shared tile, so the wgmmas of step i
             # run while step i + 1 is expanded (an asynchronous wgmma's register operand cannot be
             # kept from reuse: Gluon's ``deps`` holds the bf16 values, not the packed registers the
             # wgmma reads, and the device showed them overwritten)
+            acc = gl.zeros([_BW, BLOCK_T], gl.float32, acc_l)
             a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, _BW, _BK], a_smem_l)
             async_copy.wait_group(STAGES - 3)
             gl.thread_barrier()
@@ -316,36 +398,32 @@ if AVAILABLE:
                 gl.thread_barrier()
                 nj = (i + 1) % STAGES
                 _decode_to_smem(w_smem.index(nj), s_smem.index(nj), a_smem.index((i + 1) % 2), lut, p_l, LUT_REGS)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            async_copy.wait_group(0)
+            gl.thread_barrier()  # every warp group's wgmmas and copies done: the ring's memory is free
+            _store_rows(acc, out, 0, BLOCK_T, num_warps)
         else:
-            # the expanded weights as wgmma's register operand, retired before the next step
-            # expands into the same registers: no overlap inside a program (other programs on the
-            # SM fill in)
-            for i in range(n_steps):
-                _advance(i, n_steps, STAGES, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP)
-                cur = i % STAGES
-                lo0, hi0, lo1, hi1 = _expand(
-                    w_smem.index(cur).load(p_l),
-                    s_smem.index(cur).load(gl.SliceLayout(2, p_l)),
-                    lut,
-                    LUT_REGS,
-                    EXP_DECODE,
-                    SPLIT,
-                )
-                x = x_smem.index(cur)
-                acc = warpgroup_mma(_k16(lo0, a_op_l), x.slice(0, 16, dim=1).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma(_k16(hi0, a_op_l), x.slice(16, 16, dim=1).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma(_k16(lo1, a_op_l), x.slice(32, 16, dim=1).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma(_k16(hi1, a_op_l), x.slice(48, 16, dim=1).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=[acc])
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        async_copy.wait_group(0)
-        gl.thread_barrier()  # every warp group's wgmmas and copies done: the ring's memory is free
-
-        out = gl.convert_layout(acc.to(y_ptr.dtype.element_ty), out_l)
-        on = pid_n * _BW + gl.arange(0, _BW, layout=gl.SliceLayout(1, out_l))
-        ot = row0 + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, out_l))
-        optrs = y_ptr + ot.to(gl.int64)[None, :] * s_ym + on[:, None]
-        gl.store(optrs, out, mask=(ot < row1)[None, :] & (on < N)[:, None])
+            # the register form, on as many of the block's SUB_T-row sub-tiles as it has rows: one
+            # compiled loop a count, chosen once a program (the M-block decodes each weight once,
+            # its wgmmas cover its rows to SUB_T, not to BLOCK_T)
+            n_sub = (row1 - row0 + SUB_T - 1) // SUB_T
+            if BLOCK_T == SUB_T:
+                _register_form(1, ring, lut, out, n_steps, STAGES, W_STEP, S_STEP, p_l,
+                               LUT_REGS, EXP_DECODE, SPLIT, SUB_T, num_warps)  # fmt: skip
+            elif n_sub == 1:
+                _register_form(1, ring, lut, out, n_steps, STAGES, W_STEP, S_STEP, p_l,
+                               LUT_REGS, EXP_DECODE, SPLIT, SUB_T, num_warps)  # fmt: skip
+            elif n_sub == 2:
+                _register_form(2, ring, lut, out, n_steps, STAGES, W_STEP, S_STEP, p_l,
+                               LUT_REGS, EXP_DECODE, SPLIT, SUB_T, num_warps)  # fmt: skip
+            else:
+                if BLOCK_T == 4 * SUB_T:
+                    if n_sub == 3:
+                        _register_form(3, ring, lut, out, n_steps, STAGES, W_STEP, S_STEP, p_l,
+                                       LUT_REGS, EXP_DECODE, SPLIT, SUB_T, num_warps)  # fmt: skip
+                    else:
+                        _register_form(4, ring, lut, out, n_steps, STAGES, W_STEP, S_STEP, p_l,
+                                       LUT_REGS, EXP_DECODE, SPLIT, SUB_T, num_warps)  # fmt: skip
 
 
 BLOCK_MS = (16, 32, 64, 128)
@@ -356,6 +434,8 @@ BLOCK_MS = (16, 32, 64, 128)
 # rows, eager) 0.58-0.98x of layers_v8's two warp groups: two there (``bench.layers --moe-warps``
 # times another choice)
 NUM_WARPS = {True: {16: 4, 32: 4, 64: 8, 128: 8}, False: {16: 4, 32: 8, 64: 8, 128: 8}}
+# sub-tiles of the register form's wgmmas by M-block (``sub_tiles``; 1: the whole block)
+SUB_TILES = {16: 1, 32: 1, 64: 1, 128: 1}
 
 
 def tiles_inner(rows: int) -> bool:
@@ -428,7 +508,9 @@ def mxfp4_moe_gemm_wgmma(
     register cap a thread: more programs an SM, ptxas spilling past it); ``split_layout`` (the
     weights' bytes in ``fp4_ptx.split_layout``, decoded by FP4_SPLIT_PAIRS: the exponent decode's
     values from 5 ALU instructions a word instead of 9; implies ``exponent_decode``). Returns
-    [rows, N] bf16."""
+    [rows, N] bf16; ``sub_tiles`` (1, 2 or 4: the register form's wgmmas on the M-block's rows in
+    that many sub-tiles, as many issued as the block has rows: a large M-block decodes each weight
+    once and multiplies its rows rounded up to a sub-tile, not to the block)."""
     cfg = config or {}
     err = _unsupported(a, weight, block_m)
     if err is not None:
@@ -455,6 +537,13 @@ def mxfp4_moe_gemm_wgmma(
             y.stride(0))  # fmt: skip
     common = dict(K=k, N_EXPERTS=n_experts, GATHER=a_rows is not None, W_STEP=weight.stride(2), S_STEP=s.stride(2))
     common |= dict(BLOCK_T=block_m, STAGES=cfg.get("stages", 4), TILES_INNER=cfg.get("tiles_inner", tiles_inner(rows)))
+    n_sub = cfg.get("sub_tiles", 1 if a_smem or cfg.get("warp_specialized") else SUB_TILES[block_m])
+    sub_t = block_m // max(n_sub, 1)
+    if n_sub not in (1, 2, 4) or sub_t < max(8, 2 * warps) or (n_sub > 1 and a_smem):
+        raise ValueError(
+            f"mxfp4_moe_gemm_wgmma: {n_sub} sub-tiles of an M-block of {block_m} rows ({warps} warps): "
+            f"1, 2 or 4, of at least {max(8, 2 * warps)} rows, in the register form"
+        )
     grid = (block_expert.numel() * n_tiles,)
     if cfg.get("warp_specialized", False):
         from asympd.model import moe_gluon_ws
@@ -467,6 +556,7 @@ def mxfp4_moe_gemm_wgmma(
         *args,
         **common,
         A_SMEM=a_smem,
+        SUB_T=sub_t,
         LUT_REGS=cfg.get("lut_registers", True),
         EXP_DECODE=exp,
         SPLIT=split,

@@ -66,10 +66,11 @@ def test_it_compiles_for_hopper_with_the_designed_hot_loop(tmp_path):
     env |= {"TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
     code = "import json; from bench.moe_gluon_aot import report as r, report_ws as ws; "
     code += "print(json.dumps([r(128, 4, 8), r(64, 4, 8, 0), r(16, 4, 4, 0, exp=True), ws(64), "
-    code += "r(16, 4, 4, 0, split=True), r(64, 4, 8, 0, split=True)]))"
+    code += "r(16, 4, 4, 0, split=True), r(64, 4, 8, 0, split=True), "
+    code += "r(128, 4, 8, 0, split=True, sub_tiles=4), r(64, 4, 4, 0, split=True, sub_tiles=4)]))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    smem, regs, exp, ws, split16, split64 = json.loads(out.stdout.strip().splitlines()[-1])
+    smem, regs, exp, ws, split16, split64, sub128, sub64 = json.loads(out.stdout.strip().splitlines()[-1])
     for row in (smem, regs):
         # four K = 16 wgmmas a step, nothing spilled; the decode: 10 PRMTs per four packed bytes
         # (16 bytes a thread a step), nothing repacked
@@ -93,6 +94,9 @@ def test_it_compiles_for_hopper_with_the_designed_hot_loop(tmp_path):
         assert row["hot_loop_lop3"] == 5 * words and row["hot_loop_prmt"] == 0 and row["local"] == 0, row
         assert row["hot_loop_spill_ops"] == 0, row
     assert split16["hot_loop_instructions"] <= 200 and split64["hot_loop_instructions"] <= 135, (split16, split64)
+    # in sub-tiles (one compiled loop a count of them): the same decode, nothing spilled
+    for row in (sub128, sub64):
+        assert row["local"] == 0 and row["hot_loop_spill_ops"] == 0 and row["hot_loop_lop3"] in (20, 40), row
     # the warp-specialized form: each MMA warp group's loop is the register form's (4 wgmmas, the
     # table decode), within the launch's 80 registers, nothing spilled
     assert ws["hot_loop_wgmma"] == 4 and ws["hot_loop_prmt"] == 40 and ws["local"] == 0 and ws["reg"] <= 80, ws
@@ -114,6 +118,8 @@ CONFIGS = [{}, {"a_smem": True}, {"stages": 3}, {"num_warps": 4}, {"tiles_inner"
 CONFIGS += [{"lut_registers": False, "tiles_inner": False}, {"warp_specialized": True}, {"exponent_decode": True}]
 CONFIGS += [{"exponent_decode": True, "num_warps": 4}, {"exponent_decode": True, "num_warps": 4, "stages": 6}]
 CONFIGS += [{"exponent_decode": True, "maxnreg": 80}, {"split_layout": True}, {"split_layout": True, "num_warps": 8}]
+CONFIGS += [{"split_layout": True, "sub_tiles": 2}, {"split_layout": True, "sub_tiles": 4}]
+CONFIGS += [{"split_layout": True, "sub_tiles": 4, "num_warps": 4}]
 
 
 @pytest.mark.skipif(not HOPPER, reason="a Hopper kernel (Gluon has no interpreter)")
@@ -122,8 +128,11 @@ CONFIGS += [{"exponent_decode": True, "maxnreg": 80}, {"split_layout": True}, {"
 @pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("tokens", [300, 2000])
 def test_it_equals_the_dequantized_experts(block_m, gather, cfg, tokens):
-    if block_m < 4 * cfg.get("num_warps", 4):
+    warps = cfg.get("num_warps", MG.NUM_WARPS[bool(cfg.get("exponent_decode") or cfg.get("split_layout"))][block_m])
+    if block_m < 4 * warps:
         pytest.skip("8 warps copy 32 rows a pass")
+    if block_m // cfg.get("sub_tiles", 1) < max(8, 2 * warps):
+        pytest.skip("sub-tiles of at least 8 rows and 2 a warp")
     if cfg.get("maxnreg", 255) < 94 and block_m == 128:  # the [128, 128] accumulator alone is 128 a thread
         with pytest.raises(Exception, match="Insufficient registers"):
             _check_against_the_dequantized_experts(block_m, gather, cfg, tokens, n=256, k=1024)
@@ -134,7 +143,9 @@ def test_it_equals_the_dequantized_experts(block_m, gather, cfg, tokens):
 @pytest.mark.skipif(not HOPPER, reason="a Hopper kernel (Gluon has no interpreter)")
 @pytest.mark.parametrize("block_m", [16, 32, 64, 128])
 @pytest.mark.parametrize(
-    "cfg", [{}, {"exponent_decode": True}, {"exponent_decode": True, "num_warps": 8}, {"split_layout": True}]
+    "cfg",
+    [{}, {"exponent_decode": True}, {"exponent_decode": True, "num_warps": 8}, {"split_layout": True}]
+    + [{"split_layout": True, "sub_tiles": 2}],
 )
 @pytest.mark.parametrize("k", [64, 128])
 def test_it_takes_fewer_k_steps_than_its_ring_prefetches(block_m, cfg, k):
@@ -142,7 +153,21 @@ def test_it_takes_fewer_k_steps_than_its_ring_prefetches(block_m, cfg, k):
     # two ahead): the first copies must stay inside the operands
     if block_m < 4 * cfg.get("num_warps", 4):
         pytest.skip("8 warps copy 32 rows a pass")
+    if block_m // cfg.get("sub_tiles", 1) < 2 * MG.NUM_WARPS[True][block_m]:
+        pytest.skip("sub-tiles of 2 rows a warp")
     _check_against_the_dequantized_experts(block_m, True, cfg, 700, n=128, k=k)
+
+
+@pytest.mark.skipif(not HOPPER, reason="a Hopper kernel (Gluon has no interpreter)")
+def test_sub_tiles_it_cannot_run_are_refused():
+    a = torch.zeros(32, 64, dtype=torch.bfloat16, device="cuda")
+    w = torch.zeros(2, 1, 2, 128, 16, dtype=torch.int8, device="cuda")
+    s = torch.zeros(2, 1, 2, 128, dtype=torch.uint8, device="cuda")
+    blocks = tuple(G.moe_blocks(torch.zeros(32, dtype=torch.int64, device="cuda"), 2, 32)[1:])
+    for cfg, why in (({"sub_tiles": 3}, "1, 2 or 4"), ({"sub_tiles": 4}, "of at least 8 rows"),
+                     ({"sub_tiles": 2, "a_smem": True}, "in the register form")):  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            MG.mxfp4_moe_gemm_wgmma(a, w, s, blocks, 32, 32, None, {"num_warps": 4, **cfg})
 
 
 def _check_against_the_dequantized_experts(block_m, gather, cfg, tokens, n, k, n_exp=8, topk=2):
