@@ -429,13 +429,17 @@ if AVAILABLE:
 BLOCK_MS = (16, 32, 64, 128)
 # warps a program by M-block, with the table-free decode (True) and the table (False). With the
 # table-free decode one warp group at 32-row blocks too: 1.06-1.17x per GEMM (bench/results/
-# moe_blockm_exp.json), 1.04-1.08x on every 1024-row layer cell (layers_v9.json). At 64 and 128 the
-# GEMMs alone measured 0.98-1.07x and 1.00-1.03x, but the layer cells on those blocks (2048-4096
-# rows, eager) 0.58-0.98x of layers_v8's two warp groups: two there (``bench.layers --moe-warps``
-# times another choice)
-NUM_WARPS = {True: {16: 4, 32: 4, 64: 8, 128: 8}, False: {16: 4, 32: 8, 64: 8, 128: 8}}
-# sub-tiles of the register form's wgmmas by M-block (``sub_tiles``; 1: the whole block)
-SUB_TILES = {16: 1, 32: 1, 64: 1, 128: 1}
+# moe_blockm_exp.json), 1.04-1.08x on every 1024-row layer cell (layers_v9.json); at 64 and 128 in
+# sub-tiles (below) one warp group was 1.02-1.10x two in the GEMMs (moe_subtiles_gemms.json)
+NUM_WARPS = {True: {16: 4, 32: 4, 64: 4, 128: 4}, False: {16: 4, 32: 8, 64: 8, 128: 8}}
+# sub-tiles of the register form's wgmmas by M-block (``sub_tiles``; 1: the whole block). Measured
+# in one run (bench/results/moe_subtiles_gemms.json, layers_moe_sub.json): 16-row blocks in two
+# 8-row sub-tiles 1.05-1.06x at 16-256 tokens (most experts there have a row or two); 64 and 128 in
+# four, one warp group, 1.02-1.11x (the rows an expert vary around the block: 2048 tokens fill a
+# 64-row block by half). Sub-tiles of 8 or 16 rows cost where blocks are full (a wgmma of N = 8 or
+# 16 runs below the tensor cores' rate: 16K tokens in 32-row blocks of four, 1.31x slower), hence 32
+# rows a sub-tile at 128-row blocks.
+SUB_TILES = {16: 2, 32: 2, 64: 4, 128: 4}
 
 
 def tiles_inner(rows: int) -> bool:

@@ -117,7 +117,8 @@ def _problem(tokens: int, n: int, k: int, n_exp: int, topk: int, seed: int = 0):
 CONFIGS = [{}, {"a_smem": True}, {"stages": 3}, {"num_warps": 4}, {"tiles_inner": True}]
 CONFIGS += [{"lut_registers": False, "tiles_inner": False}, {"warp_specialized": True}, {"exponent_decode": True}]
 CONFIGS += [{"exponent_decode": True, "num_warps": 4}, {"exponent_decode": True, "num_warps": 4, "stages": 6}]
-CONFIGS += [{"exponent_decode": True, "maxnreg": 80}, {"split_layout": True}, {"split_layout": True, "num_warps": 8}]
+CONFIGS += [{"exponent_decode": True, "maxnreg": 80, "num_warps": 8}]
+CONFIGS += [{"split_layout": True}, {"split_layout": True, "num_warps": 8}]
 CONFIGS += [{"split_layout": True, "sub_tiles": 2}, {"split_layout": True, "sub_tiles": 4}]
 CONFIGS += [{"split_layout": True, "sub_tiles": 4, "num_warps": 4}]
 

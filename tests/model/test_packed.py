@@ -752,11 +752,13 @@ def test_tiled_experts_hold_the_same_bytes_and_give_the_same_tokens(tiny_ckpt, m
 
 def test_moe_block_m_follows_the_measured_sweep():
     # V4.1's 384 experts, top-6: the fastest M-block measured at each step size (moe_blockm_ac1eaf7,
-    # layers_v4): 16 rows up to 512 tokens, 32 at 1024-1152, 64 at 2048-4096, then 128
+    # layers_v4, moe_subtiles_gemms): 16 rows up to 512 tokens, 32 at 1024-1152, 64 at 2048-3072,
+    # then 128
     from asympd.model.packed import moe_block_m
 
-    got = {t: moe_block_m(6 * t, 384) for t in (1, 256, 512, 1024, 1152, 1536, 2048, 4096, 8192, 16384)}
-    assert got == {1: 16, 256: 16, 512: 16, 1024: 32, 1152: 32, 1536: 32, 2048: 64, 4096: 64, 8192: 128, 16384: 128}
+    got = {t: moe_block_m(6 * t, 384) for t in (1, 256, 512, 1024, 1152, 1536, 2048, 3072, 4096, 8192, 16384)}
+    want = {1: 16, 256: 16, 512: 16, 1024: 32, 1152: 32, 1536: 32, 2048: 64, 3072: 64, 4096: 128, 8192: 128}
+    assert got == want | {16384: 128}
 
 
 def test_packed_experts_ask_for_the_table_free_decode_only_where_their_scales_allow(monkeypatch):
