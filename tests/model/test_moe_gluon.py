@@ -165,7 +165,7 @@ def test_sub_tiles_it_cannot_run_are_refused():
     w = torch.zeros(2, 1, 2, 128, 16, dtype=torch.int8, device="cuda")
     s = torch.zeros(2, 1, 2, 128, dtype=torch.uint8, device="cuda")
     blocks = tuple(G.moe_blocks(torch.zeros(32, dtype=torch.int64, device="cuda"), 2, 32)[1:])
-    for cfg, why in (({"sub_tiles": 3}, "1, 2 or 4"), ({"sub_tiles": 4}, "of at least 8 rows"),
+    for cfg, why in (({"sub_tiles": 3}, "1, 2 or 4"), ({"sub_tiles": 4, "num_warps": 8}, "of at least 16 rows"),
                      ({"sub_tiles": 2, "a_smem": True}, "in the register form")):  # fmt: skip
         with pytest.raises(ValueError, match=why):
             MG.mxfp4_moe_gemm_wgmma(a, w, s, blocks, 32, 32, None, {"num_warps": 4, **cfg})

@@ -681,11 +681,13 @@ def test_packed_weights_give_the_reference_tokens(tiny_ckpt, mode, weights, moe,
     the packing; tests/model/test_cuda.py compares CUDA with the CPU reference). The two sum in
     different orders, and the tiny random model turns a last-bit difference into another token
     whenever it moves a value across an FP8/FP4 quantization step (docs/performance.md §1 measures that
-    sensitivity; seen here: one prompt of six whose prefill moves its logprobs by 0.08): so the first
-    token of every prompt must match, and at least 5 of the 6 prompts must match in every token and
-    every logprob to 1e-4. A wrong kernel changes nearly all of them. ``moe``: the expert GEMMs'
-    kernel variant (``gemm_kernels.MOE_DEFAULTS``) for the packed model; ``fp8``: the FP8-tile
-    GEMMs' (``gemm_kernels.FP8_DEFAULTS``)."""
+    sensitivity; seen here: one prompt of six whose prefill moves its logprobs by 0.08, and on some
+    CPUs flips its first token, whose two candidates the reference puts 0.017 nats apart): so the
+    first token of every prompt must match or be the reference's runner-up within 0.1 nats, and at
+    least 5 of the 6 prompts must match in every token and every logprob to 1e-4. A wrong kernel
+    changes nearly all of them. ``moe``: the expert GEMMs' kernel variant
+    (``gemm_kernels.MOE_DEFAULTS``) for the packed model; ``fp8``: the FP8-tile GEMMs'
+    (``gemm_kernels.FP8_DEFAULTS``)."""
     prompts = random_prompts([40, 9, 21, 64, 17, 100], seed=3)
     sp = asympd.SamplingParams(max_tokens=5, temperature=0, logprobs=2)
     outs = {}
@@ -702,7 +704,9 @@ def test_packed_weights_give_the_reference_tokens(tiny_ckpt, mode, weights, moe,
     agree = 0
     for ref, got in zip(outs["dequantized"], outs[weights], strict=True):
         a, b = ref.outputs[0], got.outputs[0]
-        assert a.token_ids[0] == b.token_ids[0]
+        if a.token_ids[0] != b.token_ids[0]:  # only a near-tie may flip: the runner-up within 0.1 nats
+            first = a.logprobs[0]
+            assert first[a.token_ids[0]] - first.get(b.token_ids[0], -1e9) < 0.1, (first, b.token_ids[0])
         close = all(
             la.keys() == lb.keys() and all(abs(la[t] - lb[t]) < 1e-4 for t in la)
             for la, lb in zip(a.logprobs, b.logprobs, strict=True)
