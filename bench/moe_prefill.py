@@ -49,6 +49,8 @@ WGMMA_CONFIGS = [
     {"exponent_decode": True, "maxnreg": 64},
     {"exponent_decode": True, "maxnreg": 80},
     {"exponent_decode": True, "maxnreg": 96},
+    {"exponent_decode": True, "sub_tiles": 1},  # the twenty-fifth session's kernel (its 16/32-row default)
+    {"exponent_decode": True, "sub_tiles": 1, "num_warps": 8},  # ... and its 64/128-row default
     {"split_layout": True},  # the weights' bytes in fp4_ptx.split_layout (the experts are permuted for it)
     {"split_layout": True, "num_warps": 8},
     {"split_layout": True, "num_warps": 4},
