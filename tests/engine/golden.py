@@ -48,8 +48,17 @@ def logprob_digests(doc: dict, kernels: str) -> dict[str, list[str]] | None:
     return for_cpu(doc, "logprobs_sha256_by_cpu", main, kernels)
 
 
-def compute(checkpoint: str, prompts: list[list[int]]) -> dict[str, list[dict]]:
-    """Greedy outputs of every deployment variant (fp32, the engine's default)."""
+def token_ids(doc: dict, kernels: str) -> dict[str, list[list[int]]] | None:
+    """Each variant's greedy tokens for CPU kernel family ``kernels``: the main record's, or where a
+    family chose otherwise at a near-tie (``tools/make_golden.py --add-cpu`` checks that it was one),
+    that family's own."""
+    main = {v: [o["token_ids"] for o in outs] for v, outs in doc["outputs"].items()}
+    return for_cpu(doc, "token_ids_by_cpu", main, kernels)
+
+
+def compute(checkpoint: str, prompts: list[list[int]], keep_logprobs: bool = False) -> dict[str, list[dict]]:
+    """Greedy outputs of every deployment variant (fp32, the engine's default); ``keep_logprobs``
+    adds every step's whole-vocabulary log-probabilities (``logprobs``, for the tools)."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=-1)
     out: dict[str, list[dict]] = {}
     for mode, semantics, policy in VARIANTS:
@@ -60,6 +69,7 @@ def compute(checkpoint: str, prompts: list[list[int]]) -> dict[str, list[dict]]:
                 "n": len(p),
                 "token_ids": r.outputs[0].token_ids,
                 "logprobs_sha256": logprobs_digest(r.outputs[0].logprobs[:HASHED_STEPS]),
+                **({"logprobs": r.outputs[0].logprobs} if keep_logprobs else {}),
             }
             for p, r in zip(prompts, results, strict=True)
         ]

@@ -31,6 +31,13 @@ STEPS = 8  # draft blocks per prompt: one after the prefill, then one after each
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def fp32_record(doc: dict[str, Any], kernels: str) -> list[dict[str, Any]] | None:
+    """The fp32 drafts recorded for CPU kernel family ``kernels``: the main record, except on a family
+    whose logit bits differ (an AVX512 machine with AMX: the same tokens and drafts, other bits), where
+    ``tools/make_golden_drafts.py --add-cpu`` stored its own after checking the tokens and drafts."""
+    return for_cpu(doc, "float32_by_cpu", doc["outputs"]["float32"], kernels)
+
+
 def bf16_record(doc: dict[str, Any], kernels: str) -> list[dict[str, Any]] | None:
     """The bf16 drafts recorded for CPU kernel family ``kernels`` (``tests.util.for_cpu``). On an AVX2
     machine the fp32 drafts are the main record's bits (made on an earlier development machine, whose

@@ -34,6 +34,11 @@ def test_the_golden_file_describes_this_run(doc):
     for kernels, runs in doc.get("bfloat16_by_cpu", {}).items():
         assert golden.bf16_record(doc, kernels) is runs
         assert [r["n"] for r in runs] == golden.LENGTHS
+    for kernels, runs in doc.get("float32_by_cpu", {}).items():
+        assert golden.fp32_record(doc, kernels) is runs
+        assert [(r["target_tokens"], r["drafts"]) for r in runs] == [
+            (r["target_tokens"], r["drafts"]) for r in doc["outputs"]["float32"]
+        ]
     assert doc["command"].endswith("tools/make_golden_drafts.py") and "docs/reference-check.md" in doc["about"]
     for runs in doc["outputs"].values():
         assert [r["n"] for r in runs] == golden.LENGTHS
@@ -41,15 +46,18 @@ def test_the_golden_file_describes_this_run(doc):
 
 
 def test_drafts_reproduce_the_golden_tokens_and_logit_bits(tiny_ckpt, doc, prompts):
-    """fp32 against the one record (the same bits on every CPU measured); bf16 against the record
-    for this machine's CPU kernels (``golden.bf16_record``)."""
+    """Each dtype against the record for this machine's CPU kernels (``golden.fp32_record``,
+    ``golden.bf16_record``); every family's fp32 tokens and drafts are the main record's."""
     got = golden.compute(tiny_ckpt, prompts)
     hint = f"regenerate ({doc['command']}) only after re-checking against the reference"
     kernels = cpu_kernels()
-    bf16 = golden.bf16_record(doc, kernels)
-    for dtype, want in (("float32", doc["outputs"]["float32"]), ("bfloat16", bf16)):
-        if want is None:  # fp32 was checked; say what is missing rather than pass quietly
-            pytest.skip(f"no bf16 golden drafts for {kernels} CPU kernels: {doc['command']} --add-cpu records them")
+    main = doc["outputs"]["float32"]
+    assert [(g["target_tokens"], g["drafts"]) for g in got["float32"]] == [
+        (w["target_tokens"], w["drafts"]) for w in main
+    ], f"fp32 tokens or drafts moved; {hint}"
+    for dtype, want in (("float32", golden.fp32_record(doc, kernels)), ("bfloat16", golden.bf16_record(doc, kernels))):
+        if want is None:  # say what is missing rather than pass quietly
+            pytest.skip(f"no {dtype} golden drafts for {kernels} CPU kernels: {doc['command']} --add-cpu records them")
         for g, w in zip(got[dtype], want, strict=True):
             assert g["target_tokens"] == w["target_tokens"], f"{dtype}, N={w['n']}: the target moved; {hint}"
             assert g["drafts"] == w["drafts"], f"{dtype}, N={w['n']}: drafts moved; {hint}"
