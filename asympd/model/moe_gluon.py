@@ -429,16 +429,15 @@ if AVAILABLE:
 BLOCK_MS = (16, 32, 64, 128)
 # warps a program by M-block, with the table-free decode (True) and the table (False). With the
 # table-free decode one warp group at 32-row blocks too: 1.06-1.17x per GEMM (bench/results/
-# moe_blockm_exp.json), 1.04-1.08x on every 1024-row layer cell (layers_v9.json); at 64 and 128 in
-# sub-tiles (below) one warp group was 1.02-1.10x two in the GEMMs (moe_subtiles_gemms.json)
+# moe_blockm_exp.json), 1.04-1.08x on every 1024-row layer cell (layers_v9.json); at 64 and 128,
+# whole blocks, one warp group 0.99-1.16x two (moe_split_subtiles_gemms.json, 2048-16K tokens)
 NUM_WARPS = {True: {16: 4, 32: 4, 64: 4, 128: 4}, False: {16: 4, 32: 8, 64: 8, 128: 8}}
 # sub-tiles of the register form's wgmmas by M-block (``sub_tiles``; 1: the whole block). Measured
-# in one run (bench/results/moe_subtiles_gemms.json, layers_moe_sub.json): 16-row blocks in two
-# 8-row sub-tiles 1.05-1.06x at 16-256 tokens (most experts there have a row or two); 64 and 128 in
-# four, one warp group, 1.02-1.11x (the rows an expert vary around the block: 2048 tokens fill a
-# 64-row block by half). Sub-tiles of 8 or 16 rows cost where blocks are full (a wgmma of N = 8 or
-# 16 runs below the tensor cores' rate: 16K tokens in 32-row blocks of four, 1.31x slower), hence 32
-# rows a sub-tile at 128-row blocks.
+# in one run with the split decode (bench/results/moe_split_subtiles_gemms.json): 16-row blocks in
+# two 8-row sub-tiles 1.01-1.09x at 16-256 tokens (most experts there have a row or two); 64-row
+# blocks in four 1.00-1.12x at 1024-2048 tokens (half-full blocks) but 0.90-0.98x at 4096-16K (full
+# ones: a wgmma of N = 16 runs below the tensor cores' rate); 128-row blocks in four of 32 rows
+# 0.99-1.10x. The block fill (``packed.MOE_BLOCK_M_FILL``) keeps 64-row blocks to the half-full range.
 SUB_TILES = {16: 2, 32: 2, 64: 4, 128: 4}
 
 

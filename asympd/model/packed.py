@@ -199,8 +199,9 @@ class PackedExperts:
 # sublayer at 1152 tokens), 64-row blocks at 32 (1.11-1.14x 32-row ones) and 64 (1.06-1.07x
 # 128-row ones). The limits between are the midpoints of the measured averages. Since the kernel
 # multiplies only the sub-tiles a block has rows in (``moe_gluon.SUB_TILES``), a larger block costs
-# little past its rows: 128-row blocks were 1.05-1.11x 64-row ones at 64 an expert (4096 tokens,
-# moe_subtiles_gemms.json), 64-row ones still 1.6x 128-row ones at 32; the last limit is 48.
+# little past its rows: 128-row blocks were 1.02-1.06x 64-row ones at 64 an expert (4096 tokens,
+# moe_split_subtiles_gemms.json), 64-row ones still 1.25-1.55x 128-row ones at 32; the last limit
+# is 48.
 MOE_BLOCK_M_FILL = ((16, 12), (32, 24), (64, 48))
 
 
