@@ -131,7 +131,8 @@ _GRAPH_BROKEN: list[str] = []  # after one failed capture, time eagerly (a faile
 def time_cuda(fn, *, iters: int = 10, warmup: int = 2, graph: bool = False) -> dict[str, Any]:
     """Median (and spread) of ``fn``'s device time in ms, timed with CUDA events per iteration.
     ``graph``: capture one call in a CUDA graph and time its replays (no launch overhead); falls
-    back to eager timing, saying why, if the capture fails."""
+    back to eager timing, saying why, if the capture fails. Also counts the allocator's cudaMallocs
+    and free-and-retries inside the timed calls (``cuda_mallocs``, ``alloc_retries``)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -157,6 +158,7 @@ def time_cuda(fn, *, iters: int = 10, warmup: int = 2, graph: bool = False) -> d
             g = None
             torch.cuda.synchronize()
     run = g.replay if g is not None else fn
+    before = torch.cuda.memory_stats()
     times = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -173,6 +175,11 @@ def time_cuda(fn, *, iters: int = 10, warmup: int = 2, graph: bool = False) -> d
         "iters": iters,
         "mode": mode,
     }
+    # what the caching allocator did inside the timed calls: a cudaMalloc or a free-and-retry there
+    # synchronizes and is timed too (the suspect in eager cells that drift within a run)
+    after = torch.cuda.memory_stats()
+    for key, name in (("num_device_alloc", "cuda_mallocs"), ("num_alloc_retries", "alloc_retries")):
+        out[name] = after.get(key, 0) - before.get(key, 0)
     if err:
         out["graph_error"] = err
     del g
