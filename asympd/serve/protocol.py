@@ -72,9 +72,9 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
     for key, value in body.items():
-        bad = _find_non_finite(value)
+        bad = _find_invalid(value)
         if bad is not None:
-            raise APIError(f"{key}: {bad} is not a finite number", param=key)
+            raise APIError(f"{key}: {bad}", param=key)
     return body
 
 
@@ -87,11 +87,20 @@ def _finite_float(text: str) -> float | _NonFinite:
     return x if math.isfinite(x) else _NonFinite(text)
 
 
-def _find_non_finite(v: Any) -> str | None:
+def _find_invalid(v: Any) -> str | None:
+    """What is wrong with the first value JSON parsed but no field can take: a non-finite number,
+    or a string (value or key) holding a lone surrogate, which JSON can escape ("\\ud800") but no
+    UTF-8 text (a tokenizer's input, a forwarded body) can hold."""
     if isinstance(v, _NonFinite):
-        return str(v)
-    children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
-    return next((b for c in children if (b := _find_non_finite(c)) is not None), None)
+        return f"{v} is not a finite number"
+    if isinstance(v, str):
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"a lone surrogate (U+{ord(v[e.start]):04X}) is not valid Unicode"
+        return None
+    children = [*v.keys(), *v.values()] if isinstance(v, dict) else v if isinstance(v, list) else ()
+    return next((b for c in children if (b := _find_invalid(c)) is not None), None)
 
 
 def _validation_param(e: ValidationError) -> str | None:

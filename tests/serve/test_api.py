@@ -227,6 +227,18 @@ def test_malformed_bodies_and_unknown_paths(url, client):
     assert httpx.get(f"{url}/health").status_code == 200  # still serving
 
 
+def test_a_lone_surrogate_is_a_400_naming_the_field(url, client):
+    """JSON can escape a lone surrogate, which no UTF-8 tokenizer takes (it was a 500)."""
+    for path, raw, field, char in (
+        ("completions", r'{"prompt": "x\ud800y"}', "prompt", "D800"),
+        ("chat/completions", r'{"messages": [{"role": "user", "content": "\udc00"}]}', "messages", "DC00"),
+    ):
+        r = client.post(f"{url}/v1/{path}", content=raw.encode(), headers={"content-type": "application/json"})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == field, r.text
+        assert err["message"] == f"{field}: a lone surrogate (U+{char}) is not valid Unicode", err
+
+
 def test_client_leaving_a_stream_frees_its_blocks(url, client):
     body = {"prompt": [5, 6, 7], "max_tokens": 3000, "stream": True, "ignore_eos": True, "temperature": 0}
     with client.stream("POST", f"{url}/v1/completions", json=body) as r:

@@ -153,6 +153,22 @@ def test_numbers_out_of_range_are_400_naming_the_field(hardened, raw, param):
         assert r.json()["error"]["param"] == param, (url, r.text)
 
 
+def test_a_lone_surrogate_is_400_through_the_router_too(hardened):
+    """A lone surrogate can be neither tokenized nor forwarded as UTF-8 (both were 500s, the
+    router's in re-encoding the body for P): every server refuses it as it parses the body."""
+    dep = hardened
+    for url in (dep.router, dep.decode):
+        for kind, raw, field in (
+            ("completions", rb'{"prompt": "x\ud800", "max_tokens": 2}', "prompt"),
+            ("chat/completions", rb'{"messages": [{"role": "user", "content": "\udc00"}]}', "messages"),
+            ("completions", rb'{"prompt": "x", "user": "\ud83d", "max_tokens": 2}', "user"),
+        ):
+            headers = {**dep.auth, "Content-Type": "application/json"}
+            r = httpx.post(f"{url}/v1/{kind}", content=raw, headers=headers, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, (url, r.text)
+            assert "lone surrogate" in r.json()["error"]["message"], (url, r.text)
+
+
 def test_a_non_streamed_request_is_bounded_by_progress_not_total_time(hardened):
     """The router's progress timeout is PROGRESS_TIMEOUT s (the old fixed total timeout, set low):
     a non-streamed request running several times longer completes, because D sends progress."""

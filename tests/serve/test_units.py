@@ -130,6 +130,19 @@ def test_error_body_shape():
         P.parse_json_body(b"{")
 
 
+def test_a_body_refuses_lone_surrogates_wherever_they_are():
+    # a surrogate pair is a character (JSON's way to escape one past U+FFFF); only a lone half is refused
+    assert P.parse_json_body(rb'{"prompt": "caf\u00e9 \ud83d\ude00"}') == {"prompt": "caf\u00e9 \U0001f600"}
+    for raw, param, char in (
+        (rb'{"prompt": "\ud800"}', "prompt", "D800"),
+        (rb'{"logit_bias": {"\udfff": 1}}', "logit_bias", "DFFF"),  # a key
+        (rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\ud83d"}]}]}', "messages", "D83D"),
+    ):
+        with pytest.raises(P.APIError) as e:
+            P.parse_json_body(raw)
+        assert (e.value.param, e.value.message) == (param, f"{param}: a lone surrogate (U+{char}) is not valid Unicode")
+
+
 def test_worker_metrics_export_engine_speculation_stats():
     from asympd.serve.metrics import ServerMetrics
 
