@@ -147,7 +147,9 @@ def _content_text(content: Any, where: str) -> str:
     parts = []
     for part in content:
         kind = part.get("type") if isinstance(part, Mapping) else None
-        if kind == "text" and isinstance(part.get("text"), str):
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise ChatFormatError(f"{where}: a text part needs its text as a string")
             parts.append(part["text"])
         elif kind in ("image_url", "image"):
             parts.append(IMAGE)

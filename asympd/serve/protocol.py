@@ -284,11 +284,13 @@ class ChatCompletionRequest(_Common):
                 f"chat_template_kwargs: unknown key(s) {unknown}: accepted are {', '.join(CHAT_TEMPLATE_KWARGS)}",
                 param="chat_template_kwargs",
             )
+        top_level_effort = "reasoning_effort" not in kw
         kw.setdefault("reasoning_effort", self.reasoning_effort)
         try:
             return ChatOptions.build(add_generation_prompt=self.add_generation_prompt, **kw)
         except ChatFormatError as e:
-            raise APIError(str(e), param="reasoning_effort") from None
+            effort = str(e).startswith("reasoning_effort") and top_level_effort
+            raise APIError(str(e), param="reasoning_effort" if effort else "chat_template_kwargs") from None
 
     def tools_enabled(self) -> bool:
         """Whether tools go into the prompt and tool calls are parsed (``tool_choice`` auto or none)."""
@@ -308,8 +310,9 @@ class ChatCompletionRequest(_Common):
             return encode_messages(
                 messages, options, self.tools if self.tools_enabled() else None, self.response_format
             )
-        except ChatFormatError as e:
-            raise APIError(str(e), param="messages") from None
+        except ChatFormatError as e:  # the field the message names (tools[i]: ..., response_format ...)
+            field = next((f for f in ("tools", "response_format") if str(e).startswith(f)), "messages")
+            raise APIError(str(e), param=field) from None
 
     def message_dicts(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_none=True) for m in self.messages]

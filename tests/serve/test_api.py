@@ -206,6 +206,7 @@ BAD = [
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "image_url.url"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, "max_tokens"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "text as a string"),
 ]
 
 
@@ -216,6 +217,25 @@ def test_bad_requests(url, client, path, body, status, needle):
     err = r.json()["error"]
     assert needle in err["message"], err
     assert err["code"] == status and err["type"].endswith("Error")
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"chat_template_kwargs": {"thinking": "yes"}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"reasoning_effort": "ultra"}}, "chat_template_kwargs"),
+        ({"reasoning_effort": "ultra"}, "reasoning_effort"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ],
+)
+def test_a_chat_refusal_names_the_field_at_fault(url, client, extra, param):
+    r = client.post(f"{url}/v1/chat/completions", json={"messages": HI, "max_tokens": 2, **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_malformed_bodies_and_unknown_paths(url, client):
