@@ -239,6 +239,12 @@ class Planner:
             raise PlanError(f"placement must be one of {', '.join(PLACEMENTS)}, got {req.placement!r}")
         self.req = req
         self.cfg = cfg or v41_flash()
+        longest = max(req.arrivals, key=lambda a: a.prompt_len + a.output_len, default=None)
+        if longest is not None and longest.prompt_len + longest.output_len > self.cfg.max_seq_len:
+            raise PlanError(
+                f"a request of {longest.prompt_len} prompt + {longest.output_len} output tokens exceeds the "
+                f"model's context of {self.cfg.max_seq_len} tokens: the servers refuse it"
+            )
         self.gpu = gpu_spec(req.gpu)
         results = results or load_results(results_dir)
         # which measurements the step times rest on: each table's benchmark and commit (--json)

@@ -321,6 +321,10 @@ def test_unplannable_mode_and_bad_input(results):
         parse_dist("1k", "--prompt-len")
     with pytest.raises(PlanError, match="must be positive"):
         parse_dist("1024:0", "--prompt-len")
+    with pytest.raises(
+        PlanError, match="a request of 1048576 prompt \\+ 64 output tokens exceeds the model's context of 1048576"
+    ):
+        Planner(request(prompt="1024:0.5,1048576:0.5"), results=results)
 
 
 def test_traffic_file(tmp_path):
