@@ -204,11 +204,17 @@ def _serve(args: argparse.Namespace) -> int:
 
     if not any(Path(args.checkpoint, name).exists() for name in ("config.json", "inference/config.json")):
         raise UsageError(f"--checkpoint {args.checkpoint!r} holds no config.json")
+    from asympd.engine.engine import EngineConfigError
+    from asympd.serve.http import BindError
+
     try:
         cfg = serve_config_from_args(args).resolve()
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from e
-    serve(cfg, args.log_level)
+    try:
+        serve(cfg, args.log_level)
+    except (EngineConfigError, BindError) as e:  # what only the loaded model (a block size) or the host refuses
+        raise UsageError(str(e)) from e
     return 0
 
 

@@ -152,6 +152,11 @@ def checkpoint_id(path: str | Path | None) -> str:
     return h.hexdigest()[:16]
 
 
+class EngineConfigError(ValueError):
+    """A setting this model cannot run with, found as the engine starts on it (after the checkpoint is
+    read): the command line reports it as a usage error."""
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -162,9 +167,9 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.config.validate()
         if self.config.role != "prefill" and model.role == "prefill":
-            raise ValueError("a prefill-role model can only run a prefill worker")
+            raise EngineConfigError("a prefill-role model can only run a prefill worker")
         if modes.PREFILL_MODEL_ROLE.get(self.config.mode) == "full" and model.role == "prefill":
-            raise ValueError(f"the {self.config.mode} mode's prefill worker needs the full model")
+            raise EngineConfigError(f"the {self.config.mode} mode's prefill worker needs the full model")
         self.model, self.cfg = model, model.cfg
         self.detokenize = detokenize
         c = self.config
@@ -176,23 +181,28 @@ class LLMEngine:
         self.num_spec_tokens = k
         self.proposer: Proposer | None = None
         if k and self.config.mode == "symmetric-windows":
-            raise ValueError(
+            raise EngineConfigError(
                 "num_spec_tokens > 0 is not supported in mode symmetric-windows: D computes no prompt row, "
                 "and P does not ship the drafter's hidden states to seed its window"
             )
         if k:
             drafter = getattr(model, "drafter", None)
             if drafter is None:
-                raise ValueError(
+                raise EngineConfigError(
                     f"num_spec_tokens={k} needs the DSpark draft blocks (mtp.*), which this {model.role}-role model "
                     "does not hold"
                 )
             if k > self.cfg.dspark_block_size:
-                raise ValueError(f"num_spec_tokens={k} exceeds the DSpark block size {self.cfg.dspark_block_size}")
+                raise EngineConfigError(
+                    f"num_spec_tokens={k} exceeds the DSpark block size {self.cfg.dspark_block_size}"
+                )
             self.proposer = DSparkProposer(drafter, self.config.spec_confidence_threshold)
-        self.spec = KVCacheSpec.from_config(
-            self.cfg, block_size=self.config.block_size, spec_slack=sc.num_spec_tokens + 1, dtype=model.dtype
-        )
+        try:
+            self.spec = KVCacheSpec.from_config(
+                self.cfg, block_size=self.config.block_size, spec_slack=sc.num_spec_tokens + 1, dtype=model.dtype
+            )
+        except ValueError as e:  # a block size the model's cache ratios do not divide
+            raise EngineConfigError(str(e)) from None
         num_blocks = self.config.num_blocks or max(1, self.config.kv_cache_bytes // self.spec.bytes_per_block)
         self.blocks = BlockManager(self.spec, num_blocks, sc.max_num_seqs, self.config.enable_prefix_caching)
         decodes = self.config.role != "prefill"

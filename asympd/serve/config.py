@@ -100,6 +100,9 @@ class ServeConfig:
             self.dtype = str(resolve_dtype("auto", self.device)).removeprefix("torch.")
         if self.weights not in WEIGHTS:
             raise ValueError(f"unknown weights {self.weights!r}: {', '.join(WEIGHTS)}")
+        for flag, port in (("--port", self.port), ("--transfer-port", self.transfer_port)):
+            if not 0 <= port <= 65535:
+                raise ValueError(f"{flag} must be in 0-65535 (0: a free one), got {port}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
         if self.admission_policy is None:  # by role: serve/admission.py says why

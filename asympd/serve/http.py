@@ -200,12 +200,22 @@ def setup_logging(level: str) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied call is noise
 
 
+class BindError(ValueError):
+    """The address to listen on cannot be had (in use, not this host's, out of range)."""
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind before serving so port 0 gives an ephemeral port we can print."""
+    if not 0 <= port <= 65535:
+        raise BindError(f"cannot listen on port {port}: ports are 0-65535 (0: a free one)")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise BindError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     sock.set_inheritable(True)
     return sock
 

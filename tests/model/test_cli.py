@@ -133,6 +133,38 @@ def test_bad_input_exits_2_with_one_line(argv, message, capsys, monkeypatch):
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in captured.err
 
 
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--port", "99999"], "error: --port must be in 0-65535 (0: a free one), got 99999"),
+        (["--block-size", "7"], "error: block_size 7 must be a multiple of every KV-source ratio [1, 2]"),
+        (["--num-spec-tokens", "99"], "error: num_spec_tokens=99 exceeds the DSpark block size 3"),
+    ],
+)
+def test_serve_settings_refused_exit_2_before_binding(ckpt, extra, message, capsys):
+    """The last two only the loaded model can refuse (the engine's EngineConfigError): still one line,
+    exit 2, nothing bound (they were tracebacks)."""
+    assert cli.main(["serve", "--checkpoint", str(ckpt), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err.splitlines() and "Traceback" not in err
+
+
+def test_serve_and_router_on_a_port_in_use_exit_2(ckpt, capsys):
+    import socket
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = str(held.getsockname()[1])
+    try:
+        for argv in (["serve", "--checkpoint", str(ckpt)], ["router", "--decode", "http://127.0.0.1:9"]):
+            assert cli.main([*argv, "--port", port]) == 2
+            err = capsys.readouterr().err
+            assert f"error: cannot listen on 127.0.0.1:{port}: Address already in use" in err.splitlines(), err
+    finally:
+        held.close()
+
+
 def test_make_checkpoint_refuses_existing(ckpt, capsys):
     assert cli.main(["make-checkpoint", "--config", "tiny", "--out", str(ckpt)]) == 2
     assert "already holds a checkpoint" in capsys.readouterr().err

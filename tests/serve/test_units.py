@@ -143,6 +143,27 @@ def test_a_body_refuses_lone_surrogates_wherever_they_are():
         assert (e.value.param, e.value.message) == (param, f"{param}: a lone surrogate (U+{char}) is not valid Unicode")
 
 
+def test_an_address_that_cannot_be_had_is_a_bind_error():
+    import socket
+
+    from asympd.serve.http import BindError, bind_socket
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    try:
+        with pytest.raises(BindError, match=f"cannot listen on 127.0.0.1:{port}: Address already in use"):
+            bind_socket("127.0.0.1", port)
+    finally:
+        held.close()
+    with pytest.raises(BindError, match="cannot listen on port 70000: ports are 0-65535"):
+        bind_socket("127.0.0.1", 70000)
+    sock = bind_socket("127.0.0.1", 0)  # a free one
+    assert sock.getsockname()[1] > 0
+    sock.close()
+
+
 def test_worker_metrics_export_engine_speculation_stats():
     from asympd.serve.metrics import ServerMetrics
 
