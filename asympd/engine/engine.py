@@ -203,7 +203,12 @@ class LLMEngine:
             )
         except ValueError as e:  # a block size the model's cache ratios do not divide
             raise EngineConfigError(str(e)) from None
-        num_blocks = self.config.num_blocks or max(1, self.config.kv_cache_bytes // self.spec.bytes_per_block)
+        num_blocks = self.config.num_blocks or self.config.kv_cache_bytes // self.spec.bytes_per_block
+        if num_blocks < 1:
+            raise EngineConfigError(
+                f"kv_cache_bytes {self.config.kv_cache_bytes} holds no KV block of this model "
+                f"({self.spec.bytes_per_block} bytes a block of {self.spec.block_size} tokens)"
+            )
         self.blocks = BlockManager(self.spec, num_blocks, sc.max_num_seqs, self.config.enable_prefix_caching)
         decodes = self.config.role != "prefill"
         self._first_steps = self._first_step_graphs()

@@ -68,6 +68,7 @@ class ServeConfig:
     def resolve(self) -> ServeConfig:
         """Check what the engine cannot: raise ValueError with a message for the command line."""
         e = self.engine
+        self._check_device()
         if self.tp != 1:
             raise ValueError("tensor parallel attention is not implemented: attention is replicated; use --ep")
         if self.ep < 1:
@@ -100,6 +101,19 @@ class ServeConfig:
             self.dtype = str(resolve_dtype("auto", self.device)).removeprefix("torch.")
         if self.weights not in WEIGHTS:
             raise ValueError(f"unknown weights {self.weights!r}: {', '.join(WEIGHTS)}")
+        if self.max_images < 0 or self.max_image_bytes < 1:
+            raise ValueError(
+                f"--max-images must be >= 0 and --max-image-bytes >= 1, got {self.max_images}, {self.max_image_bytes}"
+            )
+        if (e.num_blocks or 0) < 0 or e.kv_cache_bytes < 1:
+            raise ValueError(
+                f"--num-blocks must be >= 0 (0: from --kv-cache-bytes) and --kv-cache-bytes positive, got "
+                f"{e.num_blocks}, {e.kv_cache_bytes}"
+            )
+        if self.api_key_file is not None:
+            from asympd.serve.http import client_key
+
+            client_key(self.api_key, self.api_key_file)  # unreadable or empty: a ValueError naming the file
         for flag, port in (("--port", self.port), ("--transfer-port", self.transfer_port)):
             if not 0 <= port <= 65535:
                 raise ValueError(f"{flag} must be in 0-65535 (0: a free one), got {port}")
@@ -120,6 +134,18 @@ class ServeConfig:
         e.validate()
         e.scheduler.validate()
         return self
+
+    def _check_device(self) -> None:
+        import torch
+
+        try:
+            dev = torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"--device {self.device!r} is not a device torch knows (cpu, cuda, cuda:N)") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {self.device}: this torch ({torch.__version__}) sees no CUDA device")
+        if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {self.device}: there are {torch.cuda.device_count()} CUDA devices")
 
 
 # ---- the command line, from the dataclasses ----------------------------------------------------------

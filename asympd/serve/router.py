@@ -41,6 +41,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from fastapi import FastAPI, Request
@@ -114,12 +115,35 @@ class Worker:
         }
 
 
+def _check_config(cfg: RouterConfig) -> None:
+    """What the router cannot run with, as ValueErrors the command line prints."""
+    if not cfg.decode:
+        raise ValueError("give at least one --decode worker URL")
+    if cfg.mode is not None and cfg.mode not in modes.MODES:
+        raise ValueError(f"unknown mode {cfg.mode!r}")
+    if cfg.mode == "colocated" and cfg.prefill:
+        raise ValueError("--mode colocated routes to colocated workers (--decode) only: drop --prefill")
+    for flag, urls in (("--prefill", cfg.prefill), ("--decode", cfg.decode)):
+        for url in urls:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"{flag} {url!r} is not an http(s)://host:port URL")
+    for flag, seconds in (
+        ("--health-interval", cfg.health_interval),
+        ("--prefill-timeout", cfg.prefill_timeout),
+        ("--progress-timeout", cfg.stream_idle_timeout),
+        ("connect_timeout", cfg.connect_timeout),
+        ("abort_timeout", cfg.abort_timeout),
+    ):
+        if not seconds > 0:
+            raise ValueError(f"{flag} must be a positive number of seconds, got {seconds}")
+    if cfg.max_body_bytes < 1024:
+        raise ValueError(f"--max-body-bytes must be at least 1024, got {cfg.max_body_bytes}")
+
+
 class Router:
     def __init__(self, cfg: RouterConfig) -> None:
-        if not cfg.decode:
-            raise ValueError("give at least one --decode worker URL")
-        if cfg.mode is not None and cfg.mode not in modes.MODES:
-            raise ValueError(f"unknown mode {cfg.mode!r}")
+        _check_config(cfg)
         if cfg.mode in modes.PD_MODES and not cfg.prefill:
             log.warning("mode %s without --prefill workers: every request is prefilled on a decode worker", cfg.mode)
         self.cfg = cfg

@@ -40,7 +40,9 @@ def test_every_setting_has_a_flag():
         assert not missing, (cls.__name__, missing)
 
 
-def test_flags_land_in_the_nested_configs():
+def test_flags_land_in_the_nested_configs(tmp_path):
+    key = tmp_path / "k"
+    key.write_text("sk-test\n")
     cfg = _parse(
         "--role",
         "prefill",
@@ -58,13 +60,13 @@ def test_flags_land_in_the_nested_configs():
         "--num-spec-tokens",
         "2",
         "--api-key-file",
-        "/k",
+        str(key),
     ).resolve()
     e = cfg.engine
     assert (e.role, e.mode, e.boundary_policy) == ("prefill", "asymmetric", "align")  # mode follows the role
     assert (e.kv_cache_bytes, e.enable_prefix_caching, e.num_spec_tokens) == (12345, False, 0)  # P never drafts
     assert (e.scheduler.max_num_seqs, e.scheduler.max_num_batched_tokens) == (3, 96)
-    assert (cfg.max_body_bytes, cfg.api_key_file, cfg.role, cfg.mode) == (2048, "/k", "prefill", "asymmetric")
+    assert (cfg.max_body_bytes, cfg.api_key_file, cfg.role, cfg.mode) == (2048, str(key), "prefill", "asymmetric")
 
 
 @pytest.mark.parametrize(
@@ -79,11 +81,24 @@ def test_flags_land_in_the_nested_configs():
         (["--role", "decode", "--cp", "2"], "it needs --role prefill, not decode"),
         (["--role", "prefill", "--mode", "symmetric", "--cp", "2"], "mode symmetric has no such prefill worker"),
         (["--role", "prefill", "--cp", "2", "--ep", "2"], "--cp 2 with --ep 2: a worker runs one kind"),
+        (["--device", "tpu"], "--device 'tpu' is not a device torch knows"),
+        (["--max-images", "-1"], "--max-images must be >= 0"),
+        (["--num-blocks", "-1"], "--num-blocks must be >= 0"),
+        (["--port", "65536"], "--port must be in 0-65535"),
+        (["--api-key-file", "/no/such/key"], "cannot read the API key from /no/such/key"),
     ],
 )
 def test_bad_settings_are_refused(argv, needle):
     with pytest.raises(ValueError, match=needle):
         _parse(*argv).resolve()
+
+
+def test_a_cuda_device_where_there_is_none_is_refused(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"--device cuda: this torch \(.*\) sees no CUDA device"):
+        _parse("--device", "cuda").resolve()
 
 
 def test_unknown_choice_is_a_usage_error():

@@ -3,6 +3,8 @@ with stop strings, the router's worker picking, request validation."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from asympd.engine.llm import load_tokenizer
@@ -143,6 +145,23 @@ def test_a_body_refuses_lone_surrogates_wherever_they_are():
         assert (e.value.param, e.value.message) == (param, f"{param}: a lone surrogate (U+{char}) is not valid Unicode")
 
 
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"decode": []}, "give at least one --decode worker URL"),
+        ({"decode": ["d:8000"]}, "--decode 'd:8000' is not an http(s)://host:port URL"),
+        ({"prefill": ["ftp://p"]}, "--prefill 'ftp://p' is not an http(s)://host:port URL"),
+        ({"prefill": ["http://p"], "mode": "colocated"}, "--mode colocated routes to colocated workers"),
+        ({"health_interval": 0}, "--health-interval must be a positive number of seconds, got 0"),
+        ({"stream_idle_timeout": -1.0}, "--progress-timeout must be a positive number of seconds"),
+        ({"max_body_bytes": 0}, "--max-body-bytes must be at least 1024, got 0"),
+    ],
+)
+def test_router_settings_it_cannot_run_with_are_refused(kw, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        Router(RouterConfig(**{"decode": ["http://d"], **kw}))
+
+
 def test_an_address_that_cannot_be_had_is_a_bind_error():
     import socket
 
@@ -185,9 +204,12 @@ def test_worker_metrics_export_engine_speculation_stats():
 
 
 @pytest.mark.parametrize("device, dtype", [("cpu", "float32"), ("cuda", "bfloat16")])
-def test_serve_dtype_auto_fits_the_device(device, dtype):
+def test_serve_dtype_auto_fits_the_device(device, dtype, monkeypatch):
+    import torch
+
     from asympd.serve.api_server import ServeConfig
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # resolve() checks there is one
     assert ServeConfig(checkpoint="unused", device=device).resolve().dtype == dtype
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
         ServeConfig(checkpoint="unused", dtype="fp8").resolve()
