@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -188,6 +189,12 @@ def install_error_handlers(app: FastAPI, metrics_errors: Any = None) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return P.error_response(str(e.detail), e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _query(_: Request, e: RequestValidationError) -> JSONResponse:  # a query parameter's type
+        err = (e.errors() or [{}])[0]
+        where = ".".join(str(x) for x in err.get("loc", ()) if x != "query")
+        return P.error_response(f"{where}: {err.get('msg', 'invalid')}", 400, param=where or None)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception) -> JSONResponse:

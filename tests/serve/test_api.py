@@ -244,6 +244,8 @@ def test_malformed_bodies_and_unknown_paths(url, client):
         assert r.status_code == 400 and "error" in r.json(), r.text
     r = client.get(f"{url}/v1/nothing-here")
     assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    r = client.get(f"{url}/asympd/steps", params={"since": "yesterday"})  # a query parameter of the wrong type
+    assert r.status_code == 400 and r.json()["error"]["param"] == "since", r.text
     assert httpx.get(f"{url}/health").status_code == 200  # still serving
 
 
