@@ -309,6 +309,9 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    for flag, value in (("--max-tokens", args.max_tokens), ("--prompts-per-length", args.prompts_per_length)):
+        if value < 1:
+            raise UsageError(f"{flag} must be a positive integer, got {value}")
     from asympd.bench.compare import main as compare_main
 
     return compare_main(args.checkpoint, args.json, args.prompts_per_length, args.max_tokens, args.seed)

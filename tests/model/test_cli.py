@@ -121,6 +121,7 @@ def test_inspect_partial_folder_names_what_is_missing(ckpt, tmp_path, capsys):
         (["inspect", "--checkpoint", ".", "--role", "nonsense"], "invalid choice"),
         (["make-checkpoint", "--config", "tiny"], "required"),
         (["frobnicate"], "invalid choice"),
+        (["compare", "--checkpoint", ".", "--max-tokens", "0"], "--max-tokens must be a positive integer, got 0"),
         ([], "required"),
     ],
 )
