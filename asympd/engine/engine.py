@@ -47,7 +47,10 @@ def check_prompt(cfg: ModelConfig, ids: list[int], params: SamplingParams) -> No
     the model's context, with RequestError (every engine checks a prompt the same way)."""
     if not ids:
         raise RequestError("the prompt is empty")
-    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
+    not_ints = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)]
+    if not_ints:
+        raise RequestError(f"prompt token ids must be integers: {not_ints[:8]}")
+    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
     if bad:
         raise RequestError(f"prompt token ids out of range [0, {cfg.vocab_size}): {bad[:8]}")
     try:

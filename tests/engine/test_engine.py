@@ -57,6 +57,7 @@ def handoff(p: LLMEngine, d: LLMEngine, outs, params: dict[str, SamplingParams])
     [
         ([], GREEDY, "the prompt is empty"),
         ([1, 2, 999], GREEDY, "out of range"),
+        ([1, 2.5, True], GREEDY, r"prompt token ids must be integers: \[2.5, True\]"),
         ([1, 2], SamplingParams(max_tokens=0), "max_tokens must be a positive integer"),
         ([1, 2], SamplingParams(temperature=-1), "temperature must be >= 0"),
         ([1, 2], SamplingParams(top_p=0), "top_p must be in"),
