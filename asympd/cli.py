@@ -75,8 +75,13 @@ def _memory_args(p: argparse.ArgumentParser) -> None:
 def _memory(args: argparse.Namespace) -> int:
     from asympd.plan.memory import format_memory_report, memory_report
 
+    cfg = _config(args.config)
+    if not args.reserve_gb >= 0:
+        raise UsageError(f"--reserve-gb must be >= 0, got {args.reserve_gb}")
+    if not 1 <= args.context <= cfg.max_seq_len:
+        raise UsageError(f"--context must be in [1, {cfg.max_seq_len}] (the model's context), got {args.context}")
     report = memory_report(
-        _config(args.config), reserve_gb=args.reserve_gb, context_tokens=args.context, engram_on_gpu=args.engram_on_gpu
+        cfg, reserve_gb=args.reserve_gb, context_tokens=args.context, engram_on_gpu=args.engram_on_gpu
     )
     print(json.dumps(report, indent=2) if args.json else format_memory_report(report))
     return 0

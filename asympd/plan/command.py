@@ -87,6 +87,8 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
         raise PlanError(f"--{missing[0].replace('_', '-')} is required (unless --validate)")
     if args.requests < 10:
         raise PlanError(f"--requests must be at least 10, got {args.requests}")
+    if not args.reserve_gb >= 0:
+        raise PlanError(f"--reserve-gb must be >= 0, got {args.reserve_gb}")
     modes = PLANNED_MODES if args.mode == "all" else tuple(m.strip() for m in args.mode.split(","))
     if args.traffic:
         arrivals = load_traffic(args.traffic, args.rate, args.requests, args.seed)

@@ -121,6 +121,8 @@ def test_inspect_partial_folder_names_what_is_missing(ckpt, tmp_path, capsys):
         (["inspect", "--checkpoint", ".", "--role", "nonsense"], "invalid choice"),
         (["make-checkpoint", "--config", "tiny"], "required"),
         (["frobnicate"], "invalid choice"),
+        (["memory", "--reserve-gb", "-5"], "--reserve-gb must be >= 0, got -5.0"),
+        (["memory", "--context", "0"], "--context must be in [1, 1048576] (the model's context), got 0"),
         (["compare", "--checkpoint", ".", "--max-tokens", "0"], "--max-tokens must be a positive integer, got 0"),
         ([], "required"),
     ],

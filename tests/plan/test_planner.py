@@ -398,6 +398,7 @@ def test_cli_plan_errors(capsys):
     assert main(["plan", "--gpu", "b200", "--slo-ttft-p99", "1", "--slo-itl-p99", "1"]) == 2
     assert "--rate is required" in capsys.readouterr().err
     assert main([*ARGS, "--placement", "mixed"]) == 2
+    assert main([*ARGS, "--reserve-gb", "-3"]) == 2
     assert "invalid choice: 'mixed'" in capsys.readouterr().err
 
 
