@@ -211,10 +211,15 @@ class BindError(ValueError):
     """The address to listen on cannot be had (in use, not this host's, out of range)."""
 
 
+def check_port(port: int, flag: str = "port") -> None:
+    """A port one can listen on (``serve`` checks its two before loading the model)."""
+    if not 0 <= port <= 65535:
+        raise BindError(f"{flag} {port} is out of range: ports are 0-65535 (0: a free one)")
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind before serving so port 0 gives an ephemeral port we can print."""
-    if not 0 <= port <= 65535:
-        raise BindError(f"cannot listen on port {port}: ports are 0-65535 (0: a free one)")
+    check_port(port)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -139,7 +139,7 @@ def test_bad_input_exits_2_with_one_line(argv, message, capsys, monkeypatch):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--port", "99999"], "error: --port must be in 0-65535 (0: a free one), got 99999"),
+        (["--port", "99999"], "error: --port 99999 is out of range: ports are 0-65535 (0: a free one)"),
         (["--block-size", "7"], "error: block_size 7 must be a multiple of every KV-source ratio [1, 2]"),
         (["--num-spec-tokens", "99"], "error: num_spec_tokens=99 exceeds the DSpark block size 3"),
     ],

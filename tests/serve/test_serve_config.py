@@ -84,7 +84,7 @@ def test_flags_land_in_the_nested_configs(tmp_path):
         (["--device", "tpu"], "--device 'tpu' is not a device torch knows"),
         (["--max-images", "-1"], "--max-images must be >= 0"),
         (["--num-blocks", "-1"], "--num-blocks must be >= 0"),
-        (["--port", "65536"], "--port must be in 0-65535"),
+        (["--port", "65536"], "--port 65536 is out of range: ports are 0-65535"),
         (["--api-key-file", "/no/such/key"], "cannot read the API key from /no/such/key"),
     ],
 )
