@@ -63,9 +63,7 @@ def add_cpu(outputs: dict, provenance: dict) -> None:
     kernels = cpu_kernels()
     if parts:
         print("near-ties chosen otherwise here:", *parts, sep="\n  ")
-        doc.setdefault("token_ids_by_cpu", {})[kernels] = {
-            v: [o["token_ids"] for o in outs] for v, outs in outputs.items()
-        }
+        doc.setdefault("token_ids_by_cpu", {})[kernels] = golden.tokens_of(outputs)
     doc.setdefault("logprobs_sha256_by_cpu", {})[kernels] = {
         v: [o["logprobs_sha256"] for o in outs] for v, outs in outputs.items()
     }

@@ -34,8 +34,7 @@ COMMAND = ".venv/bin/python tools/make_golden_drafts.py"
 
 def add_cpu(outputs: dict, provenance: dict) -> None:
     doc = json.loads(golden.GOLDEN.read_text())
-    semantic = [(r["target_tokens"], r["drafts"]) for r in outputs["float32"]]
-    if semantic != [(r["target_tokens"], r["drafts"]) for r in doc["outputs"]["float32"]]:
+    if golden.tokens_and_drafts(outputs["float32"]) != golden.tokens_and_drafts(doc["outputs"]["float32"]):
         sys.exit("fp32 tokens or drafts differ from the file's record: the model moved; regenerate the whole file")
     kernels = cpu_kernels()
     if outputs["float32"] != doc["outputs"]["float32"]:  # the same drafts from other logit bits

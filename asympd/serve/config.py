@@ -110,14 +110,13 @@ class ServeConfig:
                 f"--num-blocks must be >= 0 (0: from --kv-cache-bytes) and --kv-cache-bytes positive, got "
                 f"{e.num_blocks}, {e.kv_cache_bytes}"
             )
-        from asympd.serve.http import check_port, client_key
+        from asympd.serve.http import check_body_limit, check_port, client_key
 
         if self.api_key_file is not None:
             client_key(self.api_key, self.api_key_file)  # unreadable or empty: a ValueError naming the file
         check_port(self.port, "--port")  # before the model loads
         check_port(self.transfer_port, "--transfer-port")
-        if self.max_body_bytes < 1024:
-            raise ValueError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
+        check_body_limit(self.max_body_bytes)
         if self.admission_policy is None:  # by role: serve/admission.py says why
             self.admission_policy = default_policy(e.role)
         policy = policy_settings(self.admission_policy)

@@ -38,6 +38,12 @@ INTERNAL_KEY_ENV = "ASYMPD_INTERNAL_KEY"
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 
+def check_body_limit(max_body_bytes: int) -> None:
+    """A request body limit a server can run with (serve and router share it)."""
+    if max_body_bytes < 1024:
+        raise ValueError(f"--max-body-bytes must be at least 1024, got {max_body_bytes}")
+
+
 def default_internal_key_file() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "asympd" / "internal.key"

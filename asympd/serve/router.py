@@ -56,6 +56,7 @@ from asympd.serve.http import (
     GuardedStreamingResponse,
     bind_socket,
     check_bearer,
+    check_body_limit,
     client_key,
     install_error_handlers,
     internal_key,
@@ -137,8 +138,7 @@ def _check_config(cfg: RouterConfig) -> None:
     ):
         if not seconds > 0:
             raise ValueError(f"{flag} must be a positive number of seconds, got {seconds}")
-    if cfg.max_body_bytes < 1024:
-        raise ValueError(f"--max-body-bytes must be at least 1024, got {cfg.max_body_bytes}")
+    check_body_limit(cfg.max_body_bytes)
 
 
 class Router:

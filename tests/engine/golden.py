@@ -48,12 +48,16 @@ def logprob_digests(doc: dict, kernels: str) -> dict[str, list[str]] | None:
     return for_cpu(doc, "logprobs_sha256_by_cpu", main, kernels)
 
 
+def tokens_of(outputs: dict[str, list[dict]]) -> dict[str, list[list[int]]]:
+    """Each variant's greedy tokens, per prompt, from ``compute``'s outputs (or a record's)."""
+    return {v: [o["token_ids"] for o in outs] for v, outs in outputs.items()}
+
+
 def token_ids(doc: dict, kernels: str) -> dict[str, list[list[int]]] | None:
     """Each variant's greedy tokens for CPU kernel family ``kernels``: the main record's, or where a
     family chose otherwise at a near-tie (``tools/make_golden.py --add-cpu`` checks that it was one),
     that family's own."""
-    main = {v: [o["token_ids"] for o in outs] for v, outs in doc["outputs"].items()}
-    return for_cpu(doc, "token_ids_by_cpu", main, kernels)
+    return for_cpu(doc, "token_ids_by_cpu", tokens_of(doc["outputs"]), kernels)
 
 
 def compute(checkpoint: str, prompts: list[list[int]], keep_logprobs: bool = False) -> dict[str, list[dict]]:

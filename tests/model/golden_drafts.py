@@ -31,6 +31,12 @@ STEPS = 8  # draft blocks per prompt: one after the prefill, then one after each
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def tokens_and_drafts(runs: list[dict[str, Any]]) -> list[tuple[list[int], list[list[int]]]]:
+    """What a record says, without its bits: each prompt's target tokens and drafts (every CPU
+    family must agree on these in fp32)."""
+    return [(r["target_tokens"], r["drafts"]) for r in runs]
+
+
 def fp32_record(doc: dict[str, Any], kernels: str) -> list[dict[str, Any]] | None:
     """The fp32 drafts recorded for CPU kernel family ``kernels``: the main record, except on a family
     whose logit bits differ (an AVX512 machine with AMX: the same tokens and drafts, other bits), where

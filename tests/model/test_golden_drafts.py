@@ -36,9 +36,7 @@ def test_the_golden_file_describes_this_run(doc):
         assert [r["n"] for r in runs] == golden.LENGTHS
     for kernels, runs in doc.get("float32_by_cpu", {}).items():
         assert golden.fp32_record(doc, kernels) is runs
-        assert [(r["target_tokens"], r["drafts"]) for r in runs] == [
-            (r["target_tokens"], r["drafts"]) for r in doc["outputs"]["float32"]
-        ]
+        assert golden.tokens_and_drafts(runs) == golden.tokens_and_drafts(doc["outputs"]["float32"])
     assert doc["command"].endswith("tools/make_golden_drafts.py") and "docs/reference-check.md" in doc["about"]
     for runs in doc["outputs"].values():
         assert [r["n"] for r in runs] == golden.LENGTHS
@@ -51,10 +49,8 @@ def test_drafts_reproduce_the_golden_tokens_and_logit_bits(tiny_ckpt, doc, promp
     got = golden.compute(tiny_ckpt, prompts)
     hint = f"regenerate ({doc['command']}) only after re-checking against the reference"
     kernels = cpu_kernels()
-    main = doc["outputs"]["float32"]
-    assert [(g["target_tokens"], g["drafts"]) for g in got["float32"]] == [
-        (w["target_tokens"], w["drafts"]) for w in main
-    ], f"fp32 tokens or drafts moved; {hint}"
+    main = golden.tokens_and_drafts(doc["outputs"]["float32"])
+    assert golden.tokens_and_drafts(got["float32"]) == main, f"fp32 tokens or drafts moved; {hint}"
     for dtype, want in (("float32", golden.fp32_record(doc, kernels)), ("bfloat16", golden.bf16_record(doc, kernels))):
         if want is None:  # say what is missing rather than pass quietly
             pytest.skip(f"no {dtype} golden drafts for {kernels} CPU kernels: {doc['command']} --add-cpu records them")
