@@ -420,6 +420,12 @@ def main() -> None:
         help="the Gluon expert GEMM's sub-tiles by M-block, e.g. 64:4,128:4 (moe_gluon.SUB_TILES; default: build's)",
     )
     ap.add_argument(
+        "--moe-w-tiles",
+        default="",
+        help="the Gluon expert GEMM's weight tiles a program by M-block, e.g. 32:2,64:2 (moe_gluon.W_TILES; "
+        "default: the build's)",
+    )
+    ap.add_argument(
         "--moe-block-fill",
         default="",
         help="M-blocks by rows an expert, e.g. 16:12,32:24,64:64 (packed.MOE_BLOCK_M_FILL; default: the build's)",
@@ -465,6 +471,12 @@ def main() -> None:
             ap.error(f"--moe-sub-tiles: M-blocks {moe_gluon.BLOCK_MS} and 1, 2 or 4 sub-tiles, got {item}")
         moe_gluon.SUB_TILES[block_m] = n_sub
     res["moe_sub_tiles"] = {str(bm): n for bm, n in moe_gluon.SUB_TILES.items()}
+    for item in filter(None, args.moe_w_tiles.split(",")):
+        block_m, w_tiles = (int(v) for v in item.split(":"))
+        if block_m not in moe_gluon.W_TILES or w_tiles not in (1, 2):
+            ap.error(f"--moe-w-tiles: M-blocks {moe_gluon.BLOCK_MS} and 1 or 2 tiles, got {item}")
+        moe_gluon.W_TILES[block_m] = w_tiles
+    res["moe_w_tiles"] = {str(bm): n for bm, n in moe_gluon.W_TILES.items()}
     if args.moe_block_fill:
         fill = tuple(tuple(int(v) for v in item.split(":")) for item in args.moe_block_fill.split(","))
         if any(len(f) != 2 or f[0] not in moe_gluon.BLOCK_MS for f in fill):

@@ -201,11 +201,12 @@ if AVAILABLE:
 
     @gluon.jit
     def _store_rows(acc, out, j: gl.constexpr, SUB_T: gl.constexpr, num_warps: gl.constexpr):
-        """acc^T [128 weight rows, SUB_T tokens] of sub-tile ``j`` -> y (rows past the block masked)."""
+        """acc^T [BW weight rows, SUB_T tokens] of sub-tile ``j`` -> y (rows past the block masked)."""
         y_ptr, s_ym, N, pid_n, row0, row1 = out
+        bw: gl.constexpr = acc.shape[0]
         out_l: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, num_warps], [0, 1])
         val = gl.convert_layout(acc.to(y_ptr.dtype.element_ty), out_l)
-        on = pid_n * _BW + gl.arange(0, _BW, layout=gl.SliceLayout(1, out_l))
+        on = pid_n * bw + gl.arange(0, bw, layout=gl.SliceLayout(1, out_l))
         ot = row0 + j * SUB_T + gl.arange(0, SUB_T, layout=gl.SliceLayout(0, out_l))
         optrs = y_ptr + ot.to(gl.int64)[None, :] * s_ym + on[:, None]
         gl.store(optrs, val, mask=(ot < row1)[None, :] & (on < N)[:, None])
@@ -219,17 +220,18 @@ if AVAILABLE:
         next step expands into the same registers (no overlap inside a program: other programs on
         the SM fill in), on the first ``ACTIVE`` SUB_T-row sub-tiles of the block; then the store."""
         x_smem, x_src, w_smem, w_src, s_smem, s_src = ring
+        bw: gl.constexpr = p_l.shape[1]
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, SUB_T, 16]
         )
         a_op_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
-        acc0 = gl.zeros([_BW, SUB_T], gl.float32, acc_l)
+        acc0 = gl.zeros([bw, SUB_T], gl.float32, acc_l)
         if ACTIVE > 1:
-            acc1 = gl.zeros([_BW, SUB_T], gl.float32, acc_l)
+            acc1 = gl.zeros([bw, SUB_T], gl.float32, acc_l)
         if ACTIVE > 2:
-            acc2 = gl.zeros([_BW, SUB_T], gl.float32, acc_l)
+            acc2 = gl.zeros([bw, SUB_T], gl.float32, acc_l)
         if ACTIVE > 3:
-            acc3 = gl.zeros([_BW, SUB_T], gl.float32, acc_l)
+            acc3 = gl.zeros([bw, SUB_T], gl.float32, acc_l)
         for i in range(n_steps):
             _advance(i, n_steps, STAGES, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP)
             cur = i % STAGES
@@ -302,8 +304,12 @@ if AVAILABLE:
         EXP_DECODE: gl.constexpr,
         SPLIT: gl.constexpr,
         TILES_INNER: gl.constexpr,
+        W_TILES: gl.constexpr,
         num_warps: gl.constexpr,
     ):
+        # W_TILES neighbouring 128-row weight tiles a program (n_tiles counts programs, not tiles):
+        # the block's activation rows are copied once for all of them
+        BW: gl.constexpr = _BW * W_TILES
         # the weight tiles of one M-block are neighbours in launch order: the programs running at
         # once share their block's activation rows in L2 (and an expert's next block follows
         # n_tiles programs later, its weight tiles still in L2). Blocks outermost read every
@@ -328,14 +334,15 @@ if AVAILABLE:
         # a step's packed bytes [2 blocks, 128 rows, 16 bytes] in registers: the lane of row group
         # g and column c holds bytes 4c..4c+3 of rows g and g + 8 of both blocks (the A fragment's
         # columns), four consecutive registers a decode
+        # (rows past the warps' 64 or 128 in registers: each a further wgmma of 64 rows a warp group)
         warp_rows: gl.constexpr = [[0, 16, 0], [0, 32, 0], [0, 64, 0]] if num_warps == 8 else [[0, 16, 0], [0, 32, 0]]
-        reg_rows: gl.constexpr = [] if num_warps == 8 else [[0, 64, 0]]
+        reg_rows: gl.constexpr = ([] if num_warps == 8 else [[0, 64, 0]]) + ([[0, 128, 0]] if W_TILES == 2 else [])
         p_l: gl.constexpr = gl.DistributedLinearLayout(
             reg_bases=[[0, 0, 1], [0, 0, 2], [0, 8, 0], [1, 0, 0]] + reg_rows,
             lane_bases=[[0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
             warp_bases=warp_rows,
             block_bases=[],
-            shape=[2, _BW, 16],
+            shape=[2, BW, 16],
         )
         # copies: activation rows [T, 64] bf16, 8 lanes a 128-byte row; packed bytes one 16-byte
         # row of a block a thread; scales 4 bytes a thread
@@ -358,17 +365,18 @@ if AVAILABLE:
         x_src = a_ptr + src[:, None] * s_am + kx[None, :]
         # this tile's packed bytes and scales (tiled layout: [E, N/128, K/32, 128, 16] / [.., 128])
         wb = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, wc_l)))
-        wr = gl.arange(0, _BW, layout=gl.SliceLayout(0, gl.SliceLayout(2, wc_l)))
+        wr = gl.arange(0, BW, layout=gl.SliceLayout(0, gl.SliceLayout(2, wc_l)))
         wj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, wc_l)))
-        w_src = (w_ptr + e.to(gl.int64) * s_we + pid_n.to(gl.int64) * s_wt
-                 + wb[:, None, None] * W_STEP + wr[None, :, None] * 16 + wj[None, None, :])  # fmt: skip
+        w_row = (pid_n * W_TILES + wr // _BW).to(gl.int64) * s_wt + (wr % _BW) * 16  # tile, then row in it
+        w_src = w_ptr + e.to(gl.int64) * s_we + wb[:, None, None] * W_STEP + w_row[None, :, None] + wj[None, None, :]
         sb = gl.arange(0, 2, layout=gl.SliceLayout(1, sc_l))
-        sr = gl.arange(0, _BW, layout=gl.SliceLayout(0, sc_l))
-        s_src = s_ptr + e.to(gl.int64) * s_se + pid_n.to(gl.int64) * s_st + sb[:, None] * S_STEP + sr[None, :]
+        sr = gl.arange(0, BW, layout=gl.SliceLayout(0, sc_l))
+        s_row = (pid_n * W_TILES + sr // _BW).to(gl.int64) * s_st + sr % _BW
+        s_src = s_ptr + e.to(gl.int64) * s_se + sb[:, None] * S_STEP + s_row[None, :]
 
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, _BK], x_smem_l)
-        w_smem = gl.allocate_shared_memory(gl.int8, [STAGES, 2, _BW, 16], plain3)
-        s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 2, _BW], plain2)
+        w_smem = gl.allocate_shared_memory(gl.int8, [STAGES, 2, BW, 16], plain3)
+        s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 2, BW], plain2)
 
         n_steps: gl.constexpr = K // _BK
         for j in gl.static_range(STAGES - 2):  # the ring's first steps in flight (past the end: step 0)
@@ -427,6 +435,9 @@ if AVAILABLE:
 
 
 BLOCK_MS = (16, 32, 64, 128)
+# 128-row weight tiles a program of the register form by M-block (``w_tiles``; a GEMM whose tiles
+# it does not divide takes 1): two copy the block's activation rows once for both
+W_TILES = {16: 1, 32: 1, 64: 1, 128: 1}
 # warps a program by M-block, with the table-free decode (True) and the table (False). With the
 # table-free decode one warp group at 32-row blocks too: 1.06-1.17x per GEMM (bench/results/
 # moe_blockm_exp.json), 1.04-1.08x on every 1024-row layer cell (layers_v9.json); at 64 and 128,
@@ -513,7 +524,9 @@ def mxfp4_moe_gemm_wgmma(
     values from 5 ALU instructions a word instead of 9; implies ``exponent_decode``). Returns
     [rows, N] bf16; ``sub_tiles`` (1, 2 or 4: the register form's wgmmas on the M-block's rows in
     that many sub-tiles, as many issued as the block has rows: a large M-block decodes each weight
-    once and multiplies its rows rounded up to a sub-tile, not to the block)."""
+    once and multiplies its rows rounded up to a sub-tile, not to the block); ``w_tiles`` (1 or 2:
+    the register form's 128-row weight tiles a program, default ``W_TILES``; two copy the block's
+    activation rows once for 256 weight rows, halving what the kernel reads from L2 for them)."""
     cfg = config or {}
     err = _unsupported(a, weight, block_m)
     if err is not None:
@@ -530,14 +543,21 @@ def mxfp4_moe_gemm_wgmma(
         raise ValueError(f"mxfp4_moe_gemm_wgmma: {warps} warps copy {4 * warps} rows a pass; M-block {block_m}")
     if exp and (a_smem or cfg.get("warp_specialized", False)):
         raise ValueError("mxfp4_moe_gemm_wgmma: exponent_decode is the register form's (not a_smem, warp_specialized)")
+    register_form = not (a_smem or cfg.get("warp_specialized"))
+    w_tiles = cfg.get("w_tiles", W_TILES[block_m] if register_form and n_tiles % W_TILES[block_m] == 0 else 1)
+    if w_tiles not in (1, 2) or n_tiles % w_tiles or (w_tiles > 1 and not register_form):
+        raise ValueError(
+            f"mxfp4_moe_gemm_wgmma: {w_tiles} weight tiles a program of {n_tiles}: 1, or 2 dividing them, "
+            "in the register form"
+        )
     # the register operand needs the K permutation its decode produces
     x = a.contiguous() if a_smem else (k_order_exp(a) if exp else k_order(a))
     s = scale.view(torch.uint8)
     block_expert, row0, row1 = blocks
     y = torch.empty(rows, n, dtype=a.dtype, device=a.device)
     args = (x, a_rows if a_rows is not None else row0, weight, s, _lut(a.device), y, block_expert, row0, row1, n,
-            n_tiles, block_expert.numel(), x.stride(0), weight.stride(0), weight.stride(1), s.stride(0), s.stride(1),
-            y.stride(0))  # fmt: skip
+            n_tiles // w_tiles, block_expert.numel(), x.stride(0), weight.stride(0), weight.stride(1), s.stride(0),
+            s.stride(1), y.stride(0))  # fmt: skip
     common = dict(K=k, N_EXPERTS=n_experts, GATHER=a_rows is not None, W_STEP=weight.stride(2), S_STEP=s.stride(2))
     common |= dict(BLOCK_T=block_m, STAGES=cfg.get("stages", 4), TILES_INNER=cfg.get("tiles_inner", tiles_inner(rows)))
     n_sub = cfg.get("sub_tiles", 1 if a_smem or cfg.get("warp_specialized") else SUB_TILES[block_m])
@@ -547,7 +567,7 @@ def mxfp4_moe_gemm_wgmma(
             f"mxfp4_moe_gemm_wgmma: {n_sub} sub-tiles of an M-block of {block_m} rows ({warps} warps): "
             f"1, 2 or 4, of at least {max(8, 2 * warps)} rows, in the register form"
         )
-    grid = (block_expert.numel() * n_tiles,)
+    grid = (block_expert.numel() * (n_tiles // w_tiles),)
     if cfg.get("warp_specialized", False):
         from asympd.model import moe_gluon_ws
 
@@ -563,6 +583,7 @@ def mxfp4_moe_gemm_wgmma(
         LUT_REGS=cfg.get("lut_registers", True),
         EXP_DECODE=exp,
         SPLIT=split,
+        W_TILES=w_tiles,
         num_warps=warps,
         **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}),
     )

@@ -67,10 +67,11 @@ def test_it_compiles_for_hopper_with_the_designed_hot_loop(tmp_path):
     code = "import json; from bench.moe_gluon_aot import report as r, report_ws as ws; "
     code += "print(json.dumps([r(128, 4, 8), r(64, 4, 8, 0), r(16, 4, 4, 0, exp=True), ws(64), "
     code += "r(16, 4, 4, 0, split=True), r(64, 4, 8, 0, split=True), "
-    code += "r(128, 4, 8, 0, split=True, sub_tiles=4), r(64, 4, 4, 0, split=True, sub_tiles=4)]))"
+    code += "r(128, 4, 8, 0, split=True, sub_tiles=4), r(64, 4, 4, 0, split=True, sub_tiles=4), "
+    code += "r(64, 4, 8, 0, split=True, sub_tiles=4, w_tiles=2)]))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    smem, regs, exp, ws, split16, split64, sub128, sub64 = json.loads(out.stdout.strip().splitlines()[-1])
+    smem, regs, exp, ws, split16, split64, sub128, sub64, pair = json.loads(out.stdout.strip().splitlines()[-1])
     for row in (smem, regs):
         # four K = 16 wgmmas a step, nothing spilled; the decode: 10 PRMTs per four packed bytes
         # (16 bytes a thread a step), nothing repacked
@@ -97,6 +98,11 @@ def test_it_compiles_for_hopper_with_the_designed_hot_loop(tmp_path):
     # in sub-tiles (one compiled loop a count of them): the same decode, nothing spilled
     for row in (sub128, sub64):
         assert row["local"] == 0 and row["hot_loop_spill_ops"] == 0 and row["hot_loop_lop3"] in (20, 40), row
+    # two weight tiles a program, a warp group each: each thread's loop is one tile's with one warp
+    # group (the same decode and wgmmas, no layout change through shared memory), the registers too
+    assert pair["hot_loop_lop3"] == 40 and pair["hot_loop_wgmma"] == 8 and pair["hot_loop_sts"] == 0, pair
+    assert pair["hot_loop_spill_ops"] == 0 and pair["local"] == 0, pair
+    assert pair["hot_loop_instructions"] <= sub64["hot_loop_instructions"] + 4 and pair["reg"] <= sub64["reg"] + 8, pair
     # the warp-specialized form: each MMA warp group's loop is the register form's (4 wgmmas, the
     # table decode), within the launch's 80 registers, nothing spilled
     assert ws["hot_loop_wgmma"] == 4 and ws["hot_loop_prmt"] == 40 and ws["local"] == 0 and ws["reg"] <= 80, ws
@@ -123,6 +129,7 @@ CONFIGS += [{"split_layout": True, "sub_tiles": 2}, {"split_layout": True, "sub_
 CONFIGS += [{"split_layout": True, "sub_tiles": 4, "num_warps": 4}]
 CONFIGS += [{"exponent_decode": True, "maxnreg": 80, "num_warps": 4}]
 CONFIGS += [{"exponent_decode": True, "maxnreg": 80, "num_warps": 4, "sub_tiles": 1}]
+CONFIGS += [{"split_layout": True, "w_tiles": 2}, {"split_layout": True, "w_tiles": 2, "num_warps": 8}]
 
 
 @pytest.mark.skipif(not HOPPER, reason="a Hopper kernel (Gluon has no interpreter)")
@@ -171,7 +178,9 @@ def test_sub_tiles_it_cannot_run_are_refused():
     s = torch.zeros(2, 1, 2, 128, dtype=torch.uint8, device="cuda")
     blocks = tuple(G.moe_blocks(torch.zeros(32, dtype=torch.int64, device="cuda"), 2, 32)[1:])
     for cfg, why in (({"sub_tiles": 3}, "1, 2 or 4"), ({"sub_tiles": 4, "num_warps": 8}, "of at least 16 rows"),
-                     ({"sub_tiles": 2, "a_smem": True}, "in the register form")):  # fmt: skip
+                     ({"sub_tiles": 2, "a_smem": True}, "in the register form"),
+                     ({"w_tiles": 2}, "2 dividing them"), ({"w_tiles": 3}, "1, or 2"),
+                     ({"w_tiles": 2, "a_smem": True, "sub_tiles": 1}, "weight tiles a program")):  # fmt: skip
         with pytest.raises(ValueError, match=why):
             MG.mxfp4_moe_gemm_wgmma(a, w, s, blocks, 32, 32, None, {"num_warps": 4, **cfg})
 
