@@ -436,13 +436,19 @@ if AVAILABLE:
 
 BLOCK_MS = (16, 32, 64, 128)
 # 128-row weight tiles a program of the register form by M-block (``w_tiles``; a GEMM whose tiles
-# it does not divide takes 1): two copy the block's activation rows once for both
-W_TILES = {16: 1, 32: 1, 64: 1, 128: 1}
+# it does not divide takes 1): two copy the block's activation rows once for both. On the MoE
+# sublayer, two runs interleaved in one call (bench/results/layers_wt_*.json): 1.08x at 2048 rows,
+# 1.03-1.06x at 8K-16K, 0.99-1.04x at 4096, the same at 512-1152; at 64-row blocks with one warp
+# group (w2 1.15x, w13 1.00x: moe_wtiles.json), at 128 with one a tile (8 warps, below): the same
+# loop a thread as one tile's, so the same registers (4 warps on two tiles spill there). At 32-row
+# blocks neither form gained (0.93x on the sublayer with 8 warps)
+W_TILES = {16: 1, 32: 1, 64: 2, 128: 2}
 # warps a program by M-block, with the table-free decode (True) and the table (False). With the
 # table-free decode one warp group at 32-row blocks too: 1.06-1.17x per GEMM (bench/results/
 # moe_blockm_exp.json), 1.04-1.08x on every 1024-row layer cell (layers_v9.json); at 64 and 128,
 # whole blocks, one warp group 0.99-1.16x two (moe_split_subtiles_gemms.json, 2048-16K tokens)
-NUM_WARPS = {True: {16: 4, 32: 4, 64: 4, 128: 4}, False: {16: 4, 32: 8, 64: 8, 128: 8}}
+# (128: 8 warps for the two weight tiles of ``W_TILES``, a warp group each)
+NUM_WARPS = {True: {16: 4, 32: 4, 64: 4, 128: 8}, False: {16: 4, 32: 8, 64: 8, 128: 8}}
 # sub-tiles of the register form's wgmmas by M-block (``sub_tiles``; 1: the whole block). Measured
 # in one run with the split decode (bench/results/moe_split_subtiles_gemms.json): 16-row blocks in
 # two 8-row sub-tiles 1.01-1.09x at 16-256 tokens (most experts there have a row or two); 64-row
