@@ -60,6 +60,8 @@ WGMMA_CONFIGS = [
     {"split_layout": True, "sub_tiles": 4, "num_warps": 4},
     {"split_layout": True, "w_tiles": 2},  # two weight tiles a program: the activation rows copied once
     {"split_layout": True, "w_tiles": 2, "num_warps": 8},  # ... a warp group a tile
+    {"split_layout": True, "tiles_inner": True},
+    {"split_layout": True, "tiles_inner": False},
 ]
 
 
