@@ -60,6 +60,8 @@ WGMMA_CONFIGS = [
     {"split_layout": True, "sub_tiles": 4, "num_warps": 4},
     {"split_layout": True, "w_tiles": 2},  # two weight tiles a program: the activation rows copied once
     {"split_layout": True, "w_tiles": 2, "num_warps": 8},  # ... a warp group a tile
+    # at 64-row blocks: 126 registers and no spill under the cap (142 without), two programs an SM
+    {"split_layout": True, "w_tiles": 2, "num_warps": 8, "maxnreg": 128},
     {"split_layout": True, "tiles_inner": True},
     {"split_layout": True, "tiles_inner": False},
 ]
