@@ -741,6 +741,7 @@ def co_run(
     vocab: int,
     seed: int,
     fill: tuple[list[int], int] | None = None,
+    mid: list[int] | None = None,
 ) -> dict[str, Any]:
     """P's steps and D's steps alone and beside each other, on the same servers.
 
@@ -750,7 +751,10 @@ def co_run(
     decode steps beside P's steps and alone between them); the decoders are cancelled when the
     prompts are done. ``fill`` (lengths, decoders): then the load's step sizes: those prompts sent
     at once (P's full-budget steps alone), the decoders (the batch the rates keep in flight) and,
-    once all decode, the same lengths at once again. ``workers``: role -> worker URL (``prefill``
+    once all decode, the same lengths at once again. ``mid`` (lengths, with ``fill``): first those
+    prompts at once, alone: P steps of a few thousand rows between the lone prompts' and the full
+    budget's, where the 2 req/s runs' steps were and P's line had no point (docs/planner.md, "v8 and
+    v9"; the record's ``fill`` ``mid``). ``workers``: role -> worker URL (``prefill``
     and ``decode``). Why: P and D on one GPU without MPS are time-sliced by the driver, and what
     each loses beside the other is measured here, not assumed (asympd.plan.validate reads
     ``p``/``d`` ``stretch``, and P's ``stretch_by_key`` over rows)."""
@@ -804,7 +808,11 @@ def co_run(
                     return send
 
                 await asyncio.sleep(0.2)  # the cancelled decoders' aborts reach D: P's burst runs alone
-                load = {"prompt_lens": lengths, "rows": sum(lengths), "decoders": n, "t_alone": time.time()}
+                load = {}
+                if mid:
+                    load["mid"] = {"prompt_lens": mid, "rows": sum(mid), "t": time.time()}
+                    await asyncio.gather(*(_one(client, url, ids(k), 2) for k in mid))
+                load |= {"prompt_lens": lengths, "rows": sum(lengths), "decoders": n, "t_alone": time.time()}
                 await burst("alone")()
                 load["t_beside"] = time.time()
                 load["decoders_running_at_end"], load["decoders_failed"] = await beside(client, n, burst("beside"))
@@ -984,6 +992,20 @@ def predict_mode_s(args: argparse.Namespace, seen: list[dict[str, Any]]) -> floa
     return startup + calib + warm + sum(predict_rate_s(args, r) for r in args.rate_list)
 
 
+def co_run_mid(args: argparse.Namespace) -> list[int] | None:
+    """The co-run's mid-size burst: prompt lengths of the traffic's distribution filling twice
+    ``--co-run-mid-rows`` (default: a quarter of P's step budget; twice, as the fill's: P's first
+    step takes the prompts that arrived first, its second the rest); None when it or the fill is off."""
+    import numpy as np
+
+    fill_rows = args.p_step_tokens if args.co_run_fill_rows is None else args.co_run_fill_rows
+    rows = args.p_step_tokens // 4 if args.co_run_mid_rows is None else args.co_run_mid_rows
+    if rows <= 0 or fill_rows <= 0:
+        return None
+    rng = np.random.default_rng(args.seed + 4000)
+    return fill_lengths(rng, 2 * rows, args.input_len, args.len_dist, args.range_ratio)
+
+
 def co_run_fill(args: argparse.Namespace, step: Callable[[int], float] | None = None) -> tuple[list[int], int] | None:
     """The co-run's fill phase from the traffic: prompt lengths of its distribution filling twice
     ``--co-run-fill-rows`` (default: P's step budget; twice: the burst's first step holds the
@@ -1033,7 +1055,16 @@ def run_mode(args, mode: str, ckpt: str, vocab: int, work: Path, out: dict[str, 
             step = measured_step(out["calibration"])
             fill = co_run_fill(args, step)
             out["calibration"]["co_run"] = co_run(
-                dep.url, urls, lo, args.co_run_prompts, args.co_run_decoders, args.co_run_tokens, vocab, args.seed, fill
+                dep.url,
+                urls,
+                lo,
+                args.co_run_prompts,
+                args.co_run_decoders,
+                args.co_run_tokens,
+                vocab,
+                args.seed,
+                fill,
+                co_run_mid(args),
             )
             out["calibration"]["co_run"]["wall_s"] = round(time.perf_counter() - t, 1)
             c = out["calibration"]["co_run"]
@@ -1296,6 +1327,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="co-run: then prompts of the traffic's lengths filling twice this many rows sent at once, alone and "
         "beside the rates' decode batch: P's stretch at the load's step size (default: --p-step-tokens; 0: off)",
+    )
+    ap.add_argument(
+        "--co-run-mid-rows",
+        type=int,
+        default=None,
+        help="co-run fill: first prompts filling twice this many rows sent at once, alone: P's steps between "
+        "one prompt and the whole budget (default: a quarter of --p-step-tokens; 0: off)",
     )
     ap.add_argument(
         "--co-run-max-decoders",

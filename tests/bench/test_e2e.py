@@ -27,6 +27,7 @@ from bench.p_throughput import reduced_config  # noqa: E402
 MODES = ("asymmetric", "encoder-only", "colocated")
 PROMPTS = 4
 FILL_ROWS = 200  # the co-run's fill phase at a fraction of the tiny P budget (2048): the suite stays fast
+MID_ROWS = 60  # and its mid-size burst before it
 LATENCY = [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p90", "p99")]
 
 
@@ -35,7 +36,7 @@ def result(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("e2e")
     cmd = [sys.executable, "bench/e2e.py", "--tiny", "--modes", ",".join(MODES), "--rates", "20"]
     cmd += ["--num-prompts", str(PROMPTS), "--calib-batch", "2", "--calib-tokens", "4"]
-    cmd += ["--co-run-fill-rows", str(FILL_ROWS)]
+    cmd += ["--co-run-fill-rows", str(FILL_ROWS), "--co-run-mid-rows", str(MID_ROWS)]
     env = {**os.environ, "ASYMPD_OUT": str(out), "OMP_NUM_THREADS": "1", "ASYMPD_COMMIT": "test-commit"}
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -431,6 +432,10 @@ def test_co_run_is_recorded_per_mode(result):
         step = measured_step(result["modes"][mode]["calibration"])  # the batch at the calibrated step
         assert f["decoders"] == load_decoders(20, 6, step, 32) and f["decode_step_s"] == step(f["decoders"])
         assert any(s[2] > 40 for s in c["steps"]["prefill"] if s[0] >= f["t_alone"])  # steps of several prompts
+        # the mid-size burst first, alone: P's steps between its start and the fill's
+        mid = f["mid"]
+        assert mid["rows"] == sum(mid["prompt_lens"]) == 2 * MID_ROWS and mid["t"] < f["t_alone"]
+        assert sum(s[2] for s in c["steps"]["prefill"] if mid["t"] <= s[0] < f["t_alone"]) > 0
         # each burst request's hand-off as the servers timed it (D's fetch beside P's next prompts)
         for phase in ("alone", "beside"):
             got = f["timings"][phase]
