@@ -81,6 +81,9 @@ def hot_loop(sass: str) -> dict[str, int]:
         "hot_loop_lop3": sum(o.startswith("LOP3") for o in ops),
         "hot_loop_sts": sum(o.startswith("STS") for o in ops),
         "hot_loop_barriers": sum("BAR.SYNC" in x for x in best),
+        # waits for the loop's wgmmas: all of them (0 groups left in flight) or some
+        "hot_loop_full_waits": sum(bool(re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0\b", x)) for x in best),
+        "hot_loop_partial_waits": sum(bool(re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[1-9a-f]", x)) for x in best),
         # register copies (of constants or uniform values) the loop pays each pass
         "hot_loop_moves": sum(bool(re.match(r"(IMAD\.(U32|MOV\.U32)\s+R\d+, RZ, RZ,|MOV\s)", x.strip())) for x in best),
         # spills the loop pays each pass (local-memory loads and stores), not just somewhere

@@ -426,6 +426,13 @@ def main() -> None:
         "default: the build's)",
     )
     ap.add_argument(
+        "--moe-overlap",
+        type=int,
+        choices=(0, 1),
+        default=None,
+        help="the Gluon expert GEMM's overlapped steps (moe_gluon.OVERLAP; default: the build's)",
+    )
+    ap.add_argument(
         "--moe-block-fill",
         default="",
         help="M-blocks by rows an expert, e.g. 16:12,32:24,64:64 (packed.MOE_BLOCK_M_FILL; default: the build's)",
@@ -477,6 +484,9 @@ def main() -> None:
             ap.error(f"--moe-w-tiles: M-blocks {moe_gluon.BLOCK_MS} and 1 or 2 tiles, got {item}")
         moe_gluon.W_TILES[block_m] = w_tiles
     res["moe_w_tiles"] = {str(bm): n for bm, n in moe_gluon.W_TILES.items()}
+    if args.moe_overlap is not None:
+        moe_gluon.OVERLAP = bool(args.moe_overlap)
+    res["moe_overlap"] = moe_gluon.OVERLAP
     if args.moe_block_fill:
         fill = tuple(tuple(int(v) for v in item.split(":")) for item in args.moe_block_fill.split(","))
         if any(len(f) != 2 or f[0] not in moe_gluon.BLOCK_MS for f in fill):

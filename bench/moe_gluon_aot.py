@@ -41,18 +41,23 @@ def report(
     split: bool = False,
     sub_tiles: int = 1,
     w_tiles: int = 1,
+    overlap: bool = False,
+    maxnreg: int | None = None,
 ) -> dict[str, Any]:
     """One launch of the w13 GEMM at V4.1's shapes (K 5120, 128-row tiles: 2 KB a 32-K step);
     ``exp``: the table-free decode, ``split`` its split-layout form, ``w_tiles`` weight tiles a program."""
     cons = dict(K=k, N_EXPERTS=384, GATHER=gather, W_STEP=2048, S_STEP=128)
     cons |= dict(BLOCK_T=block_t, STAGES=stages, A_SMEM=a_smem, LUT_REGS=True, TILES_INNER=True)
-    cons |= dict(EXP_DECODE=exp or split, SPLIT=split, SUB_T=block_t // sub_tiles, W_TILES=w_tiles)
+    cons |= dict(EXP_DECODE=exp or split, SPLIT=split, SUB_T=block_t // sub_tiles, W_TILES=w_tiles, OVERLAP=overlap)
     cons |= dict(num_warps=warps)
     row: dict[str, Any] = {"block_t": block_t, "stages": stages, "num_warps": warps, "a_smem": a_smem}
     row |= {"exponent_decode": exp or split, "split_layout": split, "sub_tiles": sub_tiles, "w_tiles": w_tiles}
+    row |= {"overlap": overlap, "maxnreg": maxnreg}
     row |= {"k": k, "gather": gather}
     try:
-        row |= compile_report(MG._mxfp4_moe_wgmma_kernel, ARGS, cons, warps, aligned=ALIGNED, source=GluonASTSource)
+        row |= compile_report(
+            MG._mxfp4_moe_wgmma_kernel, ARGS, cons, warps, maxnreg=maxnreg, aligned=ALIGNED, source=GluonASTSource
+        )
     except Exception as e:  # keep going: the report says which config failed
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     return row

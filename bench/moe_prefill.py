@@ -62,6 +62,7 @@ WGMMA_CONFIGS = [
     {"split_layout": True, "w_tiles": 2, "num_warps": 8},  # ... a warp group a tile
     # at 64-row blocks: 126 registers and no spill under the cap (142 without), two programs an SM
     {"split_layout": True, "w_tiles": 2, "num_warps": 8, "maxnreg": 128},
+    {"split_layout": True, "overlap": True},  # step i + 1 decoded while step i's wgmmas run
     {"split_layout": True, "tiles_inner": True},
     {"split_layout": True, "tiles_inner": False},
 ]

@@ -68,10 +68,14 @@ def test_it_compiles_for_hopper_with_the_designed_hot_loop(tmp_path):
     code += "print(json.dumps([r(128, 4, 8), r(64, 4, 8, 0), r(16, 4, 4, 0, exp=True), ws(64), "
     code += "r(16, 4, 4, 0, split=True), r(64, 4, 8, 0, split=True), "
     code += "r(128, 4, 8, 0, split=True, sub_tiles=4), r(64, 4, 4, 0, split=True, sub_tiles=4), "
-    code += "r(64, 4, 8, 0, split=True, sub_tiles=4, w_tiles=2)]))"
+    code += (
+        "r(64, 4, 8, 0, split=True, sub_tiles=4, w_tiles=2), r(16, 4, 4, 0, split=True, sub_tiles=2, overlap=True), "
+    )
+    code += "r(128, 4, 8, 0, split=True, sub_tiles=4, w_tiles=2, overlap=True)]))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    smem, regs, exp, ws, split16, split64, sub128, sub64, pair = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    smem, regs, exp, ws, split16, split64, sub128, sub64, pair, over16, over128 = rows
     for row in (smem, regs):
         # four K = 16 wgmmas a step, nothing spilled; the decode: 10 PRMTs per four packed bytes
         # (16 bytes a thread a step), nothing repacked
@@ -103,6 +107,15 @@ def test_it_compiles_for_hopper_with_the_designed_hot_loop(tmp_path):
     assert pair["hot_loop_lop3"] == 40 and pair["hot_loop_wgmma"] == 8 and pair["hot_loop_sts"] == 0, pair
     assert pair["hot_loop_spill_ops"] == 0 and pair["local"] == 0, pair
     assert pair["hot_loop_instructions"] <= sub64["hot_loop_instructions"] + 4 and pair["reg"] <= sub64["reg"] + 8, pair
+    # the overlapped steps (two a loop pass): no wait retires every wgmma inside the loop (each leaves
+    # the step just issued in flight), so step i + 1's decode runs beside step i's wgmmas; each
+    # step's operands read once more after their wait (8 predicated 16-byte stores a step), nothing
+    # spilled, and the serial form's loop has exactly one full wait a step
+    for row in (over16, over128):
+        assert row["hot_loop_full_waits"] == 0 and row["hot_loop_partial_waits"] == 2, row
+        assert row["hot_loop_wgmma"] == 16 and row["hot_loop_sts"] == 16 and row["hot_loop_spill_ops"] == 0, row
+        assert row["local"] == 0, row
+    assert split16["hot_loop_full_waits"] == 1 and split16["hot_loop_partial_waits"] == 0, split16
     # the warp-specialized form: each MMA warp group's loop is the register form's (4 wgmmas, the
     # table decode), within the launch's 80 registers, nothing spilled
     assert ws["hot_loop_wgmma"] == 4 and ws["hot_loop_prmt"] == 40 and ws["local"] == 0 and ws["reg"] <= 80, ws
@@ -131,6 +144,10 @@ CONFIGS += [{"exponent_decode": True, "maxnreg": 80, "num_warps": 4}]
 CONFIGS += [{"exponent_decode": True, "maxnreg": 80, "num_warps": 4, "sub_tiles": 1}]
 CONFIGS += [{"split_layout": True, "w_tiles": 2}, {"split_layout": True, "w_tiles": 2, "num_warps": 8}]
 CONFIGS += [{"split_layout": True, "w_tiles": 2, "num_warps": 8, "maxnreg": 128}]  # not yet run on the device
+CONFIGS += [
+    {"split_layout": True, "overlap": True},
+    {"split_layout": True, "overlap": True, "sub_tiles": 1},
+]  # nor these
 
 
 @pytest.mark.skipif(not HOPPER, reason="a Hopper kernel (Gluon has no interpreter)")
@@ -159,7 +176,7 @@ def test_it_equals_the_dequantized_experts(block_m, gather, cfg, tokens):
 @pytest.mark.parametrize(
     "cfg",
     [{}, {"exponent_decode": True}, {"exponent_decode": True, "num_warps": 8}, {"split_layout": True}]
-    + [{"split_layout": True, "sub_tiles": 2}],
+    + [{"split_layout": True, "sub_tiles": 2}, {"split_layout": True, "overlap": True}],
 )
 @pytest.mark.parametrize("k", [64, 128])
 def test_it_takes_fewer_k_steps_than_its_ring_prefetches(block_m, cfg, k):
