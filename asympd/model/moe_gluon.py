@@ -36,6 +36,8 @@ Gluon does not run under Triton's interpreter: the CPU suite compiles this kerne
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from asympd.model.fp4_ptx import (
@@ -550,6 +552,11 @@ if AVAILABLE:
 
 
 BLOCK_MS = (16, 32, 64, 128)
+# the keys ``mxfp4_moe_gemm_wgmma``'s config takes
+CONFIG_KEYS = frozenset(
+    ("a_smem", "stages", "num_warps", "lut_registers", "tiles_inner", "warp_specialized", "exponent_decode")
+    + ("maxnreg", "split_layout", "sub_tiles", "w_tiles", "overlap")
+)
 # the register form's steps overlapped (``overlap``): compiled and read on CPU (no wait retires every
 # wgmma inside its loop, test_it_compiles_for_hopper_with_the_designed_hot_loop), not yet run on a
 # device, so off
@@ -656,23 +663,88 @@ def mxfp4_moe_gemm_wgmma(
     activation rows once for 256 weight rows: half the copies, programs and epilogue starts);
     ``overlap`` (the register form: step i + 1 decoded and issued while step i's wgmmas run, two
     operand sets; compiled and read on CPU, not yet run on a device)."""
-    cfg = config or {}
     err = _unsupported(a, weight, block_m)
     if err is not None:
         raise err
     n_experts, n_tiles, n_kb, _, _ = weight.shape
     n, k = n_tiles * BLOCK_W, n_kb * 32
+    lc = launch_config(block_m, n_tiles, rows, config)
+    # the register operand needs the K permutation its decode produces
+    x = a.contiguous() if lc.a_smem else (k_order_exp(a) if lc.exponent_decode else k_order(a))
+    s = scale.view(torch.uint8)
+    block_expert, row0, row1 = blocks
+    y = torch.empty(rows, n, dtype=a.dtype, device=a.device)
+    args = (x, a_rows if a_rows is not None else row0, weight, s, _lut(a.device), y, block_expert, row0, row1, n,
+            n_tiles // lc.w_tiles, block_expert.numel(), x.stride(0), weight.stride(0), weight.stride(1), s.stride(0),
+            s.stride(1), y.stride(0))  # fmt: skip
+    common = dict(K=k, N_EXPERTS=n_experts, GATHER=a_rows is not None, W_STEP=weight.stride(2), S_STEP=s.stride(2))
+    common |= dict(BLOCK_T=block_m, STAGES=lc.stages, TILES_INNER=lc.tiles_inner)
+    grid = (block_expert.numel() * (n_tiles // lc.w_tiles),)
+    if lc.warp_specialized:
+        from asympd.model import moe_gluon_ws
+
+        moe_gluon_ws.launch(grid, args, common)
+        return y
+    _mxfp4_moe_wgmma_kernel[grid](
+        *args,
+        **common,
+        A_SMEM=lc.a_smem,
+        SUB_T=block_m // lc.sub_tiles,
+        LUT_REGS=lc.lut_registers,
+        EXP_DECODE=lc.exponent_decode,
+        SPLIT=lc.split_layout,
+        W_TILES=lc.w_tiles,
+        OVERLAP=lc.overlap,
+        num_warps=lc.num_warps,
+        **({"maxnreg": lc.maxnreg} if lc.maxnreg else {}),
+    )
+    return y
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What one launch of the kernel runs: ``mxfp4_moe_gemm_wgmma``'s config with the defaults
+    filled in for an M-block size and a GEMM's weight tiles (``launch_config``)."""
+
+    num_warps: int
+    sub_tiles: int
+    w_tiles: int
+    stages: int
+    tiles_inner: bool
+    exponent_decode: bool
+    split_layout: bool
+    a_smem: bool
+    warp_specialized: bool
+    lut_registers: bool
+    overlap: bool
+    maxnreg: int | None
+
+
+def launch_config(block_m: int, n_tiles: int, rows: int, config: dict | None = None) -> LaunchConfig:
+    """``config`` (``mxfp4_moe_gemm_wgmma``'s keys) resolved for M-blocks of ``block_m`` rows, a
+    GEMM of ``n_tiles`` 128-row weight tiles and ``rows`` routed rows; ValueError names what a
+    launch cannot take. Apart from the kernel, so that the defaults and refusals are checked without
+    a GPU."""
+    cfg = config or {}
+    unknown = set(cfg) - CONFIG_KEYS
+    if unknown:
+        raise ValueError(f"mxfp4_moe_gemm_wgmma: unknown config keys {sorted(unknown)}")
+    if block_m not in BLOCK_MS:
+        raise ValueError(f"mxfp4_moe_gemm_wgmma: M-blocks of {BLOCK_MS} rows, got {block_m}")
     # the register operand measured faster in 11 of 12 cells, 1.1-1.6x the shared tile at 256-8192
     # tokens (bench/results/moe_prefill_wgmma_fa9c0d9.json)
     a_smem = cfg.get("a_smem", False)
+    ws = cfg.get("warp_specialized", False)
     split = cfg.get("split_layout", False)
     exp = cfg.get("exponent_decode", False) or split
     warps = cfg.get("num_warps", NUM_WARPS[exp][block_m])
     if block_m < 4 * warps:
         raise ValueError(f"mxfp4_moe_gemm_wgmma: {warps} warps copy {4 * warps} rows a pass; M-block {block_m}")
-    if exp and (a_smem or cfg.get("warp_specialized", False)):
+    if exp and (a_smem or ws):
         raise ValueError("mxfp4_moe_gemm_wgmma: exponent_decode is the register form's (not a_smem, warp_specialized)")
-    register_form = not (a_smem or cfg.get("warp_specialized"))
+    if ws and a_smem:
+        raise ValueError("mxfp4_moe_gemm_wgmma: the warp-specialized form takes the register operand only")
+    register_form = not (a_smem or ws)
     w_tiles = cfg.get("w_tiles", W_TILES[block_m] if register_form and n_tiles % W_TILES[block_m] == 0 else 1)
     overlap = cfg.get("overlap", OVERLAP and register_form)
     if overlap and not register_form:
@@ -682,42 +754,24 @@ def mxfp4_moe_gemm_wgmma(
             f"mxfp4_moe_gemm_wgmma: {w_tiles} weight tiles a program of {n_tiles}: 1, or 2 dividing them, "
             "in the register form"
         )
-    # the register operand needs the K permutation its decode produces
-    x = a.contiguous() if a_smem else (k_order_exp(a) if exp else k_order(a))
-    s = scale.view(torch.uint8)
-    block_expert, row0, row1 = blocks
-    y = torch.empty(rows, n, dtype=a.dtype, device=a.device)
-    args = (x, a_rows if a_rows is not None else row0, weight, s, _lut(a.device), y, block_expert, row0, row1, n,
-            n_tiles // w_tiles, block_expert.numel(), x.stride(0), weight.stride(0), weight.stride(1), s.stride(0),
-            s.stride(1), y.stride(0))  # fmt: skip
-    common = dict(K=k, N_EXPERTS=n_experts, GATHER=a_rows is not None, W_STEP=weight.stride(2), S_STEP=s.stride(2))
-    common |= dict(BLOCK_T=block_m, STAGES=cfg.get("stages", 4), TILES_INNER=cfg.get("tiles_inner", tiles_inner(rows)))
-    n_sub = cfg.get("sub_tiles", 1 if a_smem or cfg.get("warp_specialized") else SUB_TILES[block_m])
+    n_sub = cfg.get("sub_tiles", 1 if not register_form else SUB_TILES[block_m])
     sub_t = block_m // max(n_sub, 1)
     if n_sub not in (1, 2, 4) or sub_t < max(8, 2 * warps) or (n_sub > 1 and a_smem):
         raise ValueError(
             f"mxfp4_moe_gemm_wgmma: {n_sub} sub-tiles of an M-block of {block_m} rows ({warps} warps): "
             f"1, 2 or 4, of at least {max(8, 2 * warps)} rows, in the register form"
         )
-    grid = (block_expert.numel() * (n_tiles // w_tiles),)
-    if cfg.get("warp_specialized", False):
-        from asympd.model import moe_gluon_ws
-
-        if a_smem:
-            raise ValueError("mxfp4_moe_gemm_wgmma: the warp-specialized form takes the register operand only")
-        moe_gluon_ws.launch(grid, args, common)
-        return y
-    _mxfp4_moe_wgmma_kernel[grid](
-        *args,
-        **common,
-        A_SMEM=a_smem,
-        SUB_T=sub_t,
-        LUT_REGS=cfg.get("lut_registers", True),
-        EXP_DECODE=exp,
-        SPLIT=split,
-        W_TILES=w_tiles,
-        OVERLAP=overlap,
+    return LaunchConfig(
         num_warps=warps,
-        **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}),
+        sub_tiles=n_sub,
+        w_tiles=w_tiles,
+        stages=cfg.get("stages", 4),
+        tiles_inner=cfg.get("tiles_inner", tiles_inner(rows)),
+        exponent_decode=exp,
+        split_layout=split,
+        a_smem=a_smem,
+        warp_specialized=ws,
+        lut_registers=cfg.get("lut_registers", True),
+        overlap=bool(overlap),
+        maxnreg=cfg.get("maxnreg"),
     )
-    return y

@@ -55,6 +55,45 @@ def test_the_decode_table_operand_holds_the_tables_words():
     assert MG._lut(torch.device("cpu")) is lut  # made once a device
 
 
+def test_a_launch_takes_the_defaults_its_block_and_gemm_call_for():
+    # the product's config (the split layout) at each M-block, w13's 36 tiles: one warp group and one
+    # weight tile at 16/32-row blocks; two tiles at 64 (one warp group) and 128 (a warp group a tile)
+    split = {"split_layout": True}
+    got = {bm: MG.launch_config(bm, 36, 6 * 1024, split) for bm in MG.BLOCK_MS}
+    assert [(c.num_warps, c.sub_tiles, c.w_tiles) for c in got.values()] == [(4, 2, 1), (4, 2, 1), (4, 4, 2), (8, 4, 2)]
+    assert all(c.exponent_decode and c.split_layout and not c.overlap and c.stages == 4 for c in got.values())
+    # a GEMM whose tiles two do not divide (the tiny model's one tile) takes one a program
+    assert MG.launch_config(128, 1, 6, split).w_tiles == 1
+    # the launch order follows the routed rows; the forms through shared memory take neither sub-tiles nor pairs
+    assert MG.launch_config(64, 36, 16384 * 6, split).tiles_inner and not MG.launch_config(64, 36, 6, split).tiles_inner
+    smem = MG.launch_config(64, 36, 6, {"a_smem": True})
+    assert (smem.sub_tiles, smem.w_tiles, smem.overlap) == (1, 1, False)
+    pinned = MG.launch_config(32, 36, 6, {**split, "overlap": True, "w_tiles": 2, "num_warps": 8, "maxnreg": 128})
+    assert (pinned.overlap, pinned.w_tiles, pinned.num_warps, pinned.maxnreg) == (True, 2, 8, 128)
+
+
+@pytest.mark.parametrize(
+    "block_m, n_tiles, cfg, why",
+    [
+        (48, 36, {}, "M-blocks of"),
+        (16, 36, {"num_warps": 8}, "8 warps copy 32 rows a pass; M-block 16"),
+        (32, 36, {"sub_tile": 2}, r"unknown config keys \['sub_tile'\]"),
+        (32, 36, {"sub_tiles": 3}, "1, 2 or 4"),
+        (32, 36, {"sub_tiles": 4, "num_warps": 8}, "of at least 16 rows"),
+        (32, 36, {"sub_tiles": 2, "a_smem": True}, "in the register form"),
+        (64, 36, {"w_tiles": 3}, "1, or 2 dividing them"),
+        (64, 1, {"w_tiles": 2}, "2 weight tiles a program of 1"),
+        (64, 36, {"w_tiles": 2, "a_smem": True, "sub_tiles": 1}, "in the register form"),
+        (64, 36, {"overlap": True, "a_smem": True, "sub_tiles": 1}, "overlap is the register form's"),
+        (64, 36, {"exponent_decode": True, "warp_specialized": True}, "exponent_decode is the register form's"),
+        (64, 36, {"warp_specialized": True, "a_smem": True}, "register operand only"),
+    ],
+)
+def test_a_launch_it_cannot_run_is_refused_with_the_reason(block_m, n_tiles, cfg, why):
+    with pytest.raises(ValueError, match=why):
+        MG.launch_config(block_m, n_tiles, 6 * 1024, cfg)
+
+
 def test_a_blocks_tiles_launch_together_only_for_16k_token_chunks():
     # measured: 1.15-1.27x at 16K tokens (98K routed rows), 0.88-0.92x at 8K (moe_prefill_tiles_b492c4e)
     assert MG.tiles_inner(16384 * 6) and not MG.tiles_inner(8192 * 6) and not MG.tiles_inner(6)
