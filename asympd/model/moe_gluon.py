@@ -314,16 +314,16 @@ if AVAILABLE:
             acc2 = gl.zeros([bw, SUB_T], gl.float32, acc_l)
         if ACTIVE > 3:
             acc3 = gl.zeros([bw, SUB_T], gl.float32, acc_l)
+        if ACTIVE == 1:
+            acc1, acc2, acc3 = acc0, acc0, acc0  # placeholders: never issued, never stored
+        if ACTIVE == 2:
+            acc2, acc3 = acc0, acc0
+        if ACTIVE == 3:
+            acc3 = acc0
         if OVERLAP:
             # step i + 1 decoded and issued while step i's wgmmas run: the wgmmas of both steps chain on
             # the accumulators, the wait leaves one step's groups outstanding, and step i's operands
             # are read again after it (``_pin``), so ptxas gives step i + 1's decode other registers
-            if ACTIVE == 1:
-                acc1, acc2, acc3 = acc0, acc0, acc0  # placeholders: never issued, never stored
-            if ACTIVE == 2:
-                acc2, acc3 = acc0, acc0
-            if ACTIVE == 3:
-                acc3 = acc0
             pin = gl.full([bw, 16], 0, gl.int32, a_op_l) + never
             _advance(0, n_steps, STAGES, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP)
             a0, a1, a2, a3 = _operands(w_smem, s_smem, 0, lut, p_l, a_op_l, LUT_REGS, EXP_DECODE, SPLIT)
@@ -349,33 +349,10 @@ if AVAILABLE:
         else:
             for i in range(n_steps):
                 _advance(i, n_steps, STAGES, x_smem, x_src, w_smem, w_src, s_smem, s_src, W_STEP, S_STEP)
-                cur = i % STAGES
-                lo0, hi0, lo1, hi1 = _expand(
-                    w_smem.index(cur).load(p_l),
-                    s_smem.index(cur).load(gl.SliceLayout(2, p_l)),
-                    lut,
-                    LUT_REGS,
-                    EXP_DECODE,
-                    SPLIT,
-                )
-                a0, a1 = _k16(lo0, a_op_l), _k16(hi0, a_op_l)
-                a2, a3 = _k16(lo1, a_op_l), _k16(hi1, a_op_l)
-                x = x_smem.index(cur)
-                acc0 = _mma_rows(acc0, a0, a1, a2, a3, x, 0, SUB_T)
-                if ACTIVE == 1:
-                    acc0 = warpgroup_mma_wait(0, deps=[acc0])
-                if ACTIVE == 2:
-                    acc1 = _mma_rows(acc1, a0, a1, a2, a3, x, 1, SUB_T)
-                    acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
-                if ACTIVE == 3:
-                    acc1 = _mma_rows(acc1, a0, a1, a2, a3, x, 1, SUB_T)
-                    acc2 = _mma_rows(acc2, a0, a1, a2, a3, x, 2, SUB_T)
-                    acc0, acc1, acc2 = warpgroup_mma_wait(0, deps=[acc0, acc1, acc2])
-                if ACTIVE == 4:
-                    acc1 = _mma_rows(acc1, a0, a1, a2, a3, x, 1, SUB_T)
-                    acc2 = _mma_rows(acc2, a0, a1, a2, a3, x, 2, SUB_T)
-                    acc3 = _mma_rows(acc3, a0, a1, a2, a3, x, 3, SUB_T)
-                    acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=[acc0, acc1, acc2, acc3])
+                a0, a1, a2, a3 = _operands(w_smem, s_smem, i % STAGES, lut, p_l, a_op_l, LUT_REGS, EXP_DECODE, SPLIT)
+                acc0, acc1, acc2, acc3 = _issue(ACTIVE, acc0, acc1, acc2, acc3, a0, a1, a2, a3,
+                                                x_smem.index(i % STAGES), SUB_T)  # fmt: skip
+                acc0, acc1, acc2, acc3 = _retire(ACTIVE, 0, acc0, acc1, acc2, acc3)
         async_copy.wait_group(0)
         gl.thread_barrier()  # every warp group's wgmmas and copies done: the ring's memory is free
         _store_rows(acc0, out, 0, SUB_T, num_warps)
