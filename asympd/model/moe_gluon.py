@@ -298,9 +298,11 @@ if AVAILABLE:
                        W_STEP: gl.constexpr, S_STEP: gl.constexpr, p_l: gl.constexpr, LUT_REGS: gl.constexpr,
                        EXP_DECODE: gl.constexpr, SPLIT: gl.constexpr, SUB_T: gl.constexpr,
                        num_warps: gl.constexpr, OVERLAP: gl.constexpr = False, never=0):  # fmt: skip
-        """The K loop with the expanded weights as wgmma's register operand, retired before the
-        next step expands into the same registers (no overlap inside a program: other programs on
-        the SM fill in), on the first ``ACTIVE`` SUB_T-row sub-tiles of the block; then the store."""
+        """The K loop with the expanded weights as wgmma's register operand on the first ``ACTIVE``
+        SUB_T-row sub-tiles of the block; then the store. Serial (the default): each step's wgmmas
+        retired before the next step expands into the same registers (inside a step the K = 16
+        slices' decode and wgmmas overlap; across steps other programs on the SM fill in).
+        ``OVERLAP``: the next step decoded and issued while this one's wgmmas run (``_next_step``)."""
         x_smem, x_src, w_smem, w_src, s_smem, s_src = ring
         bw: gl.constexpr = p_l.shape[1]
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(
