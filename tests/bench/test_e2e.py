@@ -443,6 +443,24 @@ def test_co_run_is_recorded_per_mode(result):
     assert "skipped" in result["modes"]["colocated"]["calibration"]["co_run"]
 
 
+def test_the_co_runs_mid_burst_fills_twice_a_quarter_of_p_s_budget_by_default():
+    import argparse
+
+    from bench.e2e import co_run_mid
+
+    args = argparse.Namespace(p_step_tokens=16384, co_run_fill_rows=None, co_run_mid_rows=None, seed=0)
+    args.input_len, args.len_dist, args.range_ratio = 2048, "uniform", 0.5
+    lengths = co_run_mid(args)
+    assert sum(lengths) == 2 * 4096 and all(0 < n <= 3072 for n in lengths)
+    assert co_run_mid(args) == lengths  # seeded: the same prompts in every mode
+    args.co_run_mid_rows = 1000
+    assert sum(co_run_mid(args)) == 2000
+    args.co_run_mid_rows = 0
+    assert co_run_mid(args) is None  # off
+    args.co_run_mid_rows, args.co_run_fill_rows = None, 0
+    assert co_run_mid(args) is None  # part of the fill phase: off with it
+
+
 def test_the_time_budget_counts_the_co_run():
     """One more mode: the slowest start, calibration plus co-run, warm-up, and each rate (16 prompts
     at 2 req/s: 8 s, 1.5 x 32 x 0.1 s, 4 s)."""
