@@ -367,6 +367,19 @@ def p_specs(n_prompt: int, mode: str, budget: int = 16384, w: int = W) -> list[d
     return steps
 
 
+def _set_by_block(ap, flag: str, spec: str, table: dict[int, int], allowed: tuple[int, ...], what: str) -> dict:
+    """``BLOCK_M:VALUE,...`` from the command line into one of moe_gluon's tables by M-block (in
+    place: the build reads them at launch); the table as the result records it."""
+    from asympd.model.moe_gluon import BLOCK_MS
+
+    for item in filter(None, spec.split(",")):
+        block_m, value = (int(v) for v in item.split(":"))
+        if block_m not in table or value not in allowed:
+            ap.error(f"{flag}: M-blocks {BLOCK_MS} and {what}, got {item}")
+        table[block_m] = value
+    return {str(bm): v for bm, v in table.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny config on CPU: plumbing only")
@@ -466,24 +479,13 @@ def main() -> None:
     res["split_layout"] = packed.SPLIT_LAYOUT and packed.EXPONENT_DECODE
     from asympd.model import moe_gluon
 
-    for item in filter(None, args.moe_warps.split(",")):
-        block_m, warps = (int(v) for v in item.split(":"))
-        if block_m not in moe_gluon.NUM_WARPS[True] or warps not in (4, 8):
-            ap.error(f"--moe-warps: M-blocks {moe_gluon.BLOCK_MS} and 4 or 8 warps, got {item}")
-        moe_gluon.NUM_WARPS[True][block_m] = warps
-    res["moe_warps"] = {str(bm): w for bm, w in moe_gluon.NUM_WARPS[True].items()}
-    for item in filter(None, args.moe_sub_tiles.split(",")):
-        block_m, n_sub = (int(v) for v in item.split(":"))
-        if block_m not in moe_gluon.SUB_TILES or n_sub not in (1, 2, 4):
-            ap.error(f"--moe-sub-tiles: M-blocks {moe_gluon.BLOCK_MS} and 1, 2 or 4 sub-tiles, got {item}")
-        moe_gluon.SUB_TILES[block_m] = n_sub
-    res["moe_sub_tiles"] = {str(bm): n for bm, n in moe_gluon.SUB_TILES.items()}
-    for item in filter(None, args.moe_w_tiles.split(",")):
-        block_m, w_tiles = (int(v) for v in item.split(":"))
-        if block_m not in moe_gluon.W_TILES or w_tiles not in (1, 2):
-            ap.error(f"--moe-w-tiles: M-blocks {moe_gluon.BLOCK_MS} and 1 or 2 tiles, got {item}")
-        moe_gluon.W_TILES[block_m] = w_tiles
-    res["moe_w_tiles"] = {str(bm): n for bm, n in moe_gluon.W_TILES.items()}
+    res["moe_warps"] = _set_by_block(
+        ap, "--moe-warps", args.moe_warps, moe_gluon.NUM_WARPS[True], (4, 8), "4 or 8 warps"
+    )
+    res["moe_sub_tiles"] = _set_by_block(
+        ap, "--moe-sub-tiles", args.moe_sub_tiles, moe_gluon.SUB_TILES, (1, 2, 4), "1, 2 or 4 sub-tiles"
+    )
+    res["moe_w_tiles"] = _set_by_block(ap, "--moe-w-tiles", args.moe_w_tiles, moe_gluon.W_TILES, (1, 2), "1 or 2 tiles")
     if args.moe_overlap is not None:
         moe_gluon.OVERLAP = bool(args.moe_overlap)
     res["moe_overlap"] = moe_gluon.OVERLAP
