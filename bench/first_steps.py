@@ -1,0 +1,182 @@
+"""A warmed-up P engine's prompt steps, one by one: which cost more than their size says, and why.
+
+In the true-depth co-runs P's first step of 1107 prompt rows held the GPU 533 ms and its first of
+1706 rows 455-537 ms, where 1792 rows took 186 ms (``e2e_h200x1_depth40_v10``, ``_v11``), after
+the engine's start-up warm-up (engine/warm_up.py) had run 28 prompts. Such a step is a stall in
+P's fitted step line (asympd.plan.validate ``stalls``) and, mid-traffic, in the TTFT of every
+prompt behind it. This builds the P worker's engine exactly as ``asympd serve --role prefill --mode
+asymmetric`` does (the same flags through ``serve_config_from_args``, ``load_model``,
+``LLMEngine``: its warm-up included) on the study's checkpoint, then runs groups of prompts, one
+group at a time (a group's prompts added together, as a burst reaches P), and for every step
+records its prompt rows, its seconds to the GPU's end, and what ran inside it besides the model:
+Triton compiles (``triton.knobs.runtime.jit_post_compile_hook``: a compile or a load from the
+on-disk cache, each a new specialisation) and the caching allocator's new segments (cudaMalloc).
+
+    python3 bench/first_steps.py                    # H200: depth 40, the co-runs' sizes (first_steps.json)
+    python3 bench/first_steps.py --tiny --groups '5;7+9' --out first_steps_tiny   # CPU
+
+``--groups``: prompt rows (a P prompt is rows + W tokens), ``+`` within a group, ``;`` between
+groups. The default is v11's co-run sizes in its order (896-row lone prompts, the mid burst's first
+prompt and the rest together, the fill's first prompt, 1792 rows), then each of them again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import log, record  # noqa: E402
+
+DEFAULT_GROUPS = "896;896;1107;2269+2821+1483;1706;1792;896;1107;2269+2821+1483;1706;1792;1235;3001"
+
+
+def parse_groups(text: str) -> list[list[int]]:
+    """``'896;1107+2269'`` -> [[896], [1107, 2269]]; every size a positive integer."""
+    try:
+        groups = [[int(x) for x in g.split("+")] for g in text.split(";") if g.strip()]
+    except ValueError as e:
+        raise ValueError(f"--groups: prompt rows as integers, '+' within a group, ';' between: {e}") from None
+    if not groups or any(r < 1 for g in groups for r in g):
+        raise ValueError(f"--groups: at least one group of positive row counts, got {text!r}")
+    return groups
+
+
+class Watch:
+    """What ran inside a step besides the model: Triton specialisations compiled or loaded, and the
+    allocator's new segments (on CUDA)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.compiles: list[str] = []
+        if device.type == "cuda":
+            import triton
+
+            triton.knobs.runtime.jit_post_compile_hook = self._compiled
+
+    def _compiled(self, **kw: Any) -> None:
+        self.compiles.append(str(kw.get("repr", "?"))[:200])
+
+    def segments(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        return int(torch.cuda.memory_stats(self.device).get("segment.all.allocated", 0))
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def build_engine(ckpt: str, device: str, step_tokens: int, kv_cache_bytes: int, shared: bool):
+    """The P worker's engine as ``asympd serve --role prefill --mode asymmetric`` builds it."""
+    from asympd.engine import modes
+    from asympd.engine.engine import LLMEngine
+    from asympd.model.loader import load_model
+    from asympd.serve.config import add_serve_arguments, serve_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    flags = ["--role", "prefill", "--mode", "asymmetric", "--checkpoint", ckpt, "--device", device]
+    flags += ["--kv-cache-bytes", str(kv_cache_bytes), "--max-num-batched-tokens", str(step_tokens)]
+    flags += ["--benchmark-shared-experts"] if shared else []
+    cfg = serve_config_from_args(p.parse_args(flags)).resolve()
+    role = modes.model_role(cfg.role, cfg.mode)
+    model = load_model(cfg.checkpoint, role, cfg.device, cfg.dtype, cfg.weights, shared_experts=shared)
+    return LLMEngine(model, cfg.engine)
+
+
+def run_group(engine, group: list[int], tag: str, watch: Watch, vocab: int, seed: int) -> list[dict[str, Any]]:
+    """Add the group's prompts together, step until each is exported, release them; every step's
+    record."""
+    from asympd.engine.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    w = engine.cfg.window_size
+    rids = []
+    for k, rows in enumerate(group):
+        rid = f"{tag}-{k}"
+        ids = torch.randint(3, vocab, (rows + w,), generator=g).tolist()
+        engine.add_request(rid, ids, SamplingParams(max_tokens=1, ignore_eos=True))
+        rids.append(rid)
+    steps = []
+    for _ in range(sum(group) + 8 * len(group)):
+        if not any(r in engine.requests and engine.requests[r].in_prompt for r in rids):
+            break
+        watch.sync()
+        n_comp, segs, t = len(watch.compiles), watch.segments(), time.perf_counter()
+        engine.step()
+        watch.sync()
+        dt = time.perf_counter() - t
+        steps.append(
+            {
+                "rows": engine.last_step[0],
+                "ms": round(dt * 1e3, 2),
+                "compiles": watch.compiles[n_comp:],
+                "new_segments": watch.segments() - segs,
+            }
+        )
+    else:
+        raise RuntimeError(f"group {group} made no progress")
+    for rid in rids:
+        engine.abort_request(rid)
+        engine.release_transfer(rid)
+    return steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="CPU: the tiny checkpoint (tests)")
+    ap.add_argument("--groups", default=DEFAULT_GROUPS, help="prompt rows: '+' within a group, ';' between")
+    ap.add_argument("--step-tokens", type=int, default=None, help="P's step budget (default: the e2e study's)")
+    ap.add_argument("--out", default="first_steps")
+    args = ap.parse_args(argv)
+    groups = parse_groups(args.groups)
+    started = time.time()
+
+    from bench.e2e import defaults, make_checkpoint
+
+    d = defaults(args.tiny, 40)
+    step_tokens = args.step_tokens or d["p_step_tokens"]
+    device = "cpu" if args.tiny else "cuda"
+    with tempfile.TemporaryDirectory(prefix="asympd_first_steps_") as work:
+        ck = argparse.Namespace(checkpoint=None, tiny=args.tiny, depth=40)
+        ckpt, info = make_checkpoint(ck, Path(work))
+        log(f"checkpoint {ckpt}")
+        t = time.perf_counter()
+        watch = Watch(torch.device(device))
+        engine = build_engine(ckpt, device, step_tokens, int(d["kv_cache_gb"] * 2**30), ck.shared_experts)
+        build_s = time.perf_counter() - t
+        warm = engine.warm_up_report
+        start_compiles = len(watch.compiles)
+        log(f"engine built in {build_s:.1f} s; {warm.line() if warm else 'no warm-up'}; {start_compiles} compiles")
+        out: dict[str, Any] = {
+            "checkpoint": info,
+            "step_tokens": step_tokens,
+            "window": engine.cfg.window_size,
+            "build_s": round(build_s, 1),
+            "warm_up": {"rows": list(warm.rows), "seconds": round(warm.seconds, 2)} if warm else None,
+            "compiles_at_build": start_compiles,
+            "groups": [],
+        }
+        for i, group in enumerate(groups):
+            steps = run_group(engine, group, f"g{i}", watch, engine.cfg.vocab_size, seed=i)
+            out["groups"].append({"prompt_rows": group, "steps": steps})
+            for s in steps:
+                log(
+                    f"group {i} {group}: step of {s['rows']} rows {s['ms']} ms, {len(s['compiles'])} compiles, "
+                    f"{s['new_segments']} new segments"
+                )
+            record(args.out, out, started)
+    log(f"wrote {args.out}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
