@@ -285,10 +285,11 @@ if AVAILABLE:
         tl.store(part_ptr + (base + t64)[:, None] * BLOCK_N + n[None, :], acc, mask=tm[:, None])
         tl.store(sq_ptr + base + t64, sq, mask=tm)
 
-    @triton.jit
-    def _hc_project_finish(
-        part_ptr, sq_ptr, y_ptr, T, K, N, eps, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr
-    ):
+    # SPLITS follows the step's rows (``hc_project``: 2-16 at 1-16K rows on an H200): as a constexpr
+    # each new count was a compile mid-traffic that the start-up warm-up's sizes missed (0.5 s a
+    # step at true depth, bench/results/first_steps.json); a loop bound it is one kernel for all
+    @triton.jit(do_not_specialize=("SPLITS",))
+    def _hc_project_finish(part_ptr, sq_ptr, y_ptr, T, K, N, eps, SPLITS, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
         """The splits' partial sums added in a fixed order (the same bits every run), then the scale."""
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         n = tl.arange(0, BLOCK_N)
@@ -296,9 +297,11 @@ if AVAILABLE:
         t64 = t.to(tl.int64)
         acc = tl.load(part_ptr + t64[:, None] * BLOCK_N + n[None, :], mask=tm[:, None], other=0.0)
         sq = tl.load(sq_ptr + t64, mask=tm, other=0.0)
-        for s in tl.static_range(1, SPLITS):
+        s = 1
+        while s < SPLITS:  # (the interpreter takes no argument as a range bound)
             acc += tl.load(part_ptr + (s * T + t64)[:, None] * BLOCK_N + n[None, :], mask=tm[:, None], other=0.0)
             sq += tl.load(sq_ptr + s * T + t64, mask=tm, other=0.0)
+            s += 1
         r = tl.math.rsqrt(sq / K + eps)
         tl.store(y_ptr + t64[:, None] * N + n[None, :], acc * r[:, None], mask=tm[:, None] & (n[None, :] < N))
 
@@ -395,7 +398,7 @@ def hc_project(
         **launch,
     )  # fmt: skip
     finish = (triton.cdiv(t, 64),)
-    _hc_project_finish[finish](part, sq, y, t, k, n, float(norm_eps), SPLITS=splits, BLOCK_T=64, BLOCK_N=bn)
+    _hc_project_finish[finish](part, sq, y, t, k, n, float(norm_eps), splits, BLOCK_T=64, BLOCK_N=bn)
     return y
 
 
