@@ -287,9 +287,14 @@ if AVAILABLE:
 
     # SPLITS follows the step's rows (``hc_project``: 2-16 at 1-16K rows on an H200): as a constexpr
     # each new count was a compile mid-traffic that the start-up warm-up's sizes missed (0.5 s a
-    # step at true depth, bench/results/first_steps.json); a loop bound it is one kernel for all
+    # step at true depth, bench/results/first_steps.json). An argument it is one kernel for all, and
+    # the loop stays unrolled to MAX_SPLITS with the splits past SPLITS masked off, so every load is
+    # issued at once (a loop to SPLITS serialised them: 2-6 us more a call, glue_hc_finish_new.json)
     @triton.jit(do_not_specialize=("SPLITS",))
-    def _hc_project_finish(part_ptr, sq_ptr, y_ptr, T, K, N, eps, SPLITS, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _hc_project_finish(
+        part_ptr, sq_ptr, y_ptr, T, K, N, eps, SPLITS, MAX_SPLITS: tl.constexpr, BLOCK_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
         """The splits' partial sums added in a fixed order (the same bits every run), then the scale."""
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         n = tl.arange(0, BLOCK_N)
@@ -297,11 +302,10 @@ if AVAILABLE:
         t64 = t.to(tl.int64)
         acc = tl.load(part_ptr + t64[:, None] * BLOCK_N + n[None, :], mask=tm[:, None], other=0.0)
         sq = tl.load(sq_ptr + t64, mask=tm, other=0.0)
-        s = 1
-        while s < SPLITS:  # (the interpreter takes no argument as a range bound)
-            acc += tl.load(part_ptr + (s * T + t64)[:, None] * BLOCK_N + n[None, :], mask=tm[:, None], other=0.0)
-            sq += tl.load(sq_ptr + s * T + t64, mask=tm, other=0.0)
-            s += 1
+        for s in tl.static_range(1, MAX_SPLITS):
+            ms = tm & (s < SPLITS)
+            acc += tl.load(part_ptr + (s * T + t64)[:, None] * BLOCK_N + n[None, :], mask=ms[:, None], other=0.0)
+            sq += tl.load(sq_ptr + s * T + t64, mask=ms, other=0.0)
         r = tl.math.rsqrt(sq / K + eps)
         tl.store(y_ptr + t64[:, None] * N + n[None, :], acc * r[:, None], mask=tm[:, None] & (n[None, :] < N))
 
@@ -353,6 +357,9 @@ def fp4_qdq(x: torch.Tensor, block: int = 32, e4m3_scale: bool = False) -> torch
     return y.view(shape)
 
 
+MAX_HC_SPLITS = 16  # hc_project's K splits at most (its finish kernel is unrolled to this)
+
+
 def hc_project(
     h: torch.Tensor,
     fn: torch.Tensor,
@@ -385,7 +392,7 @@ def hc_project(
     n_t = triton.cdiv(t, bt)
     if splits is None:
         sms = torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 1
-        splits = max(1, min(16, triton.cdiv(2 * sms, n_t)))
+        splits = max(1, min(MAX_HC_SPLITS, triton.cdiv(2 * sms, n_t)))
     k_per_split = triton.cdiv(triton.cdiv(k, splits), bk) * bk
     splits = triton.cdiv(k, k_per_split)
     part = torch.empty((splits, t, bn), dtype=torch.float32, device=h.device)
@@ -398,7 +405,11 @@ def hc_project(
         **launch,
     )  # fmt: skip
     finish = (triton.cdiv(t, 64),)
-    _hc_project_finish[finish](part, sq, y, t, k, n, float(norm_eps), splits, BLOCK_T=64, BLOCK_N=bn)
+    if splits > MAX_HC_SPLITS:
+        raise ValueError(f"hc_project: at most {MAX_HC_SPLITS} splits of K, got {splits}")
+    _hc_project_finish[finish](
+        part, sq, y, t, k, n, float(norm_eps), splits, MAX_SPLITS=MAX_HC_SPLITS, BLOCK_T=64, BLOCK_N=bn
+    )
     return y
 
 

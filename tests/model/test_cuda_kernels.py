@@ -43,7 +43,7 @@ def test_fp4_qdq_kernel_reads_strided_rows():
     assert torch.equal(K.fp4_qdq(x, 32, False), quant.fp4_qdq(x, 32))
 
 
-@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("splits", [None, 3, 6])  # 6: every 64-wide K step its own split
 def test_hc_project_kernel_equals_the_mixes_projection(splits):
     g = torch.Generator().manual_seed(4)
     h = torch.randn(40, 4, 96, generator=g).to(DEV, torch.bfloat16)  # 40 rows: a partial 32-row tile
@@ -56,6 +56,13 @@ def test_hc_project_kernel_equals_the_mixes_projection(splits):
     # fp32 sums in another order: within a few ulp of the sum of the terms' magnitudes
     assert ((y.double() - ref).abs() <= 1e-6 * magnitude).all()
     assert K.hc_project(h[:0], fn, 1e-20).shape == (0, 24)
+
+
+def test_hc_project_refuses_more_splits_than_its_finish_adds():
+    h = torch.zeros(2, 4, 272, dtype=torch.bfloat16, device=DEV)  # K = 1088: 17 steps of 64
+    fn = torch.zeros(24, 4 * 272, device=DEV)
+    with pytest.raises(ValueError, match="at most 16 splits of K, got 17"):
+        K.hc_project(h, fn, 1e-6, 17)
 
 
 @pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 320), (torch.float32, 48)])
