@@ -150,7 +150,7 @@ def stalls(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
         for (x, y), r, (a, b) in zip(points, resid, lines, strict=True)
         if r > STALL_MADS * 1.4826 * mad and y > STALL_FACTOR * (a + b * x)
     ]
-    if mad == 0.0 or len({pt[0] for pt in points if pt not in out}) < 2:
+    if len({pt[0] for pt in points if pt not in out}) < 2:
         return []
     return out
 
@@ -159,7 +159,22 @@ def _line_without(points: list[tuple[float, float]], i: int) -> tuple[float, flo
     """``stalls``' line to judge point i by: the others' where they bracket its row count, else all."""
     others = points[:i] + points[i + 1 :]
     xs = [x for x, _ in others]
-    return _line(others) if xs and min(xs) <= points[i][0] <= max(xs) else _line(points)
+    return _robust_line(others) if xs and min(xs) <= points[i][0] <= max(xs) else _line(points)
+
+
+def _robust_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Theil-Sen (intercept, slope), both >= 0: the median slope over pairs of distinct row counts,
+    the median intercept under it; ``_line`` where fewer than two row counts."""
+    slopes = [
+        (y2 - y1) / (x2 - x1)
+        for k, (x1, y1) in enumerate(points)
+        for x2, y2 in points[k + 1 :]
+        if x2 != x1
+    ]
+    if not slopes:
+        return _line(points)
+    slope = max(0.0, _median(slopes))
+    return max(0.0, _median([y - slope * x for x, y in points])), slope
 
 
 @dataclass

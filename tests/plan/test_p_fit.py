@@ -134,6 +134,19 @@ def test_a_stall_is_judged_by_the_line_without_it():
     assert stalls([*alone, (1792.0, 139.0), (16384.0, 679.0)]) == []
 
 
+def test_two_stalls_do_not_hide_each_other():
+    """v11's asymmetric co-run: 896-row steps at 107-160 ms, the first steps of 1107 and 1706 rows
+    at 533 and 457 ms (each a compile of hc_project's finish kernel for a new split count:
+    bench/results/first_steps.json), 1792 rows at 186 ms and the fill's 16K-row step at 783 ms.
+    Judged by the least-squares line through the others each stall was under twice it, the other
+    stall lifting it (the line through every step: 156 ms + 0.039 ms/row); judged by the Theil-Sen
+    line through the others (a median of pair slopes, which one point cannot move far) both are."""
+    alone = [(896.0, ms) for ms in (117.5, 106.9, 107.5, 111.3, 160.0, 109.2, 112.8)]
+    both = [(1107.0, 533.3), (1706.0, 456.8)]
+    assert stalls([*alone, *both, (1792.0, 186.3), (16384.0, 782.8)]) == both
+    assert stalls([*alone, (1792.0, 186.3), (16384.0, 782.8)]) == []  # the line's own points stay
+
+
 def test_alone_steps_at_one_size_keep_the_lone_fit():
     log = co_run_log()
     log["steps"]["prefill"] = [s for s in log["steps"]["prefill"] if s[2] in (1000, 0)] + [[4.0, 0.9, 2000, 0]]
