@@ -165,12 +165,7 @@ def _line_without(points: list[tuple[float, float]], i: int) -> tuple[float, flo
 def _robust_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     """Theil-Sen (intercept, slope), both >= 0: the median slope over pairs of distinct row counts,
     the median intercept under it; ``_line`` where fewer than two row counts."""
-    slopes = [
-        (y2 - y1) / (x2 - x1)
-        for k, (x1, y1) in enumerate(points)
-        for x2, y2 in points[k + 1 :]
-        if x2 != x1
-    ]
+    slopes = [(y2 - y1) / (x2 - x1) for k, (x1, y1) in enumerate(points) for x2, y2 in points[k + 1 :] if x2 != x1]
     if not slopes:
         return _line(points)
     slope = max(0.0, _median(slopes))
