@@ -25,14 +25,14 @@ from asympd.plan.gpus import GPUS, MEASURED_ON, GPUSpec, roofline_factor
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
 # the H200 tables the planner reads (by the key StepModel knows each by): layer steps timed with the
 # MoE and attention kernels the CUDA build runs (packed MXFP4 experts in Gluon with the split-layout
-# FP4 decode, sub-tiles and one warp group a program, today's M-blocks and tile order, the fused
-# indexer's version 5 and attention's version 5 (Gluon), the glue kernels with the MoE's combine and
-# the compressor's bf16 GEMM; ``bench/layers.py --out layers_v10 ...``, measured at 090a0d7), the D
-# and P steps composed from them, the two-GPU links
+# FP4 decode, sub-tiles, two weight tiles a program at 64- and 128-row blocks, today's M-blocks and
+# tile order, the fused indexer's version 5 and attention's version 5 (Gluon), the glue kernels with
+# the MoE's combine and the compressor's bf16 GEMM; ``bench/layers.py --out layers_v12 ...``,
+# measured at 904b2ac), the D and P steps composed from them, the two-GPU links
 TABLES = {
-    "layers": "layers_v10.json",
-    "d_admission": "d_admission_v10.json",
-    "p_throughput": "p_throughput_v10.json",
+    "layers": "layers_v12.json",
+    "d_admission": "d_admission_v12.json",
+    "p_throughput": "p_throughput_v12.json",
     "two_gpu": "two_gpu.json",
 }
 # the tables of 2026-11-29 (bf16 experts, the gathered attention): admission_policy.json ran on them
