@@ -9,8 +9,9 @@ asymmetric`` does (the same flags through ``serve_config_from_args``, ``load_mod
 ``LLMEngine``: its warm-up included) on the study's checkpoint, then runs groups of prompts, one
 group at a time (a group's prompts added together, as a burst reaches P), and for every step
 records its prompt rows, its seconds to the GPU's end, and what ran inside it besides the model:
-Triton compiles (``triton.knobs.runtime.jit_post_compile_hook``: a compile or a load from the
-on-disk cache, each a new specialisation) and the caching allocator's new segments (cudaMalloc).
+Triton compiles (the server's ``CompileWatch``: a compile or a load from the on-disk cache, each
+a new specialisation; the first runs recorded the hook's whole kernel signature, later ones the
+kernel's name) and the caching allocator's new segments (cudaMalloc).
 
     python3 bench/first_steps.py                    # H200: depth 40, the co-runs' sizes (first_steps.json)
     python3 bench/first_steps.py --tiny --groups '5;7+9' --out first_steps_tiny   # CPU
@@ -50,19 +51,17 @@ def parse_groups(text: str) -> list[list[int]]:
 
 
 class Watch:
-    """What ran inside a step besides the model: Triton specialisations compiled or loaded, and the
-    allocator's new segments (on CUDA)."""
+    """What ran inside a step besides the model: Triton specialisations compiled or loaded (the
+    server's own ``CompileWatch``), and the allocator's new segments (on CUDA)."""
 
     def __init__(self, device: torch.device) -> None:
+        from asympd.serve.stall_watch import CompileWatch
+
         self.device = device
-        self.compiles: list[str] = []
-        if device.type == "cuda":
-            import triton
+        self.compiles = CompileWatch()
 
-            triton.knobs.runtime.jit_post_compile_hook = self._compiled
-
-    def _compiled(self, **kw: Any) -> None:
-        self.compiles.append(str(kw.get("repr", "?"))[:200])
+    def compiled_since(self, mark: int) -> list[str]:
+        return [name for name, n in self.compiles.since(mark).items() for _ in range(n)]
 
     def segments(self) -> int:
         if self.device.type != "cuda":
@@ -110,7 +109,7 @@ def run_group(engine, group: list[int], tag: str, watch: Watch, vocab: int, seed
         if not any(r in engine.requests and engine.requests[r].in_prompt for r in rids):
             break
         watch.sync()
-        n_comp, segs, t = len(watch.compiles), watch.segments(), time.perf_counter()
+        mark, segs, t = watch.compiles.mark(), watch.segments(), time.perf_counter()
         engine.step()
         watch.sync()
         dt = time.perf_counter() - t
@@ -118,7 +117,7 @@ def run_group(engine, group: list[int], tag: str, watch: Watch, vocab: int, seed
             {
                 "rows": engine.last_step[0],
                 "ms": round(dt * 1e3, 2),
-                "compiles": watch.compiles[n_comp:],
+                "compiles": watch.compiled_since(mark),
                 "new_segments": watch.segments() - segs,
             }
         )
@@ -151,29 +150,32 @@ def main(argv: list[str] | None = None) -> int:
         log(f"checkpoint {ckpt}")
         t = time.perf_counter()
         watch = Watch(torch.device(device))
-        engine = build_engine(ckpt, device, step_tokens, int(d["kv_cache_gb"] * 2**30), ck.shared_experts)
-        build_s = time.perf_counter() - t
-        warm = engine.warm_up_report
-        start_compiles = len(watch.compiles)
-        log(f"engine built in {build_s:.1f} s; {warm.line() if warm else 'no warm-up'}; {start_compiles} compiles")
-        out: dict[str, Any] = {
-            "checkpoint": info,
-            "step_tokens": step_tokens,
-            "window": engine.cfg.window_size,
-            "build_s": round(build_s, 1),
-            "warm_up": {"rows": list(warm.rows), "seconds": round(warm.seconds, 2)} if warm else None,
-            "compiles_at_build": start_compiles,
-            "groups": [],
-        }
-        for i, group in enumerate(groups):
-            steps = run_group(engine, group, f"g{i}", watch, engine.cfg.vocab_size, seed=i)
-            out["groups"].append({"prompt_rows": group, "steps": steps})
-            for s in steps:
-                log(
-                    f"group {i} {group}: step of {s['rows']} rows {s['ms']} ms, {len(s['compiles'])} compiles, "
-                    f"{s['new_segments']} new segments"
-                )
-            record(args.out, out, started)
+        try:
+            engine = build_engine(ckpt, device, step_tokens, int(d["kv_cache_gb"] * 2**30), ck.shared_experts)
+            build_s = time.perf_counter() - t
+            warm = engine.warm_up_report
+            start_compiles = watch.compiles.total
+            log(f"engine built in {build_s:.1f} s; {warm.line() if warm else 'no warm-up'}; {start_compiles} compiles")
+            out: dict[str, Any] = {
+                "checkpoint": info,
+                "step_tokens": step_tokens,
+                "window": engine.cfg.window_size,
+                "build_s": round(build_s, 1),
+                "warm_up": {"rows": list(warm.rows), "seconds": round(warm.seconds, 2)} if warm else None,
+                "compiles_at_build": start_compiles,
+                "groups": [],
+            }
+            for i, group in enumerate(groups):
+                steps = run_group(engine, group, f"g{i}", watch, engine.cfg.vocab_size, seed=i)
+                out["groups"].append({"prompt_rows": group, "steps": steps})
+                for s in steps:
+                    log(
+                        f"group {i} {group}: step of {s['rows']} rows {s['ms']} ms, {len(s['compiles'])} compiles, "
+                        f"{s['new_segments']} new segments"
+                    )
+                record(args.out, out, started)
+        finally:
+            watch.compiles.close()  # the hook is process-wide
     log(f"wrote {args.out}.json")
     return 0
 
