@@ -926,6 +926,10 @@ def run_rate(args, dep: Deployment, ckpt: str, rate: float, work: Path) -> dict[
     out["transfer_bytes_per_request"] = out["transfer_bytes_total"] / n_tr if n_tr else 0.0
     out["transfer_s_per_request"] = moved("asympd_transfer_seconds_total", "decode") / n_tr if n_tr else 0.0
     out["preemptions"] = moved("asympd_num_preemptions_total")
+    # serving steps that compiled a kernel or captured a graph (a stall each), by role; None from
+    # workers that do not report it
+    if all("asympd_engine_steps_new_shape_total" in a for a in after):
+        out["new_shape_steps"] = {r: moved("asympd_engine_steps_new_shape_total", r) for r in sorted(set(dep.roles))}
     # busy time: the sum of engine step durations on the host (what the planner's step times are),
     # and the wall time with a step in flight on the host or the GPU (asympd/serve/busy.py), which
     # counts the GPU work a P step leaves queued; prompt tokens per second of P's compute use the
@@ -1102,6 +1106,9 @@ def run_mode(args, mode: str, ckpt: str, vocab: int, work: Path, out: dict[str, 
                 f"{mode} @ {rate:g} req/s: {r['completed']} done, TTFT p50 {r['median_ttft_ms']:.0f} ms, "
                 f"ITL p50 {r['median_itl_ms']:.1f} ms, goodput {r['request_goodput']:.2f} req/s, "
                 f"{r['transfer_bytes_per_request'] / 1e3:.0f} kB moved per request"
+                + "".join(
+                    f", {n:g} {who} steps met a new shape" for who, n in r.get("new_shape_steps", {}).items() if n
+                )
             )
         # each worker's CUDA graph counters once the mode is done (``workers`` holds them at start-up,
         # before any step): whether its steps replayed graphs under load, e.g. a symmetric P's windows

@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +107,16 @@ class AsyncEngine:
         self._steps_lock = threading.Lock()
         # busy seconds, host and GPU (``busy.BusyClock``); the engine thread makes it and reads it
         self.busy = BusyClock()
+        # serving steps that met a shape start-up had not (a Triton compile or a CUDA-graph capture
+        # inside the step): each one a stall mid-traffic, 0.5 s a compile at true depth
+        # (bench/results/first_steps.json); counted here so /asympd/stats and /metrics show them
+        self._new_shapes = {"steps": 0, "graphs": 0, "compiles": Counter()}
+
+    def new_shapes(self) -> dict[str, Any]:
+        """Serving steps that compiled a Triton kernel or captured a CUDA graph so far: ``steps``,
+        the ``graphs`` captured and the kernels ``compiles``d by name (any thread)."""
+        with self._steps_lock:
+            return {**self._new_shapes, "compiles": dict(self._new_shapes["compiles"])}
 
     def steps_since(self, t: float) -> list[list[float]]:
         """The logged steps that started at or after wall-clock time ``t`` (any thread): [start,
@@ -155,9 +165,11 @@ class AsyncEngine:
         return await asyncio.wait_for(self._submit(("call", fn)), timeout)
 
     async def stats(self, timeout: float = 5.0) -> dict[str, Any]:
-        """The engine's ``stats()`` and its busy seconds, host and GPU (``busy_seconds``), read on
-        the engine thread."""
-        return await self.call(lambda e: {**e.stats(), "busy_seconds": self.busy.poll()}, timeout)
+        """The engine's ``stats()``, its busy seconds, host and GPU (``busy_seconds``), and the
+        serving steps that met a new shape (``new_shapes``), read on the engine thread."""
+        return await self.call(
+            lambda e: {**e.stats(), "busy_seconds": self.busy.poll(), "new_shapes": self.new_shapes()}, timeout
+        )
 
     def abort(self, request_id: str) -> None:
         """Thread-safe: abort a request wherever it is (waiting, running, held for transfer)."""
@@ -294,6 +306,11 @@ class AsyncEngine:
                 self.busy.step_done(t0, t0 + dt, None if logged is None else self._logger(logged))
                 new_compiles = compiles.since(compiled)
                 new_graphs = None if graphs is None else graphs.stats.get("captured", 0) - (captured or 0)
+                if new_compiles or new_graphs:
+                    with self._steps_lock:
+                        self._new_shapes["steps"] += 1
+                        self._new_shapes["graphs"] += new_graphs or 0
+                        self._new_shapes["compiles"].update(new_compiles)
                 # a stall worth a line in the log (a compile, a capture, a slow import); and any step
                 # that compiled or captured, however short: a shape serving should have met at start-up
                 if dt > SLOW_S or new_compiles or new_graphs:

@@ -87,6 +87,13 @@ class _EngineCollector(Collector):
                     "leaves queued included; asympd_engine_step_seconds times the host alone).",
                     s["busy_seconds"],
                 )
+            if "new_shapes" in s:
+                yield counter(
+                    "asympd_engine_steps_new_shape",
+                    "Serving steps that compiled a Triton kernel or captured a CUDA graph (a shape the "
+                    "start-up warm-up and captures missed: a stall mid-traffic).",
+                    s["new_shapes"]["steps"],
+                )
             yield counter(
                 "asympd_engine_steps_graphed",
                 "Engine steps whose forward replayed a CUDA graph (the others ran eagerly).",

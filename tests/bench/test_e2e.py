@@ -82,6 +82,8 @@ def test_result_fields_and_counts(result):
         assert run["p_busy_basis"] == "host and gpu"
         assert run[f"{side}_busy_with_gpu_s"] == pytest.approx(run[f"{side}_busy_s"], rel=1e-6)
         assert run["prompt_tokens_per_p_busy_s"] == pytest.approx(sum(lens) / run[f"{side}_busy_with_gpu_s"])
+        # no serving step compiled or captured anything (a CPU has neither), per role
+        assert run["new_shape_steps"] == {r: 0.0 for r in {w["role"] for w in m["workers"].values()}}
         # every worker's steps during the run, on the requests' clock: they cover the run's prompts
         tl = run["timeline"]
         assert set(tl["steps"]) == {w["role"] for w in m["workers"].values()}

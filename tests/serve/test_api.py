@@ -169,6 +169,9 @@ def test_busy_seconds_on_a_cpu_are_the_step_seconds(url, client):
     m = metrics(url)
     assert m["asympd_engine_step_seconds_sum"] > 0
     assert m["asympd_engine_busy_seconds_total"] == pytest.approx(m["asympd_engine_step_seconds_sum"], rel=1e-6)
+    # nothing to compile or capture on a CPU: no serving step met a new shape
+    assert m["asympd_engine_steps_new_shape_total"] == 0
+    assert client.get(f"{url}/asympd/stats").json()["engine"]["new_shapes"] == {"steps": 0, "graphs": 0, "compiles": {}}
 
 
 def test_models_health_metrics_need_no_key_but_v1_does(url, client):

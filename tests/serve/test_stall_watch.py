@@ -100,6 +100,39 @@ def test_a_quick_step_that_compiled_is_logged_too(tiny_ckpt, monkeypatch, caplog
     assert lines[0].endswith("Triton compiles in the step: {'_first_shape_kernel': 1}")
 
 
+def test_the_steps_that_met_a_new_shape_are_counted_in_the_stats(tiny_ckpt, monkeypatch):
+    """``AsyncEngine.stats()["new_shapes"]`` (``/asympd/stats``; ``/metrics``:
+    ``asympd_engine_steps_new_shape_total``): the serving steps that compiled, by kernel; a
+    compile between steps (a command's) is no step's."""
+    llm = LLM(tiny_ckpt, dtype="float32")
+    step = llm.engine.step
+    calls = []
+
+    def compiling_step():
+        calls.append(1)
+        if len(calls) in (1, 3):
+            _compiled("_first_shape_kernel")
+            _compiled("_other_kernel")
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", compiling_step)
+    aengine = async_engine.AsyncEngine(llm.engine)
+
+    async def serve() -> dict:
+        aengine.start()
+        try:
+            stream = await aengine.add("r0", [5, 6, 7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True))
+            await stream.result()
+            _compiled("_between_steps")
+            return (await aengine.stats())["new_shapes"]
+        finally:
+            aengine.stop()
+
+    got = asyncio.run(serve())
+    assert len(calls) >= 3
+    assert got == {"steps": 2, "graphs": 0, "compiles": {"_first_shape_kernel": 2, "_other_kernel": 2}}
+
+
 def test_the_step_log_has_each_step_s_rows_by_wall_clock(tiny_ckpt):
     """``steps_since``: one entry per step that ran rows, [wall start, seconds, prompt rows, decode
     sequences, seconds to the GPU end]: the 5-row prompt's step, then one decoding sequence per step (bench/e2e.py's
