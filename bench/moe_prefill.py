@@ -41,6 +41,7 @@ WGMMA_CONFIGS = [
     {"num_warps": 4, "stages": 3},
     {"warp_specialized": True},
     {"warp_specialized": True, "stages": 6},
+    {"warp_specialized": True, "a_smem": True},  # an expanding partition, both wgmma operands in shared memory
     {"exponent_decode": True},
     {"exponent_decode": True, "num_warps": 4},
     {"exponent_decode": True, "num_warps": 4, "stages": 3},

@@ -628,11 +628,13 @@ def mxfp4_moe_gemm_wgmma(
     decode's table held in registers; False: as immediates), ``tiles_inner`` (True: an M-block's
     weight tiles launched together; False: the M-blocks innermost; default ``tiles_inner(rows)``);
     both False is the nineteenth session's kernel, kept to measure against; ``warp_specialized``
-    (``moe_gluon_ws``: a copy partition and two MMA partitions on mbarriers; the register operand;
-    ``num_warps`` does not apply); ``exponent_decode`` (the register form with the table-free
-    decode, ``fp4_ptx.FP4_EXP_PAIRS``: the caller vouches that every scale is at most
-    ``EXP_DECODE_MAX_SCALE``, as ``packed.PackedExperts`` checks once at load); ``maxnreg`` (a
-    register cap a thread: more programs an SM, ptxas spilling past it); ``split_layout`` (the
+    (``moe_gluon_ws``: a copy partition and two MMA partitions on mbarriers; the register operand,
+    or with ``a_smem`` an expanding partition of its own that stores the bf16 weights for wgmmas
+    reading both operands from shared memory; ``num_warps`` does not apply); ``exponent_decode``
+    (the register form with the table-free decode, ``fp4_ptx.FP4_EXP_PAIRS``: the caller vouches
+    that every scale is at most ``EXP_DECODE_MAX_SCALE``, as ``packed.PackedExperts`` checks once
+    at load); ``maxnreg`` (a register cap a thread: more programs an SM, ptxas spilling past it);
+    ``split_layout`` (the
     weights' bytes in ``fp4_ptx.split_layout``, decoded by FP4_SPLIT_PAIRS: the exponent decode's
     values from 5 ALU instructions a word instead of 9; implies ``exponent_decode``). Returns
     [rows, N] bf16; ``sub_tiles`` (1, 2 or 4: the register form's wgmmas on the M-block's rows in
@@ -662,7 +664,7 @@ def mxfp4_moe_gemm_wgmma(
     if lc.warp_specialized:
         from asympd.model import moe_gluon_ws
 
-        moe_gluon_ws.launch(grid, args, common)
+        moe_gluon_ws.launch(grid, args, common, smem_a=lc.a_smem)
         return y
     _mxfp4_moe_wgmma_kernel[grid](
         *args,
@@ -721,8 +723,6 @@ def launch_config(block_m: int, n_tiles: int, rows: int, config: dict | None = N
         raise ValueError(f"mxfp4_moe_gemm_wgmma: {warps} warps copy {4 * warps} rows a pass; M-block {block_m}")
     if exp and (a_smem or ws):
         raise ValueError("mxfp4_moe_gemm_wgmma: exponent_decode is the register form's (not a_smem, warp_specialized)")
-    if ws and a_smem:
-        raise ValueError("mxfp4_moe_gemm_wgmma: the warp-specialized form takes the register operand only")
     register_form = not (a_smem or ws)
     w_tiles = cfg.get("w_tiles", W_TILES[block_m] if register_form and n_tiles % W_TILES[block_m] == 0 else 1)
     overlap = cfg.get("overlap", OVERLAP and register_form)

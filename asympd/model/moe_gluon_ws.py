@@ -9,6 +9,14 @@ memory barrier, and each warp group retires its wgmmas before it expands the nex
 warp group waits only for its own stage of the copy ring, so one group can expand while the
 other's wgmmas run.
 
+``SMEM_A`` (config ``warp_specialized`` with ``a_smem``): the expansion moves to a partition of its
+own, which stores each step's bf16 weights into a shared tile (a ring of two), and the two MMA
+partitions issue their wgmmas with both operands in shared memory. The profiles of both register
+forms (one role, and split by role as above) add the tensor pipe's and the ALU's busy time to the
+whole kernel (§9, "The profile, a warp-specialized form…"): a warp whose wgmma reads registers does
+not expand while it runs. Here the warps that expand issue no wgmma and the warps that issue wgmmas
+expand nothing; the price is the tile's stores (16 KB a step) and one more mbarrier hand-off.
+
 No ``from __future__ import annotations`` here: Gluon's aggregates read their annotations as types.
 """
 
@@ -167,6 +175,72 @@ if AVAILABLE:
     def _ws_mma_hi(p):
         _ws_mma(p, 1)
 
+    @gluon.jit
+    def _ws_smem_decode(p, a_smem, a_full, a_empty):
+        """The expanding partition (4 warps, 128 weight rows): K-step i's packed bytes and scales
+        from its ring stage into the bf16 tile ``a_smem[i % A]`` (K in order, as ``a_smem``'s form
+        stores it) once both MMA partitions have released that tile; the tile's writes handed to
+        the async proxy (the fence), then ``a_full``; the packed bytes' stage released at once."""
+        p_l: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 8, 0], [1, 0, 0], [0, 64, 0]],
+            lane_bases=[[0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+            warp_bases=[[0, 16, 0], [0, 32, 0]],
+            block_bases=[],
+            shape=[2, 128, 16],
+        )
+        lut = _lut_operand(p.lut_ptr, p_l)
+        a_stages: gl.constexpr = a_smem.shape[0]
+        n_steps: gl.constexpr = p.K // _BK
+        for i in range(n_steps):
+            stage = i % p.STAGES
+            tile = i % a_stages
+            mbarrier.wait(p.full.index(stage), (i // p.STAGES) & 1)
+            mbarrier.wait(a_empty.index(tile), ((i // a_stages) & 1) ^ 1)  # a fresh barrier: passes
+            MG._decode_to_smem(p.w_smem.index(stage), p.s_smem.index(stage), a_smem.index(tile), lut, p_l, True)
+            fence_async_shared()  # the tile's stores (generic proxy), before wgmma reads them
+            mbarrier.arrive(a_full.index(tile))  # (after a barrier of this partition's warps)
+            mbarrier.arrive(p.empty.index(stage))
+
+    @gluon.jit
+    def _ws_smem_mma(p, a_smem, a_full, a_empty, HALF: gl.constexpr):
+        """One MMA partition (one warp group) of the ``SMEM_A`` form: weight rows [64 HALF, 64 HALF +
+        64) of the tile, both wgmma operands from shared memory. Step i's wgmmas are issued, then
+        step i - 1's retired (one group left in flight) and its expanded tile and ring stage
+        released; so the expansion of step i + 1 runs while step i's wgmmas do."""
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, p.BLOCK_T, 16]
+        )
+        out_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
+        acc = gl.zeros([64, p.BLOCK_T], gl.float32, acc_l)
+        a_stages: gl.constexpr = a_smem.shape[0]
+        n_steps: gl.constexpr = p.K // _BK
+        for i in range(n_steps):
+            stage = i % p.STAGES
+            tile = i % a_stages
+            mbarrier.wait(p.full.index(stage), (i // p.STAGES) & 1)
+            mbarrier.wait(a_full.index(tile), (i // a_stages) & 1)
+            fence_async_shared()  # the copies' writes, before wgmma reads them
+            a = a_smem.index(tile).slice(64 * HALF, 64, dim=0)
+            acc = warpgroup_mma(a, p.x_smem.index(stage).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=[acc])  # step i - 1's wgmmas done
+            prev = gl.maximum(i - 1, 0)
+            mbarrier.arrive(a_empty.index(prev % a_stages), pred=i > 0)
+            mbarrier.arrive(p.empty.index(prev % p.STAGES), pred=i > 0)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        out = gl.convert_layout(acc.to(p.y_ptr.dtype.element_ty), out_l)
+        on = p.pid_n * _BW + 64 * HALF + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
+        ot = p.row0 + gl.arange(0, p.BLOCK_T, layout=gl.SliceLayout(0, out_l))
+        optrs = p.y_ptr + ot.to(gl.int64)[None, :] * p.s_ym + on[:, None]
+        gl.store(optrs, out, mask=(ot < p.row1)[None, :] & (on < p.N)[:, None])
+
+    @gluon.jit
+    def _ws_smem_mma_lo(p, a_smem, a_full, a_empty):
+        _ws_smem_mma(p, a_smem, a_full, a_empty, 0)
+
+    @gluon.jit
+    def _ws_smem_mma_hi(p, a_smem, a_full, a_empty):
+        _ws_smem_mma(p, a_smem, a_full, a_empty, 1)
+
     @gluon.jit(do_not_specialize=["n_blocks"])
     def _mxfp4_moe_ws_kernel(
         a_ptr,
@@ -197,6 +271,8 @@ if AVAILABLE:
         TILES_INNER: gl.constexpr,
         MMA_REGS: gl.constexpr,
         num_warps: gl.constexpr,
+        SMEM_A: gl.constexpr = False,
+        DECODE_REGS: gl.constexpr = 0,
     ):
         """``_mxfp4_moe_wgmma_kernel``'s register form split by role: a copy partition filling a
         ring of stages on mbarriers, and two MMA partitions (one warp group, 64 weight rows each)
@@ -224,11 +300,27 @@ if AVAILABLE:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(full.index(i), count=128)  # one arrival a copy thread (noinc)
-            mbarrier.init(empty.index(i), count=2)  # one a warp group
+            # one a warp group (and, with SMEM_A, one from the expanding partition)
+            mbarrier.init(empty.index(i), count=3 if SMEM_A else 2)
         p = _WsArgs(a_ptr, a_rows_ptr, w_ptr, s_ptr, lut_ptr, y_ptr, e, pid_n, row0, row1, N, s_am, s_we, s_wt,
                     s_se, s_st, s_ym, x_smem, w_smem, s_smem, full, empty, K, GATHER, W_STEP, S_STEP, BLOCK_T,
                     STAGES)  # fmt: skip
-        gl.warp_specialize([(_ws_mma_lo, (p,)), (_ws_mma_hi, (p,)), (_ws_load, (p,))], [4, 4], [MMA_REGS, 40])
+        if SMEM_A:
+            a_smem_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BW, _BK], gl.bfloat16)
+            a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, _BW, _BK], a_smem_l)
+            a_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            a_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(2):
+                mbarrier.init(a_full.index(i), count=1)  # the expanding partition
+                mbarrier.init(a_empty.index(i), count=2)  # one a warp group
+            a = (p, a_smem, a_full, a_empty)
+            gl.warp_specialize(
+                [(_ws_smem_mma_lo, a), (_ws_smem_mma_hi, a), (_ws_load, (p,)), (_ws_smem_decode, a)],
+                [4, 4, 4],
+                [MMA_REGS, 40, DECODE_REGS],
+            )
+        else:
+            gl.warp_specialize([(_ws_mma_lo, (p,)), (_ws_mma_hi, (p,)), (_ws_load, (p,))], [4, 4], [MMA_REGS, 40])
 
 
 # (launch registers a thread, the MMA partitions' registers) by M-block: the launch's figure sets
@@ -237,8 +329,20 @@ if AVAILABLE:
 REGISTERS = {16: (80, 96), 32: (80, 96), 64: (80, 96), 128: (104, 136)}
 
 
-def launch(grid: tuple[int], args: tuple, constexprs: dict) -> None:
-    """``_mxfp4_moe_ws_kernel`` with ``moe_gluon.mxfp4_moe_gemm_wgmma``'s arguments (its
-    register-operand form's, activations in ``k_order``)."""
+# the ``SMEM_A`` form's (launch, MMA partitions', expanding partition's) registers a thread, every
+# M-block: 16 warps a program at 128 is one program an SM; compiled offline with nothing spilled
+# (the expansion fits 104), not yet run on a device
+SMEM_A_REGISTERS = (128, 152, 104)
+
+
+def launch(grid: tuple[int], args: tuple, constexprs: dict, smem_a: bool = False) -> None:
+    """``_mxfp4_moe_ws_kernel`` with ``moe_gluon.mxfp4_moe_gemm_wgmma``'s arguments (the
+    register-operand form's, activations in ``k_order``; ``smem_a``: the expanded weights through
+    shared memory, activations in K order)."""
+    if smem_a:
+        maxnreg, mma_regs, decode_regs = SMEM_A_REGISTERS
+        _mxfp4_moe_ws_kernel[grid](*args, **constexprs, MMA_REGS=mma_regs, num_warps=4, maxnreg=maxnreg,
+                                   SMEM_A=True, DECODE_REGS=decode_regs)  # fmt: skip
+        return
     maxnreg, mma_regs = REGISTERS[constexprs["BLOCK_T"]]
     _mxfp4_moe_ws_kernel[grid](*args, **constexprs, MMA_REGS=mma_regs, num_warps=4, maxnreg=maxnreg)
