@@ -63,19 +63,22 @@ def report(
     return row
 
 
-def report_ws(block_t: int, stages: int = 4, k: int = 5120, smem_a: bool = False) -> dict[str, Any]:
+def report_ws(
+    block_t: int, stages: int = 4, k: int = 5120, smem_a: bool = False, decode_warps: int = 4
+) -> dict[str, Any]:
     """The warp-specialized form (``moe_gluon_ws``) of the same launch, at its launch registers
-    (``smem_a``: with the expanding partition, ``SMEM_A``)."""
+    (``smem_a``: with the expanding partition of ``decode_warps`` warps, ``SMEM_A``)."""
     from asympd.model import moe_gluon_ws as WS
 
     if smem_a:
-        maxnreg, mma_regs, decode_regs = WS.SMEM_A_REGISTERS
+        maxnreg, mma_regs, decode_regs = WS.SMEM_A_REGISTERS[decode_warps]
     else:
         (maxnreg, mma_regs), decode_regs = WS.REGISTERS[block_t], 0
     cons = dict(K=k, N_EXPERTS=384, GATHER=True, W_STEP=2048, S_STEP=128, BLOCK_T=block_t, STAGES=stages)
     cons |= dict(TILES_INNER=True, MMA_REGS=mma_regs, num_warps=4, SMEM_A=smem_a, DECODE_REGS=decode_regs)
+    cons |= dict(DECODE_WARPS=decode_warps)
     row: dict[str, Any] = {"block_t": block_t, "stages": stages, "warp_specialized": True, "maxnreg": maxnreg}
-    row["smem_a"] = smem_a
+    row |= {"smem_a": smem_a, "decode_warps": decode_warps if smem_a else None}
     try:
         row |= compile_report(
             WS._mxfp4_moe_ws_kernel, ARGS, cons, 4, maxnreg=maxnreg, aligned=ALIGNED, source=GluonASTSource

@@ -629,8 +629,9 @@ def mxfp4_moe_gemm_wgmma(
     weight tiles launched together; False: the M-blocks innermost; default ``tiles_inner(rows)``);
     both False is the nineteenth session's kernel, kept to measure against; ``warp_specialized``
     (``moe_gluon_ws``: a copy partition and two MMA partitions on mbarriers; the register operand,
-    or with ``a_smem`` an expanding partition of its own that stores the bf16 weights for wgmmas
-    reading both operands from shared memory; ``num_warps`` does not apply); ``exponent_decode``
+    or with ``a_smem`` an expanding partition of ``num_warps`` warps that stores the bf16 weights
+    for wgmmas reading both operands from shared memory; else ``num_warps`` does not apply);
+    ``exponent_decode``
     (the register form with the table-free decode, ``fp4_ptx.FP4_EXP_PAIRS``: the caller vouches
     that every scale is at most ``EXP_DECODE_MAX_SCALE``, as ``packed.PackedExperts`` checks once
     at load); ``maxnreg`` (a register cap a thread: more programs an SM, ptxas spilling past it);
@@ -664,7 +665,7 @@ def mxfp4_moe_gemm_wgmma(
     if lc.warp_specialized:
         from asympd.model import moe_gluon_ws
 
-        moe_gluon_ws.launch(grid, args, common, smem_a=lc.a_smem)
+        moe_gluon_ws.launch(grid, args, common, smem_a=lc.a_smem, decode_warps=lc.num_warps)
         return y
     _mxfp4_moe_wgmma_kernel[grid](
         *args,

@@ -176,15 +176,17 @@ if AVAILABLE:
         _ws_mma(p, 1)
 
     @gluon.jit
-    def _ws_smem_decode(p, a_smem, a_full, a_empty):
-        """The expanding partition (4 warps, 128 weight rows): K-step i's packed bytes and scales
-        from its ring stage into the bf16 tile ``a_smem[i % A]`` (K in order, as ``a_smem``'s form
-        stores it) once both MMA partitions have released that tile; the tile's writes handed to
-        the async proxy (the fence), then ``a_full``; the packed bytes' stage released at once."""
+    def _ws_smem_decode(p, a_smem, a_full, a_empty, WARPS: gl.constexpr):
+        """The expanding partition (``WARPS`` 4 or 8 warps over the 128 weight rows): K-step i's
+        packed bytes and scales from its ring stage into the bf16 tile ``a_smem[i % A]`` (K in
+        order, as ``a_smem``'s form stores it) once both MMA partitions have released that tile;
+        the tile's writes handed to the async proxy (the fence), then ``a_full``; the packed bytes'
+        stage released at once."""
+        warp_rows: gl.constexpr = [[0, 16, 0], [0, 32, 0], [0, 64, 0]] if WARPS == 8 else [[0, 16, 0], [0, 32, 0]]
         p_l: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 8, 0], [1, 0, 0], [0, 64, 0]],
+            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 8, 0], [1, 0, 0]] + ([] if WARPS == 8 else [[0, 64, 0]]),
             lane_bases=[[0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-            warp_bases=[[0, 16, 0], [0, 32, 0]],
+            warp_bases=warp_rows,
             block_bases=[],
             shape=[2, 128, 16],
         )
@@ -241,6 +243,14 @@ if AVAILABLE:
     def _ws_smem_mma_hi(p, a_smem, a_full, a_empty):
         _ws_smem_mma(p, a_smem, a_full, a_empty, 1)
 
+    @gluon.jit
+    def _ws_smem_decode4(p, a_smem, a_full, a_empty):
+        _ws_smem_decode(p, a_smem, a_full, a_empty, 4)
+
+    @gluon.jit
+    def _ws_smem_decode8(p, a_smem, a_full, a_empty):
+        _ws_smem_decode(p, a_smem, a_full, a_empty, 8)
+
     @gluon.jit(do_not_specialize=["n_blocks"])
     def _mxfp4_moe_ws_kernel(
         a_ptr,
@@ -273,6 +283,7 @@ if AVAILABLE:
         num_warps: gl.constexpr,
         SMEM_A: gl.constexpr = False,
         DECODE_REGS: gl.constexpr = 0,
+        DECODE_WARPS: gl.constexpr = 4,
     ):
         """``_mxfp4_moe_wgmma_kernel``'s register form split by role: a copy partition filling a
         ring of stages on mbarriers, and two MMA partitions (one warp group, 64 weight rows each)
@@ -314,11 +325,18 @@ if AVAILABLE:
                 mbarrier.init(a_full.index(i), count=1)  # the expanding partition
                 mbarrier.init(a_empty.index(i), count=2)  # one a warp group
             a = (p, a_smem, a_full, a_empty)
-            gl.warp_specialize(
-                [(_ws_smem_mma_lo, a), (_ws_smem_mma_hi, a), (_ws_load, (p,)), (_ws_smem_decode, a)],
-                [4, 4, 4],
-                [MMA_REGS, 40, DECODE_REGS],
-            )
+            if DECODE_WARPS == 8:
+                gl.warp_specialize(
+                    [(_ws_smem_mma_lo, a), (_ws_smem_mma_hi, a), (_ws_load, (p,)), (_ws_smem_decode8, a)],
+                    [4, 4, 8],
+                    [MMA_REGS, 40, DECODE_REGS],
+                )
+            else:
+                gl.warp_specialize(
+                    [(_ws_smem_mma_lo, a), (_ws_smem_mma_hi, a), (_ws_load, (p,)), (_ws_smem_decode4, a)],
+                    [4, 4, 4],
+                    [MMA_REGS, 40, DECODE_REGS],
+                )
         else:
             gl.warp_specialize([(_ws_mma_lo, (p,)), (_ws_mma_hi, (p,)), (_ws_load, (p,))], [4, 4], [MMA_REGS, 40])
 
@@ -329,20 +347,20 @@ if AVAILABLE:
 REGISTERS = {16: (80, 96), 32: (80, 96), 64: (80, 96), 128: (104, 136)}
 
 
-# the ``SMEM_A`` form's (launch, MMA partitions', expanding partition's) registers a thread, every
-# M-block: 16 warps a program at 128 is one program an SM; compiled offline with nothing spilled
-# (the expansion fits 104), not yet run on a device
-SMEM_A_REGISTERS = (128, 152, 104)
+# the ``SMEM_A`` form's (launch, second MMA partition's, expanding partition's) registers a thread
+# by the expanding partition's warps, every M-block: one program an SM (16 warps at 128 registers,
+# 20 at 96); compiled offline with nothing spilled, not yet run on a device
+SMEM_A_REGISTERS = {4: (128, 152, 104), 8: (96, 152, 80)}
 
 
-def launch(grid: tuple[int], args: tuple, constexprs: dict, smem_a: bool = False) -> None:
+def launch(grid: tuple[int], args: tuple, constexprs: dict, smem_a: bool = False, decode_warps: int = 4) -> None:
     """``_mxfp4_moe_ws_kernel`` with ``moe_gluon.mxfp4_moe_gemm_wgmma``'s arguments (the
     register-operand form's, activations in ``k_order``; ``smem_a``: the expanded weights through
-    shared memory, activations in K order)."""
+    shared memory by ``decode_warps`` warps of their own, activations in K order)."""
     if smem_a:
-        maxnreg, mma_regs, decode_regs = SMEM_A_REGISTERS
+        maxnreg, mma_regs, decode_regs = SMEM_A_REGISTERS[decode_warps]
         _mxfp4_moe_ws_kernel[grid](*args, **constexprs, MMA_REGS=mma_regs, num_warps=4, maxnreg=maxnreg,
-                                   SMEM_A=True, DECODE_REGS=decode_regs)  # fmt: skip
+                                   SMEM_A=True, DECODE_REGS=decode_regs, DECODE_WARPS=decode_warps)  # fmt: skip
         return
     maxnreg, mma_regs = REGISTERS[constexprs["BLOCK_T"]]
     _mxfp4_moe_ws_kernel[grid](*args, **constexprs, MMA_REGS=mma_regs, num_warps=4, maxnreg=maxnreg)
