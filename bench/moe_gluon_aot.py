@@ -28,6 +28,8 @@ SHAPES = ((128, 4, 8), (128, 5, 8), (64, 4, 8), (32, 4, 8), (16, 4, 4))  # (T, s
 CONFIGS = [(t, s, w, a) for a in (True, False) for t, s, w in SHAPES]  # a: through shared memory
 CONFIGS += [(t, s, w, False, 5120, True, True) for t, s, w in SHAPES]  # the table-free decode
 CONFIGS += [(t, s, w, False, 5120, True, True, True) for t, s, w in SHAPES]  # its split-layout form
+# the warp-specialized form with an expanding partition: (T, its warps)
+WS_SMEM_A = ((16, 4), (32, 8), (64, 8), (64, 4), (128, 8), (128, 4))
 
 
 def report(
@@ -91,7 +93,15 @@ def report_ws(
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="moe_gluon_aot")
+    ap.add_argument("--ws-smem-a-only", action="store_true", help="only the expanding-partition form's rows")
     args = ap.parse_args()
+    if args.ws_smem_a_only:
+        started = time.time()
+        rows = [report_ws(t, smem_a=True, decode_warps=w) for t, w in WS_SMEM_A]
+        for row in rows:
+            log(row)
+        record(args.out, {"target": "sm_90", "rows": rows}, started)
+        return
     started = time.time()
     rows = []
     for cfg in CONFIGS:
@@ -99,6 +109,9 @@ def main() -> None:
         log(rows[-1])
     for block_t in (64, 128):
         rows.append(report_ws(block_t))
+        log(rows[-1])
+    for block_t, decode_warps in WS_SMEM_A:
+        rows.append(report_ws(block_t, smem_a=True, decode_warps=decode_warps))
         log(rows[-1])
     record(args.out, {"target": "sm_90", "rows": rows}, started)
 
