@@ -29,7 +29,7 @@ CONFIGS = [(t, s, w, a) for a in (True, False) for t, s, w in SHAPES]  # a: thro
 CONFIGS += [(t, s, w, False, 5120, True, True) for t, s, w in SHAPES]  # the table-free decode
 CONFIGS += [(t, s, w, False, 5120, True, True, True) for t, s, w in SHAPES]  # its split-layout form
 # the warp-specialized form with an expanding partition: (T, its warps)
-WS_SMEM_A = ((16, 4), (32, 8), (64, 8), (64, 4), (128, 8), (128, 4))
+WS_SMEM_A = ((16, 4), (32, 8), (64, 8), (64, 4), (128, 8), (128, 4))  # (and each with the split decode)
 
 
 def report(
@@ -66,10 +66,11 @@ def report(
 
 
 def report_ws(
-    block_t: int, stages: int = 4, k: int = 5120, smem_a: bool = False, decode_warps: int = 4
+    block_t: int, stages: int = 4, k: int = 5120, smem_a: bool = False, decode_warps: int = 4, split: bool = False
 ) -> dict[str, Any]:
     """The warp-specialized form (``moe_gluon_ws``) of the same launch, at its launch registers
-    (``smem_a``: with the expanding partition of ``decode_warps`` warps, ``SMEM_A``)."""
+    (``smem_a``: with the expanding partition of ``decode_warps`` warps, ``SMEM_A``; ``split``: its
+    split-layout decode)."""
     from asympd.model import moe_gluon_ws as WS
 
     if smem_a:
@@ -78,9 +79,9 @@ def report_ws(
         (maxnreg, mma_regs), decode_regs = WS.REGISTERS[block_t], 0
     cons = dict(K=k, N_EXPERTS=384, GATHER=True, W_STEP=2048, S_STEP=128, BLOCK_T=block_t, STAGES=stages)
     cons |= dict(TILES_INNER=True, MMA_REGS=mma_regs, num_warps=4, SMEM_A=smem_a, DECODE_REGS=decode_regs)
-    cons |= dict(DECODE_WARPS=decode_warps)
+    cons |= dict(DECODE_WARPS=decode_warps, EXP_DECODE=split, SPLIT=split)
     row: dict[str, Any] = {"block_t": block_t, "stages": stages, "warp_specialized": True, "maxnreg": maxnreg}
-    row |= {"smem_a": smem_a, "decode_warps": decode_warps if smem_a else None}
+    row |= {"smem_a": smem_a, "decode_warps": decode_warps if smem_a else None, "split_layout": split}
     try:
         row |= compile_report(
             WS._mxfp4_moe_ws_kernel, ARGS, cons, 4, maxnreg=maxnreg, aligned=ALIGNED, source=GluonASTSource
@@ -97,7 +98,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.ws_smem_a_only:
         started = time.time()
-        rows = [report_ws(t, smem_a=True, decode_warps=w) for t, w in WS_SMEM_A]
+        rows = [report_ws(t, smem_a=True, decode_warps=w, split=sp) for sp in (False, True) for t, w in WS_SMEM_A]
         for row in rows:
             log(row)
         record(args.out, {"target": "sm_90", "rows": rows}, started)
@@ -110,9 +111,10 @@ def main() -> None:
     for block_t in (64, 128):
         rows.append(report_ws(block_t))
         log(rows[-1])
-    for block_t, decode_warps in WS_SMEM_A:
-        rows.append(report_ws(block_t, smem_a=True, decode_warps=decode_warps))
-        log(rows[-1])
+    for split in (False, True):
+        for block_t, decode_warps in WS_SMEM_A:
+            rows.append(report_ws(block_t, smem_a=True, decode_warps=decode_warps, split=split))
+            log(rows[-1])
     record(args.out, {"target": "sm_90", "rows": rows}, started)
 
 

@@ -43,6 +43,7 @@ WGMMA_CONFIGS = [
     {"warp_specialized": True, "stages": 6},
     {"warp_specialized": True, "a_smem": True},  # an expanding partition, both wgmma operands in shared memory
     {"warp_specialized": True, "a_smem": True, "num_warps": 4},  # ... of 4 warps (the default: 8 from 32-row blocks)
+    {"warp_specialized": True, "a_smem": True, "split_layout": True},  # ... with the split-layout decode
     {"exponent_decode": True},
     {"exponent_decode": True, "num_warps": 4},
     {"exponent_decode": True, "num_warps": 4, "stages": 3},

@@ -82,6 +82,13 @@ def k_order_exp(a: torch.Tensor) -> torch.Tensor:
     return a.unflatten(-1, (-1, 4, 2, 2)).permute(*range(a.dim()), -1, -3, -2).flatten(-4).contiguous()
 
 
+def k_order_pairs(a: torch.Tensor) -> torch.Tensor:
+    """Activations [*, K] -> the K order of a shared tile the table-free decode stored
+    (``_decode_to_smem`` with ``EXP``): in each group of 4, position 2i + t holds element i + 2t
+    (the middle two swapped), as the decode packs a lane's nibbles (0, 2) and (1, 3)."""
+    return a.unflatten(-1, (-1, 2, 2)).transpose(-1, -2).flatten(-3).contiguous()
+
+
 # the largest UE8M0 weight scale the table-free decode takes: its multiplier 2^(s - 1) must be a
 # bf16 (every checkpoint's expert scales are far below: 128 is a block max of 12)
 EXP_DECODE_MAX_SCALE = 128
@@ -166,10 +173,12 @@ if AVAILABLE:
         return lo0, hi0, lo1, hi1
 
     @gluon.jit
-    def _decode_to_smem(w_stage, s_stage, a_dst, lut, p_l: gl.constexpr, LUT_REGS: gl.constexpr):
-        """One step's weights, expanded into the [128, 64] shared tile wgmma reads (K in order:
-        each lane stores its 4 consecutive values of a row, 8 bytes)."""
-        lo0, hi0, lo1, hi1 = _expand(w_stage.load(p_l), s_stage.load(gl.SliceLayout(2, p_l)), lut, LUT_REGS)
+    def _decode_to_smem(w_stage, s_stage, a_dst, lut, p_l: gl.constexpr, LUT_REGS: gl.constexpr,
+                        EXP: gl.constexpr = False, SPLIT: gl.constexpr = False):  # fmt: skip
+        """One step's weights, expanded into the [128, 64] shared tile wgmma reads (each lane
+        stores its 4 consecutive columns of a row, 8 bytes): K in order with the table decode, each
+        4 columns in the order 0, 2, 1, 3 with ``EXP`` / ``SPLIT`` (``k_order_pairs``)."""
+        lo0, hi0, lo1, hi1 = _expand(w_stage.load(p_l), s_stage.load(gl.SliceLayout(2, p_l)), lut, LUT_REGS, EXP, SPLIT)
         a_dst.slice(0, 16, dim=1).store(lo0)
         a_dst.slice(16, 16, dim=1).store(hi0)
         a_dst.slice(32, 16, dim=1).store(lo1)
@@ -556,6 +565,10 @@ W_TILES = {16: 1, 32: 1, 64: 2, 128: 2}
 # whole blocks, one warp group 0.99-1.16x two (moe_split_subtiles_gemms.json, 2048-16K tokens)
 # (128: 8 warps for the two weight tiles of ``W_TILES``, a warp group each)
 NUM_WARPS = {True: {16: 4, 32: 4, 64: 4, 128: 8}, False: {16: 4, 32: 8, 64: 8, 128: 8}}
+# the expanding partition's warps by M-block (``warp_specialized`` with ``a_smem``): 8 where a block
+# has the rows to keep them busy, by the count alone (132 instructions a step a thread against 224
+# with 4; docs/performance.md §9 "An expanding partition"), not yet measured
+WS_DECODE_WARPS = {16: 4, 32: 8, 64: 8, 128: 8}
 # sub-tiles of the register form's wgmmas by M-block (``sub_tiles``; 1: the whole block). Measured
 # in one run with the split decode (bench/results/moe_split_subtiles_gemms.json): 16-row blocks in
 # two 8-row sub-tiles 1.01-1.09x at 16-256 tokens (most experts there have a row or two); 64-row
@@ -651,8 +664,11 @@ def mxfp4_moe_gemm_wgmma(
     n_experts, n_tiles, n_kb, _, _ = weight.shape
     n, k = n_tiles * BLOCK_W, n_kb * 32
     lc = launch_config(block_m, n_tiles, rows, config)
-    # the register operand needs the K permutation its decode produces
-    x = a.contiguous() if lc.a_smem else (k_order_exp(a) if lc.exponent_decode else k_order(a))
+    # the register operand needs the K permutation its decode produces, a shared tile its store's
+    if lc.a_smem:
+        x = k_order_pairs(a) if lc.exponent_decode else a.contiguous()
+    else:
+        x = k_order_exp(a) if lc.exponent_decode else k_order(a)
     s = scale.view(torch.uint8)
     block_expert, row0, row1 = blocks
     y = torch.empty(rows, n, dtype=a.dtype, device=a.device)
@@ -665,7 +681,8 @@ def mxfp4_moe_gemm_wgmma(
     if lc.warp_specialized:
         from asympd.model import moe_gluon_ws
 
-        moe_gluon_ws.launch(grid, args, common, smem_a=lc.a_smem, decode_warps=lc.num_warps)
+        decode = dict(EXP_DECODE=lc.exponent_decode, SPLIT=lc.split_layout) if lc.a_smem else {}
+        moe_gluon_ws.launch(grid, args, common | decode, smem_a=lc.a_smem, decode_warps=lc.num_warps)
         return y
     _mxfp4_moe_wgmma_kernel[grid](
         *args,
@@ -719,11 +736,14 @@ def launch_config(block_m: int, n_tiles: int, rows: int, config: dict | None = N
     ws = cfg.get("warp_specialized", False)
     split = cfg.get("split_layout", False)
     exp = cfg.get("exponent_decode", False) or split
-    warps = cfg.get("num_warps", NUM_WARPS[exp][block_m])
+    warps = cfg.get("num_warps", WS_DECODE_WARPS[block_m] if ws and a_smem else NUM_WARPS[exp][block_m])
     if block_m < 4 * warps:
         raise ValueError(f"mxfp4_moe_gemm_wgmma: {warps} warps copy {4 * warps} rows a pass; M-block {block_m}")
-    if exp and (a_smem or ws):
-        raise ValueError("mxfp4_moe_gemm_wgmma: exponent_decode is the register form's (not a_smem, warp_specialized)")
+    if exp and (a_smem != ws):
+        raise ValueError(
+            "mxfp4_moe_gemm_wgmma: exponent_decode is the register form's and the expanding partition's "
+            "(not a_smem or warp_specialized alone)"
+        )
     register_form = not (a_smem or ws)
     w_tiles = cfg.get("w_tiles", W_TILES[block_m] if register_form and n_tiles % W_TILES[block_m] == 0 else 1)
     overlap = cfg.get("overlap", OVERLAP and register_form)

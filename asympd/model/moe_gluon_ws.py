@@ -76,6 +76,8 @@ if AVAILABLE:
         S_STEP: gl.constexpr
         BLOCK_T: gl.constexpr
         STAGES: gl.constexpr
+        EXP: gl.constexpr
+        SPLIT: gl.constexpr
 
         @constexpr_function
         def __init__(self, *values):
@@ -181,7 +183,8 @@ if AVAILABLE:
         packed bytes and scales from its ring stage into the bf16 tile ``a_smem[i % A]`` (K in
         order, as ``a_smem``'s form stores it) once both MMA partitions have released that tile;
         the tile's writes handed to the async proxy (the fence), then ``a_full``; the packed bytes'
-        stage released at once."""
+        stage released at once. ``p.EXP`` / ``p.SPLIT``: the table-free decode (from the split
+        layout's bytes), which stores each 4 columns in the order 0, 2, 1, 3 (``moe_gluon.k_order_pairs``)."""
         warp_rows: gl.constexpr = [[0, 16, 0], [0, 32, 0], [0, 64, 0]] if WARPS == 8 else [[0, 16, 0], [0, 32, 0]]
         p_l: gl.constexpr = gl.DistributedLinearLayout(
             reg_bases=[[0, 0, 1], [0, 0, 2], [0, 8, 0], [1, 0, 0]] + ([] if WARPS == 8 else [[0, 64, 0]]),
@@ -190,7 +193,7 @@ if AVAILABLE:
             block_bases=[],
             shape=[2, 128, 16],
         )
-        lut = _lut_operand(p.lut_ptr, p_l)
+        lut = _lut_operand(p.lut_ptr, p_l, p.EXP, p.SPLIT)
         a_stages: gl.constexpr = a_smem.shape[0]
         n_steps: gl.constexpr = p.K // _BK
         for i in range(n_steps):
@@ -198,7 +201,8 @@ if AVAILABLE:
             tile = i % a_stages
             mbarrier.wait(p.full.index(stage), (i // p.STAGES) & 1)
             mbarrier.wait(a_empty.index(tile), ((i // a_stages) & 1) ^ 1)  # a fresh barrier: passes
-            MG._decode_to_smem(p.w_smem.index(stage), p.s_smem.index(stage), a_smem.index(tile), lut, p_l, True)
+            w, s = p.w_smem.index(stage), p.s_smem.index(stage)
+            MG._decode_to_smem(w, s, a_smem.index(tile), lut, p_l, True, p.EXP, p.SPLIT)
             fence_async_shared()  # the tile's stores (generic proxy), before wgmma reads them
             mbarrier.arrive(a_full.index(tile))  # (after a barrier of this partition's warps)
             mbarrier.arrive(p.empty.index(stage))
@@ -284,6 +288,8 @@ if AVAILABLE:
         SMEM_A: gl.constexpr = False,
         DECODE_REGS: gl.constexpr = 0,
         DECODE_WARPS: gl.constexpr = 4,
+        EXP_DECODE: gl.constexpr = False,
+        SPLIT: gl.constexpr = False,
     ):
         """``_mxfp4_moe_wgmma_kernel``'s register form split by role: a copy partition filling a
         ring of stages on mbarriers, and two MMA partitions (one warp group, 64 weight rows each)
@@ -315,7 +321,7 @@ if AVAILABLE:
             mbarrier.init(empty.index(i), count=3 if SMEM_A else 2)
         p = _WsArgs(a_ptr, a_rows_ptr, w_ptr, s_ptr, lut_ptr, y_ptr, e, pid_n, row0, row1, N, s_am, s_we, s_wt,
                     s_se, s_st, s_ym, x_smem, w_smem, s_smem, full, empty, K, GATHER, W_STEP, S_STEP, BLOCK_T,
-                    STAGES)  # fmt: skip
+                    STAGES, EXP_DECODE, SPLIT)  # fmt: skip
         if SMEM_A:
             a_smem_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BW, _BK], gl.bfloat16)
             a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, _BW, _BK], a_smem_l)

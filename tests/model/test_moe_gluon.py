@@ -38,6 +38,13 @@ def test_k_order_is_the_triton_kernels_permutation():
     assert torch.equal(MG.k_order(a)[0, 32:], k_elem.float() + 32)
 
 
+def test_k_order_pairs_is_the_table_free_decodes_store_order():
+    # a shared tile the table-free decode stored holds, in each 4 columns, elements 0, 2, 1, 3
+    assert MG.k_order_pairs(torch.arange(8.0)).tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+    x = torch.randn(3, 64)
+    assert torch.equal(MG.k_order_pairs(MG.k_order_pairs(x)), x)  # a swap: its own inverse
+
+
 def test_the_dispatch_keeps_it_off_cpu():
     a = torch.zeros(4, 64, dtype=torch.bfloat16)
     w = torch.zeros(2, 1, 2, 128, 16, dtype=torch.int8)
@@ -70,6 +77,8 @@ def test_a_launch_takes_the_defaults_its_block_and_gemm_call_for():
     assert (smem.sub_tiles, smem.w_tiles, smem.overlap) == (1, 1, False)
     ws_smem = MG.launch_config(64, 36, 6, {"warp_specialized": True, "a_smem": True})  # the expanding partition
     assert (ws_smem.warp_specialized, ws_smem.a_smem, ws_smem.sub_tiles, ws_smem.w_tiles) == (True, True, 1, 1)
+    ws_split = MG.launch_config(64, 36, 6, {"warp_specialized": True, "a_smem": True, "split_layout": True})
+    assert (ws_split.exponent_decode, ws_split.split_layout, ws_split.num_warps) == (True, True, 8)
     pinned = MG.launch_config(32, 36, 6, {**split, "overlap": True, "w_tiles": 2, "num_warps": 8, "maxnreg": 128})
     assert (pinned.overlap, pinned.w_tiles, pinned.num_warps, pinned.maxnreg) == (True, 2, 8, 128)
 
@@ -88,6 +97,7 @@ def test_a_launch_takes_the_defaults_its_block_and_gemm_call_for():
         (64, 36, {"w_tiles": 2, "a_smem": True, "sub_tiles": 1}, "in the register form"),
         (64, 36, {"overlap": True, "a_smem": True, "sub_tiles": 1}, "overlap is the register form's"),
         (64, 36, {"exponent_decode": True, "warp_specialized": True}, "exponent_decode is the register form's"),
+        (64, 36, {"split_layout": True, "a_smem": True, "sub_tiles": 1}, "not a_smem or warp_specialized alone"),
     ],
 )
 def test_a_launch_it_cannot_run_is_refused_with_the_reason(block_m, n_tiles, cfg, why):
@@ -112,11 +122,11 @@ def test_it_compiles_for_hopper_with_the_designed_hot_loop(tmp_path):
         "r(64, 4, 8, 0, split=True, sub_tiles=4, w_tiles=2), r(16, 4, 4, 0, split=True, sub_tiles=2, overlap=True), "
     )
     code += "r(128, 4, 8, 0, split=True, sub_tiles=4, w_tiles=2, overlap=True), ws(64, smem_a=True, decode_warps=8), "
-    code += "ws(128, smem_a=True)]))"
+    code += "ws(128, smem_a=True), ws(64, smem_a=True, decode_warps=8, split=True)]))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(out.stdout.strip().splitlines()[-1])
-    smem, regs, exp, ws, split16, split64, sub128, sub64, pair, over16, over128, wss64, wss128 = rows
+    smem, regs, exp, ws, split16, split64, sub128, sub64, pair, over16, over128, wss64, wss128, wss_split = rows
     for row in (smem, regs):
         # four K = 16 wgmmas a step, nothing spilled; the decode: 10 PRMTs per four packed bytes
         # (16 bytes a thread a step), nothing repacked
@@ -164,7 +174,7 @@ def test_it_compiles_for_hopper_with_the_designed_hot_loop(tmp_path):
     # loop is four wgmmas reading both operands from shared memory, no decode, one group left in
     # flight; nothing spilled in any partition; one program an SM (20 warps at 96 registers, 16 at
     # 128) with the two-tile ring of expanded weights
-    for row, reg in ((wss64, 96), (wss128, 128)):
+    for row, reg in ((wss64, 96), (wss128, 128), (wss_split, 96)):
         assert row["wgmma"] == 8 and row["hot_loop_wgmma"] == 4 and row["hot_loop_prmt"] == 0, row
         assert row["hot_loop_partial_waits"] == 1 and row["hot_loop_full_waits"] == 0, row
         assert row["local"] == 0 and row["stack"] == 0 and row["reg"] == reg, row
@@ -198,8 +208,10 @@ CONFIGS += [
     {"split_layout": True, "overlap": True},
     {"split_layout": True, "overlap": True, "sub_tiles": 1},
 ]  # (run in the twenty-eighth session: correct, slower)
-# cfg23, cfg24: the expanding partition (8 warps of it from 32-row blocks, and 4); not yet run on a device
+# cfg23-25: the expanding partition (8 warps of it from 32-row blocks, 4, and the split decode);
+# not yet run on a device
 CONFIGS += [{"warp_specialized": True, "a_smem": True}, {"warp_specialized": True, "a_smem": True, "num_warps": 4}]
+CONFIGS += [{"warp_specialized": True, "a_smem": True, "split_layout": True}]
 
 
 @pytest.mark.skipif(not HOPPER, reason="a Hopper kernel (Gluon has no interpreter)")
