@@ -240,7 +240,8 @@ def test_it_equals_the_dequantized_experts(block_m, gather, cfg, tokens):
 @pytest.mark.parametrize(
     "cfg",
     [{}, {"exponent_decode": True}, {"exponent_decode": True, "num_warps": 8}, {"split_layout": True}]
-    + [{"split_layout": True, "sub_tiles": 2}, {"split_layout": True, "overlap": True}],
+    + [{"split_layout": True, "sub_tiles": 2}, {"split_layout": True, "overlap": True}]
+    + [{"warp_specialized": True, "a_smem": True, "split_layout": True}],
 )
 @pytest.mark.parametrize("k", [64, 128])
 def test_it_takes_fewer_k_steps_than_its_ring_prefetches(block_m, cfg, k):
