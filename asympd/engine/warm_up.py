@@ -9,6 +9,12 @@ variant, which means a compile, the first time a step's row count meets one:
 - a new split of K for the expert GEMMs (a few rows a step);
 - an integer argument that newly does or does not divide by 16 (Triton specialises on it).
 
+A constexpr that follows the rows more finely than that cannot be warmed this way: ``hc_project``'s
+split count was one (a compile in the first step of 1107, 1706, 1792 and 3001 rows after this
+warm-up, bench/results/first_steps.json) and is an argument now; ``bench/first_steps.py`` checks a
+warmed-up P engine for any such step, and ``/metrics`` counts them in serving
+(``asympd_engine_steps_new_shape_total``).
+
 At true depth each such compile stalled a step 0.7-1.4 s mid-traffic, and a stalled step costs the
 ITL SLO of every request decoding through it (docs/planner.md, "oos9"). So the engine runs one
 prompt at each power of two up to its step budget, one at one row more, and one at the budget,
