@@ -27,6 +27,8 @@ from asympd.plan.step_log import (
 from asympd.plan.validate import (
     P_FIT_CO_RUN,
     P_FIT_LONE,
+    _line,
+    _robust_line,
     co_run_d_prompt_line,
     fit_admission_steps,
     fit_p_step,
@@ -132,6 +134,17 @@ def test_a_stall_is_judged_by_the_line_without_it():
     alone = [(896.0, ms) for ms in (144.0, 154.0, 152.0, 152.0, 150.0, 186.0, 126.0)]
     assert stalls([*alone, (1706.0, 499.0), (1792.0, 139.0)]) == [(1706.0, 499.0)]
     assert stalls([*alone, (1792.0, 139.0), (16384.0, 679.0)]) == []
+
+
+def test_the_robust_reference_line():
+    """``_robust_line`` (Theil-Sen): exact on a line, unmoved by one point far off it where least
+    squares is pulled, never negative, and least squares where the rows do not vary."""
+    line = [(x, 100.0 + 0.1 * x) for x in (1000.0, 2000.0, 3000.0, 4000.0)]
+    assert _robust_line(line) == pytest.approx((100.0, 0.1))
+    off = [*line, (2500.0, 2000.0)]
+    assert _robust_line(off) == pytest.approx((100.0, 0.1)) and _line(off)[0] > 300.0
+    assert _robust_line([(1000.0, 500.0), (2000.0, 100.0)]) == (300.0, 0.0)  # a falling line: flat, at the median
+    assert _robust_line([(896.0, 100.0), (896.0, 120.0)]) == _line([(896.0, 100.0), (896.0, 120.0)])
 
 
 def test_two_stalls_do_not_hide_each_other():
