@@ -965,6 +965,9 @@ def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, stud
                 "ratio": ratio,
                 "within_target": all(abs(r - 1) <= TARGET for r in ratio.values()),
                 "engine_step_s": steps_s,
+                # steps that compiled or captured while the rate ran (a stall each, not modelled),
+                # by role, where the result records them
+                **({"new_shape_steps": run["new_shape_steps"]} if "new_shape_steps" in run else {}),
             }
         )
 
@@ -1137,6 +1140,13 @@ def format_validation(v: dict[str, Any]) -> str:
     for r in v["rows"]:
         if r.get("excluded"):
             lines.append(f"excluded {r['mode']} at {r['rate']:g} req/s: {r['excluded']}")
+        stalled = {role: n for role, n in (r.get("new_shape_steps") or {}).items() if n}
+        if stalled:
+            what = ", ".join(f"{n:g} {role}" for role, n in stalled.items())
+            lines.append(
+                f"{r['mode']} at {r['rate']:g} req/s: {what} steps met a new shape (a compile or capture) in the run: "
+                "stalls the model does not have"
+            )
     for mode, m in v["modes"].items():
         if "skipped" in m:
             lines.append(f"{mode}: skipped ({m['skipped'].strip().splitlines()[-1] if m['skipped'] else ''})")

@@ -4,6 +4,7 @@ the JSON carries every field a study reads, the counters agree exactly with the 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -16,7 +17,7 @@ import torch
 
 from asympd.config import tiny
 from asympd.engine.modes import split_point
-from asympd.plan.validate import ValidationError, validate_e2e
+from asympd.plan.validate import ValidationError, format_validation, validate_e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -117,8 +118,17 @@ def test_validate_reads_the_result(result, tmp_path):
             assert r["predicted"][k] > 0 and r["measured"][k] > 0
             assert r["ratio"][k] == pytest.approx(r["predicted"][k] / r["measured"][k])
         assert r["within_target"] == all(abs(q - 1) <= 0.15 for q in r["ratio"].values())
+        roles = {"colocated"} if r["mode"] == "colocated" else {"prefill", "decode"}
+        assert set(r["new_shape_steps"]) == roles, r  # the run's roles, each counted
     steps = v["modes"]["asymmetric"]["steps_ms"]
     assert steps["d_step_ms"] > 0 and steps["p_step_ms"] + steps["p_row_ms"] > 0
+    # a run whose steps compiled says so under the table (a CPU run has none: no line)
+    assert "met a new shape" not in format_validation(v)
+    stalled = copy.deepcopy(result)
+    stalled["modes"]["asymmetric"]["runs"][0]["new_shape_steps"] = {"decode": 0.0, "prefill": 2.0}
+    assert "asymmetric at 20 req/s: 2 prefill steps met a new shape (a compile or capture) in the run" in (
+        format_validation(validate_e2e(stalled))
+    )
     assert v["modes"]["colocated"]["steps_ms"]["move_ms"] == 0
     path = tmp_path / "r.json"
     path.write_text(json.dumps(result))
