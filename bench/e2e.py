@@ -996,33 +996,39 @@ def predict_mode_s(args: argparse.Namespace, seen: list[dict[str, Any]]) -> floa
     return startup + calib + warm + sum(predict_rate_s(args, r) for r in args.rate_list)
 
 
-def co_run_mid(args: argparse.Namespace) -> list[int] | None:
-    """The co-run's mid-size burst: prompt lengths of the traffic's distribution filling twice
-    ``--co-run-mid-rows`` (default: a quarter of P's step budget; twice, as the fill's: P's first
-    step takes the prompts that arrived first, its second the rest); None when it or the fill is off."""
+def _fill_rows(args: argparse.Namespace) -> int:
+    """The co-run fill's rows a burst step (``--co-run-fill-rows``, default P's step budget)."""
+    return args.p_step_tokens if args.co_run_fill_rows is None else args.co_run_fill_rows
+
+
+def _burst_lengths(args: argparse.Namespace, rows: int, salt: int) -> list[int]:
+    """Prompt lengths of the traffic's distribution filling twice ``rows`` (P's first step takes the
+    prompts that arrived first, its second the rest), from a generator of their own (``salt``)."""
     import numpy as np
 
-    fill_rows = args.p_step_tokens if args.co_run_fill_rows is None else args.co_run_fill_rows
-    rows = args.p_step_tokens // 4 if args.co_run_mid_rows is None else args.co_run_mid_rows
-    if rows <= 0 or fill_rows <= 0:
-        return None
-    rng = np.random.default_rng(args.seed + 4000)
+    rng = np.random.default_rng(args.seed + salt)
     return fill_lengths(rng, 2 * rows, args.input_len, args.len_dist, args.range_ratio)
 
 
-def co_run_fill(args: argparse.Namespace, step: Callable[[int], float] | None = None) -> tuple[list[int], int] | None:
-    """The co-run's fill phase from the traffic: prompt lengths of its distribution filling twice
-    ``--co-run-fill-rows`` (default: P's step budget; twice: the burst's first step holds the
-    prompts that arrived first, its second one a whole budget) and the decode batch the highest
-    rate keeps in flight (``load_decoders`` at the calibration's measured decode ``step``, else at
-    ``--step-s``; at most ``--co-run-max-decoders``); None when off."""
-    import numpy as np
+def co_run_mid(args: argparse.Namespace) -> list[int] | None:
+    """The co-run's mid-size burst: prompt lengths filling twice ``--co-run-mid-rows`` (default: a
+    quarter of P's step budget); None when it or the fill is off."""
+    rows = args.p_step_tokens // 4 if args.co_run_mid_rows is None else args.co_run_mid_rows
+    if rows <= 0 or _fill_rows(args) <= 0:
+        return None
+    return _burst_lengths(args, rows, 4000)
 
-    rows = args.p_step_tokens if args.co_run_fill_rows is None else args.co_run_fill_rows
+
+def co_run_fill(args: argparse.Namespace, step: Callable[[int], float] | None = None) -> tuple[list[int], int] | None:
+    """The co-run's fill phase from the traffic: prompt lengths filling twice ``--co-run-fill-rows``
+    (default: P's step budget: the burst's first step holds the prompts that arrived first, its
+    second one a whole budget) and the decode batch the highest rate keeps in flight
+    (``load_decoders`` at the calibration's measured decode ``step``, else at ``--step-s``; at most
+    ``--co-run-max-decoders``); None when off."""
+    rows = _fill_rows(args)
     if rows <= 0:
         return None
-    rng = np.random.default_rng(args.seed + 3000)
-    lengths = fill_lengths(rng, 2 * rows, args.input_len, args.len_dist, args.range_ratio)
+    lengths = _burst_lengths(args, rows, 3000)
     return lengths, load_decoders(max(args.rate_list), args.output_len, step or args.step_s, args.co_run_max_decoders)
 
 
