@@ -127,6 +127,16 @@ if AVAILABLE:
             async_copy.mbarrier_arrive(p.full.index(stage), increment_count=False)
 
     @gluon.jit
+    def _ws_store(p, acc, HALF: gl.constexpr):
+        """An MMA partition's acc^T [64 weight rows, BLOCK_T tokens] -> y (rows past the block masked)."""
+        out_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
+        out = gl.convert_layout(acc.to(p.y_ptr.dtype.element_ty), out_l)
+        on = p.pid_n * _BW + 64 * HALF + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
+        ot = p.row0 + gl.arange(0, p.BLOCK_T, layout=gl.SliceLayout(0, out_l))
+        optrs = p.y_ptr + ot.to(gl.int64)[None, :] * p.s_ym + on[:, None]
+        gl.store(optrs, out, mask=(ot < p.row1)[None, :] & (on < p.N)[:, None])
+
+    @gluon.jit
     def _ws_mma(p, HALF: gl.constexpr):
         """One MMA partition (one warp group): weight rows [64 HALF, 64 HALF + 64) of the tile. A
         K-step: wait for its stage, expand the packed bytes into the wgmma register operand,
@@ -143,7 +153,6 @@ if AVAILABLE:
             block_bases=[],
             shape=[2, 64, 16],
         )
-        out_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
         lut = _lut_operand(p.lut_ptr, p_l)
         acc = gl.zeros([64, p.BLOCK_T], gl.float32, acc_l)
         n_steps: gl.constexpr = p.K // _BK
@@ -163,11 +172,7 @@ if AVAILABLE:
             # the wgmmas (which every warp of the group issued, after its loads) are done: the
             # stage is free for this group
             mbarrier.arrive(p.empty.index(stage))
-        out = gl.convert_layout(acc.to(p.y_ptr.dtype.element_ty), out_l)
-        on = p.pid_n * _BW + 64 * HALF + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
-        ot = p.row0 + gl.arange(0, p.BLOCK_T, layout=gl.SliceLayout(0, out_l))
-        optrs = p.y_ptr + ot.to(gl.int64)[None, :] * p.s_ym + on[:, None]
-        gl.store(optrs, out, mask=(ot < p.row1)[None, :] & (on < p.N)[:, None])
+        _ws_store(p, acc, HALF)
 
     @gluon.jit
     def _ws_mma_lo(p):
@@ -216,7 +221,6 @@ if AVAILABLE:
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, p.BLOCK_T, 16]
         )
-        out_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
         acc = gl.zeros([64, p.BLOCK_T], gl.float32, acc_l)
         a_stages: gl.constexpr = a_smem.shape[0]
         n_steps: gl.constexpr = p.K // _BK
@@ -233,11 +237,7 @@ if AVAILABLE:
             mbarrier.arrive(a_empty.index(prev % a_stages), pred=i > 0)
             mbarrier.arrive(p.empty.index(prev % p.STAGES), pred=i > 0)
         acc = warpgroup_mma_wait(0, deps=[acc])
-        out = gl.convert_layout(acc.to(p.y_ptr.dtype.element_ty), out_l)
-        on = p.pid_n * _BW + 64 * HALF + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
-        ot = p.row0 + gl.arange(0, p.BLOCK_T, layout=gl.SliceLayout(0, out_l))
-        optrs = p.y_ptr + ot.to(gl.int64)[None, :] * p.s_ym + on[:, None]
-        gl.store(optrs, out, mask=(ot < p.row1)[None, :] & (on < p.N)[:, None])
+        _ws_store(p, acc, HALF)
 
     @gluon.jit
     def _ws_smem_mma_lo(p, a_smem, a_full, a_empty):
