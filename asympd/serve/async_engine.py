@@ -114,7 +114,7 @@ class AsyncEngine:
 
     def new_shapes(self) -> dict[str, Any]:
         """Serving steps that compiled a Triton kernel or captured a CUDA graph so far: ``steps``,
-        the ``graphs`` captured and the kernels ``compiles``d by name (any thread)."""
+        ``graphs`` (those captured) and ``compiles`` (the kernels compiled, by name); any thread."""
         with self._steps_lock:
             return {**self._new_shapes, "compiles": dict(self._new_shapes["compiles"])}
 
