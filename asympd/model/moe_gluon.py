@@ -545,9 +545,10 @@ CONFIG_KEYS = frozenset(
     ("a_smem", "stages", "num_warps", "lut_registers", "tiles_inner", "warp_specialized", "exponent_decode")
     + ("maxnreg", "split_layout", "sub_tiles", "w_tiles", "overlap")
 )
-# the register form's steps overlapped (``overlap``): compiled and read on CPU (no wait retires every
-# wgmma inside its loop, test_it_compiles_for_hopper_with_the_designed_hot_loop), not yet run on a
-# device, so off
+# the register form's steps overlapped (``overlap``; no wait retires every wgmma inside its loop,
+# test_it_compiles_for_hopper_with_the_designed_hot_loop): correct on the device and slower, 0.58x
+# at 64-row blocks, 0.91-0.94x at 16-32, 0.96-1.03x at 128 (its registers cost programs an SM;
+# layers_ov_*.json, docs/performance.md §9), so off
 OVERLAP = False
 # 128-row weight tiles a program of the register form by M-block (``w_tiles``; a GEMM whose tiles
 # it does not divide takes 1): two copy the block's activation rows once for both (the kernel is not
@@ -657,7 +658,7 @@ def mxfp4_moe_gemm_wgmma(
     the register form's 128-row weight tiles a program, default ``W_TILES``; two copy the block's
     activation rows once for 256 weight rows: half the copies, programs and epilogue starts);
     ``overlap`` (the register form: step i + 1 decoded and issued while step i's wgmmas run, two
-    operand sets; compiled and read on CPU, not yet run on a device)."""
+    operand sets; correct, and slower on the H200: ``OVERLAP``)."""
     err = _unsupported(a, weight, block_m)
     if err is not None:
         raise err
