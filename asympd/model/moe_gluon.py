@@ -89,6 +89,16 @@ def k_order_pairs(a: torch.Tensor) -> torch.Tensor:
     return a.unflatten(-1, (-1, 2, 2)).transpose(-1, -2).flatten(-3).contiguous()
 
 
+# the lanes of a step's packed bytes [2 blocks, rows, 16 bytes] (a lane holds 4 bytes of a row):
+# as the wgmma A fragment takes them (lanes 0-1 the 4-byte groups, 2-4 the rows), or, for a decode
+# that stores the expanded tile to shared memory, with the second pair of groups on lane 4. A lane
+# stores 8 bytes and a half-warp's 16 stores are one 128-byte wavefront at best; in the fragment
+# order they are 4 rows of two 16-byte chunks, which the 128-byte swizzle leaves in 4 chunks, half
+# the banks (2 wavefronts each; the device counted 4.4 a store, ncu_ws_smem_*_a11d352.txt); in the
+# store order, 8 rows of one chunk, which it spreads over all 8 (one).
+FRAGMENT_LANES = [[0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 0]]
+STORE_LANES = [[0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 0, 8]]
+
 # the largest UE8M0 weight scale the table-free decode takes: its multiplier 2^(s - 1) must be a
 # bf16 (every checkpoint's expert scales are far below: 128 is a block max of 12)
 EXP_DECODE_MAX_SCALE = 128
@@ -101,6 +111,8 @@ if AVAILABLE:
     _LUT_PAIRS_IN = gl.constexpr(FP4_LUT_PAIRS_TABLE_IN)
     _EXP_PAIRS = gl.constexpr(FP4_EXP_PAIRS)
     _SPLIT_PAIRS = gl.constexpr(FP4_SPLIT_PAIRS)
+    _FRAGMENT_LANES = gl.constexpr(FRAGMENT_LANES)
+    _STORE_LANES = gl.constexpr(STORE_LANES)
     # a read of four packed operand registers that ptxas can neither drop nor move above the wgmma
     # wait before it: a shared-memory store under a predicate it cannot prove false (``_pin``)
     _PIN = gl.constexpr(
@@ -443,7 +455,7 @@ if AVAILABLE:
         reg_rows: gl.constexpr = ([] if num_warps == 8 else [[0, 64, 0]]) + ([[0, 128, 0]] if W_TILES == 2 else [])
         p_l: gl.constexpr = gl.DistributedLinearLayout(
             reg_bases=[[0, 0, 1], [0, 0, 2], [0, 8, 0], [1, 0, 0]] + reg_rows,
-            lane_bases=[[0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+            lane_bases=_STORE_LANES if A_SMEM else _FRAGMENT_LANES,
             warp_bases=warp_rows,
             block_bases=[],
             shape=[2, BW, 16],

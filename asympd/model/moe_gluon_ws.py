@@ -193,7 +193,7 @@ if AVAILABLE:
         warp_rows: gl.constexpr = [[0, 16, 0], [0, 32, 0], [0, 64, 0]] if WARPS == 8 else [[0, 16, 0], [0, 32, 0]]
         p_l: gl.constexpr = gl.DistributedLinearLayout(
             reg_bases=[[0, 0, 1], [0, 0, 2], [0, 8, 0], [1, 0, 0]] + ([] if WARPS == 8 else [[0, 64, 0]]),
-            lane_bases=[[0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+            lane_bases=MG._STORE_LANES,
             warp_bases=warp_rows,
             block_bases=[],
             shape=[2, 128, 16],

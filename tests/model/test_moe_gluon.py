@@ -45,6 +45,32 @@ def test_k_order_pairs_is_the_table_free_decodes_store_order():
     assert torch.equal(MG.k_order_pairs(MG.k_order_pairs(x)), x)  # a swap: its own inverse
 
 
+def _expanded_store_wavefronts(lanes: list[list[int]]) -> int:
+    """128-byte shared-memory wavefronts one warp's store of an expanded [rows, 16] slice takes:
+    a lane stores 4 bf16 columns (8 bytes) of the bf16 tile [128, 64] under the 128-byte swizzle
+    (16-byte chunk c of row r at chunk c ^ r % 8), served a half-warp at a time as 8-byte stores
+    are; per half-warp, the most distinct words any bank holds."""
+    total = 0
+    for half in (range(16), range(16, 32)):
+        words: dict[int, set[int]] = {}
+        for lane in half:
+            row = sum(b[1] for bit, b in enumerate(lanes) if lane >> bit & 1)
+            offset = 2 * sum(b[2] for bit, b in enumerate(lanes) if lane >> bit & 1)  # byte in the row
+            address = 128 * row + 16 * ((offset // 16) ^ row % 8) + offset % 16
+            for word in range(address // 4, address // 4 + 2):
+                words.setdefault(word % 32, set()).add(word)
+        total += max(len(w) for w in words.values())
+    return total
+
+
+def test_the_expanding_decode_stores_without_bank_conflicts():
+    # the wgmma fragment's lane order takes 4 wavefronts a store (the device counted 4.4-way
+    # conflicts, ncu_ws_smem_*_a11d352.txt); the decode that stores to shared memory uses its own
+    assert _expanded_store_wavefronts(MG.FRAGMENT_LANES) == 4
+    assert _expanded_store_wavefronts(MG.STORE_LANES) == 2
+    assert sorted(map(tuple, MG.STORE_LANES)) == sorted(map(tuple, MG.FRAGMENT_LANES))  # the same rows and bytes
+
+
 def test_the_dispatch_keeps_it_off_cpu():
     a = torch.zeros(4, 64, dtype=torch.bfloat16)
     w = torch.zeros(2, 1, 2, 128, 16, dtype=torch.int8)
