@@ -16,6 +16,9 @@ forms (one role, and split by role as above) add the tensor pipe's and the ALU's
 whole kernel (§9, "The profile, a warp-specialized form…"): a warp whose wgmma reads registers does
 not expand while it runs. Here the warps that expand issue no wgmma and the warps that issue wgmmas
 expand nothing; the price is the tile's stores (16 KB a step) and one more mbarrier hand-off.
+On the H200 that price won: correct, and 0.41-0.72x the register form (one program an SM, each
+step's hand-offs exposed; docs/performance.md §9, "An expanding partition of its own"). It stays
+a tested configuration, not a default.
 
 No ``from __future__ import annotations`` here: Gluon's aggregates read their annotations as types.
 """
