@@ -19,14 +19,27 @@ kernel's name) and the caching allocator's new segments (cudaMalloc).
 ``--groups``: prompt rows (a P prompt is rows + W tokens), ``+`` within a group, ``;`` between
 groups. The default is v11's co-run sizes in its order (896-row lone prompts, the mid burst's first
 prompt and the rest together, the fill's first prompt, 1792 rows), then each of them again.
+
+``--anatomy GROUPS``: after the groups, each of these groups three more times, to say where a
+step's time goes when it is longer than its kernels (a lone 896-row P step takes 133-160 ms at
+true depth where the composed layer benchmarks give about 35 ms): (1) plain, timing the step's
+return to the host apart from the GPU's end (a host that returns long before the GPU ends is
+not what holds the step; one that returns at the end is, or waited on the GPU inside); (2) under
+``torch.cuda.set_sync_debug_mode("warn")``, counting each synchronizing call by its innermost
+asympd frame (each is a point where the host waits for the GPU, and the GPU then for the host's
+next launches); (3) under the PyTorch profiler: kernels launched, their summed GPU time (the step's
+floor if nothing overlapped), and the ops with the most host time.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -94,19 +107,10 @@ def build_engine(ckpt: str, device: str, step_tokens: int, kv_cache_bytes: int, 
 def run_group(engine, group: list[int], tag: str, watch: Watch, vocab: int, seed: int) -> list[dict[str, Any]]:
     """Add the group's prompts together, step until each is exported, release them; every step's
     record."""
-    from asympd.engine.sampling import SamplingParams
-
-    g = torch.Generator().manual_seed(seed)
-    w = engine.cfg.window_size
-    rids = []
-    for k, rows in enumerate(group):
-        rid = f"{tag}-{k}"
-        ids = torch.randint(3, vocab, (rows + w,), generator=g).tolist()
-        engine.add_request(rid, ids, SamplingParams(max_tokens=1, ignore_eos=True))
-        rids.append(rid)
+    rids = _add_group(engine, group, tag, vocab, seed)
     steps = []
     for _ in range(sum(group) + 8 * len(group)):
-        if not any(r in engine.requests and engine.requests[r].in_prompt for r in rids):
+        if not _in_prompt(engine, rids):
             break
         watch.sync()
         mark, segs, t = watch.compiles.mark(), watch.segments(), time.perf_counter()
@@ -123,10 +127,116 @@ def run_group(engine, group: list[int], tag: str, watch: Watch, vocab: int, seed
         )
     else:
         raise RuntimeError(f"group {group} made no progress")
+    _release(engine, rids)
+    return steps
+
+
+def _add_group(engine, group: list[int], tag: str, vocab: int, seed: int) -> list[str]:
+    from asympd.engine.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    w = engine.cfg.window_size
+    rids = []
+    for k, rows in enumerate(group):
+        rid = f"{tag}-{k}"
+        ids = torch.randint(3, vocab, (rows + w,), generator=g).tolist()
+        engine.add_request(rid, ids, SamplingParams(max_tokens=1, ignore_eos=True))
+        rids.append(rid)
+    return rids
+
+
+def _in_prompt(engine, rids: list[str]) -> bool:
+    return any(r in engine.requests and engine.requests[r].in_prompt for r in rids)
+
+
+def _release(engine, rids: list[str]) -> None:
     for rid in rids:
         engine.abort_request(rid)
         engine.release_transfer(rid)
-    return steps
+
+
+class SyncSites:
+    """Synchronizing CUDA calls made inside ``with``, by their innermost asympd frame (file:line
+    function); nothing on CPU, where no call synchronizes."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.sites = device, collections.Counter()
+
+    def _hook(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" not in str(message):
+            return self._shown(message, category, filename, lineno, file, line)
+        ours = [f for f in traceback.extract_stack()[:-1] if "/asympd/" in f.filename.replace("\\", "/")]
+        f = ours[-1] if ours else None
+        self.sites[f"{Path(f.filename).name}:{f.lineno} {f.name}" if f else f"{Path(filename).name}:{lineno}"] += 1
+
+    def __enter__(self) -> SyncSites:
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.simplefilter("always")
+        self._shown, warnings.showwarning = warnings.showwarning, self._hook
+        if self.device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+        self._catch.__exit__(*exc)
+
+
+def _profiled_step(engine, device: torch.device, top: int = 12) -> dict[str, Any]:
+    """One step under the PyTorch profiler: kernels launched, their summed GPU time, and the
+    ``top`` ops by host self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        engine.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    events = prof.key_averages()
+    gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    host = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
+                  key=lambda e: e.self_cpu_time_total, reverse=True)  # fmt: skip
+    return {
+        "kernels": sum(e.count for e in gpu),
+        "kernel_ms": round(sum(e.self_device_time_total for e in gpu) / 1e3, 2),
+        "host_ops": sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CPU),
+        "top_host_ops": [
+            {"op": e.key, "count": e.count, "self_ms": round(e.self_cpu_time_total / 1e3, 2)} for e in host[:top]
+        ],
+    }
+
+
+def anatomy(engine, group: list[int], tag: str, watch: Watch, vocab: int) -> dict[str, Any]:
+    """One group's first step three times over (fresh requests each time, the same prompts):
+    timed plain (host return and GPU end), under sync debugging, under the profiler."""
+    out: dict[str, Any] = {"prompt_rows": group}
+    for kind in ("plain", "syncs", "profile"):
+        rids = _add_group(engine, group, f"{tag}-{kind}", vocab, seed=7)
+        watch.sync()
+        t = time.perf_counter()
+        if kind == "plain":
+            engine.step()
+            host = time.perf_counter() - t
+            watch.sync()
+            out |= {"rows": engine.last_step[0], "host_ms": round(host * 1e3, 2)}
+            out["gpu_end_ms"] = round((time.perf_counter() - t) * 1e3, 2)
+        elif kind == "syncs":
+            with SyncSites(watch.device) as sites:
+                engine.step()
+            watch.sync()
+            out["sync_ms"] = round((time.perf_counter() - t) * 1e3, 2)
+            out["syncs"] = sum(sites.sites.values())
+            out["sync_sites"] = dict(sites.sites.most_common())
+        else:
+            out["profile"] = _profiled_step(engine, watch.device)
+        for _ in range(sum(group) + 8 * len(group)):  # the rest of the prompts' steps, untimed
+            if not _in_prompt(engine, rids):
+                break
+            engine.step()
+        _release(engine, rids)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,9 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU: the tiny checkpoint (tests)")
     ap.add_argument("--groups", default=DEFAULT_GROUPS, help="prompt rows: '+' within a group, ';' between")
     ap.add_argument("--step-tokens", type=int, default=None, help="P's step budget (default: the e2e study's)")
+    ap.add_argument("--anatomy", default="", help="groups whose first step is timed, sync-checked and profiled")
     ap.add_argument("--out", default="first_steps")
     args = ap.parse_args(argv)
     groups = parse_groups(args.groups)
+    anatomy_groups = parse_groups(args.anatomy) if args.anatomy else []
     started = time.time()
 
     from bench.e2e import defaults, make_checkpoint
@@ -173,6 +285,20 @@ def main(argv: list[str] | None = None) -> int:
                         f"group {i} {group}: step of {s['rows']} rows {s['ms']} ms, {len(s['compiles'])} compiles, "
                         f"{s['new_segments']} new segments"
                     )
+                record(args.out, out, started)
+            if anatomy_groups:
+                out["anatomy"] = []
+            for i, group in enumerate(anatomy_groups):
+                a = anatomy(engine, group, f"a{i}", watch, engine.cfg.vocab_size)
+                out["anatomy"].append(a)
+                prof = a["profile"]
+                log(
+                    f"anatomy {group}: {a['rows']} rows, host {a['host_ms']} ms, GPU end {a['gpu_end_ms']} ms; "
+                    f"{a['syncs']} syncs ({a['sync_ms']} ms); {prof['kernels']} kernels, {prof['kernel_ms']} ms "
+                    f"of them; {prof['host_ops']} host ops"
+                )
+                log(f"  sync sites: {a['sync_sites']}")
+                log(f"  top host ops: {prof['top_host_ops'][:6]}")
                 record(args.out, out, started)
         finally:
             watch.compiles.close()  # the hook is process-wide
