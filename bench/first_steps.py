@@ -86,8 +86,8 @@ class Watch:
             torch.cuda.synchronize(self.device)
 
 
-def build_engine(ckpt: str, device: str, step_tokens: int, kv_cache_bytes: int, shared: bool):
-    """The P worker's engine as ``asympd serve --role prefill --mode asymmetric`` builds it."""
+def build_engine(ckpt: str, device: str, step_tokens: int, kv_cache_bytes: int, shared: bool, extra: list[str]):
+    """The P worker's engine as ``asympd serve --role prefill --mode asymmetric [extra]`` builds it."""
     from asympd.engine import modes
     from asympd.engine.engine import LLMEngine
     from asympd.model.loader import load_model
@@ -97,7 +97,7 @@ def build_engine(ckpt: str, device: str, step_tokens: int, kv_cache_bytes: int, 
     add_serve_arguments(p)
     flags = ["--role", "prefill", "--mode", "asymmetric", "--checkpoint", ckpt, "--device", device]
     flags += ["--kv-cache-bytes", str(kv_cache_bytes), "--max-num-batched-tokens", str(step_tokens)]
-    flags += ["--benchmark-shared-experts"] if shared else []
+    flags += (["--benchmark-shared-experts"] if shared else []) + extra
     cfg = serve_config_from_args(p.parse_args(flags)).resolve()
     role = modes.model_role(cfg.role, cfg.mode)
     model = load_model(cfg.checkpoint, role, cfg.device, cfg.dtype, cfg.weights, shared_experts=shared)
@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", default=DEFAULT_GROUPS, help="prompt rows: '+' within a group, ';' between")
     ap.add_argument("--step-tokens", type=int, default=None, help="P's step budget (default: the e2e study's)")
     ap.add_argument("--anatomy", default="", help="groups whose first step is timed, sync-checked and profiled")
+    ap.add_argument("--piecewise", action="store_true", help="P as with --cuda-graph-mode full_and_piecewise")
     ap.add_argument("--out", default="first_steps")
     args = ap.parse_args(argv)
     groups = parse_groups(args.groups)
@@ -263,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         watch = Watch(torch.device(device))
         try:
-            engine = build_engine(ckpt, device, step_tokens, int(d["kv_cache_gb"] * 2**30), ck.shared_experts)
+            extra = ["--cuda-graph-mode", "full_and_piecewise"] if args.piecewise else []
+            engine = build_engine(ckpt, device, step_tokens, int(d["kv_cache_gb"] * 2**30), ck.shared_experts, extra)
             build_s = time.perf_counter() - t
             warm = engine.warm_up_report
             start_compiles = watch.compiles.total
@@ -271,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
             out: dict[str, Any] = {
                 "checkpoint": info,
                 "step_tokens": step_tokens,
+                "cuda_graph_mode": engine.config.cuda_graph_mode,
+                "pieces": None if engine.runner.graphs is None else engine.runner.graphs.stats,
                 "window": engine.cfg.window_size,
                 "build_s": round(build_s, 1),
                 "warm_up": {"rows": list(warm.rows), "seconds": round(warm.seconds, 2)} if warm else None,
@@ -299,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 log(f"  sync sites: {a['sync_sites']}")
                 log(f"  top host ops: {prof['top_host_ops'][:6]}")
+                record(args.out, out, started)
+            if engine.runner.graphs is not None:
+                out["pieces"] = engine.runner.graphs.stats  # after the groups: pieces captured while stepping
                 record(args.out, out, started)
         finally:
             watch.compiles.close()  # the hook is process-wide

@@ -151,8 +151,10 @@ class DecodeGraphs:
         piecewise: bool = False,
         max_rows: int | None = None,
         prefill_rows: int | None = None,
+        piece_max_rows: int = 4096,
     ):
-        """``piecewise``: the steps that do not qualify run as :class:`PiecewiseGraphs` (else eagerly).
+        """``piecewise``: the steps that do not qualify run as :class:`PiecewiseGraphs` (else eagerly),
+        up to ``piece_max_rows`` rows a step (a prefill worker's: ``PREFILL_PIECE_MAX_ROWS``).
         ``max_rows``: the most rows per request of a decode or verify step (the engine's 1 + k; 0 for
         a prefill worker, whose steps never decode);
         ``prefill_rows``: the rows of a D's first step for a request (W; a symmetric P's last phase),
@@ -171,7 +173,7 @@ class DecodeGraphs:
         # startup: graphs built before any request (``capture_all``)
         self.stats = {"captured": 0, "replayed": 0, "first": 0, "eager": 0, "startup": 0}
         self.steps_by_key: collections.Counter[GraphKey] = collections.Counter()  # steps served, per graph
-        self.piecewise = PiecewiseGraphs(cache.device, capture=capture) if piecewise else None
+        self.piecewise = PiecewiseGraphs(cache.device, capture=capture, max_rows=piece_max_rows) if piecewise else None
 
     # ---- which steps qualify -------------------------------------------------------------------
 
@@ -685,6 +687,37 @@ class _Piece:
             self._run()
         else:
             self.graph.replay()
+
+
+# a prefill worker's steps above this many rows run eagerly: there its kernels, not its launches, hold
+# the step (2688 rows at true depth: 158 ms of kernels in a 175 ms step, 896 rows: 72 ms in 123-204,
+# bench/results/p_step_anatomy.json), and padding to the next piece (4096) would add compute
+PREFILL_PIECE_MAX_ROWS = 2048
+
+
+class PrefillPieces:
+    """A prefill worker's CUDA graphs when it has no whole-step graph (an asymmetric or encoder-only
+    P: no decode step, no window step): its prompt steps run each layer's parts around attention as
+    :class:`PiecewiseGraphs`, up to ``max_rows`` rows a step. A P step of a short prompt launches
+    about 5,500 kernels at true depth and the host, not the GPU, sets its time
+    (docs/performance.md §12, "A P step's launches"). The same interface as :class:`DecodeGraphs`
+    where the engine reads one: ``run`` (no step is a whole-step graph), ``graphs``, ``stats``."""
+
+    def __init__(self, device: torch.device, *, capture: bool = True, max_rows: int = PREFILL_PIECE_MAX_ROWS):
+        self.piecewise = PiecewiseGraphs(device, capture=capture, max_rows=max_rows)
+        self.graphs: dict[GraphKey, _Static] = {}
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """``captured``: pieces captured (a new one while serving is a new shape); ``blocks``: layer
+        runs through pieces; ``eager_blocks``: layer runs of steps too large for them."""
+        ps = self.piecewise.stats
+        return {"captured": ps["captured"], "replayed": 0, "first": 0, "eager": 0,
+                "blocks": ps["blocks"], "eager_blocks": ps["eager"]}  # fmt: skip
+
+    def run(self, *args: Any) -> None:
+        """No whole-step graph: the forward runs its layers, through ``piecewise``."""
+        return None
 
 
 class PiecewiseGraphs:

@@ -19,7 +19,15 @@ import torch
 
 from asympd.config import ModelConfig
 from asympd.engine import modes
-from asympd.engine.cuda_graphs import DecodeGraphs, DraftGraphs, PrefillSteps, StartupCapture, capture_at_startup
+from asympd.engine.cuda_graphs import (
+    PREFILL_PIECE_MAX_ROWS,
+    DecodeGraphs,
+    DraftGraphs,
+    PrefillPieces,
+    PrefillSteps,
+    StartupCapture,
+    capture_at_startup,
+)
 from asympd.engine.request import CompletionOutput, Request, RequestOutput, Status
 from asympd.engine.runner import ModelRunner
 from asympd.engine.sampler import Drawn, SampleJob, sample_step
@@ -237,6 +245,8 @@ class LLMEngine:
                 )
             if self.config.cuda_graph_capture == "startup":
                 self.startup_capture = self.capture_graphs()
+        elif model.device.type == "cuda" and model.batched and graphable and not self.config.enforce_eager:
+            self.runner.graphs = self.make_prefill_pieces(capture=True)  # None unless piecewise is asked for
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # prefill worker: exported, blocks kept until released
         # prefill worker: done with, but a copy out of their blocks may still run (engine/export.py)
@@ -265,10 +275,22 @@ class LLMEngine:
             self.cache,
             max_batch=sc.max_num_seqs if decodes else first.most,
             capture=capture,
-            piecewise=decodes and self.config.cuda_graph_mode == "full_and_piecewise",
+            piecewise=self.config.cuda_graph_mode == "full_and_piecewise",  # a symmetric P's prompt steps too
             max_rows=1 + self.num_spec_tokens if decodes else 0,
             prefill_rows=first.rows if first else None,
+            piece_max_rows=4096 if decodes else PREFILL_PIECE_MAX_ROWS,
         )
+
+    def make_prefill_pieces(self, capture: bool) -> PrefillPieces | None:
+        """A prefill worker without whole-step graphs (asymmetric, encoder-only): with
+        ``cuda_graph_mode`` full_and_piecewise its prompt steps replay their layers' parts around
+        attention as piecewise graphs (the warm-up's prompts capture them before serving); else
+        None (every step eager; a P with window steps has ``make_graphs``, pieces included)."""
+        if self.config.role != "prefill" or self._first_steps is not None:
+            return None
+        if self.config.cuda_graph_mode != "full_and_piecewise":
+            return None
+        return PrefillPieces(self.cache.device, capture=capture)
 
     def capture_graphs(self) -> StartupCapture:
         """Build the CUDA graphs now, so that serving never pays a capture or a first-shape compile

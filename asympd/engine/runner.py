@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from asympd.engine import modes
-from asympd.engine.cuda_graphs import DecodeGraphs
+from asympd.engine.cuda_graphs import DecodeGraphs, PrefillPieces
 from asympd.engine.export import PendingExport, PrefixExporter
 from asympd.engine.request import Request
 from asympd.engine.scheduler import ScheduledChunk
@@ -22,7 +22,9 @@ class ModelRunner:
     def __init__(self, model: Transformer, cache: PagedKVCache, blocks: BlockManager):
         self.model, self.cache, self.blocks = model, cache, blocks
         self.cfg = model.cfg
-        self.graphs: DecodeGraphs | None = None  # decode steps replayed as CUDA graphs (the engine sets it)
+        self.graphs: DecodeGraphs | PrefillPieces | None = (
+            None  # decode steps replayed as CUDA graphs (the engine sets it)
+        )
         self.exporter = PrefixExporter(cache.device)  # prefix exports on a side stream (engine/export.py)
 
     def _view(self, req: Request):

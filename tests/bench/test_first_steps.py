@@ -28,8 +28,9 @@ def test_each_step_of_each_group_is_recorded(tmp_path, monkeypatch):
 
 def test_the_anatomy_times_checks_and_profiles_a_groups_first_step(tmp_path, monkeypatch):
     monkeypatch.setenv("ASYMPD_OUT", str(tmp_path))
-    assert first_steps.main(["--tiny", "--groups", "5", "--anatomy", "7;5+9", "--out", "fs"]) == 0
+    assert first_steps.main(["--tiny", "--groups", "5", "--anatomy", "7;5+9", "--piecewise", "--out", "fs"]) == 0
     res = json.loads((tmp_path / "fs.json").read_text())
+    assert res["cuda_graph_mode"] == "full_and_piecewise" and res["pieces"] is None  # no graphs on CPU
     a = res["anatomy"]
     assert [x["prompt_rows"] for x in a] == [[7], [5, 9]] and [x["rows"] for x in a] == [7, 14]
     for x in a:

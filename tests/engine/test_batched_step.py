@@ -9,7 +9,7 @@ import torch
 
 from asympd import LLM, SamplingParams
 from asympd.config import tiny
-from asympd.engine.cuda_graphs import BATCH_SIZES, DecodeGraphs, DraftGraphs
+from asympd.engine.cuda_graphs import BATCH_SIZES, DecodeGraphs, DraftGraphs, PrefillPieces
 from asympd.engine.scheduler import SchedulerConfig
 from asympd.kv.batch import BatchSegment, PagedBatch, find_positions
 from asympd.kv.paged_cache import PagedKVCache
@@ -52,6 +52,7 @@ def _run(
     seed: bool = False,
     lengths: tuple[int, ...] = LENGTHS,
     p_graphs: list | None = None,
+    p_pieces: list | None = None,
 ) -> tuple[list, list[dict[str, torch.Tensor]]]:
     """``graphs``: give each decoding engine the static (graph) decode path without capture, and
     collect its DecodeGraphs here. ``startup``: build them first, from padding only, for the
@@ -62,7 +63,9 @@ def _run(
     the windows with each request's 1 + ``spec`` accepted rows too (``DraftGraphs.seed_rows``);
     ``lengths``: the prompts' (one request each). ``p_graphs``: give a symmetric P its window
     steps' static path (``LLMEngine.make_graphs``) and collect it here (with ``startup``: built
-    first, from padding only, every context bound the engine would)."""
+    first, from padding only, every context bound the engine would). ``p_pieces``: run the P's
+    prompt steps as piecewise graphs' static path (``cuda_graph_mode`` full_and_piecewise, as the
+    engine builds them) and collect its graphs here."""
     sem = "split" if mode == "colocated" else "full"
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, mixed_steps=mixed)
     llm = LLM(ckpt, mode, sem, scheduler=sched, num_spec_tokens=spec)
@@ -73,6 +76,10 @@ def _run(
             p_graphs.append(e.runner.graphs)
             if startup is not None:
                 startup.append(e.capture_graphs())
+        if p_pieces is not None and e.config.role == "prefill":
+            e.config.cuda_graph_mode = "full_and_piecewise"
+            e.runner.graphs = e.make_prefill_pieces(capture=False) or e.make_graphs(capture=False)
+            p_pieces.append(e.runner.graphs)
         if graphs is not None and e.config.role != "prefill":
             n = sched.max_num_seqs  # padded sizes up to the engine's largest batch, as the engine builds them
             # as the engine builds them: a D's steps of first-step chunks alone (W rows) qualify too
@@ -168,6 +175,28 @@ def test_graph_decode_path_equals_the_eager_step(tiny_ckpt, mode, spec):
     assert (pieces["blocks"] == 0) if mode == "symmetric-windows" else (pieces["blocks"] >= 10), pieces
     assert not pieces["eager"], pieces
     assert all(k.segments in BATCH_SIZES for k in g.graphs)
+
+
+@pytest.mark.parametrize("mode", ["asymmetric", "encoder-only", "symmetric-split", "symmetric"])
+def test_a_prefill_workers_piecewise_steps_equal_its_eager_steps(tiny_ckpt, mode):
+    """A P's prompt steps with each layer's parts around attention replayed as padded pieces
+    (``cuda_graph_mode`` full_and_piecewise; here without capture, over the same static buffers):
+    tokens, logprobs and every cache byte on both sides equal the eager engine's. An asymmetric or
+    encoder-only P has no whole-step graph (``PrefillPieces``); a symmetric P's window steps keep
+    theirs and its prompt chunks take the pieces."""
+    want_out, want_cache = _eager(tiny_ckpt, mode, 0)
+    pieces: list = []
+    got_out, got_cache = _run(tiny_ckpt, mode, batched=True, spec=0, p_pieces=pieces)
+    assert got_out == want_out
+    for want, got in zip(want_cache, got_cache, strict=True):
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+    (g,) = pieces
+    assert isinstance(g, PrefillPieces) == (mode in ("asymmetric", "encoder-only"))
+    stats = g.piecewise.stats
+    assert stats["blocks"] >= 10 and not stats["eager"], stats  # every prompt step's layers, as pieces
+    if isinstance(g, PrefillPieces):
+        assert g.stats["blocks"] == stats["blocks"] and g.run() is None and not g.graphs
 
 
 @pytest.mark.parametrize(
