@@ -66,6 +66,7 @@ class LLM:
         stream_prefix: bool = False,
         enforce_eager: bool = False,
         cuda_graph_capture: str = "startup",
+        cuda_graph_mode: str = "full",
         warm_up: bool | None = None,
     ):
         """``num_spec_tokens`` > 0 turns on speculative decoding with the checkpoint's DSpark draft
@@ -77,6 +78,8 @@ class LLM:
         writes each into its cache as it arrives (asymmetric, encoder-only). ``enforce_eager``: no
         CUDA graphs (by default decode and verify steps replay them on CUDA). ``cuda_graph_capture``:
         startup builds them before the first request, lazy when a step first needs one.
+        ``cuda_graph_mode``: full_and_piecewise replays the other steps' layers around attention as
+        piecewise graphs (an asymmetric or encoder-only P's prompt steps too).
         ``warm_up``: run the eager prompt path once per size class before the first request
         (engine/warm_up.py; None: on CUDA)."""
         self.mode = mode
@@ -100,6 +103,7 @@ class LLM:
                 stream_prefix=stream_prefix and role == "prefill",
                 enforce_eager=enforce_eager,
                 cuda_graph_capture=cuda_graph_capture,
+                cuda_graph_mode=cuda_graph_mode,
                 warm_up=warm_up,
             )
 

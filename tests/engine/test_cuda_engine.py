@@ -92,6 +92,21 @@ def test_a_symmetric_p_replays_its_window_steps_on_cuda(tiny_ckpt, mode):
     assert eager.prefill.runner.graphs is None
 
 
+@pytest.mark.parametrize("mode", ["asymmetric", "encoder-only"])
+def test_a_prefill_workers_piecewise_graphs_keep_the_greedy_tokens(tiny_ckpt, mode):
+    """An asymmetric or encoder-only P's prompt steps replayed as piecewise graphs (captured by the
+    warm-up's prompts and the first steps of each padded size) give the eager engine's greedy
+    tokens in fp32."""
+    eager = LLM(tiny_ckpt, mode, device="cuda", dtype=torch.float32, enforce_eager=True)
+    pieces = LLM(tiny_ckpt, mode, device="cuda", dtype=torch.float32, cuda_graph_mode="full_and_piecewise")
+    want, got = _tokens(eager), _tokens(pieces)
+    stats = pieces.prefill.runner.graphs.stats
+    print(f"a P's piecewise graphs, {mode}: {stats}")
+    assert got == want
+    assert stats["captured"] >= 2 and stats["blocks"] >= 10 and stats["eager_blocks"] == 0, stats
+    assert eager.prefill.runner.graphs is None
+
+
 def test_greedy_drafts_come_from_the_drafter_graph_on_cuda(tiny_ckpt):
     """Greedy generation with 3 drafts (fp32, start-up capture): every drafting step takes its drafts
     from the drafter's graph (the Markov loop replayed inside it, ``DraftGraphs.num_drafts``), none
