@@ -297,6 +297,8 @@ def worker_args(args: argparse.Namespace, role: str, mode: str, ckpt: str) -> li
         a += ["--threads", "1"]
     if role == "prefill":
         a += ["--max-num-batched-tokens", str(args.p_step_tokens)]
+        if args.p_cuda_graph_mode != "full":  # P's prompt steps as piecewise graphs
+            a += ["--cuda-graph-mode", args.p_cuda_graph_mode]
     else:  # D and colocated: the admission policy under test (default: each role's, serve/admission.py)
         a += ["--admission-policy", args.policy or default_policy(role)]
         if args.gpus and args.len_dist == "uniform":  # graphs at start-up for the contexts the traffic reaches
@@ -1357,6 +1359,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="paged KV pool per worker")
     ap.add_argument("--p-step-tokens", type=int, default=None, help="P's max_num_batched_tokens")
+    ap.add_argument(
+        "--p-cuda-graph-mode",
+        default="full",
+        choices=("full", "full_and_piecewise"),
+        help="P's --cuda-graph-mode (full_and_piecewise: its prompt steps as piecewise graphs)",
+    )
     ap.add_argument("--gpus", type=int, default=None, help="default: 0 with --tiny, else min(2, visible GPUs)")
     ap.add_argument("--checkpoint", default=None, help="use this checkpoint instead of writing one")
     ap.add_argument("--start-timeout", type=float, default=None)

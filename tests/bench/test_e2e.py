@@ -473,6 +473,20 @@ def test_the_co_runs_mid_burst_fills_twice_a_quarter_of_p_s_budget_by_default():
     assert co_run_mid(args) is None  # part of the fill phase: off with it
 
 
+def test_p_takes_its_own_cuda_graph_mode_and_d_does_not():
+    from bench.e2e import parse_args, worker_args
+
+    args = parse_args(["--tiny", "--rates", "1", "--p-cuda-graph-mode", "full_and_piecewise"])
+    plain = parse_args(["--tiny", "--rates", "1"])
+    args.shared_experts = plain.shared_experts = False  # (set where the checkpoint is made)
+    p = worker_args(args, "prefill", "asymmetric", "ckpt")
+    assert p[p.index("--cuda-graph-mode") + 1] == "full_and_piecewise"
+    assert "--cuda-graph-mode" not in worker_args(args, "decode", "asymmetric", "ckpt")
+    assert "--cuda-graph-mode" not in worker_args(plain, "prefill", "asymmetric", "ckpt")
+    with pytest.raises(SystemExit):
+        parse_args(["--tiny", "--rates", "1", "--p-cuda-graph-mode", "piecewise"])
+
+
 def test_the_time_budget_counts_the_co_run():
     """One more mode: the slowest start, calibration plus co-run, warm-up, and each rate (16 prompts
     at 2 req/s: 8 s, 1.5 x 32 x 0.1 s, 4 s)."""
