@@ -86,6 +86,15 @@ from asympd.model.dspark import DraftBatch
 from asympd.model.transformer import Depth, ForwardOutput
 
 MIN_CONTEXT = 1024
+# the row counts a piecewise step is padded to (``PiecewiseGraphs``): a D's mixed steps
+PIECE_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# a prefill worker's piece sizes. Above 2048 rows its steps run eagerly: there its kernels, not its
+# launches, hold the step (2688 rows at true depth: 158 ms of kernels in a 175 ms step, 896 rows: 72 ms
+# in 123-204, bench/results/p_step_anatomy.json). Between 512 and 2048 every 256 rows, not every
+# power of two: padded to 2048, a 1107-row step ran 129 ms of kernels against 85 eagerly
+# (p_steps_pieces_9516511.json); a P's lone prompts are 1-3K tokens. The buffers are one set at
+# 2048 rows whatever the sizes (``PiecewiseGraphs``); each size is 40 more pieces at start-up.
+PREFILL_PIECE_ROWS = (16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048)
 
 
 @dataclass(frozen=True)
@@ -151,10 +160,10 @@ class DecodeGraphs:
         piecewise: bool = False,
         max_rows: int | None = None,
         prefill_rows: int | None = None,
-        piece_max_rows: int = 4096,
+        piece_rows: Sequence[int] = PIECE_ROWS,
     ):
         """``piecewise``: the steps that do not qualify run as :class:`PiecewiseGraphs` (else eagerly),
-        up to ``piece_max_rows`` rows a step (a prefill worker's: ``PREFILL_PIECE_MAX_ROWS``).
+        padded to one of ``piece_rows`` (a prefill worker's: ``PREFILL_PIECE_ROWS``), larger ones eagerly.
         ``max_rows``: the most rows per request of a decode or verify step (the engine's 1 + k; 0 for
         a prefill worker, whose steps never decode);
         ``prefill_rows``: the rows of a D's first step for a request (W; a symmetric P's last phase),
@@ -173,7 +182,7 @@ class DecodeGraphs:
         # startup: graphs built before any request (``capture_all``)
         self.stats = {"captured": 0, "replayed": 0, "first": 0, "eager": 0, "startup": 0}
         self.steps_by_key: collections.Counter[GraphKey] = collections.Counter()  # steps served, per graph
-        self.piecewise = PiecewiseGraphs(cache.device, capture=capture, max_rows=piece_max_rows) if piecewise else None
+        self.piecewise = PiecewiseGraphs(cache.device, capture=capture, sizes=piece_rows) if piecewise else None
 
     # ---- which steps qualify -------------------------------------------------------------------
 
@@ -662,9 +671,6 @@ def _side_stream_run(fn: Any, device: torch.device) -> Any:
     return out
 
 
-PIECE_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-
-
 class _Piece:
     """One captured piece: a function of static input buffers that copies its results into static
     output buffers (so only those persist; its intermediates' pool memory is free for the next)."""
@@ -689,22 +695,16 @@ class _Piece:
             self.graph.replay()
 
 
-# a prefill worker's steps above this many rows run eagerly: there its kernels, not its launches, hold
-# the step (2688 rows at true depth: 158 ms of kernels in a 175 ms step, 896 rows: 72 ms in 123-204,
-# bench/results/p_step_anatomy.json), and padding to the next piece (4096) would add compute
-PREFILL_PIECE_MAX_ROWS = 2048
-
-
 class PrefillPieces:
     """A prefill worker's CUDA graphs when it has no whole-step graph (an asymmetric or encoder-only
     P: no decode step, no window step): its prompt steps run each layer's parts around attention as
-    :class:`PiecewiseGraphs`, up to ``max_rows`` rows a step. A P step of a short prompt launches
+    :class:`PiecewiseGraphs`, padded to one of ``sizes`` (larger steps eagerly). A P step of a short prompt launches
     about 5,500 kernels at true depth and the host, not the GPU, sets its time
     (docs/performance.md §12, "A P step's launches"). The same interface as :class:`DecodeGraphs`
     where the engine reads one: ``run`` (no step is a whole-step graph), ``graphs``, ``stats``."""
 
-    def __init__(self, device: torch.device, *, capture: bool = True, max_rows: int = PREFILL_PIECE_MAX_ROWS):
-        self.piecewise = PiecewiseGraphs(device, capture=capture, max_rows=max_rows)
+    def __init__(self, device: torch.device, *, capture: bool = True, sizes: Sequence[int] = PREFILL_PIECE_ROWS):
+        self.piecewise = PiecewiseGraphs(device, capture=capture, sizes=sizes)
         self.graphs: dict[GraphKey, _Static] = {}
 
     @property
@@ -726,14 +726,25 @@ class PiecewiseGraphs:
     (the hc mixes, the norm, the q/kv projections) and everything after it (the output projection,
     the hc update, the MoE) is replayed at the step's row count padded to ``PIECE_ROWS``; the cache
     work (window and compressed-KV reads and writes, the indexer, the sparse attention) runs eagerly
-    on the real rows. The pieces touch no cache, so padding rows only cost their FLOPs. Buffers are
-    per padded row count, shared by every layer. ``capture=False``: the same pieces without graphs."""
+    on the real rows. The pieces touch no cache, so padding rows only cost their FLOPs. ``sizes``:
+    the padded row counts (a step of more rows runs eagerly). The buffers are one set at the largest, each
+    size's pieces reading and writing its first rows (steps replay one at a time on one stream), and
+    every layer shares them. ``capture=False``: the same pieces without graphs."""
 
-    def __init__(self, device: torch.device, *, capture: bool = True, max_rows: int = PIECE_ROWS[-1]):
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        capture: bool = True,
+        sizes: Sequence[int] = PIECE_ROWS,
+    ):
+        if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
+            raise ValueError(f"piece sizes must be increasing positive row counts, got {sizes}")
         self.device, self.capture = device, capture
-        self.sizes = [r for r in PIECE_ROWS if r < max_rows] + [max_rows]
+        self.sizes = list(sizes)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.buffers: dict[int, dict[str, torch.Tensor]] = {}
+        self._store: dict[str, torch.Tensor] = {}  # each buffer at the largest size
+        self.buffers: dict[int, dict[str, torch.Tensor]] = {}  # per size: views of the store's first rows
         self.pieces: dict[tuple[int, str, int], _Piece] = {}
         # pieces captured; layer runs through the pieces; layer runs too large for them (eager)
         self.stats = {"captured": 0, "blocks": 0, "eager": 0}
@@ -746,13 +757,11 @@ class PiecewiseGraphs:
             self.stats["eager"] += 1
             return block(h, pre, view)
         t = self.sizes[bisect.bisect_left(self.sizes, n)]
-        buf = self.buffers.get(t)
-        if buf is None:
-            buf = self.buffers[t] = {
-                "h": h.new_zeros(t, *h.shape[1:]),
-                "pre": pre.new_zeros(t, *pre.shape[1:]),
-                "pos": torch.zeros(t, dtype=torch.long, device=h.device),
-            }
+        buf = self.buffers.setdefault(t, {})
+        if not buf:
+            self._bind(buf, t, "h", h)
+            self._bind(buf, t, "pre", pre)
+            self._bind(buf, t, "pos", view.positions)
         buf["h"][:n].copy_(h)
         buf["pre"][:n].copy_(pre)
         buf["pos"][:n].copy_(view.positions)
@@ -769,7 +778,7 @@ class PiecewiseGraphs:
         a()
         out = attn.core(*(buf[k][:n] for k in ("x", "rot", "qr", "q", "kv")), view)
         if "o" not in buf:
-            buf["o"] = out.new_zeros(t, *out.shape[1:])
+            self._bind(buf, t, "o", out)
         buf["o"][:n].copy_(out)
 
         def after() -> list[torch.Tensor]:
@@ -781,6 +790,14 @@ class PiecewiseGraphs:
         self.stats["blocks"] += 1
         return buf["h_out"][:n], buf["pre_out"][:n]
 
+    def _bind(self, buf: dict[str, torch.Tensor], t: int, name: str, like: torch.Tensor) -> None:
+        """``buf[name]``: the first ``t`` rows of the store's buffer ``name``, made (zeros, at
+        largest size's rows) in ``like``'s row shape and dtype when first needed."""
+        full = self._store.get(name)
+        if full is None:
+            full = self._store[name] = like.new_zeros(self.sizes[-1], *like.shape[1:])
+        buf[name] = full[:t]
+
     def _piece(
         self, layer: int, name: str, t: int, fn: Any, buf: dict[str, torch.Tensor], outs: tuple[str, ...]
     ) -> _Piece:
@@ -789,7 +806,8 @@ class PiecewiseGraphs:
         if piece is None:
             if any(k not in buf for k in outs):  # the first layer at this size: buffers shaped like its results
                 for k, v in zip(outs, fn(), strict=True):
-                    buf.setdefault(k, torch.zeros_like(v))
+                    if k not in buf:
+                        self._bind(buf, t, k, v)
             piece = self.pieces[key] = _Piece(fn, [buf[k] for k in outs], self.pool, self.capture, self.device)
             self.stats["captured"] += self.capture
         return piece

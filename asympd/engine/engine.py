@@ -20,7 +20,8 @@ import torch
 from asympd.config import ModelConfig
 from asympd.engine import modes
 from asympd.engine.cuda_graphs import (
-    PREFILL_PIECE_MAX_ROWS,
+    PIECE_ROWS,
+    PREFILL_PIECE_ROWS,
     DecodeGraphs,
     DraftGraphs,
     PrefillPieces,
@@ -278,7 +279,7 @@ class LLMEngine:
             piecewise=self.config.cuda_graph_mode == "full_and_piecewise",  # a symmetric P's prompt steps too
             max_rows=1 + self.num_spec_tokens if decodes else 0,
             prefill_rows=first.rows if first else None,
-            piece_max_rows=4096 if decodes else PREFILL_PIECE_MAX_ROWS,
+            piece_rows=PIECE_ROWS if decodes else PREFILL_PIECE_ROWS,
         )
 
     def make_prefill_pieces(self, capture: bool) -> PrefillPieces | None:

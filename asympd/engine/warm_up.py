@@ -23,14 +23,16 @@ are ordinary requests through the engine's own ``add_request`` and ``step``, wit
 (no import, so no prefix-cache entry). Each is aborted, or released once exported, as soon as its
 prompt is done, and the counters are put back, so that the metrics count served work only.
 A prompt of a CUDA graph's shape (1 + k rows or fewer, or W on a D) takes a graph of one request,
-captured here rather than by the first served step of that shape.
+captured here rather than by the first served step of that shape; with piecewise graphs for
+prompt steps (``cuda_graph_mode`` full_and_piecewise) a prompt of each piece size's rows captures
+that size's pieces.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -56,13 +58,15 @@ class WarmUp:
         return f"warm-up: {len(self.rows)} prompts of {sizes} prompt rows in {self.seconds:.1f} s"
 
 
-def warm_up_rows(budget: int) -> list[int]:
+def warm_up_rows(budget: int, pieces: Sequence[int] = ()) -> list[int]:
     """The prompt rows to warm: every power of two up to ``budget``, each one row more (an odd
-    count: the other side of Triton's divisibility specialisation), and ``budget`` itself."""
+    count: the other side of Triton's divisibility specialisation), ``budget`` itself, and each
+    piecewise graph size up to it (``pieces``: a step of that many rows captures that size's
+    pieces here, not mid-traffic)."""
     if budget < 1:
         raise ValueError(f"the step budget must be positive, got {budget}")
     powers = [1 << i for i in range(budget.bit_length()) if 1 << i <= budget]
-    return sorted({*powers, *(p + 1 for p in powers if p + 1 <= budget), budget})
+    return sorted({*powers, *(p + 1 for p in powers if p + 1 <= budget), budget, *(r for r in pieces if r <= budget)})
 
 
 def warm_up_ids(n: int, rows: int, vocab: int) -> list[int]:
@@ -97,7 +101,8 @@ def warm_up(engine: LLMEngine) -> WarmUp:
     graph_steps = {k: graphs.stats[k] for k in ("replayed", "first", "eager")} if graphs is not None else {}
     done: list[int] = []
     vocab = engine.cfg.vocab_size
-    for rows in warm_up_rows(engine.config.scheduler.max_num_batched_tokens):
+    pieces = getattr(getattr(graphs, "piecewise", None), "sizes", ())
+    for rows in warm_up_rows(engine.config.scheduler.max_num_batched_tokens, pieces):
         n = prompt_len(rows, engine.cfg.window_size, lambda n: _rows_of(engine, n))
         if n is None:
             continue

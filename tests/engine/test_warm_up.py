@@ -33,6 +33,10 @@ def test_the_sizes_are_the_powers_of_two_one_row_more_and_the_budget():
     assert warm_up_rows(96) == [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 96]
     assert warm_up_rows(1) == [1]
     assert warm_up_rows(16384)[-3:] == [8192, 8193, 16384]
+    # piecewise graph sizes up to the budget too (a P's every 256 rows from 512 to 2048)
+    with_pieces = warm_up_rows(2048, (768, 1024, 1280, 4096))
+    assert [r for r in with_pieces if r not in warm_up_rows(2048)] == [768, 1280]  # 4096: past the budget
+    assert with_pieces == sorted(with_pieces)
     with pytest.raises(ValueError, match="the step budget must be positive, got 0"):
         warm_up_rows(0)
 
@@ -59,6 +63,19 @@ def test_warm_up_leaves_the_engine_as_it_found_it(models, role, mode, model, str
     eng.add_request("busy", random_prompts([30], seed=1)[0], GREEDY)
     with pytest.raises(RuntimeError, match="warm-up runs on an idle engine"):
         warm_up(eng)
+
+
+def test_a_p_with_piecewise_graphs_warms_every_piece_size(models):
+    """With its prompt steps as piecewise graphs (here their static path, without capture) a P's
+    warm-up runs a prompt at each piece size, so every size's pieces exist before serving."""
+    from asympd.engine.cuda_graphs import PrefillPieces
+
+    eng = engine(models["prefill"], "prefill", "asymmetric", warm=False)
+    eng.runner.graphs = PrefillPieces(torch.device("cpu"), capture=False, sizes=(8, 24, 48, 96))
+    report = warm_up(eng)
+    assert report.rows == tuple(warm_up_rows(96, (8, 24, 48, 96))) and {24, 48} <= set(report.rows)
+    assert {t for _, _, t in eng.runner.graphs.piecewise.pieces} == {8, 24, 48, 96}
+    assert eng.stats()["steps"] == 0 and not eng.requests and not eng.held
 
 
 def test_a_warmed_engine_serves_what_a_cold_one_serves(models):
