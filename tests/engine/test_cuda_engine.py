@@ -77,34 +77,34 @@ def test_cuda_graphs_keep_the_greedy_tokens(tiny_ckpt, dtype, mode, spec):
         assert rate > 0.5
 
 
+def _p_graphs_against_eager(ckpt: str, mode: str, **graphed) -> tuple[list, list, dict]:
+    """fp32 greedy tokens of an eager engine and of one whose P replays CUDA graphs (``graphed``:
+    ``LLM``'s graph options), and that P's graph stats."""
+    eager = LLM(ckpt, mode, device="cuda", dtype=torch.float32, enforce_eager=True)
+    with_graphs = LLM(ckpt, mode, device="cuda", dtype=torch.float32, **graphed)
+    assert eager.prefill.runner.graphs is None
+    return _tokens(eager), _tokens(with_graphs), with_graphs.prefill.runner.graphs.stats
+
+
 @pytest.mark.parametrize("mode", ["symmetric-split", "symmetric-windows"])
 def test_a_symmetric_p_replays_its_window_steps_on_cuda(tiny_ckpt, mode):
     """A symmetric P's window steps (its prompts' last W rows through every layer, alone in their
     steps) replay the graphs built at start-up: the eager engine's greedy tokens in fp32, and no
     step builds a graph of its own."""
-    eager = LLM(tiny_ckpt, mode, device="cuda", dtype=torch.float32, enforce_eager=True)
-    graphed = LLM(tiny_ckpt, mode, device="cuda", dtype=torch.float32)
-    want, got = _tokens(eager), _tokens(graphed)
-    stats = graphed.prefill.runner.graphs.stats
+    want, got, stats = _p_graphs_against_eager(tiny_ckpt, mode)
     print(f"symmetric P's window graphs, {mode}: {stats}")
     assert got == want
     assert stats["startup"] >= 1 and stats["replayed"] >= 1 and stats["first"] == 0, stats
-    assert eager.prefill.runner.graphs is None
 
 
 @pytest.mark.parametrize("mode", ["asymmetric", "encoder-only"])
 def test_a_prefill_workers_piecewise_graphs_keep_the_greedy_tokens(tiny_ckpt, mode):
     """An asymmetric or encoder-only P's prompt steps replayed as piecewise graphs (captured by the
-    warm-up's prompts and the first steps of each padded size) give the eager engine's greedy
-    tokens in fp32."""
-    eager = LLM(tiny_ckpt, mode, device="cuda", dtype=torch.float32, enforce_eager=True)
-    pieces = LLM(tiny_ckpt, mode, device="cuda", dtype=torch.float32, cuda_graph_mode="full_and_piecewise")
-    want, got = _tokens(eager), _tokens(pieces)
-    stats = pieces.prefill.runner.graphs.stats
+    warm-up's prompts, one at each piece size) give the eager engine's greedy tokens in fp32."""
+    want, got, stats = _p_graphs_against_eager(tiny_ckpt, mode, cuda_graph_mode="full_and_piecewise")
     print(f"a P's piecewise graphs, {mode}: {stats}")
     assert got == want
     assert stats["captured"] >= 2 and stats["blocks"] >= 10 and stats["eager_blocks"] == 0, stats
-    assert eager.prefill.runner.graphs is None
 
 
 def test_greedy_drafts_come_from_the_drafter_graph_on_cuda(tiny_ckpt):
