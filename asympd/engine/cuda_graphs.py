@@ -698,8 +698,8 @@ class _Piece:
 class PrefillPieces:
     """A prefill worker's CUDA graphs when it has no whole-step graph (an asymmetric or encoder-only
     P: no decode step, no window step): its prompt steps run each layer's parts around attention as
-    :class:`PiecewiseGraphs`, padded to one of ``sizes`` (larger steps eagerly). A P step of a short prompt launches
-    about 5,500 kernels at true depth and the host, not the GPU, sets its time
+    :class:`PiecewiseGraphs`, padded to one of ``sizes`` (larger steps eagerly). A P step of a short
+    prompt launches about 5,600 kernels at true depth and the host, not the GPU, sets its time
     (docs/performance.md §12, "A P step's launches"). The same interface as :class:`DecodeGraphs`
     where the engine reads one: ``run`` (no step is a whole-step graph), ``graphs``, ``stats``."""
 
@@ -724,20 +724,14 @@ class PiecewiseGraphs:
     """Steps that do not qualify for a whole-step graph (prefill chunks, bounded prefills beside
     decodes) as piecewise graphs, vLLM's way: per layer, everything before attention's cache work
     (the hc mixes, the norm, the q/kv projections) and everything after it (the output projection,
-    the hc update, the MoE) is replayed at the step's row count padded to ``PIECE_ROWS``; the cache
+    the hc update, the MoE) is replayed at the step's row count padded to one of ``sizes``; the cache
     work (window and compressed-KV reads and writes, the indexer, the sparse attention) runs eagerly
-    on the real rows. The pieces touch no cache, so padding rows only cost their FLOPs. ``sizes``:
-    the padded row counts (a step of more rows runs eagerly). The buffers are one set at the largest, each
+    on the real rows. The pieces touch no cache, so padding rows only cost their FLOPs. A step of
+    more rows than the largest size runs eagerly. The buffers are one set at the largest size, each
     size's pieces reading and writing its first rows (steps replay one at a time on one stream), and
     every layer shares them. ``capture=False``: the same pieces without graphs."""
 
-    def __init__(
-        self,
-        device: torch.device,
-        *,
-        capture: bool = True,
-        sizes: Sequence[int] = PIECE_ROWS,
-    ):
+    def __init__(self, device: torch.device, *, capture: bool = True, sizes: Sequence[int] = PIECE_ROWS):
         if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
             raise ValueError(f"piece sizes must be increasing positive row counts, got {sizes}")
         self.device, self.capture = device, capture

@@ -9,7 +9,13 @@ import torch
 
 from asympd import LLM
 from asympd.config import tiny
-from asympd.engine.cuda_graphs import DecodeGraphs, DraftGraphs, capture_at_startup
+from asympd.engine.cuda_graphs import (
+    PREFILL_PIECE_ROWS,
+    DecodeGraphs,
+    DraftGraphs,
+    PiecewiseGraphs,
+    capture_at_startup,
+)
 from asympd.engine.engine import EngineConfig
 from asympd.kv.batch import BatchSegment, PagedBatch
 from asympd.kv.paged_cache import PagedKVCache
@@ -102,6 +108,18 @@ def test_engine_config_refuses_an_unknown_graph_mode_and_cpu_engines_run_eagerly
     assert sym.prefill.config.scheduler.one_depth_per_step and not llm.prefill.config.scheduler.one_depth_per_step
     eager = LLM(tiny_ckpt, "symmetric-split", enforce_eager=True)  # no graphs to replay: its steps stay mixed
     assert not eager.prefill.config.scheduler.one_depth_per_step
+
+
+def test_piece_sizes_are_refused_unless_increasing_and_a_p_takes_pieces_only_when_asked(tiny_ckpt):
+    for bad in ((), (32, 16), (16, 16), (0, 16)):
+        with pytest.raises(ValueError, match="piece sizes must be increasing positive row counts"):
+            PiecewiseGraphs(torch.device("cpu"), capture=False, sizes=bad)
+    llm = LLM(tiny_ckpt, "asymmetric")  # CPU: the engine builds none; asked, its P makes PrefillPieces
+    assert llm.prefill.make_prefill_pieces(capture=False) is None  # full (the default): eager prompt steps
+    llm.prefill.config.cuda_graph_mode = "full_and_piecewise"
+    pieces = llm.prefill.make_prefill_pieces(capture=False)
+    assert pieces.piecewise.sizes == list(PREFILL_PIECE_ROWS) and pieces.run() is None
+    assert llm.engine.make_prefill_pieces(capture=False) is None  # a D: its DecodeGraphs hold its pieces
 
 
 def test_engine_config_refuses_a_bad_capture_setting_and_cpu_engines_capture_nothing(tiny_ckpt):
