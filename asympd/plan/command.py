@@ -19,7 +19,7 @@ from asympd.plan.planner import (
     poisson_arrivals,
 )
 from asympd.plan.steps import PLANNED_MODES
-from asympd.plan.validate import HANDOFF_STREAMS
+from asympd.plan.validate import HANDOFF_STREAMS, SHARES
 
 DEFAULT_PROMPT = "1024:0.4,4096:0.3,16384:0.2,65536:0.1"  # the mix of docs/performance.md
 
@@ -61,9 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--validate-out", default=None, metavar="JSON", help="with --validate: write the table here too")
     p.add_argument(
         "--validate-shares",
-        choices=("equal", "co-run"),
+        choices=SHARES,
         default="equal",
-        help="with --validate: a shared GPU split equally (default) or at the calibration co-run's measured stretch",
+        help="with --validate: a shared GPU split equally (default), at the calibration co-run's measured "
+        "stretch, or equally with P's fixed step cost taken as host launching off the GPU (host-split)",
     )
     p.add_argument(
         "--validate-handoff-stream",

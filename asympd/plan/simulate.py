@@ -190,6 +190,9 @@ class _Engine:
         self._dt = 0.0
         self._chunks: list[ScheduledChunk] = []  # the step in progress (or the last one)
         self.side: list[SideTask] = []  # progress only while no step of this engine is in progress
+        # of the step last issued, the seconds the host spends launching it before its GPU work,
+        # which neither takes nor slows the GPU (``run_engines``; 0: all of it is GPU work)
+        self.host_s = 0.0
 
     def hold(self, task: SideTask) -> None:
         """Queue work that needs this engine's stream between its steps (``SideTask``)."""
@@ -289,6 +292,8 @@ class PrefillEngine(_Engine):
         deep = sum(c.phase.depth is Depth.ALL for c in out.chunks)
         windows = deep if deep == len(out.chunks) and self.sched.config.one_depth_per_step else 0
         self._dt = self.steps.prefill_ms(self.mode, chunks, self.gpus, windows=windows) / 1e3
+        # a launch-bound eager step's host part (``MeasuredSteps.p_host_ms``; a window step is a graph)
+        self.host_s = 0.0 if windows else min(getattr(self.steps, "p_host_ms", 0.0) / 1e3, self._dt)
         return self._dt
 
     def finish(self, end: float) -> None:
@@ -446,12 +451,14 @@ class DecodeEngine(_Engine):
 
 @dataclass
 class _Step:
-    """A step in progress: its engine, GPU, issue time and the work left, in seconds alone."""
+    """A step in progress: its engine, GPU, issue time and the work left, in seconds alone: ``host``
+    of launching first (at full speed, off the GPU), then ``left`` of GPU work."""
 
     engine: int
     gpu: int
     issued: float
     left: float
+    host: float = 0.0
 
 
 def gpu_share(n: int) -> float:
@@ -488,7 +495,9 @@ def run_engines(
     same time), which keeps every arrival an engine sees in time order. ``on_export(engine,
     request index, time)`` hands on what an engine exported. ``pair``: the measured rates of
     engines whose step shares a GPU with one other step (``gpu_shares``; default equal shares); a
-    callable one is read at each step's issue with its prompt rows (P: ``Deployment.p_share_at``)."""
+    callable one is read at each step's issue with its prompt rows (P: ``Deployment.p_share_at``).
+    A step's host part (``_Engine.host_s``) runs first at full speed and is not on the GPU: it
+    neither takes a share nor slows the steps beside it."""
     now = 0.0
     active: dict[int, _Step] = {}
     pair = pair or {}
@@ -502,10 +511,10 @@ def run_engines(
                 on_export(k, i, t)
 
     while True:
-        rate = gpu_shares(list(active.values()), beside)
+        rate = gpu_shares([s for s in active.values() if s.host <= 0], beside)
         ending: tuple[float, int] | None = None
         for k, s in active.items():
-            t = now + s.left / rate[k]
+            t = now + (s.host if s.host > 0 else s.left / rate[k])  # its host part's end, or its end
             if ending is None or t < ending[0]:
                 ending = (t, k)
         for k, e in enumerate(engines):  # side work of an engine with no step in progress, sharing its stream
@@ -522,7 +531,12 @@ def run_engines(
             break
         t, k = ending if ending is not None and (issuing is None or ending[0] <= issuing[0]) else issuing
         for s in active.values():
-            s.left = max(0.0, s.left - (t - now) * rate[s.engine])
+            if s.host > 0:
+                s.host = max(0.0, s.host - (t - now))
+                if s.host <= 1e-12:
+                    s.host = -1.0  # its GPU part starts at this event
+            else:
+                s.left = max(0.0, s.left - (t - now) * rate[s.engine])
         for j, e in enumerate(engines):
             if j not in active:
                 for task in e.side:
@@ -535,6 +549,11 @@ def run_engines(
             for task in due:
                 task.done(now)
             continue
+        host_over = [j for j, st in active.items() if st.host < 0]
+        for j in host_over:  # host parts over at this event: those steps go on the GPU
+            active[j].host = 0.0
+        if k in host_over and active[k].left > 1e-12:
+            continue
         if k in active:
             s = active.pop(k)
             engines[k].run.wall_s += now - s.issued
@@ -544,7 +563,8 @@ def run_engines(
         dt = engines[k].issue(now)
         drain(k)
         if dt is not None:
-            active[k] = _Step(k, gpu_of[k], now, dt)
+            host = engines[k].host_s
+            active[k] = _Step(k, gpu_of[k], now, dt - host, host)
             if callable(pair.get(k)):
                 beside[k] = pair[k](getattr(engines[k], "step_rows", 0))
     stuck = [k for k, e in enumerate(engines) if e.has_work]

@@ -99,7 +99,9 @@ def validate_admission(
 # ---- the end-to-end study (bench/e2e.py) ------------------------------------------------------------
 
 TARGET = 0.15  # issue 18: within 15 % of the measured TTFT p50, ITL p50 and goodput
-SHARES = ("equal", "co-run")  # validate_e2e's ways to split a shared GPU
+# validate_e2e's ways to split a shared GPU: equal shares; the calibration co-run's measured stretch;
+# equal shares of P's per-row work only, its fixed cost taken as host launching (docs/planner.md "v12")
+SHARES = ("equal", "co-run", "host-split")
 HANDOFF_STREAMS = ("compute", "pack")  # where P's hand-off packs on a GPU (bench/e2e.py's handoff_stream)
 METRICS = ("ttft_p50_ms", "itl_p50_ms", "goodput_req_s")
 
@@ -193,6 +195,9 @@ class MeasuredSteps:
     move_beside_p_ms: float | None = None  # P -> D while P computes (``fetch_beside_p_ms``); None: not measured
     d_ladder_ms: dict[int, float] | None = None  # D: decode step by batch size (``decode_ladder_ms``); None: the line
     p_window_ms: dict[int, float] | None = None  # P: a step of k window chunks alone (``fit_p_step``); None: the line
+    # P: of each step, the host's launching that neither takes nor slows a shared GPU (shares
+    # "host-split": the fitted fixed cost, docs/planner.md "v12"); 0: the whole step is GPU work
+    p_host_ms: float = 0.0
 
     def prefill_ms(self, mode: str, chunks: list[tuple[int, int]], gpus: int, windows: int = 0) -> float:
         """A P step: its window chunks alone (``windows``, a symmetric P's CUDA graph) from the
@@ -370,11 +375,14 @@ def fit_steps(
 
 
 def _steps_json(steps: MeasuredSteps) -> dict[str, Any]:
-    """``steps`` as the validation records them (the ladder only where the result measured one)."""
+    """``steps`` as the validation records them (the ladder only where the result measured one, P's
+    host part only where the shares took one)."""
     out = asdict(steps)
     for key in ("d_ladder_ms", "p_window_ms"):  # only where the result measured them
         if out[key] is None:
             del out[key]
+    if not out["p_host_ms"]:
+        del out["p_host_ms"]
     return out
 
 
@@ -803,7 +811,7 @@ class _Study:
     # as simulated, and as the calibration ran it (what the serving-load slopes are read with)
     handoff_on_p_stream: bool = False
     measured_on_p_stream: bool = False
-    shares: str = "equal"  # a shared GPU's split: "equal", or "co-run" (the calibration's measured stretch)
+    shares: str = "equal"  # a shared GPU's split: one of ``SHARES``
 
 
 def _batch_check(
@@ -907,6 +915,8 @@ def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, stud
         windows,
     )
     steps.ttft_offset_ms = _ttft_offset(cal, path.first_at_start)
+    if study.shares == "host-split" and dep.shared_gpu:
+        steps.p_host_ms = steps.p_step_ms
     p_fit = fit_p_step(cfg, mode, cal, dep.p_step_tokens, gpu, windows)[2]
     load = None
     if study.serving_load:

@@ -77,6 +77,28 @@ def test_shared_gpu_is_shared_by_the_steps_in_progress():
     assert (p.run.wall_s, d.run.wall_s) == pytest.approx((0.060, 0.080))  # issue to end
 
 
+def test_a_steps_host_part_neither_takes_nor_slows_the_gpu():
+    """As above, but 20 ms of P's 30 are host launching (``p_host_ms``): P issued at 15 launches
+    until 35 off the GPU, so D's steps [10, 20] and [20, 30] run alone; at 35 P's 10 ms of GPU work
+    join D's step issued at 30 (5 ms left): both at half speed, D's ends at 45, P has 5 ms left,
+    which beside D's next step end at 55; that step, 5 ms done by then, ends at 60. Gaps 10, 10,
+    15, 15: P's fixed cost as host time delays D less than as GPU work (15, 20, 20, 15)."""
+
+    class HostSteps(FlatSteps):
+        p_host_ms = 20.0
+
+    steps = HostSteps()
+    p = PrefillEngine(CFG, steps, PrefillSetup("asymmetric", 1, 1000), [Arrival(1, 0.015, 40, 5)])
+    d = DecodeEngine(CFG, steps, D_SETUP, [Arrival(0, 0.0, 40, 5)])
+    exported: list[tuple[int, int, float]] = []
+    run_engines([p, d], [0, 0], lambda k, i, t: exported.append((k, i, round(t * 1e3, 6))))
+    assert exported == [(0, 1, 55.0)]
+    assert ms(d.run.itl_s) == pytest.approx([10, 10, 15, 15])
+    assert (p.run.busy_s, p.run.wall_s) == pytest.approx((0.030, 0.040))
+    run_alone(p2 := PrefillEngine(CFG, steps, PrefillSetup("asymmetric", 1, 1000), [Arrival(1, 0.015, 40, 5)]))
+    assert p2.run.done_s[1] * 1e3 == pytest.approx(15 + 30)  # alone: host and GPU parts in a row, as before
+
+
 def test_gpu_shares_are_equal():
     from asympd.plan.simulate import gpu_share
 

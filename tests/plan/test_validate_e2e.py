@@ -486,8 +486,21 @@ def test_a_measured_co_run_replaces_the_equal_shares():
     assert default["shares"] == "equal" and "co_run_stretch" not in default["modes"]["asymmetric"]
     assert default["modes"]["asymmetric"].pop("co_run_measured") == {"p": 1.0, "d": 2.0}
     assert default == without
-    with pytest.raises(ValidationError, match="shares must be one of equal, co-run, got 'half'"):
+    with pytest.raises(ValidationError, match="shares must be one of equal, co-run, host-split, got 'half'"):
         validate_e2e(res, shares="half")
+
+
+def test_host_split_shares_take_p_s_fixed_cost_off_a_shared_gpu():
+    """``shares="host-split"``: on a shared GPU P's fitted fixed cost is simulated as host launching,
+    off the GPU (``p_host_ms``; the timeline is test_simulate's); on GPUs of their own nothing changes."""
+    shared = e2e_result(gpus=1)
+    equal, host = validate_e2e(shared), validate_e2e(shared, shares="host-split")
+    steps = host["modes"]["asymmetric"]["steps_ms"]
+    assert host["shares"] == "host-split" and steps["p_host_ms"] == steps["p_step_ms"] == 10.0
+    assert "p_host_ms" not in equal["modes"]["asymmetric"]["steps_ms"]  # (older validations' bytes)
+    apart = validate_e2e(e2e_result(gpus=2), shares="host-split")
+    assert "p_host_ms" not in apart["modes"]["asymmetric"]["steps_ms"]
+    assert apart["rows"] == validate_e2e(e2e_result(gpus=2))["rows"]
 
 
 def test_the_simulated_p_schedules_as_the_measured_p_reported():
