@@ -113,7 +113,8 @@ def run_group(engine, group: list[int], tag: str, watch: Watch, vocab: int, seed
         if not _in_prompt(engine, rids):
             break
         watch.sync()
-        mark, segs, t = watch.compiles.mark(), watch.segments(), time.perf_counter()
+        mark, segs, graphs = watch.compiles.mark(), watch.segments(), _captured(engine)
+        t = time.perf_counter()
         engine.step()
         watch.sync()
         dt = time.perf_counter() - t
@@ -123,12 +124,19 @@ def run_group(engine, group: list[int], tag: str, watch: Watch, vocab: int, seed
                 "ms": round(dt * 1e3, 2),
                 "compiles": watch.compiled_since(mark),
                 "new_segments": watch.segments() - segs,
+                "graphs_captured": _captured(engine) - graphs,  # a capture mid-traffic (a piece of a new size)
             }
         )
     else:
         raise RuntimeError(f"group {group} made no progress")
     _release(engine, rids)
     return steps
+
+
+def _captured(engine) -> int:
+    """CUDA graphs (or pieces) the engine has captured so far."""
+    graphs = engine.runner.graphs
+    return 0 if graphs is None else graphs.stats["captured"]
 
 
 def _add_group(engine, group: list[int], tag: str, vocab: int, seed: int) -> list[str]:
@@ -287,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                 for s in steps:
                     log(
                         f"group {i} {group}: step of {s['rows']} rows {s['ms']} ms, {len(s['compiles'])} compiles, "
-                        f"{s['new_segments']} new segments"
+                        f"{s['new_segments']} new segments, {s['graphs_captured']} graphs captured"
                     )
                 record(args.out, out, started)
             if anatomy_groups:
