@@ -65,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
+from asympd.engine.engine import CUDA_GRAPH_MODES  # noqa: E402
 from asympd.plan.step_log import ALONE_P, BESIDE  # noqa: E402
 from asympd.plan.step_log import overlap as _overlap  # noqa: E402
 from asympd.serve.admission import POLICIES, default_policy  # noqa: E402
@@ -1362,7 +1363,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--p-cuda-graph-mode",
         default="full",
-        choices=("full", "full_and_piecewise"),
+        choices=CUDA_GRAPH_MODES,
         help="P's --cuda-graph-mode (full_and_piecewise: its prompt steps as piecewise graphs)",
     )
     ap.add_argument("--gpus", type=int, default=None, help="default: 0 with --tiny, else min(2, visible GPUs)")

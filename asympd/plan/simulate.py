@@ -530,11 +530,11 @@ def run_engines(
         if ending is None and issuing is None:
             break
         t, k = ending if ending is not None and (issuing is None or ending[0] <= issuing[0]) else issuing
+        host_ends = k in active and active[k].host > 0  # the event is step k's host part ending
         for s in active.values():
             if s.host > 0:
-                s.host = max(0.0, s.host - (t - now))
-                if s.host <= 1e-12:
-                    s.host = -1.0  # its GPU part starts at this event
+                h = s.host - (t - now)
+                s.host = h if h > 1e-12 else 0.0  # over: its GPU part runs from here
             else:
                 s.left = max(0.0, s.left - (t - now) * rate[s.engine])
         for j, e in enumerate(engines):
@@ -549,10 +549,7 @@ def run_engines(
             for task in due:
                 task.done(now)
             continue
-        host_over = [j for j, st in active.items() if st.host < 0]
-        for j in host_over:  # host parts over at this event: those steps go on the GPU
-            active[j].host = 0.0
-        if k in host_over and active[k].left > 1e-12:
+        if host_ends and active[k].left > 1e-12:
             continue
         if k in active:
             s = active.pop(k)
