@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from asympd.engine.engine import CUDA_GRAPH_MODES  # noqa: E402
 from bench.common import log, record  # noqa: E402
 
 DEFAULT_GROUPS = "896;896;1107;2269+2821+1483;1706;1792;896;1107;2269+2821+1483;1706;1792;1235;3001"
@@ -253,7 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", default=DEFAULT_GROUPS, help="prompt rows: '+' within a group, ';' between")
     ap.add_argument("--step-tokens", type=int, default=None, help="P's step budget (default: the e2e study's)")
     ap.add_argument("--anatomy", default="", help="groups whose first step is timed, sync-checked and profiled")
-    ap.add_argument("--piecewise", action="store_true", help="P as with --cuda-graph-mode full_and_piecewise")
+    ap.add_argument(
+        "--cuda-graph-mode",
+        choices=CUDA_GRAPH_MODES,
+        default=None,
+        help="P's --cuda-graph-mode (default: the prefill worker's, full_and_piecewise; full: eager prompt steps)",
+    )
     ap.add_argument("--out", default="first_steps")
     args = ap.parse_args(argv)
     groups = parse_groups(args.groups)
@@ -272,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         watch = Watch(torch.device(device))
         try:
-            extra = ["--cuda-graph-mode", "full_and_piecewise"] if args.piecewise else []
+            extra = ["--cuda-graph-mode", args.cuda_graph_mode] if args.cuda_graph_mode else []
             engine = build_engine(ckpt, device, step_tokens, int(d["kv_cache_gb"] * 2**30), ck.shared_experts, extra)
             build_s = time.perf_counter() - t
             warm = engine.warm_up_report

@@ -105,9 +105,11 @@ class EngineConfig:
     # True runs every step eagerly (vLLM's flag)
     enforce_eager: bool = False
     # full: other steps (prefill chunks, bounded prefills beside decodes) run eagerly; full_and_piecewise:
-    # they replay their layers' parts around attention as piecewise graphs (measured no faster on an
-    # H200, docs/performance.md §11, hence not the default)
-    cuda_graph_mode: str = "full"
+    # they replay their layers' parts around attention as piecewise graphs. None: full_and_piecewise on
+    # a prefill worker, whose eager prompt steps are the host's (about 24,000 host ops a step; piecewise
+    # took its 896-1792-row steps 1.1-2.1x faster on an H200 and its busy time 6-15 % down end to end,
+    # docs/performance.md §12), full elsewhere (D's mixed steps measured no faster piecewise, §11)
+    cuda_graph_mode: str | None = None
     # startup: build the decode/verify graphs (every padded batch size; 1 + k rows, 1 row, the counts
     # between; context bounds shortest first) and the drafter's before serving, at most
     # cuda_graph_max_captures decode/verify graphs; the rest, and all with lazy, are captured when first met
@@ -132,6 +134,8 @@ class EngineConfig:
             raise ValueError(f"unknown boundary policy {self.boundary_policy!r}")
         if self.kv_wire_format not in KV_FORMATS:
             raise ValueError(f"unknown kv_wire_format {self.kv_wire_format!r}; expected one of {', '.join(KV_FORMATS)}")
+        if self.cuda_graph_mode is None:
+            self.cuda_graph_mode = "full_and_piecewise" if self.role == "prefill" else "full"
         if self.cuda_graph_mode not in CUDA_GRAPH_MODES:
             raise ValueError(f"unknown cuda_graph_mode {self.cuda_graph_mode!r}; expected one of {CUDA_GRAPH_MODES}")
         if self.cuda_graph_capture not in CUDA_GRAPH_CAPTURE:
@@ -247,7 +251,7 @@ class LLMEngine:
             if self.config.cuda_graph_capture == "startup":
                 self.startup_capture = self.capture_graphs()
         elif model.device.type == "cuda" and model.batched and graphable and not self.config.enforce_eager:
-            self.runner.graphs = self.make_prefill_pieces(capture=True)  # None unless piecewise is asked for
+            self.runner.graphs = self.make_prefill_pieces(capture=True)  # a P's default; None with full
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # prefill worker: exported, blocks kept until released
         # prefill worker: done with, but a copy out of their blocks may still run (engine/export.py)

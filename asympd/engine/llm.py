@@ -66,7 +66,7 @@ class LLM:
         stream_prefix: bool = False,
         enforce_eager: bool = False,
         cuda_graph_capture: str = "startup",
-        cuda_graph_mode: str = "full",
+        cuda_graph_mode: str | None = None,
         warm_up: bool | None = None,
     ):
         """``num_spec_tokens`` > 0 turns on speculative decoding with the checkpoint's DSpark draft
@@ -79,7 +79,7 @@ class LLM:
         CUDA graphs (by default decode and verify steps replay them on CUDA). ``cuda_graph_capture``:
         startup builds them before the first request, lazy when a step first needs one.
         ``cuda_graph_mode``: full_and_piecewise replays the other steps' layers around attention as
-        piecewise graphs (an asymmetric or encoder-only P's prompt steps too).
+        piecewise graphs (a P's prompt steps too); None: that for the prefill worker, full for the rest.
         ``warm_up``: run the eager prompt path once per size class before the first request
         (engine/warm_up.py; None: on CUDA)."""
         self.mode = mode

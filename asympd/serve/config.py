@@ -188,7 +188,8 @@ _HELP = {
     "dtype": "auto: bfloat16 on CUDA, float32 on CPU",
     "weights": "auto: packed-experts on CUDA (MXFP4 experts as released), dequantized on CPU",
     "cuda_graph_mode": "full: steps that are not pure decode/verify run eagerly; full_and_piecewise: they "
-    "replay piecewise graphs around attention (a prefill worker's prompt steps up to 2048 rows too)",
+    "replay piecewise graphs around attention (a prefill worker's prompt steps up to 2048 rows too). Default: "
+    "full_and_piecewise on a prefill worker, full elsewhere",
     "warm_up": "run a throwaway prompt at each prompt-step size class before serving, so that Triton compiles"
     " at start-up, not mid-traffic (default: on a CUDA device; --no-warm-up skips it)",
     "enforce_eager": "run every step eagerly (default on CUDA: decode and verify steps, a D's first steps and a "

@@ -20,6 +20,7 @@ def test_each_step_of_each_group_is_recorded(tmp_path, monkeypatch):
     assert first_steps.main(["--tiny", "--groups", "5;7+9;3", "--out", "fs"]) == 0
     res = json.loads((tmp_path / "fs.json").read_text())
     assert res["window"] == 16 and res["step_tokens"] == 2048 and res["warm_up"] is None  # no warm-up on CPU
+    assert res["cuda_graph_mode"] == "full_and_piecewise"  # a prefill worker's default (no graphs on CPU)
     # a group's prompts run in one step (P's budget holds them), rows = prompt length - W each
     assert [[s["rows"] for s in g["steps"]] for g in res["groups"]] == [[5], [16], [3]]
     assert [g["prompt_rows"] for g in res["groups"]] == [[5], [7, 9], [3]]
@@ -29,9 +30,10 @@ def test_each_step_of_each_group_is_recorded(tmp_path, monkeypatch):
 
 def test_the_anatomy_times_checks_and_profiles_a_groups_first_step(tmp_path, monkeypatch):
     monkeypatch.setenv("ASYMPD_OUT", str(tmp_path))
-    assert first_steps.main(["--tiny", "--groups", "5", "--anatomy", "7;5+9", "--piecewise", "--out", "fs"]) == 0
+    args = ["--tiny", "--groups", "5", "--anatomy", "7;5+9", "--cuda-graph-mode", "full", "--out", "fs"]
+    assert first_steps.main(args) == 0
     res = json.loads((tmp_path / "fs.json").read_text())
-    assert res["cuda_graph_mode"] == "full_and_piecewise" and res["pieces"] is None  # no graphs on CPU
+    assert res["cuda_graph_mode"] == "full" and res["pieces"] is None  # asked: eager prompt steps
     a = res["anatomy"]
     assert [x["prompt_rows"] for x in a] == [[7], [5, 9]] and [x["rows"] for x in a] == [7, 14]
     for x in a:

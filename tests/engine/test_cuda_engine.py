@@ -99,9 +99,10 @@ def test_a_symmetric_p_replays_its_window_steps_on_cuda(tiny_ckpt, mode):
 
 @pytest.mark.parametrize("mode", ["asymmetric", "encoder-only"])
 def test_a_prefill_workers_piecewise_graphs_keep_the_greedy_tokens(tiny_ckpt, mode):
-    """An asymmetric or encoder-only P's prompt steps replayed as piecewise graphs (captured by the
-    warm-up's prompts, one at each piece size) give the eager engine's greedy tokens in fp32."""
-    want, got, stats = _p_graphs_against_eager(tiny_ckpt, mode, cuda_graph_mode="full_and_piecewise")
+    """An asymmetric or encoder-only P's prompt steps replayed as piecewise graphs (its default;
+    captured by the warm-up's prompts, one at each piece size) give the eager engine's greedy tokens
+    in fp32."""
+    want, got, stats = _p_graphs_against_eager(tiny_ckpt, mode)
     print(f"a P's piecewise graphs, {mode}: {stats}")
     assert got == want
     assert stats["captured"] >= 2 and stats["blocks"] >= 10 and stats["eager_blocks"] == 0, stats

@@ -110,16 +110,17 @@ def test_engine_config_refuses_an_unknown_graph_mode_and_cpu_engines_run_eagerly
     assert not eager.prefill.config.scheduler.one_depth_per_step
 
 
-def test_piece_sizes_are_refused_unless_increasing_and_a_p_takes_pieces_only_when_asked(tiny_ckpt):
+def test_piece_sizes_are_refused_unless_increasing_and_a_p_takes_pieces_by_default(tiny_ckpt):
     for bad in ((), (32, 16), (16, 16), (0, 16)):
         with pytest.raises(ValueError, match="piece sizes must be increasing positive row counts"):
             PiecewiseGraphs(torch.device("cpu"), capture=False, sizes=bad)
-    llm = LLM(tiny_ckpt, "asymmetric")  # CPU: the engine builds none; asked, its P makes PrefillPieces
-    assert llm.prefill.make_prefill_pieces(capture=False) is None  # full (the default): eager prompt steps
-    llm.prefill.config.cuda_graph_mode = "full_and_piecewise"
+    llm = LLM(tiny_ckpt, "asymmetric")  # CPU: the engine builds none; a P's default makes PrefillPieces
+    assert (llm.prefill.config.cuda_graph_mode, llm.engine.config.cuda_graph_mode) == ("full_and_piecewise", "full")
     pieces = llm.prefill.make_prefill_pieces(capture=False)
     assert pieces.piecewise.sizes == list(PREFILL_PIECE_ROWS) and pieces.run() is None
     assert llm.engine.make_prefill_pieces(capture=False) is None  # a D: its DecodeGraphs hold its pieces
+    eager_prompts = LLM(tiny_ckpt, "asymmetric", cuda_graph_mode="full")  # asked: eager prompt steps
+    assert eager_prompts.prefill.make_prefill_pieces(capture=False) is None
 
 
 def test_engine_config_refuses_a_bad_capture_setting_and_cpu_engines_capture_nothing(tiny_ckpt):
