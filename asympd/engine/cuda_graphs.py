@@ -180,9 +180,20 @@ class DecodeGraphs:
         self._out: dict[int, torch.Tensor] = {}  # the steps' outputs (logits, argmax, hidden), shared
         # steps: replayed (or re-run over the static buffers), run eagerly before a capture, not taken
         # startup: graphs built before any request (``capture_all``)
-        self.stats = {"captured": 0, "replayed": 0, "first": 0, "eager": 0, "startup": 0}
+        self.counts = {"captured": 0, "replayed": 0, "first": 0, "eager": 0, "startup": 0}
         self.steps_by_key: collections.Counter[GraphKey] = collections.Counter()  # steps served, per graph
         self.piecewise = PiecewiseGraphs(cache.device, capture=capture, sizes=piece_rows) if piecewise else None
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """The steps' counts; with pieces, ``captured`` counts them too (one captured while serving
+        is a new shape, as a whole-step graph is) and ``blocks`` / ``eager_blocks`` say how many layer
+        runs went through them or ran eagerly (steps too large), as :class:`PrefillPieces` reports."""
+        if self.piecewise is None:
+            return dict(self.counts)
+        ps = self.piecewise.stats
+        return {**self.counts, "captured": self.counts["captured"] + ps["captured"],
+                "blocks": ps["blocks"], "eager_blocks": ps["eager"]}  # fmt: skip
 
     # ---- which steps qualify -------------------------------------------------------------------
 
@@ -260,7 +271,7 @@ class DecodeGraphs:
             if self.capture:
                 self._capture(st)
             new += 1
-        self.stats["startup"] += new
+        self.counts["startup"] += new
         return new
 
     # ---- a step ----------------------------------------------------------------------------------
@@ -277,7 +288,7 @@ class DecodeGraphs:
         ``segs``: the chunks as batch segments (``transformer.batch_segments``)."""
         key = self.key(ordered, segs)
         if key is None:
-            self.stats["eager"] += 1
+            self.counts["eager"] += 1
             return None
         n = len(ordered)
         self.steps_by_key[key] += 1
@@ -300,11 +311,11 @@ class DecodeGraphs:
             st.fetched[lid].scales[:rows].copy_(f.scales)
         if first or not self.capture:
             outputs, log = self._eager(st)
-            self.stats["first" if first else "replayed"] += 1
+            self.counts["first" if first else "replayed"] += 1
         else:
             st.graph.replay()
             outputs, log = st.outputs, st.mirror_log
-            self.stats["replayed"] += 1
+            self.counts["replayed"] += 1
         b = st.batch
         for rows_obj, s0, s1, taken in log:  # the host row counts, with this step's values
             s1 = min(s1, n)
@@ -379,7 +390,7 @@ class DecodeGraphs:
         with torch.cuda.graph(st.graph, pool=self.pool, capture_error_mode="thread_local"):
             st.outputs = st.run()
         st.mirror_log, st.batch.mirror_log = st.batch.mirror_log, None
-        self.stats["captured"] += 1
+        self.counts["captured"] += 1
 
     def _output(self, ordered: list[Any], order: list[int], key: GraphKey, outputs: Any) -> Any:
         """The step's ForwardOutput from the (static) outputs: copies, since the next replay

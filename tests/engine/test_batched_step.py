@@ -195,8 +195,10 @@ def test_a_prefill_workers_piecewise_steps_equal_its_eager_steps(tiny_ckpt, mode
     assert isinstance(g, PrefillPieces) == (mode in ("asymmetric", "encoder-only"))
     stats = g.piecewise.stats
     assert stats["blocks"] >= 10 and not stats["eager"], stats  # every prompt step's layers, as pieces
+    # the server's report (/metrics, bench/e2e.py's graphs_after) reads ``stats``: the pieces in it
+    assert g.stats["blocks"] == stats["blocks"] and g.stats["eager_blocks"] == 0
     if isinstance(g, PrefillPieces):
-        assert g.stats["blocks"] == stats["blocks"] and g.run() is None and not g.graphs
+        assert g.run() is None and not g.graphs
 
 
 @pytest.mark.parametrize(
