@@ -98,7 +98,8 @@ def warm_up(engine: LLMEngine) -> WarmUp:
     t0 = time.perf_counter()
     counters = dict(engine.counters)
     graphs = getattr(engine.runner, "graphs", None)
-    graph_steps = {k: graphs.stats[k] for k in ("replayed", "first", "eager")} if graphs is not None else {}
+    counts = getattr(graphs, "counts", None)  # DecodeGraphs' step counts (PrefillPieces counts no steps)
+    graph_steps = {k: counts[k] for k in ("replayed", "first", "eager")} if counts is not None else {}
     done: list[int] = []
     vocab = engine.cfg.vocab_size
     pieces = getattr(getattr(graphs, "piecewise", None), "sizes", ())
@@ -127,8 +128,8 @@ def warm_up(engine: LLMEngine) -> WarmUp:
             e.wait()
         engine._free(req)
     engine.counters.update(counters)
-    if graphs is not None:  # the steps ran eagerly: not served steps either (graphs built stay counted)
-        graphs.stats.update(graph_steps)
+    if counts is not None:  # the steps ran eagerly: not served steps either (graphs built stay counted)
+        counts.update(graph_steps)
     report = WarmUp(tuple(done), time.perf_counter() - t0)
     log.info(report.line())
     return report

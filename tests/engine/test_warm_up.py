@@ -78,6 +78,23 @@ def test_a_p_with_piecewise_graphs_warms_every_piece_size(models):
     assert eng.stats()["steps"] == 0 and not eng.requests and not eng.held
 
 
+def test_a_symmetric_ps_warm_up_steps_are_not_counted_as_served_graph_steps(models):
+    """A symmetric P's window steps in the warm-up build their graphs (here their static path,
+    without capture) before serving; the steps themselves are not served steps, so the counts the
+    server reports (a step that builds a graph is a new shape) read as before it."""
+    eng = engine(models["full"], "prefill", "symmetric-split", warm=False)
+    eng.runner.graphs = eng.make_graphs(capture=False)  # with its prompt pieces: a P's default mode
+    before = eng.runner.graphs.stats
+    assert eng.runner.graphs.piecewise is not None and before["first"] == 0
+    warm_up(eng)
+    after = eng.runner.graphs.stats
+    assert eng.runner.graphs.graphs, "the window steps built their graphs"
+    assert {k: after[k] for k in ("replayed", "first", "eager")} == {
+        k: before[k] for k in ("replayed", "first", "eager")
+    }
+    assert after["blocks"] > 0  # the prompt chunks ran through the pieces
+
+
 def test_a_warmed_engine_serves_what_a_cold_one_serves(models):
     """Colocated tokens, and P's exported prefix bytes and D's tokens from them, equal a cold
     engine's."""
