@@ -107,7 +107,7 @@ class EngineConfig:
     # full: other steps (prefill chunks, bounded prefills beside decodes) run eagerly; full_and_piecewise:
     # they replay their layers' parts around attention as piecewise graphs. None: full_and_piecewise on
     # a prefill worker, whose eager prompt steps are the host's (about 24,000 host ops a step; piecewise
-    # took its 896-1792-row steps 1.1-2.1x faster on an H200 and its busy time 6-15 % down end to end,
+    # took its 896-1792-row steps 1.1-2.2x faster on an H200 and its busy time up to 16 % down end to end,
     # docs/performance.md §12), full elsewhere (D's mixed steps measured no faster piecewise, §11)
     cuda_graph_mode: str | None = None
     # startup: build the decode/verify graphs (every padded batch size; 1 + k rows, 1 row, the counts
