@@ -193,7 +193,8 @@ class DecodeGraphs:
             return dict(self.counts)
         ps = self.piecewise.stats
         return {**self.counts, "captured": self.counts["captured"] + ps["captured"],
-                "blocks": ps["blocks"], "eager_blocks": ps["eager"]}  # fmt: skip
+                "blocks": ps["blocks"], "eager_blocks": ps["eager"],
+                "piece_buffer_bytes": self.piecewise.buffer_bytes()}  # fmt: skip
 
     # ---- which steps qualify -------------------------------------------------------------------
 
@@ -721,10 +722,12 @@ class PrefillPieces:
     @property
     def stats(self) -> dict[str, int]:
         """``captured``: pieces captured (a new one while serving is a new shape); ``blocks``: layer
-        runs through pieces; ``eager_blocks``: layer runs of steps too large for them."""
+        runs through pieces; ``eager_blocks``: layer runs of steps too large for them;
+        ``piece_buffer_bytes``: their static buffers (``/info``'s memory reports it)."""
         ps = self.piecewise.stats
         return {"captured": ps["captured"], "replayed": 0, "first": 0, "eager": 0,
-                "blocks": ps["blocks"], "eager_blocks": ps["eager"]}  # fmt: skip
+                "blocks": ps["blocks"], "eager_blocks": ps["eager"],
+                "piece_buffer_bytes": self.piecewise.buffer_bytes()}  # fmt: skip
 
     def run(self, *args: Any) -> None:
         """No whole-step graph: the forward runs its layers, through ``piecewise``."""
@@ -753,6 +756,11 @@ class PiecewiseGraphs:
         self.pieces: dict[tuple[int, str, int], _Piece] = {}
         # pieces captured; layer runs through the pieces; layer runs too large for them (eager)
         self.stats = {"captured": 0, "blocks": 0, "eager": 0}
+
+    def buffer_bytes(self) -> int:
+        """Device bytes of the pieces' static buffers: one set at the largest size, whatever sizes
+        have run (the graphs' private pool comes on top)."""
+        return sum(t.nbytes for t in self._store.values())
 
     def block(self, block: Any, h: torch.Tensor, pre: torch.Tensor, view: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``block(h, pre, view)`` with its two pieces replayed; returns (h, next pre-mix) of the real rows

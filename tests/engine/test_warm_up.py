@@ -76,6 +76,11 @@ def test_a_p_with_piecewise_graphs_warms_every_piece_size(models):
     assert report.rows == tuple(warm_up_rows(96, (8, 24, 48, 96))) and {24, 48} <= set(report.rows)
     assert {t for _, _, t in eng.runner.graphs.piecewise.pieces} == {8, 24, 48, 96}
     assert eng.stats()["steps"] == 0 and not eng.requests and not eng.held
+    # every size reads and writes the first rows of one buffer set at the largest: 96 rows' worth
+    views = eng.runner.graphs.piecewise.buffers
+    assert set(views) == {8, 24, 48, 96} and set(views[8]) == set(views[96])
+    size_bytes = {t: sum(v.nbytes for v in views[t].values()) for t in views}
+    assert eng.runner.graphs.stats["piece_buffer_bytes"] == size_bytes[96] == 12 * size_bytes[8] > 0
 
 
 def test_a_symmetric_ps_warm_up_steps_are_not_counted_as_served_graph_steps(models):
