@@ -352,6 +352,28 @@ def test_a_symmetric_p_replays_its_window_steps_as_graphs(tiny_ckpt, mode, start
         assert g.stats["startup"] == len(g.graphs) == 3 and g.stats["first"] == 0, g.stats
 
 
+def test_a_prompt_of_a_power_of_two_tokens_replays_a_graph_built_at_start_up(tiny_ckpt):
+    """A prompt of exactly 1024 tokens (a context bound) ends its window step with a block table one
+    block past the bound (the block of the token P samples): the step takes the next bound's graph,
+    built at start-up, where it used to build a wider graph of its own mid-traffic (a 0.5-0.8 s
+    stall at true depth: the e2e calibration's 1024-token prompts met one in P and in D). Tokens,
+    logprobs and every cache byte equal the eager engine's."""
+    lengths = (1024, 40)
+    want_out, want_cache = _eager(tiny_ckpt, "symmetric-split", 0, lengths=lengths)
+    p_graphs: list = []
+    reports: list = []
+    got_out, got_cache = _run(
+        tiny_ckpt, "symmetric-split", batched=True, spec=0, startup=reports, p_graphs=p_graphs, lengths=lengths
+    )
+    assert got_out == want_out
+    for want, got in zip(want_cache, got_cache, strict=True):
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+    (g,) = p_graphs
+    assert g.stats["replayed"] == 2 and g.stats["first"] == 0 and len(g.graphs) == g.stats["startup"], g.stats
+    assert {k.context for k in g.steps_by_key} == {1024, 2048}  # the 40-token prompt's and the 1024's
+
+
 @pytest.mark.parametrize("mode", ["asymmetric", "symmetric-split"])
 def test_unmixed_steps_replay_the_first_steps_as_graphs(tiny_ckpt, mode, monkeypatch):
     """With the ``alone-4`` policy's unmixed steps, a D's first steps for its requests (W rows
