@@ -36,6 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from asympd.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -48,14 +50,24 @@ WARM_UP_ID = "__asympd_warm_up_"
 
 @dataclass(frozen=True)
 class WarmUp:
-    """What ``warm_up`` ran: the prompt rows of each throwaway prompt, and the seconds it took."""
+    """What ``warm_up`` ran: the prompt rows of each throwaway prompt, and the seconds it took;
+    the piecewise graphs' pieces it built (a P's prompt steps: each size's, captured on CUDA) and
+    the device memory the allocator reserved meanwhile (their pool and buffers, the steps'
+    workspaces; None off CUDA), so that the start-up log says what the warm-up cost."""
 
     rows: tuple[int, ...]
     seconds: float
+    pieces: int = 0
+    reserved_bytes: int | None = None
 
     def line(self) -> str:
         sizes = f"{self.rows[0]}-{self.rows[-1]}" if self.rows else "none"
-        return f"warm-up: {len(self.rows)} prompts of {sizes} prompt rows in {self.seconds:.1f} s"
+        text = f"warm-up: {len(self.rows)} prompts of {sizes} prompt rows in {self.seconds:.1f} s"
+        if self.pieces:
+            text += f", {self.pieces} piecewise graph pieces built"
+        if self.reserved_bytes is not None:
+            text += f", {self.reserved_bytes / 2**20:.0f} MiB more reserved on the device"
+        return text
 
 
 def warm_up_rows(budget: int, pieces: Sequence[int] = ()) -> list[int]:
@@ -96,8 +108,12 @@ def warm_up(engine: LLMEngine) -> WarmUp:
     if engine.requests or engine.held:
         raise RuntimeError("warm-up runs on an idle engine, before it serves")
     t0 = time.perf_counter()
+    device = engine.cache.device
+    reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else None
     counters = dict(engine.counters)
     graphs = getattr(engine.runner, "graphs", None)
+    piecewise = getattr(graphs, "piecewise", None)
+    pieces_before = len(piecewise.pieces) if piecewise is not None else 0
     counts = getattr(graphs, "counts", None)  # DecodeGraphs' step counts (PrefillPieces counts no steps)
     graph_steps = {k: counts[k] for k in ("replayed", "first", "eager")} if counts is not None else {}
     done: list[int] = []
@@ -130,6 +146,11 @@ def warm_up(engine: LLMEngine) -> WarmUp:
     engine.counters.update(counters)
     if counts is not None:  # the steps ran eagerly: not served steps either (graphs built stay counted)
         counts.update(graph_steps)
-    report = WarmUp(tuple(done), time.perf_counter() - t0)
+    grown = None
+    if reserved is not None:
+        torch.cuda.synchronize(device)
+        grown = torch.cuda.memory_reserved(device) - reserved
+    built = len(piecewise.pieces) - pieces_before if piecewise is not None else 0
+    report = WarmUp(tuple(done), time.perf_counter() - t0, built, grown)
     log.info(report.line())
     return report

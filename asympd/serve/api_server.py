@@ -210,7 +210,13 @@ class WorkerServer:
         if report is None:
             return None
         rows = [min(report.rows), max(report.rows)] if report.rows else []
-        return {"prompts": len(report.rows), "rows": rows, "seconds": round(report.seconds, 3)}
+        return {
+            "prompts": len(report.rows),
+            "rows": rows,
+            "seconds": round(report.seconds, 3),
+            "pieces": report.pieces,
+            "reserved_bytes": report.reserved_bytes,
+        }
 
     def admission(self) -> dict[str, Any]:
         """How new requests join this worker's steps (serve/admission.py): the policy and what it set."""

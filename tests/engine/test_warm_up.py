@@ -74,6 +74,11 @@ def test_a_p_with_piecewise_graphs_warms_every_piece_size(models):
     eng.runner.graphs = PrefillPieces(torch.device("cpu"), capture=False, sizes=(8, 24, 48, 96))
     report = warm_up(eng)
     assert report.rows == tuple(warm_up_rows(96, (8, 24, 48, 96))) and {24, 48} <= set(report.rows)
+    # every piece comes from the warm-up: two a layer (around attention) at each of the four sizes
+    n_layers = len({layer for layer, _, _ in eng.runner.graphs.piecewise.pieces})
+    assert report.pieces == len(eng.runner.graphs.piecewise.pieces) == 2 * 4 * n_layers > 0
+    assert report.reserved_bytes is None  # CPU: no device allocator to read
+    assert report.line().endswith(f" s, {report.pieces} piecewise graph pieces built")
     assert {t for _, _, t in eng.runner.graphs.piecewise.pieces} == {8, 24, 48, 96}
     assert eng.stats()["steps"] == 0 and not eng.requests and not eng.held
     # every size reads and writes the first rows of one buffer set at the largest: 96 rows' worth

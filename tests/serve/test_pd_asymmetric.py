@@ -246,6 +246,7 @@ def test_models_health_metrics(cluster, client):
     assert p_info["fingerprint"] == d_info["fingerprint"]
     for info in (p_info, d_info):  # --warm-up: one throwaway prompt per size class, from a single row
         assert info["warm_up"]["prompts"] > 10 and info["warm_up"]["rows"][0] == 1, info["warm_up"]
+        assert (info["warm_up"]["pieces"], info["warm_up"]["reserved_bytes"]) == (0, None)  # CPU: no graphs
     # D runs its default admission policy (alone-4: capped, unmixed steps); P is never capped
     assert d_info["admission"] == {
         "policy": "alone-4",
