@@ -531,7 +531,10 @@ class LLMEngine:
         for req, msg in sched.failed:
             req.error = msg
             outputs.append(self._finish(req, Status.FINISHED_ERROR))
+        now = time.monotonic()
         for req in sched.admitted:
+            if req.scheduled_time is None:  # re-admitted after a preemption: its first wait counts
+                req.scheduled_time = now
             self.runner.prepare(req)
             if not req.phases:  # nothing to compute here (asymmetric P with N <= W)
                 outputs.extend(self._prompt_done(req, None))
@@ -768,6 +771,8 @@ class LLMEngine:
             "num_preemptions": req.num_preemptions,
             **spec_metrics(req.spec_proposed, req.spec_accepted, req.spec_steps),
         }
+        if req.scheduled_time is not None:  # vLLM's request queue time: added to first scheduled
+            metrics["queue"] = req.scheduled_time - req.arrival_time
         if req.first_token_time is not None:
             metrics["ttft"] = req.first_token_time - req.arrival_time
         if req.finish_time is not None:

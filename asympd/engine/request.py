@@ -56,6 +56,7 @@ class Request:
     spec_draft_probs: torch.Tensor | None = None  # [len(spec_draft), vocab] for sampled requests
     generator: torch.Generator | None = None  # a seeded request's, on the model's device (LLMEngine.add_request)
     error: str | None = None
+    scheduled_time: float | None = None  # first taken into a step: its wait in the queue ends here
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0

@@ -382,6 +382,9 @@ class WorkerServer:
         t_done = time.perf_counter()
         prefill_s = t_done - t_add
         self.metrics.prefill_compute.observe(prefill_s)
+        queue_s = out.metrics.get("queue")  # of prefill_s, the wait for P's first step
+        if queue_s is not None:
+            self.metrics.queue.observe(queue_s)
         state = await self.off_loop(out.exported_state)  # its copy off the device may still run
         t_pub = time.perf_counter()
         export_s = t_pub - t_done  # waiting for that copy (engine/export.py), on the TTFT path
@@ -406,6 +409,7 @@ class WorkerServer:
             "split": state.split,
             "num_prompt_tokens": len(ids),
             "prefill_s": prefill_s,
+            "prefill_queue_s": queue_s,
             "export_s": export_s,
             "export_copy_s": export_copy_s,
             "publish_s": publish_s,
@@ -421,6 +425,7 @@ class WorkerServer:
         body["kv_transfer_params"] = kv_out
         body["asympd_timings"] = {
             "prefill_s": prefill_s,
+            "prefill_queue_s": queue_s,
             "export_s": export_s,
             "export_copy_s": export_copy_s,
             "publish_s": publish_s,

@@ -232,6 +232,7 @@ class Handoff:
         path failed (``fail``: a 503). A bad or forged state is a 400, never a fallback."""
         failure = kv.get("prefill_failed")
         timings["prefill_s"] = kv.get("prefill_s")
+        timings["prefill_queue_s"] = kv.get("prefill_queue_s")  # of prefill_s: waiting for P's first step
         timings["prefill_rtt_s"] = kv.get("prefill_rtt_s")
         timings["publish_s"] = kv.get("publish_s")
         timings["export_s"] = kv.get("export_s")

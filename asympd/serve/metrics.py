@@ -160,6 +160,10 @@ class ServerMetrics:
         self.ttft = hist("asympd_time_to_first_token_seconds", "Time to first token, as this worker sees it.")
         self.itl = hist("asympd_inter_token_latency_seconds", "Time between consecutive output tokens.")
         self.e2e = hist("asympd_e2e_request_latency_seconds", "Request latency, arrival to last token.")
+        self.queue = hist(
+            "asympd_request_queue_time_seconds",
+            "Request added to the engine to its first step (vLLM's request_queue_time).",
+        )
         self.ttft_prefill = hist(
             "asympd_ttft_prefill_seconds", "TTFT split: prefill worker compute (from its kv_transfer_params)."
         )
@@ -208,6 +212,8 @@ class ServerMetrics:
         observed by the handler, which sees the whole request (fetch included)."""
         for gap in itl:
             self.itl.observe(gap)
+        if metrics.get("queue") is not None:
+            self.queue.observe(metrics["queue"])
         self.requests.labels(reason or "unknown").inc()
         if metrics.get("spec_proposed"):
             self.spec_draft.inc(metrics["spec_proposed"])

@@ -71,6 +71,22 @@ def test_bad_requests_are_refused_before_anything_is_allocated(models, ids, para
     assert not eng.has_unfinished_requests() and eng.blocks.num_used_blocks == 0
 
 
+def test_a_request_that_waits_for_a_slot_reports_its_queue_time(models):
+    """``RequestOutput.metrics["queue"]``: added to first taken into a step (vLLM's request queue
+    time). With one sequence at a time the second request waits out the whole first one, a
+    prompt step and three decode steps at least; the first is taken by the first step."""
+    eng = engine(models["full"], scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256))
+    a, b = random_prompts([20, 20], seed=5)
+    eng.add_request("a", a, GREEDY)
+    eng.add_request("b", b, GREEDY)
+    eng.step()  # a's prompt
+    assert eng.requests["a"].scheduled_time is not None and eng.requests["b"].scheduled_time is None
+    done = drain(eng)
+    qa, qb = done["a"].metrics["queue"], done["b"].metrics["queue"]
+    assert 0 <= qa < qb < done["b"].metrics["ttft"], (qa, qb)
+    assert qb > done["a"].metrics["e2e"] - qa  # b was taken after a had finished
+
+
 def test_duplicate_request_id(models):
     eng = engine(models["full"])
     eng.add_request("a", [1, 2, 3], GREEDY)

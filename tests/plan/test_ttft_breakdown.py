@@ -68,6 +68,11 @@ def test_the_fetch_splits_where_d_timed_its_parts():
     assert row["answer_split"]["export copy"] == {"p50": 0.004, "p90": 0.004}
     table = format_table("r", {"asymmetric@1": row})
     assert "export, export copy, rest" in table and "         4.0" in table
+    assert "p_split" not in row  # no prefill_queue_s: a result from before the thirtieth session
+    result["modes"]["asymmetric"]["runs"][0]["requests"]["asympd_timings"][0]["prefill_queue_s"] = 0.125
+    row = breakdown(result)["asymmetric@1"]  # P's 0.5 s: 0.125 waiting for its first step, 0.375 after
+    assert row["p_split"] == {"queue": {"p50": 0.125, "p90": 0.125}, "compute": {"p50": 0.375, "p90": 0.375}}
+    assert "P's part split, ms (p50): queue, compute" in format_table("r", {"asymmetric@1": row})
     assert (
         "fetch_split"
         not in breakdown(json.loads((RESULTS / "e2e_h200x1_depth40_oos3.json").read_text()))["asymmetric@1.5"]

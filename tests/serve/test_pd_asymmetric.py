@@ -71,6 +71,7 @@ def test_greedy_completions_equal_offline(cluster, offline, client):
         else:
             assert t["prefill_path"] == "remote"
             assert t["transfer_bytes"] > 0 and t["transfer_s"] > 0 and t["prefill_s"] > 0
+            assert 0 <= t["prefill_queue_s"] < t["prefill_s"], t  # P's wait for its first step, inside it
             # D's fetch split into its parts (tools/ttft_breakdown.py), each inside the whole
             split = [t["transfer_arrive_s"], t["transfer_unpack_s"], t["transfer_check_s"]]
             assert all(x > 0 for x in split) and sum(split) < t["transfer_s"], t
@@ -264,6 +265,7 @@ def test_models_health_metrics(cluster, client):
         "asympd_inter_token_latency_seconds_count",
         "asympd_e2e_request_latency_seconds_count",
         "asympd_ttft_transfer_seconds_count",
+        "asympd_request_queue_time_seconds_count",
         "asympd_engine_steps_graphed_total",
         "asympd_ttft_decode_first_step_seconds_count",
         "asympd_kv_blocks_total",
