@@ -252,6 +252,7 @@ class PrefillEngine(_Engine):
         super().__init__(_scheduler(cfg, sc, setup.num_blocks, arrivals), arrivals)
         self.cfg, self.steps, self.mode, self.gpus = cfg, steps, setup.mode, setup.gpus
         self._lengths: dict[str, int] = {}
+        self.window_step = False  # the step last issued ran window chunks alone
 
     def add(self, a: Arrival) -> None:
         if modes.skips_prefill(self.mode, a.prompt_len, self.cfg.window_size):
@@ -291,6 +292,7 @@ class PrefillEngine(_Engine):
         # which a measured model may price apart from its prefix steps (``MeasuredSteps.p_window_ms``)
         deep = sum(c.phase.depth is Depth.ALL for c in out.chunks)
         windows = deep if deep == len(out.chunks) and self.sched.config.one_depth_per_step else 0
+        self.window_step = windows > 0
         self._dt = self.steps.prefill_ms(self.mode, chunks, self.gpus, windows=windows) / 1e3
         # a launch-bound eager step's host part (``MeasuredSteps.p_host_ms``; a window step is a graph)
         self.host_s = 0.0 if windows else min(getattr(self.steps, "p_host_ms", 0.0) / 1e3, self._dt)
@@ -495,7 +497,8 @@ def run_engines(
     same time), which keeps every arrival an engine sees in time order. ``on_export(engine,
     request index, time)`` hands on what an engine exported. ``pair``: the measured rates of
     engines whose step shares a GPU with one other step (``gpu_shares``; default equal shares); a
-    callable one is read at each step's issue with its prompt rows (P: ``Deployment.p_share_at``).
+    callable one is read at every step's issue while its engine has a step in progress, with that
+    step's rows (P: ``Deployment.p_share_at``; one may read the other engine's step too).
     A step's host part (``_Engine.host_s``) runs first at full speed and is not on the GPU: it
     neither takes a share nor slows the steps beside it."""
     now = 0.0
@@ -562,8 +565,9 @@ def run_engines(
         if dt is not None:
             host = engines[k].host_s
             active[k] = _Step(k, gpu_of[k], now, dt - host, host)
-            if callable(pair.get(k)):
-                beside[k] = pair[k](getattr(engines[k], "step_rows", 0))
+            for j, share in pair.items():  # at any issue: a rate may depend on the other engine's step
+                if callable(share) and j in active:
+                    beside[j] = share(getattr(engines[j], "step_rows", 0))
     stuck = [k for k, e in enumerate(engines) if e.has_work]
     if stuck:
         raise RuntimeError(f"engine {stuck[0]}'s scheduler made no progress")

@@ -101,7 +101,10 @@ def validate_admission(
 TARGET = 0.15  # issue 18: within 15 % of the measured TTFT p50, ITL p50 and goodput
 # validate_e2e's ways to split a shared GPU: equal shares; the calibration co-run's measured stretch;
 # equal shares of P's per-row work only, its fixed cost taken as host launching (docs/planner.md "v12")
-SHARES = ("equal", "co-run", "host-split")
+# window-thirds: equal shares but a symmetric P's window step (a whole-step CUDA graph) at a third
+# beside D, as the rate runs' step logs measured (docs/planner.md "v13 and v14"; a what-if, not a rule)
+SHARES = ("equal", "co-run", "host-split", "window-thirds")
+WINDOW_THIRDS = 1.0 / 3.0
 HANDOFF_STREAMS = ("compute", "pack")  # where P's hand-off packs on a GPU (bench/e2e.py's handoff_stream)
 METRICS = ("ttft_p50_ms", "itl_p50_ms", "goodput_req_s")
 
@@ -757,12 +760,14 @@ def simulate_deployment(
 
         if load.d_step_ms:
             d.steps = _LoadedSteps(steps, lambda: load.step_extra_ms(n_at(d.t)))
-        run_engines(
-            [p, d],
-            [0, 0] if shared_gpu else [0, 1],
-            to_d,
-            {0: dep.p_share_at if dep.p_by_rows else dep.p_share, 1: dep.d_share},
-        )
+        pair: dict[int, Any] = {0: dep.p_share_at if dep.p_by_rows else dep.p_share, 1: dep.d_share}
+        if dep.p_window_share is not None:  # a window step's share, D taking the rest beside it
+            w, p_rate, d_rate = dep.p_window_share, pair[0], pair[1]
+            pair = {
+                0: lambda rows: w if p.window_step else (p_rate(rows) if callable(p_rate) else p_rate),
+                1: lambda rows: 1.0 - w if p.window_step else d_rate,
+            }
+        run_engines([p, d], [0, 0] if shared_gpu else [0, 1], to_d, pair)
         runs = [d.run]
         roles = {"prefill": [p.run], "decode": [d.run]}
     start = {a.index: a.time_s for a in arrivals}
@@ -917,6 +922,8 @@ def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, stud
     steps.ttft_offset_ms = _ttft_offset(cal, path.first_at_start)
     if study.shares == "host-split" and dep.shared_gpu:
         steps.p_host_ms = steps.p_step_ms
+    if study.shares == "window-thirds" and dep.shared_gpu:
+        dep = replace(dep, p_window_share=WINDOW_THIRDS)
     p_fit = fit_p_step(cfg, mode, cal, dep.p_step_tokens, gpu, windows)[2]
     load = None
     if study.serving_load:
