@@ -17,9 +17,9 @@ Results since the ninth session also split ``fetch`` as D timed it (``FETCH_PART
 GPU where it has one) and ``check`` (the tag and ``PrefixState.validate``); the rest of ``fetch``
 is the connection, the request and the ack. They also split ``answer``: ``export`` (P waiting
 for its prefix's copy off the device after the prefill, ``export_s``) and the rest (HTTP, JSON).
-Results since the thirtieth session split ``p`` too: ``queue`` (the request waiting for P's first
-step, ``prefill_queue_s``) and ``compute`` (the rest: its steps, and the steps of others that it
-shares or waits between).
+Results since the thirtieth session split ``p`` and ``d`` too: ``queue`` (the request waiting for
+the engine's first step, ``prefill_queue_s`` / ``decode_queue_s``) and ``compute`` (the rest: its
+steps, and the steps of others that it shares or waits between).
 
 What it is for: reading a change of the hand-off (docs/prefix-transfer.md §1) or of P's steps
 off two runs at the same rates, part by part, instead of off TTFT alone.
@@ -86,9 +86,13 @@ def breakdown(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
             fetched = [f for t in timings if t and (f := fetch_parts(t)) is not None]
             if fetched:
                 row["fetch_split"] = {k: _pcts([f[k] for f in fetched]) for k in FETCH_PARTS}
-            queued = [(t["prefill_queue_s"], p["p"]) for t, _, p in split if t.get("prefill_queue_s") is not None]
-            if queued:
-                row["p_split"] = {"queue": _pcts([q for q, _ in queued]), "compute": _pcts([p - q for q, p in queued])}
+            for part, key in (("p", "prefill_queue_s"), ("d", "decode_queue_s")):
+                queued = [(t[key], p[part]) for t, _, p in split if t.get(key) is not None]
+                if queued:
+                    row[f"{part}_split"] = {
+                        "queue": _pcts([q for q, _ in queued]),
+                        "compute": _pcts([x - q for q, x in queued]),
+                    }
             answered = [(t["export_s"], p["answer"], t) for t, _, p in split if t.get("export_s") is not None]
             if answered:
                 row["answer_split"] = {
@@ -130,11 +134,12 @@ def format_table(name: str, rows: dict[str, dict[str, Any]], base: dict[str, dic
         lines.append("D's fetch split, ms (p50): " + ", ".join(FETCH_PARTS))
         for key, f in split.items():
             lines.append(f"{key:24} " + " ".join(f"{f[k]['p50'] * 1e3:12.1f}" for k in FETCH_PARTS))
-    split = {key: row["p_split"] for key, row in rows.items() if "p_split" in row}
-    if split:
-        lines.append("P's part split, ms (p50): queue, compute")
-        for key, f in split.items():
-            lines.append(f"{key:24} " + " ".join(f"{f[k]['p50'] * 1e3:12.1f}" for k in ("queue", "compute")))
+    for part, who in (("p", "P"), ("d", "D")):
+        split = {key: row[f"{part}_split"] for key, row in rows.items() if f"{part}_split" in row}
+        if split:
+            lines.append(f"{who}'s part split, ms (p50): queue, compute")
+            for key, f in split.items():
+                lines.append(f"{key:24} " + " ".join(f"{f[k]['p50'] * 1e3:12.1f}" for k in ("queue", "compute")))
     split = {key: row["answer_split"] for key, row in rows.items() if "answer_split" in row}
     if split:
         cols = [k for k in ("export", "export copy", "rest") if any(k in f for f in split.values())]

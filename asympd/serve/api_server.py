@@ -510,7 +510,7 @@ class WorkerServer:
                 now = time.perf_counter()
                 if item.outputs[0].token_ids:
                     if last_t is None:
-                        self._first_token(ctx, now)
+                        self._first_token(ctx, now, item.metrics.get("queue"))
                     else:
                         gaps.append(now - last_t)
                     last_t = now
@@ -526,9 +526,10 @@ class WorkerServer:
         finally:
             stream.close()
 
-    def _first_token(self, ctx: _Ctx, now: float) -> None:
+    def _first_token(self, ctx: _Ctx, now: float, queue_s: float | None) -> None:
         t = ctx.timings
         t["decode_first_step_s"] = now - ctx.t_add
+        t["decode_queue_s"] = queue_s  # of decode_first_step_s, the wait for the engine's first step
         t["ttft_s"] = (t.get("prefill_rtt_s") or 0.0) + (now - ctx.t_arrival)
         self.metrics.ttft.observe(now - ctx.t_arrival)
         self.metrics.ttft_decode.observe(t["decode_first_step_s"])

@@ -73,6 +73,11 @@ def test_the_fetch_splits_where_d_timed_its_parts():
     row = breakdown(result)["asymmetric@1"]  # P's 0.5 s: 0.125 waiting for its first step, 0.375 after
     assert row["p_split"] == {"queue": {"p50": 0.125, "p90": 0.125}, "compute": {"p50": 0.375, "p90": 0.375}}
     assert "P's part split, ms (p50): queue, compute" in format_table("r", {"asymmetric@1": row})
+    assert "d_split" not in row  # D's queue not in this one
+    result["modes"]["asymmetric"]["runs"][0]["requests"]["asympd_timings"][0]["decode_queue_s"] = 0.025
+    row = breakdown(result)["asymmetric@1"]  # D's 0.1 s: 0.025 waiting, 0.075 its first step(s)
+    assert row["d_split"]["queue"]["p50"] == 0.025 and row["d_split"]["compute"]["p50"] == pytest.approx(0.075)
+    assert "D's part split, ms (p50): queue, compute" in format_table("r", {"asymmetric@1": row})
     assert (
         "fetch_split"
         not in breakdown(json.loads((RESULTS / "e2e_h200x1_depth40_oos3.json").read_text()))["asymmetric@1.5"]

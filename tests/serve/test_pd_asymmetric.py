@@ -72,6 +72,7 @@ def test_greedy_completions_equal_offline(cluster, offline, client):
             assert t["prefill_path"] == "remote"
             assert t["transfer_bytes"] > 0 and t["transfer_s"] > 0 and t["prefill_s"] > 0
             assert 0 <= t["prefill_queue_s"] < t["prefill_s"], t  # P's wait for its first step, inside it
+            assert 0 <= t["decode_queue_s"] < t["decode_first_step_s"], t  # and D's
             # D's fetch split into its parts (tools/ttft_breakdown.py), each inside the whole
             split = [t["transfer_arrive_s"], t["transfer_unpack_s"], t["transfer_check_s"]]
             assert all(x > 0 for x in split) and sum(split) < t["transfer_s"], t
