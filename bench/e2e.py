@@ -298,7 +298,7 @@ def worker_args(args: argparse.Namespace, role: str, mode: str, ckpt: str) -> li
         a += ["--threads", "1"]
     if role == "prefill":
         a += ["--max-num-batched-tokens", str(args.p_step_tokens)]
-        if args.p_cuda_graph_mode != "full":  # P's prompt steps as piecewise graphs
+        if args.p_cuda_graph_mode is not None:  # else the worker's default (piecewise prompt steps)
             a += ["--cuda-graph-mode", args.p_cuda_graph_mode]
     else:  # D and colocated: the admission policy under test (default: each role's, serve/admission.py)
         a += ["--admission-policy", args.policy or default_policy(role)]
@@ -1362,9 +1362,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--p-step-tokens", type=int, default=None, help="P's max_num_batched_tokens")
     ap.add_argument(
         "--p-cuda-graph-mode",
-        default="full",
+        default=None,
         choices=CUDA_GRAPH_MODES,
-        help="P's --cuda-graph-mode (full_and_piecewise: its prompt steps as piecewise graphs)",
+        help="P's --cuda-graph-mode (default: the prefill worker's, full_and_piecewise; full: eager prompt steps)",
     )
     ap.add_argument("--gpus", type=int, default=None, help="default: 0 with --tiny, else min(2, visible GPUs)")
     ap.add_argument("--checkpoint", default=None, help="use this checkpoint instead of writing one")

@@ -482,7 +482,11 @@ def test_p_takes_its_own_cuda_graph_mode_and_d_does_not():
     p = worker_args(args, "prefill", "asymmetric", "ckpt")
     assert p[p.index("--cuda-graph-mode") + 1] == "full_and_piecewise"
     assert "--cuda-graph-mode" not in worker_args(args, "decode", "asymmetric", "ckpt")
-    assert "--cuda-graph-mode" not in worker_args(plain, "prefill", "asymmetric", "ckpt")
+    assert "--cuda-graph-mode" not in worker_args(plain, "prefill", "asymmetric", "ckpt")  # the worker's default
+    eager = parse_args(["--tiny", "--rates", "1", "--p-cuda-graph-mode", "full"])
+    eager.shared_experts = False
+    p = worker_args(eager, "prefill", "asymmetric", "ckpt")
+    assert p[p.index("--cuda-graph-mode") + 1] == "full"  # asked: P's prompt steps eager
     with pytest.raises(SystemExit):
         parse_args(["--tiny", "--rates", "1", "--p-cuda-graph-mode", "piecewise"])
 
