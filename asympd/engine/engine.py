@@ -533,7 +533,7 @@ class LLMEngine:
             outputs.append(self._finish(req, Status.FINISHED_ERROR))
         now = time.monotonic()
         for req in sched.admitted:
-            if req.scheduled_time is None:  # re-admitted after a preemption: its first wait counts
+            if req.scheduled_time is None:  # set once: a request re-admitted after a preemption keeps it
                 req.scheduled_time = now
             self.runner.prepare(req)
             if not req.phases:  # nothing to compute here (asymmetric P with N <= W)

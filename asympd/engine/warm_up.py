@@ -118,7 +118,7 @@ def warm_up(engine: LLMEngine) -> WarmUp:
     graph_steps = {k: counts[k] for k in ("replayed", "first", "eager")} if counts is not None else {}
     done: list[int] = []
     vocab = engine.cfg.vocab_size
-    pieces = getattr(getattr(graphs, "piecewise", None), "sizes", ())
+    pieces = piecewise.sizes if piecewise is not None else ()
     for rows in warm_up_rows(engine.config.scheduler.max_num_batched_tokens, pieces):
         n = prompt_len(rows, engine.cfg.window_size, lambda n: _rows_of(engine, n))
         if n is None:
