@@ -92,9 +92,19 @@ PIECE_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # launches, hold the step (2688 rows at true depth: 158 ms of kernels in a 175 ms step, 896 rows: 72 ms
 # in 123-204, bench/results/p_step_anatomy.json). Between 512 and 2048 every 256 rows, not every
 # power of two: padded to 2048, a 1107-row step ran 129 ms of kernels against 85 eagerly
-# (p_steps_pieces_9516511.json); a P's lone prompts are 1-3K tokens. The buffers are one set at
-# 2048 rows whatever the sizes (``PiecewiseGraphs``); each size is 40 more pieces at start-up.
+# (p_steps_pieces_9516511.json); a P's lone prompts are 1-3K tokens. The buffers are one set at the
+# largest size (``PiecewiseGraphs``); each size is 40 more pieces at start-up; a step budget below
+# 2048 rows keeps the sizes it can reach (``piece_sizes_for``).
 PREFILL_PIECE_ROWS = (16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048)
+
+
+def piece_sizes_for(budget: int, sizes: Sequence[int]) -> tuple[int, ...]:
+    """The piece sizes a step budget of ``budget`` rows can use: those below it and the first at or
+    above it (a full step pads to it), so that a small budget neither warms nor holds buffers for
+    sizes its steps never reach."""
+    below = tuple(s for s in sizes if s < budget)
+    above = [s for s in sizes if s >= budget]
+    return below + tuple(above[:1])
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from asympd.engine.cuda_graphs import (
     PrefillSteps,
     StartupCapture,
     capture_at_startup,
+    piece_sizes_for,
 )
 from asympd.engine.request import CompletionOutput, Request, RequestOutput, Status
 from asympd.engine.runner import ModelRunner
@@ -283,7 +284,7 @@ class LLMEngine:
             piecewise=self.config.cuda_graph_mode == "full_and_piecewise",  # a symmetric P's prompt steps too
             max_rows=1 + self.num_spec_tokens if decodes else 0,
             prefill_rows=first.rows if first else None,
-            piece_rows=PIECE_ROWS if decodes else PREFILL_PIECE_ROWS,
+            piece_rows=piece_sizes_for(sc.max_num_batched_tokens, PIECE_ROWS if decodes else PREFILL_PIECE_ROWS),
         )
 
     def make_prefill_pieces(self, capture: bool) -> PrefillPieces | None:
@@ -295,7 +296,8 @@ class LLMEngine:
             return None
         if self.config.cuda_graph_mode != "full_and_piecewise":
             return None
-        return PrefillPieces(self.cache.device, capture=capture)
+        sizes = piece_sizes_for(self.config.scheduler.max_num_batched_tokens, PREFILL_PIECE_ROWS)
+        return PrefillPieces(self.cache.device, capture=capture, sizes=sizes)
 
     def capture_graphs(self) -> StartupCapture:
         """Build the CUDA graphs now, so that serving never pays a capture or a first-shape compile

@@ -10,13 +10,16 @@ import torch
 from asympd import LLM
 from asympd.config import tiny
 from asympd.engine.cuda_graphs import (
+    PIECE_ROWS,
     PREFILL_PIECE_ROWS,
     DecodeGraphs,
     DraftGraphs,
     PiecewiseGraphs,
     capture_at_startup,
+    piece_sizes_for,
 )
 from asympd.engine.engine import EngineConfig
+from asympd.engine.scheduler import SchedulerConfig
 from asympd.kv.batch import BatchSegment, PagedBatch
 from asympd.kv.paged_cache import PagedKVCache
 from asympd.kv.spec import KVCacheSpec
@@ -121,6 +124,11 @@ def test_piece_sizes_are_refused_unless_increasing_and_a_p_takes_pieces_by_defau
     assert llm.engine.make_prefill_pieces(capture=False) is None  # a D: its DecodeGraphs hold its pieces
     eager_prompts = LLM(tiny_ckpt, "asymmetric", cuda_graph_mode="full")  # asked: eager prompt steps
     assert eager_prompts.prefill.make_prefill_pieces(capture=False) is None
+    # a step budget below the largest size: the sizes under it and the one a full step pads to
+    small = LLM(tiny_ckpt, "asymmetric", scheduler=SchedulerConfig(max_num_batched_tokens=600))
+    assert small.prefill.make_prefill_pieces(capture=False).piecewise.sizes == [16, 32, 64, 128, 256, 512, 768]
+    assert piece_sizes_for(2048, PREFILL_PIECE_ROWS) == PREFILL_PIECE_ROWS  # a budget at a size: up to it
+    assert piece_sizes_for(16384, PIECE_ROWS) == PIECE_ROWS and piece_sizes_for(1, PIECE_ROWS) == (16,)
 
 
 def test_engine_config_refuses_a_bad_capture_setting_and_cpu_engines_capture_nothing(tiny_ckpt):
