@@ -486,8 +486,26 @@ def test_a_measured_co_run_replaces_the_equal_shares():
     assert default["shares"] == "equal" and "co_run_stretch" not in default["modes"]["asymmetric"]
     assert default["modes"]["asymmetric"].pop("co_run_measured") == {"p": 1.0, "d": 2.0}
     assert default == without
-    with pytest.raises(ValidationError, match="shares must be one of equal, co-run, host-split, got 'half'"):
+    with pytest.raises(ValidationError, match="shares must be one of equal, co-run, .*window-thirds, got 'half'"):
         validate_e2e(res, shares="half")
+
+
+def test_window_thirds_slow_only_a_symmetric_ps_window_steps():
+    """``shares="window-thirds"`` (a what-if, docs/planner.md "v13 and v14"): a symmetric P's window
+    steps take a third of the shared GPU beside D. On v14 the asymmetric rows (no window steps) are
+    the equal-share rows exactly; symmetric-split's TTFT p50 rises at every rate (2 req/s: 1054.5 ->
+    1231.1 ms, the measured 1390.4 within 15 %)."""
+    from asympd.plan.steps import RESULTS_DIR
+
+    result = json.loads((RESULTS_DIR / "e2e_h200x1_depth40_v14_two.json").read_text())
+    equal, thirds = validate_e2e(result), validate_e2e(result, shares="window-thirds")
+    assert thirds["shares"] == "window-thirds"
+    pairs = list(zip(equal["rows"], thirds["rows"], strict=True))
+    assert all(e == t for e, t in pairs if e["mode"] == "asymmetric")
+    ttft = "ttft_p50_ms"
+    split = [(e["predicted"][ttft], t["predicted"][ttft]) for e, t in pairs if e["mode"] != "asymmetric"]
+    assert len(split) == 3 and all(t > e for e, t in split)
+    assert split[-1] == (pytest.approx(1054.5, abs=0.1), pytest.approx(1231.1, abs=0.1))
 
 
 def test_host_split_shares_take_p_s_fixed_cost_off_a_shared_gpu():
