@@ -65,6 +65,7 @@ class ReplicaRun:
     """What one replica did: per-request times (seconds) and what bounded it."""
 
     done_s: dict[int, float] = field(default_factory=dict)  # P: export time; D: finish time
+    scheduled_s: dict[int, float] = field(default_factory=dict)  # P: its first step's issue (the queue's end)
     first_token_s: dict[int, float] = field(default_factory=dict)
     itl_s: list[float] = field(default_factory=list)
     itl_request: list[int] = field(default_factory=list)  # whose gap each itl_s entry is
@@ -285,6 +286,8 @@ class PrefillEngine(_Engine):
             self._stalled = True
             return None
         self._chunks = out.chunks
+        for c in out.chunks:
+            self.run.scheduled_s.setdefault(int(c.request.request_id), at)
         self.run.max_batch = max(self.run.max_batch, len(out.chunks))
         self.run.preemptions += len(out.preempted)
         chunks = [(c.num_rows, self._lengths[c.request.request_id]) for c in out.chunks]

@@ -687,6 +687,7 @@ class Simulated:
     gaps_s: dict[int, list[float]]
     done_s: dict[int, float]
     step_s: dict[str, dict[str, float]] = field(default_factory=dict)  # role: {"compute", "wall"} seconds
+    p_queue_s: dict[int, float] = field(default_factory=dict)  # P/D: arrival to P's first step for it
 
 
 def simulate_deployment(
@@ -772,6 +773,8 @@ def simulate_deployment(
         roles = {"prefill": [p.run], "decode": [d.run]}
     start = {a.index: a.time_s for a in arrivals}
     out = Simulated({}, {a.index: [] for a in arrivals}, {})
+    if "prefill" in roles:
+        out.p_queue_s = {i: t - start[i] for i, t in roles["prefill"][0].scheduled_s.items()}
     out.step_s = {
         role: {"compute": sum(r.busy_s for r in rs), "wall": sum(r.wall_s for r in rs)} for role, rs in roles.items()
     }
@@ -972,6 +975,19 @@ def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, stud
             role: {**s, "measured": run.get(f"{role}_busy_with_gpu_s", run.get(f"{role}_busy_s"))}
             for role, s in sim.step_s.items()
         }
+        # not validated either: P's queue, where the servers reported it (``prefill_queue_s``, results
+        # since the thirtieth session), against the simulated P's
+        timings = req.get("asympd_timings") or []
+        queued = [i for i in ok if i < len(timings) and (timings[i] or {}).get("prefill_queue_s") is not None]
+        queued = [i for i in queued if i in sim.p_queue_s]
+        p_queue = (
+            {
+                "measured": _median([timings[i]["prefill_queue_s"] for i in queued]) * 1e3,
+                "predicted": _median([sim.p_queue_s[i] for i in queued]) * 1e3,
+            }
+            if queued
+            else None
+        )
         out["rows"].append(
             {
                 "mode": mode,
@@ -985,6 +1001,7 @@ def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, stud
                 # steps that compiled or captured while the rate ran (a stall each, not modelled),
                 # by role, where the result records them
                 **({"new_shape_steps": run["new_shape_steps"]} if "new_shape_steps" in run else {}),
+                **({"p_queue_p50_ms": p_queue} if p_queue else {}),
             }
         )
 
@@ -1153,6 +1170,12 @@ def format_validation(v: dict[str, Any]) -> str:
         lines.append(
             f"within +-{v['target']:.0%} of {sm['counted']} counted rows: TTFT p50 {w['ttft_p50_ms']}, ITL p50"
             f" {w['itl_p50_ms']}, goodput {w['goodput_req_s']}; all three {sm['all_three']}"
+        )
+    queues = [(r, r["p_queue_p50_ms"]) for r in v["rows"] if r.get("p_queue_p50_ms")]
+    if queues:
+        lines.append(
+            "P's queue p50 ms, meas/pred (not validated): "
+            + ", ".join(f"{r['mode']} @ {r['rate']:g} {q['measured']:.0f}/{q['predicted']:.0f}" for r, q in queues)
         )
     for r in v["rows"]:
         if r.get("excluded"):

@@ -206,6 +206,21 @@ def test_validate_a_synthetic_result(tmp_path):
     assert json.loads(out.read_text())["rows"][0]["predicted"] == row["predicted"]
 
 
+def test_p_s_queue_is_reported_beside_the_rows_where_the_servers_timed_it():
+    """Results since the thirtieth session carry each request's wait for P's first step
+    (``prefill_queue_s``); the row reports its p50 beside the simulated P's, not validated. The
+    synthetic timeline above: req 0 taken by P at once, req 1 (at 10) by P's step from 16: 0 and 6
+    ms, p50 3; measured 1 and 9, p50 5."""
+    res = e2e_result(gpus=1)
+    assert "p_queue_p50_ms" not in validate_e2e(res)["rows"][0]  # no timings: nothing to compare
+    timings = [{"prefill_queue_s": 0.001}, {"prefill_queue_s": 0.009}]
+    res["modes"]["asymmetric"]["runs"][0]["requests"]["asympd_timings"] = timings
+    v = validate_e2e(res)
+    assert v["rows"][0]["p_queue_p50_ms"] == {"measured": pytest.approx(5.0), "predicted": pytest.approx(3.0)}
+    assert "P's queue p50 ms, meas/pred (not validated): asymmetric @ 2 5/3" in format_validation(v)
+    assert v["rows"][0]["predicted"] == validate_e2e(e2e_result(gpus=1))["rows"][0]["predicted"]
+
+
 def test_a_fetch_while_p_computes_costs_what_the_fill_bursts_measured():
     """The synthetic result with the co-run's fill timings (D's fetches of 10, 20, 20 and 30 ms
     while P computed a burst: median 20). On one GPU, req 0's fetch starts at 19, during P's step
