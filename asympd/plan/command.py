@@ -64,8 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=SHARES,
         default="equal",
         help="with --validate: a shared GPU split equally (default), at the calibration co-run's measured "
-        "stretch, equally with P's fixed step cost taken as host launching off the GPU (host-split), or "
-        "equally but a symmetric P's window steps at a third of it beside D (window-thirds)",
+        "stretch, or equally with P's fixed step cost taken as host launching off the GPU (host-split)",
     )
     p.add_argument(
         "--validate-handoff-stream",

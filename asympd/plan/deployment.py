@@ -28,9 +28,6 @@ class Deployment:
     # P's stretch per step size, (rows, stretch) by rows, where the co-run measured more than one
     # size (its fill phase: the load's full-budget steps); None: ``co_run``'s one value at every size
     p_by_rows: tuple[tuple[int, float], ...] | None = None
-    # P's rate in a step of window chunks alone (a symmetric P's whole-step CUDA graph) while a D
-    # step shares its GPU, D taking the rest; None: as P's other steps (docs/planner.md "v13 and v14")
-    p_window_share: float | None = None
     # P ran its deepest waiting phase alone (``SchedulerConfig.one_depth_per_step``), as its worker
     # reported (``admission``); results before the field: mixed
     p_one_depth: bool = False

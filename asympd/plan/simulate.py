@@ -66,6 +66,7 @@ class ReplicaRun:
 
     done_s: dict[int, float] = field(default_factory=dict)  # P: export time; D: finish time
     scheduled_s: dict[int, float] = field(default_factory=dict)  # P: its first step's issue (the queue's end)
+    step_log: list[tuple[float, float, int]] = field(default_factory=list)  # P: (issue, end, rows) a step
     first_token_s: dict[int, float] = field(default_factory=dict)
     itl_s: list[float] = field(default_factory=list)
     itl_request: list[int] = field(default_factory=list)  # whose gap each itl_s entry is
@@ -253,7 +254,7 @@ class PrefillEngine(_Engine):
         super().__init__(_scheduler(cfg, sc, setup.num_blocks, arrivals), arrivals)
         self.cfg, self.steps, self.mode, self.gpus = cfg, steps, setup.mode, setup.gpus
         self._lengths: dict[str, int] = {}
-        self.window_step = False  # the step last issued ran window chunks alone
+        self._issued = 0.0  # when the step last issued was issued
 
     def add(self, a: Arrival) -> None:
         if modes.skips_prefill(self.mode, a.prompt_len, self.cfg.window_size):
@@ -286,6 +287,7 @@ class PrefillEngine(_Engine):
             self._stalled = True
             return None
         self._chunks = out.chunks
+        self._issued = at
         for c in out.chunks:
             self.run.scheduled_s.setdefault(int(c.request.request_id), at)
         self.run.max_batch = max(self.run.max_batch, len(out.chunks))
@@ -295,7 +297,6 @@ class PrefillEngine(_Engine):
         # which a measured model may price apart from its prefix steps (``MeasuredSteps.p_window_ms``)
         deep = sum(c.phase.depth is Depth.ALL for c in out.chunks)
         windows = deep if deep == len(out.chunks) and self.sched.config.one_depth_per_step else 0
-        self.window_step = windows > 0
         self._dt = self.steps.prefill_ms(self.mode, chunks, self.gpus, windows=windows) / 1e3
         # a launch-bound eager step's host part (``MeasuredSteps.p_host_ms``; a window step is a graph)
         self.host_s = 0.0 if windows else min(getattr(self.steps, "p_host_ms", 0.0) / 1e3, self._dt)
@@ -305,6 +306,7 @@ class PrefillEngine(_Engine):
         self.t = end
         self.run.steps += 1
         self.run.busy_s += self._dt
+        self.run.step_log.append((self._issued, end, self.step_rows))
         for c in self._chunks:
             req = c.request
             req.cursor = c.hi
@@ -500,8 +502,7 @@ def run_engines(
     same time), which keeps every arrival an engine sees in time order. ``on_export(engine,
     request index, time)`` hands on what an engine exported. ``pair``: the measured rates of
     engines whose step shares a GPU with one other step (``gpu_shares``; default equal shares); a
-    callable one is read at every step's issue while its engine has a step in progress, with that
-    step's rows (P: ``Deployment.p_share_at``; one may read the other engine's step too).
+    callable one is read at each step's issue with its prompt rows (P: ``Deployment.p_share_at``).
     A step's host part (``_Engine.host_s``) runs first at full speed and is not on the GPU: it
     neither takes a share nor slows the steps beside it."""
     now = 0.0
@@ -568,9 +569,8 @@ def run_engines(
         if dt is not None:
             host = engines[k].host_s
             active[k] = _Step(k, gpu_of[k], now, dt - host, host)
-            for j, share in pair.items():  # at any issue: a rate may depend on the other engine's step
-                if callable(share) and j in active:
-                    beside[j] = share(getattr(engines[j], "step_rows", 0))
+            if callable(pair.get(k)):
+                beside[k] = pair[k](getattr(engines[k], "step_rows", 0))
     stuck = [k for k, e in enumerate(engines) if e.has_work]
     if stuck:
         raise RuntimeError(f"engine {stuck[0]}'s scheduler made no progress")

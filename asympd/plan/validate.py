@@ -101,10 +101,7 @@ def validate_admission(
 TARGET = 0.15  # issue 18: within 15 % of the measured TTFT p50, ITL p50 and goodput
 # validate_e2e's ways to split a shared GPU: equal shares; the calibration co-run's measured stretch;
 # equal shares of P's per-row work only, its fixed cost taken as host launching (docs/planner.md "v12")
-# window-thirds: equal shares but a symmetric P's window step (a whole-step CUDA graph) at a third
-# beside D, as the rate runs' step logs measured (docs/planner.md "v13 and v14"; a what-if, not a rule)
-SHARES = ("equal", "co-run", "host-split", "window-thirds")
-WINDOW_THIRDS = 1.0 / 3.0
+SHARES = ("equal", "co-run", "host-split")
 HANDOFF_STREAMS = ("compute", "pack")  # where P's hand-off packs on a GPU (bench/e2e.py's handoff_stream)
 METRICS = ("ttft_p50_ms", "itl_p50_ms", "goodput_req_s")
 
@@ -688,6 +685,7 @@ class Simulated:
     done_s: dict[int, float]
     step_s: dict[str, dict[str, float]] = field(default_factory=dict)  # role: {"compute", "wall"} seconds
     p_queue_s: dict[int, float] = field(default_factory=dict)  # P/D: arrival to P's first step for it
+    p_steps: list[tuple[float, float, int]] = field(default_factory=list)  # P/D: P's (issue, end, rows)
 
 
 def simulate_deployment(
@@ -761,20 +759,19 @@ def simulate_deployment(
 
         if load.d_step_ms:
             d.steps = _LoadedSteps(steps, lambda: load.step_extra_ms(n_at(d.t)))
-        pair: dict[int, Any] = {0: dep.p_share_at if dep.p_by_rows else dep.p_share, 1: dep.d_share}
-        if dep.p_window_share is not None:  # a window step's share, D taking the rest beside it
-            w, p_rate, d_rate = dep.p_window_share, pair[0], pair[1]
-            pair = {
-                0: lambda rows: w if p.window_step else (p_rate(rows) if callable(p_rate) else p_rate),
-                1: lambda rows: 1.0 - w if p.window_step else d_rate,
-            }
-        run_engines([p, d], [0, 0] if shared_gpu else [0, 1], to_d, pair)
+        run_engines(
+            [p, d],
+            [0, 0] if shared_gpu else [0, 1],
+            to_d,
+            {0: dep.p_share_at if dep.p_by_rows else dep.p_share, 1: dep.d_share},
+        )
         runs = [d.run]
         roles = {"prefill": [p.run], "decode": [d.run]}
     start = {a.index: a.time_s for a in arrivals}
     out = Simulated({}, {a.index: [] for a in arrivals}, {})
     if "prefill" in roles:
         out.p_queue_s = {i: t - start[i] for i, t in roles["prefill"][0].scheduled_s.items()}
+        out.p_steps = roles["prefill"][0].step_log
     out.step_s = {
         role: {"compute": sum(r.busy_s for r in rs), "wall": sum(r.wall_s for r in rs)} for role, rs in roles.items()
     }
@@ -820,6 +817,7 @@ class _Study:
     handoff_on_p_stream: bool = False
     measured_on_p_stream: bool = False
     shares: str = "equal"  # a shared GPU's split: one of ``SHARES``
+    trace: bool = False  # each row with P's steps, simulated and measured (``validate_e2e``)
 
 
 def _batch_check(
@@ -925,8 +923,6 @@ def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, stud
     steps.ttft_offset_ms = _ttft_offset(cal, path.first_at_start)
     if study.shares == "host-split" and dep.shared_gpu:
         steps.p_host_ms = steps.p_step_ms
-    if study.shares == "window-thirds" and dep.shared_gpu:
-        dep = replace(dep, p_window_share=WINDOW_THIRDS)
     p_fit = fit_p_step(cfg, mode, cal, dep.p_step_tokens, gpu, windows)[2]
     load = None
     if study.serving_load:
@@ -1002,8 +998,20 @@ def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, stud
                 # by role, where the result records them
                 **({"new_shape_steps": run["new_shape_steps"]} if "new_shape_steps" in run else {}),
                 **({"p_queue_p50_ms": p_queue} if p_queue else {}),
+                **({"p_steps": _p_steps(sim, run, arrivals)} if study.trace and sim.p_steps else {}),
             }
         )
+
+
+def _p_steps(sim: Simulated, run: dict[str, Any], arrivals: list[Arrival]) -> dict[str, list[list[float]]]:
+    """P's steps as simulated and as its step log has them, [start, seconds, prompt rows], times from
+    the run's first arrival (bench/e2e.py's timeline and send times share the load's start)."""
+    t0 = min(a.time_s for a in arrivals)
+    logged = [s for worker in (run.get("timeline") or {}).get("steps", {}).get("prefill", []) for s in worker]
+    return {
+        "simulated": [[i - t0, e - i, rows] for i, e, rows in sim.p_steps],
+        "measured": [[s[0] - t0, s[1], s[2]] for s in gpu_held(logged)],
+    }
 
 
 def parse_exclusions(specs: list[str] | None) -> dict[tuple[str, float], str]:
@@ -1040,6 +1048,7 @@ def validate_e2e(
     exclude: dict[tuple[str, float], str] | None = None,
     shares: str = "equal",
     handoff_stream: str | None = None,
+    trace: bool = False,
 ) -> dict[str, Any]:
     """Predicted vs measured TTFT p50, ITL p50 and request goodput for every mode and rate of a
     ``bench/e2e.py`` result, the prediction made on the same arrivals (send times, prompt and
@@ -1056,7 +1065,9 @@ def validate_e2e(
     ``handoff_stream``: where P's hand-off packs on a GPU, ``compute`` (P's compute stream: it
     advances between P's steps) or ``pack`` (a stream of its own: beside them); None: as the result
     records it (``compute`` for results made before the field), another value: what the same run
-    would do with that hand-off."""
+    would do with that hand-off. ``trace``: each P/D row also lists P's steps, [issue or start,
+    seconds, prompt rows] from the run's first arrival, as simulated and as the P worker's step log
+    has them (to its GPU end), for reading a miss step by step (``tools/p_trace.py``)."""
     if shares not in SHARES:
         raise ValidationError(f"shares must be one of {', '.join(SHARES)}, got {shares!r}")
     if handoff_stream not in (None, *HANDOFF_STREAMS):
@@ -1100,6 +1111,7 @@ def validate_e2e(
         on_gpu,
         serving_load=serving_load,
         shares=shares,
+        trace=trace,
         handoff_on_p_stream=on_gpu and handoff_stream == "compute",
         measured_on_p_stream=on_gpu and recorded == "compute",
     )

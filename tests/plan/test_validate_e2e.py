@@ -221,6 +221,33 @@ def test_p_s_queue_is_reported_beside_the_rows_where_the_servers_timed_it():
     assert v["rows"][0]["predicted"] == validate_e2e(e2e_result(gpus=1))["rows"][0]["predicted"]
 
 
+def test_a_traced_row_lists_p_s_steps_simulated_and_logged():
+    """``trace=True``: the synthetic timeline above, P's steps [0, 16] and [16, 38] (req 1's stretched
+    by D's prompt step), beside the P worker's step log read to each step's GPU end (its second step
+    starts on the host at 17 and ends on the GPU at 37). Rows without ``trace`` carry none."""
+    res = e2e_result(gpus=1)
+    res["modes"]["asymmetric"]["runs"][0]["timeline"] = {
+        "start_wall": 1e9,
+        "steps": {"prefill": [[[0.001, 0.015, 24, 0, 0.016], [0.017, 0.01, 24, 0, 0.02]]]},
+    }
+    row = validate_e2e(res, trace=True)["rows"][0]
+    approx = pytest.approx
+    assert row["p_steps"]["simulated"] == [[0.0, approx(0.016), 24], [approx(0.016), approx(0.022), 24]]
+    assert row["p_steps"]["measured"] == [[0.001, pytest.approx(0.016), 24], [0.017, pytest.approx(0.02), 24]]
+    assert "p_steps" not in validate_e2e(res)["rows"][0]
+    from tools.p_trace import format_trace, trace
+
+    traced = trace(res, "asymmetric", 2.0)
+    assert traced["p_steps"] == row["p_steps"]
+    assert format_trace(traced).splitlines()[0] == (
+        "asymmetric @ 2 req/s: TTFT p50 100 ms measured, 75 predicted; P steps 2 measured, 2 simulated"
+    )
+    with pytest.raises(ValueError, match="no P/D rate run of asymmetric at 1 req/s"):
+        trace(res, "asymmetric", 1.0)
+    with pytest.raises(ValueError, match="no mode 'colocated' in the result: asymmetric"):
+        trace(res, "colocated", 2.0)
+
+
 def test_a_fetch_while_p_computes_costs_what_the_fill_bursts_measured():
     """The synthetic result with the co-run's fill timings (D's fetches of 10, 20, 20 and 30 ms
     while P computed a burst: median 20). On one GPU, req 0's fetch starts at 19, during P's step
@@ -501,26 +528,8 @@ def test_a_measured_co_run_replaces_the_equal_shares():
     assert default["shares"] == "equal" and "co_run_stretch" not in default["modes"]["asymmetric"]
     assert default["modes"]["asymmetric"].pop("co_run_measured") == {"p": 1.0, "d": 2.0}
     assert default == without
-    with pytest.raises(ValidationError, match="shares must be one of equal, co-run, .*window-thirds, got 'half'"):
+    with pytest.raises(ValidationError, match="shares must be one of equal, co-run, host-split, got 'half'"):
         validate_e2e(res, shares="half")
-
-
-def test_window_thirds_slow_only_a_symmetric_ps_window_steps():
-    """``shares="window-thirds"`` (a what-if, docs/planner.md "v13 and v14"): a symmetric P's window
-    steps take a third of the shared GPU beside D. On v14 the asymmetric rows (no window steps) are
-    the equal-share rows exactly; symmetric-split's TTFT p50 rises at every rate (2 req/s: 1054.5 ->
-    1231.1 ms, the measured 1390.4 within 15 %)."""
-    from asympd.plan.steps import RESULTS_DIR
-
-    result = json.loads((RESULTS_DIR / "e2e_h200x1_depth40_v14_two.json").read_text())
-    equal, thirds = validate_e2e(result), validate_e2e(result, shares="window-thirds")
-    assert thirds["shares"] == "window-thirds"
-    pairs = list(zip(equal["rows"], thirds["rows"], strict=True))
-    assert all(e == t for e, t in pairs if e["mode"] == "asymmetric")
-    ttft = "ttft_p50_ms"
-    split = [(e["predicted"][ttft], t["predicted"][ttft]) for e, t in pairs if e["mode"] != "asymmetric"]
-    assert len(split) == 3 and all(t > e for e, t in split)
-    assert split[-1] == (pytest.approx(1054.5, abs=0.1), pytest.approx(1231.1, abs=0.1))
 
 
 def test_host_split_shares_take_p_s_fixed_cost_off_a_shared_gpu():
