@@ -1,6 +1,6 @@
 """P's steps in one rate run of a ``bench/e2e.py`` result, as the planner simulated them beside the
 P worker's own step log: where a prediction's miss comes from, step by step (docs/planner.md, "v13
-and v14": v14's symmetric-split TTFT at 2 req/s came from one window step in the first burst).
+and v14": v14's symmetric-split TTFT at 2 req/s came from one prefix step early in the first burst).
 
     python tools/p_trace.py bench/results/e2e_h200x1_depth40_v14_two.json symmetric-split@2 [--shares S]
 

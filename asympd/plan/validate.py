@@ -974,8 +974,11 @@ def _validate_mode(out: dict[str, Any], m: dict[str, Any], dep: Deployment, stud
         # not validated either: P's queue, where the servers reported it (``prefill_queue_s``, results
         # since the thirtieth session), against the simulated P's
         timings = req.get("asympd_timings") or []
-        queued = [i for i in ok if i < len(timings) and (timings[i] or {}).get("prefill_queue_s") is not None]
-        queued = [i for i in queued if i in sim.p_queue_s]
+        queued = [
+            i
+            for i in ok
+            if i in sim.p_queue_s and i < len(timings) and (timings[i] or {}).get("prefill_queue_s") is not None
+        ]
         p_queue = (
             {
                 "measured": _median([timings[i]["prefill_queue_s"] for i in queued]) * 1e3,
