@@ -140,6 +140,28 @@ def test_exports_run_beside_each_other_at_their_loaded_cost():
     assert sim.ttft_s[0] * 1e3 == pytest.approx(first - 2 * 4.0 - 2 * 1.5 - 0.5)
 
 
+def test_a_constant_hop_before_p_changes_no_ttft_or_gap():
+    """The simulation has no clock of its own: every arrival a constant later (the client -> router
+    -> P hop, 54 ms in v14's trace) moves every step with it, so adding that hop before P instead of
+    to TTFT at the end (the offset) would change no TTFT or gap; only a hop that grows with load
+    could, and the fitted one is 0.3-2 ms a further request (docs/planner.md "v13 and v14")."""
+    steps = MeasuredSteps(**{**TRUE.__dict__, "ttft_offset_ms": 7.0})
+    load = StageLoad(answer_ms=4.0, fetch_ms=1.5, hops_ms=0.5, d_step_ms=0.2)
+    requests = [(0.0, 40, 5), (0.004, 100, 3), (0.011, 60, 6), (0.05, 40, 2), (0.052, 100, 4)]  # time, prompt, out
+    for mode in ("asymmetric", "symmetric-split"):
+        runs = [
+            simulate_deployment(
+                CFG, steps, [Arrival(i, t + hop, n, o) for i, (t, n, o) in enumerate(requests)],
+                replace(dep(mode), shared_gpu=True), ServingPath(), load,
+            )
+            for hop in (0.0, 0.054)
+        ]  # fmt: skip
+        assert runs[0].ttft_s == pytest.approx(runs[1].ttft_s, abs=1e-9)
+        for i, gaps in runs[0].gaps_s.items():
+            assert gaps == pytest.approx(runs[1].gaps_s[i], abs=1e-9)
+        assert len(runs[0].ttft_s) == len(requests)
+
+
 def e2e_result(gpus: int) -> dict:
     """A bench/e2e.py result of one asymmetric deployment, one rate run of two requests."""
     return {
