@@ -64,7 +64,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     if not raw.strip():
         raise APIError("the request body is empty: expected a JSON object")
     try:
-        body = json.loads(raw, parse_constant=_NonFinite, parse_float=_finite_float)
+        body = json.loads(raw, parse_constant=_NonFinite, parse_float=_finite_float, parse_int=_int)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise APIError(f"malformed JSON in the request body: {e}") from None
     except RecursionError:
@@ -87,12 +87,25 @@ def _finite_float(text: str) -> float | _NonFinite:
     return x if math.isfinite(x) else _NonFinite(text)
 
 
+class _LongInt(str):
+    """An integer literal with more digits than Python converts (``sys.get_int_max_str_digits``)."""
+
+
+def _int(text: str) -> int | _LongInt:
+    try:
+        return int(text)
+    except ValueError:  # over 4300 digits: a marker, to name its field
+        return _LongInt(text)
+
+
 def _find_invalid(v: Any) -> str | None:
     """What is wrong with the first value JSON parsed but no field can take: a non-finite number,
-    or a string (value or key) holding a lone surrogate, which JSON can escape ("\\ud800") but no
-    UTF-8 text (a tokenizer's input, a forwarded body) can hold."""
+    an integer of thousands of digits, or a string (value or key) holding a lone surrogate, which
+    JSON can escape ("\\ud800") but no UTF-8 text (a tokenizer's input, a forwarded body) can hold."""
     if isinstance(v, _NonFinite):
         return f"{v} is not a finite number"
+    if isinstance(v, _LongInt):
+        return f"an integer of {len(v.lstrip('-'))} digits is out of range"
     if isinstance(v, str):
         try:
             v.encode("utf-8")
@@ -131,7 +144,7 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(None, lt=2**63)  # a count the context check can still print
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -252,7 +265,7 @@ CHAT_TEMPLATE_KWARGS = ("thinking", "reasoning_effort", "drop_thinking")
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, lt=2**63)
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True

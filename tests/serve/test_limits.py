@@ -153,6 +153,27 @@ def test_numbers_out_of_range_are_400_naming_the_field(hardened, raw, param):
         assert r.json()["error"]["param"] == param, (url, r.text)
 
 
+def test_integers_of_thousands_of_digits_are_400_naming_the_field(hardened):
+    """Python converts at most 4300 digits of an integer literal, and a max_tokens of 4300 digits
+    made the context check's message a longer number than that: both were 500s."""
+    dep = hardened
+    nines, more = b"9" * 4300, b"9" * 5000
+    chat = b'{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": '
+    long = "integer of 5000 digits is out of range"
+    below = "Input should be less than 9223372036854775808"
+    for url in (dep.router, dep.decode):
+        for kind, raw, param, message in (
+            ("completions", b'{"prompt": "hi", "max_tokens": ' + more + b"}", "max_tokens", f"max_tokens: an {long}"),
+            ("completions", b'{"prompt": [1, -' + more + b"]}", "prompt", f"prompt: an {long}"),
+            ("completions", b'{"prompt": "hi", "max_tokens": ' + nines + b"}", "max_tokens", f"max_tokens: {below}"),
+            ("chat/completions", chat + nines + b"}", "max_completion_tokens", f"max_completion_tokens: {below}"),
+        ):
+            headers = {**dep.auth, "Content-Type": "application/json"}
+            r = httpx.post(f"{url}/v1/{kind}", content=raw, headers=headers, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (url, r.text[:300])
+            assert r.json()["error"]["message"].endswith(message), (url, r.text[:300])
+
+
 def test_a_lone_surrogate_is_400_through_the_router_too(hardened):
     """A lone surrogate can be neither tokenized nor forwarded as UTF-8 (both were 500s, the
     router's in re-encoding the body for P): every server refuses it as it parses the body."""
