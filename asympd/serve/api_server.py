@@ -57,6 +57,7 @@ from asympd.serve.http import (
     bind_socket,
     check_bearer,
     client_key,
+    client_request_id,
     has_internal,
     internal_key,
     read_body,
@@ -325,7 +326,7 @@ class WorkerServer:
         params = req.sampling_params(len(ids), self.model_cfg.max_seq_len)
         self.check_length(ids, params)
         req.stop_strings()  # validated before anything is queued
-        rid = request.headers.get("x-request-id") or P.new_id(kind)
+        rid = client_request_id(request) or P.new_id(kind)
         if rid in self._aborted:
             raise P.APIError(f"request {rid} was aborted", 499)
         kv = req.kv_transfer_params

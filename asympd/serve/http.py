@@ -122,6 +122,15 @@ def check_bearer(request: Request, key: str) -> None:
         raise P.APIError("Unauthorized: a valid API key is required (Authorization: Bearer <key>)", 401)
 
 
+def client_request_id(request: Request) -> str | None:
+    """The client's ``X-Request-Id``, or a 400 where it is not printable ASCII (the router sends it
+    on to the workers as a header, where nothing else can travel)."""
+    rid = request.headers.get("x-request-id")
+    if rid and not (rid.isascii() and rid.isprintable()):
+        raise P.APIError("X-Request-Id must be printable ASCII", param="X-Request-Id")
+    return rid or None
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 as soon as it passes ``limit`` bytes (by Content-Length before
     reading anything, else while streaming it in): an oversized body is never held whole."""

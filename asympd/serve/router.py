@@ -58,6 +58,7 @@ from asympd.serve.http import (
     check_bearer,
     check_body_limit,
     client_key,
+    client_request_id,
     install_error_handlers,
     internal_key,
     internal_token,
@@ -339,7 +340,11 @@ class Router:
         model = body.get("model")
         if model is not None and self.model_names and model not in self.model_names:
             raise P.APIError(f"The model `{model}` does not exist.", 404, param="model")
-        rid = request.headers.get("x-request-id") or P.new_id(kind)
+        # the id the workers know this request by: the client's X-Request-Id made unique, so that a retry
+        # under that id never meets an earlier request's abort (a worker refuses an aborted id for
+        # minutes) and two clients' ids never collide
+        client_rid = client_request_id(request)
+        rid = f"{client_rid}-{uuid.uuid4().hex[:8]}" if client_rid else P.new_id(kind)
         headers = self._headers(request, rid)
         path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
         n = await asyncio.to_thread(self.count_tokens, kind, body)

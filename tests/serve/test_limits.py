@@ -190,6 +190,26 @@ def test_a_lone_surrogate_is_400_through_the_router_too(hardened):
             assert "lone surrogate" in r.json()["error"]["message"], (url, r.text)
 
 
+def test_a_retry_under_the_same_request_id_is_served(hardened):
+    """The router used the client's X-Request-Id as the workers' id: after a client left a request,
+    the workers refused that id (499, for minutes), and two clients' ids could collide. Now each
+    request is the client's id made unique; an id that cannot travel as a header is a 400 (was 500)."""
+    dep = hardened
+    body = {"prompt": random_prompts([40], seed=82)[0], "max_tokens": 200, "ignore_eos": True}
+    headers = {**dep.auth, "X-Request-Id": "retry-1"}
+    with httpx.stream("POST", f"{dep.router}/v1/completions", json={**body, "stream": True}, headers=headers) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # the first token: then the client leaves
+    time.sleep(0.5)  # the router's aborts reach the workers
+    r = httpx.post(f"{dep.router}/v1/completions", json={**body, "max_tokens": 2}, headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["id"].startswith("retry-1-") and r.headers["x-request-id"] == r.json()["id"]
+    for rid in ("caf\u00e9".encode(), b"a\x01b"):
+        r = httpx.post(f"{dep.router}/v1/completions", json=body, headers={**dep.auth, "X-Request-Id": rid})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "X-Request-Id must be printable ASCII"
+    wait_idle([dep.prefill, dep.decode])
+
+
 def test_a_non_streamed_request_is_bounded_by_progress_not_total_time(hardened):
     """The router's progress timeout is PROGRESS_TIMEOUT s (the old fixed total timeout, set low):
     a non-streamed request running several times longer completes, because D sends progress."""
