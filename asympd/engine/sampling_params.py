@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# vLLM's floor: a positive temperature below it is raised to it; dividing the logits by much less
+# (under ~1e-37 in fp32) overflows them to inf, and the draw of a NaN distribution is token 0
+MIN_TEMPERATURE = 1e-2
+
 
 @dataclass
 class SamplingParams:
@@ -22,6 +26,10 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, [-100, 100]
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
 
+    def __post_init__(self) -> None:
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
+
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError with a message fit for an HTTP 400."""
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -37,8 +45,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0 < self.repetition_penalty <= 1e4:
-            raise ValueError(f"repetition_penalty must be in (0, 1e4], got {self.repetition_penalty}")
+        if not 1e-4 <= self.repetition_penalty <= 1e4:  # far under 1 it overflows the logits it divides, as temperature
+            raise ValueError(f"repetition_penalty must be in [1e-4, 1e4], got {self.repetition_penalty}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         off = {t: b for t, b in self.logit_bias.items() if not -100 <= b <= 100}

@@ -136,6 +136,21 @@ def test_http_logit_bias_and_min_tokens(hardened):
     wait_idle([dep.prefill, dep.decode])
 
 
+def test_http_a_tiny_temperature_samples_at_vllms_floor(hardened):
+    """Dividing the logits by a temperature under ~1e-37 overflowed them: every token was 0, the
+    draw of a NaN distribution. Such a temperature samples at 0.01 now, as vLLM's; a repetition
+    penalty that small (it divides the logits too) is refused."""
+    ids = random_prompts([40], seed=93)[0]
+    body = {"prompt": ids, "max_tokens": 4, "seed": 7, "ignore_eos": True, "return_token_ids": True}
+    floor = _post(hardened, {**body, "temperature": 0.01}).json()["choices"][0]["token_ids"]
+    assert floor != [0, 0, 0, 0]
+    for t in (1e-40, 5e-324):
+        assert _post(hardened, {**body, "temperature": t}).json()["choices"][0]["token_ids"] == floor
+    r = _post(hardened, {**body, "repetition_penalty": 1e-40})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == "repetition_penalty must be in [1e-4, 1e4], got 1e-40"
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
