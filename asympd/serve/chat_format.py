@@ -201,6 +201,8 @@ def render_tools(tools: Sequence[Mapping[str, Any]]) -> str:
             raise ChatFormatError(f"tools[{i}]: expected {{'type': 'function', 'function': {{...}}}}")
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise ChatFormatError(f"tools[{i}]: function.name is required")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], Mapping):
+            raise ChatFormatError(f"tools[{i}]: function.parameters must be a JSON object (a JSON Schema)")
         lines.append(json.dumps(dict(fn), ensure_ascii=False, separators=(",", ":")))
     return "\n".join(lines)
 

@@ -210,6 +210,16 @@ BAD = [
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, "max_tokens"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "text as a string"),
+    (
+        "chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "tools": [{"function": {"name": "f", "parameters": "{}"}}],
+        },
+        400,
+        "tools[0]: function.parameters must be a JSON object (a JSON Schema)",
+    ),
 ]
 
 
