@@ -338,7 +338,7 @@ class Router:
         body = P.parse_json_body(await read_body(request, self.cfg.max_body_bytes))
         body.pop("kv_transfer_params", None)  # internal: a client does not get to set it
         model = body.get("model")
-        if model is not None and self.model_names and model not in self.model_names:
+        if isinstance(model, str) and self.model_names and model not in self.model_names:  # else the workers' 400
             raise P.APIError(f"The model `{model}` does not exist.", 404, param="model")
         # the id the workers know this request by: the client's X-Request-Id made unique, so that a retry
         # under that id never meets an earlier request's abort (a worker refuses an aborted id for

@@ -158,11 +158,15 @@ def test_http_a_tiny_temperature_samples_at_vllms_floor(hardened):
         ({"best_of": 3}, "best_of"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"echo": True, "logprobs": 1}, "echo"),
+        ({"model": 5}, "model"),  # the router's 404 "The model `5` does not exist" was misleading
+        ({"model": ["tiny"]}, "model"),  # the router's 500 (a list looked up in a set)
     ],
 )
 def test_http_refused_parameters_name_the_field(hardened, body, param):
     r = _post(hardened, {"prompt": "hello world", "max_tokens": 2, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    if param == "model":
+        assert r.json()["error"]["message"] == "invalid request: model: Input should be a valid string"
 
 
 def test_http_echo(hardened):
