@@ -210,6 +210,17 @@ def test_a_retry_under_the_same_request_id_is_served(hardened):
     wait_idle([dep.prefill, dep.decode])
 
 
+def test_the_router_reads_stream_as_the_workers_do(hardened):
+    """``"stream": "false"`` is False to the workers (pydantic's reading) but was True to the router,
+    which relayed D's JSON answer as an event stream and appended a 502 error event."""
+    dep = hardened
+    for value in ("false", "0"):
+        body = {"prompt": "hello world", "max_tokens": 2, "stream": value}
+        r = httpx.post(f"{dep.router}/v1/completions", json=body, headers=dep.auth, timeout=30)
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text
+        assert r.json()["usage"]["completion_tokens"] == 2
+
+
 def test_a_non_streamed_request_is_bounded_by_progress_not_total_time(hardened):
     """The router's progress timeout is PROGRESS_TIMEOUT s (the old fixed total timeout, set low):
     a non-streamed request running several times longer completes, because D sends progress."""
