@@ -59,12 +59,16 @@ def _to(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> 
 
 def batched_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """``processed_probs`` for every row ``[R, vocab]`` (temperature > 0) at once: per-row
-    temperature, top-k and top-p as tensors, one sort for the rows that filter (none when no row
-    does). A row's result does not depend on the other rows (seeded sampling is batch-invariant)."""
+    temperature, min-p, top-k and top-p as tensors, one sort for the rows that filter (none when no
+    row does). A row's result does not depend on the other rows (seeded sampling is batch-invariant)."""
     r, v = logits.shape
     temp = _to([p.temperature for p in params], logits.device, torch.float32)
     x = logits.float() / temp[:, None]
     probs = torch.softmax(x, dim=-1)
+    if any(p.min_p > 0 for p in params):  # 0 keeps every token (no probability is below 0)
+        min_p = _to([p.min_p for p in params], logits.device, torch.float32)
+        x = x.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
+        probs = torch.softmax(x, dim=-1)
     ks = [p.top_k if p.top_k and 0 < p.top_k < v else v for p in params]
     tops = [p.top_p for p in params]
     rows = [i for i in range(r) if ks[i] < v or tops[i] < 1.0]

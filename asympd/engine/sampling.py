@@ -4,7 +4,8 @@ First the logits are adjusted as vLLM does: ``min_tokens`` masks EOS and ``stop_
 that many tokens exist, ``logit_bias`` is added, then the repetition penalty (prompt and output
 tokens: positive logits divided by it, negative ones multiplied), the frequency penalty (times each
 token's count in the output) and the presence penalty (once per token in the output) are applied.
-Then greedy when temperature is 0; otherwise temperature, top-k, top-p, and a draw from a
+Then greedy when temperature is 0; otherwise temperature, min-p (vLLM's order: on the tempered
+distribution, before top-k), top-k, top-p, and a draw from a
 per-request generator when a seed is given (so a seeded request samples the same tokens whatever
 else is in the batch). Log-probabilities are of the model's raw distribution (before any of
 this), as vLLM reports them by default. The engine does all of it batched over a step on the
@@ -49,6 +50,9 @@ def adjust_logits(
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution actually sampled from (fp32 [vocab]) for temperature > 0."""
     x = logits.float() / params.temperature
+    if params.min_p > 0:
+        p = torch.softmax(x, dim=-1)
+        x = x.masked_fill(p < params.min_p * p.max(), float("-inf"))
     if params.top_k and params.top_k > 0 and params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

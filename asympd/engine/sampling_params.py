@@ -16,6 +16,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: no limit
+    min_p: float = 0.0  # [0, 1]: drop tokens under min_p x the most likely one's probability; 0 = off
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None  # top-n per position; -1 = the whole vocabulary
@@ -38,6 +39,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or positive, got {self.top_k}")
         if self.logprobs is not None and self.logprobs < -1:

@@ -148,6 +148,7 @@ class _Common(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what a torch generator takes
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -201,6 +202,7 @@ class _Common(BaseModel):
             temperature=temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None or self.top_k == 0 else self.top_k,
+            min_p=self.min_p or 0.0,
             seed=self.seed,
             stop_token_ids=list(self.stop_token_ids or []),
             logprobs=logprobs,
@@ -346,12 +348,29 @@ class ChatCompletionRequest(_Common):
         return self._sampling(n, (self.top_logprobs or 0) if self.logprobs else None)
 
 
+# vLLM's extensions whose effect a client relies on and this server does not have: refused by name,
+# where any other unknown field is ignored (a client asking for JSON must not get free text silently)
+UNSUPPORTED = {
+    "use_beam_search": "beam search",
+    **{f: "guided decoding" for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")},
+    "structured_outputs": "guided decoding",
+}
+
+
 def parse_request(kind: str, body: dict[str, Any]) -> CompletionRequest | ChatCompletionRequest:
     cls = CompletionRequest if kind == "completion" else ChatCompletionRequest
+    for name, what in UNSUPPORTED.items():
+        if body.get(name) not in (None, False):
+            raise APIError(f"{name} is not supported: this server has no {what}", param=name)
+    if kind == "completion" and body.get("response_format") not in (None, {"type": "text"}):
+        raise APIError("response_format is for chat completions here", param="response_format")
     try:
-        return cls.model_validate(body)
+        req = cls.model_validate(body)
     except ValidationError as e:
         raise APIError(_validation_message(e), param=_validation_param(e)) from None
+    if req.stream_options is not None and not req.stream:  # as vLLM
+        raise APIError("stream_options is only allowed with stream: true", param="stream_options")
+    return req
 
 
 # ---- responses --------------------------------------------------------------------------------------

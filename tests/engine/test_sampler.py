@@ -55,7 +55,6 @@ def test_a_seeded_row_draws_the_same_token_alone_and_in_any_batch():
 
 def test_batched_probs_equal_processed_probs_and_masks_are_exact():
     v = 50
-    logits = torch.randn(8, v, generator=seeded(2)) * 2
     params = [
         SamplingParams(temperature=0.8),
         SamplingParams(temperature=1.0, top_k=1),
@@ -65,7 +64,11 @@ def test_batched_probs_equal_processed_probs_and_masks_are_exact():
         SamplingParams(temperature=2.0, top_k=v),
         SamplingParams(temperature=1.0, top_p=0.05),  # only the top token
         SamplingParams(temperature=1.0, top_k=-1, top_p=1.0),
+        SamplingParams(temperature=1.0, min_p=0.2),
+        SamplingParams(temperature=0.7, min_p=0.05, top_k=6, top_p=0.9),
+        SamplingParams(temperature=1.5, min_p=1.0),  # only the top token
     ]
+    logits = torch.randn(len(params), v, generator=seeded(2)) * 2
     got = batched_probs(logits, params)
     for row, p, want in zip(
         got, params, (processed_probs(lg, p) for lg, p in zip(logits, params, strict=True)), strict=True

@@ -25,6 +25,20 @@ def test_processed_probs_top_k_and_top_p():
     assert torch.allclose(p, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
 
 
+def test_processed_probs_min_p_filters_the_tempered_distribution():
+    """vLLM's min-p: tokens under min_p x the top probability go, measured after temperature."""
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    p = processed_probs(logits, SamplingParams(temperature=1.0, min_p=0.5))  # under 0.25 goes
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    p = processed_probs(logits, SamplingParams(temperature=1.0, min_p=0.29))  # 0.15 stays, 0.05 goes
+    assert torch.allclose(p, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+    # at temperature 2 the probabilities go as sqrt(p): 0.15 is 0.55 of the top one, 0.05 0.32
+    p = processed_probs(logits, SamplingParams(temperature=2.0, min_p=0.5))
+    kept = torch.tensor([0.5, 0.3, 0.15, 0.0]).sqrt()
+    assert torch.allclose(p, kept / kept.sum())
+    assert torch.equal(processed_probs(logits, SamplingParams(min_p=0.0)), processed_probs(logits, SamplingParams()))
+
+
 def test_stop_tokens_max_tokens_and_logprobs_through_the_engine(tiny_ckpt):
     llm = LLM(tiny_ckpt)
     prompt = random_prompts([25], seed=31)[0]

@@ -203,6 +203,37 @@ BAD = [
     ("completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
     ("completions", {"max_tokens": 3}, 400, "prompt"),
     ("completions", {"prompt": {"not": "a prompt"}}, 400, "prompt"),
+    # vLLM extensions a client relies on are refused by name, not ignored (other unknown fields are)
+    (
+        "completions",
+        {"prompt": "hi", "use_beam_search": True},
+        400,
+        "use_beam_search is not supported: this server has no beam search",
+    ),
+    (
+        "completions",
+        {"prompt": "hi", "guided_json": {"type": "object"}},
+        400,
+        "guided_json is not supported: this server has no guided decoding",
+    ),
+    (
+        "completions",
+        {"prompt": "hi", "response_format": {"type": "json_object"}},
+        400,
+        "response_format is for chat completions here",
+    ),
+    (
+        "completions",
+        {"prompt": "hi", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options is only allowed with stream: true",
+    ),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"regex": "a+"}},
+        400,
+        "structured_outputs is not supported",
+    ),
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "tool_calls"),
     ("chat/completions", {"messages": [{"role": "developer", "content": "x"}]}, 400, "role"),

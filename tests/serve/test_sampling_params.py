@@ -65,6 +65,7 @@ def test_no_adjustment_is_the_identity():
         ({"repetition_penalty": 0.0}, "repetition_penalty must be in"),
         ({"min_tokens": 20, "max_tokens": 10}, "min_tokens must be in"),
         ({"logit_bias": {1: 101.0}}, "logit_bias values must be in"),
+        ({"min_p": 1.5}, "min_p must be in"),
     ],
 )
 def test_validation(kw, needle):
@@ -149,6 +150,24 @@ def test_http_a_tiny_temperature_samples_at_vllms_floor(hardened):
     r = _post(hardened, {**body, "repetition_penalty": 1e-40})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"] == "repetition_penalty must be in [1e-4, 1e4], got 1e-40"
+
+
+def test_http_min_p_filters_what_d_samples(hardened):
+    """min_p keeps the tokens whose probability is at least min_p x the most likely one's (vLLM's
+    filter, on the tempered distribution): at 1 only the most likely token is left, so a hot seeded
+    draw through the router, P and D gives the greedy tokens; it was ignored (a hot draw)."""
+    ids = random_prompts([40], seed=95)[0]
+    body = {"prompt": ids, "max_tokens": 8, "ignore_eos": True, "return_token_ids": True}
+    greedy = _post(hardened, {**body, "temperature": 0}).json()["choices"][0]["token_ids"]
+    hot = {**body, "temperature": 5.0, "seed": 3}
+    assert _post(hardened, hot).json()["choices"][0]["token_ids"] != greedy  # the draw is hot without it
+    assert _post(hardened, {**hot, "min_p": 1.0}).json()["choices"][0]["token_ids"] == greedy
+    r = _post(hardened, {**body, "min_p": -0.1})
+    assert r.status_code == 400 and r.json()["error"] == {
+        **r.json()["error"],
+        "message": "min_p must be in [0, 1], got -0.1",
+        "param": "min_p",
+    }, r.text
 
 
 @pytest.mark.parametrize(
