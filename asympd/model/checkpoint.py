@@ -22,6 +22,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -94,6 +95,23 @@ def load_config(ckpt_dir: str | Path) -> ModelConfig:
         return read_config_dir(d)
     except (ConfigError, TypeError, ValueError) as e:
         raise CheckpointError(f"invalid {CONFIG_FILE} in {str(d)!r}: {e}") from e
+
+
+def read_generation_config(folder: str | Path) -> dict[str, Any]:
+    """``generation_config.json`` in ``folder`` (Transformers' generation defaults), {} where there is
+    none; one that is not a JSON object is a ``CheckpointError``."""
+    path = Path(folder) / GENERATION_CONFIG_FILE
+    if not Path(folder).is_dir():
+        raise CheckpointError(f"generation config folder {str(folder)!r} does not exist")
+    if not path.is_file():
+        return {}
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"invalid {GENERATION_CONFIG_FILE} in {str(folder)!r}: {e}") from e
+    if not isinstance(out, dict):
+        raise CheckpointError(f"invalid {GENERATION_CONFIG_FILE} in {str(folder)!r}: not a JSON object")
+    return out
 
 
 def _tensor_files(d: Path) -> tuple[dict[str, str], bool]:

@@ -42,7 +42,9 @@ from asympd.engine.llm import eos_id, load_tokenizer
 from asympd.engine.request import RequestOutput
 from asympd.engine.sampling import SamplingParams
 from asympd.engine.warm_up import warm_up
+from asympd.model.checkpoint import read_generation_config
 from asympd.model.loader import load_model
+from asympd.model.schema import CheckpointError
 from asympd.parallel import launch_ep
 from asympd.parallel.cp_engine import CPPrefillEngine, launch_cp
 from asympd.serve import protocol as P
@@ -94,6 +96,7 @@ class WorkerServer:
         self.secret = internal_key(cfg.internal_key_file)
         self.tokenizer = load_tokenizer(cfg.checkpoint)
         self.model_name = cfg.served_model_name or cfg.checkpoint
+        self.sampling_defaults = self.load_sampling_defaults()
         model_role = modes.model_role(cfg.role, cfg.mode)
         self.ep = None  # expert parallel: ranks 1..ep-1 load while this process does (asympd.parallel)
         if cfg.ep > 1:
@@ -175,6 +178,25 @@ class WorkerServer:
             self.engine.close()
         self.text_pool.shutdown(wait=False, cancel_futures=True)
 
+    def load_sampling_defaults(self) -> dict[str, Any]:
+        """What a request's omitted sampling fields default to (``--generation-config``)."""
+        source = self.cfg.generation_config
+        if source == "vllm":
+            return {}
+        folder = self.cfg.checkpoint if source == "auto" else source
+        try:
+            defaults = P.sampling_defaults(read_generation_config(folder))
+        except ValueError as e:  # the CLI's clear error, not a traceback
+            raise CheckpointError(f"{folder}/{e}") from None
+        if defaults:
+            log.info(
+                "sampling defaults from %s/generation_config.json: %s (a request's own values win; "
+                "--generation-config vllm leaves them out)",
+                folder,
+                defaults,
+            )
+        return defaults
+
     def info(self, internal: bool = True) -> dict[str, Any]:
         """What the router needs to check a worker; the fingerprint only for internal callers."""
         c, m = self.cfg, self.model_cfg
@@ -194,6 +216,7 @@ class WorkerServer:
             "device": c.device,
             "dtype": c.dtype,
             "has_tokenizer": self.tokenizer is not None,
+            "sampling_defaults": self.sampling_defaults,
             "ep": c.ep,
             "ep_pids": self.ep.group.pids() if self.ep is not None else [],
             "cp": c.cp,
@@ -323,7 +346,7 @@ class WorkerServer:
         if kind == "chat":  # vision: decode image parts, expand their placeholders (serve/vision_inputs.py)
             limits = ImageLimits(self.cfg.max_images, self.cfg.max_image_bytes, allow_http=self.cfg.allow_image_urls)
             ids, images = await self.off_loop(request_images, req.message_dicts(), ids, self.model_cfg, limits)
-        params = req.sampling_params(len(ids), self.model_cfg.max_seq_len)
+        params = req.sampling_params(len(ids), self.model_cfg.max_seq_len, self.sampling_defaults)
         self.check_length(ids, params)
         req.stop_strings()  # validated before anything is queued
         rid = client_request_id(request) or P.new_id(kind)

@@ -38,6 +38,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
+    generation_config: str = "auto"  # auto: the checkpoint's generation_config.json; vllm: none; or a folder
     device: str = "cpu"
     dtype: str = "auto"  # resolved to a name by resolve()
     weights: str = "auto"  # packed-experts on CUDA, dequantized on CPU (asympd.model.loader)
@@ -163,6 +164,9 @@ _HELP = {
     "kv_wire_format": "prefill worker: fp4 ships the global KV in the released cache formats (NVFP4/MXFP4, "
     "lossless), unpacked in the cache dtype",
     "served_model_name": "default: the --checkpoint argument",
+    "generation_config": "auto: sampling fields a request leaves out (temperature, top_p, top_k, min_p, "
+    "repetition_penalty, max_tokens from max_new_tokens) default to the checkpoint's generation_config.json, as "
+    "vLLM's; vllm: the API's own defaults; or a folder holding a generation_config.json",
     "max_body_bytes": "largest request body accepted (413 above it)",
     "num_spec_tokens": "decoding workers: DSpark drafts verified per request per step (0: off)",
     "max_new_admissions": "new requests admitted per step (Sarathi-style cap; default: --admission-policy's)",

@@ -12,6 +12,7 @@ import json
 import math
 import time
 import uuid
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse
@@ -138,6 +139,26 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# generation_config.json's keys that a request's omitted sampling fields default to (vLLM's
+# ``--generation-config auto``); max_new_tokens is the default max_tokens
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+def sampling_defaults(generation_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The sampling defaults a generation config sets, under SamplingParams' names; a value
+    SamplingParams would refuse is a ValueError naming the key (a server does not start on it)."""
+    from asympd.engine.sampling import SamplingParams
+
+    out = {k: generation_config[k] for k in GENERATION_DEFAULT_KEYS if generation_config.get(k) is not None}
+    if "max_new_tokens" in out:
+        out["max_tokens"] = out.pop("max_new_tokens")
+    try:
+        SamplingParams(**out).validate()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"generation_config.json: {e}") from None
+    return out
+
+
 class _Common(BaseModel):
     """Fields both endpoints share. NaN and infinities are refused for every number."""
 
@@ -174,8 +195,13 @@ class _Common(BaseModel):
             raise APIError("stop strings must be non-empty", param="stop")
         return stops
 
-    def _sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _sampling(self, max_tokens: int, logprobs: int | None, defaults: Mapping[str, Any]) -> SamplingParams:
+        """``defaults`` (``sampling_defaults``) for the fields the request leaves out."""
         from asympd.engine.sampling import SamplingParams
+
+        def pick(name: str, fallback: Any) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, fallback)
 
         if self.n != 1:
             raise APIError(f"n={self.n} is not supported: only n=1 (send n requests)", param="n")
@@ -194,22 +220,22 @@ class _Common(BaseModel):
                 raise APIError(f"logit_bias keys must be token ids, got {k!r}", param="logit_bias") from None
         if max_tokens is None or max_tokens <= 0:
             raise APIError(f"max_tokens must be a positive integer, got {max_tokens}", param="max_tokens")
-        temperature = 1.0 if self.temperature is None else self.temperature
+        temperature = pick("temperature", 1.0)
         if temperature < 0:
             raise APIError(f"temperature must be >= 0, got {temperature}", param="temperature")
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None or self.top_k == 0 else self.top_k,
-            min_p=self.min_p or 0.0,
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", -1) or -1,  # 0 and -1: no limit
+            min_p=pick("min_p", 0.0),
             seed=self.seed,
             stop_token_ids=list(self.stop_token_ids or []),
             logprobs=logprobs,
             ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias=bias,
             min_tokens=self.min_tokens,
         )
@@ -245,10 +271,14 @@ class CompletionRequest(_Common):
             raise APIError("suffix is not supported", param="suffix")
         return p
 
-    def sampling_params(self, num_prompt_tokens: int, max_seq_len: int) -> SamplingParams:
+    def sampling_params(
+        self, num_prompt_tokens: int, max_seq_len: int, defaults: Mapping[str, Any] | None = None
+    ) -> SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise APIError(f"logprobs must be in [0, 20], got {self.logprobs}", param="logprobs")
-        return self._sampling(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        defaults = defaults or {}
+        n = self.max_tokens if self.max_tokens is not None else defaults.get("max_tokens", 16)
+        return self._sampling(n, self.logprobs, defaults)
 
 
 class ChatMessage(BaseModel):
@@ -337,15 +367,18 @@ class ChatCompletionRequest(_Common):
         names = {t.get("function", {}).get("name") for t in self.tools or []} if self.tools_enabled() else None
         return ChatOutput(ChatStreamParser(self.chat_options().thinking, names, tools=self.tools_enabled()))
 
-    def sampling_params(self, num_prompt_tokens: int, max_seq_len: int) -> SamplingParams:
+    def sampling_params(
+        self, num_prompt_tokens: int, max_seq_len: int, defaults: Mapping[str, Any] | None = None
+    ) -> SamplingParams:
+        defaults = defaults or {}
         n = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        if n is None:  # vLLM: whatever room the context leaves
-            n = max(max_seq_len - num_prompt_tokens, 1)
+        if n is None:  # vLLM: whatever room the context leaves, at most the generation config's
+            n = max(min(max_seq_len - num_prompt_tokens, defaults.get("max_tokens", max_seq_len)), 1)
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise APIError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", param="top_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
-        return self._sampling(n, (self.top_logprobs or 0) if self.logprobs else None)
+        return self._sampling(n, (self.top_logprobs or 0) if self.logprobs else None, defaults)
 
 
 # vLLM's extensions whose effect a client relies on and this server does not have: refused by name,

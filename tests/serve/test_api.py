@@ -266,6 +266,29 @@ def test_bad_requests(url, client, path, body, status, needle):
 HI = [{"role": "user", "content": "hi"}]
 
 
+def test_a_generation_config_sets_the_defaults_a_request_leaves_out(tiny_ckpt, tmp_path, offline):
+    """``--generation-config FOLDER`` (vLLM's flag; ``auto``, the default, reads the checkpoint's):
+    a request without temperature or max_tokens takes the file's (greedy, 3 tokens), its own win."""
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.0, "max_new_tokens": 3, "eos_token_id": 1}')
+    proc = worker("gen-config", tiny_ckpt, "colocated", "colocated", tmp_path, "--generation-config", str(tmp_path))
+    (u,) = start_all([proc])
+    try:
+        ids = random_prompts([30], seed=61)[0]
+        want = offline.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=5, temperature=0))
+        want = want[0].outputs[0].token_ids
+        with httpx.Client(timeout=60) as c:
+            assert c.get(f"{u}/asympd/info").json()["sampling_defaults"] == {"temperature": 0.0, "max_tokens": 3}
+            body = {"prompt": ids, "return_token_ids": True, "ignore_eos": True}
+            r = c.post(f"{u}/v1/completions", json=body)
+            assert r.json()["choices"][0]["token_ids"] == want[:3], r.text
+            r = c.post(f"{u}/v1/completions", json={**body, "max_tokens": 5})
+            assert r.json()["choices"][0]["token_ids"] == want
+            r = c.post(f"{u}/v1/completions", json={**body, "temperature": 5.0, "seed": 1})
+            assert r.json()["choices"][0]["token_ids"] != want[:3]  # hot, the request's own
+    finally:
+        stop_all([proc])
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
