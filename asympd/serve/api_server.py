@@ -487,6 +487,7 @@ class WorkerServer:
             self.engine.config.eos_token_id,
             got.first_logprobs if state is not None else None,
             min_tokens=params.min_tokens,
+            skip_special_tokens=req.skip_special_tokens,
         )
         kw: dict[str, Any] = {"prefix_state": state, "first_token": got.first_token if state is not None else None}
         if images:

@@ -22,8 +22,10 @@ class OutputTracker:
         eos_token_id: int | None = None,
         first_logprobs: dict[int, float] | None = None,
         min_tokens: int = 0,
+        skip_special_tokens: bool = True,
     ) -> None:
         self.tokenizer, self.eos = tokenizer, eos_token_id
+        self.skip_special_tokens = skip_special_tokens  # vLLM's: special tokens left out of the text
         self.stops, self.include_stop = stops, include_stop
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.first_logprobs = first_logprobs  # symmetric D: P sampled the first token
@@ -38,7 +40,9 @@ class OutputTracker:
         self.stopped_by_string = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def update(self, out: RequestOutput) -> None:
         """Take the newest cumulative output of the request."""

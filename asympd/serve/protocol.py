@@ -185,6 +185,7 @@ class _Common(BaseModel):
     n: int = 1
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # vLLM's: False keeps special tokens in the text
     return_token_ids: bool = False
     kv_transfer_params: dict[str, Any] | None = None
     user: str | None = None

@@ -137,6 +137,20 @@ def test_http_logit_bias_and_min_tokens(hardened):
     wait_idle([dep.prefill, dep.decode])
 
 
+def test_http_skip_special_tokens(hardened):
+    """vLLM's skip_special_tokens: special tokens are left out of the text by default, kept with
+    False (through the router, P and D; it was ignored, the text always without them)."""
+    from asympd.model.tiny_tokenizer import SPECIAL_TOKENS
+
+    body = {"prompt": random_prompts([40], seed=96)[0], "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    body |= {"logit_bias": {"0": 100}, "return_token_ids": True}  # BOS, a special token, twice
+    default = _post(hardened, body).json()["choices"][0]
+    assert default["token_ids"] == [0, 0] and default["text"] == ""
+    kept = _post(hardened, {**body, "skip_special_tokens": False}).json()["choices"][0]
+    assert kept["text"] == SPECIAL_TOKENS[0] * 2
+    wait_idle([hardened.prefill, hardened.decode])
+
+
 def test_http_a_tiny_temperature_samples_at_vllms_floor(hardened):
     """Dividing the logits by a temperature under ~1e-37 overflowed them: every token was 0, the
     draw of a NaN distribution. Such a temperature samples at 0.01 now, as vLLM's; a repetition
