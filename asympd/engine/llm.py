@@ -18,7 +18,9 @@ from asympd.engine.engine import EngineConfig, LLMEngine
 from asympd.engine.images import decode_image
 from asympd.engine.request import RequestOutput
 from asympd.engine.sampling import SamplingParams
+from asympd.engine.sampling_params import sampling_defaults
 from asympd.engine.scheduler import SchedulerConfig
+from asympd.model.checkpoint import read_generation_config
 from asympd.model.loader import load_model
 from asympd.model.vision import ImageInput, expand_placeholders
 from asympd.transfer.prefix_state import PrefixState
@@ -68,6 +70,7 @@ class LLM:
         cuda_graph_capture: str = "startup",
         cuda_graph_mode: str | None = None,
         warm_up: bool | None = None,
+        generation_config: str = "auto",
     ):
         """``num_spec_tokens`` > 0 turns on speculative decoding with the checkpoint's DSpark draft
         blocks in the engine that decodes (the colocated engine, or D); the prefill worker never drafts.
@@ -81,9 +84,13 @@ class LLM:
         ``cuda_graph_mode``: full_and_piecewise replays the other steps' layers around attention as
         piecewise graphs (a P's prompt steps too); None: that for the prefill worker, full for the rest.
         ``warm_up``: run the eager prompt path once per size class before the first request
-        (engine/warm_up.py; None: on CUDA)."""
+        (engine/warm_up.py; None: on CUDA). ``generation_config`` (vLLM's): ``generate`` without
+        sampling parameters samples with the checkpoint's ``generation_config.json`` defaults (auto),
+        the SamplingParams defaults (vllm), or another folder's file."""
         self.mode = mode
         self.tokenizer = load_tokenizer(checkpoint)
+        folder = {"auto": checkpoint, "vllm": None}.get(generation_config, generation_config)
+        self.sampling_defaults = {} if folder is None else sampling_defaults(read_generation_config(folder))
         detok = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer else None
 
         def config(role: str) -> EngineConfig:
@@ -126,6 +133,10 @@ class LLM:
         self.slices: dict[str, list[tuple[int, int]]] = {}  # streamed request -> [start, split) of each slice
         self._secret = secrets.token_bytes(32)  # seals the prefix states this process hands itself
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` samples with when given none (vLLM's name): the generation config's."""
+        return SamplingParams(**self.sampling_defaults)
+
     def _load_model(
         self, engine_role: str, checkpoint: str | Path, role: str, device: str, dtype: torch.dtype, weights: str
     ):
@@ -151,7 +162,7 @@ class LLM:
             prompt_token_ids = [self.tokenizer.encode(p).ids for p in prompts]
         elif prompt_token_ids and isinstance(prompt_token_ids[0], int):
             prompt_token_ids = [prompt_token_ids]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params_list = params if isinstance(params, list) else [params] * len(prompt_token_ids)
         if images is not None and len(images) != len(prompt_token_ids):
             raise ValueError(f"images has {len(images)} entries for {len(prompt_token_ids)} prompts")

@@ -3,7 +3,9 @@ be built without torch (the planner's simulator does)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 # vLLM's floor: a positive temperature below it is raised to it; dividing the logits by much less
 # (under ~1e-37 in fp32) overflows them to inf, and the draw of a NaN distribution is token 0
@@ -77,3 +79,21 @@ class SamplingParams:
             or self.logit_bias
             or self.min_tokens
         )
+
+
+# generation_config.json's keys that a request's omitted sampling fields default to (vLLM's
+# ``--generation-config auto``); max_new_tokens is the default max_tokens
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+def sampling_defaults(generation_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The sampling defaults a generation config sets, under SamplingParams' names; a value
+    SamplingParams would refuse is a ValueError naming the key (a server does not start on it)."""
+    out = {k: generation_config[k] for k in GENERATION_DEFAULT_KEYS if generation_config.get(k) is not None}
+    if "max_new_tokens" in out:
+        out["max_tokens"] = out.pop("max_new_tokens")
+    try:
+        SamplingParams(**out).validate()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"generation_config.json: {e}") from None
+    return out

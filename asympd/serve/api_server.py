@@ -41,6 +41,7 @@ from asympd.engine.images import ImageLimits
 from asympd.engine.llm import eos_id, load_tokenizer
 from asympd.engine.request import RequestOutput
 from asympd.engine.sampling import SamplingParams
+from asympd.engine.sampling_params import sampling_defaults
 from asympd.engine.warm_up import warm_up
 from asympd.model.checkpoint import read_generation_config
 from asympd.model.loader import load_model
@@ -185,7 +186,7 @@ class WorkerServer:
             return {}
         folder = self.cfg.checkpoint if source == "auto" else source
         try:
-            defaults = P.sampling_defaults(read_generation_config(folder))
+            defaults = sampling_defaults(read_generation_config(folder))
         except ValueError as e:  # the CLI's clear error, not a traceback
             raise CheckpointError(f"{folder}/{e}") from None
         if defaults:

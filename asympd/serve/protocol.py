@@ -139,26 +139,6 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-# generation_config.json's keys that a request's omitted sampling fields default to (vLLM's
-# ``--generation-config auto``); max_new_tokens is the default max_tokens
-GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
-
-
-def sampling_defaults(generation_config: Mapping[str, Any]) -> dict[str, Any]:
-    """The sampling defaults a generation config sets, under SamplingParams' names; a value
-    SamplingParams would refuse is a ValueError naming the key (a server does not start on it)."""
-    from asympd.engine.sampling import SamplingParams
-
-    out = {k: generation_config[k] for k in GENERATION_DEFAULT_KEYS if generation_config.get(k) is not None}
-    if "max_new_tokens" in out:
-        out["max_tokens"] = out.pop("max_new_tokens")
-    try:
-        SamplingParams(**out).validate()
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"generation_config.json: {e}") from None
-    return out
-
-
 class _Common(BaseModel):
     """Fields both endpoints share. NaN and infinities are refused for every number."""
 

@@ -287,6 +287,11 @@ def test_a_generation_config_sets_the_defaults_a_request_leaves_out(tiny_ckpt, t
             assert r.json()["choices"][0]["token_ids"] != want[:3]  # hot, the request's own
     finally:
         stop_all([proc])
+    # the offline LLM the same way (vLLM's LLM(generation_config=...)): generate without parameters
+    llm = LLM(tiny_ckpt, mode="colocated", generation_config=str(tmp_path))
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=3)
+    assert llm.generate(prompt_token_ids=[ids])[0].outputs[0].token_ids == want[:3]
+    assert offline.get_default_sampling_params() == SamplingParams()  # the tiny checkpoint's file sets none
 
 
 @pytest.mark.parametrize(

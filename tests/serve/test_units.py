@@ -9,6 +9,7 @@ import pytest
 
 from asympd.engine.llm import load_tokenizer
 from asympd.engine.request import CompletionOutput, RequestOutput
+from asympd.engine.sampling_params import sampling_defaults
 from asympd.serve import protocol as P
 from asympd.serve.chat_format import ASSISTANT, BOS, END_THINK, USER, ChatOptions, encode_messages
 from asympd.serve.detokenize import OutputTracker
@@ -129,7 +130,7 @@ def test_generation_config_defaults_fill_what_a_request_leaves_out():
     """vLLM's --generation-config auto: the sampling keys of generation_config.json are the defaults
     of a request's omitted fields (max_new_tokens the default max_tokens); the request's own win."""
     gen = {"temperature": 0.6, "top_p": 0.95, "top_k": 0, "max_new_tokens": 7, "do_sample": True, "eos_token_id": 1}
-    defaults = P.sampling_defaults(gen)
+    defaults = sampling_defaults(gen)
     assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 0, "max_tokens": 7}
     got = P.parse_request("completion", {"prompt": "x"}).sampling_params(1, 100, defaults)
     assert (got.temperature, got.top_p, got.top_k, got.min_p, got.max_tokens) == (0.6, 0.95, -1, 0.0, 7)
@@ -141,7 +142,7 @@ def test_generation_config_defaults_fill_what_a_request_leaves_out():
     assert chat.sampling_params(96, 100, defaults).max_tokens == 4  # the room the context leaves
     assert chat.sampling_params(96, 100).max_tokens == 4 and chat.sampling_params(96, 100).temperature == 1.0
     with pytest.raises(ValueError, match=r"^generation_config.json: top_p must be in \(0, 1\], got 2$"):
-        P.sampling_defaults({"top_p": 2})
+        sampling_defaults({"top_p": 2})
 
 
 def test_error_body_shape():
