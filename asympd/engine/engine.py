@@ -624,9 +624,10 @@ class LLMEngine:
                 req.request_id, req.prompt_token_ids, req.import_len, self.fingerprint + req.cache_salt
             )
         if self.config.role == "prefill":
-            if drawn is not None:
+            if drawn is not None:  # a symmetric P samples the first token: it generated it, D does not count it
                 tok = self._sample(req, drawn)
                 req.output_token_ids.append(tok)
+                self.counters["generation_tokens"] += 1
                 req.first_token_time = time.monotonic()
             req.exported = export = self.runner.export_prefix(
                 req,

@@ -229,8 +229,11 @@ def image_rows_shipped(cfg: ModelConfig, n: int, mode: str, policy: str, spans: 
 
 
 def decode_fallback_plan(cfg: ModelConfig, n: int, mode: str, policy: str = "carry") -> list[Phase]:
-    """D computing the prefix itself because P failed (policy ``recompute``): the same numbers the
-    P/D pair would have produced, from one engine holding the full model."""
+    """D computing the prefix itself because P failed (policy ``recompute``), from one engine holding
+    the full model: the same numbers the P/D pair would have produced, except in symmetric mode,
+    where it is colocated decoder-replay: the pair's first token (P's, decoder-replay's), but past W
+    prompt tokens the later ones differ, since the pair's D rebuilds its windows below K from
+    [N-W, N) where decoder-replay's hold the whole prompt (docs/modes.md)."""
     if mode in ("asymmetric", "symmetric-split", "symmetric-windows"):
         return colocated_phases(cfg, n, "split", policy)
     if mode == "symmetric":

@@ -28,10 +28,11 @@ and after draining:
 - the streamed ``new_token_ids`` concatenate to the final tokens (each reported once, across
   preemptions and P's first token), and P streams none;
 - no block or slot is in use on any engine and nothing is held for a transfer;
-- the counters agree: ``generation_tokens`` is what the engine streamed (less the first tokens P
-  sampled), ``steps`` the calls to ``step``, ``prompt_tokens`` at least the rows of the finished
-  requests' plans; without aborts ``preemptions`` and the speculative counters are the sums of the
-  requests' own, and without preemptions too ``prompt_tokens`` is exactly the plans' rows.
+- the counters agree: ``generation_tokens`` is what D streamed (less the first tokens P sampled,
+  which P counts: one per export that carried one), ``steps`` the calls to ``step``,
+  ``prompt_tokens`` at least the rows of the finished requests' plans; without aborts
+  ``preemptions`` and the speculative counters are the sums of the requests' own, and without
+  preemptions too ``prompt_tokens`` is exactly the plans' rows.
 """
 
 from __future__ import annotations
@@ -215,6 +216,7 @@ class Harness:
         self.steps = Counter()
         self.n = 0
         self.refused = 0
+        self.p_sampled = 0  # P's exports that carried a first token (symmetric modes): P generated it
 
     # ---- the client and the router ---------------------------------------------------------------
 
@@ -251,6 +253,7 @@ class Harness:
                 if e is self.p:
                     assert out.new_token_ids == [], "P streams no token (D reports P's first token)"
                     assert out.finished == (out.outputs[0].finish_reason == "exported")
+                    self.p_sampled += bool(out.finished and out.outputs[0].token_ids)
                     job.p_preemptions = int(out.metrics["num_preemptions"])
                     self.pending.setdefault(out.request_id, deque()).append(out)
                 else:
@@ -408,7 +411,8 @@ class Harness:
         d_role = "decode" if dep.pd else "colocated"
         rows = {id(d): sum(plan_rows(dep, len(PROMPTS[j.prompt]), d_role, j.via_p) for j in done)}
         if self.p is not None:
-            assert self.p.counters["generation_tokens"] == 0 and self.p.counters["spec_steps"] == 0
+            assert self.p.counters["generation_tokens"] == self.p_sampled and self.p.counters["spec_steps"] == 0
+            assert self.p_sampled >= p_first and (first_from_p or self.p_sampled == 0)
             rows[id(self.p)] = sum(plan_rows(dep, len(PROMPTS[j.prompt]), "prefill", True) for j in done if j.via_p)
         for e in self.engines:
             assert e.counters["prompt_tokens"] >= rows[id(e)]

@@ -144,6 +144,7 @@ def test_greedy_with_speculation_equals_without(tiny_ckpt, mode, semantics, poli
     )
     if llm.prefill is not None:
         assert llm.prefill.num_spec_tokens == 0 and llm.prefill.proposer is None
+        assert llm.prefill.stats()["generation_tokens"] == (len(got) if mode.startswith("symmetric") else 0)
 
 
 @pytest.mark.parametrize("mode", ["colocated", "asymmetric"])
