@@ -232,8 +232,9 @@ def decode_fallback_plan(cfg: ModelConfig, n: int, mode: str, policy: str = "car
     """D computing the prefix itself because P failed (policy ``recompute``), from one engine holding
     the full model: the same numbers the P/D pair would have produced, except in symmetric mode,
     where it is colocated decoder-replay: the pair's first token (P's, decoder-replay's), but past W
-    prompt tokens the later ones differ, since the pair's D rebuilds its windows below K from
-    [N-W, N) where decoder-replay's hold the whole prompt (docs/modes.md)."""
+    prompt tokens the later ones differ: the pair's D rebuilt every layer's window by replaying
+    [N-W, N), starting at N-W, where decoder-replay's windows up to layer K reach back past it
+    (docs/modes.md)."""
     if mode in ("asymmetric", "symmetric-split", "symmetric-windows"):
         return colocated_phases(cfg, n, "split", policy)
     if mode == "symmetric":
