@@ -49,24 +49,29 @@ log = logging.getLogger("asympd.engine")
 
 
 class RequestError(ValueError):
-    """A request the engine refuses (bad input): maps to HTTP 400."""
+    """A request the engine refuses (bad input): maps to HTTP 400 naming ``param``, the field at
+    fault where there is one."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def check_prompt(cfg: ModelConfig, ids: list[int], params: SamplingParams) -> None:
     """Refuse an empty prompt, out-of-range ids, bad sampling parameters, or a request longer than
     the model's context, with RequestError (every engine checks a prompt the same way)."""
     if not ids:
-        raise RequestError("the prompt is empty")
+        raise RequestError("the prompt is empty", "prompt")
     not_ints = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)]
     if not_ints:
-        raise RequestError(f"prompt token ids must be integers: {not_ints[:8]}")
+        raise RequestError(f"prompt token ids must be integers: {not_ints[:8]}", "prompt")
     bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
     if bad:
-        raise RequestError(f"prompt token ids out of range [0, {cfg.vocab_size}): {bad[:8]}")
+        raise RequestError(f"prompt token ids out of range [0, {cfg.vocab_size}): {bad[:8]}", "prompt")
     try:
         params.validate(cfg.vocab_size)
-    except ValueError as e:
-        raise RequestError(str(e)) from e
+    except ValueError as e:  # its messages start with the field's name
+        raise RequestError(str(e), str(e).split(" ", 1)[0]) from e
     if len(ids) + params.max_tokens > cfg.max_seq_len:
         raise RequestError(
             f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len {cfg.max_seq_len}"

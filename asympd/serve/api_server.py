@@ -369,7 +369,7 @@ class WorkerServer:
         except PrefixStateError as e:
             raise P.APIError(f"bad prefix state: {e}", param="kv_transfer_params") from None
         except RequestError as e:
-            raise P.APIError(str(e)) from None
+            raise P.APIError(str(e), param=e.param) from None
         except EngineDeadError as e:
             raise P.APIError(str(e), 503) from None
 

@@ -310,6 +310,27 @@ def test_a_chat_refusal_names_the_field_at_fault(url, client, extra, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_the_engine_s_refusals_name_the_field_at_fault(url, client):
+    """The engine's own checks (ids against the vocabulary) name the field too (they had param null)."""
+    for extra, param, message in (
+        ({"prompt": [1, 99999]}, "prompt", "prompt token ids out of range [0, 512): [99999]"),
+        (
+            {"prompt": "hi", "stop_token_ids": [99999]},
+            "stop_token_ids",
+            "stop_token_ids out of range [0, 512): [99999]",
+        ),
+        (
+            {"prompt": "hi", "logit_bias": {"99999": 1}},
+            "logit_bias",
+            "logit_bias token ids out of range [0, 512): [99999]",
+        ),
+    ):
+        r = client.post(f"{url}/v1/completions", json={"max_tokens": 2, **extra})
+        assert r.status_code == 400 and r.json()["error"] == {
+            "message": message, "type": "BadRequestError", "param": param, "code": 400
+        }, r.text  # fmt: skip
+
+
 def test_malformed_bodies_and_unknown_paths(url, client):
     for raw in (b"{", b'"just a string"', b"", b"\xff\xfe"):
         r = client.post(f"{url}/v1/completions", content=raw)
