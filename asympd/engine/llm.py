@@ -20,7 +20,7 @@ from asympd.engine.request import RequestOutput
 from asympd.engine.sampling import SamplingParams
 from asympd.engine.sampling_params import sampling_defaults
 from asympd.engine.scheduler import SchedulerConfig
-from asympd.model.checkpoint import read_generation_config
+from asympd.model.checkpoint import CheckpointError, checkpoint_dir, read_generation_config
 from asympd.model.loader import load_model
 from asympd.model.vision import ImageInput, expand_placeholders
 from asympd.transfer.prefix_state import PrefixState
@@ -34,7 +34,12 @@ def load_tokenizer(checkpoint: str | Path):
         from tokenizers import Tokenizer
     except ImportError:
         return None
-    return Tokenizer.from_file(str(path)) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise CheckpointError(f"invalid tokenizer.json in {str(checkpoint)!r}: {e}") from e
 
 
 def eos_id(tokenizer) -> int | None:
@@ -88,6 +93,7 @@ class LLM:
         sampling parameters samples with the checkpoint's ``generation_config.json`` defaults (auto),
         the SamplingParams defaults (vllm), or another folder's file."""
         self.mode = mode
+        checkpoint_dir(checkpoint)  # before generation_config="auto" reads it as a folder
         self.tokenizer = load_tokenizer(checkpoint)
         folder = {"auto": checkpoint, "vllm": None}.get(generation_config, generation_config)
         self.sampling_defaults = {} if folder is None else sampling_defaults(read_generation_config(folder))

@@ -83,12 +83,20 @@ class LoadReport:
 # ---- reading ------------------------------------------------------------------------------------
 
 
+def checkpoint_dir(ckpt_dir: str | Path) -> Path:
+    """``ckpt_dir`` as a Path; a CheckpointError where it is not a directory."""
+    d = Path(ckpt_dir)
+    if d.exists() and not d.is_dir():
+        raise CheckpointError(f"checkpoint {str(d)!r} is a file, not a directory")
+    if not d.is_dir():
+        raise CheckpointError(f"checkpoint directory {str(d)!r} does not exist")
+    return d
+
+
 def load_config(ckpt_dir: str | Path) -> ModelConfig:
     """A checkpoint directory's config (root ``config.json``, ``inference/config.json`` or both,
     which must agree), as a validated ModelConfig."""
-    d = Path(ckpt_dir)
-    if not d.is_dir():
-        raise CheckpointError(f"checkpoint directory {str(d)!r} does not exist")
+    d = checkpoint_dir(ckpt_dir)
     if not (d / CONFIG_FILE).is_file() and not (d / FLAT_FILE).is_file():
         raise CheckpointError(f"checkpoint {str(d)!r} has no {CONFIG_FILE} (nor {FLAT_FILE})")
     try:
@@ -119,18 +127,24 @@ def _tensor_files(d: Path) -> tuple[dict[str, str], bool]:
     index = d / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            raw = json.loads(index.read_text())
+        except (OSError, ValueError) as e:
             raise CheckpointError(f"invalid {INDEX_FILE} in {str(d)!r}: {e}") from e
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"invalid {INDEX_FILE} in {str(d)!r}: weight_map is not an object")
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f for f in weight_map.values()):
+            raise CheckpointError(
+                f"invalid {INDEX_FILE} in {str(d)!r}: weight_map is not an object of tensor name -> shard file name"
+            )
         return dict(weight_map), True
     single = d / SINGLE_FILE
     if single.is_file():
         from safetensors import safe_open
 
-        with safe_open(str(single), framework="pt") as f:
-            return {name: SINGLE_FILE for name in f.keys()}, False
+        try:
+            with safe_open(str(single), framework="pt") as f:
+                return {name: SINGLE_FILE for name in f.keys()}, False
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise CheckpointError(f"cannot open {SINGLE_FILE!r}: {e}") from e
     raise CheckpointError(f"checkpoint {str(d)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
@@ -189,9 +203,7 @@ def load_tensors(
     ``vision`` (default: when the config has a tower) adds the tower and the role's VL gate biases."""
     from safetensors import safe_open
 
-    d = Path(ckpt_dir)
-    if not d.is_dir():
-        raise CheckpointError(f"checkpoint directory {str(d)!r} does not exist")
+    d = checkpoint_dir(ckpt_dir)
     if vision is None:
         vision = cfg.vision_n_layers > 0
     needed = [s for s in role_schema(cfg, role, vision) if keep is None or keep(s.name)]

@@ -392,12 +392,17 @@ def load_model(
     tensors, report = load_tensors(checkpoint, cfg, role, keep=keep, vision=vision)
     hasher = None
     if cfg.engram_layer_ids:
+        from asympd.model.checkpoint import CheckpointError
         from asympd.model.engram_hash import NgramHasher, compressed_token_map
 
-        token_map, size = compressed_token_map(Path(checkpoint) / "tokenizer.json")
+        tokenizer_json = Path(checkpoint) / "tokenizer.json"
+        if not tokenizer_json.is_file():
+            raise CheckpointError(f"checkpoint {str(checkpoint)!r} has no tokenizer.json: the Engram hashes need it")
+        try:
+            token_map, size = compressed_token_map(tokenizer_json)
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise CheckpointError(f"invalid tokenizer.json in {str(checkpoint)!r}: {e}") from e
         if size != cfg.engram_compressed_vocab_size:
-            from asympd.model.checkpoint import CheckpointError
-
             raise CheckpointError(
                 f"tokenizer.json compresses to {size} ids but config.json says engram_compressed_vocab_size="
                 f"{cfg.engram_compressed_vocab_size}: every Engram hash would change"

@@ -176,3 +176,63 @@ def test_make_checkpoint_refuses_existing(ckpt, capsys):
 def test_commands_registry():
     assert {"make-checkpoint", "memory", "inspect"} <= set(cli.COMMANDS)
     assert all(callable(c.add_arguments) and callable(c.run) for c in cli.COMMANDS.values())
+
+
+def _one_line_error(capsys) -> str:
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    return lines[0]
+
+
+@pytest.mark.parametrize("index", ['{"weight_map": {"embed.weight": 5}}', "[]"])
+def test_inspect_a_malformed_index_is_one_line(ckpt, tmp_path, capsys, index):
+    """A shard name that is not a string was a TypeError traceback; a list, 'list indices must be integers'."""
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    (bad / "model.safetensors.index.json").write_text(index)
+    assert cli.main(["inspect", "--checkpoint", str(bad)]) == 2
+    assert _one_line_error(capsys) == (
+        f"error: invalid model.safetensors.index.json in '{bad}': weight_map is not an object of tensor name -> "
+        "shard file name"
+    )
+
+
+def test_inspect_a_corrupt_single_file_checkpoint_is_one_line(ckpt, tmp_path, capsys):
+    """A model.safetensors without an index whose header is garbage (was safetensors' traceback)."""
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad, ignore=lambda d, names: [n for n in names if n.startswith("model")])
+    (bad / "model.safetensors").write_bytes(b"\xff" * 64)
+    assert cli.main(["inspect", "--checkpoint", str(bad)]) == 2
+    line = _one_line_error(capsys)
+    assert line.startswith("error: cannot open 'model.safetensors': Error while deserializing header")
+
+
+def test_a_file_given_as_the_checkpoint_is_named_a_file(ckpt, capsys):
+    shard = next(ckpt.glob("model-*.safetensors"))
+    for command in ("inspect", "compare"):
+        assert cli.main([command, "--checkpoint", str(shard)]) == 2
+        assert _one_line_error(capsys) == f"error: checkpoint '{shard}' is a file, not a directory"
+
+
+def test_compare_on_a_missing_checkpoint_names_the_checkpoint(tmp_path, capsys):
+    """It said 'generation config folder ... does not exist'."""
+    assert cli.main(["compare", "--checkpoint", str(tmp_path / "nope")]) == 2
+    assert _one_line_error(capsys) == f"error: checkpoint directory '{tmp_path / 'nope'}' does not exist"
+
+
+@pytest.mark.parametrize("broken", ["malformed", "missing"])
+def test_compare_on_a_broken_tokenizer_is_one_line(ckpt, tmp_path, capsys, broken):
+    """tokenizers' bare Exception was a traceback, from the LLM's tokenizer or the Engram hash's."""
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    if broken == "malformed":
+        (bad / "tokenizer.json").write_text("{")
+    else:
+        (bad / "tokenizer.json").unlink()
+    assert cli.main(["compare", "--checkpoint", str(bad)]) == 2
+    line = _one_line_error(capsys)
+    if broken == "malformed":
+        assert line == f"error: invalid tokenizer.json in '{bad}': EOF while parsing an object at line 1 column 1"
+    else:
+        assert line == f"error: checkpoint '{bad}' has no tokenizer.json: the Engram hashes need it"
