@@ -76,8 +76,8 @@ def _memory(args: argparse.Namespace) -> int:
     from asympd.plan.memory import format_memory_report, memory_report
 
     cfg = _config(args.config)
-    if not args.reserve_gb >= 0:
-        raise UsageError(f"--reserve-gb must be >= 0, got {args.reserve_gb}")
+    if not 0 <= args.reserve_gb < float("inf"):
+        raise UsageError(f"--reserve-gb must be >= 0 and finite, got {args.reserve_gb}")
     if not 1 <= args.context <= cfg.max_seq_len:
         raise UsageError(f"--context must be in [1, {cfg.max_seq_len}] (the model's context), got {args.context}")
     report = memory_report(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
 from asympd.plan.gpus import GPUS
@@ -88,8 +89,10 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
         raise PlanError(f"--{missing[0].replace('_', '-')} is required (unless --validate)")
     if args.requests < 10:
         raise PlanError(f"--requests must be at least 10, got {args.requests}")
-    if not args.reserve_gb >= 0:
-        raise PlanError(f"--reserve-gb must be >= 0, got {args.reserve_gb}")
+    if not 0 <= args.reserve_gb < math.inf:
+        raise PlanError(f"--reserve-gb must be >= 0 and finite, got {args.reserve_gb}")
+    if args.rate is not None and not 0 < args.rate < math.inf:
+        raise PlanError(f"--rate must be positive and finite, got {args.rate}")
     modes = PLANNED_MODES if args.mode == "all" else tuple(m.strip() for m in args.mode.split(","))
     if args.traffic:
         arrivals = load_traffic(args.traffic, args.rate, args.requests, args.seed)

@@ -65,8 +65,8 @@ def parse_dist(text: str, what: str) -> list[tuple[int, float]]:
             out.append((int(v), float(w) if w else 1.0))
     except ValueError:
         raise PlanError(f"{what}: expected N or N:weight,N:weight,... got {text!r}") from None
-    if any(v <= 0 for v, _ in out) or any(w <= 0 for _, w in out):
-        raise PlanError(f"{what}: lengths and weights must be positive, got {text!r}")
+    if any(v <= 0 for v, _ in out) or not all(0 < w < math.inf for _, w in out):
+        raise PlanError(f"{what}: lengths and weights must be positive (and finite), got {text!r}")
     total = sum(w for _, w in out)
     return [(v, w / total) for v, w in out]
 
@@ -90,13 +90,20 @@ def load_traffic(path: str | Path, rate: float | None, n: int, seed: int) -> lis
     """JSON lines ``{"prompt_len": N, "output_len": M, "t": seconds}``; without ``t`` the arrivals are
     Poisson at ``rate``."""
     rows = []
-    for k, line in enumerate(Path(path).read_text().splitlines(), 1):
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PlanError(f"cannot read the traffic file {str(path)!r}: {e}") from None
+    for k, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             r = json.loads(line)
-            rows.append((r.get("t"), int(r["prompt_len"]), int(r["output_len"])))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+            t = r.get("t")
+            if t is not None and (isinstance(t, bool) or not math.isfinite(t)):
+                raise ValueError(t)
+            rows.append((t, int(r["prompt_len"]), int(r["output_len"])))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError, OverflowError):
             raise PlanError(f'{path}:{k}: expected {{"prompt_len": N, "output_len": M[, "t": s]}}') from None
         if rows[-1][1] <= 0 or rows[-1][2] <= 0:
             raise PlanError(f"{path}:{k}: prompt_len and output_len must be positive")
@@ -228,7 +235,7 @@ class Planner:
         simulation is seeded and independent of the others, so the plan is the same for any value."""
         if jobs < 0:
             raise PlanError(f"jobs must be >= 0, got {jobs}")
-        if req.slo_ttft_p99_s <= 0 or req.slo_itl_p99_ms <= 0:
+        if not (req.slo_ttft_p99_s > 0 and req.slo_itl_p99_ms > 0):  # NaN too
             raise PlanError("SLOs must be positive")
         for m in req.modes:
             if m not in PLANNED_MODES:

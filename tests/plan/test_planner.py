@@ -426,3 +426,51 @@ def test_three_p_replica_sizes_are_tried(results):
     # asymmetric P, which the default mix at 4 req/s needs (7 GPUs against 9), was never tried.
     planner = Planner(request("H200", modes=("asymmetric",)), results=results)
     assert sorted({s[1] for s in planner._searches("asymmetric")}) == [2, 3, 4]
+
+
+def _traffic(tmp_path, name, content: bytes):
+    f = tmp_path / name
+    f.write_bytes(content)
+    return str(f)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--rate", "nan"], "--rate must be positive and finite, got nan"),  # was a traceback
+        (["--rate", "inf"], "--rate must be positive and finite, got inf"),  # was planned: goodput inf
+        (["--slo-ttft-p99", "nan"], "SLOs must be positive"),  # was planned against a NaN target
+        (
+            ["--prompt-len", "1024:nan"],
+            "--prompt-len: lengths and weights must be positive (and finite), got '1024:nan'",
+        ),
+        (["--output-len", "64:inf"], "--output-len: lengths and weights must be positive (and finite), got '64:inf'"),
+        (["--reserve-gb", "inf"], "--reserve-gb must be >= 0 and finite, got inf"),  # was an OverflowError
+    ],
+)
+def test_cli_plan_non_finite_numbers_are_refused(capsys, extra, message):
+    assert main([*ARGS, *extra]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"error: {message}\n" and captured.out == ""
+
+
+@pytest.mark.parametrize(
+    "content, extra, message",
+    [
+        (b'{"prompt_len": 9, "output_len": 9}\n', ["--rate", "-3"], "--rate must be positive and finite, got -3.0"),
+        (b'{"prompt_len": 9, "output_len": 9, "t": "x"}\n{"prompt_len": 9, "output_len": 9, "t": 1}\n', [],
+         '{f}:1: expected {{"prompt_len": N, "output_len": M[, "t": s]}}'),
+        (b'{"prompt_len": 9, "output_len": 9, "t": NaN}\n', [],
+         '{f}:1: expected {{"prompt_len": N, "output_len": M[, "t": s]}}'),
+        (b"\xff\xfe", ["--rate", "1"], "cannot read the traffic file '{f}': 'utf-8' codec can't decode byte 0xff in "
+         "position 0: invalid start byte"),
+        (None, ["--rate", "1"], "cannot read the traffic file '{f}': [Errno 21] Is a directory: '{f}'"),
+    ],
+)  # fmt: skip
+def test_cli_plan_bad_traffic_files_are_one_line(capsys, tmp_path, content, extra, message):
+    """A negative --rate with untimed traffic was planned (goodput -6); a "t" that is not a finite number,
+    a directory or a file not UTF-8 were tracebacks."""
+    f = str(tmp_path) if content is None else _traffic(tmp_path, "t.jsonl", content)
+    args = ["plan", "--gpu", "b200", "--traffic", f, "--slo-ttft-p99", "8", "--slo-itl-p99", "250", *extra]
+    assert main(args) == 2
+    assert capsys.readouterr().err == f"error: {message.format(f=f)}\n"
