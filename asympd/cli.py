@@ -48,6 +48,10 @@ def _make_checkpoint_args(p: argparse.ArgumentParser) -> None:
 def _make_checkpoint(args: argparse.Namespace) -> int:
     from asympd.model.checkpoint import DEFAULT_SHARD_BYTES, write_checkpoint
 
+    if not args.out:  # Path("") is the current directory
+        raise UsageError("--out must name a directory, got ''")
+    if args.shard_bytes is not None and args.shard_bytes < 1:  # 0 meant the default, below 0 a shard a tensor
+        raise UsageError(f"--shard-bytes must be positive, got {args.shard_bytes}")
     cfg = _config(args.config)
     out = write_checkpoint(cfg, args.out, args.seed, shard_bytes=args.shard_bytes or DEFAULT_SHARD_BYTES)
     print(out)

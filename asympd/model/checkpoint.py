@@ -527,7 +527,10 @@ def write_checkpoint(
             f"not enough disk space in {str(out)!r}: the checkpoint needs {total / 1e9:.2f} GB,"
             f" {free / 1e9:.2f} GB is free"
         )
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # read-only, no permission, a file on the way
+        raise CheckpointError(f"cannot create {str(out)!r}: {e.strerror}") from e
 
     tok_path = write_tiny_tokenizer(out / TOKENIZER_FILE, cfg.vocab_size)
     if cfg.engram_layer_ids:

@@ -237,3 +237,25 @@ def test_compare_on_a_broken_tokenizer_is_one_line(ckpt, tmp_path, capsys, broke
         assert line == f"error: invalid tokenizer.json in '{bad}': EOF while parsing an object at line 1 column 1"
     else:
         assert line == f"error: checkpoint '{bad}' has no tokenizer.json: the Engram hashes need it"
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--out", ""], "error: --out must name a directory, got ''"),  # wrote into the current directory
+        (["--shard-bytes", "0"], "error: --shard-bytes must be positive, got 0"),  # was the default
+        (["--shard-bytes", "-5"], "error: --shard-bytes must be positive, got -5"),  # was a shard per tensor
+    ],
+)
+def test_make_checkpoint_bad_flags_write_nothing(tmp_path, monkeypatch, capsys, extra, message):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["make-checkpoint", "--config", "tiny", "--out", "ck", *extra]) == 2
+    assert _one_line_error(capsys) == message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_make_checkpoint_where_no_folder_can_be_made(tmp_path, capsys):
+    """Under a file here; read-only or unwritable places take the same path (were tracebacks)."""
+    (tmp_path / "f").write_text("")
+    assert cli.main(["make-checkpoint", "--config", "tiny", "--out", str(tmp_path / "f" / "ck")]) == 2
+    assert _one_line_error(capsys) == f"error: cannot create '{tmp_path / 'f' / 'ck'}': Not a directory"
