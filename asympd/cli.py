@@ -321,6 +321,8 @@ def _compare(args: argparse.Namespace) -> int:
     for flag, value in (("--max-tokens", args.max_tokens), ("--prompts-per-length", args.prompts_per_length)):
         if value < 1:
             raise UsageError(f"{flag} must be a positive integer, got {value}")
+    if not -(2**63) <= args.seed < 2**64:  # what torch.Generator.manual_seed takes
+        raise UsageError(f"--seed must be a 64-bit integer, got {args.seed}")
     from asympd.bench.compare import main as compare_main
 
     return compare_main(args.checkpoint, args.json, args.prompts_per_length, args.max_tokens, args.seed)

@@ -48,6 +48,9 @@ class SchedulerConfig:
     def validate(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        for name in ("max_new_admissions", "admission_token_budget", "max_deepest_chunks"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:  # below 1 nothing is ever admitted
+                raise ValueError(f"{name} must be positive (or unset: no cap), got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.max_num_seqs * (1 + self.num_spec_tokens):
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} cannot hold one decode step of "

@@ -74,6 +74,8 @@ class ServeConfig:
             raise ValueError("tensor parallel attention is not implemented: attention is replicated; use --ep")
         if self.ep < 1:
             raise ValueError(f"--ep must be >= 1, got {self.ep}")
+        if self.threads is not None and self.threads < 0:
+            raise ValueError(f"--threads must be >= 1 (0 or left out: torch's default), got {self.threads}")
         modes.check_role_mode(e.role, e.mode)
         check_cp(self.cp, e.role, e.mode)
         if e.stream_prefix and e.role != "prefill":

@@ -125,6 +125,7 @@ def test_inspect_partial_folder_names_what_is_missing(ckpt, tmp_path, capsys):
         (["memory", "--reserve-gb", "inf"], "--reserve-gb must be >= 0 and finite, got inf"),
         (["memory", "--context", "0"], "--context must be in [1, 1048576] (the model's context), got 0"),
         (["compare", "--checkpoint", ".", "--max-tokens", "0"], "--max-tokens must be a positive integer, got 0"),
+        (["compare", "--checkpoint", ".", "--seed", str(2**64)], f"--seed must be a 64-bit integer, got {2**64}"),
         ([], "required"),
     ],
 )
@@ -259,3 +260,29 @@ def test_make_checkpoint_where_no_folder_can_be_made(tmp_path, capsys):
     (tmp_path / "f").write_text("")
     assert cli.main(["make-checkpoint", "--config", "tiny", "--out", str(tmp_path / "f" / "ck")]) == 2
     assert _one_line_error(capsys) == f"error: cannot create '{tmp_path / 'f' / 'ck'}': Not a directory"
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--threads", "-1"], "error: --threads must be >= 1 (0 or left out: torch's default), got -1"),
+        (["--max-new-admissions", "0"], "error: max_new_admissions must be positive (or unset: no cap), got 0"),
+        (
+            ["--admission-token-budget", "-1"],
+            "error: admission_token_budget must be positive (or unset: no cap), got -1",
+        ),
+    ],
+)
+def test_serve_refuses_settings_that_break_it_before_binding(ckpt, capsys, extra, message):
+    """--threads -1 was torch's traceback after the model loaded; an admission cap below 1 served, admitting
+    nothing, every request waiting for ever. The port is held so that a server that starts exits at once."""
+    import socket
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    try:
+        assert cli.main(["serve", "--checkpoint", str(ckpt), "--port", str(held.getsockname()[1]), *extra]) == 2
+    finally:
+        held.close()
+    assert _one_line_error(capsys) == message
