@@ -11,6 +11,7 @@ express works.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,18 @@ class ModelConfig:
         def fail(msg: str) -> None:
             raise ConfigError(msg)
 
+        self._check_types()
+        bounds = (  # (fields, their least value, whether the model has that part)
+            (_AT_LEAST_ONE, 1, True),
+            (_VISION_AT_LEAST_ONE, 1, self.vision_n_layers > 0),
+            (_ENGRAM_AT_LEAST_ONE, 1, bool(self.engram_layer_ids)),
+            (_AT_LEAST_ZERO, 0, True),
+        )
+        small = [f"{n} = {getattr(self, n)}" for ns, low, has in bounds if has for n in ns if getattr(self, n) < low]
+        if small:
+            fail(f"sizes out of range: {', '.join(small)} (counts and widths are at least 1, layer counts at least 0)")
+        if not self.n_activated_experts <= self.n_routed_experts:
+            fail(f"n_activated_experts = {self.n_activated_experts} exceeds n_routed_experts = {self.n_routed_experts}")
         if len(self.compress_ratios) != self.n_total_layers:
             fail(
                 f"compress_ratios has {len(self.compress_ratios)} entries, expected n_layers + n_mtp_layers"
@@ -215,6 +228,17 @@ class ModelConfig:
                 "4 * vision_n_heads), and vision_max_n_token must fit one image row (>= 5)"
             )
 
+    def _check_types(self) -> None:
+        """Every field of the type it is declared with (a JSON file can hold anything): an int is
+        not a bool or a float, a float is finite, a tuple holds ints."""
+        for f in dataclasses.fields(self):
+            value, kind = getattr(self, f.name), str(f.type)
+            if f.name == "extra" or (value is None and kind.endswith(" | None")):
+                continue
+            kind = kind.removesuffix(" | None")
+            if not _TYPE_CHECKS[kind](value):
+                raise ConfigError(f"{f.name} must be {_TYPE_NAMES[kind]}, got {value!r}")
+
     # ---- JSON -------------------------------------------------------------------------------------
 
     @classmethod
@@ -257,6 +281,38 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_TYPE_CHECKS = {
+    "int": _is_int,
+    "float": lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v),
+    "str": lambda v: isinstance(v, str),
+    "tuple[int, ...]": lambda v: isinstance(v, tuple) and all(_is_int(x) for x in v),
+}
+_TYPE_NAMES = {
+    "int": "an integer",
+    "float": "a finite number",
+    "str": "a string",
+    "tuple[int, ...]": "a list of integers",
+}
+# sizes a layer divides or loops by (0 or below: a division by zero or an empty model deep in a build)
+_AT_LEAST_ONE = (
+    "vocab_size", "dim", "moe_inter_dim", "n_layers", "n_heads", "head_dim", "rope_head_dim", "q_lora_rank",
+    "o_groups", "o_lora_rank", "window_size", "n_routed_experts", "n_activated_experts", "index_n_heads",
+    "index_head_dim", "index_topk", "hc_mult", "hc_sinkhorn_iters", "max_seq_len",
+)  # fmt: skip
+_ENGRAM_AT_LEAST_ONE = ("engram_max_ngram_size", "engram_n_heads", "engram_head_dim", "engram_vocab_size")
+_VISION_AT_LEAST_ONE = (
+    "vision_dim", "vision_n_heads", "vision_inter_dim", "vision_patch_size", "vision_downsample_ratio",
+    "vision_max_n_token",
+)  # fmt: skip
+_AT_LEAST_ZERO = (  # 0: no draft blocks, no tower, no YaRN
+    "n_mtp_layers", "vision_n_layers", "dspark_block_size", "dspark_markov_rank", "engram_pad_id", "original_seq_len",
+)  # fmt: skip
 
 
 def v41_flash() -> ModelConfig:

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -156,3 +157,32 @@ def test_unknown_flat_field_refused_by_name(folder):
     (folder / "inference" / "config.json").write_text(json.dumps(flat))
     with pytest.raises(CheckpointError, match="inference/config.json has unknown fields: n_hash_layers"):
         load_config(folder)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"dim": "128"}, "dim must be an integer, got '128'"),
+        ({"n_layers": None}, "n_layers must be an integer, got None"),
+        ({"vocab_size": True}, "vocab_size must be an integer, got True"),
+        ({"route_scale": "1.5"}, "route_scale must be a finite number, got '1.5'"),
+        (
+            {"compress_ratios": [0, 2, 2, 1.0, 1, 1, 1, 0]},
+            "compress_ratios must be a list of integers, got (0, 2, 2, 1.0",
+        ),
+        ({"o_groups": 0}, "sizes out of range: o_groups = 0 (counts and widths are at least 1"),
+        ({"dim": 0, "vocab_size": -1}, "sizes out of range: vocab_size = -1, dim = 0"),
+        ({"vision_n_heads": 0}, "sizes out of range: vision_n_heads = 0"),
+        ({"n_activated_experts": 9}, "n_activated_experts = 9 exceeds n_routed_experts = 8"),
+    ],
+)
+def test_a_field_of_the_wrong_type_or_size_is_refused_by_name(tmp_path, capsys, edit, message):
+    """A config.json can hold anything: a field of another type, or a size that a build would divide
+    by, is a ConfigError naming it (they were tracebacks deep in ``memory`` or the loader)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**tiny().to_dict(), **edit}))
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        ModelConfig.from_json(path)
+    assert cli.main(["memory", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
