@@ -174,6 +174,20 @@ def checkpoint_id(path: str | Path | None) -> str:
     return h.hexdigest()[:16]
 
 
+def free_memory_bytes(device: torch.device) -> int | None:
+    """What a device can still allocate: the GPU's free memory, the host's available memory on a CPU
+    (Linux); None where neither can be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration, ValueError):
+            return None
+    return None
+
+
 class EngineConfigError(ValueError):
     """A setting this model cannot run with, found as the engine starts on it (after the checkpoint is
     read): the command line reports it as a usage error."""
@@ -230,6 +244,13 @@ class LLMEngine:
             raise EngineConfigError(
                 f"kv_cache_bytes {self.config.kv_cache_bytes} holds no KV block of this model "
                 f"({self.spec.bytes_per_block} bytes a block of {self.spec.block_size} tokens)"
+            )
+        pool = num_blocks * self.spec.bytes_per_block
+        free = free_memory_bytes(model.device)
+        if free is not None and pool > free:
+            raise EngineConfigError(
+                f"a KV pool of {num_blocks} blocks ({pool / 1e9:.2f} GB) does not fit: {free / 1e9:.2f} GB is "
+                f"free on {model.device}; lower kv_cache_bytes or num_blocks"
             )
         self.blocks = BlockManager(self.spec, num_blocks, sc.max_num_seqs, self.config.enable_prefix_caching)
         decodes = self.config.role != "prefill"

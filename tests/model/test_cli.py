@@ -1,6 +1,7 @@
 """The ``asympd`` command line, driven through ``main``."""
 
 import json
+import re
 import shutil
 import sys
 import types
@@ -152,6 +153,19 @@ def test_serve_settings_refused_exit_2_before_binding(ckpt, extra, message, caps
     assert cli.main(["serve", "--checkpoint", str(ckpt), *extra]) == 2
     err = capsys.readouterr().err
     assert message in err.splitlines() and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag", ["--kv-cache-bytes", "--num-blocks"])
+def test_a_kv_pool_larger_than_the_device_is_refused(ckpt, capsys, flag):
+    """A pool past what the device can allocate is one line naming the free memory (it was a
+    MemoryError or OverflowError traceback from the block manager's tables)."""
+    assert cli.main(["serve", "--checkpoint", str(ckpt), flag, str(10**20)]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(
+        r"error: a KV pool of \d+ blocks \([\d.]+ GB\) does not fit: [\d.]+ GB is free on cpu; "
+        r"lower kv_cache_bytes or num_blocks\n",
+        err,
+    ), err
 
 
 def test_serve_and_router_on_a_port_in_use_exit_2(ckpt, capsys):
