@@ -880,6 +880,7 @@ def bench_serve(args: argparse.Namespace, url: str, ckpt: str, rate: float, path
         "--label",
         label,
         "--disable-tqdm",
+        "--no-test-request",  # the servers' work a run counts is the schedule's alone
     ]
     if args.max_concurrency:
         cmd += ["--max-concurrency", str(args.max_concurrency)]

@@ -426,6 +426,18 @@ async def run_load(cfg: LoadConfig, requests: Sequence[BenchRequest]) -> tuple[l
     return list(results), duration, t_start
 
 
+async def test_request(cfg: LoadConfig, request: BenchRequest) -> None:
+    """One request before the run, as ``vllm bench serve`` sends: a server that cannot answer it is
+    one clear error now, not N failures after the whole schedule."""
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
+    async with httpx.AsyncClient(timeout=timeout, headers=headers) as client:
+        body = request_body(request, cfg.model, cfg.chat, cfg.extra_body)
+        res = await send_request(client, cfg.url, body, request.prompt_len, cfg.chat)
+    if not res.success:
+        raise BenchError(f"the test request to {cfg.url} failed, so the run was not started: {res.error}")
+
+
 def machine_info() -> dict[str, Any]:
     """Where the client ran (and the GPUs it can see, if ``nvidia-smi`` answers)."""
     info: dict[str, Any] = {
@@ -535,6 +547,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, metavar="PNG", help="write a latency plot here (needs matplotlib)")
     p.add_argument("--label", default=None, help="free text stored in the result")
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument(
+        "--no-test-request",
+        action="store_true",
+        help="start the schedule at once (default: send the first request once before it, as vllm bench serve "
+        "does, and stop with its error if it fails)",
+    )
 
 
 def load_tokenizer(path: str) -> Any:
@@ -672,6 +690,8 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         progress=not args.disable_tqdm,
     )
+    if not args.no_test_request:
+        asyncio.run(test_request(cfg, requests[0]))
     results, duration, t_start = asyncio.run(run_load(cfg, requests))
     result: dict[str, Any] = {
         "date": datetime.now(UTC).strftime("%Y%m%d-%H%M%S"),

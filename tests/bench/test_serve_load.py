@@ -89,7 +89,8 @@ def test_poisson_load_through_router(cluster, tiny_ckpt, tmp_path, capsys):
     assert all(1 <= n <= r.output_len for n, r in zip(res["output_lens"], expected, strict=True))
     assert sum(res["output_lens"]) == res["total_output_tokens"]
     wait_idle([cluster["prefill"], cluster["decode"]])
-    assert metrics(cluster["decode"])["asympd_generation_tokens_total"] - before == res["total_output_tokens"]
+    generated = metrics(cluster["decode"])["asympd_generation_tokens_total"] - before
+    assert generated == res["total_output_tokens"] + res["output_lens"][0]  # the test request: request 0 again
     # latencies: TTFT <= E2EL, TTFT + sum(ITL) <= E2EL, aggregates from the per-request lists
     for ttft, itl, e2el in zip(res["ttfts"], res["itls"], res["e2els"], strict=True):
         assert 0 < ttft <= e2el and ttft + sum(itl) <= e2el + 1e-9
@@ -134,12 +135,26 @@ def test_chat_endpoint(cluster, tiny_ckpt, tmp_path):
     assert all(0 < t <= e for t, e in zip(res["ttfts"], res["e2els"], strict=True))
 
 
-def test_server_errors_are_recorded(cluster, tmp_path):
-    # a model name the server does not serve: every request fails with the server's message, exit 1
-    args = ["--vocab-size", "512", "--num-prompts", "2", "--random-input-len", "8", "--random-output-len", "2"]
-    rc, res = _bench(tmp_path, cluster["router"], *args, "--model", "no-such-model")
-    assert rc == 1
-    assert res["completed"] == 0 and res["failed"] == 2
+def test_server_errors_are_recorded(cluster, tmp_path, capsys):
+    """A request the server refuses mid-run is recorded with its message (exit 1); one it refuses
+    before the run, the test request (as vllm bench serve sends), stops it there (exit 2)."""
+    args = ["--vocab-size", "512", "--num-prompts", "3", "--random-input-len", "20", "--random-output-len", "2"]
+    args += ["--random-len-dist", "lognormal", "--random-range-ratio", "3", "--seed", "119"]  # 2, 4347, 2 tokens
+    rc, res = _bench(tmp_path, cluster["router"], *args)
+    assert rc == 1 and res["completed"] == 2 and res["failed"] == 1
+    assert res["errors"][0] == res["errors"][2] == "" and res["errors"][1].startswith("HTTP 400"), res["errors"]
+    assert "maximum context length" in res["errors"][1]
+    capsys.readouterr()
+    # a model name the server does not serve: the test request fails with the server's message
+    out = tmp_path / "none.json"
+    argv = ["bench", "serve", "--base-url", cluster["router"], "--result-file", str(out), "--disable-tqdm"]
+    assert main([*argv, *args, "--model", "no-such-model"]) == 2 and not out.exists()
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: the test request to {cluster['router']}/v1/completions failed, so the run was not "
+                          "started: HTTP 404") and "no-such-model" in err, err  # fmt: skip
+    # --no-test-request (bench/e2e.py's: a run's server work is the schedule's alone): every request fails
+    rc, res = _bench(tmp_path, cluster["router"], *args, "--model", "no-such-model", "--no-test-request")
+    assert rc == 1 and res["failed"] == 3
     assert all(e.startswith("HTTP 404") and "no-such-model" in e for e in res["errors"]), res["errors"]
     wait_idle([cluster["prefill"], cluster["decode"]])
 
@@ -152,6 +167,10 @@ def test_bad_arguments_exit_2(capsys):
         (["--dataset-name", "sharegpt"], "--dataset-name sharegpt needs --dataset-path and --tokenizer"),
         ([], "random prompts need --vocab-size or --tokenizer"),
         (["--vocab-size", "9", "--base-url", "http://127.0.0.1:9"], "cannot reach http://127.0.0.1:9"),
+        (
+            ["--vocab-size", "9", "--base-url", "http://127.0.0.1:9", "--model", "m"],
+            "the test request to http://127.0.0.1:9",
+        ),
     ]
     for extra, message in cases:
         assert main(["bench", "serve", "--disable-tqdm", *extra]) == 2, extra
