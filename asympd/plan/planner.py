@@ -46,6 +46,7 @@ MAX_ROUNDS = 14
 TIE_GOODPUT = 0.02  # modes on as many GPUs whose goodput per GPU differs by less are reported as a tie
 P_SIZES_TRIED = 3  # GPUs per P replica: the fewest that fit and the next two EP degrees (shorter long prompts)
 D_SIZES_TRIED = 3  # GPUs per D replica: the fewest that fit and the next two EP degrees
+MAX_GPUS = 4096  # the largest deployment searched: past it a rate is out of the planner's (and a cluster's) scale
 PLACEMENTS = ("separate", "shared")  # shared: each P replica on the GPUs of one D replica
 
 
@@ -487,7 +488,14 @@ class Planner:
             if req.placement == "shared":
                 n_p = n_d = max(n_p, n_d)
             searches.append((mode, g_p, n_p, g_d, n_d, policy))
-        return searches
+        fewest = min(self._gpus(*s[1:5]) for s in searches)
+        if fewest > MAX_GPUS:  # the starts are lower bounds: no search could end under the cap
+            dep.binding = (
+                f"scale: keeping up with {req.rate:g} req/s takes at least {fewest} {self.gpu.name} (P's prompts "
+                f"alone {p_work / span:.0f} GPU-seconds a second), more than the {MAX_GPUS} the planner searches"
+            )
+            return dep
+        return [s for s in searches if self._gpus(*s[1:5]) <= MAX_GPUS]
 
     def _gpus(self, g_p: int, n_p: int, g_d: int, n_d: int) -> int:
         """A deployment's GPUs (shared placement: each P on a D replica's GPUs, counted once)."""

@@ -3,6 +3,7 @@ targets with the binding constraint named, determinism, and the CLI."""
 
 import json
 import math
+import re
 from dataclasses import asdict
 
 import pytest
@@ -11,6 +12,7 @@ from asympd.cli import main
 from asympd.config import v41_flash
 from asympd.plan.gpus import GPUS, gpu_spec, roofline_factor
 from asympd.plan.planner import (
+    MAX_GPUS,
     Deployment,
     PlanError,
     Planner,
@@ -304,6 +306,19 @@ def test_ttft_target_below_a_lone_long_prompt(results):
     out = Planner(request("H200", prompt="65536", ttft=0.3), results=results).plan()
     for d in out["deployments"]:
         assert d["binding"].startswith("TTFT: a 65536-token prompt alone takes")
+
+
+def test_a_rate_past_the_largest_deployment_searched_is_infeasible_at_once(results):
+    """At 1e9 req/s the capacity starts alone pass MAX_GPUS: each mode is infeasible by scale, named,
+    at once (the searches had simulated hundreds of millions of replicas for minutes)."""
+    out = Planner(request("H200", rate=1e9), results=results).plan()
+    assert out["recommendation"]["mode"] is None
+    for d in out["deployments"]:
+        assert re.fullmatch(
+            r"scale: keeping up with 1e\+09 req/s takes at least \d+ H200 \(P's prompts alone \d+ GPU-seconds a "
+            rf"second\), more than the {MAX_GPUS} the planner searches",
+            d["binding"],
+        ), d["binding"]
 
 
 def test_memory_binds_when_nothing_fits(results):
