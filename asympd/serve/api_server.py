@@ -71,6 +71,7 @@ from asympd.serve.http import (
 )
 from asympd.serve.metrics import ServerMetrics
 from asympd.serve.routes import build_app
+from asympd.serve.tokenize import detokenize, tokenize
 from asympd.serve.vision_inputs import request_images
 from asympd.transfer import PrefixStateError
 
@@ -305,6 +306,18 @@ class WorkerServer:
         if not ids:
             raise P.APIError("the prompt is empty", param="prompt")
         return ids
+
+    async def tokenizer_route(self, request: Request, detokenizing: bool) -> JSONResponse:
+        """vLLM's ``/tokenize`` and ``/detokenize`` (serve/tokenize.py)."""
+        self.check_auth(request)
+        body = P.parse_json_body(await read_body(request, self.cfg.max_body_bytes))
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise P.APIError(f"The model `{model}` does not exist.", 404, param="model")
+        if detokenizing:
+            return JSONResponse(await self.off_loop(detokenize, self.tokenizer, body))
+        max_len = self.model_cfg.max_seq_len
+        return JSONResponse(await self.off_loop(tokenize, self.tokenizer, body, max_len, self._check_chars))
 
     def check_model(self, req: P.CompletionRequest | P.ChatCompletionRequest) -> None:
         if req.model is not None and req.model != self.model_name:

@@ -544,6 +544,27 @@ class Router:
             "workers": [w.state() for w in self.prefill + self.decode],
         }
 
+    async def tokenizer_route(self, request: Request, path: str) -> Response:
+        """``/tokenize`` and ``/detokenize``, answered by a healthy decode worker: the prompt ids a
+        request runs with are the workers' (serve/tokenize.py)."""
+        assert self.client is not None
+        if self.api_key is not None:
+            check_bearer(request, self.api_key)
+        body = await read_body(request, self.cfg.max_body_bytes)
+        headers = {**self._headers(request, uuid.uuid4().hex), "content-type": "application/json"}
+        for w in [w for w in self.decode if w.healthy]:
+            try:
+                r = await self.client.post(
+                    f"{w.url}{path}",
+                    content=body,
+                    headers=headers,
+                    timeout=httpx.Timeout(60, connect=self.cfg.connect_timeout),
+                )
+            except httpx.HTTPError:
+                continue
+            return Response(r.content, status_code=r.status_code, media_type="application/json")
+        raise P.APIError("no healthy decode worker to tokenize with", 503)
+
     async def models(self, request: Request) -> dict[str, Any]:
         assert self.client is not None
         for w in [w for w in self.decode if w.healthy]:
@@ -587,6 +608,14 @@ def build_router_app(router: Router) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await router.handle("chat", request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await router.tokenizer_route(request, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await router.tokenizer_route(request, "/detokenize")
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

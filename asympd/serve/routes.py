@@ -45,6 +45,14 @@ def build_app(server: WorkerServer) -> FastAPI:
     async def chat(request: Request) -> Response:
         return await server.handle("chat", request)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        return await server.tokenizer_route(request, detokenizing=False)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        return await server.tokenizer_route(request, detokenizing=True)
+
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         server.check_auth(request)

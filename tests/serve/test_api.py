@@ -331,6 +331,35 @@ def test_the_engine_s_refusals_name_the_field_at_fault(url, client):
         }, r.text  # fmt: skip
 
 
+def test_tokenize_gives_the_ids_a_request_runs_with(url, client):
+    """vLLM's /tokenize and /detokenize: a completion's prompt and a chat's messages tokenize to the
+    prompt ids the server then runs (``prompt_token_ids``, usage), and back to text."""
+    for kind, part in (("completions", {"prompt": "hello world, tokens"}), ("chat/completions", {"messages": HI})):
+        tok = client.post(f"{url}/tokenize", json={**part, "return_token_strs": True}).json()
+        ran = client.post(f"{url}/v1/{kind}", json={**part, "max_tokens": 1, "return_token_ids": True}).json()
+        assert tok["tokens"] == ran["prompt_token_ids"] and tok["count"] == ran["usage"]["prompt_tokens"], (tok, ran)
+        assert tok["max_model_len"] == 4096 and len(tok["token_strs"]) == tok["count"]
+        text = client.post(f"{url}/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
+        assert client.post(f"{url}/tokenize", json={"prompt": text}).json()["tokens"] == tok["tokens"]
+    assert client.post(f"{url}/tokenize", json={"prompt": "x", "model": "tiny"}).status_code == 200
+    for path, body, status, message in (
+        ("tokenize", {}, 400, "give either prompt (a completion's) or messages (a chat's)"),
+        (
+            "tokenize",
+            {"prompt": "x", "messages": HI},
+            400,
+            "give either prompt (a completion's) or messages (a chat's)",
+        ),
+        ("tokenize", {"prompt": [1, 2]}, 400, "prompt must be text (token ids are their own count)"),
+        ("tokenize", {"prompt": "x", "model": "other"}, 404, "The model `other` does not exist."),
+        ("detokenize", {"tokens": [1, 99999]}, 400, "token ids out of range [0, 512): [99999]"),
+        ("detokenize", {"tokens": "1 2"}, 400, "tokens must be a list of token ids"),
+    ):
+        r = client.post(f"{url}/{path}", json=body)
+        assert r.status_code == status and r.json()["error"]["message"] == message, (path, body, r.text)
+    assert httpx.post(f"{url}/tokenize", json={"prompt": "x"}).status_code == 401  # the API key holds here too
+
+
 def test_malformed_bodies_and_unknown_paths(url, client):
     for raw in (b"{", b'"just a string"', b"", b"\xff\xfe"):
         r = client.post(f"{url}/v1/completions", content=raw)

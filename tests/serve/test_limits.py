@@ -190,6 +190,22 @@ def test_a_lone_surrogate_is_400_through_the_router_too(hardened):
             assert "lone surrogate" in r.json()["error"]["message"], (url, r.text)
 
 
+def test_the_router_tokenizes_as_the_workers(hardened):
+    """/tokenize and /detokenize through the router are D's answers (the ids a request runs with),
+    behind the client key as the API is; a worker's error comes back as it is."""
+    dep = hardened
+    for body in ({"prompt": "through the router"}, {"messages": [{"role": "user", "content": "hi"}]}):
+        via_router = httpx.post(f"{dep.router}/tokenize", json=body, headers=dep.auth)
+        at_d = httpx.post(f"{dep.decode}/tokenize", json=body, headers=dep.auth)
+        assert via_router.status_code == 200 and via_router.json() == at_d.json(), via_router.text
+    ids = via_router.json()["tokens"]
+    r = httpx.post(f"{dep.router}/detokenize", json={"tokens": ids}, headers=dep.auth)
+    assert r.json() == httpx.post(f"{dep.decode}/detokenize", json={"tokens": ids}, headers=dep.auth).json()
+    assert httpx.post(f"{dep.router}/tokenize", json={"prompt": "x"}).status_code == 401
+    r = httpx.post(f"{dep.router}/detokenize", json={"tokens": [-1]}, headers=dep.auth)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "token ids out of range [0, 512): [-1]"
+
+
 def test_a_retry_under_the_same_request_id_is_served(hardened):
     """The router used the client's X-Request-Id as the workers' id: after a client left a request,
     the workers refused that id (499, for minutes), and two clients' ids could collide. Now each
