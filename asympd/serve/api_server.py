@@ -659,10 +659,14 @@ class WorkerServer:
 
     async def _stream(self, ctx: _Ctx, stream: RequestStream) -> AsyncIterator[str]:
         tr, req = ctx.tracker, ctx.req
+        options = req.stream_options
+        continuous = options is not None and options.include_usage and options.continuous_usage_stats
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
             body = P.response_envelope(ctx.kind, ctx.rid, self.model_name, ctx.created, chunk=True)
             body["choices"] = choices
+            if continuous:
+                body["usage"] = P.usage(len(ctx.ids), len(tr.token_ids))
             body.update(extra)
             return f"data: {json.dumps(body)}\n\n"
 
@@ -695,7 +699,7 @@ class WorkerServer:
                     [self._choice(ctx, text, toks, lps, final=tr.done, stream=True, text_offset=offset)], **extra
                 )
                 offset += len(text)
-            if req.stream_options and req.stream_options.include_usage:
+            if options is not None and options.include_usage:
                 yield chunk([], usage=P.usage(len(ctx.ids), len(tr.token_ids)), asympd_timings=ctx.timings)
         except P.APIError as e:
             self.metrics.request_errors.labels(str(e.status)).inc()

@@ -137,6 +137,7 @@ def _validation_message(e: ValidationError) -> str:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far (with include_usage)
 
 
 class _Common(BaseModel):

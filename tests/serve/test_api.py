@@ -78,6 +78,16 @@ def test_stream_matches_non_stream(url, client):
     assert s["usage"]["completion_tokens"] == len(full["token_ids"])
     assert s["events"][-1]["choices"] == []  # the usage chunk, as OpenAI sends it
     assert all(ev["object"] == "text_completion" for ev in s["events"])
+    assert all("usage" not in ev for ev in s["events"][:-1])
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far, the last one the total
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    c = stream(client, f"{url}/v1/completions", {**body, "stream_options": options})
+    done = [ev["usage"]["completion_tokens"] for ev in c["events"]]
+    assert c["token_ids"] == full["token_ids"] and done == sorted(done) and done[-1] == len(full["token_ids"])
+    assert all(ev["usage"]["prompt_tokens"] == s["usage"]["prompt_tokens"] for ev in c["events"])
+    assert [len(ev["choices"][0]["token_ids"]) for ev in c["events"][:-1]] == [
+        b - a for a, b in zip([0, *done[:-2]], done[:-1], strict=True)
+    ]  # each chunk's count includes its own tokens
 
 
 def test_stop_strings_and_stop_token_ids(url, client):
