@@ -175,10 +175,12 @@ def checkpoint_id(path: str | Path | None) -> str:
 
 
 def free_memory_bytes(device: torch.device) -> int | None:
-    """What a device can still allocate: the GPU's free memory, the host's available memory on a CPU
-    (Linux); None where neither can be read."""
+    """What a device can still allocate: the GPU's free memory plus what this process's allocator
+    holds unused (the load's freed temporaries), the host's available memory on a CPU (Linux); None
+    where neither can be read."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     if device.type == "cpu":
         try:
             with open("/proc/meminfo") as f:
