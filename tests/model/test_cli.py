@@ -168,6 +168,18 @@ def test_a_kv_pool_larger_than_the_device_is_refused(ckpt, capsys, flag):
     ), err
 
 
+def test_a_gpu_s_free_memory_counts_what_the_allocator_holds_unused(monkeypatch):
+    """On a GPU the pool may reuse what the load freed into torch's cache: free = the driver's free
+    memory + reserved - allocated (the driver counts the cache as used)."""
+    from asympd.engine.engine import free_memory_bytes
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 7 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 4 << 30)
+    assert free_memory_bytes(torch.device("cuda", 0)) == 13 << 30
+    assert free_memory_bytes(torch.device("meta")) is None
+
+
 def test_serve_and_router_on_a_port_in_use_exit_2(ckpt, capsys):
     import socket
 
