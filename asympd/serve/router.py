@@ -338,7 +338,7 @@ class Router:
         body = P.parse_json_body(await read_body(request, self.cfg.max_body_bytes))
         body.pop("kv_transfer_params", None)  # internal: a client does not get to set it
         # read as the workers read it, or D answers a "stream": "false" with JSON the router relays as SSE
-        body["stream"] = P.parse_request(kind, body).stream
+        body["stream"] = (await asyncio.to_thread(P.parse_request, kind, body)).stream  # off the loop: a big body
         model = body.get("model")
         if isinstance(model, str) and self.model_names and model not in self.model_names:  # else the workers' 400
             raise P.APIError(f"The model `{model}` does not exist.", 404, param="model")
