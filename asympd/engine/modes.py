@@ -53,6 +53,9 @@ VARIANTS = (
     ("symmetric-split", "full", "carry"),
     ("symmetric-windows", "full", "carry"),
 )
+# the P/D modes whose prefill worker samples the first token (``decode_plan(...).first_token_from_prefill``):
+# several choices of one prompt (the API's ``n``) would all begin with that one token there
+FIRST_TOKEN_FROM_PREFILL = ("symmetric", "symmetric-split", "symmetric-windows")
 # the checkpoint role a P/D mode's prefill worker loads (the symmetric ones make the first token: all layers)
 PREFILL_MODEL_ROLE = {
     "symmetric": "full",

@@ -20,6 +20,7 @@ never reaches the engine thread as an exception: it becomes a 4xx.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -355,6 +356,7 @@ class WorkerServer:
                 param="kv_transfer_params",
             )
         self.check_model(req)
+        P.check_n_for_mode(req.n, self.cfg.mode)
         ids = await self.off_loop(self.prompt_ids, kind, req)
         images: list[Any] = []
         if kind == "chat":  # vision: decode image parts, expand their placeholders (serve/vision_inputs.py)
@@ -406,7 +408,9 @@ class WorkerServer:
                 'kv_transfer_params={"do_remote_decode": true}',
                 param="kv_transfer_params",
             )
-        if streaming.streams(self, len(ids)):  # answer now, push the prefix as it is computed
+        # answer now, push the prefix as it is computed; D imports a streamed prefix into one request,
+        # so n > 1 (D's n requests import one state) takes the whole state
+        if req.n == 1 and streaming.streams(self, len(ids)):
             return await streaming.answer_early(self, kind, rid, ids, params, t_arrival)
         t_add = time.perf_counter()
         stream = await self._add(rid, ids, params, **({"images": images} if images else {}))
@@ -489,20 +493,13 @@ class WorkerServer:
         kv = req.kv_transfer_params
         got = None
         streamed = self.cfg.role == "decode" and streaming.is_streamed(kv)
+        if streamed and req.n > 1:  # P streams a prefix only for n=1 (prefill above)
+            raise P.APIError("a streamed prefix state is imported by one request: n must be 1", param="n")
         if streamed:
             self.handoff.check_stream(kv)
         elif self.cfg.role == "decode" and kv is not None and kv.get("do_remote_prefill"):
             got = await until_disconnect(request, self.handoff.receive(kv, ids, timings, self.metrics))
         state = got.state if got is not None else None
-        tracker = OutputTracker(
-            self.tokenizer,
-            req.stop_strings(),
-            req.include_stop_str_in_output,
-            self.engine.config.eos_token_id,
-            got.first_logprobs if state is not None else None,
-            min_tokens=params.min_tokens,
-            skip_special_tokens=req.skip_special_tokens,
-        )
         kw: dict[str, Any] = {"prefix_state": state, "first_token": got.first_token if state is not None else None}
         if images:
             kw["images"] = images
@@ -511,27 +508,93 @@ class WorkerServer:
         if streamed:
             kw = {"prefix_stream": True}
         t_add = time.perf_counter()
-        stream = await self._add(rid, ids, params, **kw)
+        # n choices: n engine requests of the same prompt (and the same imported prefix state, which
+        # each writes into its own blocks unless D's prefix cache already holds it), choice i seeded
+        # with seed + i; the request's id aborts them all (abort)
+        streams: list[RequestStream] = []
+        try:
+            for i, crid in enumerate(P.choice_ids(rid, req.n)):
+                cparams = dataclasses.replace(params, seed=P.choice_seed(params.seed, i)) if i else params
+                streams.append(await self._add(crid, ids, cparams, **kw))
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
         if streamed:
             streaming.start_pull(self, rid, kv, ids, timings)
-        chat = req.output() if kind == "chat" else None
-        ctx = _Ctx(kind, req, rid, ids, t_arrival, t_add, timings, tracker, int(time.time()), chat)
+        created = int(time.time())
+        ctxs = [
+            _Ctx(kind, req, rid, ids, t_arrival, t_add, timings, self._tracker(req, params, got), created, chat, i)
+            for i, chat in enumerate(req.output() if kind == "chat" else None for _ in streams)
+        ]
         if req.stream or progress:
 
             async def close() -> None:
-                stream.close()  # a no-op once the request finished
+                for s in streams:
+                    s.close()  # a no-op once the request finished
 
             if not req.stream:
                 return GuardedStreamingResponse(
-                    self._collect_with_progress(ctx, stream),
+                    self._collect_with_progress(ctxs, streams),
                     close,
                     media_type="application/json",
                     headers={"X-Request-Id": rid},
                 )
             return GuardedStreamingResponse(
-                self._stream(ctx, stream), close, media_type="text/event-stream", headers={"X-Request-Id": rid}
+                self._stream(ctxs, streams), close, media_type="text/event-stream", headers={"X-Request-Id": rid}
             )
-        return await until_disconnect(request, self._collect(ctx, stream))
+        return await until_disconnect(request, self._collect(ctxs, streams))
+
+    def _tracker(self, req: Any, params: SamplingParams, got: Any) -> OutputTracker:
+        return OutputTracker(
+            self.tokenizer,
+            req.stop_strings(),
+            req.include_stop_str_in_output,
+            self.engine.config.eos_token_id,
+            got.first_logprobs if got is not None and got.state is not None else None,
+            min_tokens=params.min_tokens,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+
+    async def _merged(self, ctxs: list[_Ctx], streams: list[RequestStream]) -> AsyncIterator[int]:
+        """The choices' outputs as they come (``_outputs`` each): the index of the choice an output
+        advanced, in lock step (a choice's next output waits until the caller has read its
+        tracker). A choice that fails ends them all; leaving early closes every stream (aborts)."""
+        if len(ctxs) == 1:
+            async for _ in self._outputs(ctxs[0], streams[0]):
+                yield 0
+            return
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for _ in self._outputs(ctxs[i], streams[i]):
+                    read = loop.create_future()
+                    await queue.put((i, read))
+                    await read
+            except Exception as e:
+                await queue.put((i, e))
+            else:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(ctxs))]
+        try:
+            left = len(tasks)
+            while left:
+                i, item = await queue.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i
+                    item.set_result(None)
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in streams:
+                s.close()
 
     async def _outputs(self, ctx: _Ctx, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         """The engine outputs of a request, with timing and stop-string bookkeeping; raises APIError
@@ -567,6 +630,8 @@ class WorkerServer:
 
     def _first_token(self, ctx: _Ctx, now: float, queue_s: float | None) -> None:
         t = ctx.timings
+        if "ttft_s" in t:  # n > 1: the first choice's first token is the request's
+            return
         t["decode_first_step_s"] = now - ctx.t_add
         t["decode_queue_s"] = queue_s  # of decode_first_step_s, the wait for the engine's first step
         t["ttft_s"] = (t.get("prefill_rtt_s") or 0.0) + (now - ctx.t_arrival)
@@ -584,7 +649,7 @@ class WorkerServer:
         text_offset: int = 0,
     ) -> dict[str, Any]:
         tr, req = ctx.tracker, ctx.req
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": ctx.index}
         tok_text = self._token_text
         finish = tr.finish_reason
         if ctx.kind == "completion":
@@ -622,90 +687,102 @@ class WorkerServer:
             return prompt  # as sent (vLLM does the same)
         return self.tokenizer.decode(prompt) if self.tokenizer is not None else ""
 
-    def _final_body(self, ctx: _Ctx) -> dict[str, Any]:
-        tr = ctx.tracker
-        text, toks, lps = tr.delta()
+    def _final_body(self, ctxs: list[_Ctx]) -> dict[str, Any]:
+        ctx = ctxs[0]
         body = P.response_envelope(ctx.kind, ctx.rid, self.model_name, ctx.created)
-        body["choices"] = [self._choice(ctx, self._echo(ctx) + text, toks, lps, final=True, stream=False)]
-        body["usage"] = P.usage(len(ctx.ids), len(tr.token_ids))
+        body["choices"] = []
+        for c in ctxs:
+            text, toks, lps = c.tracker.delta()
+            body["choices"].append(self._choice(c, self._echo(c) + text, toks, lps, final=True, stream=False))
+        body["usage"] = _usage(ctxs)
         if ctx.req.return_token_ids:
             body["prompt_token_ids"] = ctx.ids
         body["asympd_timings"] = ctx.timings
         return body
 
-    async def _collect(self, ctx: _Ctx, stream: RequestStream) -> Response:
-        async for _ in self._outputs(ctx, stream):
+    async def _collect(self, ctxs: list[_Ctx], streams: list[RequestStream]) -> Response:
+        async for _ in self._merged(ctxs, streams):
             pass
-        return JSONResponse(await self.off_loop(self._final_body, ctx), headers={"X-Request-Id": ctx.rid})
+        return JSONResponse(await self.off_loop(self._final_body, ctxs), headers={"X-Request-Id": ctxs[0].rid})
 
-    async def _collect_with_progress(self, ctx: _Ctx, stream: RequestStream) -> AsyncIterator[bytes]:
+    async def _collect_with_progress(self, ctxs: list[_Ctx], streams: list[RequestStream]) -> AsyncIterator[bytes]:
         """A non-streamed answer for the router: whitespace as tokens come (progress), then the JSON
         body; a failure after the status line went out is the error body, which the router maps
         back to its status."""
         last = time.monotonic()
         try:
-            async for _ in self._outputs(ctx, stream):
-                if time.monotonic() - last >= PROGRESS_EVERY_S:
-                    last = time.monotonic()
-                    yield b" "
-            body = await self.off_loop(self._final_body, ctx)
+            async with contextlib.aclosing(self._merged(ctxs, streams)) as outputs:
+                async for _ in outputs:
+                    if time.monotonic() - last >= PROGRESS_EVERY_S:
+                        last = time.monotonic()
+                        yield b" "
+            body = await self.off_loop(self._final_body, ctxs)
         except P.APIError as e:
             self.metrics.request_errors.labels(str(e.status)).inc()
             body = e.body()
         except Exception as e:
-            log.exception("request %s failed", ctx.rid)
+            log.exception("request %s failed", ctxs[0].rid)
             body = P.error_body(f"internal error: {e}", 500)
         yield json.dumps(body).encode()
 
-    async def _stream(self, ctx: _Ctx, stream: RequestStream) -> AsyncIterator[str]:
-        tr, req = ctx.tracker, ctx.req
+    async def _stream(self, ctxs: list[_Ctx], streams: list[RequestStream]) -> AsyncIterator[str]:
+        """SSE chunks; with n > 1 the choices' chunks interleave as their tokens come, each choice
+        carrying its ``index`` (as vLLM)."""
+        ctx0 = ctxs[0]
+        req = ctx0.req
         options = req.stream_options
         continuous = options is not None and options.include_usage and options.continuous_usage_stats
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-            body = P.response_envelope(ctx.kind, ctx.rid, self.model_name, ctx.created, chunk=True)
+            body = P.response_envelope(ctx0.kind, ctx0.rid, self.model_name, ctx0.created, chunk=True)
             body["choices"] = choices
             if continuous:
-                body["usage"] = P.usage(len(ctx.ids), len(tr.token_ids))
+                body["usage"] = _usage(ctxs)
             body.update(extra)
             return f"data: {json.dumps(body)}\n\n"
 
-        offset = 0
+        offsets = [0] * len(ctxs)
         first_chunk = True
         try:
-            if ctx.kind == "chat":
-                first = {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                yield chunk([first], **({"prompt_token_ids": ctx.ids} if req.return_token_ids else {}))
-            echo = self._echo(ctx)
-            if echo:
-                yield chunk([{"index": 0, "text": echo, "logprobs": None, "finish_reason": None}])
-            async for _ in self._outputs(ctx, stream):
-                text, toks, lps = tr.delta()
-                wants_tokens = req.return_token_ids or (req.logprobs not in (None, False))
-                if not (text or tr.done or (toks and wants_tokens)):
-                    continue  # text held back (a partial character or a possible stop string)
-                extra: dict[str, Any] = {}
-                if tr.done:
-                    extra["asympd_timings"] = ctx.timings
-                if ctx.kind == "completion" and req.return_token_ids and first_chunk:
-                    extra["prompt_token_ids"] = ctx.ids
-                first_chunk = False
-                yield chunk(
-                    [self._choice(ctx, text, toks, lps, final=tr.done, stream=True, text_offset=offset)], **extra
-                )
-                offset += len(text)
+            if ctx0.kind == "chat":
+                for ctx in ctxs:
+                    first = {
+                        "index": ctx.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    ids = {"prompt_token_ids": ctx.ids} if req.return_token_ids and ctx.index == 0 else {}
+                    yield chunk([first], **ids)
+            for ctx in ctxs:
+                echo = self._echo(ctx)
+                if echo:
+                    yield chunk([{"index": ctx.index, "text": echo, "logprobs": None, "finish_reason": None}])
+            # closed here, not when collected, when the client leaves: its choices' tasks end with it
+            async with contextlib.aclosing(self._merged(ctxs, streams)) as outputs:
+                async for i in outputs:
+                    ctx = ctxs[i]
+                    tr = ctx.tracker
+                    text, toks, lps = tr.delta()
+                    wants_tokens = req.return_token_ids or (req.logprobs not in (None, False))
+                    if not (text or tr.done or (toks and wants_tokens)):
+                        continue  # text held back (a partial character or a possible stop string)
+                    extra: dict[str, Any] = {}
+                    if tr.done:
+                        extra["asympd_timings"] = ctx.timings
+                    if ctx.kind == "completion" and req.return_token_ids and first_chunk:
+                        extra["prompt_token_ids"] = ctx.ids
+                    first_chunk = False
+                    choice = self._choice(ctx, text, toks, lps, final=tr.done, stream=True, text_offset=offsets[i])
+                    yield chunk([choice], **extra)
+                    offsets[i] += len(text)
             if options is not None and options.include_usage:
-                yield chunk([], usage=P.usage(len(ctx.ids), len(tr.token_ids)), asympd_timings=ctx.timings)
+                yield chunk([], usage=_usage(ctxs), asympd_timings=ctx0.timings)
         except P.APIError as e:
             self.metrics.request_errors.labels(str(e.status)).inc()
             yield f"data: {json.dumps(e.body())}\n\n"
         except Exception as e:  # never leave a stream hanging without a word
-            log.exception("stream %s failed", ctx.rid)
+            log.exception("stream %s failed", ctx0.rid)
             yield f"data: {json.dumps(P.error_body(f'internal error: {e}', 500))}\n\n"
         yield "data: [DONE]\n\n"
 
@@ -721,6 +798,8 @@ class WorkerServer:
             raise P.APIError("request_id (a string) is required", param="request_id")
         self.mark_aborted(rid)
         self.aengine.abort(rid)
+        for crid in P.choice_ids(rid, P.MAX_N):  # the choices of an n > 1 request (a no-op for unknown ids)
+            self.aengine.abort(crid)
         released = self.handoff.release(rid)
         return JSONResponse({"request_id": rid, "aborted": True, "released_transfer": bool(released)})
 
@@ -737,6 +816,12 @@ class _Ctx:
     tracker: OutputTracker
     created: int
     chat: P.ChatOutput | None = None
+    index: int = 0  # the choice's (OpenAI's n)
+
+
+def _usage(ctxs: list[_Ctx]) -> dict[str, int]:
+    """The prompt once, the choices' completion tokens summed (OpenAI's usage for n choices)."""
+    return P.usage(len(ctxs[0].ids), sum(len(c.tracker.token_ids) for c in ctxs))
 
 
 def _max_token_chars(tokenizer: Any) -> int:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from asympd.engine import modes
 from asympd.serve.chat_format import ChatDelta, ChatFormatError, ChatOptions, ChatStreamParser, encode_messages
 
 if TYPE_CHECKING:  # the router parses requests too, and never imports torch
@@ -134,6 +135,36 @@ def _validation_message(e: ValidationError) -> str:
 # ---- request bodies ---------------------------------------------------------------------------------
 
 
+MAX_N = 16  # choices of one prompt per request (OpenAI's n): each is an engine request of its own
+# a choice's engine request id: the request's own for n=1, ``{id}/{index}`` for n > 1 (an abort of the
+# request's id aborts every choice's)
+CHOICE_ID_SEP = "/"
+
+
+def choice_ids(request_id: str, n: int) -> list[str]:
+    return [request_id] if n == 1 else [f"{request_id}{CHOICE_ID_SEP}{i}" for i in range(n)]
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice ``index``'s seed: the request's + index (vLLM's), wrapped into the 64 bits a seed takes."""
+    if seed is None:
+        return None
+    s = seed + index
+    return s - 2**64 if s >= 2**64 else s
+
+
+def check_n_for_mode(n: int, mode: str | None) -> None:
+    """n > 1 where the prefill worker samples the first token: every choice would begin with that
+    same token, which is not n independent samples; refused."""
+    if n > 1 and mode in modes.FIRST_TOKEN_FROM_PREFILL:
+        raise APIError(
+            f"n={n} is not supported in mode {mode}: its prefill worker samples the first token, so every "
+            f"choice would begin with that same token (not {n} independent samples); send {n} requests, or "
+            "deploy mode asymmetric or encoder-only",
+            param="n",
+        )
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
@@ -185,8 +216,6 @@ class _Common(BaseModel):
             value = getattr(self, name)
             return value if value is not None else defaults.get(name, fallback)
 
-        if self.n != 1:
-            raise APIError(f"n={self.n} is not supported: only n=1 (send n requests)", param="n")
         if self.best_of not in (None, 1):
             raise APIError(f"best_of={self.best_of} is not supported: only 1", param="best_of")
         if self.prompt_logprobs is not None:
@@ -383,6 +412,8 @@ def parse_request(kind: str, body: dict[str, Any]) -> CompletionRequest | ChatCo
         req = cls.model_validate(body)
     except ValidationError as e:
         raise APIError(_validation_message(e), param=_validation_param(e)) from None
+    if not 1 <= req.n <= MAX_N:  # here, so the router refuses it too
+        raise APIError(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
     if req.stream_options is not None and not req.stream:  # as vLLM
         raise APIError("stream_options is only allowed with stream: true", param="stream_options")
     return req

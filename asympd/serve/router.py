@@ -338,7 +338,9 @@ class Router:
         body = P.parse_json_body(await read_body(request, self.cfg.max_body_bytes))
         body.pop("kv_transfer_params", None)  # internal: a client does not get to set it
         # read as the workers read it, or D answers a "stream": "false" with JSON the router relays as SSE
-        body["stream"] = (await asyncio.to_thread(P.parse_request, kind, body)).stream  # off the loop: a big body
+        parsed = await asyncio.to_thread(P.parse_request, kind, body)  # off the loop: a big body
+        body["stream"] = parsed.stream
+        P.check_n_for_mode(parsed.n, self.mode)  # refused before P computes anything (the workers check too)
         model = body.get("model")
         if isinstance(model, str) and self.model_names and model not in self.model_names:  # else the workers' 400
             raise P.APIError(f"The model `{model}` does not exist.", 404, param="model")
@@ -357,6 +359,7 @@ class Router:
                 param="prompt",
             )
         max_tokens = body.get("max_tokens") if isinstance(body.get("max_tokens"), int) else 16
+        max_tokens *= parsed.n  # D generates each of the n choices
         load = n if n is not None else max(len(json.dumps(body)) // 4, 1)
         mode = self.mode
         touched: list[Worker] = []

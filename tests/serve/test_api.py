@@ -3,6 +3,8 @@ stop strings, logprobs, usage, errors, and a client leaving mid-stream."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -205,7 +207,9 @@ BAD = [
     ("completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("completions", {"prompt": "hi", "model": "other"}, 404, "does not exist"),
-    ("completions", {"prompt": "hi", "n": 2}, 400, "n=2"),
+    ("completions", {"prompt": "hi", "n": 17}, 400, "n must be in [1, 16], got 17"),
+    ("completions", {"prompt": "hi", "n": 0}, 400, "n must be in [1, 16], got 0"),
+    ("completions", {"prompt": "hi", "n": 2, "best_of": 2}, 400, "best_of=2 is not supported"),
     ("completions", {"prompt": ["a", "b"]}, 400, "batched"),
     ("completions", {"prompt": [1, 2, 99999]}, 400, "out of range"),
     ("completions", {"prompt": "hi", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
@@ -426,3 +430,87 @@ def test_step_log_endpoint(url, client):
     # the seconds to the step's GPU end: on a CPU nothing is left queued, so the host's seconds
     assert all(len(s) == 5 and s[4] == pytest.approx(s[1], abs=1e-9) for s in steps)
     assert httpx.get(f"{url}/asympd/steps", params={"since": time.time() + 60}).json() == {"steps": []}
+
+
+def by_index(events: list[dict]) -> dict[int, dict]:
+    """A stream's chunks folded per choice index: text (or content), token ids, finish reason."""
+    out: dict[int, dict] = {}
+    for ev in events:
+        for c in ev["choices"]:
+            got = out.setdefault(c["index"], {"text": "", "token_ids": [], "finish_reason": None})
+            got["text"] += c.get("text") or (c.get("delta") or {}).get("content") or ""
+            got["token_ids"] += c.get("token_ids") or []
+            got["finish_reason"] = c["finish_reason"] or got["finish_reason"]
+    return out
+
+
+def test_n_greedy_choices_equal_offline_and_usage_sums(url, client, offline):
+    """OpenAI's n: greedy gives n equal choices, each the offline engine's tokens; the prompt is
+    counted once in the usage, the choices' tokens summed."""
+    ids = random_prompts([20], seed=71)[0]
+    want = offline.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=5, temperature=0))
+    want = want[0].outputs[0].token_ids
+    body = {"prompt": ids, "max_tokens": 5, "temperature": 0, "return_token_ids": True, "n": 3, "logprobs": 1}
+    r = client.post(f"{url}/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2]
+    assert all(c["token_ids"] == want and c["text"] == offline.tokenizer.decode(want) for c in got["choices"])
+    assert all(len(c["logprobs"]["token_logprobs"]) == 5 for c in got["choices"])
+    assert len({str(c["logprobs"]) for c in got["choices"]}) == 1  # greedy: the same logprobs too
+    total = 3 * len(want)
+    assert got["usage"] == {"prompt_tokens": len(ids), "completion_tokens": total, "total_tokens": len(ids) + total}
+    assert got["prompt_token_ids"] == ids
+
+
+def test_n_seeded_choices_are_single_requests_seeded_seed_plus_index(url, client):
+    """Choice i of a seeded request draws with seed + i (vLLM's): the same tokens as a request of
+    n=1 with that seed; streamed, the chunks carry their choice's index and fold into the same
+    choices, then one usage chunk."""
+    body = {"prompt": "hello world", "max_tokens": 6, "temperature": 1.0, "seed": 41, "return_token_ids": True}
+    body["ignore_eos"] = True
+    singles = [client.post(f"{url}/v1/completions", json={**body, "seed": s}).json()["choices"][0] for s in (41, 42)]
+    assert singles[0]["token_ids"] != singles[1]["token_ids"]
+    r = client.post(f"{url}/v1/completions", json={**body, "n": 2}).json()
+    for c, single in zip(r["choices"], singles, strict=True):
+        assert (c["text"], c["token_ids"], c["finish_reason"]) == (
+            single["text"], single["token_ids"], single["finish_reason"]
+        )  # fmt: skip
+    s = stream(client, f"{url}/v1/completions", {**body, "n": 2, "stream_options": {"include_usage": True}})
+    assert s["done"] and not s["errors"]
+    per = by_index(s["events"])
+    assert sorted(per) == [0, 1]
+    order = [c["index"] for ev in s["events"] for c in ev["choices"]]
+    assert order.index(1) < len(order) - 1 - order[::-1].index(0)  # interleaved, as the tokens come
+    for i, c in enumerate(r["choices"]):
+        assert per[i] == {"text": c["text"], "token_ids": c["token_ids"], "finish_reason": c["finish_reason"]}
+    assert s["events"][-1]["choices"] == [] and s["events"][-1]["usage"] == r["usage"]
+    assert r["usage"]["completion_tokens"] == 12
+    # chat: one role chunk per choice, then the content deltas of each
+    chat = {"messages": HI, "max_tokens": 4, "temperature": 1.0, "seed": 5, "n": 2, "ignore_eos": True}
+    whole = client.post(f"{url}/v1/chat/completions", json=chat).json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1]
+    s = stream(client, f"{url}/v1/chat/completions", chat)
+    roles = [ev["choices"][0]["index"] for ev in s["events"] if "role" in ev["choices"][0]["delta"]]
+    assert roles == [0, 1]
+    per = by_index(s["events"])
+    assert [per[i]["text"] for i in (0, 1)] == [c["message"]["content"] for c in whole["choices"]]
+    wait_idle([url])
+
+
+def test_client_leaving_an_n_stream_aborts_every_choice(url, client):
+    before = metrics(url)["asympd_generation_tokens_total"]
+    body = {"prompt": [5, 6, 7], "max_tokens": 3000, "stream": True, "ignore_eos": True, "temperature": 0, "n": 2}
+    seen = set()
+    with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen |= {c["index"] for c in json.loads(line[6:])["choices"]}
+            if seen == {0, 1}:
+                break
+    wait_idle([url], timeout=10)  # 2 x 3000 tokens would take far longer than this
+    assert metrics(url)["asympd_generation_tokens_total"] - before < 1000
+    with pytest.raises(httpx.ReadTimeout):  # not streamed: the client gives up waiting
+        client.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=1.0)
+    wait_idle([url], timeout=10)
+    assert metrics(url)["asympd_generation_tokens_total"] - before < 2000

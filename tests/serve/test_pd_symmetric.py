@@ -7,10 +7,12 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from asympd.config import tiny
+from asympd.engine import modes
 from asympd.engine.llm import LLM
 from asympd.engine.sampling import SamplingParams
 from asympd.serve.procs import stop_all
-from tests.serve.cluster import router_proc, start_all, stream, wait_idle, wait_router, worker
+from tests.serve.cluster import INTERNAL, router_proc, start_all, stream, wait_idle, wait_router, worker
 from tests.util import random_prompts
 
 
@@ -61,4 +63,33 @@ def test_greedy_equals_offline_symmetric(cluster, tiny_ckpt):
         ).json()
         logprobs = lp["choices"][0]["logprobs"]
         assert len(logprobs["tokens"]) == 4 and all(x is not None for x in logprobs["token_logprobs"])
+    wait_idle([cluster["prefill"], cluster["decode"]])
+
+
+def test_n_is_refused_where_p_samples_the_first_token(cluster):
+    """Every choice would begin with P's one first token: n > 1 is a 400 naming n, from the router
+    (before P computes anything) and from each worker alike; n=1 is served."""
+    assert {m for m in modes.PD_MODES if modes.decode_plan(tiny(), 40, m).first_token_from_prefill} == set(
+        modes.FIRST_TOKEN_FROM_PREFILL
+    )
+    message = (
+        "n=2 is not supported in mode symmetric: its prefill worker samples the first token, so every choice "
+        "would begin with that same token (not 2 independent samples); send 2 requests, or deploy mode "
+        "asymmetric or encoder-only"
+    )
+    body = {"prompt": random_prompts([30], seed=8)[0], "max_tokens": 2, "n": 2}
+    for url, headers in (
+        (cluster["router"], {}),
+        (cluster["prefill"], INTERNAL),
+        (cluster["decode"], INTERNAL),
+    ):
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 400 and r.json()["error"] == {
+            "message": message, "type": "BadRequestError", "param": "n", "code": 400
+        }, (url, r.text)  # fmt: skip
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2}
+    r = httpx.post(f"{cluster['router']}/v1/chat/completions", json=chat, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"] == message
+    r = httpx.post(f"{cluster['router']}/v1/completions", json={**body, "n": 1}, timeout=30)
+    assert r.status_code == 200, r.text
     wait_idle([cluster["prefill"], cluster["decode"]])

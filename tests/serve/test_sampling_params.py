@@ -1,10 +1,11 @@
 """vLLM's sampling parameters: presence / frequency / repetition penalties, logit_bias, min_tokens
 (against distributions computed by hand), the engine sampling from the adjusted logits, and the
-HTTP surface through the hardened 1P1D deployment (the same tokens as the offline LLM; n, best_of,
-prompt logprobs refused with 400 naming the field; echo)."""
+HTTP surface through the hardened 1P1D deployment (the same tokens as the offline LLM; n choices;
+n over the cap, best_of, prompt logprobs refused with 400 naming the field; echo)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import httpx
@@ -13,7 +14,7 @@ import torch
 
 from asympd.engine.llm import LLM
 from asympd.engine.sampling import SamplingParams, adjust_logits, processed_probs
-from tests.serve.cluster import stream, wait_idle
+from tests.serve.cluster import metrics, stream, wait_idle
 from tests.util import random_prompts
 
 LOGITS = torch.tensor([2.0, 1.0, -1.0, 0.5, -3.0])
@@ -187,7 +188,7 @@ def test_http_min_p_filters_what_d_samples(hardened):
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"best_of": 3}, "best_of"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"echo": True, "logprobs": 1}, "echo"),
@@ -210,3 +211,51 @@ def test_http_echo(hardened):
     assert full == "hello world the model" + plain
     with httpx.Client(timeout=60, headers=dep.auth) as c:
         assert stream(c, f"{dep.router}/v1/completions", body)["text"] == full
+
+
+def test_http_n_choices_through_p_and_d(hardened, offline):
+    """n through the router in mode asymmetric: P runs the prompt once, D runs n requests on the one
+    prefix state. Greedy: n equal choices, the offline engine's tokens; seeded: choice i is the
+    request of n=1 seeded seed + i; streamed: the chunks fold per index into the same choices."""
+    dep = hardened
+    ids = random_prompts([40], seed=97)[0]  # over the window: P computes a prefix, D imports it
+    want = offline.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=5, temperature=0))
+    want = want[0].outputs[0].token_ids
+    body = {"prompt": ids, "max_tokens": 5, "temperature": 0, "return_token_ids": True, "ignore_eos": True}
+    r = _post(dep, {**body, "n": 3})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2] and all(c["token_ids"] == want for c in got["choices"])
+    assert got["usage"] == {"prompt_tokens": 40, "completion_tokens": 15, "total_tokens": 55}
+    assert got["asympd_timings"]["prefill_path"] == "remote"
+    hot = {**body, "temperature": 1.0, "seed": 2**64 - 1}  # choice 1: seed + 1 wraps to 0
+    singles = [_post(dep, {**hot, "seed": s}).json()["choices"][0]["token_ids"] for s in (2**64 - 1, 0)]
+    assert singles[0] != singles[1]
+    r = _post(dep, {**hot, "n": 2}).json()
+    assert [c["token_ids"] for c in r["choices"]] == singles
+    with httpx.Client(timeout=60, headers=dep.auth) as c:
+        s = stream(c, f"{dep.router}/v1/completions", {**hot, "n": 2, "stream_options": {"include_usage": True}})
+    assert s["done"] and not s["errors"] and s["usage"] == r["usage"]
+    for i, choice in enumerate(r["choices"]):
+        chunks = [ch for ev in s["events"] for ch in ev["choices"] if ch["index"] == i]
+        assert "".join(ch["text"] for ch in chunks) == choice["text"]
+        assert [t for ch in chunks for t in ch["token_ids"]] == choice["token_ids"]
+    wait_idle([dep.prefill, dep.decode])
+
+
+def test_http_a_client_leaving_an_n_stream_frees_p_and_d(hardened):
+    dep = hardened
+    before = metrics(dep.decode)["asympd_generation_tokens_total"]
+    body = {"prompt": random_prompts([40], seed=98)[0], "max_tokens": 3000, "ignore_eos": True, "n": 2}
+    seen: set[int] = set()
+    with httpx.stream(
+        "POST", f"{dep.router}/v1/completions", json={**body, "stream": True}, headers=dep.auth, timeout=60
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen |= {c["index"] for c in json.loads(line[6:])["choices"]}
+            if seen == {0, 1}:
+                break
+    wait_idle([dep.prefill, dep.decode], timeout=10)  # 2 x 3000 tokens would take far longer
+    assert metrics(dep.decode)["asympd_generation_tokens_total"] - before < 1000

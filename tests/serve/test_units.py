@@ -115,7 +115,6 @@ def test_router_counts_tokens_like_the_workers(tiny_ckpt):
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "x", "temperature": -0.1}, "temperature"),
         ({"prompt": "x", "top_k": -5}, "top_k"),
-        ({"prompt": "x", "n": 3}, "n=3"),
         ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
     ],
 )
@@ -124,6 +123,26 @@ def test_sampling_validation_messages(body, needle):
     with pytest.raises(P.APIError, match=needle):
         req.single_prompt()
         req.sampling_params(1, 100)
+
+
+def test_n_choices_cap_modes_ids_and_seeds():
+    """OpenAI's n: 1..16, refused (naming n) above and where P samples the first token; choice i's
+    engine id and seed (seed + i, vLLM's, wrapped into 64 bits)."""
+    assert P.parse_request("completion", {"prompt": "x", "n": 16}).n == 16
+    for n in (0, 17):
+        with pytest.raises(P.APIError, match=rf"^n must be in \[1, 16\], got {n}$") as e:
+            P.parse_request("chat", {"messages": [{"role": "user", "content": "x"}], "n": n})
+        assert e.value.param == "n"
+    for mode in ("colocated", "asymmetric", "encoder-only", None):
+        P.check_n_for_mode(16, mode)
+    for mode in ("symmetric", "symmetric-split", "symmetric-windows"):
+        P.check_n_for_mode(1, mode)
+        with pytest.raises(P.APIError, match=f"^n=3 is not supported in mode {mode}: its prefill worker") as e:
+            P.check_n_for_mode(3, mode)
+        assert e.value.param == "n" and e.value.status == 400
+    assert P.choice_ids("r", 1) == ["r"] and P.choice_ids("r", 3) == ["r/0", "r/1", "r/2"]
+    assert [P.choice_seed(7, i) for i in range(3)] == [7, 8, 9] and P.choice_seed(None, 2) is None
+    assert P.choice_seed(2**64 - 1, 1) == 0 and P.choice_seed(-1, 1) == 0
 
 
 def test_generation_config_defaults_fill_what_a_request_leaves_out():
