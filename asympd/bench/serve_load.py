@@ -396,6 +396,12 @@ class LoadConfig:
     progress: bool = True
 
 
+def _client(cfg: LoadConfig, limits: httpx.Limits | None = None) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
+    return httpx.AsyncClient(timeout=timeout, headers=headers, **({"limits": limits} if limits else {}))
+
+
 async def run_load(cfg: LoadConfig, requests: Sequence[BenchRequest]) -> tuple[list[RequestResult], float, float]:
     """Send every request on its arrival time (and within the concurrency cap); results in order."""
     from tqdm.asyncio import tqdm
@@ -406,11 +412,8 @@ async def run_load(cfg: LoadConfig, requests: Sequence[BenchRequest]) -> tuple[l
     bodies = [request_body(r, cfg.model, cfg.chat, cfg.extra_body) for r in requests]
     limit = cfg.max_concurrency or len(requests)
     sem = asyncio.Semaphore(limit)
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     bar = tqdm(total=len(requests), disable=not cfg.progress, unit="req", file=sys.stderr)
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
+    async with _client(cfg, httpx.Limits(max_connections=limit, max_keepalive_connections=limit)) as client:
         t_start = time.perf_counter()
 
         async def one(i: int) -> RequestResult:
@@ -429,9 +432,7 @@ async def run_load(cfg: LoadConfig, requests: Sequence[BenchRequest]) -> tuple[l
 async def test_request(cfg: LoadConfig, request: BenchRequest) -> None:
     """One request before the run, as ``vllm bench serve`` sends: a server that cannot answer it is
     one clear error now, not N failures after the whole schedule."""
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
-    async with httpx.AsyncClient(timeout=timeout, headers=headers) as client:
+    async with _client(cfg) as client:
         body = request_body(request, cfg.model, cfg.chat, cfg.extra_body)
         res = await send_request(client, cfg.url, body, request.prompt_len, cfg.chat)
     if not res.success:

@@ -34,6 +34,7 @@ from asympd.engine.request import CompletionOutput, Request, RequestOutput, Stat
 from asympd.engine.runner import ModelRunner
 from asympd.engine.sampler import Drawn, SampleJob, sample_step
 from asympd.engine.sampling import SamplingParams
+from asympd.engine.sampling_params import SamplingParamsError
 from asympd.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from asympd.engine.spec_decode import DraftRequest, DSparkProposer, Proposer, rollback, spec_metrics
 from asympd.engine.warm_up import WarmUp, warm_up
@@ -70,8 +71,8 @@ def check_prompt(cfg: ModelConfig, ids: list[int], params: SamplingParams) -> No
         raise RequestError(f"prompt token ids out of range [0, {cfg.vocab_size}): {bad[:8]}", "prompt")
     try:
         params.validate(cfg.vocab_size)
-    except ValueError as e:  # its messages start with the field's name
-        raise RequestError(str(e), str(e).split(" ", 1)[0]) from e
+    except SamplingParamsError as e:
+        raise RequestError(str(e), e.param) from e
     if len(ids) + params.max_tokens > cfg.max_seq_len:
         raise RequestError(
             f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len {cfg.max_seq_len}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,6 +41,19 @@ def load_tokenizer(checkpoint: str | Path):
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
         raise CheckpointError(f"invalid tokenizer.json in {str(checkpoint)!r}: {e}") from e
+
+
+def load_sampling_defaults(checkpoint: str | Path, source: str = "auto") -> dict[str, Any]:
+    """What a request's omitted sampling fields default to (vLLM's ``--generation-config``): the
+    checkpoint's ``generation_config.json`` (auto), none (vllm), or another folder's file. A value
+    SamplingParams would refuse is a CheckpointError naming the file."""
+    if source == "vllm":
+        return {}
+    folder = checkpoint if source == "auto" else source
+    try:
+        return sampling_defaults(read_generation_config(folder))
+    except ValueError as e:
+        raise CheckpointError(f"{folder}/{e}") from None
 
 
 def eos_id(tokenizer) -> int | None:
@@ -95,8 +109,7 @@ class LLM:
         self.mode = mode
         checkpoint_dir(checkpoint)  # before generation_config="auto" reads it as a folder
         self.tokenizer = load_tokenizer(checkpoint)
-        folder = {"auto": checkpoint, "vllm": None}.get(generation_config, generation_config)
-        self.sampling_defaults = {} if folder is None else sampling_defaults(read_generation_config(folder))
+        self.sampling_defaults = load_sampling_defaults(checkpoint, generation_config)
         detok = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer else None
 
         def config(role: str) -> EngineConfig:

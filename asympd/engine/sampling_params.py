@@ -12,6 +12,14 @@ from typing import Any
 MIN_TEMPERATURE = 1e-2
 
 
+class SamplingParamsError(ValueError):
+    """A parameter out of range; its message starts with the field's name (``param``)."""
+
+    @property
+    def param(self) -> str:
+        return str(self).split(" ", 1)[0]
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -34,36 +42,36 @@ class SamplingParams:
             self.temperature = MIN_TEMPERATURE
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError with a message fit for an HTTP 400."""
+        """Raise SamplingParamsError with a message fit for an HTTP 400."""
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+            raise SamplingParamsError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or positive, got {self.top_k}")
+            raise SamplingParamsError(f"top_k must be -1 (off) or positive, got {self.top_k}")
         if self.logprobs is not None and self.logprobs < -1:
-            raise ValueError(f"logprobs must be -1 (whole vocabulary) or >= 0, got {self.logprobs}")
+            raise SamplingParamsError(f"logprobs must be -1 (whole vocabulary) or >= 0, got {self.logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+                raise SamplingParamsError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 1e-4 <= self.repetition_penalty <= 1e4:  # far under 1 it overflows the logits it divides, as temperature
-            raise ValueError(f"repetition_penalty must be in [1e-4, 1e4], got {self.repetition_penalty}")
+            raise SamplingParamsError(f"repetition_penalty must be in [1e-4, 1e4], got {self.repetition_penalty}")
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+            raise SamplingParamsError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         off = {t: b for t, b in self.logit_bias.items() if not -100 <= b <= 100}
         if off:
-            raise ValueError(f"logit_bias values must be in [-100, 100], got {off}")
+            raise SamplingParamsError(f"logit_bias values must be in [-100, 100], got {off}")
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
-                raise ValueError(f"stop_token_ids out of range [0, {vocab_size}): {bad}")
+                raise SamplingParamsError(f"stop_token_ids out of range [0, {vocab_size}): {bad}")
             bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
             if bad:
-                raise ValueError(f"logit_bias token ids out of range [0, {vocab_size}): {bad[:8]}")
+                raise SamplingParamsError(f"logit_bias token ids out of range [0, {vocab_size}): {bad[:8]}")
 
     @property
     def greedy(self) -> bool:

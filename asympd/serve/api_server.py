@@ -39,14 +39,11 @@ from fastapi.responses import JSONResponse, Response
 from asympd.engine import modes
 from asympd.engine.engine import LLMEngine, RequestError
 from asympd.engine.images import ImageLimits
-from asympd.engine.llm import eos_id, load_tokenizer
+from asympd.engine.llm import eos_id, load_sampling_defaults, load_tokenizer
 from asympd.engine.request import RequestOutput
 from asympd.engine.sampling import SamplingParams
-from asympd.engine.sampling_params import sampling_defaults
 from asympd.engine.warm_up import warm_up
-from asympd.model.checkpoint import read_generation_config
 from asympd.model.loader import load_model
-from asympd.model.schema import CheckpointError
 from asympd.parallel import launch_ep
 from asympd.parallel.cp_engine import CPPrefillEngine, launch_cp
 from asympd.serve import protocol as P
@@ -99,7 +96,14 @@ class WorkerServer:
         self.secret = internal_key(cfg.internal_key_file)
         self.tokenizer = load_tokenizer(cfg.checkpoint)
         self.model_name = cfg.served_model_name or cfg.checkpoint
-        self.sampling_defaults = self.load_sampling_defaults()
+        self.sampling_defaults = load_sampling_defaults(cfg.checkpoint, cfg.generation_config)
+        if self.sampling_defaults:
+            log.info(
+                "sampling defaults from generation_config.json (--generation-config %s): %s (a request's own "
+                "values win; --generation-config vllm leaves them out)",
+                cfg.generation_config,
+                self.sampling_defaults,
+            )
         model_role = modes.model_role(cfg.role, cfg.mode)
         self.ep = None  # expert parallel: ranks 1..ep-1 load while this process does (asympd.parallel)
         if cfg.ep > 1:
@@ -180,25 +184,6 @@ class WorkerServer:
         if isinstance(self.engine, CPPrefillEngine):
             self.engine.close()
         self.text_pool.shutdown(wait=False, cancel_futures=True)
-
-    def load_sampling_defaults(self) -> dict[str, Any]:
-        """What a request's omitted sampling fields default to (``--generation-config``)."""
-        source = self.cfg.generation_config
-        if source == "vllm":
-            return {}
-        folder = self.cfg.checkpoint if source == "auto" else source
-        try:
-            defaults = sampling_defaults(read_generation_config(folder))
-        except ValueError as e:  # the CLI's clear error, not a traceback
-            raise CheckpointError(f"{folder}/{e}") from None
-        if defaults:
-            log.info(
-                "sampling defaults from %s/generation_config.json: %s (a request's own values win; "
-                "--generation-config vllm leaves them out)",
-                folder,
-                defaults,
-            )
-        return defaults
 
     def info(self, internal: bool = True) -> dict[str, Any]:
         """What the router needs to check a worker; the fingerprint only for internal callers."""
@@ -318,7 +303,7 @@ class WorkerServer:
         if detokenizing:
             return JSONResponse(await self.off_loop(detokenize, self.tokenizer, body))
         max_len = self.model_cfg.max_seq_len
-        return JSONResponse(await self.off_loop(tokenize, self.tokenizer, body, max_len, self._check_chars))
+        return JSONResponse(await self.off_loop(tokenize, self.tokenizer, body, max_len, self.prompt_ids))
 
     def check_model(self, req: P.CompletionRequest | P.ChatCompletionRequest) -> None:
         if req.model is not None and req.model != self.model_name:

@@ -13,16 +13,14 @@ import math
 import time
 import uuid
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from asympd.engine import modes
+from asympd.engine.sampling_params import SamplingParams, SamplingParamsError  # torch-free: the router parses too
 from asympd.serve.chat_format import ChatDelta, ChatFormatError, ChatOptions, ChatStreamParser, encode_messages
-
-if TYPE_CHECKING:  # the router parses requests too, and never imports torch
-    from asympd.engine.sampling import SamplingParams
 
 # ---- errors -----------------------------------------------------------------------------------------
 
@@ -210,7 +208,6 @@ class _Common(BaseModel):
 
     def _sampling(self, max_tokens: int, logprobs: int | None, defaults: Mapping[str, Any]) -> SamplingParams:
         """``defaults`` (``sampling_defaults``) for the fields the request leaves out."""
-        from asympd.engine.sampling import SamplingParams
 
         def pick(name: str, fallback: Any) -> Any:
             value = getattr(self, name)
@@ -252,9 +249,8 @@ class _Common(BaseModel):
         )
         try:
             params.validate()
-        except ValueError as e:
-            name = str(e).split(" ", 1)[0]
-            raise APIError(str(e), param=name if name in type(self).model_fields else None) from None
+        except SamplingParamsError as e:
+            raise APIError(str(e), param=e.param if e.param in type(self).model_fields else None) from None
         return params
 
 

@@ -205,14 +205,25 @@ class Router:
     def count_tokens(self, kind: str, body: dict[str, Any]) -> int | None:
         """Prompt tokens exactly as the workers will count them, or None if unknown yet. Blocking
         (tokenizes): the handler runs it in a thread. A text too long to fit is refused unread."""
+        try:
+            req = (
+                P.ChatCompletionRequest.model_validate(body)
+                if kind == "chat"
+                else P.CompletionRequest.model_validate(body)
+            )
+        except ValueError:
+            return None  # let the worker produce the precise 4xx
+        return self._count(req)
+
+    def _count(self, req: P.CompletionRequest | P.ChatCompletionRequest) -> int | None:
+        """``count_tokens`` of a parsed request."""
         if self.tokenizer is None:
             return None
         try:
-            if kind == "chat":
-                req = P.ChatCompletionRequest.model_validate(body)
+            if isinstance(req, P.ChatCompletionRequest):
                 self._check_chars(req.text_chars())  # before templating
                 return len(self.tokenizer.encode(req.render_prompt()).ids)
-            prompt = P.CompletionRequest.model_validate(body).single_prompt()
+            prompt = req.single_prompt()
             if isinstance(prompt, str):
                 self._check_chars(len(prompt))
                 return len(self.tokenizer.encode(prompt).ids)
@@ -351,7 +362,7 @@ class Router:
         rid = f"{client_rid}-{uuid.uuid4().hex[:8]}" if client_rid else P.new_id(kind)
         headers = self._headers(request, rid)
         path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
-        n = await asyncio.to_thread(self.count_tokens, kind, body)
+        n = await asyncio.to_thread(self._count, parsed)
         if n is not None and self.max_seq_len is not None and n >= self.max_seq_len:  # never forward what cannot fit
             raise P.APIError(
                 f"This model's maximum context length is {self.max_seq_len} tokens. However, your prompt has "

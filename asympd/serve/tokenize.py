@@ -1,7 +1,7 @@
 """vLLM's ``POST /tokenize`` and ``POST /detokenize``: a request's prompt ids exactly as this
 deployment computes them (a completion's ``prompt``, or a chat's ``messages`` through V4.1's
-format), so that a client can count tokens against ``max_model_len`` before it sends. Workers and
-the router answer them alike (the router with the tokenizer it counts with)."""
+format), so that a client can count tokens against ``max_model_len`` before it sends. Workers answer
+them; the router has a decode worker answer."""
 
 from __future__ import annotations
 
@@ -10,10 +10,13 @@ from typing import Any
 
 from asympd.serve import protocol as P
 
+PromptIds = Callable[[str, "P.CompletionRequest | P.ChatCompletionRequest"], list[int]]
 
-def tokenize(tokenizer: Any, body: dict[str, Any], max_model_len: int, check_chars: Callable[[int], None]) -> dict:
+
+def tokenize(tokenizer: Any, body: dict[str, Any], max_model_len: int, prompt_ids: PromptIds) -> dict:
     """``{"count", "max_model_len", "tokens"}`` (and ``token_strs`` when asked) for a body holding
-    ``prompt`` (a completion's) or ``messages`` (a chat's, with its template options). Blocking."""
+    ``prompt`` (a completion's) or ``messages`` (a chat's, with its template options), through the
+    worker's own ``prompt_ids`` (what a request of that body runs with). Blocking."""
     if tokenizer is None:
         raise P.APIError("no tokenizer: this checkpoint has no tokenizer.json", 503)
     want_strs = body.get("return_token_strs", False)
@@ -22,23 +25,15 @@ def tokenize(tokenizer: Any, body: dict[str, Any], max_model_len: int, check_cha
     request = {k: v for k, v in body.items() if k != "return_token_strs"}
     if ("prompt" in request) == ("messages" in request):
         raise P.APIError("give either prompt (a completion's) or messages (a chat's)", param="prompt")
-    if "messages" in request:
-        chat = P.parse_request("chat", request)
-        assert isinstance(chat, P.ChatCompletionRequest)
-        if any(
-            isinstance(m.content, list) and any(p.get("type") == "image_url" for p in m.content) for m in chat.messages
-        ):
+    kind = "chat" if "messages" in request else "completion"
+    req = P.parse_request(kind, request)
+    if isinstance(req, P.ChatCompletionRequest):
+        images = (p.get("type") == "image_url" for m in req.messages if isinstance(m.content, list) for p in m.content)
+        if any(images):
             raise P.APIError("tokenize counts text: an image's span depends on its size", param="messages")
-        check_chars(chat.text_chars())
-        text = chat.render_prompt()
-    else:
-        prompt = P.parse_request("completion", request)
-        assert isinstance(prompt, P.CompletionRequest)
-        text = prompt.single_prompt()
-        if not isinstance(text, str):
-            raise P.APIError("prompt must be text (token ids are their own count)", param="prompt")
-        check_chars(len(text))
-    ids = tokenizer.encode(text).ids
+    elif not isinstance(req.single_prompt(), str):
+        raise P.APIError("prompt must be text (token ids are their own count)", param="prompt")
+    ids = prompt_ids(kind, req)
     out: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
     if want_strs:
         out["token_strs"] = [tokenizer.id_to_token(i) for i in ids]

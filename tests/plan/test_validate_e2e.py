@@ -162,6 +162,27 @@ def test_a_constant_hop_before_p_changes_no_ttft_or_gap():
         assert len(runs[0].ttft_s) == len(requests)
 
 
+def test_v14_s_predictions_do_not_move_with_every_arrival_54_ms_later():
+    """docs/planner.md "The hop before P", on the record: v14's two modes validated as measured and
+    with every start time 54 ms and 1 s later give the same TTFT p50 and ITL p50 on all six rows."""
+    from tools.regen_validations import RESULTS
+
+    src = json.loads((RESULTS / "e2e_h200x1_depth40_v14_two.json").read_text())
+
+    def rows(shift: float) -> list[tuple]:
+        shifted = json.loads(json.dumps(src))
+        for m in shifted["modes"].values():
+            for run in m.get("runs", []):
+                run["requests"]["start_times"] = [t + shift for t in run["requests"]["start_times"]]
+        v = validate_e2e(shifted)
+        return [(r["mode"], r["rate"], r["predicted"]["ttft_p50_ms"], r["predicted"]["itl_p50_ms"]) for r in v["rows"]]
+
+    base = rows(0.0)
+    assert len(base) == 6
+    for shift in (0.054, 1.0):
+        assert [(m, r, pytest.approx(t, abs=1e-6), pytest.approx(i, abs=1e-6)) for m, r, t, i in base] == rows(shift)
+
+
 def e2e_result(gpus: int) -> dict:
     """A bench/e2e.py result of one asymmetric deployment, one rate run of two requests."""
     return {
