@@ -294,6 +294,8 @@ class LLMEngine:
             "spec_proposed": 0,
             "spec_accepted": 0,
             "spec_steps": 0,
+            "prefix_cache_queries": 0,  # imported positions looked up at admission
+            "prefix_cache_hits": 0,  # of those, found cached (shared blocks)
         }
         self.warm_up_report: WarmUp | None = None
         if self.config.warms_up(model.device):
@@ -566,6 +568,9 @@ class LLMEngine:
         for req in sched.admitted:
             if req.scheduled_time is None:  # set once: a request re-admitted after a preemption keeps it
                 req.scheduled_time = now
+            if req.imported is not None and self.config.enable_prefix_caching:
+                self.counters["prefix_cache_queries"] += req.import_len
+                self.counters["prefix_cache_hits"] += req.num_cached_import
             self.runner.prepare(req)
             if not req.phases:  # nothing to compute here (asymmetric P with N <= W)
                 outputs.extend(self._prompt_done(req, None))
@@ -649,6 +654,8 @@ class LLMEngine:
 
     def _prompt_done(self, req: Request, drawn: Drawn | None) -> list[RequestOutput]:
         if req.imported is not None and self.config.enable_prefix_caching:
+            # a no-op but for a streamed prefix admitted before its last slice came (the scheduler
+            # caches a whole import at admission)
             self.blocks.commit_cached(
                 req.request_id, req.prompt_token_ids, req.import_len, self.fingerprint + req.cache_salt
             )

@@ -197,13 +197,10 @@ class Scheduler:
         preemption) plus the first decode step: "admitted", "wait" or "failed"."""
         need = req.num_tokens + 1 + self.config.num_spec_tokens
         cacheable = req.import_len if req.imported is not None else 0
+        key = self.prefix_cache_key + req.cache_salt
         try:
             alloc = self.blocks.allocate(
-                req.request_id,
-                need,
-                token_ids=req.prompt_token_ids,
-                cacheable_tokens=cacheable,
-                extra_key=self.prefix_cache_key + req.cache_salt,
+                req.request_id, need, token_ids=req.prompt_token_ids, cacheable_tokens=cacheable, extra_key=key
             )
         except RequestTooLargeError as e:
             req.status = Status.FINISHED_ERROR
@@ -212,6 +209,12 @@ class Scheduler:
         except CacheFullError:
             return "wait"
         req.num_cached_import = alloc.num_cached_tokens
+        if cacheable and not req.awaiting_import:
+            # the engine writes an admitted request's whole import before the step's forward reads
+            # any block (LLMEngine.step: runner.prepare), so its blocks are the prefix's from now on:
+            # a request on the same prefix admitted later in this step (OpenAI's n choices) shares
+            # them instead of writing a copy of its own
+            self.blocks.commit_cached(req.request_id, req.prompt_token_ids, cacheable, extra_key=key)
         req.status = Status.RUNNING
         req.phase_index = 0
         req.cursor = req.phases[0].lo if req.phases else 0

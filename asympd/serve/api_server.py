@@ -493,9 +493,9 @@ class WorkerServer:
         if streamed:
             kw = {"prefix_stream": True}
         t_add = time.perf_counter()
-        # n choices: n engine requests of the same prompt (and the same imported prefix state, which
-        # each writes into its own blocks unless D's prefix cache already holds it), choice i seeded
-        # with seed + i; the request's id aborts them all (abort)
+        # n choices: n engine requests of the same prompt (and the same imported prefix state, whose
+        # full blocks the first writes and the others share through D's prefix cache), choice i
+        # seeded with seed + i; the request's id aborts them all (abort)
         streams: list[RequestStream] = []
         try:
             for i, crid in enumerate(P.choice_ids(rid, req.n)):

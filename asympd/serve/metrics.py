@@ -80,6 +80,16 @@ class _EngineCollector(Collector):
             yield counter("asympd_prompt_tokens", "Prompt rows computed by this engine.", s.get("prompt_tokens", 0))
             yield counter("asympd_generation_tokens", "Tokens generated.", s.get("generation_tokens", 0))
             yield counter("asympd_engine_steps", "Engine steps run.", s.get("steps", 0))
+            yield counter(
+                "asympd_prefix_cache_queries",
+                "Imported prefix positions looked up in the prefix cache at admission (vLLM's name).",
+                s.get("prefix_cache_queries", 0),
+            )
+            yield counter(
+                "asympd_prefix_cache_hits",
+                "Of those, positions whose blocks were already held: shared, not written again.",
+                s.get("prefix_cache_hits", 0),
+            )
             if "busy_seconds" in s:
                 yield counter(
                     "asympd_engine_busy_seconds",

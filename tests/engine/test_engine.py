@@ -265,6 +265,35 @@ def test_prefix_cache_hit_on_import_gives_the_cold_tokens(tiny_ckpt):
     assert warm.engine.blocks.num_used_blocks == 0
 
 
+def test_requests_on_one_imported_prefix_admitted_together_share_its_blocks(models):
+    """OpenAI's n on D: n requests on the one prefix state, admitted in the same step, hold the
+    prefix's blocks once (the first writes them, the others hit them at once) and each decodes what
+    it decodes alone."""
+    prompt = random_prompts([180], seed=31)[0]
+    p = engine(models["prefill"], role="prefill", mode="asymmetric")
+    p.add_request("x", prompt, GREEDY)
+    state = PrefixState.deserialize(drain(p)["x"].prefix_state.serialize())
+    assert state.split == 180 - 16  # 10 full 16-token blocks below it
+
+    def run(n: int) -> tuple[dict[str, object], list[int], int]:
+        d = engine(models["full"], role="decode", mode="asymmetric")
+        for i in range(n):
+            d.add_request(f"c{i}", prompt, GREEDY, prefix_state=state)
+        d.step()  # all n admitted together
+        used = d.blocks.num_used_blocks
+        cached = [d.requests[f"c{i}"].num_cached_import for i in range(n)]
+        done = drain(d)
+        assert d.blocks.num_used_blocks == 0
+        return done, cached, used
+
+    alone, _, one = run(1)
+    done, cached, three = run(3)
+    assert cached == [0, 160, 160]
+    assert one == 12 and three == one + 2 * 2  # 181 + 1 rows: 12 blocks, of which 10 are shared
+    for i in range(3):
+        assert done[f"c{i}"].outputs[0].token_ids == alone["c0"].outputs[0].token_ids
+
+
 # ---- storms -------------------------------------------------------------------------------------
 
 add = st.tuples(st.just("add"), st.integers(1, 70), st.integers(1, 6), st.integers(0, 2**16))

@@ -222,8 +222,14 @@ def test_http_n_choices_through_p_and_d(hardened, offline):
     want = offline.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=5, temperature=0))
     want = want[0].outputs[0].token_ids
     body = {"prompt": ids, "max_tokens": 5, "temperature": 0, "return_token_ids": True, "ignore_eos": True}
+    before = metrics(dep.decode)
     r = _post(dep, {**body, "n": 3})
     assert r.status_code == 200, r.text
+    after = metrics(dep.decode)
+    # D holds the prefix once: [0, 24) has one full 16-token block, which choices 1 and 2 share
+    hits = after["asympd_prefix_cache_hits_total"] - before["asympd_prefix_cache_hits_total"]
+    queries = after["asympd_prefix_cache_queries_total"] - before["asympd_prefix_cache_queries_total"]
+    assert (hits, queries) == (2 * 16, 3 * 24)
     got = r.json()
     assert [c["index"] for c in got["choices"]] == [0, 1, 2] and all(c["token_ids"] == want for c in got["choices"])
     assert got["usage"] == {"prompt_tokens": 40, "completion_tokens": 15, "total_tokens": 55}
