@@ -10,6 +10,9 @@ from typing import Any
 # vLLM's floor: a positive temperature below it is raised to it; dividing the logits by much less
 # (under ~1e-37 in fp32) overflows them to inf, and the draw of a NaN distribution is token 0
 MIN_TEMPERATURE = 1e-2
+# the largest temperature the sampler's fp32 holds: past it the divisor is inf, and a masked
+# token's logit becomes -inf / inf = NaN
+MAX_TEMPERATURE = 3.4028234663852886e38
 
 
 class SamplingParamsError(ValueError):
@@ -45,8 +48,10 @@ class SamplingParams:
         """Raise SamplingParamsError with a message fit for an HTTP 400."""
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise SamplingParamsError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # NaN too
+            raise SamplingParamsError(
+                f"temperature must be in [0, {MAX_TEMPERATURE:.4g}] (fp32's largest), got {self.temperature}"
+            )
         if not 0 < self.top_p <= 1:
             raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:

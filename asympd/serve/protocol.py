@@ -228,12 +228,9 @@ class _Common(BaseModel):
                 raise APIError(f"logit_bias keys must be token ids, got {k!r}", param="logit_bias") from None
         if max_tokens is None or max_tokens <= 0:
             raise APIError(f"max_tokens must be a positive integer, got {max_tokens}", param="max_tokens")
-        temperature = pick("temperature", 1.0)
-        if temperature < 0:
-            raise APIError(f"temperature must be >= 0, got {temperature}", param="temperature")
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=temperature,
+            temperature=pick("temperature", 1.0),
             top_p=pick("top_p", 1.0),
             top_k=pick("top_k", -1) or -1,  # 0 and -1: no limit
             min_p=pick("min_p", 0.0),

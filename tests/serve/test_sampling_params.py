@@ -155,7 +155,8 @@ def test_http_skip_special_tokens(hardened):
 def test_http_a_tiny_temperature_samples_at_vllms_floor(hardened):
     """Dividing the logits by a temperature under ~1e-37 overflowed them: every token was 0, the
     draw of a NaN distribution. Such a temperature samples at 0.01 now, as vLLM's; a repetition
-    penalty that small (it divides the logits too) is refused."""
+    penalty that small (it divides the logits too) is refused, and so is a temperature past fp32's
+    largest value."""
     ids = random_prompts([40], seed=93)[0]
     body = {"prompt": ids, "max_tokens": 4, "seed": 7, "ignore_eos": True, "return_token_ids": True}
     floor = _post(hardened, {**body, "temperature": 0.01}).json()["choices"][0]["token_ids"]
@@ -165,6 +166,17 @@ def test_http_a_tiny_temperature_samples_at_vllms_floor(hardened):
     r = _post(hardened, {**body, "repetition_penalty": 1e-40})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"] == "repetition_penalty must be in [1e-4, 1e4], got 1e-40"
+    # past fp32's largest the divisor was inf: a token min_tokens masks had logit -inf / inf = NaN
+    r = _post(hardened, {**body, "temperature": 1e39, "min_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {
+        "message": "temperature must be in [0, 3.403e+38] (fp32's largest), got 1e+39",
+        "type": "BadRequestError",
+        "param": "temperature",
+        "code": 400,
+    }
+    big = _post(hardened, {**body, "temperature": 3e38, "min_tokens": 2})
+    assert big.status_code == 200, big.text
 
 
 def test_http_min_p_filters_what_d_samples(hardened):
