@@ -211,10 +211,38 @@ def install_error_handlers(app: FastAPI, metrics_errors: Any = None) -> None:
         where = ".".join(str(x) for x in err.get("loc", ()) if x != "query")
         return P.error_response(f"{where}: {err.get('msg', 'invalid')}", 400, param=where or None)
 
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return P.error_response(f"internal error: {type(e).__name__}: {e}", 500)
+    app.add_middleware(_InternalErrors, metrics_errors=metrics_errors)
+
+
+class _InternalErrors:
+    """The last resort for a bug in a route: log it and answer 500 in the API's JSON, keeping the
+    connection. Starlette's own last resort answers and then re-raises, and uvicorn then closes the
+    connection under a response that did not say so: a pooled client (the router's) that sent its
+    next request on it met an empty read or a reset."""
+
+    def __init__(self, app: Any, metrics_errors: Any = None) -> None:
+        self.app = app
+        self.metrics_errors = metrics_errors
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watch(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as e:
+            if started:  # a response under way (a stream): all that is left is to cut it
+                raise
+            log.exception("unhandled error")
+            if self.metrics_errors is not None:
+                self.metrics_errors.labels("500").inc()
+            await P.error_response(f"internal error: {type(e).__name__}: {e}", 500)(scope, receive, send)
 
 
 def setup_logging(level: str) -> None:
