@@ -83,12 +83,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+MAX_REQUESTS = 100_000  # ~600 simulated a second per mode on a CPU core: minutes, not days
+
+
 def build_request(args: argparse.Namespace) -> PlanRequest:
     missing = [f for f in ("slo_ttft_p99", "slo_itl_p99") if getattr(args, f) is None]
     if missing:
         raise PlanError(f"--{missing[0].replace('_', '-')} is required (unless --validate)")
-    if args.requests < 10:
-        raise PlanError(f"--requests must be at least 10, got {args.requests}")
+    if not 10 <= args.requests <= MAX_REQUESTS:
+        raise PlanError(
+            f"--requests must be in [10, {MAX_REQUESTS}] (every candidate deployment simulates them all), "
+            f"got {args.requests}"
+        )
     if not 0 <= args.reserve_gb < math.inf:
         raise PlanError(f"--reserve-gb must be >= 0 and finite, got {args.reserve_gb}")
     if args.rate is not None and not 0 < args.rate < math.inf:

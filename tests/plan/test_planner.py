@@ -412,6 +412,8 @@ def test_cli_plan_errors(capsys):
     assert "--prompt-len: expected N or N:weight" in capsys.readouterr().err
     assert main(["plan", "--gpu", "b200", "--slo-ttft-p99", "1", "--slo-itl-p99", "1"]) == 2
     assert "--rate is required" in capsys.readouterr().err
+    assert main([*ARGS, "--requests", "100000000000"]) == 2  # it had simply run for days
+    assert "--requests must be in [10, 100000]" in capsys.readouterr().err
     assert main([*ARGS, "--placement", "mixed"]) == 2
     assert main([*ARGS, "--reserve-gb", "-3"]) == 2
     assert "invalid choice: 'mixed'" in capsys.readouterr().err
