@@ -754,13 +754,15 @@ class LLMEngine:
     def _draft(self, chunks: list[ScheduledChunk], hidden: list[torch.Tensor | None]) -> None:
         """One draft pass for the step: seed each request's drafter window with the rows it just
         computed at full depth and kept (a prompt chunk's last W rows, a decode step's accepted rows),
-        then draft for every request that decodes next step."""
+        then draft for every request that decodes next step. A request whose logits are adjusted
+        (``spec_enabled`` False) gets no drafts: its verify step would test them against the raw
+        logits (the scheduler gives it one row, and a draft there was taken as the raw argmax)."""
         w = self.cfg.window_size
         items = []
         running, live, view = Status.RUNNING, self.requests, self.runner.view  # per request: no lookups
         for sc, hid in zip(chunks, hidden, strict=True):
             req = sc.request
-            if req.status is not running or hid is None or req.request_id not in live:
+            if not req.spec_enabled or req.status is not running or hid is None or req.request_id not in live:
                 continue
             newest = req.num_tokens - 1
             hi = sc.hi if sc.phase is not None else newest

@@ -1,9 +1,11 @@
 """Sampling parameters and the sampler.
 
-First the logits are adjusted as vLLM does: ``min_tokens`` masks EOS and ``stop_token_ids`` until
-that many tokens exist, ``logit_bias`` is added, then the repetition penalty (prompt and output
-tokens: positive logits divided by it, negative ones multiplied), the frequency penalty (times each
-token's count in the output) and the presence penalty (once per token in the output) are applied.
+First the logits are adjusted as vLLM does: ``allowed_token_ids`` masks every other token, bad words
+(``bad_words_token_ids``) mask a sequence's last token wherever the output ends with the rest of it,
+``min_tokens`` masks EOS and ``stop_token_ids`` until that many tokens exist, ``logit_bias`` is
+added, then the repetition penalty (prompt and output tokens: positive logits divided by it,
+negative ones multiplied), the frequency penalty (times each token's count in the output) and the
+presence penalty (once per token in the output) are applied (a masked logit stays -inf).
 Then greedy when temperature is 0; otherwise temperature, min-p (vLLM's order: on the tempered
 distribution, before top-k), top-k, top-p, and a draw from a
 per-request generator when a seed is given (so a seeded request samples the same tokens whatever
@@ -23,11 +25,18 @@ from asympd.engine.sampling_params import SamplingParams
 def adjust_logits(
     logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int], eos: int | None
 ) -> torch.Tensor:
-    """The logits after min_tokens, logit_bias and the three penalties (a new fp32 tensor [vocab]);
-    ``logits`` itself when the request asks for none of them."""
+    """The logits after allowed_token_ids, bad words, min_tokens, logit_bias and the three penalties
+    (a new fp32 tensor [vocab]); ``logits`` itself when the request asks for none of them."""
     if not params.adjusts_logits:
         return logits
     x = logits.float().clone()
+    if params.allowed_token_ids is not None:
+        masked = torch.ones(x.numel(), dtype=torch.bool, device=x.device)
+        masked[torch.tensor(params.allowed_token_ids, dtype=torch.long, device=x.device)] = False
+        x.masked_fill_(masked, float("-inf"))
+    banned = bad_word_bans(params.bad_words_token_ids, output_ids)
+    if banned:
+        x[banned] = float("-inf")
     if len(output_ids) < params.min_tokens:
         stops = set(params.stop_token_ids) | ({eos} if eos is not None and not params.ignore_eos else set())
         idx = [t for t in stops if 0 <= t < x.numel()]
@@ -45,6 +54,13 @@ def adjust_logits(
         counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=x.numel()).to(x.device, x.dtype)
         x = x - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(x.dtype)
     return x
+
+
+def bad_word_bans(bad_words: list[list[int]], output_ids: list[int]) -> list[int]:
+    """The tokens bad words forbid next (vLLM's rule): each sequence's last token where the output
+    so far ends with the rest of the sequence; a one-token word's always."""
+    n = len(output_ids)
+    return [w[-1] for w in bad_words if len(w) - 1 <= n and output_ids[n - len(w) + 1 :] == w[:-1]]
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -39,6 +39,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0; 1 = off
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, [-100, 100]
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (every other logit -inf); None: all
+    # vLLM's bad_words, tokenized (the server tokenizes each word, with and without a leading space): a
+    # sequence's last token is masked wherever the output ends with the rest of it (a one-token word: always)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if 0 < self.temperature < MIN_TEMPERATURE:
@@ -70,6 +74,10 @@ class SamplingParams:
         off = {t: b for t, b in self.logit_bias.items() if not -100 <= b <= 100}
         if off:
             raise SamplingParamsError(f"logit_bias values must be in [-100, 100], got {off}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise SamplingParamsError("allowed_token_ids must not be empty: it would leave no token to sample")
+        if any(not w for w in self.bad_words_token_ids):
+            raise SamplingParamsError("bad_words_token_ids must hold non-empty token id sequences")
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
@@ -77,6 +85,12 @@ class SamplingParams:
             bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
             if bad:
                 raise SamplingParamsError(f"logit_bias token ids out of range [0, {vocab_size}): {bad[:8]}")
+            bad = [t for t in self.allowed_token_ids or () if not 0 <= t < vocab_size]
+            if bad:
+                raise SamplingParamsError(f"allowed_token_ids out of range [0, {vocab_size}): {bad[:8]}")
+            bad = [t for w in self.bad_words_token_ids for t in w if not 0 <= t < vocab_size]
+            if bad:
+                raise SamplingParamsError(f"bad_words_token_ids out of range [0, {vocab_size}): {bad[:8]}")
 
     @property
     def greedy(self) -> bool:
@@ -91,6 +105,8 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or self.logit_bias
             or self.min_tokens
+            or self.allowed_token_ids is not None
+            or self.bad_words_token_ids
         )
 
 

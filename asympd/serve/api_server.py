@@ -264,10 +264,12 @@ class WorkerServer:
             return
         check_bearer(request, self.api_key)
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, bounded: bool = True) -> list[int]:
+        """``bounded``: refuse a text too long to fit unread (not when the request truncates it)."""
         if self.tokenizer is None:
             raise P.APIError("this checkpoint has no tokenizer.json: send the prompt as token ids", param="prompt")
-        self._check_chars(len(text))
+        if bounded:
+            self._check_chars(len(text))
         return self.tokenizer.encode(text).ids
 
     def _check_chars(self, n: int) -> None:
@@ -281,14 +283,18 @@ class WorkerServer:
             )
 
     def prompt_ids(self, kind: str, req: P.CompletionRequest | P.ChatCompletionRequest) -> list[int]:
-        """Blocking (tokenizes): call through ``off_loop``."""
+        """Blocking (tokenizes): call through ``off_loop``. Untruncated (``truncate_prompt_tokens``
+        applies after the images' spans are expanded); a text too long to fit is refused unread
+        unless the request truncates it."""
+        bounded = req.truncate_prompt_tokens is None
         if kind == "chat":
             assert isinstance(req, P.ChatCompletionRequest)
-            self._check_chars(req.text_chars())  # before templating
-            return self._encode(req.render_prompt())  # V4.1's format (chat_format.py)
+            if bounded:
+                self._check_chars(req.text_chars())  # before templating
+            return self._encode(req.render_prompt(), bounded)  # V4.1's format (chat_format.py)
         assert isinstance(req, P.CompletionRequest)
         prompt = req.single_prompt()
-        ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self._encode(prompt, bounded) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise P.APIError("the prompt is empty", param="prompt")
         return ids
@@ -304,6 +310,19 @@ class WorkerServer:
             return JSONResponse(await self.off_loop(detokenize, self.tokenizer, body))
         max_len = self.model_cfg.max_seq_len
         return JSONResponse(await self.off_loop(tokenize, self.tokenizer, body, max_len, self.prompt_ids))
+
+    @staticmethod
+    def truncate(req: P.CompletionRequest | P.ChatCompletionRequest, ids: list[int], images: list[Any]) -> list[int]:
+        """``truncate_prompt_tokens``: the prompt's last k tokens, before the length check (the router
+        counts the same); a cut through a prompt with images (whose spans must stay whole) is refused."""
+        kept = req.truncate(ids)
+        if images and len(kept) < len(ids):
+            raise P.APIError(
+                f"truncate_prompt_tokens={req.truncate_prompt_tokens} would cut a prompt with images "
+                f"({len(ids)} tokens): an image's span cannot be cut",
+                param="truncate_prompt_tokens",
+            )
+        return kept
 
     def check_model(self, req: P.CompletionRequest | P.ChatCompletionRequest) -> None:
         if req.model is not None and req.model != self.model_name:
@@ -347,7 +366,9 @@ class WorkerServer:
         if kind == "chat":  # vision: decode image parts, expand their placeholders (serve/vision_inputs.py)
             limits = ImageLimits(self.cfg.max_images, self.cfg.max_image_bytes, allow_http=self.cfg.allow_image_urls)
             ids, images = await self.off_loop(request_images, req.message_dicts(), ids, self.model_cfg, limits)
-        params = req.sampling_params(len(ids), self.model_cfg.max_seq_len, self.sampling_defaults)
+        ids = self.truncate(req, ids, images)
+        bad_words = await self.off_loop(P.tokenize_bad_words, self.tokenizer, req.bad_words) if req.bad_words else []
+        params = req.sampling_params(len(ids), self.model_cfg.max_seq_len, self.sampling_defaults, bad_words)
         self.check_length(ids, params)
         req.stop_strings()  # validated before anything is queued
         rid = client_request_id(request) or P.new_id(kind)
@@ -669,8 +690,8 @@ class WorkerServer:
             return ""
         prompt = ctx.req.single_prompt()
         if isinstance(prompt, str):
-            return prompt  # as sent (vLLM does the same)
-        return self.tokenizer.decode(prompt) if self.tokenizer is not None else ""
+            return prompt  # as sent, truncated or not (vLLM does the same)
+        return self.tokenizer.decode(ctx.ids) if self.tokenizer is not None else ""  # token ids: as run (vLLM's)
 
     def _final_body(self, ctxs: list[_Ctx]) -> dict[str, Any]:
         ctx = ctxs[0]

@@ -3,7 +3,8 @@
 Requests are parsed with pydantic but validated by hand into ``SamplingParams`` so every refusal
 carries a message a person can act on. Unknown fields are ignored, as vLLM does. Fields beyond
 OpenAI's follow vLLM's names: ``top_k``, ``stop_token_ids``, ``ignore_eos``,
-``include_stop_str_in_output``, ``return_token_ids``, ``kv_transfer_params``.
+``include_stop_str_in_output``, ``return_token_ids``, ``allowed_token_ids``, ``bad_words``,
+``truncate_prompt_tokens``, ``priority``, ``kv_transfer_params``.
 """
 
 from __future__ import annotations
@@ -186,6 +187,10 @@ class _Common(BaseModel):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens
+    priority: int = 0  # vLLM's: only 0 here (first come, first served)
     best_of: int | None = None
     prompt_logprobs: int | None = None
     stop: str | list[str] | None = None
@@ -206,8 +211,20 @@ class _Common(BaseModel):
             raise APIError("stop strings must be non-empty", param="stop")
         return stops
 
-    def _sampling(self, max_tokens: int, logprobs: int | None, defaults: Mapping[str, Any]) -> SamplingParams:
-        """``defaults`` (``sampling_defaults``) for the fields the request leaves out."""
+    def truncate(self, ids: list[int]) -> list[int]:
+        """The prompt the request runs with: its last ``truncate_prompt_tokens`` tokens (vLLM's)."""
+        k = self.truncate_prompt_tokens
+        return ids if k is None or len(ids) <= k else ids[-k:]
+
+    def _sampling(
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        defaults: Mapping[str, Any],
+        bad_words_token_ids: list[list[int]] | None,
+    ) -> SamplingParams:
+        """``defaults`` (``sampling_defaults``) for the fields the request leaves out;
+        ``bad_words_token_ids``: ``bad_words`` tokenized (``tokenize_bad_words``)."""
 
         def pick(name: str, fallback: Any) -> Any:
             value = getattr(self, name)
@@ -243,6 +260,8 @@ class _Common(BaseModel):
             repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias=bias,
             min_tokens=self.min_tokens,
+            allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids),
+            bad_words_token_ids=list(bad_words_token_ids or []),
         )
         try:
             params.validate()
@@ -276,13 +295,17 @@ class CompletionRequest(_Common):
         return p
 
     def sampling_params(
-        self, num_prompt_tokens: int, max_seq_len: int, defaults: Mapping[str, Any] | None = None
+        self,
+        num_prompt_tokens: int,
+        max_seq_len: int,
+        defaults: Mapping[str, Any] | None = None,
+        bad_words_token_ids: list[list[int]] | None = None,
     ) -> SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise APIError(f"logprobs must be in [0, 20], got {self.logprobs}", param="logprobs")
         defaults = defaults or {}
         n = self.max_tokens if self.max_tokens is not None else defaults.get("max_tokens", 16)
-        return self._sampling(n, self.logprobs, defaults)
+        return self._sampling(n, self.logprobs, defaults, bad_words_token_ids)
 
 
 class ChatMessage(BaseModel):
@@ -372,7 +395,11 @@ class ChatCompletionRequest(_Common):
         return ChatOutput(ChatStreamParser(self.chat_options().thinking, names, tools=self.tools_enabled()))
 
     def sampling_params(
-        self, num_prompt_tokens: int, max_seq_len: int, defaults: Mapping[str, Any] | None = None
+        self,
+        num_prompt_tokens: int,
+        max_seq_len: int,
+        defaults: Mapping[str, Any] | None = None,
+        bad_words_token_ids: list[list[int]] | None = None,
     ) -> SamplingParams:
         defaults = defaults or {}
         n = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -382,7 +409,7 @@ class ChatCompletionRequest(_Common):
             raise APIError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", param="top_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
-        return self._sampling(n, (self.top_logprobs or 0) if self.logprobs else None, defaults)
+        return self._sampling(n, (self.top_logprobs or 0) if self.logprobs else None, defaults, bad_words_token_ids)
 
 
 # vLLM's extensions whose effect a client relies on and this server does not have: refused by name,
@@ -391,6 +418,7 @@ UNSUPPORTED = {
     "use_beam_search": "beam search",
     **{f: "guided decoding" for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")},
     "structured_outputs": "guided decoding",
+    "logits_processors": "custom logits processors",
 }
 
 
@@ -409,7 +437,34 @@ def parse_request(kind: str, body: dict[str, Any]) -> CompletionRequest | ChatCo
         raise APIError(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
     if req.stream_options is not None and not req.stream:  # as vLLM
         raise APIError("stream_options is only allowed with stream: true", param="stream_options")
+    if req.priority != 0:  # vLLM refuses it unless priority scheduling is on; this server has none
+        raise APIError(
+            f"priority={req.priority} is not supported: requests are scheduled first come, first served "
+            "(no priority scheduling); send 0 or leave it out",
+            param="priority",
+        )
+    k = req.truncate_prompt_tokens
+    if k is not None and k < 1:  # here, so the router counts the prompt the workers run
+        raise APIError(f"truncate_prompt_tokens must be a positive integer, got {k}", param="truncate_prompt_tokens")
     return req
+
+
+def tokenize_bad_words(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """vLLM's ``bad_words`` as token id sequences: each word (leading whitespace stripped) as it
+    tokenizes alone, and with a leading space where that gives as many tokens, the first another
+    (the word inside a text). Blocking (tokenizes)."""
+    if tokenizer is None:
+        raise APIError("bad_words needs this checkpoint's tokenizer.json (it has none)", param="bad_words")
+    out: list[list[int]] = []
+    for i, word in enumerate(words):
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False).ids
+        if not bare:
+            raise APIError(f"bad_words[{i}] is empty: {word!r} tokenizes to no token", param="bad_words")
+        out.append(bare)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False).ids
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            out.append(spaced)
+    return out
 
 
 # ---- responses --------------------------------------------------------------------------------------

@@ -216,18 +216,22 @@ class Router:
         return self._count(req)
 
     def _count(self, req: P.CompletionRequest | P.ChatCompletionRequest) -> int | None:
-        """``count_tokens`` of a parsed request."""
+        """``count_tokens`` of a parsed request: after ``truncate_prompt_tokens``, as the workers
+        truncate (a text too long to fit is refused unread only where the request does not truncate)."""
         if self.tokenizer is None:
             return None
+        bounded = req.truncate_prompt_tokens is None
         try:
             if isinstance(req, P.ChatCompletionRequest):
-                self._check_chars(req.text_chars())  # before templating
-                return len(self.tokenizer.encode(req.render_prompt()).ids)
-            prompt = req.single_prompt()
-            if isinstance(prompt, str):
-                self._check_chars(len(prompt))
-                return len(self.tokenizer.encode(prompt).ids)
-            return len(prompt)
+                if bounded:
+                    self._check_chars(req.text_chars())  # before templating
+                ids = self.tokenizer.encode(req.render_prompt()).ids
+            else:
+                prompt = req.single_prompt()
+                if isinstance(prompt, str) and bounded:
+                    self._check_chars(len(prompt))
+                ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else prompt
+            return len(req.truncate(ids))
         except ValueError:
             return None  # let the worker produce the precise 4xx
         except P.APIError as e:

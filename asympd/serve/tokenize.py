@@ -33,7 +33,7 @@ def tokenize(tokenizer: Any, body: dict[str, Any], max_model_len: int, prompt_id
             raise P.APIError("tokenize counts text: an image's span depends on its size", param="messages")
     elif not isinstance(req.single_prompt(), str):
         raise P.APIError("prompt must be text (token ids are their own count)", param="prompt")
-    ids = prompt_ids(kind, req)
+    ids = req.truncate(prompt_ids(kind, req))  # truncate_prompt_tokens, as a request runs
     out: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
     if want_strs:
         out["token_strs"] = [tokenizer.id_to_token(i) for i in ids]

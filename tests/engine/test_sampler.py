@@ -4,6 +4,7 @@ step of B sampled requests copies to the host once, whatever B is."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 
@@ -13,7 +14,7 @@ import torch
 from asympd import LLM, SamplingParams
 from asympd.engine import engine as engine_module
 from asympd.engine.sampler import SampleJob, batched_probs, race, rejection_batch, sample_step
-from asympd.engine.sampling import processed_probs
+from asympd.engine.sampling import adjust_logits, processed_probs
 from asympd.engine.scheduler import SchedulerConfig
 from tests.engine.test_spec_decode import chi_square_pvalue
 from tests.util import random_prompts
@@ -246,3 +247,66 @@ def test_sampled_speculation_reports_a_logprob_per_emitted_token(tiny_ckpt):
         assert (alone.token_ids, alone.logprobs) == (got.token_ids, got.logprobs)
         assert len(got.logprobs) == len(got.token_ids) == 8
         assert all(list(d)[0] == t and 3 <= len(d) <= 4 for d, t in zip(got.logprobs, got.token_ids, strict=True))
+
+
+def test_allowed_token_ids_and_bad_words_batched_equal_the_one_row_reference():
+    """allowed_token_ids and bad words in a step with other rows: a greedy row takes the argmax of
+    adjust_logits (not the raw argmax the model copied: these params adjust the logits), a sampled
+    row draws from processed_probs(adjust_logits(...))'s support only, the same token alone and in
+    the batch. Bad words: a one-token word is always masked, a longer one's last token where the
+    output ends with the rest of it."""
+    v = 40
+    rows = torch.randn(6, v, generator=seeded(11))
+    raw = [3, 3, 20, 21, 7, 30]
+    rows[range(6), raw] += 10  # each row's raw argmax
+    allowed = [t for t in range(v) if t % 3]
+    bad = [[20], [5, 21], [9, 9, 7]]
+    cases = [  # (params, output so far)
+        (SamplingParams(temperature=0, allowed_token_ids=allowed), [1, 2]),
+        (SamplingParams(temperature=0.9, seed=4, allowed_token_ids=allowed, logprobs=2), []),
+        (SamplingParams(temperature=0, bad_words_token_ids=bad), [7, 4]),
+        (SamplingParams(temperature=0, bad_words_token_ids=bad), [9, 5]),
+        (SamplingParams(temperature=1.0, seed=5, bad_words_token_ids=bad, top_k=5), [9, 9]),
+        (SamplingParams(temperature=0.7, seed=6), [9, 9]),
+    ]
+
+    def job(i, params=None):
+        p = params or cases[i][0]
+        gen = seeded(p.seed) if p.seed is not None else None
+        return SampleJob(rows[i : i + 1], p, gen, argmax=[raw[i]], prompt_ids=[3], output_ids=cases[i][1])
+
+    together = sample_step([job(i) for i in range(6)])
+    adjusted = [adjust_logits(rows[i], p, [3], out, None) for i, (p, out) in enumerate(cases)]
+    masked = [(x == -math.inf).nonzero().flatten().tolist() for x in adjusted]
+    assert masked == [[t for t in range(v) if t % 3 == 0]] * 2 + [[20], [20, 21], [7, 20], []]
+    for i in (0, 2, 3):
+        assert together[i].tokens == [int(adjusted[i].argmax())] != [raw[i]]
+    for i in (1, 4, 5):
+        assert sample_step([job(i)])[0].tokens == together[i].tokens
+        assert processed_probs(adjusted[i], cases[i][0])[together[i].tokens[0]] > 0
+    for i in (1, 4):  # 300 hot unseeded draws each: never a masked token
+        p = dataclasses.replace(cases[i][0], seed=None)
+        support = set((processed_probs(adjusted[i], p) > 0).nonzero().flatten().tolist())
+        assert raw[i] not in support
+        assert {d.tokens[0] for d in sample_step([job(i, p) for _ in range(300)])} <= support
+
+
+def test_speculation_does_not_draft_for_requests_with_adjusted_logits(llm, tiny_ckpt):
+    """With speculative decoding on, a request with allowed_token_ids, bad words or logit_bias gets
+    no drafts (they would be verified against the raw logits: the first token was adjusted and the
+    rest were the raw argmax); its tokens are those of an engine without speculation."""
+    spec = LLM(tiny_ckpt, num_spec_tokens=3, scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
+    ids = random_prompts([30], seed=84)[0]
+    base = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    plain = llm.generate(prompt_token_ids=[ids], sampling_params=base)[0].outputs[0].token_ids
+    params = [
+        dataclasses.replace(base, allowed_token_ids=[t for t in range(3, 512) if t not in plain]),
+        dataclasses.replace(base, bad_words_token_ids=[[plain[0], plain[1]], [plain[2]]]),
+        dataclasses.replace(base, logit_bias={42: 100}),
+        dataclasses.replace(base, temperature=0.8, seed=9, bad_words_token_ids=[[plain[0]]]),
+    ]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=[ids] * 4, sampling_params=params)]
+    assert want[0] != plain and not set(want[0]) & set(plain) and want[2] == [42] * 6
+    assert want[1][:1] == plain[:1] and want[1][1] != plain[1]
+    got = [o.outputs[0].token_ids for o in spec.generate(prompt_token_ids=[ids] * 4, sampling_params=params)]
+    assert got == want and spec.engine.stats()["spec_steps"] == 0

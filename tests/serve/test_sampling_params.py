@@ -1,7 +1,8 @@
-"""vLLM's sampling parameters: presence / frequency / repetition penalties, logit_bias, min_tokens
-(against distributions computed by hand), the engine sampling from the adjusted logits, and the
-HTTP surface through the hardened 1P1D deployment (the same tokens as the offline LLM; n choices;
-n over the cap, best_of, prompt logprobs refused with 400 naming the field; echo)."""
+"""vLLM's sampling parameters: presence / frequency / repetition penalties, logit_bias, min_tokens,
+allowed_token_ids, bad words (against distributions computed by hand), the engine sampling from the
+adjusted logits, and the HTTP surface through the hardened 1P1D deployment (the same tokens as the
+offline LLM; n choices; truncate_prompt_tokens; n over the cap, best_of, prompt logprobs, priority
+refused with 400 naming the field; echo)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,30 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     assert adjust_logits(LOGITS, ignore, [2], [], eos=3).tolist() == LOGITS.tolist()  # nothing to mask
 
 
+def test_allowed_token_ids_and_bad_words_by_hand():
+    inf = math.inf
+    allowed = SamplingParams(allowed_token_ids=[1, 3], logit_bias={3: 1.0, 4: 100.0})
+    assert adjust_logits(LOGITS, allowed, [], [], eos=None).tolist() == [-inf, 1.0, -inf, 1.5, -inf]
+    # one token: always; longer: the last token where the output (not the prompt) ends with the rest
+    bad = SamplingParams(bad_words_token_ids=[[4], [0, 2], [1, 1, 3], [0, 0, 1]])
+    assert adjust_logits(LOGITS, bad, [0, 0], [], eos=None).tolist() == [2.0, 1.0, -1.0, 0.5, -inf]
+    assert adjust_logits(LOGITS, bad, [], [2, 1, 0], eos=None).tolist() == [2.0, 1.0, -inf, 0.5, -inf]
+    assert adjust_logits(LOGITS, bad, [], [0, 1, 1], eos=None).tolist() == [2.0, 1.0, -1.0, -inf, -inf]
+
+
+def test_bad_words_tokenize_as_vllms(tiny_ckpt):
+    """Each word with its leading whitespace stripped, and with one leading space where that gives as
+    many tokens, the first another (" BU" and " what" are a space token more: left out)."""
+    from tokenizers import Tokenizer
+
+    from asympd.serve.protocol import tokenize_bad_words
+
+    tok = Tokenizer.from_file(f"{tiny_ckpt}/tokenizer.json")
+    words = ["Hello World", "BU", "  what"]
+    assert tokenize_bad_words(tok, words) == [[267, 282], [268, 282], [455], [457, 386]]
+    assert [tok.encode(w, add_special_tokens=False).ids for w in (" BU", " what")] == [[35, 455], [35, 457, 386]]
+
+
 def test_no_adjustment_is_the_identity():
     assert adjust_logits(LOGITS, SamplingParams(), [1], [1, 1], eos=0) is LOGITS
 
@@ -67,6 +92,10 @@ def test_no_adjustment_is_the_identity():
         ({"min_tokens": 20, "max_tokens": 10}, "min_tokens must be in"),
         ({"logit_bias": {1: 101.0}}, "logit_bias values must be in"),
         ({"min_p": 1.5}, "min_p must be in"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),
+        ({"allowed_token_ids": [3, 512]}, r"allowed_token_ids out of range \[0, 512\): \[512\]"),
+        ({"bad_words_token_ids": [[1], []]}, "bad_words_token_ids must hold non-empty"),
+        ({"bad_words_token_ids": [[1, -1]]}, r"bad_words_token_ids out of range \[0, 512\): \[-1\]"),
     ],
 )
 def test_validation(kw, needle):
@@ -136,6 +165,120 @@ def test_http_logit_bias_and_min_tokens(hardened):
     held = _post(dep, {**body, "min_tokens": 3}).json()["choices"][0]
     assert len(held["token_ids"]) >= 3 and tok not in held["token_ids"][:3]
     wait_idle([dep.prefill, dep.decode])
+
+
+def _error(r: httpx.Response, message: str, param: str) -> None:
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": message, "type": "BadRequestError", "param": param, "code": 400}
+
+
+def test_http_allowed_token_ids(hardened, offline):
+    """vLLM's allowed_token_ids: only those tokens are sampled, greedy or seeded (through the router,
+    P and D: the offline engine's tokens); out of range or empty, a 400 naming the field. It was
+    ignored: the plain tokens came."""
+    ids = random_prompts([40], seed=99)[0]
+    body = {"prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    plain = _post(hardened, body).json()["choices"][0]["token_ids"]
+    allowed = [t for t in range(3, 512) if t not in plain]
+    for temperature, seed in ((0.0, None), (0.8, 5)):
+        r = _post(hardened, {**body, "temperature": temperature, "seed": seed, "allowed_token_ids": allowed})
+        got = r.json()["choices"][0]["token_ids"]
+        p = SamplingParams(max_tokens=6, temperature=temperature, seed=seed, ignore_eos=True, allowed_token_ids=allowed)
+        assert got == offline.generate(prompt_token_ids=[ids], sampling_params=p)[0].outputs[0].token_ids
+        assert len(got) == 6 and not set(got) & set(plain)
+    _error(
+        _post(hardened, {**body, "allowed_token_ids": [5, 512]}),
+        "allowed_token_ids out of range [0, 512): [512]",
+        "allowed_token_ids",
+    )
+    _error(
+        _post(hardened, {**body, "allowed_token_ids": []}),
+        "allowed_token_ids must not be empty: it would leave no token to sample",
+        "allowed_token_ids",
+    )
+
+
+def test_http_bad_words(hardened, offline):
+    """vLLM's bad_words, tokenized by the server: with logit_bias forcing "Hello" (267), the word
+    "HelloHello" ([267, 267], and [268, 267] for " HelloHello") masks 267 only right after a 267, so
+    the greedy tokens alternate; "Hello" masks 267 and " Hello" (268) always. The offline engine's
+    tokens given those sequences. It was ignored: 267 every time."""
+    body = {"prompt": random_prompts([40], seed=94)[0], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    body |= {"logit_bias": {"267": 100}, "return_token_ids": True}
+    assert _post(hardened, body).json()["choices"][0]["token_ids"] == [267] * 6
+    for words, seqs in ((["HelloHello"], [[267, 267], [268, 267]]), (["Hello"], [[267], [268]])):
+        got = _post(hardened, {**body, "bad_words": words}).json()["choices"][0]["token_ids"]
+        p = SamplingParams(
+            max_tokens=6, temperature=0, ignore_eos=True, logit_bias={267: 100}, bad_words_token_ids=seqs
+        )
+        assert got == offline.generate(prompt_token_ids=[body["prompt"]], sampling_params=p)[0].outputs[0].token_ids
+        if len(seqs[0]) == 2:
+            assert got[::2] == [267] * 3 and 267 not in got[1::2]
+        else:
+            assert not {267, 268} & set(got)
+    _error(
+        _post(hardened, {**body, "bad_words": ["x", " "]}),
+        "bad_words[1] is empty: ' ' tokenizes to no token",
+        "bad_words",
+    )
+
+
+def test_http_truncate_prompt_tokens(hardened, tiny_ckpt):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens, before the context-length check
+    (a prompt over max_seq_len 4096, or a text over what 4096 tokens can hold, is served), for chat
+    too; usage counts the truncated prompt. The router counts the truncated prompt as the workers
+    do: k over W goes through P, k <= W (16) skips P. echo of token ids: the kept ones (vLLM's). It
+    was ignored (the long prompt a 400)."""
+    from tokenizers import Tokenizer
+
+    ids = random_prompts([4100], seed=100)[0]
+    body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    for k, path in ((40, "remote"), (12, "local")):
+        got = _post(hardened, {**body, "prompt": ids, "truncate_prompt_tokens": k})
+        assert got.status_code == 200, got.text
+        want = _post(hardened, {**body, "prompt": ids[-k:]}).json()
+        got = got.json()
+        assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+        assert got["prompt_token_ids"] == ids[-k:] and got["usage"] == want["usage"]
+        assert got["usage"]["prompt_tokens"] == k and got["asympd_timings"]["prefill_path"] == path
+    tok = Tokenizer.from_file(f"{tiny_ckpt}/tokenizer.json")
+    echo = _post(hardened, {**body, "prompt": ids, "truncate_prompt_tokens": 12, "echo": True}).json()
+    assert echo["choices"][0]["text"] == tok.decode(ids[-12:]) + tok.decode(want["choices"][0]["token_ids"])
+    text = "hello world " * 8000  # 96,000 characters: over 4096 x the longest token's 21
+    tail = tok.encode(text).ids[-30:]
+    got = _post(hardened, {**body, "prompt": text, "truncate_prompt_tokens": 30}).json()
+    want = _post(hardened, {**body, "prompt": tail}).json()
+    assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"] and got["prompt_token_ids"] == tail
+    chat = {**body, "messages": [{"role": "user", "content": "hello world the model " * 10}]}
+    full = _post(hardened, chat, "chat/completions").json()["prompt_token_ids"]
+    got = _post(hardened, {**chat, "truncate_prompt_tokens": 24}, "chat/completions").json()
+    want = _post(hardened, {**body, "prompt": full[-24:]}).json()
+    assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+    assert got["usage"]["prompt_tokens"] == 24 < len(full)
+    _error(
+        _post(hardened, {**body, "prompt": ids[:40], "truncate_prompt_tokens": 0}),
+        "truncate_prompt_tokens must be a positive integer, got 0",
+        "truncate_prompt_tokens",
+    )
+
+
+def test_http_priority_and_logits_processors_are_refused_by_name(hardened):
+    """vLLM refuses a nonzero priority unless priority scheduling is on: this server schedules first
+    come, first served (0 is accepted); logits_processors (custom code) are not available. Both
+    were ignored."""
+    body = {"prompt": random_prompts([40], seed=101)[0], "max_tokens": 2, "temperature": 0}
+    assert _post(hardened, {**body, "priority": 0}).status_code == 200
+    _error(
+        _post(hardened, {**body, "priority": -1}),
+        "priority=-1 is not supported: requests are scheduled first come, first served (no priority "
+        "scheduling); send 0 or leave it out",
+        "priority",
+    )
+    _error(
+        _post(hardened, {**body, "logits_processors": ["my.module.Processor"]}, "chat/completions"),
+        "logits_processors is not supported: this server has no custom logits processors",
+        "logits_processors",
+    )
 
 
 def test_http_skip_special_tokens(hardened):
