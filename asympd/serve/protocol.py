@@ -429,6 +429,11 @@ def parse_request(kind: str, body: dict[str, Any]) -> CompletionRequest | ChatCo
             raise APIError(f"{name} is not supported: this server has no {what}", param=name)
     if kind == "completion" and body.get("response_format") not in (None, {"type": "text"}):
         raise APIError("response_format is for chat completions here", param="response_format")
+    if kind != "completion" and body.get("chat_template") is not None:  # vLLM's default refuses it too
+        raise APIError(
+            "chat_template is not supported: this server renders the model's own conversation format",
+            param="chat_template",
+        )
     try:
         req = cls.model_validate(body)
     except ValidationError as e:

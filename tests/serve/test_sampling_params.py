@@ -262,10 +262,10 @@ def test_http_truncate_prompt_tokens(hardened, tiny_ckpt):
     )
 
 
-def test_http_priority_and_logits_processors_are_refused_by_name(hardened):
+def test_http_priority_logits_processors_and_chat_template_are_refused_by_name(hardened):
     """vLLM refuses a nonzero priority unless priority scheduling is on: this server schedules first
-    come, first served (0 is accepted); logits_processors (custom code) are not available. Both
-    were ignored."""
+    come, first served (0 is accepted); logits_processors (custom code) are not available; a
+    request's own chat_template (vLLM takes one only behind a trust flag). All were ignored."""
     body = {"prompt": random_prompts([40], seed=101)[0], "max_tokens": 2, "temperature": 0}
     assert _post(hardened, {**body, "priority": 0}).status_code == 200
     _error(
@@ -278,6 +278,12 @@ def test_http_priority_and_logits_processors_are_refused_by_name(hardened):
         _post(hardened, {**body, "logits_processors": ["my.module.Processor"]}, "chat/completions"),
         "logits_processors is not supported: this server has no custom logits processors",
         "logits_processors",
+    )
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    _error(
+        _post(hardened, {**chat, "chat_template": "{{ messages }}"}, "chat/completions"),
+        "chat_template is not supported: this server renders the model's own conversation format",
+        "chat_template",
     )
 
 
