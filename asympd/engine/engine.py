@@ -391,10 +391,14 @@ class LLMEngine:
         first_token_logprobs: dict[int, float] | None = None,
         prefix_stream: bool = False,
         images: list[ImageInput] | None = None,
+        whole_prefix: bool = False,
     ) -> None:
         """Queue a request. Bad input raises RequestError (or PrefixStateError for a bad prefix
         state) before anything is allocated. ``prefix_stream``: a decode worker's request whose
         prefix arrives in slices (``import_slice``); it computes nothing until the last one.
+        ``whole_prefix``: on a prefill worker that streams prefixes (``stream_prefix``), export this
+        request's prefix in one piece when its prompt is done, as a worker that does not stream would
+        (a server's n > 1 request: D's n requests each import the one whole state).
         ``images``: the prompt's images, their spans already expanded in ``prompt_token_ids``
         (``vision.expand_placeholders``)."""
         params = params or SamplingParams()
@@ -424,6 +428,7 @@ class LLMEngine:
             req.generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
         req.images = images
         req.awaiting_import = prefix_stream
+        req.stream_slices = self.config.stream_prefix and not whole_prefix
         req.spec_enabled = self.proposer is not None and not params.adjusts_logits  # drafts assume raw logits
         if first_token_logprobs is not None and req.output_token_ids and params.logprobs is not None:
             req.logprobs.append(dict(first_token_logprobs))
@@ -639,7 +644,7 @@ class LLMEngine:
         if sc.phase is not None:
             self.counters["prompt_tokens"] += sc.num_rows
             req.cursor = sc.hi
-            if self.config.stream_prefix and req.streamed < sc.hi < req.export_upto:
+            if req.stream_slices and req.streamed < sc.hi < req.export_upto:
                 return [self._stream_slice(req, sc.hi)]
             if req.cursor == sc.phase.hi:
                 req.phase_index += 1
@@ -671,7 +676,7 @@ class LLMEngine:
                 mode=self.config.mode,
                 policy=self.config.boundary_policy,
                 kv_format=self.config.kv_wire_format,
-                start=req.streamed if self.config.stream_prefix else 0,
+                start=req.streamed,  # 0 unless it went out in slices
                 windows=modes.prefill_plan(
                     self.cfg, req.num_prompt_tokens, self.config.mode, self.config.boundary_policy
                 ).exports_windows,

@@ -67,6 +67,7 @@ class Request:
     exported: Any = None  # the PendingExport (engine/export.py) of the PrefixState a prefill worker produced
     exports: list[Any] = field(default_factory=list)  # every PendingExport out of its blocks, until freed
     streamed: int = 0  # prefill worker streaming its prefix: positions already handed over in slices
+    stream_slices: bool = False  # prefill worker: hand the prefix over in slices (else whole, at the end)
     awaiting_import: bool = False  # decode worker: the streamed prefix has not fully arrived
     timings: dict[str, float] = field(default_factory=dict)
     images: list[Any] = field(default_factory=list)  # vision.ImageInput, spans in prompt order

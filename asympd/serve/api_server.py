@@ -65,6 +65,7 @@ from asympd.serve.http import (
     require_internal,
     run_app,
     setup_logging,
+    unique_request_id,
     until_disconnect,
 )
 from asympd.serve.metrics import ServerMetrics
@@ -371,7 +372,10 @@ class WorkerServer:
         params = req.sampling_params(len(ids), self.model_cfg.max_seq_len, self.sampling_defaults, bad_words)
         self.check_length(ids, params)
         req.stop_strings()  # validated before anything is queued
-        rid = client_request_id(request) or P.new_id(kind)
+        # the router's id is unique already (and its aborts name it); a client's own X-Request-Id is made
+        # unique as the router makes it: two clients' ids, or a retry under the id of a request still
+        # running here, would otherwise meet in the engine (400 "already in use")
+        rid = (client_request_id(request) or P.new_id(kind)) if internal else unique_request_id(request, kind)
         if rid in self._aborted:
             raise P.APIError(f"request {rid} was aborted", 499)
         kv = req.kv_transfer_params
@@ -417,9 +421,12 @@ class WorkerServer:
         # answer now, push the prefix as it is computed; D imports a streamed prefix into one request,
         # so n > 1 (D's n requests import one state) takes the whole state
         if req.n == 1 and streaming.streams(self, len(ids)):
-            return await streaming.answer_early(self, kind, rid, ids, params, t_arrival)
+            return await streaming.answer_early(self, kind, rid, ids, params, t_arrival, images)
         t_add = time.perf_counter()
-        stream = await self._add(rid, ids, params, **({"images": images} if images else {}))
+        kw: dict[str, Any] = {"images": images} if images else {}
+        if self.cfg.engine.stream_prefix:  # not streamed (n > 1): the prefix in one piece, not its last slice
+            kw["whole_prefix"] = True
+        stream = await self._add(rid, ids, params, **kw)
         out = await until_disconnect(request, stream.result())
         if isinstance(out, Aborted):
             raise P.APIError("the request was aborted", 499)
@@ -511,8 +518,8 @@ class WorkerServer:
             kw["images"] = images
         if state is not None and got.first_logprobs is not None and _ENGINE_TAKES_FIRST_LOGPROBS:
             kw["first_token_logprobs"] = got.first_logprobs
-        if streamed:
-            kw = {"prefix_stream": True}
+        if streamed:  # the slices come later (streaming.start_pull); the images are the request's still
+            kw = {"prefix_stream": True, **({"images": images} if images else {})}
         t_add = time.perf_counter()
         # n choices: n engine requests of the same prompt (and the same imported prefix state, whose
         # full blocks the first writes and the others share through D's prefix cache), choice i

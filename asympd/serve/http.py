@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import socket
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from asympd.serve import protocol as P
 
@@ -131,6 +133,14 @@ def client_request_id(request: Request) -> str | None:
     return rid or None
 
 
+def unique_request_id(request: Request, kind: str) -> str:
+    """The id a client's request runs under: its ``X-Request-Id`` made unique (``ID-`` and 8 hex
+    digits), so that two clients' ids never collide and a retry under the same id never meets the
+    earlier request, still running or aborted; a new id where there is none."""
+    rid = client_request_id(request)
+    return f"{rid}-{uuid.uuid4().hex[:8]}" if rid else P.new_id(kind)
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 as soon as it passes ``limit`` bytes (by Content-Length before
     reading anything, else while streaming it in): an oversized body is never held whole."""
@@ -138,11 +148,14 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise P.APIError(f"the request body ({int(declared)} bytes) exceeds the limit of {limit} bytes", 413)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise P.APIError(f"the request body exceeds the limit of {limit} bytes", 413)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise P.APIError(f"the request body exceeds the limit of {limit} bytes", 413)
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client left halfway through its body: nobody to answer, nothing to log
+        raise ClientDisconnected() from None
     return b"".join(chunks)
 
 

@@ -58,13 +58,13 @@ from asympd.serve.http import (
     check_bearer,
     check_body_limit,
     client_key,
-    client_request_id,
     install_error_handlers,
     internal_key,
     internal_token,
     read_body,
     run_app,
     setup_logging,
+    unique_request_id,
     until_disconnect,
 )
 from asympd.serve.metrics import CONTENT_TYPE, RouterMetrics
@@ -362,8 +362,7 @@ class Router:
         # the id the workers know this request by: the client's X-Request-Id made unique, so that a retry
         # under that id never meets an earlier request's abort (a worker refuses an aborted id for
         # minutes) and two clients' ids never collide
-        client_rid = client_request_id(request)
-        rid = f"{client_rid}-{uuid.uuid4().hex[:8]}" if client_rid else P.new_id(kind)
+        rid = unique_request_id(request, kind)
         headers = self._headers(request, rid)
         path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
         n = await asyncio.to_thread(self._count, parsed)

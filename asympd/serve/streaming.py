@@ -28,6 +28,7 @@ from asympd.engine import modes
 from asympd.engine.sampling import SamplingParams
 from asympd.serve import protocol as P
 from asympd.serve.async_engine import Aborted, Failed, RequestStream
+from asympd.transfer import TransferError
 
 if TYPE_CHECKING:
     from asympd.serve.api_server import WorkerServer
@@ -50,11 +51,17 @@ def is_streamed(kv: dict[str, Any] | None) -> bool:
 
 
 async def answer_early(
-    server: WorkerServer, kind: str, rid: str, ids: list[int], params: SamplingParams, t_arrival: float
+    server: WorkerServer,
+    kind: str,
+    rid: str,
+    ids: list[int],
+    params: SamplingParams,
+    t_arrival: float,
+    images: list[Any] | None = None,
 ) -> JSONResponse:
     """Queue the prefill, open its stream and answer the router with the stream's params now."""
     t_add = time.perf_counter()
-    stream = await server._add(rid, ids, params)
+    stream = await server._add(rid, ids, params, **({"images": images} if images else {}))
     try:
         published = server.handoff.open_stream(rid)
     except Exception as e:
@@ -96,6 +103,8 @@ async def push_slices(server: WorkerServer, rid: str, stream: RequestStream, t_a
             if item.finished:
                 server.metrics.prefill_compute.observe(time.perf_counter() - t_add)
                 return
+    except TransferError as e:  # the stream is gone: aborted (the client left), expired, or D dropped it
+        log.warning("streaming the prefix of %s stopped: %s", rid, e)
     except Exception:
         log.exception("streaming the prefix of %s failed", rid)
     finally:

@@ -111,6 +111,7 @@ class SliceFeed:
         self.slices: list[PrefixState] = []
         self.tags: list[str | None] = []  # each slice's authentication tag (transfer.seal), if sealed
         self.done = False  # the last slice is in
+        self.dropped = False  # P dropped the stream (its request ended): no slice will come
         self._cv = threading.Condition()
 
     def push(self, piece: PrefixState, last: bool = False, tag: str | None = None) -> None:
@@ -127,12 +128,19 @@ class SliceFeed:
             self.done = last
             self._cv.notify_all()
 
+    def drop(self) -> None:
+        """P gave the stream up (its request was aborted or failed): wake the readers now, rather
+        than have each wait out its timeout for a slice that will never be pushed."""
+        with self._cv:
+            self.dropped = True
+            self._cv.notify_all()
+
     def wait(self, index: int, timeout: float) -> tuple[PrefixState, bool, str | None] | None:
         """Slice ``index``, whether it is the last, and its tag; or None if it is not pushed within
-        ``timeout`` (or never will be: the stream ended before it)."""
+        ``timeout`` (or never will be: the stream ended before it, or was dropped)."""
         with self._cv:
-            self._cv.wait_for(lambda: len(self.slices) > index or self.done, timeout)
-            if len(self.slices) <= index:
+            self._cv.wait_for(lambda: len(self.slices) > index or self.done or self.dropped, timeout)
+            if len(self.slices) <= index or self.dropped:
                 return None
             return self.slices[index], self.done and index == len(self.slices) - 1, self.tags[index]
 

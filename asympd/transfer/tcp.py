@@ -278,7 +278,13 @@ class PrefixStateServer(ControlServer):
                 return
             got = feed.wait(index, min(max(float(wait_s), 0.0), self.leases.ttl_s))
             if got is None:
-                why = "the stream ended before it" if feed.done else f"not pushed within {wait_s:.3g} s"
+                why = (
+                    "the prefill worker dropped the stream (its request ended)"
+                    if feed.dropped
+                    else "the stream ended before it"
+                    if feed.done
+                    else f"not pushed within {wait_s:.3g} s"
+                )
                 send_msg(conn, {"ok": False, "error": f"slice {index} of {tid!r}: {why}"})
                 return
             piece, last, tag = got
@@ -286,6 +292,16 @@ class PrefixStateServer(ControlServer):
 
     def _ack(self, conn: socket.socket, msg: dict[str, Any]) -> None:
         send_msg(conn, {"ok": True, "released": self.leases.ack(str(msg.get("transfer_id")))})
+
+    def release(self, transfer_id: str) -> bool:
+        """P drops a state (its request was aborted). A streamed one may have a reader waiting for
+        its next slice (a D pulling it, holding the lease): it is told at once; without this it
+        waited out the slice timeout (120 s), holding a fetch thread on D and a server thread here."""
+        feed = self.leases.get(transfer_id)
+        released = self.leases.release(transfer_id)
+        if released and isinstance(feed, SliceFeed):
+            feed.drop()
+        return released
 
     def close(self) -> None:
         super().close()
@@ -594,7 +610,7 @@ class TcpTransport(Transport):
         send_ack(params["host"], params["port"], params["transfer_id"], fingerprint, timeout, self.secret)
 
     def release(self, transfer_id: str) -> bool:
-        return self.server is not None and self.server.leases.release(transfer_id)
+        return self.server is not None and self.server.release(transfer_id)
 
     def close(self) -> None:
         with self._lock:

@@ -4,6 +4,7 @@ stop strings, logprobs, usage, errors, and a client leaving mid-stream."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -514,3 +515,43 @@ def test_client_leaving_an_n_stream_aborts_every_choice(url, client):
         client.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=1.0)
     wait_idle([url], timeout=10)
     assert metrics(url)["asympd_generation_tokens_total"] - before < 2000
+
+
+def test_a_client_s_request_id_is_made_unique_on_a_worker(url, client):
+    """A worker reached directly (no router) ran a request under the client's X-Request-Id as it came:
+    a second request under an id still running (two clients' ids, or a retry after a client
+    timeout whose abort had not landed yet) was a 400 "already in use". Now it is made unique, as
+    the router makes it."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    headers = {"X-Request-Id": "same"}
+    with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # held: a dropped iterator would close the stream (and abort the request)
+        first = next(line for line in lines if line.startswith("data: {"))
+        again = client.post(f"{url}/v1/completions", json={**body, "max_tokens": 2, "stream": False}, headers=headers)
+        assert again.status_code == 200, again.text
+        nxt = next(line for line in lines if line.startswith("data: "))
+        assert nxt.startswith('data: {"id": "same-'), nxt  # the first request still runs
+    ids = {json.loads(first[6:])["id"], again.json()["id"]}
+    assert len(ids) == 2 and all(i.startswith("same-") for i in ids), ids
+    assert again.headers["x-request-id"] == again.json()["id"]
+    wait_idle([url], timeout=10)
+
+
+def test_a_client_leaving_halfway_through_its_body_is_no_500(url):
+    """The body's read met the client's disconnect: Starlette's ClientDisconnect reached the last
+    resort, which logged a traceback and counted a 500, for a client that left."""
+    import socket
+
+    before = metrics(url).get('asympd_request_errors_total{status="500"}', 0)
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": "hello there", "max_tokens": 2}).encode()
+    for _ in range(3):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            s.sendall(f"{head}Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+            s.sendall(body[:10])  # and leaves
+    time.sleep(0.5)  # the server meets the disconnect
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 2}, headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text  # still serving
+    assert metrics(url).get('asympd_request_errors_total{status="500"}', 0) == before

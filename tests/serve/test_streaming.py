@@ -33,7 +33,7 @@ def cluster(tiny_ckpt, tmp_path_factory):
         rs, rw = start_all(routers)
         wait_router(rs)
         wait_router(rw)
-        yield {"stream": rs, "whole": rw, "p_stream": ups, "p_whole": upw, "decode": ud}
+        yield {"stream": rs, "whole": rw, "p_stream": ups, "p_whole": upw, "decode": ud, "logs": logs}
     finally:
         stop_all(procs)
 
@@ -109,3 +109,71 @@ def test_a_stream_that_cannot_be_read_fails_with_the_reason(cluster):
     )
     assert r.status_code == 400 and "already used" in r.json()["error"]["message"]
     wait_idle([cluster["p_stream"], cluster["decode"]])
+
+
+def test_n_choices_through_a_streaming_prefill_worker_equal_whole(cluster):
+    """n > 1 takes the whole state even from a --stream-prefix P (D's n requests import one state),
+    but P's engine still sliced the prefix, and the server handed D only the last slice: a prompt of
+    more than one prefill chunk was a 400 "made for a different prompt"."""
+    ids = random_prompts([90], seed=46)[0]  # split 74: five chunks of 16
+    body = {"prompt": ids, "max_tokens": 4, "temperature": 0, "n": 2, "return_token_ids": True}
+    got = {k: httpx.post(f"{cluster[k]}/v1/completions", json=body, timeout=60) for k in ("stream", "whole")}
+    assert got["stream"].status_code == 200, got["stream"].text
+    s, w = got["stream"].json(), got["whole"].json()
+    assert [c["token_ids"] for c in s["choices"]] == [c["token_ids"] for c in w["choices"]]
+    assert s["asympd_timings"]["prefill_path"] == "remote" and s["usage"]["completion_tokens"] == 8
+    wait_idle([cluster["p_stream"], cluster["decode"]])
+
+
+def test_an_image_through_a_streaming_prefill_worker_is_seen(cluster):
+    """A --stream-prefix P answered early without the request's images, and D queued the streamed
+    request without them: the image parts were ignored (two different images, the same tokens)."""
+    from tests.serve.test_vision_serve import data_url, png
+
+    outs = {}
+    for seed in (1, 2):
+        content = [
+            {"type": "text", "text": "Compare these two pictures of the harbour at dawn, please."},
+            {"type": "image_url", "image_url": {"url": data_url(png(16, 16, seed=seed))}},
+            {"type": "text", "text": "and"},
+            {"type": "image_url", "image_url": {"url": data_url(png(40, 24, seed=seed + 10))}},
+            {"type": "text", "text": "ok"},
+        ]
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 6, "temperature": 0}
+        body["return_token_ids"] = True
+        got = {k: httpx.post(f"{cluster[k]}/v1/chat/completions", json=body, timeout=60) for k in ("stream", "whole")}
+        assert got["stream"].status_code == 200, got["stream"].text
+        s, w = got["stream"].json(), got["whole"].json()
+        assert s["asympd_timings"]["prefill_path"] == "remote-stream"
+        assert s["choices"][0]["token_ids"] == w["choices"][0]["token_ids"], seed
+        outs[seed] = s["choices"][0]["token_ids"]
+    assert outs[1] != outs[2]
+    wait_idle([cluster["p_stream"], cluster["decode"]])
+
+
+def test_clients_leaving_streamed_requests_do_not_stall_the_decode_worker(cluster):
+    """A client leaving while D waited for a slice P had not pushed: P dropped the stream, but the
+    reader on P's data plane waited out its 120 s for that slice, holding one of D's 16 fetch
+    threads. Twenty such clients stalled every later request with a remote prefix for two minutes."""
+    import asyncio
+
+    prompts = random_prompts([200] * 20, seed=47)
+
+    async def leave(c: httpx.AsyncClient, ids: list[int]) -> None:
+        body = {"prompt": ids, "max_tokens": 4, "stream": True}
+        async with c.stream("POST", f"{cluster['stream']}/v1/completions", json=body) as r:
+            assert r.status_code == 200  # D answered: its pull of the slices has started; the client leaves
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=30) as c:
+            await asyncio.gather(*(leave(c, ids) for ids in prompts))
+
+    asyncio.run(main())
+    ids = random_prompts([90], seed=48)[0]
+    for n in (1, 2):  # a streamed prefix, and a whole one (n > 1): both fetched on D's fetch threads
+        body = {"prompt": ids, "max_tokens": 2, "temperature": 0, "n": n}
+        r = httpx.post(f"{cluster['stream']}/v1/completions", json=body, timeout=10)
+        assert r.status_code == 200, r.text
+    wait_idle([cluster["p_stream"], cluster["decode"]])
+    # a slice pushed after its stream was dropped is a warning, not a traceback
+    assert "Traceback" not in (cluster["logs"] / "p-stream.log").read_text()
