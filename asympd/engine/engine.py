@@ -38,7 +38,7 @@ from asympd.engine.sampling_params import SamplingParamsError
 from asympd.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from asympd.engine.spec_decode import DraftRequest, DSparkProposer, Proposer, rollback, spec_metrics
 from asympd.engine.warm_up import WarmUp, warm_up
-from asympd.kv.block_manager import BlockManager
+from asympd.kv.block_manager import BlockManager, KVCacheError
 from asympd.kv.paged_cache import PagedKVCache
 from asympd.kv.spec import KVCacheSpec
 from asympd.model.transformer import Transformer
@@ -286,6 +286,11 @@ class LLMEngine:
         self.held: dict[str, Request] = {}  # prefill worker: exported, blocks kept until released
         # prefill worker: done with, but a copy out of their blocks may still run (engine/export.py)
         self.draining: dict[str, Request] = {}
+        # OpenAI's n: choices waiting for the first choice's prompt to be done, to fork from it
+        # (their prompt is not computed again); parent id -> children, in order
+        self.forks: dict[str, list[Request]] = {}
+        self._fork_draws: dict[str, Drawn] = {}  # this step's first tokens of children forked in it
+        self._forked: dict[str, list[Request]] = {}  # this step's forks, parent id -> children (_draft)
         self.counters = {
             "preemptions": 0,
             "prompt_tokens": 0,
@@ -392,6 +397,7 @@ class LLMEngine:
         prefix_stream: bool = False,
         images: list[ImageInput] | None = None,
         whole_prefix: bool = False,
+        fork_of: str | None = None,
     ) -> None:
         """Queue a request. Bad input raises RequestError (or PrefixStateError for a bad prefix
         state) before anything is allocated. ``prefix_stream``: a decode worker's request whose
@@ -400,7 +406,11 @@ class LLMEngine:
         request's prefix in one piece when its prompt is done, as a worker that does not stream would
         (a server's n > 1 request: D's n requests each import the one whole state).
         ``images``: the prompt's images, their spans already expanded in ``prompt_token_ids``
-        (``vision.expand_placeholders``)."""
+        (``vision.expand_placeholders``). ``fork_of``: another choice of the same request (OpenAI's
+        n: the same prompt, images and prefix state): this one waits for that request's prompt and
+        starts from its KV, sampling its first token from the same logits, instead of computing the
+        prompt again; where that cannot be (the other already sampled, or is gone, or no memory is
+        left at the fork), it runs as any request would, with the same tokens."""
         params = params or SamplingParams()
         if request_id in self.requests or request_id in self.held or request_id in self.draining:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -433,7 +443,29 @@ class LLMEngine:
         if first_token_logprobs is not None and req.output_token_ids and params.logprobs is not None:
             req.logprobs.append(dict(first_token_logprobs))
         self.requests[request_id] = req
-        self.scheduler.add(req)
+        parent = self._fork_parent(fork_of, req)
+        if parent is not None:
+            self.forks.setdefault(parent.request_id, []).append(req)
+        else:
+            self.scheduler.add(req)
+
+    def _fork_parent(self, fork_of: str | None, child: Request) -> Request | None:
+        """The request ``child`` can fork from, or None (then it runs on its own)."""
+        if fork_of is None:
+            return None
+        parent = self.requests.get(fork_of)
+        if parent is None or parent.output_token_ids or parent.status.finished:
+            return None  # gone, or past its first token: nothing left to share but blocks
+        if (
+            parent.prompt_token_ids != child.prompt_token_ids
+            or parent.imported is not child.imported
+            or parent.cache_salt != child.cache_salt
+        ):
+            del self.requests[child.request_id]
+            raise RequestError(f"request {child.request_id!r} forks from {fork_of!r}, whose prompt is another")
+        if self.config.role == "prefill" or not parent.sample_after_prompt or parent.awaiting_import:
+            return None
+        return parent
 
     def _check_images(self, ids: list[int], images: list[ImageInput]) -> None:
         if images and self.model.vision is None:
@@ -521,6 +553,11 @@ class LLMEngine:
         req = self.requests.pop(request_id, None) or self.held.pop(request_id, None)
         if req is None:
             return
+        for child in self.forks.pop(request_id, ()):  # its choices compute their prompt themselves
+            self._run_alone(child)
+        for children in self.forks.values():  # a choice waiting to fork
+            if req in children:
+                children.remove(req)
         self.scheduler.remove(req, free=False)
         self._free(req)
         req.status = Status.FINISHED_ABORTED
@@ -591,6 +628,8 @@ class LLMEngine:
         rollback(self.runner.cache, self.blocks, self._rollbacks)
         if self.proposer is not None and chunks:
             self._draft(chunks, self.runner.last_draft_hidden)
+        self._forked.clear()
+        self._fork_draws.clear()
         return outputs
 
     def _wants_logits(self, sc: ScheduledChunk) -> str:
@@ -634,9 +673,25 @@ class LLMEngine:
                 )
             )
             at.append(n)
+            if not verifying and sc.phase is not None:  # a prompt's last row: its fork children's draws too
+                for child in self.forks.get(req.request_id, ()):
+                    jobs.append(
+                        SampleJob(
+                            lg[-1:],
+                            child.params,
+                            child.generator,
+                            am,
+                            prompt_ids=child.prompt_token_ids,
+                            eos=self.config.eos_token_id,
+                        )
+                    )
+                    at.append(child)
         drawn: list[Drawn | None] = [None] * len(chunks)
         for n, d in zip(at, sample_step(jobs), strict=True):
-            drawn[n] = d
+            if isinstance(n, Request):
+                self._fork_draws[n.request_id] = d
+            else:
+                drawn[n] = d
         return drawn
 
     def _apply(self, sc: ScheduledChunk, logits: torch.Tensor | None, drawn: Drawn | None) -> list[RequestOutput]:
@@ -687,8 +742,9 @@ class LLMEngine:
             self.held[req.request_id] = req
             return [self._finish(req, Status.FINISHED_EXPORTED, free=False)]
         req.image_embeds.clear()  # the prompt is done: its image rows are in the cache now
+        forked = self._fork(req) if req.request_id in self.forks else []
         if drawn is not None:
-            return self._append_token(req, drawn)
+            return self._append_token(req, drawn) + forked
         new = req.output_token_ids[req.num_reported :]  # symmetric D: P's first token, unless already sent
         if new:
             reason = self._stop_reason(req)
@@ -696,6 +752,42 @@ class LLMEngine:
                 return [self._finish(req, reason, new=new)]
             return [self._output(req, new, finished=False)]
         return []
+
+    def _fork(self, parent: Request) -> list[RequestOutput]:
+        """The parent's prompt is done (this step computed its last row): each choice waiting on it
+        takes its KV (BlockManager.fork, PagedKVCache.fork_slot) and the first token the step's
+        sampler drew for it from the same logits row, as if it had computed the prompt itself; the
+        drafter seeds its window with the same rows (_draft)."""
+        outputs: list[RequestOutput] = []
+        n = parent.num_prompt_tokens
+        for child in self.forks.pop(parent.request_id):
+            drawn = self._fork_draws.pop(child.request_id, None)
+            if drawn is None:  # nothing sampled for it (a symmetric D's first token comes from P)
+                self._run_alone(child)
+                continue
+            try:
+                copies = self.blocks.fork(
+                    parent.request_id, child.request_id, n + 1 + self.scheduler.config.num_spec_tokens, n
+                )
+            except KVCacheError:
+                self._run_alone(child, drew=True)
+                continue
+            slots = self.blocks.slot(parent.request_id), self.blocks.slot(child.request_id)
+            self.runner.cache.fork_slot(*slots, child.request_id, copies)
+            child.status = Status.RUNNING
+            child.phase_index = len(child.phases)
+            child.scheduled_time = time.monotonic()
+            self.scheduler.running.append(child)
+            self._forked.setdefault(parent.request_id, []).append(child)
+            outputs.extend(self._append_token(child, drawn))
+        return outputs
+
+    def _run_alone(self, child: Request, drew: bool = False) -> None:
+        """A choice that cannot fork: it computes its prompt as any request (the same tokens; a
+        seeded one's generator starts again if it drew for the fork)."""
+        if drew and child.params.seed is not None:
+            child.generator = torch.Generator(device=self.model.device).manual_seed(child.params.seed)
+        self.scheduler.add(child)
 
     def _sample(self, req: Request, drawn: Drawn) -> int:
         """The token the step's sampler drew for the request (and its logprobs, if asked)."""
@@ -776,6 +868,14 @@ class LLMEngine:
             # every computed row kept (a verify step's drafts all accepted): the rows as they are
             rows = hid if lo == sc.lo and hi - lo == hid.shape[0] else hid[lo - sc.lo : hi - sc.lo]
             items.append(DraftRequest(view(req), rows, lo, newest, req.last_token, k, req.params, req.generator, req))
+            for child in self._forked.get(req.request_id, ()):  # forked from these rows: seeded with them
+                if child.spec_enabled and child.status is running and child.request_id in live:
+                    k = self._num_drafts(child)
+                    items.append(
+                        DraftRequest(
+                            view(child), rows, lo, newest, child.last_token, k, child.params, child.generator, child
+                        )
+                    )
         if not items:
             return
         for item, prop in zip(items, self.proposer(items), strict=True):
@@ -783,6 +883,8 @@ class LLMEngine:
             req.spec_draft, req.spec_draft_probs = list(prop.tokens), prop.probs
 
     def _finish(self, req: Request, status: Status, new: list[int] | None = None, free: bool = True) -> RequestOutput:
+        for child in self.forks.pop(req.request_id, ()):  # it ended before its prompt did
+            self._run_alone(child)
         req.status = status
         req.finish_time = time.monotonic()
         self.requests.pop(req.request_id, None)
@@ -854,7 +956,7 @@ class LLMEngine:
     def stats(self) -> dict[str, Any]:
         return {
             "running": sum(1 for r in self.scheduler.running if r.status is Status.RUNNING),
-            "waiting": len(self.scheduler.waiting),
+            "waiting": len(self.scheduler.waiting) + sum(len(c) for c in self.forks.values()),
             "held_for_transfer": len(self.held),
             "exports_draining": len(self.draining),
             "kv_blocks_used": self.blocks.num_used_blocks,

@@ -340,6 +340,30 @@ class BlockManager:
         seq.num_committed = full
         return registered
 
+    def fork(self, parent_id: Any, child_id: Any, num_tokens: int, shared_tokens: int) -> list[tuple[int, int]]:
+        """Give ``child_id`` the parent's KV for its first ``shared_tokens`` positions (OpenAI's n
+        choices of one prompt): the parent's full blocks there are shared (one more reference each),
+        its partial block is copied into a fresh one, and fresh blocks follow up to ``num_tokens``.
+        Returns the ``(source, destination)`` block copies the caller makes; checks first."""
+        if child_id in self._seqs:
+            raise ValueError(f"sequence {child_id!r} is already allocated")
+        parent = self._seqs[parent_id]
+        if not 0 < shared_tokens <= min(num_tokens, parent.num_tokens):
+            raise ValueError(f"cannot share {shared_tokens} of {parent_id!r}'s {parent.num_tokens} tokens")
+        need = self.spec.blocks_for_tokens(num_tokens)
+        if need > self.num_blocks:
+            raise RequestTooLargeError(self._too_large(child_id, num_tokens, need))
+        full = shared_tokens // self.block_size
+        if need - full > self.num_free_blocks:
+            raise CacheFullError(f"need {need - full} new blocks ({full} shared), have {self.num_free_blocks} free")
+        if not self._free_slots:
+            raise CacheFullError(f"all {self.max_seqs} request slots are in use")
+        shared = parent.blocks[:full]
+        self.pool.touch(shared)
+        fresh = self.pool.allocate(need - full)
+        self._seqs[child_id] = _Seq(self._free_slots.pop(), num_tokens, shared + fresh, [], 0)
+        return [(parent.blocks[full], fresh[0])] if shared_tokens % self.block_size else []
+
     def free(self, seq_id: Any) -> None:
         """Release the request's blocks (tail first, so its prefix is evicted last) and its slot."""
         seq = self._seqs.pop(seq_id)

@@ -209,6 +209,24 @@ class PagedKVCache:
             rows.reset(slot)
         self._slot_owner[slot] = None
 
+    def fork_slot(self, src: int, dst: int, owner: Any, block_copies: Sequence[tuple[int, int]] = ()) -> None:
+        """Make slot ``dst`` (now ``owner``'s) a copy of slot ``src``, and copy each ``(source,
+        destination)`` block of every paged group: a forked request (BlockManager.fork) starts with
+        its parent's windows, open compressor rows and partial block."""
+        self.window_kv[dst] = self.window_kv[src]  # every window layer's rows at once
+        self.window_pos[dst] = self.window_pos[src]
+        for rows in self.pairs.values():
+            for b in rows.bufs:
+                b[dst] = b[src]
+        for rows in (*self.windows.values(), *self.pairs.values()):  # the host mirrors
+            rows.length[dst], rows.last[dst] = rows.length[src], rows.last[src]
+        if block_copies:
+            src_blocks = torch.tensor([a for a, _ in block_copies], device=self.device)
+            dst_blocks = torch.tensor([b for _, b in block_copies], device=self.device)
+            for pool in self.pools.values():
+                pool[dst_blocks] = pool[src_blocks]
+        self._slot_owner[dst] = owner
+
     def truncate(self, cuts: Sequence[tuple[int, int]]) -> None:
         """Drop every window and pending row at position >= n, for each ``(slot, n)``; one host sync
         for all of them (a speculative step rolls back many requests at once)."""

@@ -9,9 +9,9 @@ Rank 0 installs two proxies into an already-built engine (no engine code changes
   caches; the MoE layers meet in their ``all_reduce``.
 - ``engine.cache`` / ``engine.runner.cache`` become a :class:`_CacheProxy` that forwards every read
   to the real ``PagedKVCache`` and records every write made outside a forward: ``reset_slot``,
-  ``import_compressed`` / ``import_index_keys`` (prefix import), slot claims by ``view``, and writes
-  through the views it hands out (``append_pending`` of an imported open pair, ``truncate`` after a
-  speculative rollback, the DSpark drafter's window appends).
+  ``import_compressed`` / ``import_index_keys`` (prefix import), ``fork_slot`` (n choices), slot
+  claims by ``view``, and writes through the views it hands out (``append_pending`` of an imported
+  open pair, ``truncate`` after a speculative rollback, the DSpark drafter's window appends).
 
 Recorded writes are queued and go out, in order, with the next forward's plan: one control message
 per step. Their tensors travel separately, packed into one byte buffer broadcast on the data-plane
@@ -42,7 +42,9 @@ from asympd.model.transformer import Chunk, Transformer
 from asympd.parallel.ep import shard_moe
 from asympd.parallel.launch import RankGroup
 
-CACHE_WRITES = frozenset({"reset_slot", "import_compressed", "import_index_keys", "write_entries", "truncate"})
+CACHE_WRITES = frozenset(
+    {"reset_slot", "import_compressed", "import_index_keys", "write_entries", "truncate", "fork_slot"}
+)
 VIEW_WRITES = frozenset({"append_window", "append_pending", "write_compressed", "write_index_keys", "truncate"})
 
 

@@ -389,8 +389,14 @@ class WorkerServer:
         return await self.generate(kind, req, request, rid, ids, params, t_arrival, progress, images)
 
     async def _add(self, rid: str, ids: list[int], params: SamplingParams, **kw: Any) -> RequestStream:
+        (stream,) = await self._add_together([(rid, ids, params, kw)])
+        return stream
+
+    async def _add_together(
+        self, requests: list[tuple[str, list[int], SamplingParams, dict[str, Any]]]
+    ) -> list[RequestStream]:
         try:
-            return await self.aengine.add(rid, ids, params, **kw)
+            return await self.aengine.add_together(requests)
         except PrefixStateError as e:
             raise P.APIError(f"bad prefix state: {e}", param="kv_transfer_params") from None
         except RequestError as e:
@@ -521,18 +527,22 @@ class WorkerServer:
         if streamed:  # the slices come later (streaming.start_pull); the images are the request's still
             kw = {"prefix_stream": True, **({"images": images} if images else {})}
         t_add = time.perf_counter()
-        # n choices: n engine requests of the same prompt (and the same imported prefix state, whose
-        # full blocks the first writes and the others share through D's prefix cache), choice i
-        # seeded with seed + i; the request's id aborts them all (abort)
-        streams: list[RequestStream] = []
-        try:
-            for i, crid in enumerate(P.choice_ids(rid, req.n)):
-                cparams = dataclasses.replace(params, seed=P.choice_seed(params.seed, i)) if i else params
-                streams.append(await self._add(crid, ids, cparams, **kw))
-        except BaseException:
-            for s in streams:
-                s.close()
-            raise
+        # n choices: n engine requests of the same prompt (and the same imported prefix state), the
+        # others forked from the first at its last prompt row (the prompt computed once, its blocks
+        # shared), choice i seeded with seed + i; the request's id aborts them all (abort)
+        crids = P.choice_ids(rid, req.n)
+        streams = await self._add_together(
+            [(crids[0], ids, params, kw)]
+            + [
+                (
+                    crid,
+                    ids,
+                    dataclasses.replace(params, seed=P.choice_seed(params.seed, i)),
+                    {**kw, "fork_of": crids[0]},
+                )
+                for i, crid in enumerate(crids[1:], 1)
+            ]
+        )
         if streamed:
             streaming.start_pull(self, rid, kv, ids, timings)
         created = int(time.time())

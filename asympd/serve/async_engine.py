@@ -156,9 +156,18 @@ class AsyncEngine:
     ) -> RequestStream:
         """Queue a request; ``kwargs`` go to ``add_request`` (prefix_state, first_token, ...).
         Raises what ``add_request`` raises (RequestError, PrefixStateError)."""
-        stream = RequestStream(self, request_id)
-        await self._submit(("add", request_id, prompt_token_ids, params, kwargs, stream))
+        (stream,) = await self.add_together([(request_id, prompt_token_ids, params, kwargs)])
         return stream
+
+    async def add_together(
+        self, requests: list[tuple[str, list[int], SamplingParams, dict[str, Any]]]
+    ) -> list[RequestStream]:
+        """Queue ``(request_id, prompt_token_ids, params, kwargs)`` requests between two engine
+        steps (OpenAI's n choices: the others fork from the first at its last prompt row, which no
+        step may reach before they are in); all or none: a refusal takes back those added."""
+        streams = [RequestStream(self, rid) for rid, *_ in requests]
+        await self._submit(("add", requests, streams))
+        return streams
 
     async def call(self, fn: Callable[[LLMEngine], Any], timeout: float = 10.0) -> Any:
         """Run ``fn(engine)`` on the engine thread and return its result (stats, for /metrics)."""
@@ -222,14 +231,20 @@ class AsyncEngine:
             return False
         op = cmd[0]
         if op == "add":
-            _, rid, ids, params, kwargs, stream, fut = cmd
+            _, requests, streams, fut = cmd
+            added: list[str] = []
             try:
-                self.engine.add_request(rid, ids, params, **kwargs)
+                for rid, ids, params, kwargs in requests:
+                    self.engine.add_request(rid, ids, params, **kwargs)
+                    added.append(rid)
             except Exception as e:
+                for rid in added:
+                    self.engine.abort_request(rid)
                 self._resolve(fut, error=e)
             else:
-                self._streams[rid] = stream
-                self._resolve(fut, stream)
+                for (rid, *_), stream in zip(requests, streams, strict=True):
+                    self._streams[rid] = stream
+                self._resolve(fut, streams)
         elif op == "abort":
             rid = cmd[1]
             self.engine.abort_request(rid)

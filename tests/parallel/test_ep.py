@@ -208,6 +208,25 @@ def test_speculative_decoding_rollbacks_are_mirrored(ep_ckpt):
         _assert_caches_equal(llm)
 
 
+def test_forked_choices_are_mirrored(ep_ckpt):
+    """OpenAI's n: choices 1 and 2 fork from choice 0 on rank 0 (its blocks shared, its slot and
+    partial block copied: ``fork_slot``); rank 1 makes the same copies, and each choice decodes
+    what it decodes alone."""
+    prompt = random_prompts([2 * W + 5], seed=25)[0]
+    params = [SamplingParams(max_tokens=5, temperature=1.0, seed=3 + i) for i in range(3)]
+    single = LLM(ep_ckpt, "colocated", num_spec_tokens=2)
+    want = [single.generate(prompt_token_ids=[prompt], sampling_params=p)[0].outputs[0].token_ids for p in params]
+    with ParallelLLM(ep_ckpt, "colocated", ep=2, num_spec_tokens=2) as llm:
+        for i, p in enumerate(params):
+            llm.engine.add_request(f"c{i}", prompt, p, fork_of="c0" if i else None)
+        got = {}
+        while llm.engine.has_unfinished_requests():
+            got |= {o.request_id: o.outputs[0].token_ids for o in llm.step() if o.finished}
+        assert [got[f"c{i}"] for i in range(3)] == want
+        assert llm.engine.counters["prompt_tokens"] == len(prompt)
+        _assert_caches_equal(llm)
+
+
 def test_closed_executor_refuses_work(ep_ckpt):
     llm = ParallelLLM(ep_ckpt, "colocated", ep=2)
     pids = llm.executor.group.pids()
