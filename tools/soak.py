@@ -6,12 +6,24 @@ check that it comes back to a clean state afterwards.
         --compare /tmp/soak-1p1d.json        # asymmetric P/D equals colocated/split to the bit
     python tools/soak.py --deploy 2p1d --prefill-arg=--stream-prefix
     python tools/soak.py --deploy 1p2d --worker-arg=--num-blocks --worker-arg=300   # KV pressure
+    python tools/soak.py --deploy 1p1d --decode-arg=--num-spec-tokens --decode-arg=3 --compare /tmp/soak-1p1d.json
+    python tools/soak.py --deploy 1p1d --mode symmetric-split --compare /tmp/soak-1p1d.json
+    python tools/soak.py --deploy 1p2d --kill decode1@20 --restart-after 5      # failure handling
     python tools/soak.py --url http://127.0.0.1:8000 --duration 60      # a deployment already running
 
-``--deploy 1p1d|1p2d|2p1d|colocated`` starts the processes itself (mode asymmetric P/D workers and a
-router, or one colocated worker with no router) on ``--checkpoint`` (default: a tiny random one
-written into a temporary folder), over ``--transport tcp``, warm-up off, and stops them at the end;
-``--url`` drives a deployment someone else started (then give ``--log-dir`` for the log scan).
+``--deploy 1p1d|1p2d|2p1d|colocated`` starts the processes itself (P/D workers of ``--mode``,
+asymmetric by default, and a router, or one colocated worker with no router) on ``--checkpoint``
+(default: a tiny random one written into a temporary folder), over ``--transport tcp``, warm-up
+off, and stops them at the end; ``--worker-arg`` goes to every worker, ``--prefill-arg`` /
+``--decode-arg`` to the P / D ones, ``--router-arg`` to the router. ``--url`` drives a deployment
+someone else started (then give ``--log-dir`` for the log scan).
+
+``--kill NAME@S`` SIGKILLs one process (``prefill0``, ``decode1``, ...) S seconds into the traffic;
+``--restart-after T`` starts it again on its port T seconds later. docs/serving.md "Failure
+policies" says what must happen: a dead P costs no request (another P, or D's recompute, serves
+it), a dead D fails only the requests it had in flight, each with the router's 502 (JSON, or an SSE
+error event and ``[DONE]``); the surviving workers come back idle, and a restarted one gets traffic
+again from the router (it must have run engine steps by the end).
 
 For ``--duration`` seconds ``--concurrency`` clients each send one request after another through
 the given address, a random mix (seeded by ``--seed``): completions and chat, streamed or not, n in
@@ -20,7 +32,8 @@ window W = 16 of the tiny model, max_tokens sometimes exactly what the context l
 max_tokens, greedy / seeded / hot sampling, penalties, min_tokens, stop strings, logprobs, echo;
 bad fields that must get their 4xx; clients that close the connection mid-stream, mid-request or
 halfway through sending the body; client timeouts; slow readers; and X-Request-Id values that
-several requests share at once.
+several requests share at once. The modes whose P samples the first token (symmetric*) refuse
+n > 1 by name: there most requests get n = 1 and the others must get that 400.
 
 Checked per request: the status is the expected one (no 5xx, no reset connection, no hang past
 ``--request-timeout``), streams end with ``[DONE]`` and carry no error event, non-streamed bodies
@@ -77,44 +90,86 @@ IDLE_GAUGES = (
     "asympd_num_requests_held_for_transfer",
 )
 LOG_BAD = re.compile(r"Traceback|\bERROR\b|CRITICAL|Exception in")
+PD_MODES = ("asymmetric", "symmetric", "symmetric-split", "symmetric-windows", "encoder-only")
+FIRST_TOKEN_FROM_PREFILL = ("symmetric", "symmetric-split", "symmetric-windows")  # they refuse n > 1
 
 
 # ---- the deployment ---------------------------------------------------------------------------------
 
 
+@dataclass
+class Deployment:
+    """The processes ``--deploy`` started (start order) and the arguments each was started with."""
+
+    url: str
+    procs: list[ServerProcess]
+    argv: dict[str, list[str]]
+
+    def proc(self, name: str) -> ServerProcess:
+        matches = [p for p in self.procs if p.name == name]
+        if not matches:
+            raise SystemExit(f"no process {name!r} (there are {', '.join(p.name for p in self.procs)})")
+        return matches[-1]
+
+    def restart(self, name: str, log_dir: str) -> ServerProcess:
+        """Start ``name`` again, on the port it had (``name.restarted.log``)."""
+        old = self.proc(name)
+        assert old.url is not None
+        port = old.url.rsplit(":", 1)[1]
+        args = list(self.argv[name])
+        args[args.index("--port") + 1] = port
+        p = ServerProcess(name, args, log_dir, ENV)
+        p.log_path = Path(log_dir) / f"{name}.restarted.log"
+        self.procs.append(p.start())
+        p.wait_ready(120)
+        return p
+
+
 def start_deployment(
-    kind: str, ckpt: str, log_dir: str, transport: str, extra: list[str], p_extra: list[str]
-) -> tuple[str, list]:
-    """Start the processes of ``kind``; the address clients use and the processes (start order)."""
+    kind: str,
+    ckpt: str,
+    log_dir: str,
+    mode: str,
+    transport: str,
+    extra: list[str],
+    p_extra: list[str],
+    d_extra: list[str],
+    r_extra: list[str],
+) -> Deployment:
+    """Start the processes of ``kind``: ``extra`` for every worker, ``p_extra`` / ``d_extra`` for
+    the prefill / decode ones, ``r_extra`` for the router."""
     n_p, n_d = DEPLOYS[kind]
     common = ["--checkpoint", ckpt, "--port", "0", "--threads", "1", "--log-level", "warning", "--no-warm-up"]
-    procs: list[ServerProcess] = []
+    dep = Deployment("", [], {})
+
+    def start(name: str, args: list[str]) -> ServerProcess:
+        dep.argv[name] = args
+        p = ServerProcess(name, args, log_dir, ENV).start()
+        dep.procs.append(p)
+        return p
+
     try:
         if kind == "colocated":
-            w = ServerProcess("colocated", ["serve", *common, *extra], log_dir, ENV).start()
-            procs.append(w)
-            return w.wait_ready(120), procs
-        pd = ["--mode", "asymmetric", "--transport", transport, *common, *extra]
+            dep.url = start("colocated", ["serve", *common, *extra]).wait_ready(120)
+            return dep
+        pd = ["--mode", mode, "--transport", transport, *common, *extra]
         for i in range(n_p):
-            p_args = ["serve", "--role", "prefill", *pd, *p_extra]
-            procs.append(ServerProcess(f"prefill{i}", p_args, log_dir, ENV).start())
+            start(f"prefill{i}", ["serve", "--role", "prefill", *pd, *p_extra])
         for i in range(n_d):
-            procs.append(ServerProcess(f"decode{i}", ["serve", "--role", "decode", *pd], log_dir, ENV).start())
-        urls = [p.wait_ready(120) for p in procs]
+            start(f"decode{i}", ["serve", "--role", "decode", *pd, *d_extra])
+        urls = [p.wait_ready(300) for p in dep.procs]
         args = ["router", "--prefill", *urls[:n_p], "--decode", *urls[n_p:], "--port", "0", "--log-level", "warning"]
-        r = ServerProcess("router", args, log_dir, ENV).start()
-        procs.append(r)
-        url = r.wait_ready(60)
+        dep.url = start("router", [*args, *r_extra]).wait_ready(60)
         end = time.monotonic() + 60
         while time.monotonic() < end:
             with contextlib.suppress(httpx.HTTPError):
-                h = httpx.get(f"{url}/health", timeout=2).json()
+                h = httpx.get(f"{dep.url}/health", timeout=2).json()
                 if h.get("all_healthy") and h.get("tokenizer"):
-                    return url, procs
+                    return dep
             time.sleep(0.2)
         raise TimeoutError("the router did not see every worker healthy within 60 s")
     except BaseException:
-        stop_all(procs)
+        stop_all(dep.procs)
         raise
 
 
@@ -169,6 +224,7 @@ class Result:
     logprobs: dict[int, list[tuple[float | None, float | None]]] = field(default_factory=dict)  # (sampled, best)
     usage: dict[str, Any] | None = None
     prefill_path: str | None = None
+    t_start: float = 0.0  # time.monotonic()
 
 
 class Mix:
@@ -176,9 +232,17 @@ class Mix:
     inputs meet each other under different batches)."""
 
     def __init__(
-        self, rng: random.Random, model: str, window: int, max_len: int, vocab: int, pool_seed: int = 0
+        self,
+        rng: random.Random,
+        model: str,
+        window: int,
+        max_len: int,
+        vocab: int,
+        pool_seed: int = 0,
+        mode: str = "asymmetric",
     ) -> None:
         self.model, self.window, self.max_len, self.vocab = model, window, max_len, vocab
+        self.refuses_n = mode in FIRST_TOKEN_FROM_PREFILL  # n > 1: a 400 naming the mode
         # the prompts from their own seed: runs with different traffic seeds still share inputs (--compare)
         traffic, self.rng = rng, random.Random(pool_seed)
         rng = self.rng
@@ -269,6 +333,8 @@ class Mix:
                 body["prompt"] = rng.choice(self.text_prompts)
         how = self.sampling(body)
         body["n"] = rng.choice([1, 1, 1, 2, 3, 4]) if rng.random() > 0.03 else rng.choice([8, 16])
+        if self.refuses_n and body["n"] > 1 and rng.random() < 0.8:
+            body["n"] = 1  # mostly requests it serves; the rest check the 400
         plen = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 200
         room = self.max_len - plen
         body["max_tokens"] = min(rng.choice([1, 2, 5, 8, 16, 24, 32]), room)
@@ -291,6 +357,8 @@ class Mix:
                 body["logprobs"] = rng.randint(0, 5)
         elif not chat and rng.random() < 0.1:
             body["echo"] = True
+        if body["n"] > 1 and self.refuses_n:
+            return Spec("chat" if chat else "completion", body, expect="4xx", status=400, label="n>1 in mode")
         return Spec("chat" if chat else "completion", body, label=how)
 
     def bad(self) -> Spec:
@@ -557,7 +625,7 @@ def _bad_status(spec: Spec, status: int, text: str) -> str | None:
 
 async def send(client: httpx.AsyncClient, url: str, spec: Spec, timeout: float) -> Result:
     t0 = time.perf_counter()
-    res = Result(spec, "ok")
+    res = Result(spec, "ok", t_start=time.monotonic())
     content = spec.raw if spec.raw is not None else json.dumps(spec.body).encode()
     headers = {"Content-Type": "application/json", **spec.headers}
     target = url + _path(spec.kind)
@@ -588,8 +656,9 @@ async def send(client: httpx.AsyncClient, url: str, spec: Spec, timeout: float) 
                 res.status = r.status_code
                 if r.status_code != 200:
                     problem = _bad_status(spec, r.status_code, (await r.aread()).decode(errors="replace"))
-                    if problem:
-                        res.outcome, res.detail = "bad_status", problem
+                    res.outcome, res.detail = ("expected_4xx", "") if not problem else ("bad_status", problem)
+                    if problem and r.status_code >= 500:
+                        res.outcome = "server_error"
                 else:
                     n = 0
                     async for line in r.aiter_lines():
@@ -679,10 +748,13 @@ def _canon(spec: Spec, drop: tuple[str, ...]) -> str:
 VIEW_ONLY = ("stream", "stream_options", "n", "logprobs", "top_logprobs", "return_token_ids", "model", "echo")
 
 
-def determinism(results: list[Result]) -> tuple[list[dict[str, Any]], dict[str, list[int]], int]:
+def determinism(
+    results: list[Result], apart: tuple[str, ...] = ()
+) -> tuple[list[dict[str, Any]], dict[str, list[int]], int]:
     """Greedy: one token sequence per input (a shorter max_tokens a prefix of a longer one); seeded:
-    one per input and seed + choice index. Problems, the greedy sequences, and how many inputs were
-    met more than once."""
+    one per input and seed + choice index; the answers of a ``prefill_path`` in ``apart`` are
+    compared among themselves only. Problems, the greedy sequences, and how many inputs were met
+    more than once."""
     groups: dict[str, list[tuple[list[int], str | None, int, Result, str | None]]] = defaultdict(list)
     for r in results:
         if r.outcome != "ok" or not r.choices or r.spec.body is None:
@@ -690,13 +762,14 @@ def determinism(results: list[Result]) -> tuple[list[dict[str, Any]], dict[str, 
         b = r.spec.body
         max_t = b.get("max_tokens") or b.get("max_completion_tokens")
         drop = (*VIEW_ONLY, "max_tokens", "max_completion_tokens", "seed")
+        path = f"[{r.prefill_path}]" if r.prefill_path in apart else ""
         if r.spec.label == "greedy":
-            key = "greedy " + _canon(r.spec, drop)
+            key = f"greedy{path} " + _canon(r.spec, drop)
             for i, toks in r.choices.items():
                 groups[key].append((toks, r.finish.get(i), max_t, r, r.texts.get(i)))
         elif r.spec.label == "seeded":
             for i, toks in r.choices.items():
-                key = f"seed {b['seed'] + i} " + _canon(r.spec, drop)
+                key = f"seed{path} {b['seed'] + i} " + _canon(r.spec, drop)
                 groups[key].append((toks, r.finish.get(i), max_t, r, r.texts.get(i)))
     problems, greedy, repeated = [], {}, 0
     for key, items in groups.items():
@@ -759,10 +832,84 @@ async def check_prompt_counts(client: httpx.AsyncClient, url: str, results: list
     return problems
 
 
+# ---- a worker killed mid-traffic (--kill NAME@S, --restart-after S) ---------------------------------
+
+
+@dataclass
+class Kill:
+    name: str
+    at: float  # seconds into the traffic
+    url: str = ""
+    t: float | None = None  # time.monotonic() of the SIGKILL
+    in_flight: dict[str, int] = field(default_factory=dict)  # the outcomes of the requests in flight then
+    restarted_s: float | None = None  # SIGKILL to ready again
+    routed_s: float | None = None  # SIGKILL to the router seeing it healthy again
+    events: list[str] = field(default_factory=list)
+
+
+def parse_kill(text: str) -> Kill:
+    name, _, at = text.partition("@")
+    return Kill(name, float(at or 10))
+
+
+async def chaos(kill: Kill, dep: Deployment, log_dir: str, restart_after: float | None, t0: float) -> None:
+    """SIGKILL one process ``kill.at`` seconds into the traffic; with ``restart_after``, start it
+    again on its port that much later and wait until the router routes to it again."""
+    p = dep.proc(kill.name)
+    kill.url = p.url or ""
+    await asyncio.sleep(max(0.0, t0 + kill.at - time.monotonic()))
+    assert p.proc is not None
+    p.proc.kill()
+    kill.t = time.monotonic()
+    kill.events.append(f"{kill.t - t0:.1f} s: SIGKILL {kill.name} ({p.pid})")
+    if restart_after is None:
+        return
+    await asyncio.sleep(restart_after)
+    await asyncio.to_thread(p.proc.wait, 10)
+    new = await asyncio.to_thread(dep.restart, kill.name, log_dir)
+    kill.restarted_s = time.monotonic() - kill.t
+    kill.events.append(f"{time.monotonic() - t0:.1f} s: {kill.name} ready again on {new.url} ({new.pid})")
+    async with httpx.AsyncClient() as c:
+        for _ in range(240):
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                h = (await c.get(f"{dep.url}/health", timeout=2)).json()
+                if any(w["url"] == kill.url and w.get("healthy") for w in h["workers"]):
+                    kill.routed_s = time.monotonic() - kill.t
+                    kill.events.append(f"{time.monotonic() - t0:.1f} s: the router sees {kill.name} healthy")
+                    return
+            await asyncio.sleep(0.25)
+
+
+def excuse_killed(results: list[Result], kill: Kill) -> None:
+    """docs/serving.md "Failure policies": a decode worker dying mid-request ends that request with
+    the router's 502 (JSON, or an SSE error event and ``[DONE]``); only requests in flight at the
+    SIGKILL may; while no decode worker is left, the router answers 503 "no healthy decode worker".
+    A prefill worker's death is covered by the fallbacks, but for a prefix it was streaming
+    (``--stream-prefix``): D fails that request with a 500 naming the broken stream."""
+    if kill.t is None:
+        return
+    back = kill.t + kill.routed_s if kill.routed_s is not None else float("inf")
+    for r in results:
+        in_flight = r.t_start <= kill.t <= r.t_start + r.seconds
+        down = r.t_start + r.seconds >= kill.t and r.t_start <= back  # it met the router without the worker
+        if r.outcome == "server_error" and "no healthy decode worker" in r.detail and down:
+            r.outcome = "no_decode_worker_503"
+        said_502 = r.detail.startswith("status 502") or (r.detail.startswith("error event") and "502" in r.detail)
+        if in_flight and kill.name.startswith("decode") and r.outcome in ("server_error", "bad_body") and said_502:
+            r.outcome = "killed_in_flight_502"
+        stream_broke = "the streamed prefix from the prefill worker failed" in r.detail
+        if in_flight and kill.name.startswith("prefill") and r.outcome in ("server_error", "bad_body") and stream_broke:
+            r.outcome = "killed_stream_500"
+        if in_flight:
+            kill.in_flight[r.outcome] = kill.in_flight.get(r.outcome, 0) + 1
+
+
 # ---- the run ----------------------------------------------------------------------------------------
 
 
-async def soak(args: argparse.Namespace, url: str) -> dict[str, Any]:
+async def soak(
+    args: argparse.Namespace, url: str, dep: Deployment | None = None, log_dir: str | None = None
+) -> dict[str, Any]:
     rng = random.Random(args.seed)
     limits = httpx.Limits(max_connections=args.concurrency * 4, max_keepalive_connections=args.concurrency * 2)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(args.request_timeout, connect=10)) as client:
@@ -771,7 +918,8 @@ async def soak(args: argparse.Namespace, url: str) -> dict[str, Any]:
         max_len = tk["max_model_len"]
         workers, is_router = worker_urls(url)
         info = httpx.get(f"{workers[-1]}/asympd/info", timeout=5).json()
-        mix = Mix(rng, model, info["window_size"], max_len, info["vocab_size"], args.pool_seed)
+        mode = info.get("mode", "")
+        mix = Mix(rng, model, info["window_size"], max_len, info["vocab_size"], args.pool_seed, mode)
         results: list[Result] = []
         end = time.monotonic() + args.duration
         in_flight = Counter()
@@ -787,8 +935,17 @@ async def soak(args: argparse.Namespace, url: str) -> dict[str, Any]:
                     in_flight["now"] -= 1
 
         t0 = time.monotonic()
-        await asyncio.gather(*(client_loop(i) for i in range(args.concurrency)))
+        kill = parse_kill(args.kill) if args.kill else None
+        jobs = [client_loop(i) for i in range(args.concurrency)]
+        if kill is not None:
+            assert dep is not None and log_dir is not None, "--kill needs --deploy"
+            jobs.append(chaos(kill, dep, log_dir, args.restart_after, t0))
+        await asyncio.gather(*jobs)
         traffic_s = time.monotonic() - t0
+        gone = {kill.url} if kill is not None and kill.restarted_s is None else set()
+        workers = [w for w in workers if w not in gone]
+        if kill is not None:
+            excuse_killed(results, kill)
 
         # back to idle: every worker, and the router's own bookkeeping
         t_idle, idle, last = time.monotonic(), False, {}
@@ -815,6 +972,7 @@ async def soak(args: argparse.Namespace, url: str) -> dict[str, Any]:
                 k: v
                 for k, v in m.items()
                 if v
+                and not k.endswith("_created")
                 and k.startswith(
                     (
                         "asympd_request_errors_total",
@@ -824,13 +982,21 @@ async def soak(args: argparse.Namespace, url: str) -> dict[str, Any]:
                         "asympd_request_total",
                         "asympd_kv_blocks_total",
                         "asympd_prefix_cache_hits_total",
+                        "asympd_spec_decode_num_",
+                        "asympd_transfers_total",
                     )
                 )
             }
+        restarted: dict[str, Any] = {}
+        if kill is not None and kill.restarted_s is not None:  # the router sent the restarted worker work again
+            steps = scrape(kill.url).get("asympd_engine_steps_total", 0)
+            routed = bool(steps) and kill.routed_s is not None
+            restarted = {"url": kill.url, "engine_steps": steps, "routed_again": routed}
         prompt_problems = await check_prompt_counts(client, url, results)
         router_metrics = scrape(url) if is_router else {}
 
-    det_problems, greedy, repeated = determinism(results)
+    # mode symmetric's recompute is colocated decoder-replay, not what its P/D pair computes (docs/serving.md)
+    det_problems, greedy, repeated = determinism(results, ("recompute",) if mode == "symmetric" else ())
     outcomes = Counter(r.outcome for r in results)
     bad = [r for r in results if r.outcome in ("bad_status", "bad_body", "server_error", "connection_error", "hang")]
     bad += [r for r in results if r.outcome == "driver_error"]
@@ -887,6 +1053,8 @@ async def soak(args: argparse.Namespace, url: str) -> dict[str, Any]:
         "router_requests": {
             k: v for k, v in router_metrics.items() if k.startswith(("asympd_router_requests", "asympd_router_ab"))
         },
+        "kill": None if kill is None else {k: v for k, v in vars(kill).items() if k != "t"},
+        "restarted": restarted,
         "greedy": greedy,
     }
 
@@ -928,9 +1096,14 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--url", help="a running deployment's address (router or worker)")
     where.add_argument("--deploy", choices=sorted(DEPLOYS), help="start this deployment here")
     ap.add_argument("--checkpoint", help="with --deploy (default: a tiny random one, written to a temp folder)")
+    ap.add_argument("--mode", default="asymmetric", choices=PD_MODES, help="the P/D workers' (--deploy)")
     ap.add_argument("--transport", default="tcp", choices=["tcp", "nixl", "auto"])
     ap.add_argument("--worker-arg", action="append", default=[], help="one more argument for every worker")
     ap.add_argument("--prefill-arg", action="append", default=[], help="one more for prefill workers (--stream-prefix)")
+    ap.add_argument("--decode-arg", action="append", default=[], help="one more for decode workers (--num-spec-tokens)")
+    ap.add_argument("--router-arg", action="append", default=[], help="one more for the router")
+    ap.add_argument("--kill", metavar="NAME@S", help="SIGKILL NAME (prefill0, decode1, ...) S s into the traffic")
+    ap.add_argument("--restart-after", type=float, help="with --kill: start it again on its port this much later")
     ap.add_argument("--log-dir", help="where the processes log (--deploy: default a temp folder; kept)")
     ap.add_argument("--duration", type=float, default=90.0, help="seconds of traffic")
     ap.add_argument("--concurrency", type=int, default=24, help="clients, each with one request in flight")
@@ -942,7 +1115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="the JSON summary (default: stdout only)")
     args = ap.parse_args(argv)
 
-    procs: list[ServerProcess] = []
+    dep: Deployment | None = None
     log_dir = args.log_dir
     if args.deploy:
         log_dir = log_dir or tempfile.mkdtemp(prefix=f"asympd-soak-{args.deploy}-")
@@ -953,16 +1126,31 @@ def main(argv: list[str] | None = None) -> int:
 
             ckpt = str(Path(tempfile.mkdtemp(prefix="asympd-soak-ckpt-")) / "tiny")
             write_checkpoint(tiny(), ckpt, seed=0)
-        url, procs = start_deployment(args.deploy, ckpt, log_dir, args.transport, args.worker_arg, args.prefill_arg)
+        dep = start_deployment(
+            args.deploy,
+            ckpt,
+            log_dir,
+            args.mode,
+            args.transport,
+            args.worker_arg,
+            args.prefill_arg,
+            args.decode_arg,
+            args.router_arg,
+        )
+        url = dep.url
         print(f"{args.deploy} on {url}; logs in {log_dir}", flush=True)
     else:
         url = args.url.rstrip("/")
     try:
-        summary = asyncio.run(soak(args, url))
+        summary = asyncio.run(soak(args, url, dep, log_dir))
         summary["deploy"] = args.deploy
-        summary["processes_dead"] = [f"{p.name} ({p.proc.returncode})" for p in procs if not p.alive()]
+        summary["mode"] = args.mode if args.deploy != "colocated" else None
+        procs = dep.procs if dep else []
+        killed = [p for p in procs if args.kill and p.name == parse_kill(args.kill).name][:1]  # not its restart
+        dead = [p for p in procs if not p.alive() and p not in killed]
+        summary["processes_dead"] = [f"{p.name} ({p.proc.returncode})" for p in dead]
     finally:
-        stop_all(procs)
+        stop_all(dep.procs if dep else [])
     summary["log_findings"] = scan_logs(log_dir)
     summary["log_dir"] = log_dir
     if args.compare:
@@ -978,6 +1166,7 @@ def main(argv: list[str] | None = None) -> int:
         and not summary["log_findings"]
         and not summary.get("compare_problems")
         and all(v == {"outstanding_tokens": 0, "inflight": 0} for v in summary["router_workers"].values())
+        and (args.restart_after is None or summary["restarted"].get("routed_again"))
     )
     summary["clean"] = clean
     text = json.dumps(summary, indent=1, default=str)

@@ -548,6 +548,18 @@ class LLMEngine:
         req.awaiting_import = not req.imported.complete
         return not req.awaiting_import
 
+    def compute_streamed_prefix_here(self, request_id: str) -> bool:
+        """Decode worker: a streamed prefix not one slice of which came (P died, or dropped the
+        stream, before D's first pull): the request computes its prefix here instead, as one whose
+        prefill failed (``--on-prefill-failure recompute``). False, and nothing changed, once a slice
+        is in (its rows may already be in the request's blocks) or for an unknown request."""
+        req = self.requests.get(request_id)
+        if req is None or not isinstance(req.imported, PrefixStream) or req.imported.slices or not req.awaiting_import:
+            return False
+        self.abort_request(request_id)  # its blocks hold nothing yet
+        self.add_request(request_id, req.prompt_token_ids, req.params, images=req.images)
+        return True
+
     def abort_request(self, request_id: str) -> None:
         """Stop a request wherever it is and free its blocks (a no-op for an unknown id)."""
         req = self.requests.pop(request_id, None) or self.held.pop(request_id, None)

@@ -336,7 +336,7 @@ class AsyncEngine:
                         dt,
                         len(outputs),
                         engine.counters["prompt_tokens"] - prompt_before,
-                        len(engine.requests),
+                        len(getattr(engine, "requests", outputs)),  # a CP engine computes one queued prompt a step
                         new_graphs,
                         None if graphs is None else graphs.stats,
                         new_compiles or "none",

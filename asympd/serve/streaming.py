@@ -9,15 +9,17 @@ slices over one connection and the engine writes each into the request's blocks 
 (``pull_slices``); the request runs once the last slice is in. So the transfer overlaps P's compute
 and only the last slice is left on the TTFT path.
 
-Failure: P drops the stream when its request fails or is aborted, so D's next pull fails at once;
-a stream that breaks off (or a slice that fails authentication or validation) fails D's request
-with a message. There is no recompute fallback once D has begun importing: ``--on-prefill-failure``
-covers only the whole-state hand-off.
+Failure: P drops the stream when its request fails or is aborted, so D's next pull fails at once.
+A stream none of which came (P died or dropped it before D's first pull) is a failed prefill:
+``--on-prefill-failure recompute`` computes the prefix on D (nothing of it is in D's blocks yet). A
+stream that breaks off after a slice (or a slice that fails authentication or validation) fails
+D's request with a message: there is no recompute fallback once D has begun importing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -144,8 +146,16 @@ async def pull_slices(
             await server.aengine.call(lambda e, p=piece: e.import_slice(rid, p))
     except Exception as e:
         pieces.close()
+        why = f"the streamed prefix from the prefill worker failed: {type(e).__name__}: {e}"
+        if not timings["stream_slices"] and server.handoff.on_prefill_failure == "recompute":
+            # nothing of it came (P died or dropped it first): nothing imported, so compute it here
+            with contextlib.suppress(Exception):
+                if await server.aengine.call(lambda eng: eng.compute_streamed_prefix_here(rid)):
+                    log.warning("recomputing the prefix here: %s", why)
+                    server.metrics.prefill_fallbacks.labels("stream_failed").inc()
+                    timings.update(prefill_path="recompute", fallback_reason=why)
+                    return
         log.warning("streamed prefix of %s failed: %s", rid, e)
-        server.metrics.prefill_fallbacks.labels("stream_failed").inc()
-        server.aengine.fail(rid, f"the streamed prefix from the prefill worker failed: {type(e).__name__}: {e}")
+        server.aengine.fail(rid, why)
         return
     server.metrics.ttft_transfer.observe(time.perf_counter() - t0)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -65,3 +67,39 @@ def test_cp_engine_refuses_a_mode_without_a_kv_only_prefill():
 
     with pytest.raises(ValueError, match="mode symmetric has no such prefill worker"):
         CPPrefillEngine(None, EngineConfig(role="prefill", mode="symmetric"), Group())  # type: ignore[arg-type]
+
+
+def test_a_slow_cp_step_keeps_the_worker_serving(tiny_ckpt, tmp_path):
+    """A CP step slower than a second (rank 1 held up here with SIGSTOP) is logged as slow; that log
+    line read the single-rank engine's request table, which a CP engine does not have, and the
+    engine thread died: the prefill worker answered 503 from then on (found by tools/soak.py)."""
+    p = worker("p-cp2", tiny_ckpt, "prefill", "asymmetric", tmp_path, "--cp", "2")
+    d = worker("d", tiny_ckpt, "decode", "asymmetric", tmp_path)
+    procs = [p, d]
+    try:
+        up, ud = start_all(procs)
+        r = router_proc("router", [up], [ud], tmp_path)
+        procs.append(r)
+        (ur,) = start_all([r])
+        wait_router(ur)
+        (rank1,) = httpx.get(f"{up}/asympd/info", timeout=10).json()["cp_pids"]
+        prompts = random_prompts([45, 46], seed=3)
+        os.kill(rank1, signal.SIGSTOP)  # rank 0's step waits on rank 1's slice
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                body = {"prompt": prompts[0], "max_tokens": 2}
+                slow = pool.submit(httpx.post, f"{ur}/v1/completions", json=body, timeout=60)
+                time.sleep(1.5)
+                os.kill(rank1, signal.SIGCONT)
+                first = slow.result()
+        finally:
+            os.kill(rank1, signal.SIGCONT)
+        assert first.status_code == 200 and first.json()["asympd_timings"]["prefill_path"] == "remote"
+        body = {"prompt": prompts[1], "max_tokens": 2}
+        after = httpx.post(f"{ur}/v1/completions", json=body, timeout=60).json()
+        assert after["asympd_timings"]["prefill_path"] == "remote"  # P still serves, not D's recompute
+        assert httpx.get(f"{up}/health", timeout=10).status_code == 200
+        assert "slow engine step" in p.log_path.read_text()
+    finally:
+        stop_all(procs)
+    assert "Traceback" not in p.log_path.read_text()
