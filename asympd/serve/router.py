@@ -375,6 +375,9 @@ class Router:
         max_tokens = body.get("max_tokens") if isinstance(body.get("max_tokens"), int) else 16
         max_tokens *= parsed.n  # D generates each of the n choices
         load = n if n is not None else max(len(json.dumps(body)) // 4, 1)
+        if not any(w.healthy for w in self.decode):  # refused before P computes a prefix no D can take
+            self.metrics.requests.labels("no_decode_worker").inc()
+            raise P.APIError("no healthy decode worker", 503)
         mode = self.mode
         touched: list[Worker] = []
         kv: dict[str, Any] | None = None

@@ -25,7 +25,17 @@ from asympd.engine.llm import LLM
 from asympd.engine.sampling import SamplingParams
 from asympd.serve.procs import stop_all
 from asympd.serve.router import Router, RouterConfig, build_router_app
-from tests.serve.cluster import ThreadServer, read_sse, start_all, stream, wait_for, wait_idle, wait_router, worker
+from tests.serve.cluster import (
+    ThreadServer,
+    metrics,
+    read_sse,
+    start_all,
+    stream,
+    wait_for,
+    wait_idle,
+    wait_router,
+    worker,
+)
 from tests.util import random_prompts
 
 TRANSFER_TIMEOUT = 1.5
@@ -114,6 +124,25 @@ def _greedy(llm: LLM, ids: list[int], n: int) -> list[int]:
         .outputs[0]
         .token_ids
     )
+
+
+def test_no_prefill_work_while_no_decode_worker_is_healthy(cluster):
+    """With every D down the router refuses at once (503): P computed the prefix first and then
+    saw it dropped (the soak's kill runs: ~160 wasted prefills while the only D was down)."""
+    with socket.socket() as s:  # a decode worker that is not there
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    router = Router(RouterConfig(prefill=[cluster["prefill"]], decode=[dead], health_interval=0.2, connect_timeout=1.0))
+    srv = ThreadServer(build_router_app(router)).start()
+    try:
+        wait_for(lambda: router.prefill[0].healthy and router.decode[0].checked, 10, "the router's first checks")
+        before = metrics(cluster["prefill"])["asympd_prompt_tokens_total"]
+        body = {"prompt": random_prompts([60], seed=3)[0], "max_tokens": 2}
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["message"] == "no healthy decode worker", r.text
+        assert metrics(cluster["prefill"])["asympd_prompt_tokens_total"] == before
+    finally:
+        srv.stop()
 
 
 def test_hung_transfer_endpoint(cluster, client, offline, silent_port):
