@@ -442,8 +442,8 @@ class LLMEngine:
         req.spec_enabled = self.proposer is not None and not params.adjusts_logits  # drafts assume raw logits
         if first_token_logprobs is not None and req.output_token_ids and params.logprobs is not None:
             req.logprobs.append(dict(first_token_logprobs))
+        parent = self._fork_parent(fork_of, req)  # (refuses a fork of another prompt)
         self.requests[request_id] = req
-        parent = self._fork_parent(fork_of, req)
         if parent is not None:
             self.forks.setdefault(parent.request_id, []).append(req)
         else:
@@ -461,7 +461,6 @@ class LLMEngine:
             or parent.imported is not child.imported
             or parent.cache_salt != child.cache_salt
         ):
-            del self.requests[child.request_id]
             raise RequestError(f"request {child.request_id!r} forks from {fork_of!r}, whose prompt is another")
         if self.config.role == "prefill" or not parent.sample_after_prompt or parent.awaiting_import:
             return None
@@ -870,24 +869,23 @@ class LLMEngine:
         items = []
         running, live, view = Status.RUNNING, self.requests, self.runner.view  # per request: no lookups
         for sc, hid in zip(chunks, hidden, strict=True):
+            if hid is None:
+                continue
             req = sc.request
-            if not req.spec_enabled or req.status is not running or hid is None or req.request_id not in live:
+            # the request, and the choices forked from its prompt in this step (seeded with its rows,
+            # as if they had computed them: even when the request itself ended at its first token)
+            owners = (req, *self._forked[req.request_id]) if req.request_id in self._forked else (req,)
+            owners = [r for r in owners if r.spec_enabled and r.status is running and r.request_id in live]
+            if not owners:
                 continue
             newest = req.num_tokens - 1
             hi = sc.hi if sc.phase is not None else newest
             lo = max(sc.lo, hi - w)  # only the last W rows can reach a draft query
-            k = 0 if req.in_prompt else self._num_drafts(req)
             # every computed row kept (a verify step's drafts all accepted): the rows as they are
             rows = hid if lo == sc.lo and hi - lo == hid.shape[0] else hid[lo - sc.lo : hi - sc.lo]
-            items.append(DraftRequest(view(req), rows, lo, newest, req.last_token, k, req.params, req.generator, req))
-            for child in self._forked.get(req.request_id, ()):  # forked from these rows: seeded with them
-                if child.spec_enabled and child.status is running and child.request_id in live:
-                    k = self._num_drafts(child)
-                    items.append(
-                        DraftRequest(
-                            view(child), rows, lo, newest, child.last_token, k, child.params, child.generator, child
-                        )
-                    )
+            for r in owners:
+                k = 0 if r.in_prompt else self._num_drafts(r)
+                items.append(DraftRequest(view(r), rows, lo, newest, r.last_token, k, r.params, r.generator, r))
         if not items:
             return
         for item, prop in zip(items, self.proposer(items), strict=True):
