@@ -17,7 +17,7 @@ import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from asympd.engine.engine import LLMEngine
 from asympd.engine.request import RequestOutput
@@ -89,6 +89,28 @@ class RequestStream:
         return last
 
 
+def _graphs(engine):
+    """The engine's CUDA graphs (None on CPU, eager, or a CP engine, which has no runner)."""
+    return getattr(getattr(engine, "runner", None), "graphs", None)
+
+
+class _StepStart(NamedTuple):
+    """What the engine thread notes before a step, to account for the step after it."""
+
+    wall: float  # time.time()
+    t: float  # time.perf_counter()
+    prompt_tokens: int
+    captured: int | None  # CUDA graphs captured so far
+    compiles: int  # CompileWatch's mark
+
+    @classmethod
+    def of(cls, engine, compiles: CompileWatch) -> _StepStart:
+        graphs = _graphs(engine)
+        captured = None if graphs is None else graphs.stats.get("captured")
+        mark = compiles.mark()
+        return cls(time.time(), time.perf_counter(), engine.counters["prompt_tokens"], captured, mark)
+
+
 class AsyncEngine:
     """Runs ``LLMEngine`` in a daemon thread; see the module docstring."""
 
@@ -99,6 +121,10 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        # set under the lock once the thread drains its queue for the last time: a command put
+        # after that would wait forever, so ``_submit`` refuses it instead
+        self._closed = False
+        self._submit_lock = threading.Lock()
         self.error: str | None = None
         # [wall-clock start, seconds, prompt rows, decode sequences, once known seconds to the GPU end]
         # of the last STEP_LOG steps: another process's steps on the same GPU line up with these by
@@ -136,6 +162,7 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="asympd-engine", daemon=True)
         self._thread.start()
 
@@ -194,12 +221,13 @@ class AsyncEngine:
         self._cmds.put(("release", request_id))
 
     def _submit(self, cmd: tuple) -> asyncio.Future:
-        if not self.alive:
-            raise EngineDeadError(f"the engine is not running{': ' + self.error if self.error else ''}")
-        assert self._loop is not None
-        fut = self._loop.create_future()
-        self._cmds.put((*cmd, fut))
-        return fut
+        with self._submit_lock:
+            if not self.alive or self._closed:
+                raise EngineDeadError(f"the engine is not running{': ' + self.error if self.error else ''}")
+            assert self._loop is not None
+            fut = self._loop.create_future()
+            self._cmds.put((*cmd, fut))
+            return fut
 
     # ---- the engine thread -------------------------------------------------------------------------
 
@@ -290,7 +318,7 @@ class AsyncEngine:
                     t_cmd = time.perf_counter()
                     try:
                         while True:
-                            if not self._handle(cmd):
+                            if not self._handle_safely(cmd):
                                 return
                             cmd = self._cmds.get_nowait()
                     except queue.Empty:
@@ -300,47 +328,18 @@ class AsyncEngine:
                 if not engine.has_unfinished_requests():
                     continue
                 before = engine.counters["prompt_tokens"] + engine.counters["generation_tokens"]
-                prompt_before = engine.counters["prompt_tokens"]
-                graphs = getattr(getattr(engine, "runner", None), "graphs", None)  # a CP engine has no runner
-                captured = None if graphs is None else graphs.stats.get("captured")
-                compiled = compiles.mark()
-                wall0, t0 = time.time(), time.perf_counter()
+                start = _StepStart.of(engine, compiles)
                 try:
                     outputs = engine.step()
                 except Exception as e:  # a bug in a step: fail what is in flight, keep serving
                     log.exception("engine step failed")
                     self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
                     continue
-                dt = time.perf_counter() - t0
-                rows = getattr(engine, "last_step", None) or (engine.counters["prompt_tokens"] - prompt_before, 0)
-                logged = None
-                if rows[0] or rows[1]:  # not the empty steps of an engine waiting on held transfers
-                    logged = [wall0, dt, int(rows[0]), int(rows[1])]
-                    with self._steps_lock:
-                        self._steps.append(logged)
-                self.busy.step_done(t0, t0 + dt, None if logged is None else self._logger(logged))
-                new_compiles = compiles.since(compiled)
-                new_graphs = None if graphs is None else graphs.stats.get("captured", 0) - (captured or 0)
-                if new_compiles or new_graphs:
-                    with self._steps_lock:
-                        self._new_shapes["steps"] += 1
-                        self._new_shapes["graphs"] += new_graphs or 0
-                        self._new_shapes["compiles"].update(new_compiles)
-                # a stall worth a line in the log (a compile, a capture, a slow import); and any step
-                # that compiled or captured, however short: a shape serving should have met at start-up
-                if dt > SLOW_S or new_compiles or new_graphs:
-                    log.warning(
-                        "%s: %.2f s, %d outputs, %d prompt rows, %d requests; "
-                        "graphs captured in the step: %s (%s); Triton compiles in the step: %s",
-                        "slow engine step" if dt > SLOW_S else "engine step met a new shape",
-                        dt,
-                        len(outputs),
-                        engine.counters["prompt_tokens"] - prompt_before,
-                        len(getattr(engine, "requests", outputs)),  # a CP engine computes one queued prompt a step
-                        new_graphs,
-                        None if graphs is None else graphs.stats,
-                        new_compiles or "none",
-                    )
+                dt = time.perf_counter() - start.t
+                try:  # the step's outputs are delivered below whatever its bookkeeping meets
+                    self._account(engine, start, dt, len(outputs), compiles.since(start.compiles))
+                except Exception:
+                    log.exception("bookkeeping after an engine step failed (its outputs are delivered)")
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if out.finished:
@@ -364,6 +363,50 @@ class AsyncEngine:
             compiles.close()
             self._drain_on_exit()
 
+    def _handle_safely(self, cmd: tuple) -> bool:
+        """``_handle``, but an engine call that raises (an abort or a release meeting a bug) is
+        logged and the waiting stream failed: it must not end the thread that serves every request."""
+        try:
+            return self._handle(cmd)
+        except Exception as e:
+            log.exception("engine command %r failed", cmd[0])
+            if cmd[0] in ("abort", "fail") and (stream := self._streams.pop(cmd[1], None)) is not None:
+                self._deliver(stream, Failed(f"{cmd[0]} failed: {type(e).__name__}: {e}"))
+            return True
+
+    def _account(self, engine, start: _StepStart, dt: float, n_out: int, new_compiles: dict[str, int]) -> None:
+        """Log the step (``steps_since``, the busy clock) and say so if it stalled or met a new shape."""
+        graphs = _graphs(engine)
+        prompt_rows = engine.counters["prompt_tokens"] - start.prompt_tokens
+        rows = getattr(engine, "last_step", None) or (prompt_rows, 0)
+        logged = None
+        if rows[0] or rows[1]:  # not the empty steps of an engine waiting on held transfers
+            logged = [start.wall, dt, int(rows[0]), int(rows[1])]
+            with self._steps_lock:
+                self._steps.append(logged)
+        self.busy.step_done(start.t, start.t + dt, None if logged is None else self._logger(logged))
+        new_graphs = None if graphs is None else graphs.stats.get("captured", 0) - (start.captured or 0)
+        if new_compiles or new_graphs:
+            with self._steps_lock:
+                self._new_shapes["steps"] += 1
+                self._new_shapes["graphs"] += new_graphs or 0
+                self._new_shapes["compiles"].update(new_compiles)
+        # a stall worth a line in the log (a compile, a capture, a slow import); and any step
+        # that compiled or captured, however short: a shape serving should have met at start-up
+        if dt > SLOW_S or new_compiles or new_graphs:
+            log.warning(
+                "%s: %.2f s, %d outputs, %d prompt rows, %d requests; "
+                "graphs captured in the step: %s (%s); Triton compiles in the step: %s",
+                "slow engine step" if dt > SLOW_S else "engine step met a new shape",
+                dt,
+                n_out,
+                prompt_rows,
+                len(engine.requests) if hasattr(engine, "requests") else n_out,  # a CP engine: one prompt a step
+                new_graphs,
+                None if graphs is None else graphs.stats,
+                new_compiles or "none",
+            )
+
     def _fail_all(self, message: str) -> None:
         for rid, stream in list(self._streams.items()):
             try:
@@ -378,6 +421,8 @@ class AsyncEngine:
         for stream in self._streams.values():
             self._deliver(stream, Failed("the engine stopped"))
         self._streams.clear()
+        with self._submit_lock:
+            self._closed = True  # no command after this one's drain waits on a future
         while True:
             try:
                 cmd = self._cmds.get_nowait()
