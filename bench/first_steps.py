@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from asympd.engine.engine import CUDA_GRAPH_MODES  # noqa: E402
+from asympd.serve.stall_watch import freeze_start_up_objects  # noqa: E402
 from bench.common import log, record  # noqa: E402
 
 DEFAULT_GROUPS = "896;896;1107;2269+2821+1483;1706;1792;896;1107;2269+2821+1483;1706;1792;1235;3001"
@@ -69,10 +70,11 @@ class Watch:
     server's own ``CompileWatch``), and the allocator's new segments (on CUDA)."""
 
     def __init__(self, device: torch.device) -> None:
-        from asympd.serve.stall_watch import CompileWatch
+        from asympd.serve.stall_watch import CompileWatch, GCWatch
 
         self.device = device
         self.compiles = CompileWatch()
+        self.gc = GCWatch()
 
     def compiled_since(self, mark: int) -> list[str]:
         return [name for name, n in self.compiles.since(mark).items() for _ in range(n)]
@@ -114,7 +116,7 @@ def run_group(engine, group: list[int], tag: str, watch: Watch, vocab: int, seed
         if not _in_prompt(engine, rids):
             break
         watch.sync()
-        mark, segs, graphs = watch.compiles.mark(), watch.segments(), _captured(engine)
+        mark, segs, graphs, gc_mark = watch.compiles.mark(), watch.segments(), _captured(engine), watch.gc.mark()
         t = time.perf_counter()
         engine.step()
         watch.sync()
@@ -126,6 +128,7 @@ def run_group(engine, group: list[int], tag: str, watch: Watch, vocab: int, seed
                 "compiles": watch.compiled_since(mark),
                 "new_segments": watch.segments() - segs,
                 "graphs_captured": _captured(engine) - graphs,  # a capture mid-traffic (a piece of a new size)
+                "gc": watch.gc.since(gc_mark),  # the collector's pauses inside the step
             }
         )
     else:
@@ -260,6 +263,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="P's --cuda-graph-mode (default: the prefill worker's, full_and_piecewise; full: eager prompt steps)",
     )
+    ap.add_argument(
+        "--gc",
+        choices=["freeze", "plain"],
+        default="freeze",
+        help="freeze: start-up's objects frozen out of the collector, as the server does; plain: not",
+    )
     ap.add_argument("--out", default="first_steps")
     args = ap.parse_args(argv)
     groups = parse_groups(args.groups)
@@ -281,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             extra = ["--cuda-graph-mode", args.cuda_graph_mode] if args.cuda_graph_mode else []
             engine = build_engine(ckpt, device, step_tokens, int(d["kv_cache_gb"] * 2**30), ck.shared_experts, extra)
             build_s = time.perf_counter() - t
+            frozen = freeze_start_up_objects() if args.gc == "freeze" else 0
             warm = engine.warm_up_report
             start_compiles = watch.compiles.total
             log(f"engine built in {build_s:.1f} s; {warm.line() if warm else 'no warm-up'}; {start_compiles} compiles")
@@ -293,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                 "build_s": round(build_s, 1),
                 "warm_up": {"rows": list(warm.rows), "seconds": round(warm.seconds, 2)} if warm else None,
                 "compiles_at_build": start_compiles,
+                "gc": args.gc,
+                "gc_frozen_objects": frozen,
                 "groups": [],
             }
             for i, group in enumerate(groups):
@@ -301,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
                 for s in steps:
                     log(
                         f"group {i} {group}: step of {s['rows']} rows {s['ms']} ms, {len(s['compiles'])} compiles, "
-                        f"{s['new_segments']} new segments, {s['graphs_captured']} graphs captured"
+                        f"{s['new_segments']} new segments, {s['graphs_captured']} graphs captured, "
+                        f"GC {s['gc']['ms']} ms ({s['gc']['gen2']} of the oldest generation)"
                     )
                 record(args.out, out, started)
             if anatomy_groups:
@@ -322,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                 out["pieces"] = engine.runner.graphs.stats  # after the groups: pieces captured while stepping
                 record(args.out, out, started)
         finally:
-            watch.compiles.close()  # the hook is process-wide
+            watch.compiles.close()  # the hooks are process-wide
+            watch.gc.close()
     log(f"wrote {args.out}.json")
     return 0
 

@@ -2,13 +2,16 @@
 
 A serving engine should never stall mid-traffic; when one does, the first question is whether a
 kernel was compiled (a Triton specialization seen for the first time costs seconds) or a CUDA graph
-was captured. Triton calls ``knobs.runtime.jit_post_compile_hook`` after every compile in the
-process (a hit in the on-disk cache included); the watch records those kernels' names and times.
-The hook is process-wide, so the watch chains the hook it found and restores it on ``close``.
+was captured, or the host paused in Python's garbage collector. Triton calls
+``knobs.runtime.jit_post_compile_hook`` after every compile in the process (a hit in the on-disk
+cache included); the watch records those kernels' names and times. The hook is process-wide, so the
+watch chains the hook it found and restores it on ``close``. ``GCWatch`` times the collector's
+pauses the same way (``gc.callbacks``).
 """
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections import Counter
@@ -60,3 +63,48 @@ class CompileWatch:
         if self._installed and _knobs.runtime.jit_post_compile_hook == self._hook:
             _knobs.runtime.jit_post_compile_hook = self._previous
         self._installed = False
+
+
+class GCWatch:
+    """Python's cyclic garbage collections and their pauses; ``since(mark)`` sums those after a
+    mark. A collection of the oldest generation walks every tracked object (a true-depth model's
+    modules, tensors and CUDA-graph pieces: millions), tens of milliseconds during which the host
+    launches nothing: a stall no kernel explains. ``gc.callbacks`` is process-wide; ``close``
+    removes the watch's own."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: list[tuple[int, float]] = []  # (generation, seconds)
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            with self._lock:
+                self._events.append((info["generation"], time.perf_counter() - self._started))
+
+    def mark(self) -> int:
+        with self._lock:
+            return len(self._events)
+
+    def since(self, mark: int) -> dict[str, float]:
+        """``{"ms": pause, "gen2": oldest-generation collections, "all": collections}`` since ``mark``."""
+        with self._lock:
+            events = self._events[mark:]
+        ms = 1e3 * sum(s for _, s in events)
+        return {"ms": round(ms, 3), "gen2": sum(g == 2 for g, _ in events), "all": len(events)}
+
+    def close(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+
+def freeze_start_up_objects() -> int:
+    """Move everything start-up made (the model, the caches, the CUDA graphs) out of the collector's
+    reach, as vLLM does after its start-up: later collections walk only what serving allocates.
+    Returns the objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
