@@ -23,7 +23,7 @@ from asympd.engine.engine import LLMEngine
 from asympd.engine.request import RequestOutput
 from asympd.engine.sampling import SamplingParams
 from asympd.serve.busy import BusyClock
-from asympd.serve.stall_watch import CompileWatch
+from asympd.serve.stall_watch import CompileWatch, GCWatch
 
 log = logging.getLogger(__name__)
 SLOW_S = 1.0  # a step (or a batch of commands) slower than this is logged
@@ -102,13 +102,14 @@ class _StepStart(NamedTuple):
     prompt_tokens: int
     captured: int | None  # CUDA graphs captured so far
     compiles: int  # CompileWatch's mark
+    collections: int  # GCWatch's mark
 
     @classmethod
-    def of(cls, engine, compiles: CompileWatch) -> _StepStart:
+    def of(cls, engine, compiles: CompileWatch, collector: GCWatch) -> _StepStart:
         graphs = _graphs(engine)
         captured = None if graphs is None else graphs.stats.get("captured")
-        mark = compiles.mark()
-        return cls(time.time(), time.perf_counter(), engine.counters["prompt_tokens"], captured, mark)
+        marks = compiles.mark(), collector.mark()
+        return cls(time.time(), time.perf_counter(), engine.counters["prompt_tokens"], captured, *marks)
 
 
 class AsyncEngine:
@@ -298,7 +299,7 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         idle_wait = 0.0  # how long to wait for a command before the next step
-        compiles = CompileWatch()
+        compiles, collector = CompileWatch(), GCWatch()
         try:
             # made here: its events go on this thread's stream, the one the steps queue on
             self.busy = BusyClock(getattr(getattr(engine, "model", None), "device", None))
@@ -328,7 +329,7 @@ class AsyncEngine:
                 if not engine.has_unfinished_requests():
                     continue
                 before = engine.counters["prompt_tokens"] + engine.counters["generation_tokens"]
-                start = _StepStart.of(engine, compiles)
+                start = _StepStart.of(engine, compiles, collector)
                 try:
                     outputs = engine.step()
                 except Exception as e:  # a bug in a step: fail what is in flight, keep serving
@@ -337,7 +338,7 @@ class AsyncEngine:
                     continue
                 dt = time.perf_counter() - start.t
                 try:  # the step's outputs are delivered below whatever its bookkeeping meets
-                    self._account(engine, start, dt, len(outputs), compiles.since(start.compiles))
+                    self._account(engine, start, dt, len(outputs), compiles, collector)
                 except Exception:
                     log.exception("bookkeeping after an engine step failed (its outputs are delivered)")
                 for out in outputs:
@@ -361,6 +362,7 @@ class AsyncEngine:
             raise
         finally:
             compiles.close()
+            collector.close()
             self._drain_on_exit()
 
     def _handle_safely(self, cmd: tuple) -> bool:
@@ -374,8 +376,11 @@ class AsyncEngine:
                 self._deliver(stream, Failed(f"{cmd[0]} failed: {type(e).__name__}: {e}"))
             return True
 
-    def _account(self, engine, start: _StepStart, dt: float, n_out: int, new_compiles: dict[str, int]) -> None:
+    def _account(
+        self, engine, start: _StepStart, dt: float, n_out: int, compiles: CompileWatch, collector: GCWatch
+    ) -> None:
         """Log the step (``steps_since``, the busy clock) and say so if it stalled or met a new shape."""
+        new_compiles, gc = compiles.since(start.compiles), collector.since(start.collections)
         graphs = _graphs(engine)
         prompt_rows = engine.counters["prompt_tokens"] - start.prompt_tokens
         rows = getattr(engine, "last_step", None) or (prompt_rows, 0)
@@ -396,7 +401,8 @@ class AsyncEngine:
         if dt > SLOW_S or new_compiles or new_graphs:
             log.warning(
                 "%s: %.2f s, %d outputs, %d prompt rows, %d requests; "
-                "graphs captured in the step: %s (%s); Triton compiles in the step: %s",
+                "graphs captured in the step: %s (%s); garbage collection in the step: %.1f ms (%d of the "
+                "oldest generation); Triton compiles in the step: %s",
                 "slow engine step" if dt > SLOW_S else "engine step met a new shape",
                 dt,
                 n_out,
@@ -404,6 +410,8 @@ class AsyncEngine:
                 len(engine.requests) if hasattr(engine, "requests") else n_out,  # a CP engine: one prompt a step
                 new_graphs,
                 None if graphs is None else graphs.stats,
+                gc["ms"],
+                gc["gen2"],
                 new_compiles or "none",
             )
 

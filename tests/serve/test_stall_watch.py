@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 
@@ -11,7 +12,7 @@ import pytest
 from asympd.engine.llm import LLM
 from asympd.engine.sampling import SamplingParams
 from asympd.serve import async_engine
-from asympd.serve.stall_watch import CompileWatch
+from asympd.serve.stall_watch import CompileWatch, GCWatch, freeze_start_up_objects
 
 triton = pytest.importorskip("triton")
 from triton import knobs  # noqa: E402
@@ -74,7 +75,7 @@ def test_a_slow_step_is_logged_with_its_prompt_rows_and_compiles(tiny_ckpt, monk
         _serve_one(llm, max_tokens=2)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slow engine step")]
     assert lines, caplog.text
-    assert "5 prompt rows, 1 requests" in lines[0]
+    assert "5 prompt rows, 1 requests" in lines[0] and "garbage collection in the step: " in lines[0]
     assert lines[0].endswith("Triton compiles in the step: none")
 
 
@@ -158,3 +159,22 @@ def test_the_step_log_has_each_step_s_rows_by_wall_clock(tiny_ckpt):
     assert all(len(s) == 5 and s[4] == pytest.approx(s[1], abs=1e-9) for s in steps)
     assert all(s[1] > 0 for s in steps) and [s[0] for s in steps] == sorted(s[0] for s in steps)
     assert aengine.steps_since(steps[-1][0] + 1e-3) == []
+
+
+def test_gc_watch_times_collections_since_a_mark_and_freezing_empties_the_oldest_generation():
+    watch = GCWatch()
+    try:
+        mark = watch.mark()
+        gc.collect()
+        gc.collect(0)
+        got = watch.since(mark)
+        assert got["all"] == 2 and got["gen2"] == 1 and got["ms"] > 0
+        assert watch.since(watch.mark()) == {"ms": 0.0, "gen2": 0, "all": 0}
+    finally:
+        watch.close()
+    assert watch._callback not in gc.callbacks
+    try:
+        assert freeze_start_up_objects() == gc.get_freeze_count() > 0
+        assert gc.get_count()[2] == 0 and len(gc.get_objects(2)) == 0  # nothing left for a full pass to walk
+    finally:
+        gc.unfreeze()
