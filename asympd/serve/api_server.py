@@ -437,7 +437,7 @@ class WorkerServer:
         if isinstance(out, Aborted):
             raise P.APIError("the request was aborted", 499)
         if isinstance(out, Failed):
-            raise P.APIError(out.message, 500)
+            raise P.APIError(out.message, out.status)
         if out.error or out.prefix_state is None:
             raise P.APIError(out.error or "the prefill produced no prefix state", 400 if out.error else 500)
         t_done = time.perf_counter()
@@ -629,7 +629,7 @@ class WorkerServer:
                 if isinstance(item, Aborted):
                     raise P.APIError("the request was aborted", 499)
                 if isinstance(item, Failed):
-                    raise P.APIError(item.message, 500)
+                    raise P.APIError(item.message, item.status)
                 if item.error:
                     raise P.APIError(item.error, 400 if not item.outputs[0].token_ids else 500)
                 now = time.perf_counter()

@@ -46,9 +46,11 @@ class Aborted:
 
 @dataclass
 class Failed:
-    """Delivered to every stream when ``step`` raised: the engine dropped the request."""
+    """Delivered to every stream when ``step`` raised: the engine dropped the request; or to one
+    stream another part of the server failed (``fail``), with the HTTP status it answers."""
 
     message: str
+    status: int = 500
 
 
 class RequestStream:
@@ -212,10 +214,10 @@ class AsyncEngine:
         """Thread-safe: abort a request wherever it is (waiting, running, held for transfer)."""
         self._cmds.put(("abort", request_id))
 
-    def fail(self, request_id: str, message: str) -> None:
-        """Thread-safe: abort a request and end its stream with ``Failed(message)`` (a streamed
-        prefix that broke off)."""
-        self._cmds.put(("fail", request_id, message))
+    def fail(self, request_id: str, message: str, status: int = 500) -> None:
+        """Thread-safe: abort a request and end its stream with ``Failed(message, status)`` (a
+        streamed prefix that broke off)."""
+        self._cmds.put(("fail", request_id, message, status))
 
     def release_transfer(self, request_id: str) -> None:
         """Thread-safe: a prefill worker's exported prefix was acked or expired; free its blocks."""
@@ -281,11 +283,11 @@ class AsyncEngine:
             if stream is not None:
                 self._deliver(stream, Aborted("aborted"))
         elif op == "fail":
-            _, rid, message = cmd
+            _, rid, message, status = cmd
             self.engine.abort_request(rid)
             stream = self._streams.pop(rid, None)
             if stream is not None:
-                self._deliver(stream, Failed(message))
+                self._deliver(stream, Failed(message, status))
         elif op == "release":
             self.engine.release_transfer(cmd[1])
         elif op == "call":

@@ -16,6 +16,7 @@ checks each tag before the engine imports the slice, and the request runs when t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -31,6 +32,8 @@ from asympd.transfer import PrefixState, PrefixStateError, TransferError, Transp
 from asympd.transfer.seal import new_transfer_id, seal, verify
 
 log = logging.getLogger("asympd.serve")
+# D: the most an ack that gives up a stream may take (best effort: P's lease frees it anyway)
+ABANDON_ACK_S = 2.0
 # D: the most it waits for one slice of a streamed prefix: P's queue and one prefill chunk come first
 # (P's lease TTL bounds the whole stream)
 STREAM_WAIT_S = 120.0
@@ -214,6 +217,13 @@ class Handoff:
             self._take(str(kv["transfer_id"]))
         except PrefixStateError as e:
             raise P.APIError(f"bad prefix state: {e}", param="kv_transfer_params") from None
+
+    def abandon_stream(self, kv: dict[str, Any]) -> None:
+        """Blocking, D, best effort: tell P to free a stream this worker will not read to its end (a
+        bad slice, a failed pull), as the ack after its last slice would; else P holds its blocks
+        until the lease expires. P already gone is no error here."""
+        with contextlib.suppress(TransferError, P.APIError, OSError, KeyError, ValueError):
+            self._fetcher(str(kv.get("transport", "tcp"))).ack(kv, self.fingerprint, timeout=ABANDON_ACK_S)
 
     def fetch_slices(self, kv: dict[str, Any], ids: list[int]) -> Iterator[PrefixState]:
         """Blocking, D: the authenticated slices of the stream ``kv`` names, each as P pushes it

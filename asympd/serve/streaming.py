@@ -31,6 +31,7 @@ from asympd.engine.sampling import SamplingParams
 from asympd.serve import protocol as P
 from asympd.serve.async_engine import Aborted, Failed, RequestStream
 from asympd.transfer import TransferError
+from asympd.transfer.prefix_state import PrefixStateError
 
 if TYPE_CHECKING:
     from asympd.serve.api_server import WorkerServer
@@ -146,8 +147,10 @@ async def pull_slices(
             await server.aengine.call(lambda e, p=piece: e.import_slice(rid, p))
     except Exception as e:
         pieces.close()
+        await loop.run_in_executor(server.handoff.pool, server.handoff.abandon_stream, kv)  # P frees it now
         why = f"the streamed prefix from the prefill worker failed: {type(e).__name__}: {e}"
-        if not timings["stream_slices"] and server.handoff.on_prefill_failure == "recompute":
+        forged = isinstance(e, PrefixStateError)  # as a whole state's: a 400, never a fallback
+        if not forged and not timings["stream_slices"] and server.handoff.on_prefill_failure == "recompute":
             # nothing of it came (P died or dropped it first): nothing imported, so compute it here
             with contextlib.suppress(Exception):
                 if await server.aengine.call(lambda eng: eng.compute_streamed_prefix_here(rid)):
@@ -155,7 +158,14 @@ async def pull_slices(
                     server.metrics.prefill_fallbacks.labels("stream_failed").inc()
                     timings.update(prefill_path="recompute", fallback_reason=why)
                     return
+        if forged:
+            server.metrics.prefix_state_refusals.inc()
+            status = 400
+        else:  # the prefill path failed (handoff.receive's 503 for a whole state)
+            status = 503
+            if server.handoff.on_prefill_failure == "fail":
+                why = f"the prefill path failed and this decode worker runs --on-prefill-failure=fail: {why}"
         log.warning("streamed prefix of %s failed: %s", rid, e)
-        server.aengine.fail(rid, why)
+        server.aengine.fail(rid, why, status)
         return
     server.metrics.ttft_transfer.observe(time.perf_counter() - t0)

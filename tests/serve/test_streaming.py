@@ -25,15 +25,17 @@ def cluster(tiny_ckpt, tmp_path_factory):
     p_stream = worker("p-stream", tiny_ckpt, "prefill", "asymmetric", logs, "--stream-prefix", *chunk)
     p_whole = worker("p-whole", tiny_ckpt, "prefill", "asymmetric", logs, *chunk)
     d = worker("d", tiny_ckpt, "decode", "asymmetric", logs)
-    procs = [p_stream, p_whole, d]
+    d_fail = worker("d-fail", tiny_ckpt, "decode", "asymmetric", logs, "--on-prefill-failure", "fail")
+    procs = [p_stream, p_whole, d, d_fail]
     try:
-        ups, upw, ud = start_all(procs)
+        ups, upw, ud, udf = start_all(procs)
         routers = [router_proc(f"router-{n}", [u], [ud], logs) for n, u in (("stream", ups), ("whole", upw))]
         procs += routers
         rs, rw = start_all(routers)
         wait_router(rs)
         wait_router(rw)
-        yield {"stream": rs, "whole": rw, "p_stream": ups, "p_whole": upw, "decode": ud, "logs": logs}
+        urls = {"p_stream": ups, "p_whole": upw, "decode": ud, "decode_fail": udf}
+        yield {"stream": rs, "whole": rw, **urls, "logs": logs}
     finally:
         stop_all(procs)
 
@@ -108,6 +110,42 @@ def test_a_stream_that_never_came_is_computed_here(cluster):
     r = decode(kv)
     assert r.status_code == 400 and "already used" in r.json()["error"]["message"]
     wait_idle([cluster["p_stream"], cluster["decode"]])
+
+
+def _open_stream(cluster, ids: list[int]) -> dict:
+    r = httpx.post(
+        f"{cluster['p_stream']}/v1/completions",
+        json={"prompt": ids, "max_tokens": 2, "kv_transfer_params": {"do_remote_decode": True}},
+        headers=INTERNAL,
+        timeout=30,
+    )
+    return r.json()["kv_transfer_params"]
+
+
+def test_a_failed_stream_is_a_503_under_fail_and_another_prompts_stream_a_400(cluster):
+    """As for a whole state (``handoff.receive``): a prefill path that failed is a 503 on a decode
+    worker that runs ``--on-prefill-failure fail`` (it was a 500), and a stream made for another
+    prompt is a 400 under either policy, never computed here instead."""
+    ids = random_prompts([60], seed=47)[0]
+    body = {"prompt": ids, "max_tokens": 3, "temperature": 0}
+
+    def decode(url: str, params: dict, prompt: list[int] = ids) -> httpx.Response:
+        json = {**body, "prompt": prompt, "kv_transfer_params": params}
+        return httpx.post(f"{cluster[url]}/v1/completions", json=json, headers=INTERNAL, timeout=30)
+
+    kv = _open_stream(cluster, ids)
+    r = decode("decode_fail", {**kv, "transfer_id": "xfer-" + "0" * 32})
+    assert r.status_code == 503, r.text
+    msg = r.json()["error"]["message"]
+    assert msg.startswith("the prefill path failed and this decode worker runs --on-prefill-failure=fail: ")
+    assert "unknown streamed transfer id" in msg
+    other = [ids[0] % 100 + 3, *ids[1:]]  # one token changed: another prompt of the same length
+    for url in ("decode", "decode_fail"):
+        r = decode(url, _open_stream(cluster, ids), prompt=other)
+        assert r.status_code == 400, r.text
+        assert "made for a different prompt" in r.json()["error"]["message"]
+    assert decode("decode_fail", kv).status_code == 200  # the stream itself was fine
+    wait_idle([cluster["p_stream"], cluster["decode"], cluster["decode_fail"]])
 
 
 def test_n_choices_through_a_streaming_prefill_worker_equal_whole(cluster):
