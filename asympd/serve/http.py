@@ -40,6 +40,13 @@ INTERNAL_KEY_ENV = "ASYMPD_INTERNAL_KEY"
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 
+def listen_url(host: str, port: int) -> str:
+    """The URL a server bound to ``host`` prints (procs.py connects to it): an empty host binds
+    every interface, written 0.0.0.0 as vLLM does (``http://:PORT`` was no URL); IPv6 in brackets."""
+    host = host or "0.0.0.0"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def check_body_limit(max_body_bytes: int) -> None:
     """A request body limit a server can run with (serve and router share it)."""
     if max_body_bytes < 1024:

@@ -61,6 +61,7 @@ from asympd.serve.http import (
     install_error_handlers,
     internal_key,
     internal_token,
+    listen_url,
     read_body,
     run_app,
     setup_logging,
@@ -610,7 +611,7 @@ def build_router_app(router: Router) -> FastAPI:
         await router.startup()
         print(
             f"asympd router (mode {router.cfg.mode or 'from workers'}, {len(router.prefill)}P"
-            f"{len(router.decode)}D) ready on http://{router.cfg.host}:{router.cfg.port}",
+            f"{len(router.decode)}D) ready on {listen_url(router.cfg.host, router.cfg.port)}",
             flush=True,
         )
         try:

@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
 from asympd.serve import protocol as P
-from asympd.serve.http import has_internal, install_error_handlers
+from asympd.serve.http import has_internal, install_error_handlers, listen_url
 from asympd.serve.metrics import CONTENT_TYPE
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ def build_app(server: WorkerServer) -> FastAPI:
         c = server.cfg
         print(
             f"asympd {c.role} worker (mode {c.mode}, transport {server.transport_name}) ready on "
-            f"http://{c.host}:{server.port}",
+            f"{listen_url(c.host, server.port)}",
             flush=True,
         )
         try:
