@@ -70,6 +70,7 @@ from asympd.serve.http import (
 )
 from asympd.serve.metrics import ServerMetrics
 from asympd.serve.routes import build_app
+from asympd.serve.stall_watch import freeze_start_up_objects
 from asympd.serve.tokenize import detokenize, tokenize
 from asympd.serve.vision_inputs import request_images
 from asympd.transfer import PrefixStateError
@@ -175,6 +176,10 @@ class WorkerServer:
     # ---- lifetime ------------------------------------------------------------------------------------
 
     async def startup(self) -> None:
+        # start-up's objects (the model, caches, graphs) out of the collector's reach: a full
+        # collection walking them stalled P steps by tens of ms (bench/first_steps.py --gc)
+        frozen = freeze_start_up_objects()
+        log.info("froze %d start-up objects out of the garbage collector", frozen)
         self.aengine.start()
 
     async def shutdown(self) -> None:
