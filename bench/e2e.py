@@ -543,6 +543,7 @@ def decode_ladder(
     vocab: int,
     seed: int,
     lone: list[dict[str, Any]] | None = None,
+    rounds: int = 2,
 ) -> dict[str, Any]:
     """D's decode steps at each of ``sizes`` requests decoding together: ``b`` requests of
     ``length`` tokens sent at once, ``ladder_tokens`` output tokens each (from ``tokens`` and the
@@ -552,34 +553,44 @@ def decode_ladder(
     its padded batch, and over the depth-40 runs its time went up in steps of that size and
     flattened past 8, where the planner's line, fitted to the calibration batch at 3-6 requests,
     over-predicted at 7-12 requests (median 1.12x; docs/planner.md, "The GPU-held P fit out of
-    sample"). asympd.plan.validate prices a GPU result's decode steps from these medians."""
+    sample"). asympd.plan.validate prices a GPU result's decode steps from these medians.
+    ``rounds``: the sizes are run that many times, ascending then descending, and each size's median
+    is taken over all its steps: one block of a size's steps read up to 5 ms off another run's
+    (v14 against v15, the same traffic: 34.0 against 37.9 ms at 4 decodes, tools/fit_swap.py), and
+    that one entry moved a validated ITL p50 by 12 %; ``step_ms_by_round`` shows a shifted block."""
     import numpy as np
 
     rng = np.random.default_rng(seed + 3000)
-    spans: list[tuple[int, float, float]] = []
+    spans: list[tuple[int, int, float, float]] = []  # (round, size, start, end)
     outputs = {b: ladder_tokens(tokens, b, lone or [], length) for b in sizes}
 
     async def go() -> None:
         async with httpx.AsyncClient(timeout=httpx.Timeout(900.0)) as client:
-            for b in sizes:
-                t0 = time.time()
-                ids = [rng.integers(3, vocab, size=length).tolist() for _ in range(b)]
-                await asyncio.gather(*(_one(client, url, x, outputs[b]) for x in ids))
-                spans.append((b, t0, time.time()))
+            for r in range(rounds):
+                for b in sizes if r % 2 == 0 else sizes[::-1]:
+                    t0 = time.time()
+                    ids = [rng.integers(3, vocab, size=length).tolist() for _ in range(b)]
+                    await asyncio.gather(*(_one(client, url, x, outputs[b]) for x in ids))
+                    spans.append((r, b, t0, time.time()))
 
     since = time.time()
     asyncio.run(go())
     d_steps = fetch_steps(workers.get("decode") or workers["colocated"], since)
     p_steps = fetch_steps(workers["prefill"], since) if "prefill" in workers else []
-    steps: dict[str, list[float]] = {}
-    for b, t0, t1 in spans:
+    steps: dict[str, list[float]] = {str(b): [] for b in sizes}
+    by_round: dict[str, list[float | None]] = {str(b): [] for b in sizes}
+    for _r, b, t0, t1 in spans:
         mine = [s for s in d_steps if t0 <= s[0] < t1 and s[2] == 0 and s[3] == b]
-        steps[str(b)] = [s[1] * 1e3 for s in mine if _overlap(s, p_steps) < ALONE_P]
+        block = [s[1] * 1e3 for s in mine if _overlap(s, p_steps) < ALONE_P]
+        steps[str(b)] += block
+        by_round[str(b)].append(statistics.median(block) if block else None)
     return {
         "prompt_len": length,
         "tokens": tokens,
+        "rounds": rounds,
         "tokens_by_size": {str(b): n for b, n in outputs.items()},
         "step_ms": {b: statistics.median(ms) if ms else None for b, ms in steps.items()},
+        "step_ms_by_round": by_round,
         "steps_ms": steps,
     }
 
@@ -1061,6 +1072,7 @@ def run_mode(args, mode: str, ckpt: str, vocab: int, work: Path, out: dict[str, 
                 vocab,
                 args.seed,
                 out["calibration"]["lone"],
+                args.ladder_rounds,
             )
             log(f"{mode} decode ladder (ms): " + ", ".join(f"{b}: {v:.1f}" for b, v in ladder["step_ms"].items() if v))
         out["calibration"]["wall_s"] = round(time.perf_counter() - t, 1)
@@ -1322,6 +1334,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="calibration: D's decode steps at these batch sizes, each decoding together (the CUDA graphs' padded "
         "sizes; empty: off)",
+    )
+    ap.add_argument(
+        "--ladder-rounds",
+        type=int,
+        default=2,
+        help="calibration: run the ladder's sizes this many times, ascending then descending (one block of a "
+        "size's steps can read a few ms off: docs/planner.md)",
     )
     ap.add_argument(
         "--ladder-tokens",

@@ -60,6 +60,8 @@ def test_result_fields_and_counts(result):
         assert ladder["tokens"] == 4 and set(ladder["step_ms"]) == {"1", "2"}, ladder
         assert all(ms and ms > 0 for ms in ladder["step_ms"].values()), ladder
         assert all(len(ladder["steps_ms"][b]) >= 2 for b in ("1", "2")), ladder
+        # two rounds (1, 2 then 2, 1): each size's median over both, each round's beside it
+        assert ladder["rounds"] == 2 and all(len(ladder["step_ms_by_round"][b]) == 2 for b in ("1", "2")), ladder
         assert set(m["graphs_after"]) == set(m["workers"])  # each worker's graph counters after the rates
         lone, length = m["calibration"]["lone"], ladder["prompt_len"]
         assert ladder["tokens_by_size"] == {"1": 4, "2": ladder_tokens(4, 2, lone, length)}, ladder
