@@ -176,8 +176,9 @@ class WorkerServer:
     # ---- lifetime ------------------------------------------------------------------------------------
 
     async def startup(self) -> None:
-        # start-up's objects (the model, caches, graphs) out of the collector's reach: a full
-        # collection walking them stalled P steps by tens of ms (bench/first_steps.py --gc)
+        # start-up's objects (the model, caches, graphs) out of the collector's reach, as vLLM
+        # does: a full collection would walk them all inside some step (a suspect, not yet
+        # measured, for P steps that ran 60-75 ms over their size; bench/first_steps.py --gc)
         frozen = freeze_start_up_objects()
         log.info("froze %d start-up objects out of the garbage collector", frozen)
         self.aengine.start()
