@@ -117,6 +117,7 @@ def run_group(engine, group: list[int], tag: str, watch: Watch, vocab: int, seed
             break
         watch.sync()
         mark, segs, graphs, gc_mark = watch.compiles.mark(), watch.segments(), _captured(engine), watch.gc.mark()
+        pinned = _pinned_allocs(engine)
         t = time.perf_counter()
         engine.step()
         watch.sync()
@@ -129,6 +130,7 @@ def run_group(engine, group: list[int], tag: str, watch: Watch, vocab: int, seed
                 "new_segments": watch.segments() - segs,
                 "graphs_captured": _captured(engine) - graphs,  # a capture mid-traffic (a piece of a new size)
                 "gc": watch.gc.since(gc_mark),  # the collector's pauses inside the step
+                "pinned_allocs": _pinned_allocs(engine) - pinned,  # the export's new host buffers (cudaHostAlloc)
             }
         )
     else:
@@ -141,6 +143,11 @@ def _captured(engine) -> int:
     """CUDA graphs (or pieces) the engine has captured so far."""
     graphs = engine.runner.graphs
     return 0 if graphs is None else graphs.stats["captured"]
+
+
+def _pinned_allocs(engine) -> int:
+    """Pinned host buffers the exporter's pool has allocated so far (not reused ones)."""
+    return engine.runner.exporter.pool.counters["allocated"]
 
 
 def _add_group(engine, group: list[int], tag: str, vocab: int, seed: int) -> list[str]:
@@ -314,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                     log(
                         f"group {i} {group}: step of {s['rows']} rows {s['ms']} ms, {len(s['compiles'])} compiles, "
                         f"{s['new_segments']} new segments, {s['graphs_captured']} graphs captured, "
-                        f"GC {s['gc']['ms']} ms ({s['gc']['gen2']} of the oldest generation)"
+                        f"GC {s['gc']['ms']} ms ({s['gc']['gen2']} of the oldest generation), "
+                        f"{s['pinned_allocs']} pinned buffers allocated"
                     )
                 record(args.out, out, started)
             if anatomy_groups:

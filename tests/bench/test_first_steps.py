@@ -26,6 +26,9 @@ def test_each_step_of_each_group_is_recorded(tmp_path, monkeypatch):
     assert [g["prompt_rows"] for g in res["groups"]] == [[5], [7, 9], [3]]
     assert all(s["compiles"] == [] and s["new_segments"] == 0 for g in res["groups"] for s in g["steps"])
     assert all(s["graphs_captured"] == 0 for g in res["groups"] for s in g["steps"])  # CPU: no graphs
+    assert all(s["pinned_allocs"] == 0 for g in res["groups"] for s in g["steps"])  # CPU: nothing pinned
+    assert all(set(s["gc"]) == {"ms", "gen2", "all"} for g in res["groups"] for s in g["steps"])
+    assert res["gc"] == "freeze" and res["gc_frozen_objects"] > 0  # as the server starts
 
 
 def test_the_anatomy_times_checks_and_profiles_a_groups_first_step(tmp_path, monkeypatch):
