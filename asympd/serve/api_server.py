@@ -177,8 +177,9 @@ class WorkerServer:
 
     async def startup(self) -> None:
         # start-up's objects (the model, caches, graphs) out of the collector's reach, as vLLM
-        # does: a full collection would walk them all inside some step (a suspect, not yet
-        # measured, for P steps that ran 60-75 ms over their size; bench/first_steps.py --gc)
+        # does, so a full collection while serving walks only what serving made. Not a measured
+        # gain: no collection ran inside any P step of bench/first_steps.py with or without it
+        # (first_steps_gc_*.json); the slow-step log line reports any that does
         frozen = freeze_start_up_objects()
         log.info("froze %d start-up objects out of the garbage collector", frozen)
         self.aengine.start()
