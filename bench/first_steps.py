@@ -120,12 +120,14 @@ def run_group(engine, group: list[int], tag: str, watch: Watch, vocab: int, seed
         pinned = _pinned_allocs(engine)
         t = time.perf_counter()
         engine.step()
+        host = time.perf_counter() - t
         watch.sync()
         dt = time.perf_counter() - t
         steps.append(
             {
                 "rows": engine.last_step[0],
                 "ms": round(dt * 1e3, 2),
+                "host_ms": round(host * 1e3, 2),  # when the step returned: before the GPU end, or the host held it
                 "compiles": watch.compiled_since(mark),
                 "new_segments": watch.segments() - segs,
                 "graphs_captured": _captured(engine) - graphs,  # a capture mid-traffic (a piece of a new size)
@@ -319,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                 out["groups"].append({"prompt_rows": group, "steps": steps})
                 for s in steps:
                     log(
-                        f"group {i} {group}: step of {s['rows']} rows {s['ms']} ms, {len(s['compiles'])} compiles, "
+                        f"group {i} {group}: step of {s['rows']} rows {s['ms']} ms (host returned at {s['host_ms']}), "
+                        f"{len(s['compiles'])} compiles, "
                         f"{s['new_segments']} new segments, {s['graphs_captured']} graphs captured, "
                         f"GC {s['gc']['ms']} ms ({s['gc']['gen2']} of the oldest generation), "
                         f"{s['pinned_allocs']} pinned buffers allocated"
