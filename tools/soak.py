@@ -885,7 +885,9 @@ def excuse_killed(results: list[Result], kill: Kill) -> None:
     the router's 502 (JSON, or an SSE error event and ``[DONE]``); only requests in flight at the
     SIGKILL may; while no decode worker is left, the router answers 503 "no healthy decode worker".
     A prefill worker's death is covered by the fallbacks, but for a prefix it was streaming
-    (``--stream-prefix``): D fails that request with a 500 naming the broken stream."""
+    (``--stream-prefix``): D fails that request with a 503 naming the broken stream; and a D that
+    runs ``--on-prefill-failure fail`` answers 503 (its message names the policy) to what met the
+    router while the only P was down."""
     if kill.t is None:
         return
     back = kill.t + kill.routed_s if kill.routed_s is not None else float("inf")
@@ -899,7 +901,10 @@ def excuse_killed(results: list[Result], kill: Kill) -> None:
             r.outcome = "killed_in_flight_502"
         stream_broke = "the streamed prefix from the prefill worker failed" in r.detail
         if in_flight and kill.name.startswith("prefill") and r.outcome in ("server_error", "bad_body") and stream_broke:
-            r.outcome = "killed_stream_500"
+            r.outcome = "killed_stream_503"
+        under_fail = "status 503" in r.detail and "runs --on-prefill-failure=fail" in r.detail
+        if down and kill.name.startswith("prefill") and r.outcome == "server_error" and under_fail:
+            r.outcome = "prefill_down_503_under_fail"
         if in_flight:
             kill.in_flight[r.outcome] = kill.in_flight.get(r.outcome, 0) + 1
 
