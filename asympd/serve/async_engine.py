@@ -104,7 +104,7 @@ class _StepStart(NamedTuple):
     prompt_tokens: int
     captured: int | None  # CUDA graphs captured so far
     compiles: int  # CompileWatch's mark
-    collections: int  # GCWatch's mark
+    collections: tuple[float, int, int]  # GCWatch's mark
 
     @classmethod
     def of(cls, engine, compiles: CompileWatch, collector: GCWatch) -> _StepStart:

@@ -68,33 +68,35 @@ class CompileWatch:
 class GCWatch:
     """Python's cyclic garbage collections and their pauses; ``since(mark)`` sums those after a
     mark. A collection of the oldest generation walks every tracked object (a true-depth model's
-    modules, tensors and CUDA-graph pieces: millions), tens of milliseconds during which the host
-    launches nothing: a stall no kernel explains. ``gc.callbacks`` is process-wide; ``close``
-    removes the watch's own."""
+    modules, tensors and CUDA-graph pieces), during which the host launches nothing: a stall no
+    kernel explains. Running totals, not a list of events: a serving process collects its youngest
+    generation many times a second, for days. ``gc.callbacks`` is process-wide; ``close`` removes
+    the watch's own."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._events: list[tuple[int, float]] = []  # (generation, seconds)
+        self._totals = (0.0, 0, 0)  # (seconds paused, oldest-generation collections, all collections)
         self._started = 0.0
         gc.callbacks.append(self._callback)
 
     def _callback(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._started = time.perf_counter()
-        else:
-            with self._lock:
-                self._events.append((info["generation"], time.perf_counter() - self._started))
-
-    def mark(self) -> int:
+            return
+        paused = time.perf_counter() - self._started
         with self._lock:
-            return len(self._events)
+            s, gen2, n = self._totals
+            self._totals = (s + paused, gen2 + (info["generation"] == 2), n + 1)
 
-    def since(self, mark: int) -> dict[str, float]:
+    def mark(self) -> tuple[float, int, int]:
+        with self._lock:
+            return self._totals
+
+    def since(self, mark: tuple[float, int, int]) -> dict[str, float]:
         """``{"ms": pause, "gen2": oldest-generation collections, "all": collections}`` since ``mark``."""
         with self._lock:
-            events = self._events[mark:]
-        ms = 1e3 * sum(s for _, s in events)
-        return {"ms": round(ms, 3), "gen2": sum(g == 2 for g, _ in events), "all": len(events)}
+            s, gen2, n = self._totals
+        return {"ms": round(1e3 * (s - mark[0]), 3), "gen2": gen2 - mark[1], "all": n - mark[2]}
 
     def close(self) -> None:
         if self._callback in gc.callbacks:
