@@ -1161,6 +1161,37 @@ def _p_fit_note(m: dict[str, Any]) -> str:
     return f" ({f['source']}: {f['steps']} steps, {rows}{beside}{stalled}{timed}{windows})"
 
 
+def ladder_rounds(result: dict[str, Any], **kwargs: Any) -> dict[str, Any] | None:
+    """The validation once per decode-ladder round (``bench/e2e.py --ladder-rounds``), each with that
+    round's medians in place of the pooled ones, so the table says which rows the calibration's own
+    spread decides: one block of a size's steps read 4 ms off another run's, and that entry alone
+    moved v15's count from 4 of 6 to 2 (docs/planner.md "v15"). None without two rounds recorded.
+    ``kwargs``: as ``validate_e2e``."""
+    rounds = 0
+    for m in result.get("modes", {}).values():
+        by = ((m.get("calibration") or {}).get("ladder") or {}).get("step_ms_by_round") or {}
+        rounds = max([rounds, *(len(v) for v in by.values())])
+    if rounds < 2:
+        return None
+    within: dict[tuple[str, float], list[bool]] = {}
+    for r in range(rounds):
+        alt = json.loads(json.dumps(result))
+        for m in alt["modes"].values():
+            ladder = (m.get("calibration") or {}).get("ladder") or {}
+            by = ladder.get("step_ms_by_round")
+            if by:
+                ladder["step_ms"] = {b: (v[r] if r < len(v) else None) for b, v in by.items()}
+        for row in validate_e2e(alt, **kwargs)["rows"]:
+            if not row.get("excluded"):
+                within.setdefault((row["mode"], row["rate"]), []).append(bool(row["within_target"]))
+    return {
+        "rounds": rounds,
+        "rows": [{"mode": m, "rate": rate, "within_target": w} for (m, rate), w in within.items()],
+        "within_every_round": sum(all(w) for w in within.values()),
+        "within_some_round": sum(any(w) for w in within.values()),
+    }
+
+
 def format_validation(v: dict[str, Any]) -> str:
     lines = [
         f"planner vs measured ({v['source'].get('benchmark')}, {v['device']}, depth {v['model_depth']}, "
@@ -1185,6 +1216,14 @@ def format_validation(v: dict[str, Any]) -> str:
         lines.append(
             f"within +-{v['target']:.0%} of {sm['counted']} counted rows: TTFT p50 {w['ttft_p50_ms']}, ITL p50"
             f" {w['itl_p50_ms']}, goodput {w['goodput_req_s']}; all three {sm['all_three']}"
+        )
+    lr = v.get("ladder_rounds")
+    if lr:
+        flips = [f"{r['mode']} @ {r['rate']:g}" for r in lr["rows"] if len(set(r["within_target"])) > 1]
+        lines.append(
+            f"with each of the {lr['rounds']} decode-ladder rounds alone: all three within in every round "
+            f"{lr['within_every_round']}, in some round {lr['within_some_round']} rows"
+            + (f" (the ladder's spread decides {', '.join(flips)})" if flips else "")
         )
     queues = [(r, r["p_queue_p50_ms"]) for r in v["rows"] if r.get("p_queue_p50_ms")]
     if queues:
@@ -1246,6 +1285,9 @@ def run_validation(
     except (OSError, json.JSONDecodeError) as e:
         raise ValidationError(f"cannot read {path!r}: {e}") from None
     v = validate_e2e(result, exclude=excluded, shares=shares, handoff_stream=handoff_stream)
+    band = ladder_rounds(result, exclude=excluded, shares=shares, handoff_stream=handoff_stream)
+    if band is not None:
+        v["ladder_rounds"] = band
     print(json.dumps(v, indent=2) if as_json else format_validation(v))
     if out:
         Path(out).write_text(json.dumps(v, indent=1) + "\n")

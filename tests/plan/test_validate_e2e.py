@@ -183,6 +183,34 @@ def test_v14_s_predictions_do_not_move_with_every_arrival_54_ms_later():
         assert [(m, r, pytest.approx(t, abs=1e-6), pytest.approx(i, abs=1e-6)) for m, r, t, i in base] == rows(shift)
 
 
+def test_each_ladder_round_alone_says_which_rows_the_calibration_decides():
+    """``ladder_rounds`` (``asympd plan --validate`` when the result has ``step_ms_by_round``): v15
+    with two rounds, its own ladder and v14's (the same traffic, docs/planner.md "v15"), each
+    round's validation is the one that ladder gives alone, and the rows they disagree on are named."""
+    from asympd.plan.validate import format_validation, ladder_rounds
+    from tools.regen_validations import RESULTS
+
+    v15 = json.loads((RESULTS / "e2e_h200x1_depth40_v15_two.json").read_text())
+    v14 = json.loads((RESULTS / "e2e_h200x1_depth40_v14_two.json").read_text())
+    assert ladder_rounds(v15) is None  # one round: nothing to compare
+    with_v14 = json.loads(json.dumps(v15))
+    for mode, m in v15["modes"].items():
+        ladder, other = m["calibration"]["ladder"], v14["modes"][mode]["calibration"]["ladder"]["step_ms"]
+        ladder["step_ms_by_round"] = {b: [ms, other[b]] for b, ms in ladder["step_ms"].items()}
+        with_v14["modes"][mode]["calibration"]["ladder"]["step_ms"] = other
+    band = ladder_rounds(v15)
+    alone = [validate_e2e(v15)["rows"], validate_e2e(with_v14)["rows"]]
+    assert [r["within_target"] for r in band["rows"]] == [
+        [a["within_target"], b["within_target"]] for a, b in zip(*alone, strict=True)
+    ]
+    assert (band["rounds"], band["within_every_round"], band["within_some_round"]) == (2, 2, 4)
+    v = {**validate_e2e(v15), "ladder_rounds": band}
+    assert (
+        "with each of the 2 decode-ladder rounds alone: all three within in every round 2, in some round 4 rows "
+        "(the ladder's spread decides asymmetric @ 0.5, symmetric-split @ 1)"
+    ) in format_validation(v)
+
+
 def e2e_result(gpus: int) -> dict:
     """A bench/e2e.py result of one asymmetric deployment, one rate run of two requests."""
     return {
