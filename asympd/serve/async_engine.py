@@ -105,13 +105,15 @@ class _StepStart(NamedTuple):
     captured: int | None  # CUDA graphs captured so far
     compiles: int  # CompileWatch's mark
     collections: tuple[float, int, int]  # GCWatch's mark
+    requests: int | None  # in the engine as the step began (a CP engine, one queued prompt a step: None)
 
     @classmethod
     def of(cls, engine, compiles: CompileWatch, collector: GCWatch) -> _StepStart:
         graphs = _graphs(engine)
         captured = None if graphs is None else graphs.stats.get("captured")
         marks = compiles.mark(), collector.mark()
-        return cls(time.time(), time.perf_counter(), engine.counters["prompt_tokens"], captured, *marks)
+        requests = len(engine.requests) if hasattr(engine, "requests") else None
+        return cls(time.time(), time.perf_counter(), engine.counters["prompt_tokens"], captured, *marks, requests)
 
 
 class AsyncEngine:
@@ -409,7 +411,7 @@ class AsyncEngine:
                 dt,
                 n_out,
                 prompt_rows,
-                len(engine.requests) if hasattr(engine, "requests") else n_out,  # a CP engine: one prompt a step
+                n_out if start.requests is None else start.requests,  # before the step: P's finished leave in it
                 new_graphs,
                 None if graphs is None else graphs.stats,
                 gc["ms"],
