@@ -147,7 +147,11 @@ async def pull_slices(
             await server.aengine.call(lambda e, p=piece: e.import_slice(rid, p))
     except Exception as e:
         pieces.close()
-        await loop.run_in_executor(server.handoff.pool, server.handoff.abandon_stream, kv)  # P frees it now
+        # P frees the stream now, not when its lease expires; in the background: an unreachable P
+        # must not hold up this request's answer
+        task = asyncio.ensure_future(loop.run_in_executor(server.handoff.pool, server.handoff.abandon_stream, kv))
+        server.background.add(task)
+        task.add_done_callback(server.background.discard)
         why = f"the streamed prefix from the prefill worker failed: {type(e).__name__}: {e}"
         forged = isinstance(e, PrefixStateError)  # as a whole state's: a 400, never a fallback
         if not forged and not timings["stream_slices"] and server.handoff.on_prefill_failure == "recompute":
