@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -75,6 +77,7 @@ class Watch:
         self.device = device
         self.compiles = CompileWatch()
         self.gc = GCWatch()
+        self.clocks = ClockSampler(device.index or 0) if device.type == "cuda" else None
 
     def compiled_since(self, mark: int) -> list[str]:
         return [name for name, n in self.compiles.since(mark).items() for _ in range(n)]
@@ -118,7 +121,7 @@ def run_group(engine, group: list[int], tag: str, watch: Watch, vocab: int, seed
         watch.sync()
         mark, segs, graphs, gc_mark = watch.compiles.mark(), watch.segments(), _captured(engine), watch.gc.mark()
         pinned = _pinned_allocs(engine)
-        t = time.perf_counter()
+        wall, t = time.time(), time.perf_counter()
         engine.step()
         host = time.perf_counter() - t
         watch.sync()
@@ -133,6 +136,7 @@ def run_group(engine, group: list[int], tag: str, watch: Watch, vocab: int, seed
                 "graphs_captured": _captured(engine) - graphs,  # a capture mid-traffic (a piece of a new size)
                 "gc": watch.gc.since(gc_mark),  # the collector's pauses inside the step
                 "pinned_allocs": _pinned_allocs(engine) - pinned,  # the export's new host buffers (cudaHostAlloc)
+                "clocks": None if watch.clocks is None else watch.clocks.during(wall, wall + dt),
             }
         )
     else:
@@ -145,6 +149,68 @@ def _captured(engine) -> int:
     """CUDA graphs (or pieces) the engine has captured so far."""
     graphs = engine.runner.graphs
     return 0 if graphs is None else graphs.stats["captured"]
+
+
+def parse_smi_line(line: str) -> tuple[float, float, float] | None:
+    """(SM clock MHz, power W, temperature C) from one ``nvidia-smi --query-gpu=clocks.sm,power.draw,
+    temperature.gpu --format=csv,noheader,nounits`` line; None for a line that is not three numbers."""
+    try:
+        mhz, watts, temp = (float(x) for x in line.split(","))
+    except ValueError:
+        return None
+    return mhz, watts, temp
+
+
+class ClockSampler:
+    """The GPU's SM clock, power and temperature every ``period_ms`` (``nvidia-smi -lms``, read on a
+    thread), so that each step can say what the chip ran at: a step 30-65 ms over its twin with no
+    compile, capture, allocation or collection in it (docs/performance.md §12) may be a clock that
+    dropped while the GPU idled between steps, or a power limit. Nothing without ``nvidia-smi``."""
+
+    def __init__(self, device_index: int = 0, period_ms: int = 20) -> None:
+        self.samples: list[tuple[float, float, float, float]] = []  # (wall time read, MHz, W, C)
+        self._lock = threading.Lock()
+        query = "--query-gpu=clocks.sm,power.draw,temperature.gpu"
+        cmd = ["nvidia-smi", query, "--format=csv,noheader,nounits", f"--loop-ms={period_ms}", f"--id={device_index}"]
+        try:
+            self.proc: subprocess.Popen | None = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        except OSError:
+            self.proc = None
+            return
+        threading.Thread(target=self._read, name="clock-sampler", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            got = parse_smi_line(line)
+            if got is not None:
+                with self._lock:
+                    self.samples.append((time.time(), *got))
+
+    def during(self, t0: float, t1: float) -> dict[str, float] | None:
+        """The samples read between wall times ``t0`` and ``t1``: the lowest and mean SM clock, the
+        highest power and temperature; None without a sampler or a sample."""
+        with self._lock:
+            inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        if not inside:
+            return None
+        mhz = [s[1] for s in inside]
+        return {
+            "samples": len(inside),
+            "sm_mhz_min": min(mhz),
+            "sm_mhz_mean": round(sum(mhz) / len(mhz), 1),
+            "watts_max": max(s[2] for s in inside),
+            "temp_c_max": max(s[3] for s in inside),
+        }
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(5)
+
+
+def _clock_line(c: dict[str, float]) -> str:
+    return f"{c['sm_mhz_min']:.0f}-{c['sm_mhz_mean']:.0f} MHz, up to {c['watts_max']:.0f} W ({c['samples']} samples)"
 
 
 def _pinned_allocs(engine) -> int:
@@ -326,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{s['new_segments']} new segments, {s['graphs_captured']} graphs captured, "
                         f"GC {s['gc']['ms']} ms ({s['gc']['gen2']} of the oldest generation), "
                         f"{s['pinned_allocs']} pinned buffers allocated"
+                        + (f"; SM clock {_clock_line(s['clocks'])}" if s["clocks"] else "")
                     )
                 record(args.out, out, started)
             if anatomy_groups:
@@ -348,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             watch.compiles.close()  # the hooks are process-wide
             watch.gc.close()
+            if watch.clocks is not None:
+                watch.clocks.close()
     log(f"wrote {args.out}.json")
     return 0
 

@@ -27,6 +27,7 @@ def test_each_step_of_each_group_is_recorded(tmp_path, monkeypatch):
     assert all(s["compiles"] == [] and s["new_segments"] == 0 for g in res["groups"] for s in g["steps"])
     assert all(s["graphs_captured"] == 0 for g in res["groups"] for s in g["steps"])  # CPU: no graphs
     assert all(s["pinned_allocs"] == 0 for g in res["groups"] for s in g["steps"])  # CPU: nothing pinned
+    assert all(s["clocks"] is None and 0 < s["host_ms"] <= s["ms"] for g in res["groups"] for s in g["steps"])
     assert all(set(s["gc"]) == {"ms", "gen2", "all"} for g in res["groups"] for s in g["steps"])
     assert res["gc"] == "freeze" and res["gc_frozen_objects"] > 0  # as the server starts
 
@@ -57,3 +58,36 @@ def test_sync_sites_count_only_the_synchronizing_warnings():
                 warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
             warnings.warn("unrelated", UserWarning, stacklevel=1)
     assert sum(sites.sites.values()) == 3 and len(sites.sites) == 1
+
+
+def test_the_clock_sampler_reads_nvidia_smi_and_sums_a_step(tmp_path, monkeypatch):
+    """``ClockSampler`` against a stand-in ``nvidia-smi`` that prints what the real one does with
+    ``--format=csv,noheader,nounits`` (a clock that drops, then an unavailable reading)."""
+    import time
+
+    assert first_steps.parse_smi_line("1980, 412.33, 51\n") == (1980.0, 412.33, 51.0)
+    assert first_steps.parse_smi_line("[N/A], 412.33, 51") is None
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(
+        '#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\n'
+        "for l in '1980, 300.5, 50' '1755, 690.0, 58' '[N/A], 1.0, 1' '1980, 310.0, 52'; do echo \"$l\"; done\n"
+        "sleep 5\n"
+    )
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    t0 = time.time()
+    clocks = first_steps.ClockSampler(device_index=0, period_ms=20)
+    try:
+        for _ in range(100):
+            if len(clocks.samples) == 3:
+                break
+            time.sleep(0.05)
+        got = clocks.during(t0, time.time())
+    finally:
+        clocks.close()
+    assert got == {"samples": 3, "sm_mhz_min": 1755.0, "sm_mhz_mean": 1905.0, "watts_max": 690.0, "temp_c_max": 58.0}
+    args = (tmp_path / "args").read_text().split()
+    assert "--loop-ms=20" in args and "--id=0" in args and "--format=csv,noheader,nounits" in args
+    assert clocks.during(0.0, 1.0) is None  # no sample in that window
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert first_steps.ClockSampler().proc is None  # no nvidia-smi: nothing sampled, no error
