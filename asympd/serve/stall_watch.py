@@ -74,8 +74,10 @@ class GCWatch:
     the watch's own."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._totals = (0.0, 0, 0)  # (seconds paused, oldest-generation collections, all collections)
+        # (seconds paused, oldest-generation collections, all collections): replaced whole, one
+        # collection at a time (the collector is never reentered), so readers need no lock, and a
+        # lock taken inside a collection could deadlock a thread that held it when one began
+        self._totals = (0.0, 0, 0)
         self._started = 0.0
         gc.callbacks.append(self._callback)
 
@@ -83,19 +85,15 @@ class GCWatch:
         if phase == "start":
             self._started = time.perf_counter()
             return
-        paused = time.perf_counter() - self._started
-        with self._lock:
-            s, gen2, n = self._totals
-            self._totals = (s + paused, gen2 + (info["generation"] == 2), n + 1)
+        s, gen2, n = self._totals
+        self._totals = (s + time.perf_counter() - self._started, gen2 + (info["generation"] == 2), n + 1)
 
     def mark(self) -> tuple[float, int, int]:
-        with self._lock:
-            return self._totals
+        return self._totals
 
     def since(self, mark: tuple[float, int, int]) -> dict[str, float]:
         """``{"ms": pause, "gen2": oldest-generation collections, "all": collections}`` since ``mark``."""
-        with self._lock:
-            s, gen2, n = self._totals
+        s, gen2, n = self._totals
         return {"ms": round(1e3 * (s - mark[0]), 3), "gen2": gen2 - mark[1], "all": n - mark[2]}
 
     def close(self) -> None:
